@@ -1,0 +1,79 @@
+"""Shared datamodule plumbing: tokenizer loading, data-parallel-aware sampling, loaders."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, SequentialSampler
+
+log = logging.getLogger(__name__)
+
+
+def load_tokenizer(tokenizer_dir: str | None, *, param: str = "--data.tokenizer_dir") -> Any:
+    """Load a tokenizer from a local directory (never from a hub), with an error naming ``param``."""
+    from transformers import AutoTokenizer, BertTokenizer
+
+    if not tokenizer_dir:
+        raise ValueError(f"{param} is required (a local directory with vocab.txt or tokenizer.json)")
+    path = Path(tokenizer_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{param}={tokenizer_dir}: directory not found")
+    files = {p.name for p in path.iterdir()}
+    try:
+        if "tokenizer_config.json" in files or "tokenizer.json" in files:
+            return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        if "vocab.txt" in files:  # a bare WordPiece vocabulary (Chinese BERT/RoBERTa/Erlangshen)
+            return BertTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - re-raised with the parameter named
+        raise ValueError(f"{param}={tokenizer_dir}: cannot load tokenizer: {e}") from e
+    raise FileNotFoundError(
+        f"{param}={tokenizer_dir}: no tokenizer.json, tokenizer_config.json or vocab.txt in that directory"
+    )
+
+
+def tokenizer_vocab_size(tokenizer: Any) -> int:
+    """Rows an embedding needs for this tokenizer (largest id + 1; vocab files can hold duplicate lines)."""
+    return max(tokenizer.get_vocab().values()) + 1
+
+
+class LLMDataModule(pl.LightningDataModule):
+    """Base for our datamodules: batch sizes, workers, and a training sampler keyed by data-parallel rank.
+
+    The training loader always uses a seeded :class:`DistributedSampler` built from the strategy's
+    ``distributed_sampler_kwargs`` (1 replica on one device). So one device with batch 8 and two
+    data-parallel ranks with batch 4 see the same samples in every global batch, and pipeline/tensor
+    parallel ranks of one data-parallel group see identical batches (our strategies report the ``dp``
+    mesh coordinates there, not the global rank).
+    """
+
+    def __init__(self, *, batch_size: int = 32, eval_batch_size: int | None = None, num_workers: int = 0,
+                 seed: int = 42) -> None:
+        super().__init__()
+        if batch_size < 1:
+            raise ValueError(f"--data.batch_size must be >= 1, got {batch_size}")
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.num_workers = num_workers
+        self.seed = seed
+
+    def _replicas(self) -> tuple[int, int]:
+        trainer = self.trainer  # None outside a Trainer
+        kwargs = getattr(trainer, "distributed_sampler_kwargs", None) if trainer is not None else None
+        if not kwargs:
+            return 1, 0
+        return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
+
+    def make_loader(self, dataset: Dataset, *, train: bool, collate_fn: Callable | None = None) -> DataLoader:
+        if train:
+            num_replicas, rank = self._replicas()
+            sampler = DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=self.seed)
+            batch_size = self.batch_size
+        else:
+            # Lightning shards evaluation loaders itself (padded for val/test, unrepeated for predict).
+            sampler, batch_size = SequentialSampler(dataset), self.eval_batch_size
+        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=self.num_workers,
+                          collate_fn=collate_fn, persistent_workers=self.num_workers > 0)

@@ -1,0 +1,98 @@
+"""Reading JSON/JSONL records with errors that name the file and line, and atomic writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Any
+
+
+class DataError(ValueError):
+    """Bad input data: the message names the file (and line) at fault."""
+
+
+def read_records(path: str | os.PathLike, *, required: Sequence[str] = (), types: dict[str, type | tuple] | None = None
+                 ) -> list[dict[str, Any]]:
+    """Read a JSONL file (one object per line) or a JSON array file into a list of dicts.
+
+    Every problem raises :class:`DataError` naming ``path:line``: a missing or empty file, undecodable bytes,
+    malformed JSON, a non-object record, a missing ``required`` field, or a field of the wrong type.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: file not found")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise DataError(f"{path}:{line}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    if not text.strip():
+        raise DataError(f"{path}: file is empty")
+    records: list[tuple[int, Any]]
+    if text.lstrip().startswith("["):  # a JSON array file (alpaca style)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{e.lineno}: malformed JSON: {e.msg}") from None
+        records = [(i + 1, r) for i, r in enumerate(data)]  # "line" = record number for arrays
+    else:
+        records = []
+        for lineno, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append((lineno, json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{lineno}: malformed JSON: {e.msg} (column {e.colno})") from None
+    out: list[dict[str, Any]] = []
+    for lineno, rec in records:
+        if not isinstance(rec, dict):
+            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+        for key in required:
+            if key not in rec:
+                raise DataError(f"{path}:{lineno}: missing field {key!r} (fields present: {sorted(rec)})")
+        for key, typ in (types or {}).items():
+            if key in rec and not isinstance(rec[key], typ):
+                want = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
+                raise DataError(f"{path}:{lineno}: field {key!r} must be {want}, got {type(rec[key]).__name__}")
+        rec["_line"] = lineno
+        out.append(rec)
+    if not out:
+        raise DataError(f"{path}: no records")
+    return out
+
+
+@contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> Iterator[IO]:
+    """Open a temp file beside ``path``; on clean exit fsync and rename it over ``path``, else delete it.
+
+    Readers never see a half-written file and a crash keeps the previous version intact.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, mode, **kwargs) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_jsonl_atomic(path: str | os.PathLike, rows: Iterable[dict[str, Any]]) -> int:
+    """Write ``rows`` as JSONL (UTF-8, non-ASCII kept) atomically; returns the number of lines."""
+    n = 0
+    with atomic_open(path, "w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            n += 1
+    return n

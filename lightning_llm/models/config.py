@@ -1,0 +1,180 @@
+"""Model configuration shared by the decoder and encoder families, plus the named sizes.
+
+The config is plain data: no parallel degrees, no device placement. Strategies read it (e.g. to check that
+heads divide the tensor-parallel size) but never write parallel state into it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+log = logging.getLogger(__name__)
+
+Family = Literal["decoder", "encoder"]
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of one transformer. Field names follow the LLaMA/BERT vocabulary."""
+
+    family: Family = "decoder"
+    """``decoder`` (causal LM: LLaMA, GPT-2) or ``encoder`` (bidirectional: BERT, RoBERTa, MegatronBERT)."""
+    vocab_size: int = 32000
+    """Rows of the token embedding (and of the LM head for decoders)."""
+    hidden_size: int = 4096
+    """Width of the residual stream."""
+    num_layers: int = 32
+    """Number of transformer blocks."""
+    num_heads: int = 32
+    """Attention (query) heads; must divide ``hidden_size``."""
+    num_kv_heads: int | None = None
+    """Key/value heads for grouped-query attention; ``None`` means ``num_heads`` (multi-head attention)."""
+    head_dim: int | None = None
+    """Per-head width; ``None`` means ``hidden_size // num_heads``."""
+    intermediate_size: int = 11008
+    """Hidden width of the MLP (per branch for gated MLPs)."""
+    max_position_embeddings: int = 4096
+    """Longest sequence; also the size of the learned position table when ``position='learned'``."""
+    norm: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    """Normalization layer type."""
+    norm_eps: float = 1e-5
+    """Epsilon of every norm."""
+    activation: Literal["swiglu", "geglu", "gelu", "gelu_tanh", "relu"] = "swiglu"
+    """``swiglu``/``geglu`` are gated (gate_proj, up_proj, down_proj); the others are plain (up_proj, down_proj)."""
+    position: Literal["rope", "learned"] = "rope"
+    """Rotary embeddings applied to q/k, or a learned absolute position table added to token embeddings."""
+    rope_theta: float = 10000.0
+    """RoPE base frequency."""
+    rope_scaling: dict[str, Any] | None = None
+    """RoPE frequency scaling as in HF ``rope_parameters`` minus ``rope_theta`` (``{"rope_type": "linear" | "llama3",
+    "factor": ..., ...}``); ``None`` means plain RoPE."""
+    attention_bias: bool = False
+    """Biases on q/k/v/o projections."""
+    mlp_bias: bool = False
+    """Biases on the MLP projections."""
+    tie_embeddings: bool = False
+    """Share the LM head weight with the token embedding (GPT-2)."""
+    pre_norm: bool = True
+    """Pre-LN blocks (LLaMA, GPT-2, MegatronBERT) or post-LN blocks (BERT, RoBERTa)."""
+    embedding_norm: bool = False
+    """Norm on the summed embeddings (BERT/RoBERTa: yes; MegatronBERT and decoders: no)."""
+    final_norm: bool = True
+    """Norm after the last block (decoders and MegatronBERT: yes; post-LN BERT: no)."""
+    type_vocab_size: int = 0
+    """Token-type (segment) embeddings for encoders; 0 disables them."""
+    position_offset: int = 0
+    """Offset added to position ids (RoBERTa starts at ``pad_token_id + 1``)."""
+    pooler: bool = False
+    """Encoder pooler (dense + tanh on the first token)."""
+    num_labels: int = 0
+    """Size of the sequence-classification head on the pooled output; 0 = no head."""
+    dropout: float = 0.0
+    """Dropout on embeddings, attention probabilities and residual branches."""
+    classifier_dropout: float | None = None
+    """Dropout before the classification head; ``None`` means ``dropout``."""
+    initializer_range: float = 0.02
+    """Std of the normal initialisation."""
+    pad_token_id: int = 0
+    """Padding token id (used for generation and RoBERTa position ids)."""
+    kernels: Literal["auto", "triton", "torch"] = "auto"
+    """Fused Triton kernels (``triton``), plain torch (``torch``), or Triton on CUDA only (``auto``)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Free-form metadata kept through save/load (e.g. the HF architecture name)."""
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads is None:
+            self.num_kv_heads = self.num_heads
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(
+                    f"ModelConfig: hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}"
+                )
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig: num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
+            )
+
+    @property
+    def gated(self) -> bool:
+        return self.activation in ("swiglu", "geglu")
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with some fields changed (``head_dim`` is recomputed unless given)."""
+        if "head_dim" not in changes and ("hidden_size" in changes or "num_heads" in changes):
+            changes["head_dim"] = None
+        if "num_kv_heads" not in changes and "num_heads" in changes:
+            changes["num_kv_heads"] = None
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"ModelConfig: unknown fields {unknown}")
+        return cls(**d)
+
+
+_LLAMA = dict(family="decoder", norm="rmsnorm", activation="swiglu", position="rope", pre_norm=True)
+_GPT2 = dict(
+    family="decoder", norm="layernorm", norm_eps=1e-5, activation="gelu_tanh", position="learned",
+    attention_bias=True, mlp_bias=True, tie_embeddings=True, pre_norm=True,
+)
+_BERT = dict(
+    family="encoder", norm="layernorm", norm_eps=1e-12, activation="gelu", position="learned",
+    attention_bias=True, mlp_bias=True, pre_norm=False, embedding_norm=True, final_norm=False,
+    type_vocab_size=2, pooler=True, dropout=0.1,
+)
+_MEGATRON_BERT = dict(_BERT, pre_norm=True, embedding_norm=False, final_norm=True)
+
+# Named sizes: (family, name) -> fields. `debug` exists for both families and is what tests use.
+NAMED_SIZES: dict[tuple[str, str], dict[str, Any]] = {
+    ("decoder", "debug"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
+        intermediate_size=128, max_position_embeddings=256,
+    ),
+    ("decoder", "small"): dict(
+        _LLAMA, vocab_size=8192, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4,
+        intermediate_size=688, max_position_embeddings=1024,
+    ),
+    ("decoder", "gpt2"): dict(
+        _GPT2, vocab_size=50257, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072,
+        max_position_embeddings=1024,
+    ),
+    ("decoder", "llama-1b"): dict(
+        _LLAMA, vocab_size=32000, hidden_size=2048, num_layers=22, num_heads=32, num_kv_heads=4,
+        intermediate_size=5632, max_position_embeddings=2048,
+    ),
+    ("decoder", "llama2-7b"): dict(
+        _LLAMA, vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32,
+        intermediate_size=11008, max_position_embeddings=4096,
+    ),
+    ("encoder", "debug"): dict(
+        _BERT, vocab_size=21128, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
+        max_position_embeddings=512, dropout=0.0,
+    ),
+    ("encoder", "bert-base"): dict(
+        _BERT, vocab_size=21128, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072,
+        max_position_embeddings=512,
+    ),
+    ("encoder", "erlangshen-1.3b"): dict(
+        _MEGATRON_BERT, vocab_size=21248, hidden_size=2048, num_layers=24, num_heads=32,
+        intermediate_size=8192, max_position_embeddings=512,
+    ),
+}
+
+
+def named_config(name: str, *, family: Family, **overrides: Any) -> ModelConfig:
+    """Config of a named size (``debug``, ``bert-base``, ...) for ``family``, with field overrides."""
+    key = (family, name)
+    if key not in NAMED_SIZES:
+        known = sorted(n for f, n in NAMED_SIZES if f == family)
+        raise ValueError(f"unknown {family} model size {name!r}; known sizes: {', '.join(known)}")
+    return ModelConfig(**{**NAMED_SIZES[key], **overrides})

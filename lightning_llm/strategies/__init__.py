@@ -1,0 +1,1 @@
+"""Parallel strategies, registered in Lightning's StrategyRegistry on import."""

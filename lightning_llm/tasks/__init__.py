@@ -1,0 +1,6 @@
+"""Task LightningModules. Subclass these; they share one loop (:class:`LLMTask`)."""
+
+from lightning_llm.tasks.base import LLMTask, OptimConfig
+from lightning_llm.tasks.classification import ClassificationTask
+
+__all__ = ["ClassificationTask", "LLMTask", "OptimConfig"]

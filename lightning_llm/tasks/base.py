@@ -1,0 +1,145 @@
+"""The one training loop every task shares: build the model lazily, step, log, optimize.
+
+A task subclass supplies ``build_model`` and ``compute_loss`` (and optionally metrics / prediction); the
+loop, logging names, optimizer and schedule live here once. Models are built in ``configure_model`` so a
+parallel strategy can build them on the meta device or shard them before weights are materialized.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from typing_extensions import override
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with linear warmup and a cosine/linear/constant decay, stepped every optimizer step."""
+
+    lr: float = 3e-4
+    """Peak learning rate."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay; not applied to biases, norms or embeddings' 1-D params."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam betas."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    warmup_steps: float = 0.0
+    """Warmup length: a step count (>= 1) or a fraction of the total steps (< 1)."""
+    scheduler: Literal["cosine", "linear", "constant"] = "cosine"
+    """Decay after warmup."""
+    min_lr_ratio: float = 0.0
+    """Floor of the decay as a fraction of ``lr``."""
+
+    def lr_lambda(self, total_steps: int):  # noqa: ANN201 - returns a closure for LambdaLR
+        warmup = int(self.warmup_steps * total_steps) if 0 < self.warmup_steps < 1 else int(self.warmup_steps)
+        total = max(total_steps, 1)
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            if self.scheduler == "constant":
+                return 1.0
+            progress = min(1.0, (step - warmup) / max(1, total - warmup))
+            decay = 0.5 * (1 + math.cos(math.pi * progress)) if self.scheduler == "cosine" else 1 - progress
+            return self.min_lr_ratio + (1 - self.min_lr_ratio) * decay
+
+        return factor
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two AdamW groups: matrices decay, vectors (biases, norm weights) do not. Frozen params are left out."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class LLMTask(pl.LightningModule):
+    """Base LightningModule of every task. Subclasses implement :meth:`build_model` and :meth:`compute_loss`."""
+
+    def __init__(self, *, optim: OptimConfig | None = None) -> None:
+        super().__init__()
+        self.optim = optim or OptimConfig()
+        self.model: nn.Module | None = None
+
+    # ------------------------------------------------------------------------------------------ to implement
+    def build_model(self) -> nn.Module:
+        raise NotImplementedError
+
+    def compute_loss(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Return the mean loss of the batch and anything the metric hooks need."""
+        raise NotImplementedError
+
+    def update_metrics(self, stage: str, outputs: dict[str, Any], batch: dict[str, torch.Tensor]) -> None:
+        """Feed evaluation metrics (``val``/``test``); logged by :meth:`log_metrics` at epoch end."""
+
+    def metric_collection(self, stage: str) -> dict[str, Any]:
+        """torchmetrics objects to log at the end of a ``val``/``test`` epoch, by logged name."""
+        return {}
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    @override
+    def configure_model(self) -> None:
+        if self.model is None:  # idempotent: Lightning may call it more than once
+            self.model = self.build_model()
+            total = sum(p.numel() for p in self.model.parameters())
+            trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+            log.info("model built: %s parameters, %s trainable", f"{total:,}", f"{trainable:,}")
+
+    def _batch_size(self, batch: dict[str, torch.Tensor]) -> int:
+        return int(batch["input_ids"].shape[0])
+
+    @override
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, _ = self.compute_loss(batch, "train")
+        self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=self._batch_size(batch))
+        return loss
+
+    def _eval_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
+        loss, outputs = self.compute_loss(batch, stage)
+        self.log(f"{stage}_loss", loss, prog_bar=stage == "val", on_epoch=True, sync_dist=True,
+                 batch_size=self._batch_size(batch))
+        self.update_metrics(stage, outputs, batch)
+        return loss
+
+    @override
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._eval_step(batch, "val")
+
+    @override
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self._eval_step(batch, "test")
+
+    def _log_epoch_metrics(self, stage: str) -> None:
+        for name, metric in self.metric_collection(stage).items():
+            self.log(name, metric.compute(), prog_bar=name.startswith("val"), sync_dist=False)
+            metric.reset()
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        self._log_epoch_metrics("val")
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        self._log_epoch_metrics("test")
+
+    # ------------------------------------------------------------------------------------------ optimization
+    @override
+    def configure_optimizers(self) -> Any:
+        assert self.model is not None, "configure_model() must run first"
+        cfg = self.optim
+        optimizer = torch.optim.AdamW(param_groups(self.model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
+                                      eps=cfg.eps)
+        total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cfg.lr_lambda(total))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
