@@ -74,11 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         return _tool(args[0])(args[1:])
     try:
         LLMCLI(args=argv)  # None: LightningCLI reads sys.argv itself
-    except (DataError, FileNotFoundError) as e:
-        # Bad input: one clear line, no traceback (set LIGHTNING_LLM_DEBUG=1 for it).
+    except (DataError, FileNotFoundError, ValueError) as e:
+        # Bad input or configuration: one clear line instead of a traceback.
         if os.environ.get("LIGHTNING_LLM_DEBUG"):
             raise
-        print(f"lightning_llm: error: {e}", file=sys.stderr)
+        print(f"lightning_llm: error: {e}\n(set LIGHTNING_LLM_DEBUG=1 to see the traceback)", file=sys.stderr)
         return 2
     return 0
 

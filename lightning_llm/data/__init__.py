@@ -3,9 +3,11 @@
 from lightning_llm.data.base import LLMDataModule, load_tokenizer
 from lightning_llm.data.io import DataError, atomic_open, read_records, write_jsonl_atomic
 from lightning_llm.data.pairs import SentencePairDataModule
+from lightning_llm.data.text import TextDataModule, generated_corpus
+from lightning_llm.data.tokenizers import ByteTokenizer
 from lightning_llm.data.synthetic import SyntheticPairDataModule, generate_pair_dataset
 
 __all__ = [
-    "DataError", "LLMDataModule", "SentencePairDataModule", "SyntheticPairDataModule", "atomic_open",
+    "ByteTokenizer", "DataError", "TextDataModule", "generated_corpus", "LLMDataModule", "SentencePairDataModule", "SyntheticPairDataModule", "atomic_open",
     "generate_pair_dataset", "load_tokenizer", "read_records", "write_jsonl_atomic",
 ]

@@ -1,6 +1,7 @@
 """Task LightningModules. Subclass these; they share one loop (:class:`LLMTask`)."""
 
 from lightning_llm.tasks.base import LLMTask, OptimConfig
+from lightning_llm.tasks.causal_lm import CausalLMTask
 from lightning_llm.tasks.classification import ClassificationTask
 
-__all__ = ["ClassificationTask", "LLMTask", "OptimConfig"]
+__all__ = ["CausalLMTask", "ClassificationTask", "LLMTask", "OptimConfig"]

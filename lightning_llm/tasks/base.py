@@ -64,6 +64,11 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+def padded_vocab_size(n: int, multiple: int = 8) -> int:
+    """Round a tokenizer's vocabulary up so tensor-parallel degrees up to ``multiple`` divide it (as Megatron)."""
+    return -(-n // multiple) * multiple
+
+
 class LLMTask(pl.LightningModule):
     """Base LightningModule of every task. Subclasses implement :meth:`build_model` and :meth:`compute_loss`."""
 
@@ -86,6 +91,27 @@ class LLMTask(pl.LightningModule):
     def metric_collection(self, stage: str) -> dict[str, Any]:
         """torchmetrics objects to log at the end of a ``val``/``test`` epoch, by logged name."""
         return {}
+
+    def datamodule_vocab_size(self) -> int | None:
+        """Embedding rows the attached datamodule's tokenizer needs, or None without one."""
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        return getattr(dm, "vocab_size", None)
+
+    def build_backbone(self, backbone: str, *, family: str, **overrides: Any) -> nn.Module:
+        """Model from a named size (vocabulary sized to the datamodule's tokenizer, padded to a multiple of 8)
+        or from a local HF directory (whose vocabulary must cover the tokenizer's)."""
+        from lightning_llm.models import NAMED_SIZES, build_model
+
+        need = self.datamodule_vocab_size()
+        overrides = {k: v for k, v in overrides.items() if v is not None}
+        if (family, backbone) in NAMED_SIZES and need:
+            overrides.setdefault("vocab_size", padded_vocab_size(need))
+        model = build_model(backbone, family=family, **overrides)
+        have = getattr(getattr(model, "config", None), "vocab_size", None)
+        if need and have and need > have:
+            raise ValueError(f"--model.backbone={backbone}: its vocabulary has {have} rows but the tokenizer "
+                             f"needs {need}; use the tokenizer the checkpoint was trained with")
+        return model
 
     # ------------------------------------------------------------------------------------------ lifecycle
     @override

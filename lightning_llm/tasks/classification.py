@@ -46,7 +46,8 @@ class ClassificationTask(LLMTask):
             optim: Optimizer and LR schedule.
         """
         super().__init__(optim=optim)
-        self.save_hyperparameters()
+        # predict_output is a run-time choice: LightningCLI re-applies checkpoint hparams over the command line.
+        self.save_hyperparameters(ignore=["predict_output"])
         self.backbone = backbone
         self.num_labels = num_labels
         self.label_names = list(label_names) if label_names else None
@@ -56,31 +57,27 @@ class ClassificationTask(LLMTask):
         self._predictions: list[tuple[int, int]] = []
 
     # ------------------------------------------------------------------------------------------ model
-    def _from_datamodule(self) -> tuple[int | None, int | None]:
-        dm = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
-        if dm is None:
-            return None, None
+    def _labels_from_datamodule(self) -> int | None:
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        if dm is None or not hasattr(dm, "label_names"):
+            return None
         if self.label_names is None and getattr(dm, "label_names", None) is None:
             dm.num_labels  # noqa: B018 - builds the label map from the training split
         if self.label_names is None:
             self.label_names = list(dm.label_names)
-        return len(dm.label_names), getattr(dm, "vocab_size", None)
+        return len(dm.label_names)
 
     @override
     def build_model(self) -> nn.Module:
-        from lightning_llm.models import build_model
-
-        dm_labels, vocab_size = self._from_datamodule()
+        dm_labels = self._labels_from_datamodule()
         if self.num_labels is None:
             self.num_labels = len(self.label_names) if self.label_names else dm_labels
         if not self.num_labels or self.num_labels < 2:
             raise ValueError("ClassificationTask: --model.num_labels must be >= 2 (or come from the datamodule)")
         if self.label_names is not None and len(self.label_names) != self.num_labels:
             raise ValueError(f"--model.label_names has {len(self.label_names)} names but num_labels={self.num_labels}")
-        overrides: dict[str, Any] = {"num_labels": self.num_labels, **self.model_overrides}
-        if self.dropout is not None:
-            overrides["dropout"] = self.dropout
-        return build_model(self.backbone, family="encoder", vocab_size=vocab_size, **overrides)
+        return self.build_backbone(self.backbone, family="encoder", num_labels=self.num_labels, dropout=self.dropout,
+                                   **self.model_overrides)
 
     # ------------------------------------------------------------------------------------------ steps
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

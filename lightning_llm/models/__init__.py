@@ -1,0 +1,66 @@
+"""Model families: causal decoders (LLaMA, GPT-2) and encoders (BERT, RoBERTa, MegatronBERT), plus HF conversion."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from .config import NAMED_SIZES, Family, ModelConfig, named_config
+from .decoder import DecoderLM
+from .encoder import EncoderModel
+from .hf import config_from_hf, config_to_hf, load_hf, save_hf
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "ModelConfig",
+    "named_config",
+    "NAMED_SIZES",
+    "DecoderLM",
+    "EncoderModel",
+    "load_hf",
+    "save_hf",
+    "config_from_hf",
+    "config_to_hf",
+    "build_model",
+    "model_from_config",
+]
+
+
+def model_from_config(config: ModelConfig) -> nn.Module:
+    """``DecoderLM`` or ``EncoderModel`` for ``config.family`` (randomly initialised; honours ``torch.device``)."""
+    if config.family == "decoder":
+        return DecoderLM(config)
+    if config.family == "encoder":
+        return EncoderModel(config)
+    raise ValueError(f"unknown model family {config.family!r}")
+
+
+def _looks_like_path(s: str) -> bool:
+    return os.sep in s or "/" in s or s.startswith((".", "~")) or Path(s).exists()
+
+
+def build_model(backbone: str, *, family: Family, **overrides: Any) -> nn.Module:
+    """A model from a named size (``debug``, ``llama2-7b``, ...) or a local HF checkpoint directory.
+
+    Named sizes are randomly initialised (wrap in ``with torch.device("meta")`` for deferred init, then
+    ``to_empty`` + ``init_weights()``); directories are loaded with :func:`load_hf` (``overrides`` go to the config).
+    """
+    if (family, backbone) in NAMED_SIZES:
+        return model_from_config(named_config(backbone, family=family, **overrides))
+    if _looks_like_path(backbone):
+        p = Path(backbone).expanduser()
+        if not p.exists():
+            raise FileNotFoundError(
+                f"backbone={backbone!r}: no such local path {str(p)!r} (only named sizes and local HF checkpoint "
+                f"directories are supported; nothing is downloaded)"
+            )
+        dtype = overrides.pop("dtype", None)
+        model, _ = load_hf(p, family=family, dtype=dtype, **overrides)
+        return model
+    named_config(backbone, family=family)  # raises the "unknown size; known sizes: ..." error
+    raise AssertionError("unreachable")

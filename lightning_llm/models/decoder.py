@@ -1,0 +1,159 @@
+"""Causal decoder language model (LLaMA / GPT-2 family).
+
+Module tree (uniform so that parallel plans are data keyed by module path)::
+
+    embed_tokens      nn.Embedding [V, H]              (None on non-first pipeline stages)
+    embed_positions   nn.Embedding [P, H] or None      (GPT-2 learned positions)
+    layers            nn.ModuleDict {"0": TransformerBlock, ...}   (a pipeline split deletes entries)
+    norm              final norm or None
+    lm_head           nn.Linear [H -> V], no bias      (None on non-last pipeline stages; tied to embed_tokens)
+
+Shape legend: B batch, S sequence, H hidden, V vocab, D head dim.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor, nn
+
+from .config import ModelConfig
+from .layers import (
+    TransformerBlock,
+    build_norm,
+    causal_padding_mask,
+    init_embedding,
+    init_linear,
+    precompute_rope,
+)
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DecoderLM"]
+
+
+class DecoderLM(nn.Module):
+    """Decoder-only causal LM. ``forward`` returns logits [B, S, V] (or hidden states when ``lm_head is None``)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.family != "decoder":
+            raise ValueError(f"DecoderLM needs a decoder config, got family={config.family!r}")
+        self.config = config
+        h = config.hidden_size
+        self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, h)
+        self.embed_positions: nn.Embedding | None = (
+            nn.Embedding(config.max_position_embeddings, h) if config.position == "learned" else None
+        )
+        self.dropout = nn.Dropout(config.dropout)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.num_layers)})
+        self.norm: nn.Module | None = build_norm(config) if config.final_norm else None
+        self.lm_head: nn.Linear | None = nn.Linear(h, config.vocab_size, bias=False)
+        self.rope_cos: Tensor | None
+        self.rope_sin: Tensor | None
+        if config.position == "rope":
+            cos, sin = self._rope_tables(device=None)
+            self.register_buffer("rope_cos", cos, persistent=False)  # [P, D] fp32
+            self.register_buffer("rope_sin", sin, persistent=False)  # [P, D] fp32
+        else:
+            self.rope_cos = None
+            self.rope_sin = None
+        self.tie_weights()
+        self.init_weights()
+
+    # ------------------------------------------------------------------ init
+
+    def _rope_tables(self, device: torch.device | None) -> tuple[Tensor, Tensor]:
+        c = self.config
+        assert c.head_dim is not None
+        return precompute_rope(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device=device)
+
+    def tie_weights(self) -> None:
+        """Make ``lm_head.weight`` the very same Parameter as ``embed_tokens.weight`` when ``tie_embeddings``."""
+        if self.config.tie_embeddings and self.lm_head is not None and self.embed_tokens is not None:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def init_buffers(self) -> None:
+        """Recompute the (non-persistent) rotary tables in place, on their current device (after ``to_empty``)."""
+        if self.rope_cos is not None and self.rope_sin is not None:
+            cos, sin = self._rope_tables(device=self.rope_cos.device)
+            with torch.no_grad():
+                self.rope_cos.copy_(cos)
+                self.rope_sin.copy_(sin)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter (normal(std=initializer_range), zero biases, unit norms) and buffer.
+
+        Deterministic under ``torch.manual_seed``; works after ``to_empty`` from the meta device. Tolerates modules
+        removed by a pipeline split.
+        """
+        std = self.config.initializer_range
+        self.tie_weights()
+        if self.embed_tokens is not None:
+            init_embedding(self.embed_tokens, std)
+        if self.embed_positions is not None:
+            init_embedding(self.embed_positions, std)
+        for layer in self.layers.values():
+            layer.reset_parameters(std)  # type: ignore[operator]
+        if self.norm is not None:
+            self.norm.reset_parameters()  # type: ignore[operator]
+        if self.lm_head is not None:
+            tied = self.embed_tokens is not None and self.lm_head.weight is self.embed_tokens.weight
+            if not tied:
+                init_linear(self.lm_head, std)
+        self.init_buffers()
+
+    def reset_parameters(self) -> None:
+        """Alias of :meth:`init_weights`."""
+        self.init_weights()
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,  # [B, S] token ids, or hidden [B, S, H] when embed_tokens is None
+        *,
+        attention_mask: Tensor | None = None,  # [B, S], 1 = token, 0 = padding
+        position_ids: Tensor | None = None,  # [B, S] or [S]; default arange(S)
+        inputs_embeds: Tensor | None = None,  # [B, S, H] instead of input_ids
+    ) -> Tensor:  # logits [B, S, V] (hidden [B, S, H] when lm_head is None)
+        if self.embed_tokens is None:
+            # Pipeline stage after the first: the positional input is the hidden state of the previous stage.
+            x = input_ids if input_ids is not None else inputs_embeds
+            if x is None:
+                raise ValueError("DecoderLM stage without embed_tokens needs the hidden state as first argument")
+        else:
+            if (input_ids is None) == (inputs_embeds is None):
+                raise ValueError("DecoderLM.forward: pass exactly one of input_ids and inputs_embeds")
+            x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [B, S, H]
+        b, s = x.shape[0], x.shape[1]
+        if position_ids is None:
+            position_ids = torch.arange(s, device=x.device).unsqueeze(0).expand(b, s)  # [B, S]
+        elif position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0).expand(b, s)
+        if self.embed_tokens is not None:
+            # Positions are added where the tokens are embedded (first stage only).
+            if self.embed_positions is not None:
+                x = x + self.embed_positions(position_ids)
+            x = self.dropout(x)
+
+        rope: tuple[Tensor, Tensor] | None = None
+        if self.rope_cos is not None and self.rope_sin is not None:
+            rope = (self.rope_cos[position_ids], self.rope_sin[position_ids])  # [B, S, D] each
+
+        if attention_mask is None:
+            mask, is_causal = None, True
+        elif attention_mask.dim() == 2:
+            mask, is_causal = causal_padding_mask(attention_mask, s), False  # [B, 1, S, S]
+        else:
+            mask, is_causal = attention_mask.bool(), False  # already an attend-mask broadcastable to [B, N, S, S]
+
+        for layer in self.layers.values():
+            x = layer(x, rope=rope, attn_mask=mask, is_causal=is_causal)
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.lm_head is None:
+            return x
+        return self.lm_head(x)  # [B, S, V]

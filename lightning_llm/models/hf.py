@@ -1,0 +1,684 @@
+"""Conversion between local Hugging Face checkpoints and :class:`DecoderLM` / :class:`EncoderModel`.
+
+Reads ``config.json`` plus ``model.safetensors`` / sharded safetensors (``model.safetensors.index.json``) /
+``pytorch_model.bin`` (optionally sharded) from a LOCAL directory; never downloads. Writes ``config.json`` +
+``model.safetensors`` that ``transformers.AutoModel*.from_pretrained`` loads.
+
+Supported architectures (``kind`` = weight layout):
+
+* llama:        LlamaForCausalLM, LlamaModel
+* gpt2:         GPT2LMHeadModel, GPT2Model (Conv1D weights are [in, out]; ``c_attn`` is fused q,k,v)
+* bert:         BertModel, BertForSequenceClassification (+ BertForMaskedLM/BertForPreTraining as load sources)
+* megatron-bert: MegatronBertModel, MegatronBertForSequenceClassification (+ ...ForMaskedLM/ForPreTraining sources)
+* roberta:      RobertaModel, RobertaForSequenceClassification (+ RobertaForMaskedLM source)
+
+The mapping is an explicit list of entries (HF key <-> our keys, with split/merge functions), generated from the
+config, so missing and unexpected keys are reported by name.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .config import ModelConfig
+from .decoder import DecoderLM
+from .encoder import EncoderModel
+from .layers import LayerNorm, RMSNorm, init_embedding, init_linear
+
+log = logging.getLogger(__name__)
+
+__all__ = ["load_hf", "save_hf", "config_from_hf", "config_to_hf", "SUPPORTED_ARCHITECTURES"]
+
+
+@dataclass(frozen=True)
+class _Arch:
+    kind: str  # llama | gpt2 | bert | megatron-bert | roberta
+    head: str  # base | lm | cls | mlm (mlm: load source only, its head is ignored)
+
+
+SUPPORTED_ARCHITECTURES: dict[str, _Arch] = {
+    "LlamaForCausalLM": _Arch("llama", "lm"),
+    "LlamaModel": _Arch("llama", "base"),
+    "GPT2LMHeadModel": _Arch("gpt2", "lm"),
+    "GPT2Model": _Arch("gpt2", "base"),
+    "BertModel": _Arch("bert", "base"),
+    "BertForSequenceClassification": _Arch("bert", "cls"),
+    "BertForMaskedLM": _Arch("bert", "mlm"),
+    "BertForPreTraining": _Arch("bert", "mlm"),
+    "MegatronBertModel": _Arch("megatron-bert", "base"),
+    "MegatronBertForSequenceClassification": _Arch("megatron-bert", "cls"),
+    "MegatronBertForMaskedLM": _Arch("megatron-bert", "mlm"),
+    "MegatronBertForPreTraining": _Arch("megatron-bert", "mlm"),
+    "RobertaModel": _Arch("roberta", "base"),
+    "RobertaForSequenceClassification": _Arch("roberta", "cls"),
+    "RobertaForMaskedLM": _Arch("roberta", "mlm"),
+}
+_DEFAULT_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+    "bert": "BertModel",
+    "megatron-bert": "MegatronBertModel",
+    "roberta": "RobertaModel",
+}
+_BASE_PREFIX = {"llama": "model.", "gpt2": "transformer.", "bert": "bert.", "megatron-bert": "bert.", "roberta": "roberta."}
+
+# Checkpoint keys that carry no weights we need (buffers that old versions persisted).
+_IGNORED = re.compile(
+    r"(^|\.)attn\.(masked_)?bias$|(^|\.)position_ids$|(^|\.)token_type_ids$|(^|\.)rotary_emb\.inv_freq$"
+)
+# Head weights of other tasks: dropped with a warning (e.g. an MLM head when loading a backbone).
+_HEAD_KEYS = {
+    "llama": re.compile(r"^score\."),
+    "gpt2": re.compile(r"^score\."),
+    "bert": re.compile(r"^(cls|classifier|pooler)\."),
+    "megatron-bert": re.compile(r"^(cls|classifier|pooler)\."),
+    "roberta": re.compile(r"^(lm_head|classifier|pooler)\."),
+}
+
+
+# ====================================================================================================================
+# Config conversion
+# ====================================================================================================================
+
+
+def _architecture_name(hf: dict[str, Any], where: str = "config") -> str:
+    archs = hf.get("architectures") or []
+    if archs:
+        arch = archs[0]
+    else:
+        mt = hf.get("model_type")
+        if mt not in _DEFAULT_ARCH:
+            raise ValueError(
+                f"{where}: unsupported model_type {mt!r} and no 'architectures'; supported model types: "
+                f"{', '.join(sorted(_DEFAULT_ARCH))}"
+            )
+        arch = _DEFAULT_ARCH[mt]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{where}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def _num_labels(hf: dict[str, Any]) -> int:
+    if hf.get("id2label"):
+        return len(hf["id2label"])
+    return int(hf.get("num_labels", 2))
+
+
+def _plain_act(name: str) -> str:
+    table = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
+             "relu": "relu"}
+    if name not in table:
+        raise ValueError(f"unsupported hidden activation {name!r} (supported: {', '.join(table)})")
+    return table[name]
+
+
+def _gated_act(name: str) -> str:
+    table = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}
+    if name not in table:
+        raise ValueError(f"unsupported gated activation {name!r} (supported: {', '.join(table)})")
+    return table[name]
+
+
+def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    params = dict(hf.get("rope_parameters") or {})
+    legacy = hf.get("rope_scaling")
+    if legacy:
+        params = {**dict(legacy), **params}
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.pop("type", None)
+    if params.get("rope_type", "default") == "default":
+        return theta, None
+    if params["rope_type"] not in ("linear", "llama3"):
+        raise ValueError(f"unsupported rope scaling {params['rope_type']!r} (supported: default, linear, llama3)")
+    return theta, params
+
+
+def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
+    """Our :class:`ModelConfig` from a HF ``config.json`` dict (architecture from ``architectures`` / ``model_type``)."""
+    hf = hf_config
+    arch = _architecture_name(hf)
+    a = SUPPORTED_ARCHITECTURES[arch]
+    extra: dict[str, Any] = {"hf_architecture": arch, "hf_model_type": a.kind}
+    for k in ("bos_token_id", "eos_token_id"):
+        if hf.get(k) is not None:
+            extra[k] = hf[k]
+    if a.head == "cls" and hf.get("id2label"):
+        extra["id2label"] = {str(k): v for k, v in hf["id2label"].items()}
+    pad = hf.get("pad_token_id")
+    pad = 0 if pad is None else int(pad)
+
+    if a.kind == "llama":
+        theta, scaling = _rope_from_hf(hf)
+        heads = int(hf["num_attention_heads"])
+        return ModelConfig(
+            family="decoder", vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+            num_layers=int(hf["num_hidden_layers"]), num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads), head_dim=hf.get("head_dim"),
+            intermediate_size=int(hf["intermediate_size"]),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+            norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            activation=_gated_act(hf.get("hidden_act", "silu")),  # type: ignore[arg-type]
+            position="rope", rope_theta=theta, rope_scaling=scaling,
+            attention_bias=bool(hf.get("attention_bias", False)), mlp_bias=bool(hf.get("mlp_bias", False)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)), pre_norm=True, embedding_norm=False,
+            final_norm=True, dropout=float(hf.get("attention_dropout", 0.0)),
+            initializer_range=float(hf.get("initializer_range", 0.02)), pad_token_id=pad, extra=extra,
+        )
+
+    if a.kind == "gpt2":
+        if hf.get("scale_attn_by_inverse_layer_idx", False) or not hf.get("scale_attn_weights", True):
+            raise ValueError("GPT-2 configs with scale_attn_by_inverse_layer_idx=True or scale_attn_weights=False "
+                             "are not supported")
+        if hf.get("add_cross_attention", False):
+            raise ValueError("GPT-2 with cross attention is not supported")
+        h = int(hf.get("n_embd", 768))
+        return ModelConfig(
+            family="decoder", vocab_size=int(hf.get("vocab_size", 50257)), hidden_size=h,
+            num_layers=int(hf.get("n_layer", 12)), num_heads=int(hf.get("n_head", 12)),
+            intermediate_size=int(hf.get("n_inner") or 4 * h),
+            max_position_embeddings=int(hf.get("n_positions", 1024)), norm="layernorm",
+            norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+            activation=_plain_act(hf.get("activation_function", "gelu_new")),  # type: ignore[arg-type]
+            position="learned", attention_bias=True, mlp_bias=True,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", True)), pre_norm=True, embedding_norm=False,
+            final_norm=True, dropout=float(hf.get("resid_pdrop", 0.1)),
+            initializer_range=float(hf.get("initializer_range", 0.02)), pad_token_id=pad, extra=extra,
+        )
+
+    # encoders
+    if hf.get("position_embedding_type", "absolute") != "absolute":
+        raise ValueError(f"unsupported position_embedding_type {hf['position_embedding_type']!r}")
+    if hf.get("is_decoder", False) or hf.get("add_cross_attention", False):
+        raise ValueError(f"{arch} configured as a decoder is not supported")
+    megatron = a.kind == "megatron-bert"
+    roberta = a.kind == "roberta"
+    dropout = float(hf.get("hidden_dropout_prob", 0.1))
+    cls_drop = hf.get("classifier_dropout")
+    num_labels = _num_labels(hf) if a.head == "cls" else 0
+    # BertModel / ...ForSequenceClassification / ...ForPreTraining carry a pooler; MaskedLM heads do not.
+    pooler = not (a.head == "mlm" and not arch.endswith("ForPreTraining"))
+    return ModelConfig(
+        family="encoder", vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+        num_layers=int(hf["num_hidden_layers"]), num_heads=int(hf["num_attention_heads"]),
+        intermediate_size=int(hf["intermediate_size"]),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 512)), norm="layernorm",
+        norm_eps=float(hf.get("layer_norm_eps", 1e-12)),
+        activation=_plain_act(hf.get("hidden_act", "gelu")),  # type: ignore[arg-type]
+        position="learned", attention_bias=True, mlp_bias=True, tie_embeddings=False,
+        pre_norm=megatron, embedding_norm=not megatron, final_norm=megatron,
+        type_vocab_size=int(hf.get("type_vocab_size", 2)), position_offset=pad + 1 if roberta else 0,
+        pooler=pooler, num_labels=num_labels, dropout=dropout,
+        classifier_dropout=None if cls_drop is None else float(cls_drop),
+        initializer_range=float(hf.get("initializer_range", 0.02)), pad_token_id=pad, extra=extra,
+    )
+
+
+_HF_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
+_ARCH_FIELDS = (
+    "family", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+    "max_position_embeddings", "norm", "norm_eps", "activation", "position", "rope_theta", "rope_scaling",
+    "attention_bias", "mlp_bias", "tie_embeddings", "pre_norm", "embedding_norm", "final_norm", "type_vocab_size",
+    "position_offset",
+)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def config_to_hf(config: ModelConfig, architecture: str, *, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """HF ``config.json`` dict for ``architecture``; raises ValueError if ``config`` is not representable there."""
+    if architecture not in SUPPORTED_ARCHITECTURES or SUPPORTED_ARCHITECTURES[architecture].head == "mlm":
+        savable = [n for n, a in SUPPORTED_ARCHITECTURES.items() if a.head != "mlm"]
+        raise ValueError(f"cannot save as {architecture!r}; supported: {', '.join(savable)}")
+    a = SUPPORTED_ARCHITECTURES[architecture]
+    c = config
+    ex = c.extra or {}
+    hf: dict[str, Any] = {"architectures": [architecture], "model_type": a.kind, "dtype": _dtype_name(dtype),
+                          "initializer_range": c.initializer_range, "pad_token_id": c.pad_token_id}
+    for k in ("bos_token_id", "eos_token_id"):
+        if k in ex:
+            hf[k] = ex[k]
+    if a.kind == "llama":
+        rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+        if c.rope_scaling:
+            rope = {**dict(c.rope_scaling), "rope_theta": c.rope_theta}
+        inv_act = {"swiglu": "silu", "geglu": "gelu"}
+        hf.update(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+            head_dim=c.head_dim, hidden_act=inv_act.get(c.activation, c.activation),
+            max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.norm_eps, rope_parameters=rope,
+            attention_bias=c.attention_bias, attention_dropout=c.dropout, mlp_bias=c.mlp_bias,
+            tie_word_embeddings=c.tie_embeddings,
+        )
+    elif a.kind == "gpt2":
+        hf.update(
+            vocab_size=c.vocab_size, n_positions=c.max_position_embeddings, n_embd=c.hidden_size, n_layer=c.num_layers,
+            n_head=c.num_heads, n_inner=c.intermediate_size, activation_function=_HF_ACT.get(c.activation, c.activation),
+            resid_pdrop=c.dropout, embd_pdrop=c.dropout, attn_pdrop=c.dropout, layer_norm_epsilon=c.norm_eps,
+            scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False,
+            tie_word_embeddings=c.tie_embeddings,
+        )
+    else:
+        if c.type_vocab_size < 1:
+            raise ValueError(f"{architecture} needs type_vocab_size >= 1, got {c.type_vocab_size}")
+        hf.update(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
+            num_attention_heads=c.num_heads, intermediate_size=c.intermediate_size,
+            hidden_act=_HF_ACT.get(c.activation, c.activation), hidden_dropout_prob=c.dropout,
+            attention_probs_dropout_prob=c.dropout, max_position_embeddings=c.max_position_embeddings,
+            type_vocab_size=c.type_vocab_size, layer_norm_eps=c.norm_eps, position_embedding_type="absolute",
+            classifier_dropout=c.classifier_dropout,
+        )
+        if a.kind == "roberta":
+            hf["pad_token_id"] = c.position_offset - 1
+    if a.head == "cls":
+        if c.num_labels < 1:
+            raise ValueError(f"{architecture} needs num_labels >= 1, got {c.num_labels}")
+        id2label = ex.get("id2label")
+        if not id2label or len(id2label) != c.num_labels:
+            id2label = {str(i): f"LABEL_{i}" for i in range(c.num_labels)}
+        hf["id2label"] = dict(id2label)
+        hf["label2id"] = {v: int(k) for k, v in id2label.items()}
+
+    # The written config must describe exactly this model.
+    back = config_from_hf(hf)
+    fields = list(_ARCH_FIELDS) + (["num_labels", "pooler"] if a.head == "cls" else [])
+    diffs = [f"{f}: ours={getattr(c, f)!r} {architecture}={getattr(back, f)!r}" for f in fields
+             if getattr(c, f) != getattr(back, f)]
+    if diffs:
+        raise ValueError(f"config is not representable as {architecture}: " + "; ".join(diffs))
+    return hf
+
+
+# ====================================================================================================================
+# Weight mapping
+# ====================================================================================================================
+
+
+@dataclass(frozen=True)
+class _Entry:
+    hf: str  # HF key without the base-model prefix (``top`` entries are top-level keys)
+    ours: tuple[str, ...]
+    group: str = "base"  # base | lm_head | pooler | classifier
+    top: bool = False  # key lives at top level of a head model (lm_head.*, classifier.*)
+    split: Callable[[Tensor], Sequence[Tensor]] | None = None
+    merge: Callable[[Sequence[Tensor]], Tensor] | None = None
+
+
+def _t(x: Tensor) -> Tensor:
+    return x.t().contiguous()
+
+
+def _lin(hf: str, ours: str, bias: bool, **kw: Any) -> list[_Entry]:
+    out = [_Entry(f"{hf}.weight", (f"{ours}.weight",), **kw)]
+    if bias:
+        out.append(_Entry(f"{hf}.bias", (f"{ours}.bias",), **kw))
+    return out
+
+
+def _conv1d(hf: str, ours: str) -> list[_Entry]:
+    """GPT-2 Conv1D: weight stored [in, out] -> nn.Linear [out, in]."""
+    return [
+        _Entry(f"{hf}.weight", (f"{ours}.weight",), split=lambda w: (_t(w),), merge=lambda ws: _t(ws[0])),
+        _Entry(f"{hf}.bias", (f"{ours}.bias",)),
+    ]
+
+
+def _entries(config: ModelConfig, architecture: str) -> list[_Entry]:
+    a = SUPPORTED_ARCHITECTURES[architecture]
+    c = config
+    e: list[_Entry] = []
+    ab, mb = c.attention_bias, c.mlp_bias
+    if a.kind == "llama":
+        e += _lin("embed_tokens", "embed_tokens", False)
+        for i in range(c.num_layers):
+            p, q = f"layers.{i}", f"layers.{i}"
+            for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                e += _lin(f"{p}.self_attn.{n}", f"{q}.self_attn.{n}", ab)
+            for n in (("gate_proj", "up_proj", "down_proj") if c.gated else ("up_proj", "down_proj")):
+                e += _lin(f"{p}.mlp.{n}", f"{q}.mlp.{n}", mb)
+            e += _lin(f"{p}.input_layernorm", f"{q}.attn_norm", False)
+            e += _lin(f"{p}.post_attention_layernorm", f"{q}.mlp_norm", False)
+        e += _lin("norm", "norm", False)
+        if a.head != "base":
+            e += _lin("lm_head", "lm_head", False, group="lm_head", top=True)
+        return e
+    if a.kind == "gpt2":
+        e += _lin("wte", "embed_tokens", False)
+        e += _lin("wpe", "embed_positions", False)
+        for i in range(c.num_layers):
+            p, q = f"h.{i}", f"layers.{i}"
+            a_ = f"{q}.self_attn"
+            e.append(_Entry(
+                f"{p}.attn.c_attn.weight", tuple(f"{a_}.{n}_proj.weight" for n in "qkv"),
+                split=lambda w: [x.contiguous() for x in w.t().chunk(3, dim=0)],  # [H, 3H] -> 3 x [H, H]
+                merge=lambda ws: torch.cat(list(ws), dim=0).t().contiguous(),
+            ))
+            e.append(_Entry(
+                f"{p}.attn.c_attn.bias", tuple(f"{a_}.{n}_proj.bias" for n in "qkv"),
+                split=lambda b: [x.clone() for x in b.chunk(3, dim=0)],
+                merge=lambda bs: torch.cat(list(bs), dim=0),
+            ))
+            e += _conv1d(f"{p}.attn.c_proj", f"{a_}.o_proj")
+            e += _conv1d(f"{p}.mlp.c_fc", f"{q}.mlp.up_proj")
+            e += _conv1d(f"{p}.mlp.c_proj", f"{q}.mlp.down_proj")
+            e += _lin(f"{p}.ln_1", f"{q}.attn_norm", True)
+            e += _lin(f"{p}.ln_2", f"{q}.mlp_norm", True)
+        e += _lin("ln_f", "norm", True)
+        if a.head != "base":
+            e += _lin("lm_head", "lm_head", False, group="lm_head", top=True)
+        return e
+
+    # encoders
+    megatron = a.kind == "megatron-bert"
+    e += _lin("embeddings.word_embeddings", "embed_tokens", False)
+    e += _lin("embeddings.position_embeddings", "embed_positions", False)
+    if c.type_vocab_size > 0:
+        e += _lin("embeddings.token_type_embeddings", "embed_token_types", False)
+    if c.embedding_norm:
+        e += _lin("embeddings.LayerNorm", "embed_norm", True)
+    for i in range(c.num_layers):
+        p, q = f"encoder.layer.{i}", f"layers.{i}"
+        for hn, n in (("query", "q_proj"), ("key", "k_proj"), ("value", "v_proj")):
+            e += _lin(f"{p}.attention.self.{hn}", f"{q}.self_attn.{n}", ab)
+        e += _lin(f"{p}.attention.output.dense", f"{q}.self_attn.o_proj", ab)
+        e += _lin(f"{p}.intermediate.dense", f"{q}.mlp.up_proj", mb)
+        e += _lin(f"{p}.output.dense", f"{q}.mlp.down_proj", mb)
+        if megatron:
+            e += _lin(f"{p}.attention.ln", f"{q}.attn_norm", True)
+            e += _lin(f"{p}.ln", f"{q}.mlp_norm", True)
+        else:
+            e += _lin(f"{p}.attention.output.LayerNorm", f"{q}.attn_norm", True)
+            e += _lin(f"{p}.output.LayerNorm", f"{q}.mlp_norm", True)
+    if megatron and c.final_norm:
+        e += _lin("encoder.ln", "final_norm", True)
+    if c.pooler:
+        if a.kind == "roberta" and a.head == "cls":
+            e += _lin("classifier.dense", "pooler", True, group="pooler", top=True)
+        else:
+            e += _lin("pooler.dense", "pooler", True, group="pooler")
+    if c.num_labels > 0 and a.head in ("cls", "base", "mlm"):
+        name = "classifier.out_proj" if a.kind == "roberta" else "classifier"
+        e += _lin(name, "classifier", True, group="classifier", top=True)
+    return e
+
+
+# ====================================================================================================================
+# Reading checkpoints
+# ====================================================================================================================
+
+
+def _read_state_dict(directory: Path) -> dict[str, Tensor]:
+    st = directory / "model.safetensors"
+    st_index = directory / "model.safetensors.index.json"
+    pt = directory / "pytorch_model.bin"
+    pt_index = directory / "pytorch_model.bin.index.json"
+
+    def _load_st(p: Path) -> dict[str, Tensor]:
+        from safetensors.torch import load_file
+
+        return load_file(str(p), device="cpu")
+
+    def _load_pt(p: Path) -> dict[str, Tensor]:
+        return torch.load(str(p), map_location="cpu", weights_only=True)
+
+    def _sharded(index: Path, loader: Callable[[Path], dict[str, Tensor]]) -> dict[str, Tensor]:
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        out: dict[str, Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            sp = directory / shard
+            if not sp.is_file():
+                raise FileNotFoundError(f"{index} names shard {shard!r}, but {sp} does not exist")
+            out.update(loader(sp))
+        return out
+
+    if st.is_file():
+        return _load_st(st)
+    if st_index.is_file():
+        return _sharded(st_index, _load_st)
+    if pt.is_file():
+        return _load_pt(pt)
+    if pt_index.is_file():
+        return _sharded(pt_index, _load_pt)
+    raise FileNotFoundError(
+        f"no weights in {directory}: expected one of model.safetensors, model.safetensors.index.json, "
+        f"pytorch_model.bin, pytorch_model.bin.index.json"
+    )
+
+
+def _normalize_keys(sd: dict[str, Tensor], kind: str) -> dict[str, Tensor]:
+    """Strip the base-model prefix (``model.``, ``transformer.``, ``bert.``, ``roberta.``) and old gamma/beta names."""
+    prefix = _BASE_PREFIX[kind]
+    out: dict[str, Tensor] = {}
+    for k, v in sd.items():
+        k2 = k[len(prefix):] if k.startswith(prefix) else k
+        k2 = re.sub(r"(LayerNorm|\bln(_\w+)?)\.gamma$", r"\1.weight", k2)
+        k2 = re.sub(r"(LayerNorm|\bln(_\w+)?)\.beta$", r"\1.bias", k2)
+        out[k2] = v
+    return out
+
+
+def _convert_to_ours(
+    hf_sd: dict[str, Tensor], config: ModelConfig, architecture: str, where: str
+) -> tuple[dict[str, Tensor], list[str]]:
+    """Our state dict from HF tensors; returns (state dict, our keys left for random init). Raises on mismatch."""
+    kind = SUPPORTED_ARCHITECTURES[architecture].kind
+    sd = _normalize_keys(hf_sd, kind)
+    out: dict[str, Tensor] = {}
+    used: set[str] = set()
+    missing: list[str] = []
+    fresh: list[str] = []
+    for e in _entries(config, architecture):
+        if e.group == "lm_head" and config.tie_embeddings:
+            used.add(e.hf)  # tied: a stored copy (if any) is redundant
+            continue
+        if e.hf not in sd:
+            if e.group in ("lm_head", "pooler", "classifier"):
+                fresh.extend(e.ours)  # HF also initialises these freshly (with a warning)
+            else:
+                missing.append(e.hf)
+            continue
+        used.add(e.hf)
+        t = sd[e.hf]
+        parts = e.split(t) if e.split is not None else (t,)
+        out.update(zip(e.ours, parts))
+    rest = [k for k in sd if k not in used and not _IGNORED.search(k)]
+    heads = [k for k in rest if _HEAD_KEYS[kind].match(k)]
+    unexpected = [k for k in rest if k not in heads]
+    if missing or unexpected:
+        parts_ = []
+        if missing:
+            parts_.append(f"missing keys ({len(missing)}): {missing[:20]}{' ...' if len(missing) > 20 else ''}")
+        if unexpected:
+            parts_.append(f"unexpected keys ({len(unexpected)}): {unexpected[:20]}"
+                          f"{' ...' if len(unexpected) > 20 else ''}")
+        raise ValueError(f"{where}: checkpoint does not match a {architecture} with this config: " + "; ".join(parts_))
+    if heads:
+        log.warning("%s: ignoring head weights not used by this model: %s", where, sorted(heads))
+    if fresh:
+        log.warning("%s: newly initialised (not in checkpoint): %s", where, fresh)
+    return out, fresh
+
+
+def _resolve_dtype(dtype: torch.dtype | str | None, hf: dict[str, Any]) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        dtype = hf.get("dtype") or hf.get("torch_dtype") or "float32"
+    d = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(d, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return d
+
+
+@torch.no_grad()
+def _materialize(config: ModelConfig, sd: dict[str, Tensor], dtype: torch.dtype, where: str) -> nn.Module:
+    """Build on meta, assign checkpoint tensors, init whatever is left (fresh heads, rope buffers)."""
+    cls = DecoderLM if config.family == "decoder" else EncoderModel
+    with torch.device("meta"):
+        model = cls(config)
+    expected = model.state_dict()
+    bad: list[str] = []
+    for k in list(sd):
+        want = tuple(expected[k].shape)
+        if tuple(sd[k].shape) != want:
+            if k.startswith("classifier."):
+                log.warning("%s: %s has shape %s, model needs %s (num_labels changed): re-initialising",
+                            where, k, tuple(sd[k].shape), want)
+                del sd[k]
+            else:
+                bad.append(f"{k}: checkpoint {tuple(sd[k].shape)} vs model {want}")
+    if bad:
+        raise ValueError(f"{where}: shape mismatch: " + "; ".join(bad))
+    sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()}
+    model.load_state_dict(sd, strict=False, assign=True)
+    if isinstance(model, DecoderLM):
+        model.tie_weights()
+    std = config.initializer_range
+    for mod in model.modules():
+        tensors = list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False))
+        if not any(t.is_meta for t in tensors):
+            continue
+        mod.to_empty(device="cpu", recurse=False)
+        if isinstance(mod, nn.Linear):
+            init_linear(mod, std)
+        elif isinstance(mod, nn.Embedding):
+            init_embedding(mod, std)
+        elif isinstance(mod, (RMSNorm, LayerNorm)):
+            mod.reset_parameters()
+    model.init_buffers()  # type: ignore[operator]
+    return model.to(dtype)
+
+
+def load_hf(
+    path: str | os.PathLike[str],
+    *,
+    family: str | None = None,
+    dtype: torch.dtype | str | None = None,
+    **config_overrides: Any,
+) -> tuple[nn.Module, ModelConfig]:
+    """Load a local HF checkpoint directory as (DecoderLM | EncoderModel, ModelConfig).
+
+    ``dtype``: None -> float32, ``"auto"`` -> the checkpoint's dtype, or a torch dtype / its name.
+    ``config_overrides`` are applied to the converted config (e.g. ``num_labels=3`` to add a fresh classifier,
+    ``dropout=0.0``); overrides that change tensor shapes (other than ``num_labels``) fail with the mismatching keys.
+    """
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        raise FileNotFoundError(f"load_hf: checkpoint directory {str(d)!r} does not exist")
+    cfg_file = d / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"load_hf: {str(cfg_file)!r} not found")
+    hf = json.loads(cfg_file.read_text())
+    arch = _architecture_name(hf, where=str(cfg_file))
+    config = config_from_hf(hf)
+    if config_overrides.get("num_labels", 0) > 0 and "pooler" not in config_overrides:
+        config_overrides = {**config_overrides, "pooler": True}  # HF classification heads sit on the pooler
+    if config_overrides:
+        config = config.replace(**config_overrides)
+    if family is not None and config.family != family:
+        raise ValueError(f"load_hf: {str(d)!r} holds a {config.family} ({arch}), but family={family!r} was requested")
+    target = _resolve_dtype(dtype, hf)
+    hf_sd = _read_state_dict(d)
+    sd, _ = _convert_to_ours(hf_sd, config, arch, where=str(d))
+    del hf_sd
+    model = _materialize(config, sd, target, where=str(d))
+    log.info("loaded %s from %s (%s, %d layers, dtype %s)", arch, d, config.family, config.num_layers, target)
+    return model, config
+
+
+# ====================================================================================================================
+# Saving
+# ====================================================================================================================
+
+
+def default_architecture(config: ModelConfig) -> str:
+    """HF architecture a model is saved as by default (from ``extra['hf_model_type']`` or the config's shape)."""
+    kind = (config.extra or {}).get("hf_model_type")
+    if kind not in _DEFAULT_ARCH:
+        if config.family == "decoder":
+            kind = "llama" if config.position == "rope" else "gpt2"
+        elif config.pre_norm:
+            kind = "megatron-bert"
+        else:
+            kind = "roberta" if config.position_offset > 0 else "bert"
+    names = {
+        ("llama", False): "LlamaForCausalLM", ("gpt2", False): "GPT2LMHeadModel",
+        ("bert", False): "BertModel", ("bert", True): "BertForSequenceClassification",
+        ("megatron-bert", False): "MegatronBertModel", ("megatron-bert", True): "MegatronBertForSequenceClassification",
+        ("roberta", False): "RobertaModel", ("roberta", True): "RobertaForSequenceClassification",
+    }
+    cls = config.family == "encoder" and config.num_labels > 0
+    return names[(kind, cls)]
+
+
+def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent))
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+@torch.no_grad()
+def save_hf(model: nn.Module, path: str | os.PathLike[str], *, architecture: str | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` loadable by ``transformers`` (the model must be whole)."""
+    from safetensors.torch import save_file
+
+    config: ModelConfig = model.config  # type: ignore[assignment]
+    arch = architecture or default_architecture(config)
+    a = SUPPORTED_ARCHITECTURES.get(arch)
+    if a is None or a.head == "mlm":
+        raise ValueError(f"save_hf: cannot save as {arch!r}")
+    if (a.kind in ("llama", "gpt2")) != (config.family == "decoder"):
+        raise ValueError(f"save_hf: a {config.family} model cannot be saved as {arch}")
+    sd = model.state_dict()
+    dtypes = {t.dtype for t in sd.values() if t.is_floating_point()}
+    dtype = next(iter(dtypes)) if len(dtypes) == 1 else torch.float32
+    hf_cfg = config_to_hf(config, arch, dtype=dtype)
+    prefix = _BASE_PREFIX[a.kind] if a.head != "base" else ""
+    out: dict[str, Tensor] = {}
+    missing: list[str] = []
+    for e in _entries(config, arch):
+        if e.group == "lm_head" and config.tie_embeddings:
+            continue  # HF re-ties from tie_word_embeddings
+        if e.group == "classifier" and a.head != "cls":
+            continue
+        absent = [n for n in e.ours if n not in sd]
+        if absent:
+            missing.extend(absent)
+            continue
+        ts = [sd[n] for n in e.ours]
+        t = e.merge(ts) if e.merge is not None else ts[0]
+        out[e.hf if e.top else prefix + e.hf] = t.detach().to("cpu").contiguous().clone()
+    if missing:
+        raise ValueError(f"save_hf: model lacks {missing[:20]} (a pipeline stage or sharded model? save the whole model)")
+    d = Path(path)
+    d.mkdir(parents=True, exist_ok=True)
+    _atomic_write(d / "model.safetensors", lambda p: save_file(out, p, metadata={"format": "pt"}))
+    _atomic_write(d / "config.json", lambda p: Path(p).write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n"))
+    log.info("saved %s (%d tensors) to %s", arch, len(out), d)
+    return d

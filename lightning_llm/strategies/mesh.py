@@ -1,0 +1,76 @@
+"""Parallel degrees and the named device mesh built from them — the one place that validates the layout.
+
+No module-level state: a strategy owns one :class:`ParallelDims` and passes the mesh it builds to whatever
+needs it (Megatron's global ``parallel_state`` is what this replaces).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+log = logging.getLogger(__name__)
+
+MESH_DIMS = ("pp", "dp", "tp")
+"""Mesh dimension order, outermost first: tensor-parallel ranks are adjacent (fastest links), pipeline outermost."""
+
+
+@dataclass
+class ParallelDims:
+    """Data-, tensor- and pipeline-parallel degrees. One of them may be ``-1`` (inferred from the world size)."""
+
+    dp: int = -1
+    """Data-parallel degree (replicas, or ZeRO/FSDP shards)."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    pp: int = 1
+    """Pipeline-parallel degree (number of pipeline ranks)."""
+
+    def resolved(self, world_size: int) -> ParallelDims:
+        """Degrees with ``-1`` filled in; raises ``ValueError`` naming the degrees when they cannot fit."""
+        degrees = {"data_parallel_size": self.dp, "tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp}
+        for name, d in degrees.items():
+            if d == 0 or d < -1:
+                raise ValueError(f"{name}={d}: must be a positive integer or -1 (inferred)")
+        unknown = [n for n, d in degrees.items() if d == -1]
+        if len(unknown) > 1:
+            raise ValueError(f"only one parallel degree may be -1, got {', '.join(unknown)}")
+        known = math.prod(d for d in degrees.values() if d != -1)
+        if unknown:
+            if world_size % known:
+                raise ValueError(
+                    f"cannot infer {unknown[0]}: the other degrees multiply to {known}, "
+                    f"which does not divide the world size {world_size}"
+                )
+            degrees[unknown[0]] = world_size // known
+        elif known != world_size:
+            desc = " x ".join(f"{n}={d}" for n, d in degrees.items())
+            raise ValueError(f"parallel degrees {desc} multiply to {known}, but the world size is {world_size} "
+                             "(devices x nodes); their product must equal it")
+        return ParallelDims(dp=degrees["data_parallel_size"], tp=degrees["tensor_parallel_size"],
+                            pp=degrees["pipeline_parallel_size"])
+
+    @property
+    def world_size(self) -> int:
+        assert -1 not in (self.dp, self.tp, self.pp), "call resolved() first"
+        return self.dp * self.tp * self.pp
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """A 3-D mesh named ``("pp", "dp", "tp")``; size-1 dims are kept so callers can always index by name."""
+        shape = (self.pp, self.dp, self.tp)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
+        log.info("device mesh pp=%d dp=%d tp=%d on %s", *shape, device_type)
+        return mesh
+
+
+def mesh_coordinate(mesh: DeviceMesh, dim: str) -> tuple[int, int]:
+    """``(rank within dim, size of dim)`` for this process."""
+    return mesh.get_local_rank(dim), mesh.size(mesh.mesh_dim_names.index(dim))
+
+
+def device_type_of(root_device: torch.device) -> str:
+    return "cuda" if root_device.type == "cuda" else "cpu"

@@ -1,0 +1,98 @@
+"""Helpers for parity tests and benchmarks: record per-step losses/parameters, launch N local processes.
+
+Shipped with the package (like ``lightning.pytorch.demos``) so users can check their own strategies/plans
+against a single-device run the same way our tests do.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from typing_extensions import override
+
+from lightning_llm.data.io import atomic_open
+
+
+class StepRecorder(pl.Callback):
+    """Records every rank's training loss per optimizer step, and optionally the final full parameters.
+
+    At the end of ``fit`` rank 0 writes ``{"losses": [[rank0 step losses], [rank1 ...], ...],
+    "world_size": N}`` to ``output`` as JSON, and the full (unsharded) parameters to ``output + ".pt"`` when
+    ``save_params`` is set. Sharded parameters (DTensor) are gathered with ``full_tensor()``.
+    """
+
+    def __init__(self, output: str, save_params: bool = False) -> None:
+        """
+        Args:
+            output: JSON file for the recorded losses.
+            save_params: Also save the final parameters (``<output>.pt``).
+        """
+        self.output = output
+        self.save_params = save_params
+        self.losses: list[float] = []
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        if loss is None:  # e.g. a pipeline rank without the last stage reports the broadcast loss instead
+            loss = trainer.callback_metrics.get("train_loss")
+        self.losses.append(float(loss.detach().float()) if loss is not None else float("nan"))
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        gathered = [self.losses]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            gathered = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(gathered, self.losses)
+        params = full_parameters(pl_module) if self.save_params else None
+        if trainer.global_rank == 0:
+            with atomic_open(self.output, "w") as f:
+                json.dump({"losses": gathered, "world_size": len(gathered)}, f)
+            if params is not None:
+                with atomic_open(self.output + ".pt", "wb") as f:
+                    torch.save(params, f)
+
+
+def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full copies of all parameters by name, gathering DTensor shards (a collective: call on every rank)."""
+    out = {}
+    for name, p in module.named_parameters():
+        t = p.detach()
+        if hasattr(t, "full_tensor"):
+            t = t.full_tensor()
+        out[name] = t.clone().cpu()
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cli(args: list[str], *, nproc: int = 1, nnodes: int = 1, timeout: float = 600, cwd: str | Path | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``lightning_llm ARGS`` in fresh processes: one process, or ``nproc`` per node under torchrun.
+
+    Raises ``RuntimeError`` with the captured output when the command fails.
+    """
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    if nproc == 1 and nnodes == 1:
+        cmd = [sys.executable, "-m", "lightning_llm", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--nnodes={nnodes}",
+               "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "lightning_llm", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=full_env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}"
+                           f"\n--- stderr\n{proc.stderr[-8000:]}")
+    return proc
