@@ -1,0 +1,261 @@
+"""Softmax cross-entropy over large vocabularies, and fused linear + cross-entropy.
+
+``logits`` ``[..., V]`` with ``target`` ``[...]`` (int64 class ids; ``ignore_index`` rows contribute 0 loss and 0
+gradient). Per token: ``loss = (1 - eps) * (lse - x_t) + eps * (lse - mean_j x_j) + z_loss * lse^2`` with
+``lse = logsumexp(x)`` (label smoothing as ``F.cross_entropy``, z-loss as PaLM / Liger). ``reduction="mean"``
+divides by the number of non-ignored tokens (NaN when there are none, like torch). Losses are returned in the
+logits dtype (math in fp32).
+
+The gradient is computed in the forward pass (one extra sweep over the row while it is hot) and kept instead of
+the logits, so the softmax is never materialised twice; backward only scales it by the upstream gradient (in
+place: backward through the same graph twice is refused). The fused linear CE chunks over tokens so the full
+``[N, V]`` logits never exist: per chunk ``logits = h @ W.T (+ b)``, CE writes dlogits in place of the chunk's
+logits, then ``dh = dlogits @ W`` and ``dW += dlogits.T @ h`` are accumulated during the forward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Literal
+
+import torch
+import torch.nn.functional as F
+
+from ._backend import Backend, next_pow2, resolve_backend
+
+Reduction = Literal["mean", "sum", "none"]
+
+
+def cross_entropy_torch(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: Reduction = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+) -> torch.Tensor:
+    """Plain-torch (autograd) cross-entropy with the same contract as :func:`cross_entropy`."""
+    V = logits.shape[-1]
+    x = logits.reshape(-1, V).float()
+    t = target.reshape(-1)
+    loss = F.cross_entropy(x, t, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+    if z_loss:
+        valid = t != ignore_index
+        loss = loss + torch.where(valid, z_loss * torch.logsumexp(x, -1).pow(2), 0.0)
+    return _reduce(loss, t, ignore_index, reduction, target.shape).to(logits.dtype)
+
+
+def _reduce(loss: torch.Tensor, t: torch.Tensor, ignore_index: int, reduction: str, shape) -> torch.Tensor:
+    if reduction == "none":
+        return loss.view(shape)
+    if reduction == "sum":
+        return loss.sum()
+    if reduction == "mean":
+        return loss.sum() / (t != ignore_index).sum()
+    raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+
+
+def ce_forward_torch(logits, target, ignore_index, label_smoothing, z_loss, scale=None, grad=None):
+    """Torch twin of ``_triton_cross_entropy.ce_forward``: per-row (loss, lse) fp32 and optional in-place grad."""
+    N, V = logits.shape
+    x = logits.float()
+    valid = target != ignore_index
+    t = torch.where(valid, target, 0).unsqueeze(1)
+    m = x.max(-1, keepdim=True).values
+    xm = x - m  # [N, V], <= 0
+    log_d = torch.log(torch.exp(xm).sum(-1))
+    lse = m.squeeze(1) + log_d
+    loss = log_d - (1.0 - label_smoothing) * xm.gather(1, t).squeeze(1) + z_loss * lse * lse
+    if label_smoothing:
+        loss = loss - label_smoothing * xm.mean(-1)
+    loss = torch.where(valid, loss, 0.0)
+    if grad is not None:
+        g = torch.exp(xm - log_d.unsqueeze(1)) * (1.0 + 2.0 * z_loss * lse).unsqueeze(1) - label_smoothing / V
+        g.scatter_add_(1, t, torch.full_like(t, -(1.0 - label_smoothing), dtype=g.dtype))
+        s = valid.float() if scale is None else valid.float() * scale.float()
+        grad.copy_(g * s.unsqueeze(1))
+    return loss, torch.where(valid, lse, 0.0)
+
+
+def _ce_impl(backend: str) -> Callable:
+    if backend == "torch":
+        return ce_forward_torch
+    from ._triton_cross_entropy import ce_forward
+
+    return ce_forward
+
+
+def _mean_scale(target: torch.Tensor, ignore_index: int, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(number of valid tokens, gradient scale) as fp32 device tensors (no host sync)."""
+    n_valid = (target != ignore_index).sum().float().reshape(1)
+    scale = 1.0 / n_valid.clamp_min(1.0) if reduction == "mean" else torch.ones_like(n_valid)
+    return n_valid, scale
+
+
+class _ScaledOnce:
+    """Backward helper: multiply saved gradients by the upstream gradient in place, refusing a second use."""
+
+    @staticmethod
+    def check(ctx) -> None:
+        if getattr(ctx, "consumed", False):
+            raise RuntimeError("fused cross-entropy scales its saved gradient in place: backward through it twice "
+                               "(retain_graph=True) is not supported")
+        ctx.consumed = True
+
+
+class CrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, ignore_index, reduction, label_smoothing, z_loss, backend, grad_enabled):
+        V = logits.shape[-1]
+        x = logits.reshape(-1, V)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        t = target.reshape(-1).contiguous()
+        n_valid, scale = _mean_scale(t, ignore_index, reduction)
+        grad = torch.empty_like(x) if (grad_enabled and ctx.needs_input_grad[0]) else None  # no sweep in eval
+        rows, _ = _ce_impl(backend)(x, t, ignore_index, label_smoothing, z_loss, scale, grad)
+        ctx.save_for_backward(grad)
+        ctx.reduction, ctx.shape = reduction, logits.shape
+        if reduction == "mean":
+            return (rows.sum() / n_valid[0]).to(logits.dtype)
+        return _reduce(rows, t, ignore_index, reduction, target.shape).to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        _ScaledOnce.check(ctx)
+        (grad,) = ctx.saved_tensors
+        g = grad_loss.reshape(-1, 1) if ctx.reduction == "none" else grad_loss
+        grad.mul_(g.to(grad.dtype))
+        return grad.view(ctx.shape), None, None, None, None, None, None, None
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: Reduction = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Cross-entropy of ``logits [..., V]`` against ``target [...]``; see the module docstring."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if resolve_backend(backend, logits) == "torch":
+        return cross_entropy_torch(logits, target, ignore_index=ignore_index, reduction=reduction,
+                                   label_smoothing=label_smoothing, z_loss=z_loss)
+    return CrossEntropyFunction.apply(logits, target, ignore_index, reduction, float(label_smoothing),
+                                      float(z_loss), "triton", torch.is_grad_enabled())
+
+
+def default_chunk_size(n: int, vocab: int, hidden: int) -> int:
+    """Tokens per chunk so a chunk's logits ``[C, V]`` are about as large as the hidden states ``[N, H]``."""
+    return max(1, min(n, next_pow2(math.ceil(n / math.ceil(vocab / hidden)))))
+
+
+def _flce_chunks(hidden, weight, bias, target, ignore_index, ls, z, chunk, backend, scale, grads):
+    """Loop over token chunks; returns per-row fp32 losses. ``grads`` = (dh, dW, db) buffers or Nones;
+    when any is given the chunk's dlogits (scaled by ``scale``: 1 element or ``[N]``) are contracted into them."""
+    ce = _ce_impl(backend)
+    dh, dw, db = grads
+    need_grad = any(g is not None for g in grads)
+    N = hidden.shape[0]
+    rows = torch.empty(N, dtype=torch.float32, device=hidden.device)
+    for s in range(0, N, chunk):
+        e = min(s + chunk, N)
+        h = hidden[s:e]  # [C, H]
+        logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())  # [C, V]
+        sc = scale[s:e] if (scale is not None and scale.numel() > 1) else scale
+        rows[s:e], _ = ce(logits, target[s:e], ignore_index, ls, z, sc, logits if need_grad else None)
+        if need_grad:  # `logits` now holds dloss/dlogits for the chunk
+            if dh is not None:
+                torch.mm(logits, weight, out=dh[s:e])
+            if dw is not None:
+                dw.addmm_(logits.t().to(dw.dtype), h.to(dw.dtype))
+            if db is not None:
+                db.add_(logits.sum(0, dtype=torch.float32).to(db.dtype))
+    return rows
+
+
+class FusedLinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, bias, ignore_index, reduction, ls, z, chunk_size, backend, grad_enabled):
+        H = hidden.shape[-1]
+        h2 = hidden.reshape(-1, H)
+        t = target.reshape(-1).contiguous()
+        N, V = h2.shape[0], weight.shape[0]
+        chunk = chunk_size or default_chunk_size(N, V, H)
+        n_valid, scale = _mean_scale(t, ignore_index, reduction)
+        need = [grad_enabled and n for n in ctx.needs_input_grad]
+        if reduction == "none":  # per-row upstream grads are unknown yet: recompute in backward
+            grads = (None, None, None)
+        else:
+            grads = (
+                torch.empty_like(h2) if need[0] else None,
+                torch.zeros_like(weight) if need[1] else None,
+                torch.zeros_like(bias) if (bias is not None and need[3]) else None,
+            )
+        rows = _flce_chunks(h2, weight, bias, t, ignore_index, ls, z, chunk, backend, scale, grads)
+        ctx.args = (ignore_index, reduction, ls, z, chunk, backend, hidden.shape)
+        if reduction == "none":
+            ctx.save_for_backward(h2, weight, bias, t)
+            return rows.view(target.shape).to(hidden.dtype)
+        ctx.save_for_backward(*grads)
+        loss = rows.sum() / n_valid[0] if reduction == "mean" else rows.sum()
+        return loss.to(hidden.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        ignore_index, reduction, ls, z, chunk, backend, shape = ctx.args
+        need = ctx.needs_input_grad
+        if reduction == "none":
+            h2, weight, bias, t = ctx.saved_tensors
+            grads = (
+                torch.empty_like(h2) if need[0] else None,
+                torch.zeros_like(weight) if need[1] else None,
+                torch.zeros_like(bias) if (bias is not None and need[3]) else None,
+            )
+            _flce_chunks(h2, weight, bias, t, ignore_index, ls, z, chunk, backend,
+                         grad_loss.reshape(-1).float().contiguous(), grads)
+        else:
+            _ScaledOnce.check(ctx)
+            grads = ctx.saved_tensors
+            for g in grads:
+                if g is not None:
+                    g.mul_(grad_loss.to(g.dtype))
+        dh, dw, db = grads
+        return (None if dh is None else dh.view(shape)), dw, None, db, None, None, None, None, None, None, None
+
+
+def fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: Reduction = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    chunk_size: int | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """``cross_entropy(hidden @ weight.T + bias, target)`` without materialising the ``[N, V]`` logits.
+
+    ``hidden`` ``[..., H]``, ``weight`` ``[V, H]`` (the LM head), ``bias`` ``[V]`` or None, ``target`` ``[...]``.
+    ``chunk_size`` tokens per chunk (None: about ``N * H / V`` rounded to a power of two, so a chunk's logits
+    cost about as much memory as ``hidden``). Each chunk's logits are in ``hidden.dtype``; the gradients are
+    accumulated in the parameter dtypes. For ``reduction="none"`` the chunks are recomputed in backward.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise ValueError(f"hidden, weight and bias must share a dtype, got {hidden.dtype} / {weight.dtype}"
+                         f" / {None if bias is None else bias.dtype}")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    resolved = resolve_backend(backend, hidden)
+    return FusedLinearCrossEntropyFunction.apply(hidden, weight, target, bias, ignore_index, reduction,
+                                                 float(label_smoothing), float(z_loss), chunk_size, resolved,
+                                                 torch.is_grad_enabled())
