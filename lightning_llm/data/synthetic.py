@@ -22,8 +22,8 @@ _FIRST_CJK = 0x4E00
 
 
 def generate_pair_dataset(out_dir: str | Path, *, n_train: int = 2000, n_val: int = 400, n_test: int = 400,
-                          num_topics: int = 8, chars_per_topic: int = 12, noise_chars: int = 24,
-                          noise_rate: float = 0.25, min_len: int = 6, max_len: int = 14, seed: int = 0) -> Path:
+                          num_topics: int = 4, chars_per_topic: int = 12, noise_chars: int = 24,
+                          noise_rate: float = 0.1, min_len: int = 6, max_len: int = 14, seed: int = 0) -> Path:
     """Write ``train.json``/``dev.json``/``test.json`` (CLUE format; test unlabelled) and ``tokenizer/vocab.txt``.
 
     Deterministic for a given argument set; files are written atomically. Returns ``out_dir``.
