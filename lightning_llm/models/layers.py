@@ -2,7 +2,8 @@
 
 No parallel code lives here. The math of norms, rotary embeddings and activations is in small module-level
 functions (``rms_norm``, ``layer_norm``, ``apply_rotary``, ``activation``) so that a fused-kernel integration can swap
-them in one place; ``config.kernels`` is not consulted yet (plain torch everywhere).
+them in one place; modules consult ``config.kernels`` (:func:`use_fused_kernel`) to call the fused Triton kernels of
+:mod:`lightning_llm.kernels` instead.
 
 Shape legend: B batch, S sequence, H hidden size, N query heads, K key/value heads, D head dim, I MLP width.
 """
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from .config import ModelConfig
 
@@ -33,6 +35,7 @@ __all__ = [
     "rotate_half",
     "apply_rotary",
     "Attention",
+    "KVCache",
     "MLP",
     "TransformerBlock",
     "init_linear",
@@ -45,6 +48,19 @@ __all__ = [
 # --------------------------------------------------------------------------------------------------------------------
 # Pure functions (the kernel swap points)
 # --------------------------------------------------------------------------------------------------------------------
+
+
+def use_fused_kernel(kernels: str, x: Tensor) -> bool:
+    """Whether a module configured with ``kernels`` (auto|triton|torch) runs its fused Triton kernel on ``x``.
+
+    DTensor activations (tensor/sequence parallel) keep the torch path: the kernels are plain autograd
+    Functions over local tensors, and DTensor's sharding propagation needs aten ops.
+    """
+    if kernels == "torch" or isinstance(x, DTensor):
+        return False
+    from lightning_llm.kernels import resolve_backend
+
+    return resolve_backend(kernels, x) == "triton"
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -147,15 +163,20 @@ def init_embedding(emb: nn.Embedding, std: float) -> None:
 class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned scale ``weight`` [H]."""
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, *, kernels: str = "torch") -> None:
         super().__init__()
         self.eps = eps
+        self.kernels = kernels
         self.weight = nn.Parameter(torch.ones(dim))
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., H] -> [..., H]
+        if use_fused_kernel(self.kernels, x):
+            from lightning_llm import kernels
+
+            return kernels.rms_norm(x, self.weight, self.eps, backend="triton")
         return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
@@ -165,9 +186,10 @@ class RMSNorm(nn.Module):
 class LayerNorm(nn.Module):
     """LayerNorm with ``weight`` and ``bias`` [H] (same parameter names as ``nn.LayerNorm``)."""
 
-    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True) -> None:
+    def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True, *, kernels: str = "torch") -> None:
         super().__init__()
         self.eps = eps
+        self.kernels = kernels
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
@@ -177,6 +199,10 @@ class LayerNorm(nn.Module):
             nn.init.zeros_(self.bias)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., H] -> [..., H]
+        if use_fused_kernel(self.kernels, x):
+            from lightning_llm import kernels
+
+            return kernels.layer_norm(x, self.weight, self.bias, self.eps, backend="triton")
         return layer_norm(x, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
@@ -187,10 +213,35 @@ def build_norm(config: ModelConfig, dim: int | None = None) -> RMSNorm | LayerNo
     """The norm named by ``config.norm`` over ``dim`` (default ``hidden_size``)."""
     dim = config.hidden_size if dim is None else dim
     if config.norm == "rmsnorm":
-        return RMSNorm(dim, config.norm_eps)
+        return RMSNorm(dim, config.norm_eps, kernels=config.kernels)
     if config.norm == "layernorm":
-        return LayerNorm(dim, config.norm_eps)
+        return LayerNorm(dim, config.norm_eps, kernels=config.kernels)
     raise ValueError(f"unknown norm {config.norm!r}")
+
+
+class KVCache:
+    """Keys/values of the tokens seen so far, per attention module, for incremental decoding.
+
+    Each :class:`Attention` appends its new keys/values [B, K, S_new, D] (after rotary) under its own identity,
+    so one cache object serves a whole model without layer indices. ``reorder`` selects batch rows (beam search).
+    """
+
+    def __init__(self) -> None:
+        self._kv: dict[int, tuple[Tensor, Tensor]] = {}
+        self.seq_len = 0
+        """Tokens cached so far (set by the model after each forward)."""
+
+    def update(self, owner: nn.Module, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append k, v [B, K, S_new, D] for ``owner``; returns all keys/values [B, K, S_past + S_new, D]."""
+        past = self._kv.get(id(owner))
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        self._kv[id(owner)] = (k, v)
+        return k, v
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep batch rows ``index`` [B'] (in that order) of every cached tensor."""
+        self._kv = {key: (k.index_select(0, index), v.index_select(0, index)) for key, (k, v) in self._kv.items()}
 
 
 class Attention(nn.Module):
@@ -205,6 +256,7 @@ class Attention(nn.Module):
         assert config.head_dim is not None and config.num_kv_heads is not None
         self.head_dim: int = config.head_dim
         self.dropout: float = config.dropout
+        self.kernels: str = config.kernels
         h, d = config.hidden_size, config.head_dim
         self.q_proj = nn.Linear(h, config.num_heads * d, bias=config.attention_bias)
         self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.attention_bias)
@@ -220,16 +272,23 @@ class Attention(nn.Module):
         x: Tensor,  # [B, S, H]
         *,
         rope: tuple[Tensor, Tensor] | None = None,  # cos, sin [B, S, D]
-        attn_mask: Tensor | None = None,  # bool, broadcastable to [B, N, S, S]; True = attend
+        attn_mask: Tensor | None = None,  # bool, broadcastable to [B, N, S, T]; True = attend (T = past + S)
         is_causal: bool = False,
+        kv_cache: KVCache | None = None,  # incremental decoding: past keys/values, appended in place
     ) -> Tensor:  # [B, S, H]
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, -1, self.head_dim)  # [B, S, N, D]
         k = self.k_proj(x).view(b, s, -1, self.head_dim)  # [B, S, K, D]
         v = self.v_proj(x).view(b, s, -1, self.head_dim)  # [B, S, K, D]
-        if rope is not None:
+        if rope is not None and use_fused_kernel(self.kernels, q):
+            from lightning_llm import kernels
+
+            q, k = kernels.apply_rotary(q, k, rope[0].to(q.dtype), rope[1].to(q.dtype), backend="triton")
+        elif rope is not None:
             q, k = apply_rotary(q, k, rope[0], rope[1])
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, N|K, S, D]
+        if kv_cache is not None:
+            k, v = kv_cache.update(self, k, v)  # [B, K, T, D]
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:  # GQA: kv head j serves query heads j*n_rep .. (j+1)*n_rep-1 (HF repeat_kv)
             k = k.repeat_interleave(n_rep, dim=1)  # [B, N, S, D]
@@ -250,6 +309,7 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.act: str = config.activation
+        self.kernels: str = config.kernels
         h, i = config.hidden_size, config.intermediate_size
         self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias) if config.gated else None
         self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
@@ -261,7 +321,12 @@ class MLP(nn.Module):
                 init_linear(lin, std)
 
     def forward(self, x: Tensor) -> Tensor:  # [B, S, H] -> [B, S, H]
-        if self.gate_proj is not None:
+        if self.gate_proj is not None and use_fused_kernel(self.kernels, x):
+            from lightning_llm import kernels
+
+            fused = kernels.swiglu if self.act == "swiglu" else kernels.geglu
+            h = fused(self.gate_proj(x), self.up_proj(x), backend="triton")  # [B, S, I]
+        elif self.gate_proj is not None:
             h = activation(self.act, self.gate_proj(x)) * self.up_proj(x)  # [B, S, I]
         else:
             h = activation(self.act, self.up_proj(x))  # [B, S, I]
@@ -293,12 +358,16 @@ class TransformerBlock(nn.Module):
         rope: tuple[Tensor, Tensor] | None = None,
         attn_mask: Tensor | None = None,
         is_causal: bool = False,
+        kv_cache: KVCache | None = None,
     ) -> Tensor:  # [B, S, H]
+        attn = dict(rope=rope, attn_mask=attn_mask, is_causal=is_causal)
+        if kv_cache is not None:  # only passed when decoding, so wrapped/patched attention modules keep working
+            attn["kv_cache"] = kv_cache
         if self.pre_norm:
-            x = x + self.dropout(self.self_attn(self.attn_norm(x), rope=rope, attn_mask=attn_mask, is_causal=is_causal))
+            x = x + self.dropout(self.self_attn(self.attn_norm(x), **attn))
             x = x + self.dropout(self.mlp(self.mlp_norm(x)))
         else:
-            x = self.attn_norm(x + self.dropout(self.self_attn(x, rope=rope, attn_mask=attn_mask, is_causal=is_causal)))
+            x = self.attn_norm(x + self.dropout(self.self_attn(x, **attn)))
             x = self.mlp_norm(x + self.dropout(self.mlp(x)))
         return x
 
@@ -309,17 +378,23 @@ class TransformerBlock(nn.Module):
 
 
 def causal_padding_mask(attention_mask: Tensor, seq_len: int) -> Tensor:
-    """Boolean attend-mask [B, 1, S, S] = causal AND key-not-padding, from a padding mask [B, S] (1/True = token).
+    """Boolean attend-mask [B, 1, S, T] = causal AND key-not-padding, from a padding mask [B, T] (1/True = token).
 
+    ``T`` may exceed ``S`` when decoding with a KV cache: the S queries are then the last S of the T positions.
     Query rows that would attend to nothing (left-padded positions) are allowed to attend to themselves, so SDPA
     never produces NaN; their outputs are meaningless and should be ignored by the loss.
     """
     device = attention_mask.device
-    keep = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, S]
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=device).tril()  # [S, S]
-    mask = causal[None, None] & keep  # [B, 1, S, S]
+    total = attention_mask.shape[-1]
+    offset = total - seq_len  # cached positions before the first query
+    keep = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, T]
+    causal = torch.ones(seq_len, total, dtype=torch.bool, device=device).tril(diagonal=offset)  # [S, T]
+    mask = causal[None, None] & keep  # [B, 1, S, T]
     empty = ~mask.any(dim=-1, keepdim=True)  # [B, 1, S, 1]
-    eye = torch.eye(seq_len, dtype=torch.bool, device=device)[None, None]  # [1, 1, S, S]
+    rows = torch.arange(seq_len, device=device)
+    eye = torch.zeros(seq_len, total, dtype=torch.bool, device=device)
+    eye[rows, rows + offset] = True  # each query's own position
+    eye = eye[None, None]  # [1, 1, S, T]
     return mask | (empty & eye)
 
 
