@@ -1,0 +1,206 @@
+"""Splitting the built-in model families into pipeline stages (also used by the 3-D strategy).
+
+The split is DATA: :data:`PIPELINE_LAYOUTS` says, per model class, which modules go on the first stage (embeddings),
+which on the last (final norm, heads) and where the block container is. Blocks are divided into contiguous runs
+(balanced by count or by parameters, or at explicit split points).
+
+Two operations on a built model:
+
+* :func:`stage_module` -> a *view* of the model for one stage: a shallow copy whose ``layers`` hold only that stage's
+  blocks and whose first/last-stage modules are ``None``. It shares every Parameter with the model, so the model
+  itself (what Lightning checkpoints and what the optimizer sees) and the stage modules (what the schedule runs)
+  stay one set of weights. The families' ``forward`` already treats ``embed_tokens=None`` as "input is the hidden
+  state" and ``lm_head=None``/``classifier=None`` as "return hidden states".
+* :func:`prune_model` -> deletes, in place, everything the local stages do not use, so parameter names stay global
+  (``layers.2.mlp.up_proj.weight``) and each rank's state dict is its shard of the full one.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from torch import nn
+
+from lightning_llm.models import DecoderLM, EncoderModel
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PipelineLayout", "PIPELINE_LAYOUTS", "StageSpec", "layout_of", "split_layers", "stage_specs",
+           "stage_ranks", "stage_module", "prune_model", "tied_across_stages"]
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Where a model family keeps its pieces, by attribute name."""
+
+    first: tuple[str, ...]
+    """Modules run before the first block (embeddings): kept on the first stage only."""
+    last: tuple[str, ...]
+    """Modules run after the last block (final norm, pooler, heads): kept on the last stage only."""
+    layers: str = "layers"
+    """``nn.ModuleDict`` of blocks keyed ``"0".."n-1"``."""
+
+
+PIPELINE_LAYOUTS: dict[type[nn.Module], PipelineLayout] = {
+    DecoderLM: PipelineLayout(first=("embed_tokens", "embed_positions"), last=("norm", "lm_head")),
+    EncoderModel: PipelineLayout(
+        first=("embed_tokens", "embed_positions", "embed_token_types", "embed_norm"),
+        last=("final_norm", "pooler", "classifier"),
+    ),
+}
+
+
+def layout_of(model: nn.Module) -> PipelineLayout:
+    for cls, layout in PIPELINE_LAYOUTS.items():
+        if isinstance(model, cls):
+            return layout
+    known = ", ".join(c.__name__ for c in PIPELINE_LAYOUTS)
+    raise ValueError(f"pipeline parallelism can split {known}; the task built a {type(model).__name__}")
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One pipeline stage: its global index and the block keys it runs."""
+
+    index: int
+    num_stages: int
+    layers: tuple[str, ...]
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+def _partition(weights: Sequence[float], parts: int) -> list[int]:
+    """Start indices of ``parts`` contiguous non-empty runs minimising the heaviest run (exact DP, O(n^2 parts))."""
+    n = len(weights)
+    prefix = [0.0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[k][i]: minimal max-run weight splitting weights[:i] into k runs; cut[k][i]: start of the k-th run
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0.0
+    for k in range(1, parts + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i] - 1e-9:
+                    best[k][i], cut[k][i] = cost, j
+    starts, i = [], n
+    for k in range(parts, 0, -1):
+        i = cut[k][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+def split_layers(
+    model: nn.Module,
+    num_stages: int,
+    *,
+    split_points: Sequence[int] | None = None,
+    balance: Literal["layers", "params"] = "layers",
+) -> list[tuple[str, ...]]:
+    """Block keys of each of ``num_stages`` stages, in order.
+
+    ``split_points`` are the block indices where stages 1..n-1 begin (e.g. ``[2]`` splits 4 blocks 2+2).
+    Otherwise ``balance="layers"`` gives each stage the same number of blocks (earlier stages take the remainder) and
+    ``balance="params"`` minimises the largest stage's parameter count, counting the embeddings on the first stage
+    and the final norm and heads on the last.
+    """
+    layout = layout_of(model)
+    keys = list(getattr(model, layout.layers).keys())
+    n = len(keys)
+    if num_stages > n:
+        raise ValueError(f"pipeline_parallel_size x stages_per_rank = {num_stages} stages, but the model has only {n} "
+                         f"layers; every stage needs at least one layer")
+    if split_points is not None:
+        pts = [int(p) for p in split_points]
+        if len(pts) != num_stages - 1 or pts != sorted(set(pts)) or (pts and (pts[0] <= 0 or pts[-1] >= n)):
+            raise ValueError(f"split_points={list(split_points)}: need {num_stages - 1} strictly increasing block "
+                             f"indices in 1..{n - 1} (where stages 1..{num_stages - 1} begin)")
+        starts = [0, *pts]
+    elif balance == "layers":
+        base, extra = divmod(n, num_stages)
+        sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
+        starts = [sum(sizes[:s]) for s in range(num_stages)]
+    elif balance == "params":
+        layers = getattr(model, layout.layers)
+        weights = [float(sum(p.numel() for p in layers[k].parameters())) for k in keys]
+
+        def count(names: Sequence[str]) -> float:
+            mods = [getattr(model, a, None) for a in names]
+            return float(sum(p.numel() for m in mods if m is not None for p in m.parameters()))
+
+        weights[0] += count(layout.first)
+        weights[-1] += count(layout.last)
+        starts = _partition(weights, num_stages)
+    else:
+        raise ValueError(f"balance={balance!r}: expected 'layers' or 'params'")
+    bounds = [*starts, n]
+    return [tuple(keys[bounds[s]:bounds[s + 1]]) for s in range(num_stages)]
+
+
+def stage_ranks(pp_size: int, stages_per_rank: int, *, style: Literal["loop", "v"] = "loop") -> list[int]:
+    """Pipeline rank owning each global stage: round-robin (``loop``, interleaved 1F1B) or ``v`` (ZBV: rank r holds
+    stages r and 2p-1-r)."""
+    num = pp_size * stages_per_rank
+    if style == "v":
+        return [s if s < pp_size else num - 1 - s for s in range(num)]
+    return [s % pp_size for s in range(num)]
+
+
+def stage_specs(layer_split: list[tuple[str, ...]], pp_rank: int, owners: list[int]) -> list[StageSpec]:
+    """The stages owned by ``pp_rank``, in increasing stage order."""
+    num = len(layer_split)
+    return [StageSpec(s, num, layer_split[s]) for s in range(num) if owners[s] == pp_rank]
+
+
+def stage_module(model: nn.Module, spec: StageSpec) -> nn.Module:
+    """A view of ``model`` running only ``spec``'s part; shares all parameters and buffers with ``model``."""
+    layout = layout_of(model)
+    view = copy.copy(model)  # shallow: same submodules; the registries are copied below so edits stay local
+    for registry in ("_modules", "_parameters", "_buffers"):
+        object.__setattr__(view, registry, dict(getattr(model, registry)))
+    all_layers = getattr(model, layout.layers)
+    setattr(view, layout.layers, nn.ModuleDict({k: all_layers[k] for k in spec.layers}))
+    for name in () if spec.is_first else layout.first:
+        if getattr(view, name, None) is not None:
+            setattr(view, name, None)
+    for name in () if spec.is_last else layout.last:
+        if getattr(view, name, None) is not None:
+            setattr(view, name, None)
+    return view
+
+
+def tied_across_stages(model: nn.Module, num_stages: int) -> bool:
+    """Whether the LM head shares the token embedding while they sit on different stages."""
+    cfg = getattr(model, "config", None)
+    return bool(num_stages > 1 and isinstance(model, DecoderLM) and cfg is not None and cfg.tie_embeddings)
+
+
+def prune_model(model: nn.Module, specs: Sequence[StageSpec]) -> None:
+    """Delete, in place, the blocks and first/last modules that none of ``specs`` runs (names stay global)."""
+    layout = layout_of(model)
+    keep = {k for s in specs for k in s.layers}
+    layers = getattr(model, layout.layers)
+    for k in list(layers.keys()):
+        if k not in keep:
+            del layers[k]
+    if not any(s.is_first for s in specs):
+        for name in layout.first:
+            if getattr(model, name, None) is not None:
+                setattr(model, name, None)
+    if not any(s.is_last for s in specs):
+        for name in layout.last:
+            if getattr(model, name, None) is not None:
+                setattr(model, name, None)
