@@ -15,12 +15,15 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_llm.data.io import DataError
-from lightning_llm.tasks.base import LLMTask
+from lightning_llm.tasks.base import LLMTask, NonFiniteLossError
 
 log = logging.getLogger("lightning_llm")
 
 # Tool subcommands outside Lightning's four; each maps to "module:function(argv) -> int".
-TOOLS: dict[str, str] = {}
+TOOLS: dict[str, str] = {
+    "merge": "lightning_llm.peft:merge_main",  # fold a PEFT adapter into full HF weights
+    "estimate": "lightning_llm.estimate:main",
+}
 
 
 class LLMCLI(LightningCLI):
@@ -74,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         return _tool(args[0])(args[1:])
     try:
         LLMCLI(args=argv)  # None: LightningCLI reads sys.argv itself
-    except (DataError, FileNotFoundError, ValueError) as e:
+    except (DataError, FileNotFoundError, ValueError, NonFiniteLossError) as e:
         # Bad input or configuration: one clear line instead of a traceback.
         if os.environ.get("LIGHTNING_LLM_DEBUG"):
             raise

@@ -40,6 +40,26 @@ def tokenizer_vocab_size(tokenizer: Any) -> int:
     return max(tokenizer.get_vocab().values()) + 1
 
 
+class ResumableDistributedSampler(DistributedSampler):
+    """A seeded DistributedSampler that can skip the first samples of one epoch (a mid-epoch resume).
+
+    ``len()`` stays the full epoch length so Lightning's batch counters, restored from the checkpoint, line up
+    with the shorter iteration that follows.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.skip_epoch: int | None = None
+        self.skip_samples = 0
+
+    def __iter__(self):  # noqa: ANN204 - Iterator[int]
+        indices = list(super().__iter__())
+        if self.skip_epoch == self.epoch and self.skip_samples:
+            indices = indices[self.skip_samples:]
+            self.skip_epoch, self.skip_samples = None, 0  # only once
+        return iter(indices)
+
+
 class LLMDataModule(pl.LightningDataModule):
     """Base for our datamodules: batch sizes, workers, and a training sampler keyed by data-parallel rank.
 
@@ -59,6 +79,7 @@ class LLMDataModule(pl.LightningDataModule):
         self.eval_batch_size = eval_batch_size or batch_size
         self.num_workers = num_workers
         self.seed = seed
+        self._resume: dict[str, int] | None = None
 
     def _replicas(self) -> tuple[int, int]:
         trainer = self.trainer  # None outside a Trainer
@@ -67,11 +88,29 @@ class LLMDataModule(pl.LightningDataModule):
             return 1, 0
         return int(kwargs.get("num_replicas", 1)), int(kwargs.get("rank", 0))
 
+    # Mid-epoch resume: the checkpoint records how many training batches of which epoch were consumed; on
+    # load the next training loader skips exactly those (same seed + epoch => same permutation).
+    def state_dict(self) -> dict[str, Any]:
+        trainer = self.trainer
+        if trainer is None or trainer.state.fn != "fit":
+            return {}
+        loop = trainer.fit_loop.epoch_loop
+        return {"epoch": trainer.current_epoch, "batches": int(loop.batch_progress.current.processed)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "epoch" in state_dict:
+            self._resume = {"epoch": int(state_dict["epoch"]), "batches": int(state_dict["batches"])}
+
     def make_loader(self, dataset: Dataset, *, train: bool, collate_fn: Callable | None = None) -> DataLoader:
         if train:
             num_replicas, rank = self._replicas()
-            sampler = DistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True, seed=self.seed)
+            sampler = ResumableDistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True,
+                                                  seed=self.seed)
             batch_size = self.batch_size
+            if self._resume is not None:
+                sampler.skip_epoch = self._resume["epoch"]
+                sampler.skip_samples = self._resume["batches"] * batch_size
+                self._resume = None
         else:
             # Lightning shards evaluation loaders itself (padded for val/test, unrepeated for predict).
             sampler, batch_size = SequentialSampler(dataset), self.eval_batch_size

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from .config import ModelConfig
 from .layers import (
+    KVCache,
     TransformerBlock,
     build_norm,
     causal_padding_mask,
@@ -118,6 +119,7 @@ class DecoderLM(nn.Module):
         attention_mask: Tensor | None = None,  # [B, S], 1 = token, 0 = padding
         position_ids: Tensor | None = None,  # [B, S] or [S]; default arange(S)
         inputs_embeds: Tensor | None = None,  # [B, S, H] instead of input_ids
+        kv_cache: KVCache | None = None,  # incremental decoding: attention_mask then covers past + new tokens
     ) -> Tensor:  # logits [B, S, V] (hidden [B, S, H] when lm_head is None)
         if self.embed_tokens is None:
             # Pipeline stage after the first: the positional input is the hidden state of the previous stage.
@@ -129,8 +131,12 @@ class DecoderLM(nn.Module):
                 raise ValueError("DecoderLM.forward: pass exactly one of input_ids and inputs_embeds")
             x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [B, S, H]
         b, s = x.shape[0], x.shape[1]
+        past = kv_cache.seq_len if kv_cache is not None else 0
+        if past and attention_mask is None:
+            # SDPA's is_causal aligns the mask top-left, which is wrong for S < T: build an explicit mask.
+            attention_mask = torch.ones(b, past + s, dtype=torch.bool, device=x.device)
         if position_ids is None:
-            position_ids = torch.arange(s, device=x.device).unsqueeze(0).expand(b, s)  # [B, S]
+            position_ids = torch.arange(past, past + s, device=x.device).unsqueeze(0).expand(b, s)  # [B, S]
         elif position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0).expand(b, s)
         if self.embed_tokens is not None:
@@ -146,12 +152,15 @@ class DecoderLM(nn.Module):
         if attention_mask is None:
             mask, is_causal = None, True
         elif attention_mask.dim() == 2:
-            mask, is_causal = causal_padding_mask(attention_mask, s), False  # [B, 1, S, S]
+            mask, is_causal = causal_padding_mask(attention_mask, s), False  # [B, 1, S, past + S]
         else:
             mask, is_causal = attention_mask.bool(), False  # already an attend-mask broadcastable to [B, N, S, S]
 
+        cache_kw = {} if kv_cache is None else {"kv_cache": kv_cache}  # absent unless decoding
         for layer in self.layers.values():
-            x = layer(x, rope=rope, attn_mask=mask, is_causal=is_causal)
+            x = layer(x, rope=rope, attn_mask=mask, is_causal=is_causal, **cache_kw)
+        if kv_cache is not None:
+            kv_cache.seq_len = past + s
         if self.norm is not None:
             x = self.norm(x)
         if self.lm_head is None:

@@ -1,1 +1,8 @@
 """Parallel strategies, registered in Lightning's StrategyRegistry on import."""
+
+from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
+
+from lightning_llm.strategies.pipeline_parallel import PipelineParallelStrategy  # noqa: E402
+
+if "pp" not in _StrategyRegistry:
+    _StrategyRegistry.register("pp", PipelineParallelStrategy, description="Pipeline parallelism (GPipe/1F1B/interleaved)")

@@ -3,5 +3,6 @@
 from lightning_llm.tasks.base import LLMTask, OptimConfig
 from lightning_llm.tasks.causal_lm import CausalLMTask
 from lightning_llm.tasks.classification import ClassificationTask
+from lightning_llm.tasks.sft import SFTTask
 
-__all__ = ["CausalLMTask", "ClassificationTask", "LLMTask", "OptimConfig"]
+__all__ = ["CausalLMTask", "ClassificationTask", "LLMTask", "OptimConfig", "SFTTask"]

@@ -55,6 +55,9 @@ class OptimConfig:
         return factor
 
 
+torch.serialization.add_safe_globals([OptimConfig])  # in checkpoints' hyper-parameters; resume loads weights_only
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Two AdamW groups: matrices decay, vectors (biases, norm weights) do not. Frozen params are left out."""
     decay, no_decay = [], []
@@ -62,6 +65,10 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN/inf (the message names the step)."""
 
 
 def padded_vocab_size(n: int, multiple: int = 8) -> int:
@@ -72,9 +79,13 @@ def padded_vocab_size(n: int, multiple: int = 8) -> int:
 class LLMTask(pl.LightningModule):
     """Base LightningModule of every task. Subclasses implement :meth:`build_model` and :meth:`compute_loss`."""
 
-    def __init__(self, *, optim: OptimConfig | None = None) -> None:
+    def __init__(self, *, optim: OptimConfig | None = None, nonfinite_loss: Literal["stop", "skip"] = "stop") -> None:
         super().__init__()
+        if nonfinite_loss not in ("stop", "skip"):
+            raise ValueError(f"--model.nonfinite_loss must be 'stop' or 'skip', got {nonfinite_loss!r}")
         self.optim = optim or OptimConfig()
+        self.nonfinite_loss = nonfinite_loss
+        self.skipped_batches = 0
         self.model: nn.Module | None = None
 
     # ------------------------------------------------------------------------------------------ to implement
@@ -115,6 +126,23 @@ class LLMTask(pl.LightningModule):
 
     # ------------------------------------------------------------------------------------------ lifecycle
     @override
+    def configure_callbacks(self) -> list[pl.Callback]:
+        from lightning_llm.reliability import FaultInjector, RNGState
+
+        return [RNGState(), FaultInjector()]
+
+    @override
+    def setup(self, stage: str) -> None:
+        from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+        from lightning_llm.reliability import AtomicCheckpointIO
+
+        # Plain torch.save checkpoints become temp-file + fsync + rename (sharded strategies bring their own IO).
+        strategy = self.trainer.strategy
+        if type(strategy.checkpoint_io) is TorchCheckpointIO:
+            strategy.checkpoint_io = AtomicCheckpointIO()
+
+    @override
     def configure_model(self) -> None:
         if self.model is None:  # idempotent: Lightning may call it more than once
             self.model = self.build_model()
@@ -126,10 +154,30 @@ class LLMTask(pl.LightningModule):
         return int(batch["input_ids"].shape[0])
 
     @override
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         loss, _ = self.compute_loss(batch, "train")
+        if not self._loss_is_finite(loss):
+            return self._on_nonfinite_loss(loss, batch_idx)
         self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=self._batch_size(batch))
         return loss
+
+    def _loss_is_finite(self, loss: torch.Tensor) -> bool:
+        finite = bool(torch.isfinite(loss.detach()).all())
+        if self._trainer is not None and self.trainer.world_size > 1:  # every rank must take the same branch
+            finite = bool(self.trainer.strategy.reduce_boolean_decision(finite, all=True))
+        return finite
+
+    def _on_nonfinite_loss(self, loss: torch.Tensor, batch_idx: int) -> None:
+        where = f"step {self.global_step} (batch {batch_idx} of epoch {self.current_epoch})"
+        if self.nonfinite_loss == "stop":
+            raise NonFiniteLossError(
+                f"train_loss is {float(loss.detach()):.4g} at {where}: stopping before the optimizer step, so the "
+                "last checkpoint stays good (resume from it with --ckpt_path, or pass --model.nonfinite_loss=skip)"
+            )
+        self.skipped_batches += 1
+        log.warning("non-finite train_loss at %s: batch skipped (%d so far)", where, self.skipped_batches)
+        self.log("skipped_batches", float(self.skipped_batches), on_step=True)
+        return None
 
     def _eval_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         loss, outputs = self.compute_loss(batch, stage)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +34,7 @@ class ClassificationTask(LLMTask):
         model_overrides: dict[str, Any] | None = None,
         predict_output: str | None = None,
         optim: OptimConfig | None = None,
+        nonfinite_loss: Literal["stop", "skip"] = "stop",
     ) -> None:
         """
         Args:
@@ -44,8 +45,9 @@ class ClassificationTask(LLMTask):
             model_overrides: Extra ModelConfig fields for a named size (e.g. ``{num_layers: 4}``).
             predict_output: Where ``predict`` writes a CLUE submission (``{"id", "label"}`` per line).
             optim: Optimizer and LR schedule.
+            nonfinite_loss: On a NaN/inf training loss: ``stop`` the run (naming the step) or ``skip`` the batch.
         """
-        super().__init__(optim=optim)
+        super().__init__(optim=optim, nonfinite_loss=nonfinite_loss)
         # predict_output is a run-time choice: LightningCLI re-applies checkpoint hparams over the command line.
         self.save_hyperparameters(ignore=["predict_output"])
         self.backbone = backbone

@@ -1,0 +1,400 @@
+"""PEFT integration shared by the decoder tasks: configure, apply, count, save/export adapters, merge.
+
+Injection methods (LoRA, IA3, LoHa, LoKr, ...) use ``peft.inject_adapter_in_model`` on our module tree in place, so
+module paths stay ours (``layers.0.self_attn.q_proj.base_layer``, ``...lora_A.default``) and parallel plans keyed by
+path still find their modules. Prompt tuning wraps the decoder in :class:`PromptTuningLM` with peft's
+``PromptEmbedding`` holding the virtual tokens.
+
+Adapter export writes ``adapter_config.json`` + ``adapter_model.safetensors`` in peft's own layout with HF Llama
+module names (ours ``layers.N...`` / ``embed_tokens`` / ``norm`` -> ``model.layers.N...`` / ``model.embed_tokens`` /
+``model.norm``; ``lm_head`` unchanged), so ``peft.PeftModel.from_pretrained`` loads it on the ``save_hf`` export of
+the base model.
+
+``lightning_llm merge`` (:func:`merge_main`) folds an adapter (exported directory or a Lightning checkpoint of a
+PEFT run) into the base weights and writes a full HF checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "LoraArgs", "PeftConfig", "PromptTuningLM", "apply_peft", "count_parameters", "enable_gradient_checkpointing",
+    "export_adapter", "hf_module_name", "load_adapter", "merge_main", "merge_peft", "peft_state_dict",
+]
+
+PeftMethod = Literal["lora", "ia3", "loha", "lokr", "prompt_tuning"]
+_INJECTED = ("lora", "ia3", "loha", "lokr")
+
+
+@dataclass
+class LoraArgs:
+    """LoRA hyper-parameters (``peft.LoraConfig``), e.g. the Chinese-LLaMA-Alpaca-2 recipe: r=64, alpha=128,
+    all seven projections targeted, ``modules_to_save=[embed_tokens, lm_head]``."""
+
+    r: int = 8
+    """Rank of the update ``B @ A``."""
+    alpha: float = 16.0
+    """Scale numerator: the update is multiplied by ``alpha / r``."""
+    dropout: float = 0.05
+    """Dropout on the LoRA branch input."""
+    target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    """Module names (suffixes) that get adapters: any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj."""
+    modules_to_save: list[str] | None = None
+    """Modules trained in full and saved with the adapter (e.g. ``[embed_tokens, lm_head]`` for a new vocabulary)."""
+    bias: Literal["none", "all", "lora_only"] = "none"
+    """Which biases are trained."""
+    use_rslora: bool = False
+    """Rank-stabilized scaling ``alpha / sqrt(r)``."""
+
+
+@dataclass
+class PeftConfig:
+    """Which PEFT method, and its settings. ``lora`` is read for ``method=lora``; ``num_virtual_tokens`` /
+    ``prompt_init`` for ``prompt_tuning``; ``options`` go verbatim to peft's config class for ia3 / loha / lokr."""
+
+    method: PeftMethod = "lora"
+    """``lora``, ``ia3``, ``loha``, ``lokr`` (injected into linear layers) or ``prompt_tuning`` (virtual tokens)."""
+    lora: LoraArgs = field(default_factory=LoraArgs)
+    """LoRA settings (``method=lora``)."""
+    num_virtual_tokens: int = 20
+    """Prompt tuning: learned tokens prepended to every sequence."""
+    prompt_init: Literal["random", "vocab"] = "vocab"
+    """Prompt tuning: initialize virtual tokens randomly or from randomly sampled vocabulary embeddings."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments of the peft config class (e.g. ``{target_modules: [...], r: 8}`` for loha)."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora, dict):  # from YAML / a checkpoint
+            self.lora = LoraArgs(**self.lora)
+        if self.method not in (*_INJECTED, "prompt_tuning"):
+            raise ValueError(f"peft.method={self.method!r}: choose one of {', '.join((*_INJECTED, 'prompt_tuning'))}")
+        if self.method == "lora" and self.lora.r < 1:
+            raise ValueError(f"lora.r must be >= 1, got {self.lora.r}")
+        if self.method == "prompt_tuning" and self.num_virtual_tokens < 1:
+            raise ValueError(f"peft.num_virtual_tokens must be >= 1, got {self.num_virtual_tokens}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def peft_config(self) -> Any:
+        """The ``peft`` config object for injection methods (task type CAUSAL_LM, as the adapter export declares)."""
+        import peft
+
+        if self.method == "lora":
+            a = self.lora
+            return peft.LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout,
+                                   target_modules=list(a.target_modules),
+                                   modules_to_save=list(a.modules_to_save) if a.modules_to_save else None,
+                                   bias=a.bias, use_rslora=a.use_rslora, task_type="CAUSAL_LM")
+        cls = {"ia3": peft.IA3Config, "loha": peft.LoHaConfig, "lokr": peft.LoKrConfig}.get(self.method)
+        if cls is None:
+            raise ValueError(f"peft.method={self.method} is not an injection method")
+        options = dict(self.options)
+        options.setdefault("target_modules", ["q_proj", "v_proj"])
+        if self.method == "ia3":
+            options.setdefault("feedforward_modules", [])
+        return cls(task_type="CAUSAL_LM", **options)
+
+
+# Hyper-parameters saved in checkpoints hold these dataclasses; let `torch.load(weights_only=True)` (what Lightning
+# uses to resume) accept them.
+torch.serialization.add_safe_globals([LoraArgs, PeftConfig])
+
+
+# ---------------------------------------------------------------------------------------------------- prompt tuning
+
+
+class PromptTuningLM(nn.Module):
+    """A frozen decoder with ``num_virtual_tokens`` learned input embeddings prepended (peft ``PromptEmbedding``).
+
+    Same call protocol as :class:`~lightning_llm.models.DecoderLM` (so generation works unchanged); the logits of
+    the virtual positions are dropped, so outputs line up with ``input_ids``. Virtual tokens take positions
+    0..n-1 and real tokens are shifted by n, as HF prompt tuning does.
+    """
+
+    def __init__(self, base: nn.Module, num_virtual_tokens: int, *, init: str = "vocab") -> None:
+        super().__init__()
+        from peft import PromptTuningConfig
+        from peft.tuners.prompt_tuning import PromptEmbedding
+
+        self.base = base
+        self.num_virtual_tokens = num_virtual_tokens
+        for p in base.parameters():
+            p.requires_grad_(False)
+        embed = base.embed_tokens
+        cfg = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=num_virtual_tokens,
+                                 token_dim=embed.weight.shape[1], num_transformer_submodules=1,
+                                 prompt_tuning_init="SAMPLE_VOCAB" if init == "vocab" else "RANDOM")
+        self.prompt = PromptEmbedding(cfg, embed)  # .embedding: nn.Embedding [n, H]
+        self.register_buffer("prompt_ids", torch.arange(num_virtual_tokens), persistent=False)
+
+    @property
+    def config(self) -> Any:
+        return self.base.config
+
+    def forward(
+        self,
+        input_ids: Tensor | None = None,  # [B, S]
+        *,
+        attention_mask: Tensor | None = None,  # [B, T] real tokens only (T = past real + S)
+        position_ids: Tensor | None = None,  # [B, S] positions of real tokens (without the virtual offset)
+        inputs_embeds: Tensor | None = None,
+        kv_cache: Any = None,
+    ) -> Tensor:  # logits [B, S, V]
+        n = self.num_virtual_tokens
+        x = self.base.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [B, S, H]
+        b, s = x.shape[0], x.shape[1]
+        first = kv_cache is None or kv_cache.seq_len == 0
+        past_real = 0 if first else kv_cache.seq_len - n
+        if attention_mask is None:
+            attention_mask = torch.ones(b, past_real + s, dtype=torch.long, device=x.device)
+        if position_ids is None:
+            position_ids = torch.arange(past_real, past_real + s, device=x.device).unsqueeze(0).expand(b, s)
+        elif position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0).expand(b, s)
+        mask = torch.cat([attention_mask.new_ones(b, n), attention_mask], dim=1)  # [B, n + T]
+        pos = position_ids + n
+        if first:
+            virtual = self.prompt(self.prompt_ids).to(x.dtype).unsqueeze(0).expand(b, n, -1)  # [B, n, H]
+            x = torch.cat([virtual, x], dim=1)
+            pos = torch.cat([torch.arange(n, device=x.device).unsqueeze(0).expand(b, n), pos], dim=1)
+        logits = self.base(inputs_embeds=x, attention_mask=mask, position_ids=pos, kv_cache=kv_cache)
+        return logits[:, n:] if first else logits
+
+
+# ---------------------------------------------------------------------------------------------------- apply / count
+
+
+def apply_peft(model: nn.Module, cfg: PeftConfig) -> nn.Module:
+    """Freeze ``model`` and add the trainable PEFT parameters; returns the model to train (same object for
+    injection methods, a :class:`PromptTuningLM` for prompt tuning)."""
+    if cfg.method == "prompt_tuning":
+        if getattr(model, "embed_tokens", None) is None:
+            raise ValueError("peft.method=prompt_tuning needs a decoder with embed_tokens")
+        return PromptTuningLM(model, cfg.num_virtual_tokens, init=cfg.prompt_init)
+    from peft import inject_adapter_in_model
+
+    peft_cfg = cfg.peft_config()
+    names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+    missing = [t for t in (getattr(peft_cfg, "target_modules", None) or []) if t not in names]
+    if missing:
+        raise ValueError(f"{cfg.method}.target_modules: {missing} not found in the model (its linear layers are "
+                         f"q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)")
+    return inject_adapter_in_model(peft_cfg, model)
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(trainable, total) parameter counts; shared (tied) tensors are counted once."""
+    seen: set[int] = set()
+    trainable = total = 0
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        trainable += p.numel() if p.requires_grad else 0
+    return trainable, total
+
+
+def enable_gradient_checkpointing(model: nn.Module, *, use_reentrant: bool = False) -> int:
+    """Recompute every transformer block's activations in backward; returns the number of blocks wrapped.
+
+    The blocks' ``forward`` is wrapped per instance, so module paths and state-dict keys do not change. With the
+    reentrant implementation a block whose *inputs* do not require grad produces outputs that do not either, and
+    the adapter weights inside get no gradient when the embedding is frozen (the LoRA case); a forward hook makes
+    the embedding output require grad, as HF's ``enable_input_require_grads`` does.
+    """
+    from lightning_llm.models.layers import TransformerBlock
+
+    blocks = [m for m in model.modules() if isinstance(m, TransformerBlock)]
+    for block in blocks:
+        if getattr(block, "_llm_checkpointed", False):
+            continue
+        inner = block.forward
+
+        def forward(*args: Any, _inner: Any = inner, **kwargs: Any) -> Tensor:
+            if not torch.is_grad_enabled():
+                return _inner(*args, **kwargs)
+            if use_reentrant:  # the reentrant variant takes no kwargs: bind them
+                return checkpoint(functools.partial(_inner, **kwargs), *args, use_reentrant=True)
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        block.forward = forward  # type: ignore[method-assign]
+        block._llm_checkpointed = True  # type: ignore[attr-defined]
+    embed = next((m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] == "embed_tokens"), None)
+    if use_reentrant and embed is not None and not getattr(embed, "_llm_input_grad_hook", False):
+        embed.register_forward_hook(lambda _m, _i, out: out.requires_grad_(True) if not out.requires_grad else out)
+        embed._llm_input_grad_hook = True  # type: ignore[attr-defined]
+    return len(blocks)
+
+
+# ---------------------------------------------------------------------------------------------------- save / export
+
+
+def peft_state_dict(model: nn.Module, cfg: PeftConfig) -> dict[str, Tensor]:
+    """The adapter weights in peft's saved layout with OUR module names (adapter name stripped)."""
+    if cfg.method == "prompt_tuning":
+        assert isinstance(model, PromptTuningLM)
+        return {"prompt_embeddings": model.prompt.embedding.weight.detach().clone()}
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model, adapter_name="default").items()}
+
+
+def hf_module_name(name: str) -> str:
+    """Our decoder parameter/module name -> HF Llama's (``layers.0.mlp.up_proj`` -> ``model.layers.0.mlp.up_proj``)."""
+    if name.startswith(("layers.", "embed_tokens", "norm.")) or name == "norm":
+        return "model." + name
+    return name
+
+
+def _our_module_name(hf_name: str) -> str:
+    return hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+
+
+def _check_llama_layout(model: nn.Module) -> None:
+    config = getattr(model, "config", None)
+    if config is None or config.family != "decoder" or config.position != "rope" or config.norm != "rmsnorm":
+        raise ValueError("adapter export supports LLaMA-layout decoders (rope + rmsnorm); GPT-2 modules differ in "
+                         "HF (fused c_attn), so merge with `lightning_llm merge` instead")
+
+
+def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,
+                   base_model_name_or_path: str | None = None) -> Path:
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` loadable by ``PeftModel.from_pretrained`` on the
+    HF export of the base model (written atomically: a temporary directory renamed into place)."""
+    import os
+    import shutil
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    base = model.base if isinstance(model, PromptTuningLM) else model
+    _check_llama_layout(base)
+    directory = Path(directory)
+    state = peft_state_dict(model, cfg)
+    if cfg.method == "prompt_tuning":
+        from peft import PromptTuningConfig
+
+        c = base.config
+        peft_cfg = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=cfg.num_virtual_tokens,
+                                      token_dim=c.hidden_size, num_transformer_submodules=1,
+                                      num_attention_heads=c.num_heads, num_layers=c.num_layers)
+        tensors = state
+    else:
+        peft_cfg = cfg.peft_config()
+        tensors = {"base_model.model." + hf_module_name(k): v for k, v in state.items()}
+    peft_cfg.base_model_name_or_path = base_model_name_or_path
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        peft_cfg.save_pretrained(str(tmp))
+        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"),
+                  metadata={"format": "pt"})
+        if directory.exists():
+            shutil.rmtree(directory)
+        os.replace(tmp, directory)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("adapter (%d tensors) written to %s", len(tensors), directory)
+    return directory
+
+
+def load_adapter(model: nn.Module, directory: str | Path) -> tuple[nn.Module, PeftConfig]:
+    """Inject an exported LoRA adapter (:func:`export_adapter` or any peft LoRA adapter of a Llama model) into our
+    decoder and load its weights. Returns the model and the equivalent :class:`PeftConfig`."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    raw = json.loads((directory / "adapter_config.json").read_text())
+    if raw.get("peft_type") != "LORA":
+        raise ValueError(f"--adapter={directory}: only LoRA adapters can be loaded/merged, got {raw.get('peft_type')}")
+    targets = raw["target_modules"]
+    cfg = PeftConfig(method="lora", lora=LoraArgs(
+        r=raw["r"], alpha=raw["lora_alpha"], dropout=raw.get("lora_dropout", 0.0),
+        target_modules=sorted(targets) if isinstance(targets, list) else [targets],
+        modules_to_save=raw.get("modules_to_save"), bias=raw.get("bias", "none"),
+        use_rslora=raw.get("use_rslora", False)))
+    model = apply_peft(model, cfg)
+    tensors = load_file(str(directory / "adapter_model.safetensors"))
+    prefix = "base_model.model."
+    ours = {_our_module_name(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in tensors.items()}
+    result = set_peft_model_state_dict(model, ours, adapter_name="default")
+    unexpected = getattr(result, "unexpected_keys", [])
+    if unexpected:
+        raise ValueError(f"--adapter={directory}: weights {unexpected[:5]} do not match the model")
+    return model, cfg
+
+
+def merge_peft(model: nn.Module) -> nn.Module:
+    """Fold injected adapters into the base weights and remove the PEFT wrappers (in place); returns the plain model.
+    Modules trained in full (``modules_to_save``) replace the originals."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    if isinstance(model, PromptTuningLM):
+        raise ValueError("prompt tuning has no weights to merge: keep the adapter beside the base model")
+    replacements: list[tuple[nn.Module, str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, (BaseTunerLayer, ModulesToSaveWrapper)):
+            parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+            if isinstance(module, ModulesToSaveWrapper):
+                new = module.modules_to_save["default"]
+            else:
+                module.merge(safe_merge=True)
+                new = module.get_base_layer()
+            replacements.append((parent, name.rsplit(".", 1)[-1], new))
+    for parent, attr, new in replacements:
+        setattr(parent, attr, new)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model
+
+
+def merge_main(argv: list[str]) -> int:
+    """``lightning_llm merge --base HF_DIR (--adapter DIR | --ckpt FILE) --output DIR``: write merged full weights."""
+    from lightning_llm.models import load_hf, save_hf
+
+    parser = argparse.ArgumentParser(prog="lightning_llm merge", description=merge_main.__doc__)
+    parser.add_argument("--base", required=True, help="HF checkpoint directory of the base model")
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--adapter", help="adapter directory (adapter_config.json + adapter_model.safetensors)")
+    src.add_argument("--ckpt", help="Lightning checkpoint of a PEFT run (trainable weights only)")
+    parser.add_argument("--output", required=True, help="directory for the merged HF checkpoint")
+    args = parser.parse_args(argv)
+    model, _ = load_hf(args.base, family="decoder")
+    if args.adapter:
+        model, _ = load_adapter(model, args.adapter)
+    else:
+        ckpt = torch.load(args.ckpt, map_location="cpu", weights_only=False)
+        if "peft" not in ckpt:
+            raise ValueError(f"--ckpt={args.ckpt}: not a checkpoint of a PEFT run (no 'peft' entry)")
+        cfg = PeftConfig(**ckpt["peft"])
+        model = apply_peft(model, cfg)
+        state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in state]
+        if missing:
+            raise ValueError(f"--ckpt={args.ckpt}: adapter weights missing, e.g. {missing[:3]}")
+        model.load_state_dict(state, strict=False)
+    merged = merge_peft(model)
+    save_hf(merged, args.output)
+    print(f"merged weights written to {args.output}")
+    return 0

@@ -1,0 +1,148 @@
+"""Fault tolerance: exact resume state (RNG per rank), atomic checkpoint files, fault injection for tests.
+
+Data order on resume is handled by :class:`lightning_llm.data.base.LLMDataModule` (its state_dict records how
+many batches of the current epoch were consumed); optimizer, LR-schedule and loop state are Lightning's own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import signal
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+from typing_extensions import override
+
+log = logging.getLogger(__name__)
+
+FAULT_ENV = "LIGHTNING_LLM_FAULT"
+"""Fault injection for tests: ``kill:step=K[:rank=R]`` SIGKILLs rank R (default all) before training step K;
+``kill:save=N[:rank=R]`` SIGKILLs it half-way through writing its N-th checkpoint file (1-based);
+``raise:step=K[:rank=R]`` raises RuntimeError there instead."""
+
+
+def parse_fault(spec: str | None) -> dict[str, Any] | None:
+    """``"kill:step=3:rank=1"`` -> ``{"action": "kill", "step": 3, "rank": 1}``; None/empty -> None."""
+    if not spec:
+        return None
+    action, *fields = spec.split(":")
+    if action not in ("kill", "raise"):
+        raise ValueError(f"{FAULT_ENV}={spec!r}: action must be 'kill' or 'raise'")
+    out: dict[str, Any] = {"action": action}
+    for f in fields:
+        key, _, value = f.partition("=")
+        if key not in ("step", "save", "rank") or not value.isdigit():
+            raise ValueError(f"{FAULT_ENV}={spec!r}: expected step=K, save=N or rank=R, got {f!r}")
+        out[key] = int(value)
+    if "step" not in out and "save" not in out:
+        raise ValueError(f"{FAULT_ENV}={spec!r}: needs step=K or save=N")
+    return out
+
+
+def _fault_hits(fault: dict[str, Any] | None, key: str, value: int, rank: int) -> bool:
+    return bool(fault) and fault.get(key) == value and fault.get("rank", rank) == rank
+
+
+def _trigger(fault: dict[str, Any], where: str) -> None:
+    log.error("fault injection (%s): %s at %s", FAULT_ENV, fault["action"], where)
+    if fault["action"] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError(f"injected fault at {where}")
+
+
+def _global_rank() -> int:
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
+
+
+class FaultInjector(pl.Callback):
+    """Kills or fails this process before a given training step (see :data:`FAULT_ENV`)."""
+
+    def __init__(self, spec: str | None = None) -> None:
+        self.fault = parse_fault(spec if spec is not None else os.environ.get(FAULT_ENV))
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if _fault_hits(self.fault, "step", trainer.global_step, trainer.global_rank):
+            _trigger(self.fault, f"step {trainer.global_step} on rank {trainer.global_rank}")
+
+
+class RNGState(pl.Callback):
+    """Saves every rank's Python/NumPy/torch RNG state in checkpoints and restores this rank's on resume, so
+    dropout and sampling continue exactly as in an uninterrupted run."""
+
+    @staticmethod
+    def _capture() -> dict[str, Any]:
+        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        # Plain types and tensors only, so `torch.load(weights_only=True)` (LightningCLI's --ckpt_path) reads it.
+        numpy_state = [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(gauss)]
+        return {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        states = [self._capture()]
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            states = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(states, self._capture())
+        return {"per_rank": states}
+
+    def __init__(self) -> None:
+        self._pending: dict[str, Any] | None = None
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        states = state_dict.get("per_rank") or []
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        if rank >= len(states):
+            log.warning("checkpoint holds RNG states for %d ranks; rank %d keeps its own", len(states), rank)
+            return
+        self._pending = states[rank]
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        # Applied at the first batch, not at load time: between loading and here the resumed run re-creates its
+        # DataLoader iterator, which draws from the global RNG (the uninterrupted run drew that before saving).
+        if self._pending is None:
+            return
+        s, self._pending = self._pending, None
+        random.setstate(s["python"])
+        name, keys, pos, has_gauss, gauss = s["numpy"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, gauss))
+        torch.set_rng_state(s["torch"])
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """``torch.save`` to a temp file beside the target, fsync, then rename: a crash mid-write leaves the previous
+    checkpoint intact and never a truncated file under the final name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fault = parse_fault(os.environ.get(FAULT_ENV))
+        self.saves = 0
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        self.saves += 1
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(checkpoint, f)
+                if _fault_hits(self.fault, "save", self.saves, _global_rank()):
+                    f.flush()
+                    f.truncate(max(1, f.tell() // 2))  # half-written, as a crash mid-write leaves it
+                    _trigger(self.fault, f"checkpoint save #{self.saves} ({path.name})")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
