@@ -2,6 +2,13 @@
 
 from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 
+from lightning_llm.strategies.tensor_parallel import TensorParallelStrategy
+
+if "tp" not in _StrategyRegistry:
+    _StrategyRegistry.register("tp", TensorParallelStrategy, description="Megatron-style tensor parallelism (DTensor)")
+
+
+
 from lightning_llm.strategies.pipeline_parallel import PipelineParallelStrategy  # noqa: E402
 
 if "pp" not in _StrategyRegistry:
