@@ -7,7 +7,10 @@ from lightning_llm.strategies.tensor_parallel import TensorParallelStrategy
 if "tp" not in _StrategyRegistry:
     _StrategyRegistry.register("tp", TensorParallelStrategy, description="Megatron-style tensor parallelism (DTensor)")
 
+from lightning_llm.strategies.zero import ZeroStrategy  # noqa: E402
+from lightning_llm.strategies.zero_deepspeed import DeepSpeedZeroStrategy  # noqa: E402,F401
 
+ZeroStrategy.register_presets(_StrategyRegistry)  # zero1/2/3(_offload), deepspeed_zero1/2/3(_offload); idempotent
 
 from lightning_llm.strategies.pipeline_parallel import PipelineParallelStrategy  # noqa: E402
 

@@ -1,0 +1,309 @@
+"""DeepSpeed ZeRO engine: Lightning's ``DeepSpeedStrategy`` with the config generated from ZeRO init args, on GPUs *and*
+on CPU (DeepSpeed's CPU accelerator with gloo, which Lightning's own strategy refuses), and DeepSpeed optimizers by name.
+
+Optimizers (``optimizer=``), checked against what this DeepSpeed build provides before training starts:
+
+* ``None`` (default): the task's ``configure_optimizers`` (torch AdamW + its LR schedule), wrapped by ZeRO.
+* ``adam`` / ``adamw``: DeepSpeed's ``FusedAdam`` on CUDA; on CPU, torch's Adam/AdamW (DeepSpeed's ``torch_adam``).
+* ``cpu_adam``: ``DeepSpeedCPUAdam`` (a C++ op JIT-compiled on first use; the default optimizer with
+  ``offload_optimizer``). If it fails to build, the error says so and names ``optimizer=adamw`` as the fallback.
+* ``lamb``: ``FusedLamb`` (a CUDA op): rejected on CPU.
+* ``onebitadam`` / ``zerooneadam``: DeepSpeed removed 1-bit Adam, 0/1 Adam and their compressed-communication
+  backends (NCCL/MPI) before 0.19; with the installed version they are rejected with that message.
+
+All named optimizers take lr/betas/eps/weight decay and the parameter groups from the task's optimizer, and keep the
+task's LR schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+from collections.abc import Generator
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from torch.optim import Optimizer
+from typing_extensions import override
+
+log = logging.getLogger(__name__)
+
+OPTIMIZERS = ("adam", "adamw", "cpu_adam", "lamb", "onebitadam", "zerooneadam")
+
+
+def deepspeed_config(*, stage: int, offload_optimizer: bool, offload_params: bool, pin_memory: bool,
+                     bucket_size: int = 50_000_000) -> dict[str, Any]:
+    """The DeepSpeed config for the ZeRO init args (batch size, accumulation, clipping and precision are filled in
+    from the Trainer by Lightning)."""
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "contiguous_gradients": True,
+        "overlap_comm": False,  # deterministic order; gloo has no separate comm stream anyway
+        "reduce_scatter": True,
+        "reduce_bucket_size": bucket_size,
+        "allgather_bucket_size": bucket_size,
+    }
+    if stage == 3:
+        zero.update(stage3_prefetch_bucket_size=bucket_size, stage3_param_persistence_threshold=0,
+                    stage3_gather_16bit_weights_on_model_save=True)
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin_memory}
+    if offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin_memory}
+    return {
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        # Let a torch optimizer run on offloaded states (the CPU fallback when DeepSpeedCPUAdam cannot be built).
+        "zero_force_ds_cpu_optimizer": False,
+    }
+
+
+def merge_config(base: dict[str, Any], override_cfg: dict[str, Any]) -> dict[str, Any]:
+    """Recursive dict merge: values of ``override_cfg`` win."""
+    out = copy.deepcopy(base)
+    for k, v in override_cfg.items():
+        out[k] = merge_config(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def check_optimizer(name: str | None, *, on_cuda: bool) -> None:
+    """Raise ``ValueError`` naming ``optimizer=`` when it cannot run with this DeepSpeed build and device."""
+    if name is None:
+        return
+    if name not in OPTIMIZERS:
+        raise ValueError(f"DeepSpeedZeroStrategy: optimizer={name!r}; choose one of {', '.join(OPTIMIZERS)}")
+    if name in ("onebitadam", "zerooneadam"):
+        import deepspeed
+
+        raise ValueError(f"DeepSpeedZeroStrategy: optimizer={name!r} is not available: DeepSpeed {deepspeed.__version__}"
+                         " no longer ships 1-bit Adam / 0/1 Adam or their NCCL/MPI compressed-communication backends "
+                         "(and there is none for gloo/CPU); use optimizer='adamw'")
+    if name == "lamb" and not on_cuda:
+        raise ValueError("DeepSpeedZeroStrategy: optimizer='lamb' is DeepSpeed's FusedLamb, a CUDA kernel; it cannot "
+                         "run on CPU")
+
+
+def build_named_optimizer(name: str, template: Optimizer, *, on_cuda: bool) -> Optimizer:
+    """A DeepSpeed/torch optimizer by name with ``template``'s param groups and hyperparameters."""
+    groups = [dict(g) for g in template.param_groups]
+    d = template.defaults
+    kw = dict(lr=d["lr"], betas=d.get("betas", (0.9, 0.999)), eps=d.get("eps", 1e-8),
+              weight_decay=d.get("weight_decay", 0.0))
+    if name == "cpu_adam":
+        try:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            return DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
+        except Exception as e:  # noqa: BLE001 - a JIT build failure has many exception types
+            raise RuntimeError(f"DeepSpeedZeroStrategy: optimizer='cpu_adam' needs DeepSpeed's cpu_adam C++ op, which "
+                               f"failed to build here ({type(e).__name__}: {e}); use optimizer='adamw' (torch AdamW "
+                               "on the offloaded states) instead") from e
+    if name in ("adam", "adamw"):
+        if on_cuda:
+            from deepspeed.ops.adam import FusedAdam
+
+            return FusedAdam(groups, adam_w_mode=name == "adamw", **kw)
+        return (torch.optim.AdamW if name == "adamw" else torch.optim.Adam)(groups, **kw)
+    if name == "lamb":
+        from deepspeed.ops.lamb import FusedLamb
+
+        kw.pop("betas")
+        return FusedLamb(groups, betas=d.get("betas", (0.9, 0.999)), **kw)
+    check_optimizer(name, on_cuda=on_cuda)
+    raise AssertionError("unreachable")
+
+
+def _drop_empty_groups(optimizer: Optimizer, scheduler: Any) -> None:
+    """Remove parameter groups without parameters (e.g. the no-decay group when only LoRA matrices train), as
+    DeepSpeed does in ``initialize`` - but together with the scheduler's per-group lists, so they stay aligned."""
+    empty = [i for i, g in enumerate(optimizer.param_groups) if not g["params"]]
+    for i in reversed(empty):
+        del optimizer.param_groups[i]
+        if scheduler is None:
+            continue
+        for attr in ("base_lrs", "lr_lambdas", "_last_lr", "min_lrs", "max_lrs"):
+            values = getattr(scheduler, attr, None)
+            if isinstance(values, list) and len(values) > i:
+                del values[i]
+
+
+class DeepSpeedZeroStrategy(DeepSpeedStrategy):
+    """DeepSpeed ZeRO stage 1/2/3 (+ CPU offload) configured from the same args as ``ZeroStrategy``; runs on CPU."""
+
+    def __init__(
+        self,
+        stage: int = 2,
+        *,
+        offload_optimizer: bool = False,
+        offload_params: bool = False,
+        optimizer: str | None = None,
+        config: str | dict[str, Any] | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        zero_init: bool = False,
+        **deepspeed_kwargs: Any,
+    ) -> None:
+        """
+        Args:
+            stage: ZeRO stage 1, 2 or 3.
+            offload_optimizer: Optimizer states (fp32 masters, moments) in CPU memory.
+            offload_params: Parameter partitions in CPU memory (stage 3).
+            optimizer: A DeepSpeed optimizer by name (see module doc); default: the task's optimizer.
+            config: A DeepSpeed JSON file or dict merged over the generated config (its values win).
+            process_group_backend: ``nccl``/``gloo``; default from the device.
+            timeout: Collective timeout.
+            zero_init: Stage 3: build the model inside ``deepspeed.zero.Init`` (partitioned as it is constructed, for
+                models that do not fit one device). Off by default because partitioned placeholders report
+                ``p.ndim == 1``, so ``LLMTask``'s decay/no-decay grouping would put every weight in the no-decay group;
+                without it DeepSpeed partitions the (CPU-built) model in ``deepspeed.initialize``.
+            deepspeed_kwargs: Further ``lightning.pytorch.strategies.DeepSpeedStrategy`` arguments.
+        """
+        from lightning_llm.strategies.zero import validate_zero_args
+
+        validate_zero_args(stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params,
+                           engine="deepspeed")
+        check_optimizer(optimizer, on_cuda=torch.cuda.is_available())
+        cfg = deepspeed_config(stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params,
+                               pin_memory=torch.cuda.is_available())
+        if config is not None:
+            if not isinstance(config, dict):
+                path = Path(config)
+                if not path.is_file():
+                    raise FileNotFoundError(f"DeepSpeedZeroStrategy: config={config}: no such JSON file")
+                try:
+                    config = json.loads(path.read_text())
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"DeepSpeedZeroStrategy: config={path}: invalid JSON ({e})") from None
+            cfg = merge_config(cfg, config)
+        super().__init__(config=cfg, process_group_backend=process_group_backend, timeout=timeout, **deepspeed_kwargs)
+        self.stage = int(cfg["zero_optimization"]["stage"])
+        self.offload_optimizer = offload_optimizer
+        self.offload_params = offload_params
+        self.engine = "deepspeed"
+        self.optimizer_name = optimizer
+        self.zero_init = zero_init
+
+    @contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        if self.zero_init:
+            with super().model_sharded_context():
+                yield
+        else:
+            self._init_config_if_needed()
+            yield
+
+    @override
+    def setup_environment(self) -> None:
+        # Lightning's DeepSpeedStrategy refuses anything but CUDA here; DeepSpeed itself runs on its CPU accelerator.
+        DDPStrategy.setup_environment(self)
+
+    @override
+    def setup_distributed(self) -> None:
+        if self.root_device.type == "cuda":
+            return super().setup_distributed()
+        # CPU devices have no index, which Lightning's device-index check rejects; the rest is unchanged.
+        reset_seed()
+        self.set_world_ranks()
+        self._init_deepspeed_distributed()
+        return None
+
+    @override
+    def _setup_model_and_optimizer(self, model: Any, optimizer: Optimizer | None, lr_scheduler: Any = None) -> Any:
+        import deepspeed
+
+        # DeepSpeed reads the device index from args.device_rank; CPU devices have none, so pass the local rank.
+        rank = self.root_device.index if self.root_device.type == "cuda" else self.local_rank
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=rank), config=self.config, model=model,
+            model_parameters=filter(lambda p: p.requires_grad, model.parameters()), optimizer=optimizer,
+            lr_scheduler=lr_scheduler, dist_init_required=False)
+        return engine, ds_optimizer
+
+    @override
+    def _init_optimizers(self) -> tuple[Optimizer, Any]:
+        optimizer, scheduler_config = super()._init_optimizers()
+        _drop_empty_groups(optimizer, scheduler_config.scheduler if scheduler_config is not None else None)
+        if self.optimizer_name is None:
+            return optimizer, scheduler_config
+        named = build_named_optimizer(self.optimizer_name, optimizer, on_cuda=self.root_device.type == "cuda")
+        if scheduler_config is not None and getattr(scheduler_config.scheduler, "optimizer", None) is optimizer:
+            scheduler_config.scheduler.optimizer = named  # same groups -> the task's LR schedule carries over
+        log.info("DeepSpeed ZeRO-%d optimizer: %s", self.stage, type(named).__name__)
+        return named, scheduler_config
+
+    def export_consolidated(self, path: _PATH, *, adapter_only: bool = False) -> Path | None:
+        """Write the backbone's full ``state_dict`` (or only ``lora_*`` tensors) to one file on rank 0 (a collective
+        under stage 3: partitions are gathered). Tensors are in the training dtype of the module (fp32 under
+        ``32-true``; for fp32 masters of a 16-bit run use DeepSpeed's ``zero_to_fp32`` on a saved checkpoint)."""
+        from lightning_llm.strategies.zero import _write_export, check_adapter
+
+        engine = self.deepspeed_engine
+        check_adapter(engine.module, adapter_only)
+        if self.stage == 3:
+            sd = engine._zero3_consolidated_16bit_state_dict()  # gathers every partition; rank 0 gets the tensors
+            sd = {} if sd is None else sd
+        else:
+            sd = engine.module.state_dict()
+        prefix = "model."
+        sd = {k[len(prefix):] if k.startswith(prefix) else k: v.detach().cpu() for k, v in sd.items()}
+        return _write_export(sd, path, adapter_only=adapter_only, rank0=self.is_global_zero, barrier=self.barrier)
+
+
+def deepspeed_model_state_bytes(engine: Any) -> dict[str, int]:
+    """This rank's bytes in DeepSpeed's live tensors: ``params`` (module parameters, or their ZeRO-3 partitions),
+    ``grads`` (gradient buffers/partitions) and ``optim`` (fp32 partition copies the optimizer updates + its states).
+    Storages are counted once; DeepSpeed's flat buffers that the module parameters view are counted as parameters."""
+    seen: set[int] = set()
+
+    def size(t: Any) -> int:
+        if not isinstance(t, torch.Tensor):
+            return 0
+        st = t.untyped_storage()
+        if st.data_ptr() == 0 or st.data_ptr() in seen or st.nbytes() == 0:
+            return 0
+        seen.add(st.data_ptr())
+        return st.nbytes()
+
+    def tensors(obj: Any, depth: int = 0) -> list[torch.Tensor]:
+        if isinstance(obj, torch.Tensor):
+            return [obj]
+        if depth > 3:
+            return []
+        if isinstance(obj, dict):
+            return [t for v in obj.values() for t in tensors(v, depth + 1)]
+        if isinstance(obj, (list, tuple)):
+            return [t for v in obj for t in tensors(v, depth + 1)]
+        return []
+
+    out = {"params": 0, "grads": 0, "optim": 0}
+    params = list(engine.module.parameters())
+    for p in params:
+        out["params"] += size(getattr(p, "ds_tensor", None)) + size(p)
+    opt = engine.optimizer
+    for name, value in vars(opt).items():  # DeepSpeed's flat buffers, partitions and gradient buckets
+        kind = ("grads" if "grad" in name and "fp32" not in name else
+                "optim" if "fp32" in name or "single_partition" in name else
+                "params" if "16" in name or "param" in name else None)
+        if kind is None:
+            continue
+        for t in tensors(value):
+            out[kind] += size(t)
+            if kind == "optim":
+                out["optim"] += size(t.grad)  # fp32 gradient partition the optimizer steps on
+    for p in params:
+        out["grads"] += size(p.grad)
+    inner = getattr(opt, "optimizer", None)
+    for state in (inner.state.values() if inner is not None else []):
+        for v in state.values():
+            out["optim"] += size(v)
+    return out

@@ -1,0 +1,300 @@
+"""Torch-native ZeRO engine pieces, used by :class:`~lightning_llm.strategies.zero.ZeroStrategy` (``engine="native"``).
+
+Every function takes the data-parallel :class:`DeviceMesh` (the ``dp`` dim of ``ParallelDims``' mesh) explicitly, so
+the same pieces shard over a sub-group when tensor/pipeline parallel dims are added later.
+
+* Stages 1 and 2: :class:`PartitionedOptimizer`. Parameters stay whole on every rank (like DDP); each trainable
+  parameter is *owned* by one data-parallel rank (greedy balance by size) and only the owner keeps its optimizer
+  state. Stage 1 all-reduces every gradient (all ranks keep full gradients, 4Ψ); stage 2 reduces each gradient to its
+  owner as soon as autograd has accumulated it and drops it on the other ranks (4Ψ/N). After the owner's local step
+  the updated parameters are broadcast from their owners. This holds exactly ZeRO's model states per rank:
+  stage 1 = 4Ψ + 4Ψ + 8Ψ/N, stage 2 = 4Ψ + 12Ψ/N in fp32 (see ``benchmarks/results/zero-cpu.md``).
+  FSDP2 with ``reshard_after_forward=False`` was not used for stage 2: it keeps its own parameter shard next to the
+  all-gathered whole parameters (4Ψ + 16Ψ/N when parameters are whole at the step), or - with its default resharding
+  after backward - only shards at the step, i.e. stage 3's memory.
+* Stage 3: FSDP2 ``fully_shard`` on the units of :data:`FSDP_UNITS` (parameters, gradients and optimizer states all
+  sharded: 16Ψ/N), with :class:`MixedPrecisionPolicy` from the Trainer precision and :class:`CPUOffloadPolicy`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.optim import Optimizer
+
+log = logging.getLogger(__name__)
+
+FSDP_UNITS: tuple[str, ...] = ("model.layers.*", "model")
+"""Stage-3 plan (data): module paths, relative to the LightningModule, that become FSDP2 units, innermost first.
+Each transformer block is one all-gather/reduce-scatter unit; the backbone root takes the embeddings, final norm
+and head (and keeps tied embedding/head weights in one unit)."""
+
+
+# ------------------------------------------------------------------------------------------------ stage 3 (FSDP2)
+
+
+def fsdp_mixed_precision(precision: str) -> Any:
+    """FSDP2 ``MixedPrecisionPolicy`` for a Lightning precision flag (compute dtype for params, fp32 reductions)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if precision.startswith("bf16-mixed"):
+        return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if precision.startswith("16-mixed"):
+        return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy()  # 32-true, bf16-true: parameters are already in their compute dtype
+
+
+def apply_fsdp(
+    root: nn.Module,
+    *,
+    dp_mesh: DeviceMesh,
+    units: Iterable[str] = FSDP_UNITS,
+    reshard_after_forward: bool = True,
+    precision: str = "32-true",
+    offload: bool = False,
+) -> list[str]:
+    """Shard ``root``'s submodules matching ``units`` (``named_modules`` paths, ``*`` = one component) with FSDP2, innermost
+    units first. Returns the sharded paths; raises ``ValueError`` if no pattern matched anything."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    kwargs: dict[str, Any] = {
+        "mesh": dp_mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "mp_policy": fsdp_mixed_precision(precision),
+    }
+    if offload:
+        # Pinned host memory needs an accelerator runtime; plain pageable memory on CPU-only machines.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    modules = dict(root.named_modules())
+    done: list[str] = []
+    for pattern in units:
+        for path in [p for p in modules if p and _match(p, pattern)]:
+            fully_shard(modules[path], **kwargs)
+            done.append(path)
+    if not done:
+        raise ValueError(f"ZeRO stage 3: none of the FSDP units {tuple(units)} matched a module of "
+                         f"{type(root).__name__}; is the backbone built in configure_model()?")
+    log.info("ZeRO-3: %d FSDP2 units over dp=%d (offload=%s, precision=%s)", len(done), dp_mesh.size(), offload,
+             precision)
+    return done
+
+
+def _match(path: str, pattern: str) -> bool:
+    """``*`` matches exactly one dotted component (``model.layers.*`` is the blocks, not their submodules)."""
+    parts, pats = path.split("."), pattern.split(".")
+    return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pats))
+
+
+# ------------------------------------------------------------------------------------------------ stages 1 and 2
+
+
+def partition_parameters(params: list[Tensor], world_size: int) -> list[int]:
+    """Owner rank of each parameter: largest first onto the least-loaded rank (deterministic on every rank)."""
+    order = sorted(range(len(params)), key=lambda i: (-params[i].numel(), i))
+    load = [0] * world_size
+    owner = [0] * len(params)
+    for i in order:
+        r = min(range(world_size), key=lambda k: (load[k], k))
+        owner[i] = r
+        load[r] += params[i].numel()
+    return owner
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class PartitionedOptimizer(Optimizer):
+    """ZeRO stage 1/2 around an already-built optimizer: same param groups and hyperparameters (so LR schedulers keep
+    working on ``param_groups``), but the inner optimizer only holds this rank's owned parameters.
+
+    Gradient reduction is driven by :meth:`grad_hook` (registered on every trainable parameter by the strategy); the
+    optimizer ``step`` runs the closure (forward + backward), averages, steps the owned parameters and broadcasts them.
+    """
+
+    def __init__(self, optimizer: Optimizer, *, dp_mesh: DeviceMesh, stage: int, offload: bool = False) -> None:
+        if stage not in (1, 2):
+            raise ValueError(f"PartitionedOptimizer: stage={stage}, must be 1 or 2 (stage 3 is FSDP2)")
+        self.stage = stage
+        self.offload = offload
+        self.group = dp_mesh.get_group()
+        self.world = dp_mesh.size()
+        self.rank = dp_mesh.get_local_rank()
+        self.sync_grads = True  # False while Lightning accumulates gradients (block_backward_sync)
+        groups = optimizer.param_groups
+        params = [p for g in groups for p in g["params"]]
+        self._owner_of = dict(zip(map(id, params), partition_parameters(params, self.world)))
+        super().__init__(groups, optimizer.defaults)  # reuses the group dicts: an LR scheduler sees the same lr
+        self.owned = [p for p in params if self._owner_of[id(p)] == self.rank]
+        # Owned parameters the inner optimizer updates: the parameters themselves, or fp32 CPU masters when offloading.
+        self._master: dict[int, nn.Parameter] = {}
+        inner_groups = []
+        for g in groups:
+            mine = [p for p in g["params"] if self._owner_of[id(p)] == self.rank]
+            if offload:
+                mine = [self._master.setdefault(id(p), nn.Parameter(_local(p).detach().to("cpu", torch.float32,
+                                                                                            copy=True)))
+                        for p in mine]
+            inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": mine})
+        # Every hyperparameter is in the group dicts, so the optimizer class needs no constructor defaults.
+        inner_groups = [g for g in inner_groups if g["params"]]
+        self.local_optimizer = type(optimizer)(inner_groups) if inner_groups else None
+        log.info("ZeRO-%d: rank %d owns %d/%d tensors (%s of %s elements)%s", stage, self.rank, len(self.owned),
+                 len(params), f"{sum(p.numel() for p in self.owned):,}", f"{sum(p.numel() for p in params):,}",
+                 ", optimizer offloaded to CPU" if offload else "")
+
+    def owner(self, p: Tensor) -> int:
+        return self._owner_of[id(p)]
+
+    # ------------------------------------------------------------------------------------------ gradients
+    def grad_hook(self, p: Tensor) -> None:
+        """Called once autograd has accumulated ``p.grad`` (``register_post_accumulate_grad_hook``)."""
+        if not self.sync_grads or p.grad is None or self.world == 1:
+            return
+        g = _local(p.grad)
+        if self.stage == 1:
+            dist.all_reduce(g, group=self.group)
+            g.div_(self.world)
+            return
+        owner = self.owner(p)
+        dist.reduce(g, dst=dist.get_global_rank(self.group, owner), group=self.group)
+        if owner == self.rank:
+            g.div_(self.world)
+        else:
+            p.grad = None  # stage 2: only the owner keeps this gradient
+
+    # ------------------------------------------------------------------------------------------ optimizer API
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()  # forward + backward: grad hooks reduce gradients as they become ready
+        if self.local_optimizer is not None:
+            for mine, full in zip(self.local_optimizer.param_groups, self.param_groups):
+                mine.update({k: v for k, v in full.items() if k != "params"})  # lr from the scheduler, etc.
+            if self.offload:
+                for p in self.owned:
+                    m = self._master[id(p)]
+                    m.grad = None if p.grad is None else _local(p.grad).to("cpu", torch.float32)
+            self.local_optimizer.step()
+            if self.offload:
+                for p in self.owned:
+                    _local(p).copy_(self._master[id(p)])
+        self._broadcast_from_owners()
+        return loss
+
+    def _broadcast_from_owners(self) -> None:
+        if self.world == 1:
+            return
+        params = [p for g in self.param_groups for p in g["params"]]
+        for r in range(self.world):
+            mine = [_local(p) for p in params if self._owner_of[id(p)] == r]
+            if not mine:
+                continue
+            flat = torch._utils._flatten_dense_tensors([t.detach() for t in mine])
+            dist.broadcast(flat, src=dist.get_global_rank(self.group, r), group=self.group)
+            if r != self.rank:
+                for t, new in zip(mine, torch._utils._unflatten_dense_tensors(flat, mine)):
+                    t.copy_(new)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        for m in self._master.values():
+            m.grad = None
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the optimizer state (owned parameters only)."""
+        return {"rank": self.rank, "world_size": self.world, "stage": self.stage,
+                # lr etc. of the full groups: the inner groups get them from here before every step
+                "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+                "state": self.local_optimizer.state_dict() if self.local_optimizer is not None else None}
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        if state["world_size"] != self.world or state["rank"] != self.rank:
+            raise ValueError(f"ZeRO-{self.stage} optimizer shard was saved by rank {state['rank']} of "
+                             f"{state['world_size']}; this is rank {self.rank} of {self.world} (resume with the same "
+                             "number of data-parallel ranks, or load the consolidated weights instead)")
+        for group, saved in zip(self.param_groups, state["param_groups"]):
+            group.update(saved)
+        if self.local_optimizer is not None and state["state"] is not None:
+            self.local_optimizer.load_state_dict(state["state"])
+
+    # Lightning's generic checkpointing calls these; shards go through the strategy's own save/load.
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.local_state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        self.load_local_state_dict(state_dict)
+
+
+def register_grad_hooks(module: nn.Module, optimizer: PartitionedOptimizer) -> list[Any]:
+    """Hook every trainable parameter of ``module`` that the optimizer manages; returns the handles."""
+    managed = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    return [p.register_post_accumulate_grad_hook(optimizer.grad_hook)
+            for p in module.parameters() if p.requires_grad and id(p) in managed]
+
+
+# ------------------------------------------------------------------------------------------------ measurement
+
+
+def model_state_bytes(module: nn.Module, optimizers: Iterable[Optimizer]) -> dict[str, int]:
+    """Bytes this rank holds in live tensors, split into ``params``, ``grads`` and ``optim`` (optimizer states plus
+    any master copies the optimizer updates). Storages are counted once (shared/tied/viewed tensors are not double
+    counted); DTensors count their local shard; FSDP2's all-gathered parameters count while they are alive."""
+    seen: set[tuple[int, str]] = set()
+
+    def size(t: Tensor | None) -> int:
+        if t is None:
+            return 0
+        t = _local(t)
+        st = t.untyped_storage()
+        key = (st.data_ptr(), str(t.device))
+        if st.data_ptr() == 0 or key in seen:
+            return 0
+        seen.add(key)
+        return st.nbytes()
+
+    out = {"params": 0, "grads": 0, "optim": 0}
+    params = list(module.parameters())
+    for p in params:
+        out["params"] += size(p)
+    for fsdp_param in _fsdp_params(module):  # unsharded FSDP2 buffers (alive between all-gather and reshard)
+        for t in getattr(fsdp_param, "all_gather_outputs", None) or []:
+            out["params"] += size(t)
+    for p in params:
+        out["grads"] += size(p.grad)
+    module_ids = {id(p) for p in params}
+    for opt in optimizers:
+        opt = getattr(opt, "_optimizer", opt)  # LightningOptimizer
+        inner = getattr(opt, "local_optimizer", opt)
+        if inner is None:
+            continue
+        for g in inner.param_groups:
+            for p in g["params"]:
+                if id(p) not in module_ids:  # master copies (offload) count as optimizer state
+                    out["optim"] += size(p) + size(p.grad)
+        for state in inner.state.values():
+            for v in state.values():
+                if isinstance(v, Tensor):
+                    out["optim"] += size(v)
+    return out
+
+
+def _fsdp_params(module: nn.Module) -> list[Any]:
+    out = []
+    for m in module.modules():
+        get_state = getattr(m, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        group = getattr(get_state(), "_fsdp_param_group", None)
+        if group is not None:
+            out.extend(group.fsdp_params)
+    return out

@@ -1,0 +1,76 @@
+"""`lightning_llm estimate`: ZeRO model-state formulas, activation/max-batch search, CLI output and errors.
+
+(Agreement with the bytes measured from live tensors on 2 ranks is checked in tests/test_zero.py.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+
+from lightning_llm.cli import main
+from lightning_llm.estimate import model_state_theory
+
+
+def _run(*args: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["estimate", *args])
+    return rc, out.getvalue(), err.getvalue()
+
+
+def test_zero_formulas_fp32_and_mixed() -> None:
+    psi, n = 1000, 4
+    s = {k: model_state_theory(numel=psi, stage=k, dp=n, precision="32-true") for k in (0, 1, 2, 3)}
+    assert sum(s[0].values()) == 16 * psi  # DDP: 4 + 4 + 8
+    assert sum(s[1].values()) == 8 * psi + 8 * psi // n  # Ψ(4+4) + 8Ψ/N
+    assert sum(s[2].values()) == 4 * psi + 12 * psi // n
+    assert sum(s[3].values()) == 16 * psi // n
+    ds = model_state_theory(numel=psi, stage=1, dp=n, precision="bf16-mixed", engine="deepspeed")
+    # DeepSpeed bf16: 2Ψ + 2Ψ/N + 12Ψ/N (its stage 1 already partitions gradients; the paper's stage 1 is 2Ψ+2Ψ+12Ψ/N)
+    assert ds == {"params": 2 * psi, "grads": 2 * psi // n, "optim": 12 * psi // n}
+    off = model_state_theory(numel=psi, stage=3, dp=n, offload_optimizer=True, offload_params=True)
+    assert sum(off.values()) == 0
+
+
+def test_cli_json_split_and_largest_batch() -> None:
+    rc, out, _ = _run("--model=small", "--devices=8", "--strategy=zero3", "--precision=bf16-mixed", "--seq-len=512",
+                      "--batch-size=2", "--gpu-memory-gib=1", "--json")
+    r = json.loads(out)
+    b = r["bytes"]
+    assert rc == 0 and r["stage"] == 3 and r["parameters"] > 0
+    assert b["model_states"] == b["params"] + b["grads"] + b["optim"]
+    assert b["activations"] == 2 * r["activations_per_sample"]
+    assert r["max_batch_size"] == 0  # 1 GiB minus the default 1 GiB reserve leaves nothing
+    rc, out, _ = _run("--model=small", "--devices=8", "--strategy=zero3", "--seq-len=512", "--gpu-memory-gib=80",
+                      "--json")
+    r = json.loads(out)
+    fit = r["max_batch_size"]
+    room = 79 * 1024**3 - r["bytes"]["model_states"]
+    assert fit > 0 and fit * r["activations_per_sample"] <= room < (fit + 1) * r["activations_per_sample"]
+    # Higher stages never need more model-state memory.
+    states = [json.loads(_run("--model=small", "--devices=8", f"--strategy={s}", "--json")[1])["bytes"]["model_states"]
+              for s in ("ddp", "zero1", "zero2", "zero3")]
+    print("small, 8 devices, bf16-mixed model states (ddp, zero1-3):", states)
+    assert states == sorted(states, reverse=True) and states[0] > states[-1]
+
+
+def test_cli_table_and_errors() -> None:
+    rc, out, _ = _run("--model=llama2-7b", "--devices=8", "--strategy=zero3", "--batch-size=1", "--seq-len=2048")
+    print(out)
+    assert rc == 0 and "optimizer states" in out and "largest batch" in out
+    rc, _, err = _run("--model=nope")
+    assert rc == 2 and "--model=nope" in err
+    rc, _, err = _run("--strategy=zero9")
+    assert rc == 2 and "--strategy=zero9" in err
+    rc, _, err = _run("--devices=0")
+    assert rc == 2 and "--devices=0" in err
+
+
+@pytest.mark.parametrize("strategy", ["zero2_offload", "zero3_offload", "deepspeed_zero3_offload"])
+def test_offload_moves_states_to_host(strategy: str) -> None:
+    r = json.loads(_run("--model=small", "--devices=2", f"--strategy={strategy}", "--json")[1])
+    assert r["bytes"]["optim"] == 0 and r["bytes"]["host_offloaded"] > 0
