@@ -4,7 +4,8 @@ How a step runs (tasks are unchanged):
 
 * ``configure_model`` builds the full model as usual; :meth:`PipelineParallelStrategy.setup` splits it
   (:mod:`.pipeline_split`): this rank keeps only its stages' blocks/embeddings/head (names stay global, so the
-  optimizer and checkpoints hold exactly this rank's shard) and wraps each stage view in a ``PipelineStage``.
+  optimizer and checkpoints hold exactly this rank's shard) and wraps each stage view in a ``PipelineStage``
+  (:mod:`.pipeline_runtime`).
 * Training: during ``training_step`` the task's ``compute_loss`` is replaced by one that runs the schedule
   (forward *and* backward of every micro-batch). The last stage computes each micro-batch's loss with the task's own
   ``compute_loss``, fed the stage output instead of a model call. The mean loss is sent to every pipeline rank, so
@@ -17,21 +18,19 @@ How a step runs (tasks are unchanged):
 * Validation/test run forward-only schedules (the last stage computes loss and metric outputs with the task's
   ``compute_loss`` and sends them to the other ranks); predict gets the last stage's output on every rank.
 * Gradient clipping by norm uses the global norm over all stages; checkpoints are a directory with one file per
-  pipeline rank (that rank's shard + its optimizer state), see :func:`consolidate_checkpoint`.
+  pipeline rank (that rank's shard + its optimizer state), see :mod:`.pipeline_checkpoint`.
 
 Per step the strategy logs each rank's busy time (inside stage forward/backward and loss) and idle fraction
 (``pp/idle_frac_rank{r}``) and keeps them in :attr:`PipelineParallelStrategy.step_stats`; with
-``measure_activations`` it also counts peak live saved-activation bytes (saved-tensor hooks, parameters excluded).
+``measure_activations`` it also counts peak live saved-activation bytes (:mod:`.pipeline_stats`).
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import time
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -52,114 +51,26 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    _ScheduleForwardOnly,
-)
-from torch.utils.checkpoint import checkpoint
+from torch.distributed.pipelining import PipelineStage
 from typing_extensions import override
 
 from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coordinate
-from lightning_llm.strategies.pipeline_split import (
-    layout_of, prune_model, split_layers, stage_module, stage_ranks, stage_specs, tied_across_stages,
+from lightning_llm.strategies.pipeline_checkpoint import (
+    CHECKPOINT_FILE, check_layout, consolidate_checkpoint, pipeline_layout, stage_checkpoint_file,
 )
+from lightning_llm.strategies.pipeline_runtime import (
+    SCHEDULES, ScheduleName, build_schedule, capture_model_inputs, check_microbatches, checkpoint_blocks,
+    microbatch_count, model_call, run_schedule, schedule_key, select_microbatch, task_loss,
+)
+from lightning_llm.strategies.pipeline_split import (
+    prune_model, split_layers, stage_module, stage_ranks, stage_specs, tied_across_stages,
+)
+from lightning_llm.strategies.pipeline_stats import ActivationMeter, BusyTimer, gather_step_stats, log_step_stats
 
 log = logging.getLogger(__name__)
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
-# name -> (schedule class, stage placement, allowed stages_per_rank or None for any)
-SCHEDULES: dict[str, tuple[type, Literal["loop", "v"], int | None]] = {
-    "gpipe": (ScheduleGPipe, "loop", 1),
-    "1f1b": (Schedule1F1B, "loop", 1),
-    "interleaved_1f1b": (ScheduleInterleaved1F1B, "loop", None),
-    "zero_bubble": (ScheduleInterleavedZeroBubble, "loop", None),  # interleaved, backward split into input/weight
-}
-# ScheduleZBVZeroBubble (V placement, see stage_ranks(style="v")) trains, but its forward-only use for validation
-# fails in torch 2.13 ("can't steal_bwd_input if this stage doesn't have backward"), so it is not offered.
-CHECKPOINT_FILE = "pp-stage-rank-{:02d}.ckpt"
-
-
-class _Captured(Exception):  # noqa: N818 - control flow, not an error
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.args, self.kwargs = args, kwargs
-
-
-class _ModelCall(nn.Module):
-    """Stands in for ``task.model`` while a task hook runs: every call goes to ``fn``."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
-
-
-@contextmanager
-def _model_call(module: pl.LightningModule, fn: Callable[..., Any]) -> Iterator[None]:
-    original = module._modules["model"]
-    module._modules["model"] = _ModelCall(fn)
-    try:
-        yield
-    finally:
-        module._modules["model"] = original
-
-
-class _ActivationMeter:
-    """Bytes of activations saved for backward that are alive, via saved-tensor hooks (storages counted once,
-    parameters excluded). ``peak`` is the high-water mark, ``packed`` the total distinct bytes packed."""
-
-    def __init__(self, params: list[Tensor]) -> None:
-        self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
-        self.live: dict[int, list[int]] = {}  # storage ptr -> [refcount, nbytes]
-        self.stale: set[int] = set()  # alive before the current step began
-        self.current = self.peak = self.packed = 0
-
-    def reset(self) -> None:
-        """Start a step: count only what this step saves (the stages' metadata inference keeps a few tensors
-        alive for good; they are not this step's activations)."""
-        gc.collect()
-        self.stale = set(self.live)
-        self.current = self.peak = self.packed = 0
-
-    def _pack(self, t: Tensor) -> Any:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in self.param_ptrs or t.device.type == "meta":
-            return t
-        entry = self.live.setdefault(ptr, [0, t.untyped_storage().nbytes()])
-        if entry[0] == 0:
-            self.current += entry[1]
-            self.packed += entry[1]
-            self.peak = max(self.peak, self.current)
-        entry[0] += 1
-        return _Held(t, ptr, self)
-
-    def _release(self, ptr: int) -> None:
-        entry = self.live[ptr]
-        entry[0] -= 1
-        if entry[0] == 0:
-            if ptr in self.stale:
-                self.stale.discard(ptr)
-            else:
-                self.current -= entry[1]
-            del self.live[ptr]
-
-    def hooks(self) -> Any:
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, lambda h: h.tensor if isinstance(h, _Held) else h)
-
-
-class _Held:
-    __slots__ = ("tensor", "ptr", "meter")
-
-    def __init__(self, tensor: Tensor, ptr: int, meter: _ActivationMeter) -> None:
-        self.tensor, self.ptr, self.meter = tensor, ptr, meter
-
-    def __del__(self) -> None:
-        self.meter._release(self.ptr)
+# SCHEDULES, ScheduleName, CHECKPOINT_FILE and consolidate_checkpoint are re-exported: they were defined here first.
+__all__ = ["PipelineParallelStrategy", "SCHEDULES", "ScheduleName", "CHECKPOINT_FILE", "consolidate_checkpoint"]
 
 
 class PipelineParallelStrategy(ParallelStrategy):
@@ -212,7 +123,8 @@ class PipelineParallelStrategy(ParallelStrategy):
             raise ValueError(f"n_microbatches={n_microbatches}: must be >= 1")
         if balance not in ("layers", "params"):
             raise ValueError(f"balance={balance!r}: expected 'layers' or 'params'")
-        self.pipeline_parallel_size, self.n_microbatches, self.schedule = pipeline_parallel_size, n_microbatches, schedule
+        self.pipeline_parallel_size, self.n_microbatches = pipeline_parallel_size, n_microbatches
+        self.schedule = schedule
         self.stages_per_rank, self.split_points, self.balance = stages_per_rank, split_points, balance
         self.activation_checkpointing, self.log_pipeline_stats = activation_checkpointing, log_pipeline_stats
         self.measure_activations = measure_activations
@@ -224,15 +136,16 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._dp_group: Any = None
         self._tie_group: Any = None
         self._stage_mods: list[nn.Module] = []
-        self._model: nn.Module | None = None
+        self._pp_model: nn.Module | None = None  # the task's split model (not Lightning's ``_model``: the task)
         self._params: list[nn.Parameter] = []
         self._specs: list[Any] = []
         self._last_stage_rank = 0  # global rank holding the last stage in this rank's pipeline
         self._schedules: dict[tuple[Any, ...], tuple[Any, list[PipelineStage]]] = {}
         self._grads: tuple[list[Tensor | None], list[Tensor | None]] | None = None
         self._batch_idx = 0
-        self._busy = 0.0
-        self._meter: _ActivationMeter | None = None
+        self._timer = BusyTimer()
+        self._meter: ActivationMeter | None = None
+        self._current: tuple[Any, str] | None = None  # (batch, stage) whose micro-batch losses the schedule asks for
         self.step_stats: list[dict[str, Any]] = []
         """Per training step: ``busy_s``, ``wall_s``, ``idle_frac`` (lists over pipeline ranks), ``loss`` and, with
         ``measure_activations``, ``peak_act_bytes``/``act_bytes_per_mb`` per rank."""
@@ -290,14 +203,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._check_microbatches(self.dims.pp * self.stages_per_rank)
 
     def _check_microbatches(self, n_stages: int) -> None:
-        if self.n_microbatches < n_stages:
-            bubble = (n_stages - 1) / (self.n_microbatches + n_stages - 1)
-            warnings.warn(f"n_microbatches={self.n_microbatches} is less than the {n_stages} pipeline stages: "
-                          f"each step idles about {bubble:.0%} of the time (bubble); use n_microbatches >= {n_stages}",
-                          stacklevel=2)
-            if self.schedule != "gpipe":
-                raise ValueError(f"n_microbatches={self.n_microbatches}: schedule={self.schedule!r} needs at least "
-                                 f"as many micro-batches as pipeline stages ({n_stages})")
+        check_microbatches(n_microbatches=self.n_microbatches, n_stages=n_stages, schedule=self.schedule)
 
     # ------------------------------------------------------------------------------------------ setup
     @override
@@ -312,12 +218,13 @@ class PipelineParallelStrategy(ParallelStrategy):
             raise ValueError("--trainer.precision=16-mixed: fp16 loss scaling is not supported with strategy=pp; "
                              "use 32-true, bf16-mixed or bf16-true")
         self._check_batch_size(trainer)
-        self._split(model)
+        if model is not self._pp_model:  # else already split: e.g. trainer.validate() after trainer.fit()
+            self._split(model)
         self.precision_plugin.convert_module(module)
         self.model_to_device()
         self._stage_mods = [stage_module(model, s) for s in self._specs]
         # The real model and its (local) parameters: while a task hook runs, ``task.model`` is a stand-in.
-        self._model, self._params = model, list(model.parameters())
+        self._pp_model, self._params = model, list(model.parameters())
         self._schedules.clear()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -350,9 +257,7 @@ class PipelineParallelStrategy(ParallelStrategy):
                 if self.global_rank in (ranks[owners[0]], ranks[owners[-1]]):
                     self._tie_group = group
         if self.activation_checkpointing:
-            blocks = getattr(model, layout_of(model).layers)
-            for k in (k for s in self._specs for k in s.layers):
-                blocks[k].forward = _checkpointed(blocks[k].forward)
+            checkpoint_blocks(model, self._specs)
         prune_model(model, self._specs)
         log.info("pipeline rank %d/%d runs stages %s (blocks %s)", self.pp_rank, self.dims.pp,
                  [s.index for s in self._specs], [list(s.layers) for s in self._specs])
@@ -366,87 +271,40 @@ class PipelineParallelStrategy(ParallelStrategy):
     def _schedule(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, train: bool) -> tuple[Any, int]:
         """The (cached) schedule for these input shapes; stages infer their P2P shapes on first use."""
         batch = next(t.shape[0] for t in (*args, *kwargs.values()) if isinstance(t, Tensor))
-        m = self.n_microbatches if train else max(d for d in range(1, self.n_microbatches + 1) if batch % d == 0)
-        if batch % m:
-            raise ValueError(f"a training batch of {batch} samples is not divisible by n_microbatches={m} "
-                             "(e.g. the last, partial batch of an epoch); use a dataset size divisible by the batch")
-        shapes = tuple(tuple(t.shape) if isinstance(t, Tensor) else None for t in (*args, *kwargs.values()))
-        key = (train, m, shapes, tuple(kwargs))
+        m = microbatch_count(batch, n_microbatches=self.n_microbatches, train=train)
+        key = schedule_key(args, kwargs, train=train, m=m)
         if key not in self._schedules:
-            assert self.dims is not None
-            n_stages = self.dims.pp * self.stages_per_rank
-            stages = [PipelineStage(mod, s.index, n_stages, self.root_device, group=self._pp_group)
-                      for mod, s in zip(self._stage_mods, self._specs)]
-            for st in stages:
-                for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-                    setattr(st, name, self._timed(getattr(st, name)))
-            cls = SCHEDULES[self.schedule][0]
-            if not train and len(stages) == 1:
-                sched = _ScheduleForwardOnly(stages[0], m)
-            elif len(stages) == 1 and cls in (ScheduleGPipe, Schedule1F1B):
-                sched = cls(stages[0], m, loss_fn=self._microbatch_loss if train else None)
-            else:
-                sched = cls(stages, m, loss_fn=self._microbatch_loss if train else None)
-            self._schedules[key] = (sched, stages)
+            self._schedules[key] = build_schedule(
+                schedule=self.schedule, stage_mods=self._stage_mods, specs=self._specs, device=self.root_device,
+                group=self._pp_group, n_microbatches=m, loss_fn=self._microbatch_loss if train else None,
+                wrap=self._timer.wrap,
+            )
         return self._schedules[key][0], m
 
-    def _timed(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self._busy += time.perf_counter() - t0
-        return run
-
     def _run(self, sched: Any, args: tuple[Any, ...], kwargs: dict[str, Any], **step_kwargs: Any) -> Any:
-        first = any(s.is_first for s in self._specs)
-        return sched.step(*(args if first else ()), **kwargs, **step_kwargs)
+        return run_schedule(sched, self._specs, args, kwargs, **step_kwargs)
 
     # ------------------------------------------------------------------------------------------ task hooks
-    def _inputs(self, batch: Any, stage: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """What the task's ``compute_loss`` passes to its model, captured by running it up to the model call."""
-        module = self.lightning_module
-
-        def capture(*args: Any, **kwargs: Any) -> Any:
-            raise _Captured(args, kwargs)
-
-        try:
-            with _model_call(module, capture):
-                type(module).compute_loss(module, batch, stage)
-        except _Captured as c:
-            args, kwargs = c.args, {k: v for k, v in c.kwargs.items() if v is not None}
-            if not args and "input_ids" in kwargs:
-                args = (kwargs.pop("input_ids"),)
-            return args, kwargs
-        raise RuntimeError("strategy=pp: the task's compute_loss did not call self.model")
-
     def _microbatch_loss(self, output: Any, index: Tensor) -> Tensor:
         """Schedule loss_fn on the last stage: the task's compute_loss on micro-batch ``index`` of the current batch,
         with the model call answered by the stage output."""
         t0 = time.perf_counter()
+        assert self._current is not None
         batch, stage = self._current
-        n = next(v.shape[0] for v in batch.values() if isinstance(v, Tensor))
-        index = index.to(self.root_device)
-        mb = {k: v.index_select(0, index) if isinstance(v, Tensor) and v.dim() and v.shape[0] == n else v
-              for k, v in batch.items()}
-        module = self.lightning_module
-        with _model_call(module, lambda *a, **k: output):
-            loss, _ = type(module).compute_loss(module, mb, stage)
-        self._busy += time.perf_counter() - t0
+        mb = select_microbatch(batch, index.to(self.root_device))
+        loss, _ = task_loss(self.lightning_module, mb, stage, output)
+        self._timer.busy += time.perf_counter() - t0
         return loss
 
     def _pipelined_compute_loss(self, batch: Any, stage: str) -> tuple[Tensor, dict[str, Any]]:
-        args, kwargs = self._inputs(batch, stage)
+        args, kwargs = capture_model_inputs(self.lightning_module, batch, stage)
         if stage == "train":
             return self._train_schedule(batch, args, kwargs), {}
         sched, _ = self._schedule(args, kwargs, train=False)
         out = self._run(sched, args, kwargs)
         result: list[Any] = [None]
         if self.global_rank == self._last_stage_rank:
-            module = self.lightning_module
-            with _model_call(module, lambda *a, **k: out):
-                loss, outputs = type(module).compute_loss(module, batch, stage)
+            loss, outputs = task_loss(self.lightning_module, batch, stage, out)
             result = [(loss.detach(), outputs)]
         dist.broadcast_object_list(result, src=self._last_stage_rank, group=self._pp_group)
         loss, outputs = result[0]
@@ -460,10 +318,11 @@ class PipelineParallelStrategy(ParallelStrategy):
         for p in params:  # the schedule accumulates into .grad: start from zero, keep earlier accumulation aside
             p.grad = None
         n = args[0].shape[0] if args else next(v.shape[0] for v in kwargs.values() if isinstance(v, Tensor))
-        self._current, self._busy = (batch, "train"), 0.0
+        self._current = (batch, "train")
+        self._timer.reset()
         losses: list[Tensor] = []
         if self.measure_activations and self._meter is None:
-            self._meter = _ActivationMeter(params)
+            self._meter = ActivationMeter(params)
         if self._meter is not None:
             self._meter.reset()
         t0 = time.perf_counter()
@@ -474,28 +333,12 @@ class PipelineParallelStrategy(ParallelStrategy):
         for p in params:  # hidden from Lightning's zero_grad; restored in backward()
             p.grad = None
         self._grads = (prev, new)
-        local = torch.stack([x.detach().float() for x in losses]).mean() if losses else torch.zeros(())
-        peak = float(self._meter.peak) if self._meter is not None else 0.0
-        per_mb = float(self._meter.packed) / m if self._meter is not None else 0.0
-        stats = torch.tensor([local.item(), self._busy, wall, peak, per_mb], dtype=torch.float64, device=self.root_device)
-        gathered = [torch.zeros_like(stats) for _ in range(self.dims.pp)]
-        dist.all_gather(gathered, stats, group=self._pp_group)
-        g = torch.stack(gathered).cpu()  # [pp, 5]: loss, busy, wall, peak bytes, bytes per micro-batch
-        last_pp = self._specs_owner_of_last()
-        loss = g[last_pp, 0]
-        row = {"loss": float(loss), "busy_s": g[:, 1].tolist(), "wall_s": g[:, 2].tolist(),
-               "idle_frac": (1 - g[:, 1] / g[:, 2]).tolist(), "n_microbatches": m}
-        if self._meter is not None:
-            row.update(peak_act_bytes=g[:, 3].tolist(), act_bytes_per_mb=g[:, 4].tolist())
+        loss, row = gather_step_stats(losses=losses, busy=self._timer.busy, wall=wall, meter=self._meter,
+                                      n_microbatches=m, last_pp_rank=self._specs_owner_of_last(), pp_size=self.dims.pp,
+                                      group=self._pp_group, device=self.root_device)
         self.step_stats.append(row)
         if self.log_pipeline_stats:
-            module = self.lightning_module
-            for r in range(self.dims.pp):
-                module.log(f"pp/busy_s_rank{r}", row["busy_s"][r], on_step=True, on_epoch=False, batch_size=n)
-                module.log(f"pp/idle_frac_rank{r}", row["idle_frac"][r], on_step=True, on_epoch=False, batch_size=n)
-                if self._meter is not None:
-                    module.log(f"pp/peak_act_mb_rank{r}", row["peak_act_bytes"][r] / 2**20, on_step=True,
-                               on_epoch=False, batch_size=n)
+            log_step_stats(self.lightning_module, row, batch_size=n)
         return loss.to(device=self.root_device, dtype=torch.float32)
 
     def _specs_owner_of_last(self) -> int:
@@ -506,11 +349,11 @@ class PipelineParallelStrategy(ParallelStrategy):
     def _pipelined(self, stage: str | None) -> Iterator[None]:
         """Within a task hook: compute_loss runs the pipeline; any other model call runs a forward-only schedule."""
         module = self.lightning_module
-        with _model_call(module, self._forward):
+        with model_call(module, self._forward):
             if stage is None:
                 yield
                 return
-            module.compute_loss = lambda batch, st: self._pipelined_compute_loss(batch, st)  # type: ignore[method-assign]
+            module.compute_loss = self._pipelined_compute_loss  # type: ignore[method-assign]
             try:
                 yield
             finally:
@@ -579,15 +422,15 @@ class PipelineParallelStrategy(ParallelStrategy):
     def _tied_param(self) -> nn.Parameter | None:
         if self._tie_group is None:
             return None
-        if getattr(self._model, "embed_tokens", None) is not None:
-            return self._model.embed_tokens.weight
-        return self._model.lm_head.weight
+        if getattr(self._pp_model, "embed_tokens", None) is not None:
+            return self._pp_model.embed_tokens.weight
+        return self._pp_model.lm_head.weight
 
     def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         tied = self._tied_param()
         # The LM-head copy of a tied embedding (last stage) is the same weight as the embedding: count it once.
-        copy = tied if tied is not None and getattr(self._model, "embed_tokens", None) is None else None
+        copy = tied if tied is not None and getattr(self._pp_model, "embed_tokens", None) is None else None
         sq = torch.zeros((), dtype=torch.float64, device=self.root_device)
         for p in params:
             if p is not copy:
@@ -602,9 +445,8 @@ class PipelineParallelStrategy(ParallelStrategy):
     # ------------------------------------------------------------------------------------------ checkpoints
     def _layout(self) -> dict[str, Any]:
         assert self.dims is not None
-        return {"pipeline_parallel_size": self.dims.pp, "stages_per_rank": self.stages_per_rank,
-                "schedule_placement": SCHEDULES[self.schedule][1],
-                "stages": [[s.index, list(s.layers)] for s in self._specs]}
+        return pipeline_layout(pp_size=self.dims.pp, stages_per_rank=self.stages_per_rank,
+                               placement=SCHEDULES[self.schedule][1], specs=self._specs)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -616,22 +458,14 @@ class PipelineParallelStrategy(ParallelStrategy):
         if self.dp_rank == 0:
             path.mkdir(parents=True, exist_ok=True)
             checkpoint = {**checkpoint, "pipeline_layout": self._layout()}
-            self.checkpoint_io.save_checkpoint(checkpoint, path / CHECKPOINT_FILE.format(self.pp_rank),
+            self.checkpoint_io.save_checkpoint(checkpoint, stage_checkpoint_file(path, self.pp_rank),
                                                storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(checkpoint_path)
-        file = path / CHECKPOINT_FILE.format(self.pp_rank)
-        if not file.is_file():
-            raise FileNotFoundError(f"--ckpt_path={checkpoint_path}: not a strategy=pp checkpoint directory "
-                                    f"(missing {file.name}); pipeline checkpoints hold one file per pipeline rank")
+        file = stage_checkpoint_file(checkpoint_path, self.pp_rank, must_exist=True)
         ckpt = self.checkpoint_io.load_checkpoint(file, weights_only=weights_only)
-        saved, now = ckpt.get("pipeline_layout"), self._layout()
-        if saved != now:
-            raise ValueError(f"--ckpt_path={checkpoint_path}: saved with pipeline layout {saved}, but this run uses "
-                             f"{now}; resume with the same pipeline_parallel_size, stages_per_rank and split (or merge "
-                             "the shards with consolidate_checkpoint)")
+        check_layout(ckpt, self._layout(), checkpoint_path)
         return ckpt
 
     @override
@@ -665,23 +499,3 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._stage_mods = []
         super().teardown()
 
-
-def _checkpointed(forward: Callable[..., Tensor]) -> Callable[..., Tensor]:
-    def run(*args: Any, **kwargs: Any) -> Tensor:
-        if not torch.is_grad_enabled():
-            return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-    return run
-
-
-def consolidate_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Merge a ``strategy=pp`` checkpoint directory into one single-device checkpoint dict (weights only; the
-    optimizer states stay per stage). Load it with ``Trainer(..., ckpt_path=...)`` after ``torch.save``."""
-    files = sorted(Path(path).glob(CHECKPOINT_FILE.replace("{:02d}", "*")))
-    if not files:
-        raise FileNotFoundError(f"{path}: no {CHECKPOINT_FILE.format(0)}-style files")
-    shards = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
-    merged = {k: v for k, v in shards[0].items() if k not in ("state_dict", "optimizer_states", "pipeline_layout")}
-    merged["state_dict"] = {k: v for s in shards for k, v in s["state_dict"].items()}
-    merged["optimizer_states"] = []
-    return merged

@@ -1,0 +1,199 @@
+"""What :class:`~lightning_llm.strategies.pipeline_parallel.PipelineParallelStrategy` runs in a step.
+
+* The schedule table (:data:`SCHEDULES`) and :func:`build_schedule`, which wraps this rank's stage views in
+  ``PipelineStage`` objects and picks the schedule class (forward-only for evaluation).
+* Running the task's own code against a pipeline: while a task hook runs, ``task.model`` is swapped for a stand-in
+  (:func:`model_call`), so :func:`capture_model_inputs` can learn what ``compute_loss`` feeds the model and
+  :func:`task_loss` can run ``compute_loss`` on a stage output instead of a model call.
+* Activation checkpointing of the local blocks (:func:`checkpoint_blocks`).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from torch import Tensor, nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    _ScheduleForwardOnly,
+)
+from torch.utils.checkpoint import checkpoint
+
+from lightning_llm.strategies.pipeline_split import StageSpec, layout_of
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ScheduleName", "SCHEDULES", "check_microbatches", "build_schedule", "microbatch_count", "schedule_key", "run_schedule",
+           "model_call", "capture_model_inputs", "task_loss", "select_microbatch", "checkpoint_blocks"]
+
+ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
+# name -> (schedule class, stage placement, allowed stages_per_rank or None for any)
+SCHEDULES: dict[str, tuple[type, Literal["loop", "v"], int | None]] = {
+    "gpipe": (ScheduleGPipe, "loop", 1),
+    "1f1b": (Schedule1F1B, "loop", 1),
+    "interleaved_1f1b": (ScheduleInterleaved1F1B, "loop", None),
+    "zero_bubble": (ScheduleInterleavedZeroBubble, "loop", None),  # interleaved, backward split into input/weight
+}
+# ScheduleZBVZeroBubble (V placement, see stage_ranks(style="v")) trains, but its forward-only use for validation
+# fails in torch 2.13 ("can't steal_bwd_input if this stage doesn't have backward"), so it is not offered.
+
+# PipelineStage methods whose time counts as "busy" in the per-step stats.
+TIMED_STAGE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+
+# ---------------------------------------------------------------------------------------------------- schedules
+def check_microbatches(*, n_microbatches: int, n_stages: int, schedule: str) -> None:
+    """Fewer micro-batches than stages: a warning (large bubble) for GPipe, an error before training for the
+    1F1B-family schedules, which torch rejects then only when the first step builds them."""
+    if n_microbatches < n_stages:
+        bubble = (n_stages - 1) / (n_microbatches + n_stages - 1)
+        warnings.warn(f"n_microbatches={n_microbatches} is less than the {n_stages} pipeline stages: "
+                      f"each step idles about {bubble:.0%} of the time (bubble); use n_microbatches >= {n_stages}",
+                      stacklevel=3)
+        if schedule != "gpipe":
+            raise ValueError(f"n_microbatches={n_microbatches}: schedule={schedule!r} needs at least "
+                             f"as many micro-batches as pipeline stages ({n_stages})")
+
+
+def microbatch_count(batch_size: int, *, n_microbatches: int, train: bool) -> int:
+    """Micro-batches for a batch: ``n_microbatches`` in training (the batch must divide evenly, so the mean of the
+    micro-batch losses is the batch mean); in evaluation the largest divisor of the batch up to it (a last,
+    partial batch still runs)."""
+    m = n_microbatches if train else max(d for d in range(1, n_microbatches + 1) if batch_size % d == 0)
+    if batch_size % m:
+        raise ValueError(f"a training batch of {batch_size} samples is not divisible by n_microbatches={m} "
+                         "(e.g. the last, partial batch of an epoch); use a dataset size divisible by the batch")
+    return m
+
+
+def schedule_key(args: tuple[Any, ...], kwargs: dict[str, Any], *, train: bool, m: int) -> tuple[Any, ...]:
+    """Cache key of a schedule: stages infer their P2P shapes once, so each input shape needs its own."""
+    shapes = tuple(tuple(t.shape) if isinstance(t, Tensor) else None for t in (*args, *kwargs.values()))
+    return (train, m, shapes, tuple(kwargs))
+
+
+def build_schedule(
+    *,
+    schedule: str,
+    stage_mods: Sequence[nn.Module],
+    specs: Sequence[StageSpec],
+    device: torch.device,
+    group: Any,
+    n_microbatches: int,
+    loss_fn: Callable[[Any, Tensor], Tensor] | None,
+    wrap: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
+) -> tuple[Any, list[PipelineStage]]:
+    """A schedule over this rank's stages; ``loss_fn=None`` gives a forward-only one (evaluation, predict).
+
+    ``wrap`` (e.g. a busy-time counter) is applied to each stage's forward/backward chunk methods.
+    """
+    n_stages = specs[0].num_stages
+    stages = [PipelineStage(mod, s.index, n_stages, device, group=group) for mod, s in zip(stage_mods, specs)]
+    if wrap is not None:
+        for st in stages:
+            for name in TIMED_STAGE_METHODS:
+                setattr(st, name, wrap(getattr(st, name)))
+    cls = SCHEDULES[schedule][0]
+    if loss_fn is None and len(stages) == 1:
+        sched = _ScheduleForwardOnly(stages[0], n_microbatches)
+    elif len(stages) == 1 and cls in (ScheduleGPipe, Schedule1F1B):
+        sched = cls(stages[0], n_microbatches, loss_fn=loss_fn)
+    else:
+        sched = cls(stages, n_microbatches, loss_fn=loss_fn)
+    return sched, stages
+
+
+def run_schedule(sched: Any, specs: Sequence[StageSpec], args: tuple[Any, ...], kwargs: dict[str, Any],
+                 **step_kwargs: Any) -> Any:
+    """One schedule step: positional inputs go to the first stage only; keyword inputs (masks, type ids) are
+    chunked for every stage. Returns the last stage's output there, ``None`` elsewhere."""
+    first = any(s.is_first for s in specs)
+    return sched.step(*(args if first else ()), **kwargs, **step_kwargs)
+
+
+# ---------------------------------------------------------------------------------------------------- task calls
+class _Captured(Exception):  # noqa: N818 - control flow, not an error
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        self.args, self.kwargs = args, kwargs
+
+
+class _ModelCall(nn.Module):
+    """Stands in for ``task.model`` while a task hook runs: every call goes to ``fn``."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+@contextmanager
+def model_call(module: pl.LightningModule, fn: Callable[..., Any]) -> Iterator[None]:
+    """Within the block, ``module.model(...)`` calls ``fn`` instead of the model."""
+    original = module._modules["model"]
+    module._modules["model"] = _ModelCall(fn)
+    try:
+        yield
+    finally:
+        module._modules["model"] = original
+
+
+def capture_model_inputs(module: pl.LightningModule, batch: Any, stage: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """What the task's ``compute_loss`` passes to its model, captured by running it up to the model call.
+
+    ``None`` keyword arguments are dropped and an ``input_ids=`` keyword becomes the positional input, because the
+    schedule hands positional inputs to the first stage only.
+    """
+    def capture(*args: Any, **kwargs: Any) -> Any:
+        raise _Captured(args, kwargs)
+
+    try:
+        with model_call(module, capture):
+            type(module).compute_loss(module, batch, stage)
+    except _Captured as c:
+        args, kwargs = c.args, {k: v for k, v in c.kwargs.items() if v is not None}
+        if not args and "input_ids" in kwargs:
+            args = (kwargs.pop("input_ids"),)
+        return args, kwargs
+    raise RuntimeError("strategy=pp: the task's compute_loss did not call self.model")
+
+
+def task_loss(module: pl.LightningModule, batch: Any, stage: str, output: Any) -> tuple[Tensor, dict[str, Any]]:
+    """The task's own ``compute_loss`` (the class method, not the strategy's replacement) with its model call
+    answered by ``output`` (the last stage's output)."""
+    with model_call(module, lambda *a, **k: output):
+        return type(module).compute_loss(module, batch, stage)
+
+
+def select_microbatch(batch: dict[str, Any], index: Tensor) -> dict[str, Any]:
+    """Rows ``index`` of every per-sample tensor of ``batch`` (first dimension = batch size); the rest as is."""
+    n = next(v.shape[0] for v in batch.values() if isinstance(v, Tensor))
+    return {k: v.index_select(0, index) if isinstance(v, Tensor) and v.dim() and v.shape[0] == n else v
+            for k, v in batch.items()}
+
+
+# ---------------------------------------------------------------------------------------------------- recompute
+def _checkpointed(forward: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    def run(*args: Any, **kwargs: Any) -> Tensor:
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return run
+
+
+def checkpoint_blocks(model: nn.Module, specs: Sequence[StageSpec]) -> None:
+    """Recompute each of the local stages' blocks in backward (non-reentrant ``torch.utils.checkpoint``)."""
+    blocks = getattr(model, layout_of(model).layers)
+    for k in (k for s in specs for k in s.layers):
+        blocks[k].forward = _checkpointed(blocks[k].forward)
