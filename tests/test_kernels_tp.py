@@ -70,6 +70,7 @@ def _worker(rank: int, port: int, backend: str) -> None:
                 assert _rel(loss, ref) <= TOL, f"loss {tag}: {_rel(loss, ref):.2e}"
                 assert _rel(gfull, gref) <= TOL, f"grad {tag}: {_rel(gfull, gref):.2e}"
         _dtensor_check(rank, backend)
+        dist.barrier()  # no rank tears gloo down while the other still talks to it (SIGABRT at exit otherwise)
     finally:
         dist.destroy_process_group()
 
