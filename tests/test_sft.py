@@ -85,7 +85,7 @@ def test_packing_concatenates_rows_without_cross_targets(sft_file: Path) -> None
     packed = InstructionDataModule(str(sft_file), template="{instruction}{input}\n", cutoff_len=128, packing=True)
     plain.setup("fit")
     packed.setup("fit")
-    rows, packs = plain.datasets["fit"].rows, packed.datasets["fit"].rows
+    rows, packs = plain.datasets["fit"].examples, packed.datasets["fit"].examples
     assert len(packs) < len(rows) and all(len(p["input_ids"]) <= 128 for p in packs)
     assert [t for p in packs for t in p["input_ids"]] == [t for r in rows for t in r["input_ids"]]
     assert [t for p in packs for t in p["labels"]] == [t for r in rows for t in r["labels"]]

@@ -40,6 +40,19 @@ def tokenizer_vocab_size(tokenizer: Any) -> int:
     return max(tokenizer.get_vocab().values()) + 1
 
 
+class EncodedDataset(Dataset):
+    """Pre-tokenized examples held in memory: a list of dicts (padding happens per batch in the collate)."""
+
+    def __init__(self, examples: list[dict[str, Any]]) -> None:
+        self.examples = examples
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return self.examples[i]
+
+
 class ResumableDistributedSampler(DistributedSampler):
     """A seeded DistributedSampler that can skip the first samples of one epoch (a mid-epoch resume).
 

@@ -17,9 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from lightning_llm.data.base import LLMDataModule, load_tokenizer, tokenizer_vocab_size
+from lightning_llm.data.base import EncodedDataset, LLMDataModule, load_tokenizer, tokenizer_vocab_size
 from lightning_llm.data.io import DataError, read_records
 from lightning_llm.data.tokenizers import ByteTokenizer
 from lightning_llm.generation import left_pad
@@ -79,19 +79,6 @@ class PromptTemplate:
         return template.rsplit("}", 1)[-1]
 
 
-class InstructionDataset(Dataset):
-    """Tokenized rows: ``input_ids``/``labels`` lists (labels pre-shifted, -100 on prompt) plus eval fields."""
-
-    def __init__(self, rows: list[dict[str, Any]]) -> None:
-        self.rows = rows
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return self.rows[i]
-
-
 class InstructionDataModule(LLMDataModule):
     """Alpaca-format JSON/JSONL for SFT, with optional packing; validation/test/predict batches also carry
     left-padded prompts for generation (``gen_input_ids``, ``gen_attention_mask``), ``prompt``/``label`` texts and
@@ -148,7 +135,7 @@ class InstructionDataModule(LLMDataModule):
         self.template = PromptTemplate(template)
         self.cutoff_len, self.max_prompt_len = cutoff_len, max_prompt_len or cutoff_len
         self.packing, self.val_fraction, self.limit_examples = packing, val_fraction, limit_examples
-        self.datasets: dict[str, InstructionDataset] = {}
+        self.datasets: dict[str, EncodedDataset] = {}
         eos = self.tokenizer.eos_token_id
         if eos is None:  # BERT-style vocabularies: [SEP] ends a response
             eos = getattr(self.tokenizer, "sep_token_id", None)
@@ -229,8 +216,8 @@ class InstructionDataModule(LLMDataModule):
             if stage == "fit" and not train:
                 raise DataError("--data.train_path is required for fit")
             rows = [self.encode_record(r, i, with_eval=False) for i, r in enumerate(train)]
-            self.datasets["fit"] = InstructionDataset(self._pack(rows) if self.packing else rows)
-            self.datasets["validate"] = InstructionDataset(
+            self.datasets["fit"] = EncodedDataset(self._pack(rows) if self.packing else rows)
+            self.datasets["validate"] = EncodedDataset(
                 [self.encode_record(r, i, with_eval=True) for i, r in enumerate(val)])
             log.info("%d training rows (%d records, packing=%s), %d validation records",
                      len(self.datasets["fit"]), len(train), self.packing, len(val))
@@ -239,7 +226,7 @@ class InstructionDataModule(LLMDataModule):
                 if not self.paths[name]:
                     raise DataError(f"--data.{name}_path (or test_path) is required for {name}")
                 recs = self._read(self.paths[name], need_output=name == "test")
-                self.datasets[name] = InstructionDataset(
+                self.datasets[name] = EncodedDataset(
                     [self.encode_record(r, i, with_eval=True) for i, r in enumerate(recs)])
 
     # ------------------------------------------------------------------------------------------ batches

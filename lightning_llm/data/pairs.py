@@ -7,25 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from lightning_llm.data.base import LLMDataModule, load_tokenizer, tokenizer_vocab_size
+from lightning_llm.data.base import EncodedDataset, LLMDataModule, load_tokenizer, tokenizer_vocab_size
 from lightning_llm.data.io import DataError, read_records
 
 log = logging.getLogger(__name__)
-
-
-class EncodedDataset(Dataset):
-    """Pre-tokenized examples: a list of dicts of int lists (padding happens per batch)."""
-
-    def __init__(self, examples: list[dict[str, Any]]) -> None:
-        self.examples = examples
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def __getitem__(self, i: int) -> dict[str, Any]:
-        return self.examples[i]
 
 
 def pad_collate(examples: list[dict[str, Any]], *, pad_id: int = 0) -> dict[str, torch.Tensor]:
