@@ -3,6 +3,7 @@
 from lightning_llm.tasks.base import LLMTask, OptimConfig
 from lightning_llm.tasks.causal_lm import CausalLMTask
 from lightning_llm.tasks.classification import ClassificationTask
+from lightning_llm.tasks.ppo import PPOTask
 from lightning_llm.tasks.sft import SFTTask
 
-__all__ = ["CausalLMTask", "ClassificationTask", "LLMTask", "OptimConfig", "SFTTask"]
+__all__ = ["CausalLMTask", "ClassificationTask", "LLMTask", "OptimConfig", "PPOTask", "SFTTask"]

@@ -1,0 +1,143 @@
+"""Prompt data for RL fine-tuning (PPO): JSON/JSONL records with a ``prompt`` field, or generated prompts.
+
+Batches hold the prompts LEFT-padded for batched generation (``input_ids``/``attention_mask`` [B, P]), the prompt
+texts (``prompt``, for text-based rewards) and the record ``index``. Prompts longer than ``max_prompt_len`` keep
+their last tokens (the end of a prompt is what the response continues).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_llm.data.base import EncodedDataset, LLMDataModule, load_tokenizer, tokenizer_vocab_size
+from lightning_llm.data.io import DataError, read_records
+from lightning_llm.data.tokenizers import ByteTokenizer
+from lightning_llm.generation import left_pad
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PromptDataModule", "make_prompts"]
+
+
+def make_prompts(n: int, *, seed: int = 0) -> list[str]:
+    """``n`` deterministic short prompts (``"Continue: <letters>\\n"``) for runs without a prompt file."""
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    return [f"Continue: {''.join(rng.choice(letters) for _ in range(rng.randint(3, 8)))}\n" for _ in range(n)]
+
+
+class PromptDataModule(LLMDataModule):
+    """Prompts for rollouts. ``batch_size`` is the per-device rollout batch (prompts generated per PPO step)."""
+
+    def __init__(
+        self,
+        train_path: str | None = None,
+        tokenizer_dir: str | None = None,
+        *,
+        val_path: str | None = None,
+        prompt_field: str = "prompt",
+        max_prompt_len: int = 128,
+        bos: bool = False,
+        generated_prompts: int = 256,
+        generated_val_prompts: int = 0,
+        limit_examples: int | None = None,
+        batch_size: int = 16,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        seed: int = 42,
+    ) -> None:
+        """
+        Args:
+            train_path: JSON array or JSONL file of records with a ``prompt`` field; ``None`` uses generated prompts.
+            tokenizer_dir: Local tokenizer directory; ``None`` uses the byte-level tokenizer.
+            val_path: Prompts for validation (responses generated and scored).
+            prompt_field: Name of the prompt field.
+            max_prompt_len: Most prompt tokens (longer prompts keep their last tokens).
+            bos: Prepend the tokenizer's BOS token.
+            generated_prompts: Number of generated training prompts when ``train_path`` is None.
+            generated_val_prompts: Number of generated validation prompts when ``val_path`` is None (0 = none).
+            limit_examples: Use only the first N records of every file.
+            batch_size: Per-device rollout batch size.
+            eval_batch_size: Per-device validation batch size.
+            num_workers: DataLoader worker processes.
+            seed: Seed of the training shuffle and of generated prompts.
+        """
+        super().__init__(batch_size=batch_size, eval_batch_size=eval_batch_size, num_workers=num_workers, seed=seed)
+        for name, path in (("train_path", train_path), ("val_path", val_path)):
+            if path is not None and not Path(path).is_file():
+                raise FileNotFoundError(f"--data.{name}={path}: no such file")
+        if max_prompt_len < 1:
+            raise ValueError(f"--data.max_prompt_len must be >= 1, got {max_prompt_len}")
+        if train_path is None and generated_prompts < 1:
+            raise ValueError("--data.generated_prompts must be >= 1 when --data.train_path is not given")
+        self.paths = {"fit": train_path, "validate": val_path}
+        self.prompt_field, self.max_prompt_len, self.bos = prompt_field, max_prompt_len, bos
+        self.generated = {"fit": generated_prompts, "validate": generated_val_prompts}
+        self.limit_examples = limit_examples
+        self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else ByteTokenizer()
+        eos = self.tokenizer.eos_token_id
+        if eos is None:
+            eos = getattr(self.tokenizer, "sep_token_id", None)
+        if eos is None:
+            raise ValueError(f"--data.tokenizer_dir={tokenizer_dir}: the tokenizer has no EOS (or SEP) token")
+        self.eos_token_id: int = int(eos)
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id: int = int(pad) if pad is not None else self.eos_token_id
+        self.datasets: dict[str, EncodedDataset] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return tokenizer_vocab_size(self.tokenizer)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _texts(self, split: str) -> list[str]:
+        path = self.paths[split]
+        if path is None:
+            n = self.generated[split]
+            return make_prompts(n, seed=self.seed + (0 if split == "fit" else 1)) if n else []
+        recs = read_records(path, required=[self.prompt_field], types={self.prompt_field: str})
+        texts = [r[self.prompt_field] for r in recs]
+        return texts[: self.limit_examples] if self.limit_examples else texts
+
+    def encode(self, text: str) -> list[int]:
+        ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if self.bos and self.tokenizer.bos_token_id is not None:
+            ids = [int(self.tokenizer.bos_token_id)] + ids
+        return ids[-self.max_prompt_len:]
+
+    def setup(self, stage: str) -> None:
+        for split in ("fit", "validate"):
+            if split in self.datasets or stage not in ("fit", "validate"):
+                continue
+            texts = self._texts(split)
+            if split == "fit" and stage == "fit" and not texts:
+                raise DataError(f"{self.paths['fit']}: no prompts")
+            rows = []
+            for i, text in enumerate(texts):
+                ids = self.encode(text)
+                if not ids:
+                    raise DataError(f"{self.paths[split]}: record {i + 1} has an empty prompt (use --data.bos=true "
+                                    f"to start responses from BOS)")
+                rows.append({"input_ids": ids, "prompt": text, "index": i})
+            self.datasets[split] = EncodedDataset(rows)
+        log.info("%d training and %d validation prompts", len(self.datasets.get("fit", [])),
+                 len(self.datasets.get("validate", [])))
+
+    def collate(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        ids, mask = left_pad([r["input_ids"] for r in rows], self.pad_token_id)
+        return {"input_ids": ids, "attention_mask": mask, "prompt": [r["prompt"] for r in rows],
+                "index": torch.tensor([r["index"] for r in rows])}
+
+    def train_dataloader(self) -> DataLoader:
+        return self.make_loader(self.datasets["fit"], train=True, collate_fn=self.collate)
+
+    def val_dataloader(self) -> DataLoader:
+        return self.make_loader(self.datasets.get("validate", EncodedDataset([])), train=False, collate_fn=self.collate)

@@ -1,0 +1,34 @@
+"""Reinforcement learning from feedback: PPO math (pure functions), KL controllers, reward sources, rollouts."""
+
+from lightning_llm.rl.config import PPOConfig
+from lightning_llm.rl.core import (
+    entropy_from_logits,
+    gae,
+    kl_penalty,
+    logprobs_from_logits,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    per_token_rewards,
+    policy_loss,
+    value_loss,
+)
+from lightning_llm.rl.kl_control import (
+    AdaptiveKLController,
+    FixedKLController,
+    make_kl_controller,
+)
+from lightning_llm.rl.rewards import (
+    CharShareReward,
+    RewardConfig,
+    RewardModel,
+    build_reward,
+    load_callable,
+)
+
+__all__ = [
+    "AdaptiveKLController", "CharShareReward", "FixedKLController", "PPOConfig", "RewardConfig", "RewardModel",
+    "build_reward", "entropy_from_logits", "gae", "kl_penalty", "load_callable", "logprobs_from_logits",
+    "make_kl_controller", "masked_mean", "masked_var", "masked_whiten", "per_token_rewards", "policy_loss",
+    "value_loss",
+]

@@ -1,0 +1,77 @@
+"""PPO hyper-parameters (names and defaults follow trl's ``PPOConfig`` where it has the same knob)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lightning_llm.rl.core import KLEstimator
+
+__all__ = ["PPOConfig"]
+
+
+@dataclass
+class PPOConfig:
+    """Rollout post-processing and the PPO update."""
+
+    ppo_epochs: int = 4
+    """Passes over each rollout batch."""
+    num_mini_batches: int = 1
+    """Mini-batches (optimizer steps) per pass; the per-device rollout batch must be divisible by it."""
+    clip_range: float = 0.2
+    """Policy ratio clip epsilon."""
+    clip_range_value: float = 0.2
+    """Value clip: new values stay within this distance of the rollout's values."""
+    vf_coef: float = 0.1
+    """Weight of the value loss."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 0.95
+    """GAE lambda."""
+    kl_coef: float = 0.05
+    """KL penalty coefficient (the initial one with ``adaptive_kl``)."""
+    kl_estimator: KLEstimator = "k1"
+    """Per-token KL estimator in the reward: ``k1`` (log-ratio), ``k2`` or ``k3``."""
+    adaptive_kl: bool = False
+    """Adapt ``kl_coef`` towards ``kl_target`` (Ziegler et al.)."""
+    kl_target: float | None = None
+    """Target sequence KL (nats) of the adaptive controller."""
+    kl_horizon: int = 10000
+    """Horizon (samples) of the adaptive controller."""
+    whiten_advantages: bool = True
+    """Normalize advantages to zero mean, unit variance over the (global) rollout batch."""
+    whiten_rewards: bool = False
+    """Scale per-token rewards to unit variance (mean kept) before GAE."""
+    score_clip: float | None = None
+    """Clip sequence scores to ``[-score_clip, score_clip]``."""
+    missing_eos_penalty: float | None = None
+    """Subtracted from the score of responses that never emit EOS."""
+    ratio_threshold: float | None = 10.0
+    """Skip a mini-batch whose mean importance ratio exceeds this (counted in ``policy/skipped_minibatches``)."""
+    max_grad_norm: float | None = 1.0
+    """Clip the gradient norm of every update."""
+
+    def __post_init__(self) -> None:
+        checks = {
+            "ppo_epochs": self.ppo_epochs >= 1, "num_mini_batches": self.num_mini_batches >= 1,
+            "clip_range": self.clip_range > 0, "clip_range_value": self.clip_range_value > 0,
+            "vf_coef": self.vf_coef >= 0, "gamma": 0 <= self.gamma <= 1, "lam": 0 <= self.lam <= 1,
+            "kl_coef": self.kl_coef >= 0, "kl_estimator": self.kl_estimator in ("k1", "k2", "k3"),
+            "kl_horizon": self.kl_horizon >= 1,
+            "score_clip": self.score_clip is None or self.score_clip > 0,
+            "ratio_threshold": self.ratio_threshold is None or self.ratio_threshold > 1,
+            "max_grad_norm": self.max_grad_norm is None or self.max_grad_norm > 0,
+        }
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"--model.ppo.{bad[0]}={getattr(self, bad[0])!r} is out of range")
+        if self.adaptive_kl and (self.kl_target is None or self.kl_target <= 0):
+            raise ValueError("--model.ppo.kl_target must be > 0 when --model.ppo.adaptive_kl=true")
+
+    @property
+    def updates_per_rollout(self) -> int:
+        return self.ppo_epochs * self.num_mini_batches
+
+
+torch.serialization.add_safe_globals([PPOConfig])  # saved in checkpoints' hyper-parameters

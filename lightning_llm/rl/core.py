@@ -1,0 +1,167 @@
+"""PPO math on padded per-token tensors, as pure functions (no model, no Lightning).
+
+Every tensor is ``[B, N]`` over response tokens (B rollouts, N = longest response) with a boolean/0-1 ``mask``
+marking real tokens (a response's tokens up to and including its EOS). Formulas follow trl's ``PPOTrainer``
+(``masked_whiten``, GAE, clipped policy/value losses, k1/k3 KL estimators) and J. Schulman's note
+"Approximating KL divergence" (k1, k2, k3).
+
+Distributed use: the functions that reduce over the batch take ``all_reduce`` (a function returning the SUM of a
+tensor over data-parallel ranks) so statistics are global, and the losses take ``token_count`` (the global number
+of masked tokens divided by the world size) so that DDP's gradient average of the per-rank losses equals the
+single-device masked mean over the union of the ranks' tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "KLEstimator", "entropy_from_logits", "gae", "kl_penalty", "logprobs_from_logits", "masked_mean", "masked_var",
+    "masked_whiten", "per_token_rewards", "policy_loss", "value_loss",
+]
+
+AllReduce = Callable[[Tensor], Tensor]
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+def _sum(x: Tensor, all_reduce: AllReduce | None) -> Tensor:
+    return all_reduce(x) if all_reduce is not None else x
+
+
+def masked_mean(values: Tensor, mask: Tensor, *, all_reduce: AllReduce | None = None) -> Tensor:
+    """Mean of ``values`` where ``mask`` is set (over all ranks with ``all_reduce``). Scalar."""
+    mask = mask.to(values.dtype)
+    total = torch.stack([(values * mask).sum(), mask.sum()])
+    total = _sum(total, all_reduce)
+    return total[0] / total[1]
+
+
+def masked_var(values: Tensor, mask: Tensor, *, unbiased: bool = True, all_reduce: AllReduce | None = None) -> Tensor:
+    """Variance where ``mask`` is set (two-pass; Bessel-corrected like trl's ``masked_var`` when ``unbiased``)."""
+    mean = masked_mean(values, mask, all_reduce=all_reduce)
+    m = mask.to(values.dtype)
+    total = _sum(torch.stack([((values - mean) ** 2 * m).sum(), m.sum()]), all_reduce)
+    var = total[0] / total[1]
+    if unbiased:
+        if float(total[1]) < 2:
+            raise ValueError("masked_var: need at least two masked values for an unbiased variance")
+        var = var * total[1] / (total[1] - 1)
+    return var
+
+
+def masked_whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True, eps: float = 1e-8,
+                  all_reduce: AllReduce | None = None) -> Tensor:
+    """``(values - mean) / sqrt(var + eps)`` with masked statistics; ``shift_mean=False`` adds the mean back
+    (trl's reward whitening). Positions outside the mask are transformed too; callers zero them."""
+    mean = masked_mean(values, mask, all_reduce=all_reduce)
+    var = masked_var(values, mask, all_reduce=all_reduce)
+    whitened = (values - mean) * torch.rsqrt(var + eps)
+    return whitened if shift_mean else whitened + mean
+
+
+def logprobs_from_logits(logits: Tensor, tokens: Tensor) -> Tensor:
+    """log p(token) under ``softmax(logits)``: logits [B, N, V], tokens [B, N] -> [B, N] (fp32)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of ``softmax(logits)`` per position: [B, N, V] -> [B, N] (``logsumexp - sum p * logits``)."""
+    logits = logits.float()
+    p = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k1") -> Tensor:
+    """Per-token estimate of KL(policy || ref) from log-probs of tokens SAMPLED FROM THE POLICY.
+
+    With ``log r = ref - policy``: k1 = ``-log r`` (unbiased, can be negative), k2 = ``(log r)^2 / 2`` (low
+    variance, biased), k3 = ``(r - 1) - log r`` (unbiased and >= 0; trl's ``kl_estimator="k3"``).
+    """
+    log_ratio = ref_logprobs - logprobs
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":
+        return torch.expm1(log_ratio) - log_ratio
+    raise ValueError(f"kl_estimator must be k1, k2 or k3, got {estimator!r}")
+
+
+def per_token_rewards(kl: Tensor, scores: Tensor, mask: Tensor, *, kl_coef: float) -> tuple[Tensor, Tensor]:
+    """``rewards = -kl_coef * kl`` on every response token, plus the sequence ``scores`` [B] on each row's LAST
+    masked token. Returns (rewards [B, N], non_score_rewards [B, N]), zero outside the mask."""
+    m = mask.to(kl.dtype)
+    non_score = -kl_coef * kl * m
+    last = (m.cumsum(-1) * m).argmax(-1)  # index of each row's last real token  [B]
+    rewards = non_score.clone()
+    rewards[torch.arange(rewards.shape[0], device=rewards.device), last] += scores.to(rewards.dtype)
+    return rewards, non_score
+
+
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """Generalized advantage estimation over response tokens (Schulman et al. 2016), as trl computes it.
+
+    ``delta_t = r_t + gamma * V_{t+1} - V_t`` and ``A_t = delta_t + gamma * lam * A_{t+1}`` with ``V`` and ``r``
+    zero past each row's end (so the value after the last token is 0: the episode ends there).
+    Returns (advantages [B, N], returns = advantages + values [B, N]), zero outside the mask.
+    """
+    m = mask.to(values.dtype)
+    values, rewards = values * m, rewards * m
+    n = rewards.shape[1]
+    last = torch.zeros_like(rewards[:, 0])
+    out = [torch.zeros_like(last)] * n
+    for t in reversed(range(n)):
+        next_value = values[:, t + 1] if t + 1 < n else torch.zeros_like(last)
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        last = delta + gamma * lam * last
+        out[t] = last
+    advantages = torch.stack(out, dim=1) * m
+    return advantages, (advantages + values) * m
+
+
+def _denominator(mask: Tensor, token_count: Tensor | float | None) -> Tensor | float:
+    return mask.sum() if token_count is None else token_count
+
+
+def policy_loss(new_logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, *, clip_range: float,
+                token_count: Tensor | float | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO's clipped surrogate: mean over masked tokens of ``max(-A * ratio, -A * clip(ratio, 1 +- eps))``.
+
+    Returns (loss, stats) with ``clipfrac`` (share of tokens where the clipped branch is larger), ``approxkl``
+    (``0.5 * mean(log ratio^2)``) and ``ratio`` (mean ratio); stats are local (not all-reduced) sums/means over
+    this mini-batch's masked tokens, divided by ``token_count`` when given.
+    """
+    m = mask.to(new_logprobs.dtype)
+    denom = _denominator(m, token_count)
+    log_ratio = (new_logprobs - old_logprobs) * m
+    ratio = torch.exp(log_ratio)
+    losses = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    loss = (torch.maximum(losses, clipped) * m).sum() / denom
+    with torch.no_grad():
+        stats = {
+            "clipfrac": ((clipped > losses).to(m.dtype) * m).sum() / denom,
+            "approxkl": 0.5 * (log_ratio**2 * m).sum() / denom,
+            "ratio": (ratio * m).sum() / denom,
+        }
+    return loss, stats
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip_range_value: float,
+               token_count: Tensor | float | None = None) -> tuple[Tensor, Tensor]:
+    """Clipped value loss ``0.5 * mean(max((V - R)^2, (clip(V, V_old +- eps) - R)^2))`` over masked tokens.
+    Returns (loss, clipfrac)."""
+    m = mask.to(values.dtype)
+    denom = _denominator(m, token_count)
+    clipped = torch.clamp(values, old_values - clip_range_value, old_values + clip_range_value)
+    losses1 = (values - returns) ** 2
+    losses2 = (clipped - returns) ** 2
+    loss = 0.5 * (torch.maximum(losses1, losses2) * m).sum() / denom
+    with torch.no_grad():
+        clipfrac = ((losses2 > losses1).to(m.dtype) * m).sum() / denom
+    return loss, clipfrac

@@ -1,0 +1,154 @@
+"""Actor-critic module and rollout tensors for PPO on our decoders.
+
+Layout of one rollout batch (B rows)::
+
+    query_responses  [B, P + N]   left-padded prompts (P columns) followed by the sampled responses (N columns)
+    attention_mask   [B, P + N]   1 on prompt tokens and on response tokens up to and including the first EOS
+    response_mask    [B, N]       True on response tokens up to and including the first EOS
+
+Token ``t`` of a response is predicted by the logits at column ``P - 1 + t``, and its value (the state before the
+token, as in trl) is read at the same column. Positions are counted over real tokens (``cumsum(mask) - 1``),
+exactly as :func:`lightning_llm.generation.generate` counts them, so the log-probs of a forward pass equal the
+sampling distribution's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from lightning_llm.rl.core import logprobs_from_logits
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ActorCritic", "Rollout", "adapters_disabled", "has_adapters", "pack_responses", "response_logits"]
+
+
+def _lm_head(policy: nn.Module) -> nn.Module:
+    base = getattr(policy, "base", policy)  # PromptTuningLM wraps the decoder in .base
+    head = getattr(base, "lm_head", None)
+    if head is None:
+        raise ValueError("the policy has no lm_head: a value head on the policy trunk needs a full decoder")
+    return head
+
+
+class ActorCritic(nn.Module):
+    """``policy`` (a decoder, possibly with PEFT adapters) plus a scalar value head, either on the policy's last
+    hidden state (``critic=None``: one trunk) or on a separate ``critic`` trunk (a decoder whose ``lm_head`` is
+    None, so it returns hidden states).
+
+    ``forward`` returns (logits [B, S, V], values [B, S] fp32).
+    """
+
+    def __init__(self, policy: nn.Module, *, hidden_size: int, critic: nn.Module | None = None) -> None:
+        super().__init__()
+        self.policy = policy
+        self.critic = critic
+        self.value_head = nn.Linear(hidden_size, 1)
+        # Zero init: values start at 0, so the first advantages are the (whitened) rewards-to-go.
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids: Tensor, *, attention_mask: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        kwargs = {"attention_mask": attention_mask, "position_ids": position_ids}
+        if self.critic is None:
+            captured: list[Tensor] = []
+            # The lm_head's input is the trunk's final (normed) hidden state [B, S', H].
+            handle = _lm_head(self.policy).register_forward_pre_hook(lambda _m, args: captured.append(args[0]))
+            try:
+                logits = self.policy(input_ids, **kwargs)
+            finally:
+                handle.remove()
+            hidden = captured[-1][:, -logits.shape[1]:]  # prompt tuning prepends virtual positions
+        else:
+            logits = self.policy(input_ids, **kwargs)
+            hidden = self.critic(input_ids, **kwargs)
+        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+        return logits, values
+
+
+def has_adapters(model: nn.Module) -> bool:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return any(isinstance(m, BaseTunerLayer) for m in model.modules())
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[int]:
+    """Run ``model`` as its frozen base: every injected PEFT layer (and ``modules_to_save`` copy) is switched off
+    with peft's ``enable_adapters(False)`` and back on afterwards. peft toggles ``requires_grad`` as it does so;
+    the flags are restored exactly. Yields the number of switched layers."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    layers = [m for m in model.modules() if isinstance(m, (BaseTunerLayer, ModulesToSaveWrapper))]
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield len(layers)
+    finally:
+        for m in layers:
+            m.enable_adapters(True)
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+def pack_responses(prompt_ids: Tensor, prompt_mask: Tensor, responses: Tensor, eos_ids: Sequence[int]
+                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Left-padded prompts [B, P] + generated tokens [B, N] -> (query_responses [B, P+N], attention_mask [B, P+N],
+    position_ids [B, P+N], response_mask [B, N] bool, has_eos [B] bool). Tokens after the first EOS are masked."""
+    n = responses.shape[1]
+    if eos_ids:
+        is_eos = torch.isin(responses, torch.tensor(list(eos_ids), device=responses.device))
+    else:
+        is_eos = torch.zeros_like(responses, dtype=torch.bool)
+    has_eos = is_eos.any(-1)
+    # first EOS index per row (n when none); tokens up to and including it are real
+    first = torch.where(has_eos, is_eos.int().argmax(-1), torch.full_like(has_eos, n, dtype=torch.long))
+    response_mask = torch.arange(n, device=responses.device)[None, :] <= first[:, None]
+    attention_mask = torch.cat([prompt_mask.bool(), response_mask], dim=1)
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return torch.cat([prompt_ids, responses], dim=1), attention_mask, position_ids, response_mask, has_eos
+
+
+def response_logits(logits: Tensor, context_length: int) -> Tensor:
+    """Logits [B, P+N, V] -> the logits that predict each response token [B, N, V]."""
+    return logits[:, context_length - 1:-1]
+
+
+@dataclass
+class Rollout:
+    """One rollout batch on this rank (see the module docstring for the layout). ``[B, N]`` unless noted."""
+
+    query_responses: Tensor  # [B, P+N]
+    attention_mask: Tensor  # [B, P+N]
+    position_ids: Tensor  # [B, P+N]
+    context_length: int  # P
+    responses: Tensor
+    response_mask: Tensor  # bool
+    has_eos: Tensor  # [B] bool
+    logprobs: Tensor  # old policy log-probs of the sampled tokens (0 outside the mask)
+    ref_logprobs: Tensor
+    values: Tensor
+    scores: Tensor  # [B] sequence scores after the missing-EOS penalty
+    rewards: Tensor | None = None
+    advantages: Tensor | None = None
+    returns: Tensor | None = None
+
+    def select(self, index: Tensor) -> Rollout:
+        """The rows ``index`` (a mini-batch)."""
+        changes = {f.name: getattr(self, f.name)[index] for f in dataclasses.fields(self)
+                   if isinstance(getattr(self, f.name), Tensor)}
+        return dataclasses.replace(self, **changes)
+
+    def forward_logprobs(self, model: nn.Module, *, temperature: float) -> Tensor:
+        """Log-probs of the responses under a plain decoder ``model`` (e.g. the reference) [B, N]."""
+        logits = model(self.query_responses, attention_mask=self.attention_mask, position_ids=self.position_ids)
+        return logprobs_from_logits(response_logits(logits, self.context_length) / temperature, self.responses)
