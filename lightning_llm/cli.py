@@ -23,6 +23,8 @@ log = logging.getLogger("lightning_llm")
 TOOLS: dict[str, str] = {
     "merge": "lightning_llm.peft:merge_main",  # fold a PEFT adapter into full HF weights
     "estimate": "lightning_llm.estimate:main",
+    "plot": "lightning_llm.plot:main",  # loss / throughput curves of a CSVLogger run to a PNG
+    "export": "lightning_llm.export:main",  # any checkpoint layout -> Hugging Face directory (LoRA merged/adapter)
 }
 
 
@@ -59,11 +61,37 @@ def _setup_logging() -> None:
     logging.getLogger("lightning_llm").setLevel(level)
 
 
+def _shutdown_process_group() -> None:
+    """After a successful run: barrier, then destroy the process group. Left to interpreter exit, gloo's threads
+    can be torn down while a peer still talks to them, which aborts the process (SIGABRT) after all work is done."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _tool(name: str) -> Callable[[list[str]], int]:
     import importlib
 
     module, func = TOOLS[name].split(":")
     return getattr(importlib.import_module(module), func)
+
+
+_USER_ERRORS = (DataError, FileNotFoundError, ValueError, NonFiniteLossError)
+
+
+def _user_error(e: BaseException) -> BaseException:
+    """The error to show: jsonargparse wraps errors raised while instantiating ``--model``/``--data`` in a
+    multi-line "Does not validate against any of the Union subtypes" ValueError; show the original instead."""
+    while isinstance(e.__cause__, _USER_ERRORS) and e.__traceback__ is not None:
+        tb = e.__traceback__
+        while tb.tb_next is not None:
+            tb = tb.tb_next
+        if not tb.tb_frame.f_globals.get("__name__", "").startswith("jsonargparse"):
+            break
+        e = e.__cause__
+    return e
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,11 +105,13 @@ def main(argv: list[str] | None = None) -> int:
         return _tool(args[0])(args[1:])
     try:
         LLMCLI(args=argv)  # None: LightningCLI reads sys.argv itself
-    except (DataError, FileNotFoundError, ValueError, NonFiniteLossError) as e:
+        _shutdown_process_group()
+    except _USER_ERRORS as e:
         # Bad input or configuration: one clear line instead of a traceback.
         if os.environ.get("LIGHTNING_LLM_DEBUG"):
             raise
-        print(f"lightning_llm: error: {e}\n(set LIGHTNING_LLM_DEBUG=1 to see the traceback)", file=sys.stderr)
+        print(f"lightning_llm: error: {_user_error(e)}\n(set LIGHTNING_LLM_DEBUG=1 to see the traceback)",
+              file=sys.stderr)
         return 2
     return 0
 

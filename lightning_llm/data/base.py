@@ -108,11 +108,16 @@ class LLMDataModule(pl.LightningDataModule):
         if trainer is None or trainer.state.fn != "fit":
             return {}
         loop = trainer.fit_loop.epoch_loop
-        return {"epoch": trainer.current_epoch, "batches": int(loop.batch_progress.current.processed)}
+        batches = int(loop.batch_progress.current.processed)
+        # "samples" counts the global batch (x data-parallel replicas) so a resume at another dp degree with the
+        # same global batch skips exactly the consumed samples.
+        return {"epoch": trainer.current_epoch, "batches": batches,
+                "samples": batches * self.batch_size * self._replicas()[0]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if "epoch" in state_dict:
-            self._resume = {"epoch": int(state_dict["epoch"]), "batches": int(state_dict["batches"])}
+            self._resume = {"epoch": int(state_dict["epoch"]), "batches": int(state_dict["batches"]),
+                            "samples": int(state_dict.get("samples", -1))}
 
     def make_loader(self, dataset: Dataset, *, train: bool, collate_fn: Callable | None = None) -> DataLoader:
         if train:
@@ -123,6 +128,8 @@ class LLMDataModule(pl.LightningDataModule):
             if self._resume is not None:
                 sampler.skip_epoch = self._resume["epoch"]
                 sampler.skip_samples = self._resume["batches"] * batch_size
+                if self._resume["samples"] >= 0:  # global samples -> this replica's share of them
+                    sampler.skip_samples = self._resume["samples"] // num_replicas
                 self._resume = None
         else:
             # Lightning shards evaluation loaders itself (padded for val/test, unrepeated for predict).

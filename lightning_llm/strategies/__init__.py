@@ -16,3 +16,8 @@ from lightning_llm.strategies.pipeline_parallel import PipelineParallelStrategy 
 
 if "pp" not in _StrategyRegistry:
     _StrategyRegistry.register("pp", PipelineParallelStrategy, description="Pipeline parallelism (GPipe/1F1B/interleaved)")
+
+from lightning_llm.strategies.hybrid import HybridParallelStrategy  # noqa: E402
+
+if "3d" not in _StrategyRegistry:
+    _StrategyRegistry.register("3d", HybridParallelStrategy, description="3-D parallelism: DP x TP x PP with ZeRO")

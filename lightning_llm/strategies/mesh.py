@@ -42,9 +42,10 @@ class ParallelDims:
         known = math.prod(d for d in degrees.values() if d != -1)
         if unknown:
             if world_size % known:
+                others = ", ".join(f"{n}={d}" for n, d in degrees.items() if n != unknown[0])
                 raise ValueError(
-                    f"cannot infer {unknown[0]}: the other degrees multiply to {known}, "
-                    f"which does not divide the world size {world_size}"
+                    f"cannot infer {unknown[0]}: the other degrees ({others}) multiply to {known}, "
+                    f"which does not divide the world size {world_size} (devices x nodes)"
                 )
             degrees[unknown[0]] = world_size // known
         elif known != world_size:

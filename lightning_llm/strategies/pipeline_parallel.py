@@ -180,6 +180,8 @@ class PipelineParallelStrategy(ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        pp = self.pipeline_parallel_size  # degrees that cannot fit fail here, before any process or group starts
+        ParallelDims(dp=-1 if pp != -1 else 1, tp=1, pp=pp).resolved(max(1, self.num_processes) * self.num_nodes)
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -251,7 +253,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._last_stage_rank = pp_ranks[owners[-1]]
         if tied_across_stages(model, n_stages) and owners[0] != owners[-1]:
             # The LM head on the last stage keeps a copy of the token embedding; their gradients are summed.
-            all_pp = self._mesh.mesh.transpose(0, 1).reshape(-1, self.dims.pp).tolist()  # [dp, pp] global ranks
+            all_pp = self._mesh.mesh.permute(1, 2, 0).reshape(-1, self.dims.pp).tolist()  # [dp*tp, pp] global ranks
             for ranks in all_pp:
                 group = dist.new_group([ranks[owners[0]], ranks[owners[-1]]])
                 if self.global_rank in (ranks[owners[0]], ranks[owners[-1]]):
@@ -405,8 +407,10 @@ class PipelineParallelStrategy(ParallelStrategy):
         first = self._batch_idx % accum == 0  # Lightning zeroed (set aside) the earlier gradients
         assert self.dims is not None
         for p, g_prev, g in zip(self._params, prev, new, strict=True):
-            if g is not None and self.dims.dp > 1:
-                dist.all_reduce(g, op=dist.ReduceOp.AVG, group=self._dp_group)
+            if g is not None and self.dims.dp > 1:  # SUM then divide: gloo has no AVG; DTensor grads: local shard
+                local = g.to_local() if hasattr(g, "to_local") else g
+                dist.all_reduce(local, group=self._dp_group)
+                local.div_(self.dims.dp)
             if g is not None and accum > 1:
                 g = g / accum
             if not first and g_prev is not None:

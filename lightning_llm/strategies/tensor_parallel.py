@@ -203,11 +203,28 @@ class TensorParallelStrategy(ModelParallelStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        from lightning.pytorch.plugins.precision import MixedPrecision
+
+        assert self.dims is not None
+        if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None \
+                and self.dims.tp > 1:
+            # GradScaler's inf check is per rank: with sharded gradients the ranks could disagree on skipping a step.
+            raise ValueError(f"--trainer.precision={self.precision_plugin.precision}: fp16 loss scaling is not "
+                             "supported with strategy=tp (tensor_parallel_size > 1); use bf16-mixed or 32-true")
         target = self._target()
         if self._parallelized is not target:  # setup runs again for validate/test after fit
             self.parallelize(target)
             self._parallelized = target
         super().setup(trainer)
+        # Lightning's clip_grad_norm_ cannot mix DTensor shards with plain (replicated) grads: use the global norm.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+
+    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        from lightning_llm.strategies.parallelize import clip_grads_by_global_norm
+
+        assert self.dims is not None
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        clip_grads_by_global_norm(params, clip_val, dp=self.dims.dp, device=torch.device("cpu"))
 
     # ------------------------------------------------------------------------------------------ steps
     @contextlib.contextmanager

@@ -189,6 +189,16 @@ class ZeroStrategy(ModelParallelStrategy):
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING and not self.offload_params:
             _optimizers_to_device(self.optimizers, self.root_device)
+        if self.stage == 2:
+            # Stage 2 keeps each gradient on its owner only: Lightning's local norm would miss the others' shards.
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+
+    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        from lightning_llm.strategies.parallelize import clip_grads_by_global_norm
+
+        assert self._dims is not None
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        clip_grads_by_global_norm(params, clip_val, dp=self._dims.dp, grads_sharded_over_dp=True)
 
     @override
     def model_to_device(self) -> None:

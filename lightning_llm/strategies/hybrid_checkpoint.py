@@ -1,0 +1,227 @@
+"""Layout-free checkpoints of the 3-D strategy: ``torch.distributed.checkpoint`` keyed by global names.
+
+A checkpoint directory saved at any (dp, tp, pp, zero_stage) loads at any other, optimizer state included::
+
+    <dir>/.metadata, <dir>/__<rank>_0.distcp
+        {"model": {fqn: tensor},                     # LightningModule state-dict names (``model.layers.0...``)
+         "optim_0": {"<fqn>/<state key>": tensor}}   # e.g. ``model.layers.0.mlp.up_proj.weight/exp_avg``
+    <dir>/meta.pt   everything else Lightning checkpoints (loops, schedulers, callbacks, datamodule) plus, per
+                    optimizer, its param-group hyperparameters and the kind of each state key
+
+Why this works across layouts: names are global (a pipeline split keeps ``layers.2...``); TP/FSDP shards are
+DTensors whose DCP metadata is the full tensor, so DCP reads whichever chunks the new layout needs; a tensor that
+several ranks hold whole (data-parallel replicas) is written once. Optimizer states are flattened per parameter name
+(not per position in ``param_groups``) so a rank that now owns different parameters (another pipeline split or ZeRO
+partition) reads exactly its own. One process (``strategy=3d`` with all degrees 1) reads and writes the same format.
+
+Every function here that touches tensors is a collective: call it on all ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "META_FILE",
+    "consolidated_state_dict",
+    "from_lightning_checkpoint",
+    "is_hybrid_checkpoint",
+    "load_hybrid",
+    "optimizer_flat_state",
+    "save_hybrid",
+]
+
+META_FILE = "meta.pt"
+FORMAT = "lightning_llm.dcp/1"
+
+
+def is_hybrid_checkpoint(path: str | Path) -> bool:
+    p = Path(path) / META_FILE
+    if not p.is_file():
+        return False
+    return torch.load(p, map_location="cpu", weights_only=False).get("format") == FORMAT
+
+
+def _inner(opt: Optimizer) -> Optimizer:
+    return getattr(opt, "_optimizer", opt)  # LightningOptimizer
+
+
+def _stateful(opt: Optimizer) -> Optimizer | None:
+    """The torch optimizer that holds the states: the partitioned (ZeRO-1/2) optimizer's local one."""
+    opt = _inner(opt)
+    return getattr(opt, "local_optimizer", opt) if hasattr(opt, "local_optimizer") else opt
+
+
+def _names(module: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+
+
+def optimizer_flat_state(module: nn.Module, opt: Optimizer) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    """``({"<fqn>/<key>": tensor}, meta)`` for the parameters whose state this rank holds, and the layout-free meta
+    (hyperparameters of every param group, and ``{key: ("param" | "scalar", dtype)}``)."""
+    names = _names(module)
+    inner = _stateful(opt)
+    flat: dict[str, Tensor] = {}
+    kinds: dict[str, tuple[str, torch.dtype]] = {}
+    if inner is not None:
+        for p, state in inner.state.items():
+            fqn = names.get(id(p))
+            if fqn is None:
+                raise RuntimeError("optimizer holds a parameter that is not in the module (offloaded master copies "
+                                   "are not supported by strategy=3d checkpoints)")
+            for k, v in state.items():
+                if not isinstance(v, Tensor):
+                    continue
+                kind = "param" if v.shape == p.shape and v.dim() > 0 else "scalar"
+                kinds[k] = (kind, v.dtype)
+                flat[f"{fqn}/{k}"] = v
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in _inner(opt).param_groups]
+    return flat, {"param_groups": groups, "kinds": kinds}
+
+
+def _merge_kinds(local: dict[str, Any]) -> dict[str, Any]:
+    """State-key kinds known to any rank (a pipeline rank or ZeRO owner may hold no state)."""
+    if not dist.is_initialized():
+        return local
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, local)
+    out: dict[str, Any] = {}
+    for d in every:
+        out.update(d)
+    return out
+
+
+def save_hybrid(
+    path: str | Path,
+    *,
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    metadata: Mapping[str, Any],
+    layout: Mapping[str, Any],
+    is_global_zero: bool,
+    barrier: Callable[[], None],
+) -> Path:
+    """Write ``module``'s state dict and every optimizer's per-name state with DCP; rank 0 writes the metadata."""
+    p = Path(path)
+    if is_global_zero and p.is_file():
+        p.unlink()
+    barrier()
+    p.mkdir(parents=True, exist_ok=True)
+    state: dict[str, Any] = {"model": dict(module.state_dict())}
+    opt_meta = []
+    for i, opt in enumerate(optimizers):
+        flat, meta = optimizer_flat_state(module, opt)
+        meta["kinds"] = _merge_kinds(meta["kinds"])
+        state[f"optim_{i}"] = flat
+        opt_meta.append(meta)
+    dcp.save(state, checkpoint_id=p)
+    if is_global_zero:
+        torch.save({**metadata, "format": FORMAT, "layout": dict(layout), "optimizer_meta": opt_meta},
+                   p / META_FILE)
+    barrier()
+    log.info("saved 3-D checkpoint to %s (layout %s)", p, dict(layout))
+    return p
+
+
+def _template(module: nn.Module, opt: Optimizer, kinds: Mapping[str, tuple[str, torch.dtype]]) -> dict[str, Any]:
+    """Empty state tensors, shaped and sharded like this rank's parameters, for DCP to fill."""
+    names = _names(module)
+    inner = _stateful(opt)
+    out: dict[str, Any] = {}
+    if inner is None:
+        return out
+    for group in inner.param_groups:
+        for p in group["params"]:
+            fqn = names[id(p)]
+            for k, (kind, dtype) in kinds.items():
+                out[f"{fqn}/{k}"] = (torch.zeros_like(p, dtype=dtype) if kind == "param"
+                                     else torch.zeros((), dtype=dtype))
+    return out
+
+
+def load_hybrid(
+    path: str | Path,
+    *,
+    module: nn.Module,
+    optimizers: Sequence[Optimizer],
+    strict: bool = True,
+) -> dict[str, Any]:
+    """Load a :func:`save_hybrid` directory into the already-parallelized ``module`` and its optimizers (pass none
+    to load weights only); returns the Lightning metadata. The saved layout may differ from the current one."""
+    p = Path(path)
+    meta = torch.load(p / META_FILE, map_location="cpu", weights_only=False)
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"--ckpt_path={p}: not a strategy=3d checkpoint directory")
+    model_state = module.state_dict()
+    saved_keys = set(dcp.FileSystemReader(str(p)).read_metadata().state_dict_metadata)
+    missing = [k for k in model_state if f"model.{k}" not in saved_keys]
+    if missing and strict:
+        raise KeyError(f"--ckpt_path={p}: the checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+    wanted = {"model": {k: v for k, v in model_state.items() if k not in missing}}
+    opt_meta = meta.pop("optimizer_meta", [])
+    for i, opt in enumerate(optimizers):
+        if i < len(opt_meta):
+            wanted[f"optim_{i}"] = _template(module, opt, opt_meta[i]["kinds"])
+    dcp.load(wanted, checkpoint_id=p)
+    module.load_state_dict(wanted["model"], strict=False)  # DCP filled the tensors in place; this covers copies
+    for i, opt in enumerate(optimizers):
+        if i >= len(opt_meta):
+            continue
+        for group, saved in zip(_inner(opt).param_groups, opt_meta[i]["param_groups"]):
+            group.update(saved)
+        inner = _stateful(opt)
+        if inner is None:
+            continue
+        names = _names(module)
+        flat = wanted[f"optim_{i}"]
+        for group in inner.param_groups:
+            for prm in group["params"]:
+                fqn = names[id(prm)]
+                st = {k: flat[f"{fqn}/{k}"] for k in opt_meta[i]["kinds"] if f"{fqn}/{k}" in flat}
+                if st:
+                    inner.state[prm] = st
+    meta.pop("format", None)
+    meta["state_dict"] = wanted["model"]  # for on_load_checkpoint hooks (e.g. a PEFT task checks its keys)
+    log.info("loaded 3-D checkpoint %s saved at layout %s", p, meta.get("layout"))
+    return meta
+
+
+def consolidated_state_dict(path: str | Path) -> dict[str, Any]:
+    """Offline (no process group): the full weights of a :func:`save_hybrid` directory, as a plain Lightning
+    checkpoint dict (``state_dict`` with full tensors + the metadata; no optimizer states)."""
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    p = Path(path)
+    sd: dict[str, Any] = {}
+    _load_state_dict(sd, storage_reader=dcp.FileSystemReader(str(p)), planner=_EmptyStateDictLoadPlanner(),
+                     no_dist=True)
+    meta = torch.load(p / META_FILE, map_location="cpu", weights_only=False)
+    meta.pop("optimizer_meta", None)
+    return {**meta, "state_dict": dict(sd.get("model", {})), "optimizer_states": []}
+
+
+def from_lightning_checkpoint(ckpt: str | Path, output: str | Path) -> Path:
+    """Offline: convert a plain Lightning ``.ckpt`` (one device / DDP) into a ``strategy=3d`` directory holding its
+    weights and loop/scheduler/data state. Optimizer states are not converted (Lightning keys them by position in
+    ``param_groups``, not by name): a run resumed from the result starts with fresh optimizer states. To carry them,
+    resume the ``.ckpt`` once with ``strategy=3d`` on one device and save from there."""
+    src = torch.load(Path(ckpt), map_location="cpu", weights_only=False)
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    dcp.save({"model": dict(src["state_dict"])}, checkpoint_id=out, no_dist=True)
+    meta = {k: v for k, v in src.items() if k not in ("state_dict", "optimizer_states")}
+    torch.save({**meta, "format": FORMAT, "layout": {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 0},
+                "optimizer_meta": []}, out / META_FILE)
+    return out

@@ -1,0 +1,142 @@
+"""Layout-independent pieces of the 3-D strategy: applying a tensor-parallel plan, reducing gradients that DTensor
+leaves ``Partial``, and the global gradient norm over every shard, stage and replica.
+
+Each function takes the meshes/groups it needs explicitly (no global parallel state), so the single-dimension
+strategies can share them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor.parallel import parallelize_module
+
+from lightning_llm.strategies.plans import TPPlan, find_backbone, tp_plan, validate_tp
+
+log = logging.getLogger(__name__)
+
+__all__ = ["apply_tensor_parallel", "clip_grads_by_global_norm", "global_grad_norm", "reduce_partial_grads"]
+
+
+def _tied(model: nn.Module) -> list[tuple[str, str]]:
+    seen: dict[int, str] = {}
+    out = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            out.append((name, seen[id(p)]))
+        else:
+            seen[id(p)] = name
+    return out
+
+
+def _set_param(model: nn.Module, name: str, p: nn.Parameter) -> None:
+    mod_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(mod_name), attr, p)
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = True,
+    plan: TPPlan | None = None,
+) -> nn.Module:
+    """Shard ``model`` in place with ``parallelize_module`` following ``plan`` (default: our families' plan, which
+    tolerates modules removed by a pipeline split). Tied weights are re-tied to the sharded parameter."""
+    found = find_backbone(model)
+    if found is not None:
+        validate_tp(found[1].config, tp_mesh.size())  # type: ignore[arg-type]
+    if tp_mesh.size() == 1:
+        return model
+    plan = plan if plan is not None else tp_plan(model, sequence_parallel=sequence_parallel,
+                                                 loss_parallel=loss_parallel)
+    trainable = {n: p.requires_grad for n, p in model.named_parameters()}
+    tied = _tied(model)
+    parallelize_module(model, tp_mesh, plan)
+    for name, p in model.named_parameters():  # SequenceParallel re-creates params as trainable
+        if name in trainable:
+            p.requires_grad_(trainable[name])
+    for dst, src in tied:
+        mod_name, _, attr = src.rpartition(".")
+        _set_param(model, dst, getattr(model.get_submodule(mod_name), attr))
+    log.info("tensor-parallel plan applied: %d entries over tp=%d", len(plan), tp_mesh.size())
+    return model
+
+
+@torch.no_grad()
+def reduce_partial_grads(params: Iterable[nn.Parameter]) -> None:
+    """Reduce ``Partial`` gradients of replicated DTensor parameters (sequence-parallel norms, LoRA factors next to
+    sharded layers) so every gradient has its parameter's placements."""
+    for p in params:
+        g = p.grad
+        if (isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements
+                and any(isinstance(pl, Partial) for pl in g.placements)):
+            p.grad = g.redistribute(placements=p.placements)
+
+
+def _copies(g: Tensor, *, world: int, pp: int, dp: int, grads_sharded_over_dp: bool) -> int:
+    """How many ranks of one pipeline stage hold this exact local gradient (so its squared norm is counted once).
+
+    A DTensor on mesh ``M`` is replicated over the world dims outside ``M`` (except ``pp``: stages hold different
+    parameters) and over the dims of ``M`` where it is ``Replicate``. Plain tensors are replicated over ``dp x tp``,
+    or only ``tp`` when ZeRO-2 keeps each gradient on its owner alone."""
+    if isinstance(g, DTensor):
+        mesh = g.device_mesh
+        n = world // (mesh.size() * pp)
+        for i, pl in enumerate(g.placements):
+            if pl.is_replicate():
+                n *= mesh.size(i)
+        if grads_sharded_over_dp and "dp" not in (mesh.mesh_dim_names or ()):
+            n //= dp
+        return max(n, 1)
+    n = world // pp
+    return max(n // dp if grads_sharded_over_dp else n, 1)
+
+
+def global_grad_norm(
+    params: Iterable[nn.Parameter],
+    *,
+    pp: int = 1,
+    dp: int = 1,
+    grads_sharded_over_dp: bool = False,
+    skip: Iterable[nn.Parameter] = (),
+    device: torch.device | None = None,
+) -> float:
+    """The L2 norm of the full gradient of the whole model, across every TP shard, pipeline stage and ZeRO shard
+    (a collective over the default group; every rank gets the same value). ``skip``: local copies that are not
+    separate parameters (a tied LM head on the last pipeline stage)."""
+    skip_ids = {id(p) for p in skip}
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for p in params:
+        if p.grad is None or id(p) in skip_ids:
+            continue
+        g = p.grad
+        local = g.to_local() if isinstance(g, DTensor) else g
+        n = _copies(g, world=world, pp=pp, dp=dp, grads_sharded_over_dp=grads_sharded_over_dp)
+        sq += local.detach().double().pow(2).sum().to(sq.device) / n
+    if world > 1:
+        dist.all_reduce(sq)
+    return math.sqrt(float(sq))
+
+
+@torch.no_grad()
+def clip_grads_by_global_norm(params: list[nn.Parameter], max_norm: float, **norm_kwargs: Any) -> float:
+    """Scale every local gradient by ``max_norm / global norm`` when the global norm exceeds it; returns the norm."""
+    total = global_grad_norm(params, **norm_kwargs)
+    scale = max_norm / (total + 1e-6)
+    if scale < 1.0:
+        for p in params:
+            if p.grad is not None:
+                g = p.grad
+                (g.to_local() if isinstance(g, DTensor) else g).mul_(scale)
+    return total

@@ -1,0 +1,206 @@
+"""3-D strategy (``strategy=3d``): per-step parity with one device at four 4-process layouts, and config errors.
+
+One torchrun launch of this file (4 CPU processes, gloo) trains the debug decoder for 6 steps at each layout in
+turn, each with a fresh Trainer: dp2 x tp2, tp2 x pp2, dp2 x pp2 with ZeRO-1 on dp, and dp2 x tp2 with ZeRO-3
+(FSDP2 over dp on top of the TP shards). Meanwhile the pytest process runs the same 6 steps on one device. The
+global batch is 8 everywhere (per-rank batch 8 / dp); fp32, dropout 0, AdamW with eps=1 (update ~ lr x gradient),
+gradient clipping by global norm 0.05 (active at every step, so a wrong norm across shards/stages changes the losses).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_llm.testing import free_port
+
+STEPS = 6
+GLOBAL_BATCH = 8
+CLIP = 0.05
+TOL = 1e-5
+# tag -> HybridParallelStrategy args (4 processes)
+LAYOUTS: dict[str, dict[str, Any]] = {
+    "dp2_tp2": dict(data_parallel_size=2, tensor_parallel_size=2),
+    "tp2_pp2": dict(data_parallel_size=1, tensor_parallel_size=2, pipeline_parallel_size=2, n_microbatches=2),
+    "dp2_pp2_zero1": dict(data_parallel_size=2, pipeline_parallel_size=2, zero_stage=1, n_microbatches=2),
+    "dp2_tp2_zero3": dict(data_parallel_size=2, tensor_parallel_size=2, zero_stage=3),
+}
+
+
+def fit(out: Path, strategy: Any, devices: int, *, tag: str, batch_size: int, steps: int = STEPS,
+        ckpt_path: str | None = None, save_to: str | None = None, task_kwargs: dict[str, Any] | None = None,
+        **trainer_kwargs: Any) -> Any:
+    """``steps`` steps of the debug decoder (optionally resumed from ``ckpt_path``, then saved to ``save_to``);
+    rank 0 writes ``{tag}.json`` with every rank's per-step losses."""
+    import lightning.pytorch as pl
+
+    from lightning_llm.data import TextDataModule
+    from lightning_llm.tasks import CausalLMTask
+    from lightning_llm.tasks.base import OptimConfig
+
+    class Record(pl.Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+            self.val: list[float] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.losses.append(float(outputs["loss"]))
+
+        def on_validation_end(self, trainer, pl_module) -> None:
+            if not trainer.sanity_checking:
+                self.val.append(float(trainer.callback_metrics["val_loss"]))
+
+    pl.seed_everything(1)
+    task_kwargs = {"optim": OptimConfig(lr=3e-3, scheduler="constant"), **(task_kwargs or {})}
+    task = CausalLMTask("debug", dropout=0.0, **task_kwargs)
+    dm = TextDataModule(block_size=32, batch_size=batch_size, cache_dir=str(out / "cache"), generated_docs=100)
+    class SaveAtEnd(pl.Callback):
+        """Save in the last step's on_train_batch_end, as ModelCheckpoint does: mid-epoch loop state (a checkpoint
+        saved after fit() returns records the epoch as finished)."""
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            if save_to is not None and trainer.global_step == steps:
+                trainer.save_checkpoint(save_to)
+
+    rec = Record()
+    kwargs = dict(max_steps=steps, gradient_clip_val=CLIP, limit_val_batches=0, num_sanity_val_steps=0)
+    kwargs.update(trainer_kwargs)
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         default_root_dir=str(out), callbacks=[rec, SaveAtEnd()], **kwargs)
+    trainer.fit(task, dm, ckpt_path=ckpt_path)
+    gathered: list[Any] = [(rec.losses, rec.val)]
+    if torch.distributed.is_initialized():
+        gathered = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, (rec.losses, rec.val))
+    if int(os.environ.get("RANK", "0")) == 0:
+        (out / f"{tag}.json").write_text(json.dumps({"losses": [g[0] for g in gathered],
+                                                     "val": [g[1] for g in gathered]}))
+    return trainer
+
+
+def _worker(mode: str, out: Path, only: str | None = None) -> None:
+    from lightning_llm.strategies.hybrid import HybridParallelStrategy
+    from lightning_llm.tasks.base import OptimConfig
+
+    # eps=1: AdamW's update ~ lr x gradient for these tiny gradients, so a wrong global clipping norm changes the
+    # losses (plain Adam is nearly invariant to the gradient's scale).
+    task_kwargs = {"optim": OptimConfig(lr=2.0, eps=1.0, weight_decay=0.0, scheduler="constant")}
+    times = {}
+    if mode == "reference":
+        fit(out, "auto", 1, tag="reference", batch_size=GLOBAL_BATCH, task_kwargs=task_kwargs)
+        return
+    for tag, args in LAYOUTS.items():
+        if only and tag not in only.split(","):
+            continue
+        t0 = time.perf_counter()
+        fit(out, HybridParallelStrategy(**args), 4, tag=tag, batch_size=GLOBAL_BATCH // args["data_parallel_size"],
+            task_kwargs=task_kwargs)
+        times[tag] = round(time.perf_counter() - t0, 1)
+    if int(os.environ.get("RANK", "0")) == 0:
+        (out / "times.json").write_text(json.dumps(times))
+
+
+def launch(script: str, nproc: int, *args: str, extra: list[str] | None = None) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", *(extra or []), script, *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def wait(proc: subprocess.Popen, timeout: float = 600) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise RuntimeError(f"{' '.join(proc.args)} timed out\n{out[-8000:]}") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(proc.args)} failed\n{out[-8000:]}")
+    return out
+
+
+def run_reference_meanwhile(proc: subprocess.Popen, fn: Any) -> str:
+    """Run ``fn`` in this process (1 thread) while ``proc`` runs; keep PL_GLOBAL_SEED & co out of later tests."""
+    env, threads = dict(os.environ), torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        fn()
+        return wait(proc)
+    finally:
+        torch.set_num_threads(threads)
+        for key in set(os.environ) - set(env):
+            del os.environ[key]
+        os.environ.update(env)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("hybrid")
+    t0 = time.perf_counter()
+    proc = launch(__file__, 4, "3d", str(out))
+    run_reference_meanwhile(proc, lambda: _worker("reference", out))
+    print(f"\nwall time {time.perf_counter() - t0:.1f} s; seconds per layout {(out / 'times.json').read_text()}")
+    return out
+
+
+def global_losses(per_rank: list[list[float]]) -> list[float]:
+    """Per-step loss of the global batch: the mean over ranks of each rank's loss (each reports its data-parallel
+    group's loss - TP ranks compute it, pipeline ranks receive it from the last stage - and the groups have equal
+    batches)."""
+    assert len({len(r) for r in per_rank}) == 1
+    return [sum(step) / len(step) for step in zip(*per_rank)]
+
+
+def max_err(got: list[float], ref: list[float]) -> float:
+    return max(abs(x - y) for x, y in zip(got, ref, strict=True))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("tag", list(LAYOUTS))
+def test_layout_matches_single_device(runs: Path, tag: str) -> None:
+    """Every rank's per-step loss equals the single-device run within 1e-5 (pipeline ranks without the last stage
+    report the loss broadcast from it)."""
+    ref = json.loads((runs / "reference.json").read_text())["losses"][0]
+    got = json.loads((runs / f"{tag}.json").read_text())["losses"]
+    assert len(ref) == STEPS and ref[0] - ref[-1] > 0.05  # it learns
+    losses = global_losses(got)
+    err = max_err(losses, ref)
+    print(f"{tag}: max |loss err| over {STEPS} steps = {err:.2e}; losses {[round(x, 5) for x in losses]}")
+    assert err <= TOL
+
+
+def test_configuration_errors() -> None:
+    import lightning.pytorch as pl
+
+    from lightning_llm.strategies.hybrid import HybridParallelStrategy
+
+    with pytest.raises(ValueError, match="zero_stage=5"):
+        HybridParallelStrategy(zero_stage=5)
+    with pytest.raises(ValueError, match="zero_stage=3 with pipeline_parallel_size=2"):
+        HybridParallelStrategy(pipeline_parallel_size=2, zero_stage=3)
+    with pytest.raises(ValueError, match="only one parallel degree may be -1"):
+        HybridParallelStrategy(data_parallel_size=-1, tensor_parallel_size=-1)
+    with pytest.raises(ValueError, match="multiply to 4, but the world size is 2"):
+        pl.Trainer(accelerator="cpu", devices=2, strategy=HybridParallelStrategy(data_parallel_size=2,
+                                                                                 tensor_parallel_size=2))
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_llm.strategies  # noqa: F401 - registers "3d"
+
+    assert "3d" in StrategyRegistry
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], Path(sys.argv[2]), *sys.argv[3:4])
