@@ -48,6 +48,7 @@ from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coo
 from lightning_llm.strategies.parallelize import (
     apply_tensor_parallel,
     clip_grads_by_global_norm,
+    local_loss,
     reduce_partial_grads,
 )
 from lightning_llm.strategies.pipeline_parallel import PipelineParallelStrategy
@@ -256,13 +257,7 @@ class HybridParallelStrategy(PipelineParallelStrategy):
         with _loss_parallel_ctx() if on else contextlib.nullcontext():
             yield
 
-    @staticmethod
-    def _local_loss(out: Any) -> Any:
-        if isinstance(out, DTensor):
-            return out.full_tensor()
-        if isinstance(out, dict) and isinstance(out.get("loss"), DTensor):
-            return {**out, "loss": out["loss"].full_tensor()}
-        return out
+    _local_loss = staticmethod(local_loss)
 
     def _plain(self, hook: str, *args: Any, **kwargs: Any) -> Any:
         with self._loss_context():

@@ -26,6 +26,16 @@ log = logging.getLogger(__name__)
 __all__ = ["apply_tensor_parallel", "clip_grads_by_global_norm", "global_grad_norm", "reduce_partial_grads"]
 
 
+def local_loss(out: Any) -> Any:
+    """A replicated DTensor loss (from ``loss_parallel``) -- bare or under ``"loss"`` in a step output -- as a plain
+    tensor, keeping the autograd graph, so Lightning's logging and backward see ordinary tensors."""
+    if isinstance(out, DTensor):
+        return out.full_tensor()
+    if isinstance(out, dict) and isinstance(out.get("loss"), DTensor):
+        return {**out, "loss": out["loss"].full_tensor()}
+    return out
+
+
 def _tied(model: nn.Module) -> list[tuple[str, str]]:
     seen: dict[int, str] = {}
     out = []

@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_llm.strategies.parallelize import local_loss
 from lightning_llm.strategies import checkpoint as ckpt
 from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coordinate
 from lightning_llm.strategies.plans import TPPlan, find_backbone, tp_plan, validate_tp
@@ -234,14 +235,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         with ctx:
             yield
 
-    @staticmethod
-    def _local_loss(out: Any) -> Any:
-        """A replicated DTensor loss (from loss_parallel) as a plain tensor, keeping the autograd graph."""
-        if isinstance(out, DTensor):
-            return out.full_tensor()
-        if isinstance(out, dict) and isinstance(out.get("loss"), DTensor):
-            return {**out, "loss": out["loss"].full_tensor()}
-        return out
+    _local_loss = staticmethod(local_loss)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
