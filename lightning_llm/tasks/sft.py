@@ -174,18 +174,9 @@ class SFTTask(CausalLMTask):
 
     # ------------------------------------------------------------------------------------------ stages
     @override
-    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        loss = self._eval_step(batch, "val")
-        if "val" in self.generate_in:
-            self._generate_and_score(batch, "val")
-        return loss
-
-    @override
-    def test_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        loss = self._eval_step(batch, "test")
-        if "test" in self.generate_in:
-            self._generate_and_score(batch, "test")
-        return loss
+    def update_metrics(self, stage: str, outputs: dict[str, Any], batch: dict[str, Any]) -> None:
+        if stage in self.generate_in:  # the shared eval step computed the loss; add generation + text scores
+            self._generate_and_score(batch, stage)
 
     def _log_text_scores(self, stage: str) -> None:
         if stage not in self.generate_in or self.trainer.sanity_checking:
@@ -196,14 +187,9 @@ class SFTTask(CausalLMTask):
             self.log(name, value, prog_bar=name.endswith("rouge-l"), sync_dist=False, rank_zero_only=False)
 
     @override
-    def on_validation_epoch_end(self) -> None:
-        super().on_validation_epoch_end()
-        self._log_text_scores("val")
-
-    @override
-    def on_test_epoch_end(self) -> None:
-        super().on_test_epoch_end()
-        self._log_text_scores("test")
+    def _log_epoch_metrics(self, stage: str) -> None:
+        super()._log_epoch_metrics(stage)
+        self._log_text_scores(stage)
 
     @override
     def predict_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> list[str]:
