@@ -130,13 +130,15 @@ class SFTTask(CausalLMTask):
         self.model.train(was_training)
         return [self._decode(ids) for ids in strip_after_eos(tokens, cfg.eos_ids)]
 
-    def _generate_and_score(self, batch: dict[str, Any], stage: str) -> None:
+    def _generate_and_score(self, batch: dict[str, Any], stage: str) -> list[str]:
+        """Generate for the batch's prompts, time it, and keep (prompt, label, prediction) records for scoring."""
         start = time.perf_counter()
         preds = self.generate_batch(batch)
         self._gen_time += time.perf_counter() - start
         for i, p in enumerate(preds):
             self._records.append({"index": int(batch["index"][i]), "prompt": batch["prompt"][i],
                                   "label": batch["label"][i], "prediction": p})
+        return preds
 
     def _gathered_records(self) -> list[dict[str, Any]]:
         records = self._records
@@ -193,13 +195,7 @@ class SFTTask(CausalLMTask):
 
     @override
     def predict_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> list[str]:
-        start = time.perf_counter()
-        preds = self.generate_batch(batch)
-        self._gen_time += time.perf_counter() - start
-        for i, p in enumerate(preds):
-            self._records.append({"index": int(batch["index"][i]), "prompt": batch["prompt"][i],
-                                  "label": batch["label"][i], "prediction": p})
-        return preds
+        return self._generate_and_score(batch, "predict")
 
     @override
     def on_predict_epoch_end(self) -> None:
