@@ -15,6 +15,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_llm.data.io import DataError
+from lightning_llm.reliability import shutdown_process_group
 from lightning_llm.tasks.base import LLMTask, NonFiniteLossError
 
 log = logging.getLogger("lightning_llm")
@@ -61,16 +62,6 @@ def _setup_logging() -> None:
     logging.getLogger("lightning_llm").setLevel(level)
 
 
-def _shutdown_process_group() -> None:
-    """After a successful run: barrier, then destroy the process group. Left to interpreter exit, gloo's threads
-    can be torn down while a peer still talks to them, which aborts the process (SIGABRT) after all work is done."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
 def _tool(name: str) -> Callable[[list[str]], int]:
     import importlib
 
@@ -105,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         return _tool(args[0])(args[1:])
     try:
         LLMCLI(args=argv)  # None: LightningCLI reads sys.argv itself
-        _shutdown_process_group()
+        shutdown_process_group()  # no SIGABRT at exit under torchrun
     except _USER_ERRORS as e:
         # Bad input or configuration: one clear line instead of a traceback.
         if os.environ.get("LIGHTNING_LLM_DEBUG"):

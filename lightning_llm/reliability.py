@@ -56,6 +56,20 @@ def _trigger(fault: dict[str, Any], where: str) -> None:
     raise RuntimeError(f"injected fault at {where}")
 
 
+def shutdown_process_group() -> None:
+    """Barrier, then destroy every process group. Call on all ranks once the work is done.
+
+    Left to interpreter exit, gloo's communication threads can be torn down on one rank while a peer still talks
+    to them, which aborts the peer ("terminate called without an active exception", SIGABRT) after all work is
+    done; a process that built several Trainers, device meshes or DeepSpeed engines hits this most often.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _global_rank() -> int:
     return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", 0)))
 

@@ -11,8 +11,9 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 import torch
@@ -71,6 +72,22 @@ def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
             t = t.full_tensor()
         out[name] = t.clone().cpu()
     return out
+
+
+def run_worker(fn: Callable[..., Any], *args: Any) -> NoReturn:
+    """Entry point of a process launched by torchrun for a test or benchmark: run ``fn(*args)``, then leave
+    deterministically on every rank (barrier, destroy the process groups, flush, ``os._exit``).
+
+    A process that built several Trainers (each with its device meshes, FSDP or DeepSpeed state) can otherwise abort
+    in interpreter shutdown after all its work is done; an exception still exits non-zero with its traceback.
+    """
+    from lightning_llm.reliability import shutdown_process_group
+
+    fn(*args)
+    shutdown_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def free_port() -> int:

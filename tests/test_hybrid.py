@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_llm.testing import free_port
+from lightning_llm.testing import free_port, run_worker
 
 STEPS = 6
 GLOBAL_BATCH = 8
@@ -203,4 +203,4 @@ def test_configuration_errors() -> None:
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], Path(sys.argv[2]), *sys.argv[3:4])
+    run_worker(_worker, sys.argv[1], Path(sys.argv[2]), *sys.argv[3:4])

@@ -27,7 +27,7 @@ from lightning_llm.strategies.pipeline_parallel import PipelineParallelStrategy
 from lightning_llm.strategies.pipeline_split import (
     prune_model, split_layers, stage_module, stage_ranks, stage_specs,
 )
-from lightning_llm.testing import free_port
+from lightning_llm.testing import free_port, run_worker
 
 STEPS = 10
 # (schedule, stages_per_rank, measure_activations)
@@ -393,4 +393,4 @@ def test_configuration_errors() -> None:
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))
+    run_worker(_worker, sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3]))

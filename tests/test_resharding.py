@@ -108,7 +108,9 @@ def test_resume_at_another_layout(runs: Path, saved: str, resumed: str) -> None:
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1], Path(sys.argv[2]))
+    from lightning_llm.testing import run_worker
+
+    run_worker(_worker, sys.argv[1], Path(sys.argv[2]))
 
 
 @pytest.mark.multiprocess

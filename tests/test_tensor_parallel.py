@@ -378,4 +378,6 @@ def test_registered_as_tp() -> None:
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
-    worker(Path(sys.argv[sys.argv.index("--worker") + 1]))
+    from lightning_llm.testing import run_worker
+
+    run_worker(worker, Path(sys.argv[sys.argv.index("--worker") + 1]))

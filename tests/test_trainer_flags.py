@@ -24,7 +24,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from test_hybrid import global_losses, launch, max_err, run_reference_meanwhile, wait
 
-from lightning_llm.testing import free_port
+from lightning_llm.testing import free_port, run_worker
 
 TOL = 1e-5
 LOOSE = 5e-3  # bf16 autocast (CPU runs 16-mixed as bf16-mixed): per-step loss of a sharded run vs one device
@@ -178,4 +178,4 @@ def test_two_nodes_match_one_process(tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     sys.argv.pop(0)
-    _worker(sys.argv[0], Path(sys.argv[1]), *sys.argv[2:3])
+    run_worker(_worker, sys.argv[0], Path(sys.argv[1]), *sys.argv[2:3])

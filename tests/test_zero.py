@@ -321,18 +321,11 @@ if __name__ == "__main__":
     parser.add_argument("--group", required=True, choices=["native", "deepspeed", "lora"])
     parser.add_argument("--out", required=True, type=Path)
     a = parser.parse_args()
+    from lightning_llm.testing import run_worker
+
     import logging
     import warnings
 
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    worker(a.group, a.out)
-    # Leave deterministically: with several Trainers/DeepSpeed engines in one process, interpreter shutdown can
-    # race a communication thread ("terminate called without an active exception", SIGABRT) after all work is done.
-    import torch.distributed as dist
-
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    run_worker(worker, a.group, a.out)
