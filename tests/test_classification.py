@@ -83,3 +83,32 @@ def test_quickstart_config_learns_above_chance(tmp_path: Path, monkeypatch: pyte
     accs = [float(r["val_acc"]) for r in rows if r.get("val_acc")]
     print(f"quickstart val_acc per epoch: {accs}")
     assert accs[0] < 0.6 and max(accs) >= 0.75  # starts near chance, ends well above it
+
+
+def test_afqmc_real_data_recipe_fits_then_predicts_every_test_row(tmp_path: Path) -> None:
+    """``configs/afqmc.yaml`` on the real AFQMC files in ``../shared`` (34,334 / 4,316 / 3,861 rows) with the real
+    Chinese BERT vocabulary: a short fit, then ``predict`` writes one CLUE line per test row, ids in file order."""
+    from conftest import SHARED_DATA
+
+    data, tok = SHARED_DATA / "afqmc", SHARED_DATA / "tokenizers" / "bert-base-chinese"
+    if not (data / "test.json").is_file() or not (tok / "vocab.txt").is_file():
+        pytest.skip(f"real AFQMC data not found under {SHARED_DATA} (the repository runs without it)")
+    repo = Path(__file__).resolve().parents[1]
+    common = ["--config", str(repo / "configs" / "afqmc.yaml"), f"--data.data_dir={data}",
+              f"--data.tokenizer_dir={tok}", "--trainer.enable_progress_bar=false",
+              "--trainer.enable_model_summary=false", f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}"]
+    assert main(["fit", *common, "--trainer.max_steps=40", "--trainer.val_check_interval=20",
+                 "--trainer.limit_val_batches=4"]) == 0
+    rows = list(csv.DictReader(next((tmp_path / "runs").rglob("metrics.csv")).open()))
+    assert sum(1 for r in rows if r.get("train_loss")) == 4  # log_every_n_steps=10 over 40 steps
+    assert sum(1 for r in rows if r.get("val_acc")) == 2
+    ckpt = next((tmp_path / "runs").rglob("last.ckpt"))
+
+    pred = tmp_path / "afqmc_predict.json"
+    assert main(["predict", *common, f"--ckpt_path={ckpt}", f"--model.predict_output={pred}"]) == 0
+    want_ids = [json.loads(line)["id"] for line in (data / "test.json").read_text(encoding="utf-8").splitlines()]
+    got = [json.loads(line) for line in pred.read_text().splitlines()]
+    print(f"AFQMC predict: {len(got)} lines (test split has {len(want_ids)})")
+    assert len(got) == len(want_ids) == 3861
+    assert [x["id"] for x in got] == want_ids
+    assert {x["label"] for x in got} <= {"0", "1"}
