@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_llm.models.layers import KVCache
 
@@ -133,9 +134,18 @@ class _Stepper:
         self.seqs = input_ids  # [R, T] every token so far
         self.mask = attention_mask.bool()  # [R, T]
 
+    def _last_logits(self, out: Tensor) -> Tensor:
+        """Logits of the last position as a plain fp32 tensor [R, V]. Under tensor parallelism the model returns
+        vocab-sharded DTensor logits (the loss never gathers them); decoding needs the whole row, so gather it."""
+        out = out[:, -1]
+        if isinstance(out, DTensor):
+            out = out.full_tensor()
+        return out.float()
+
     def first(self) -> Tensor:
         pos = _positions(self.mask)
-        return self.model(self.seqs, attention_mask=self.mask, position_ids=pos, kv_cache=self.cache)[:, -1].float()
+        return self._last_logits(self.model(self.seqs, attention_mask=self.mask, position_ids=pos,
+                                            kv_cache=self.cache))
 
     def next(self, tokens: Tensor) -> Tensor:  # tokens [R] -> next-token logits [R, V] fp32
         ones = torch.ones_like(tokens, dtype=torch.bool)[:, None]
@@ -146,7 +156,7 @@ class _Stepper:
             out = self.model(tokens[:, None], attention_mask=self.mask, position_ids=pos[:, -1:], kv_cache=self.cache)
         else:
             out = self.model(self.seqs, attention_mask=self.mask, position_ids=pos, kv_cache=None)
-        return out[:, -1].float()
+        return self._last_logits(out)
 
     def reorder(self, index: Tensor) -> None:
         self.seqs, self.mask = self.seqs[index], self.mask[index]

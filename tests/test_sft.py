@@ -186,21 +186,47 @@ def _sft_args(out: Path, data: Path, *, batch: int, extra: list[str]) -> list[st
     ]
 
 
+@pytest.fixture(scope="module")
+def sft_single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The one-device reference run (batch 8) shared by the 2-process cases: (data file, run dir)."""
+    root = tmp_path_factory.mktemp("sft_single")
+    data = root / "train.json"
+    data.write_text(json.dumps(_records(32), ensure_ascii=False), encoding="utf-8")
+    assert main(_sft_args(root / "run", data, batch=8, extra=["--trainer.devices=1"])) == 0
+    return data, root / "run"
+
+
+# strategy flags -> per-rank batch (global batch 8: data-parallel ranks split it, tensor-parallel ranks share it)
+SFT_STRATEGIES: dict[str, tuple[list[str], int]] = {
+    "ddp": (["--trainer.strategy=ddp"], 4),
+    "tp": (["--trainer.strategy=tp"], 8),
+    "tp_sp": (["--trainer.strategy=lightning_llm.strategies.TensorParallelStrategy",
+               "--trainer.strategy.sequence_parallel=true"], 8),
+    "zero2": (["--trainer.strategy=zero2"], 4),
+}
+
+
 @pytest.mark.multiprocess
-def test_sft_ddp_two_processes_match_one_device_and_write_predictions_once(sft_file: Path, tmp_path: Path) -> None:
-    single, ddp = tmp_path / "single", tmp_path / "ddp"
-    assert main(_sft_args(single, sft_file, batch=8, extra=["--trainer.devices=1"])) == 0
-    run_cli(_sft_args(ddp, sft_file, batch=4, extra=["--trainer.devices=2", "--trainer.strategy=ddp"]), nproc=2)
+@pytest.mark.parametrize("name", list(SFT_STRATEGIES))
+def test_sft_two_processes_match_one_device_and_write_predictions_once(
+        name: str, sft_single: tuple[Path, Path], tmp_path: Path) -> None:
+    """3 SFT steps plus generation-scored validation on 2 processes: per-step loss of the global batch equals one
+    device within 1e-5, the greedy predictions are identical, and they are written once, in record order."""
+    data, single = sft_single
+    flags, batch = SFT_STRATEGIES[name]
+    multi = tmp_path / name
+    run_cli(_sft_args(multi, data, batch=batch, extra=["--trainer.devices=2", *flags]), nproc=2)
     ref = json.loads((single / "steps.json").read_text())["losses"][0]
-    ranks = json.loads((ddp / "steps.json").read_text())["losses"]
-    ddp_mean = [(a + b) / 2 for a, b in zip(*ranks)]
-    err = max(abs(a - b) for a, b in zip(ref, ddp_mean))
+    ranks = json.loads((multi / "steps.json").read_text())["losses"]
+    mean = [(a + b) / 2 for a, b in zip(*ranks)]  # data-parallel: each rank's half; tensor-parallel: both the same
+    err = max(abs(a - b) for a, b in zip(ref, mean, strict=True))
     one = [json.loads(x) for x in (single / "pred_val.jsonl").read_text(encoding="utf-8").splitlines()]
-    two = [json.loads(x) for x in (ddp / "pred_val.jsonl").read_text(encoding="utf-8").splitlines()]
+    two = [json.loads(x) for x in (multi / "pred_val.jsonl").read_text(encoding="utf-8").splitlines()]
     same = sum(a["prediction"] == b["prediction"] for a, b in zip(one, two))
-    print(f"single={ref}\nddp={ddp_mean}\nmax_abs_err={err:.2e}; identical predictions {same}/{len(one)}")
-    assert err <= 1e-5
-    # 16 validation records over 2 ranks x batches of 5: the padded duplicate rows are dropped, order kept.
+    print(f"{name}: single={ref}\n{name}={mean}\nmax_abs_err={err:.2e}; identical predictions {same}/{len(one)}")
+    assert len(ref) == 3 and err <= 1e-5
+    # 16 validation records over 2 ranks x batches of 5: padded duplicate rows are dropped, order kept.
     assert len(two) == 16 and [r["label"] for r in two] == [r["output"] for r in _records(16)]
-    rows = [r for r in csv.DictReader(next(ddp.rglob("metrics.csv")).open()) if r.get("val_rouge-l")]
+    assert same == len(one) == 16
+    rows = [r for r in csv.DictReader(next(multi.rglob("metrics.csv")).open()) if r.get("val_rouge-l")]
     assert rows and all(k in rows[0] for k in ("val_bleu-4", "val_rouge-1", "val_rouge-2", "val_samples_per_s"))
