@@ -151,6 +151,13 @@ class LLMTask(pl.LightningModule):
             trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
             log.info("model built: %s parameters, %s trainable", f"{total:,}", f"{trainable:,}")
 
+    @property
+    def data_parallel_size(self) -> int:
+        """Replicas that see different batches: the world size under DDP, fewer when tensor- or pipeline-parallel
+        ranks share a batch (the strategy's sampler ``num_replicas``); 1 without a distributed strategy."""
+        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self._trainer else None
+        return int((kwargs or {}).get("num_replicas", 1))
+
     def _batch_size(self, batch: dict[str, torch.Tensor]) -> int:
         return int(batch["input_ids"].shape[0])
 

@@ -112,8 +112,9 @@ class CausalLMTask(LLMTask):
         if self._step_start is None:
             return
         elapsed = max(time.perf_counter() - self._step_start, 1e-9)
-        # Every data-parallel rank processes a batch of the same shape: global rate = local rate x world size.
-        tokens = batch["input_ids"].numel() * self.trainer.world_size
+        # Every data-parallel replica processes a batch of the same shape: global rate = local rate x replicas
+        # (tensor- and pipeline-parallel ranks of one replica share its batch and must not be counted again).
+        tokens = batch["input_ids"].numel() * self.data_parallel_size
         self.log("train_tokens_per_s", tokens / elapsed, on_step=True, on_epoch=False, prog_bar=False)
 
     @override
