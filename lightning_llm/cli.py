@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 
 from lightning.pytorch import LightningDataModule
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_llm.data.io import DataError
@@ -69,7 +70,7 @@ def _tool(name: str) -> Callable[[list[str]], int]:
     return getattr(importlib.import_module(module), func)
 
 
-_USER_ERRORS = (DataError, FileNotFoundError, ValueError, NonFiniteLossError)
+_USER_ERRORS = (DataError, FileNotFoundError, ValueError, NonFiniteLossError, MisconfigurationException)
 
 
 def _user_error(e: BaseException) -> BaseException:

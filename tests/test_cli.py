@@ -53,3 +53,13 @@ def test_missing_tokenizer_dir_one_line(pair_data: Path, tmp_path: Path) -> None
     assert proc.returncode != 0
     assert f"--data.tokenizer_dir={tmp_path / 'nope'}: directory not found" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_lightning_misconfiguration_is_one_line(tmp_path: Path, capsys) -> None:
+    """Lightning's own configuration errors (here: a config's ModelCheckpoint with checkpointing switched off) end
+    the run with exit code 2 and one line, like ours."""
+    rc = main(["fit", "--config", str(REPO / "configs" / "quickstart.yaml"), "--trainer.enable_checkpointing=false",
+               f"--trainer.default_root_dir={tmp_path}", "--trainer.logger=false"])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert "lightning_llm: error: Trainer was configured with `enable_checkpointing=False`" in err

@@ -274,3 +274,16 @@ def test_ddp_two_processes_match_one_device(tmp_path: Path) -> None:
     assert two[-1]["episode"] == 32
     assert one[-1]["objective/kl_coef"] != 0.05  # the adaptive controller moved, identically on both ranks
     assert max(errs.values()) < 1e-4 and perr < 1e-4
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallel_is_refused_before_training(tmp_path: Path) -> None:
+    """Ranks that share a batch (tp) cannot roll out independently: one clear error line, before any step."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Say {i:02d} digits:"}) + "\n" for i in range(16)))
+    with pytest.raises(RuntimeError) as e:
+        run_cli(_ppo_args(tmp_path / "tp", prompts, batch=4, extra=["--trainer.devices=2", "--trainer.strategy=tp"]),
+                nproc=2)
+    assert ("lightning_llm: error: --trainer.strategy=TensorParallelStrategy: PPOTask needs every rank to be a "
+            "data-parallel replica (2 ranks here, 1 replica(s))") in str(e.value)
+    assert not (tmp_path / "tp" / "steps.json").exists()

@@ -164,6 +164,18 @@ class PPOTask(CausalLMTask):
         return model
 
     @override
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        world, replicas = self.trainer.world_size, self.data_parallel_size
+        if replicas != world:
+            # Rollouts are sampled with a per-rank generator and every statistic is all-reduced over the world:
+            # ranks that share a batch (tensor/pipeline parallel) would feed one sharded forward different tokens.
+            raise ValueError(
+                f"--trainer.strategy={type(self.trainer.strategy).__name__}: PPOTask needs every rank to be a "
+                f"data-parallel replica ({world} ranks here, {replicas} replica(s)); use ddp, zero1/2/3 or "
+                "deepspeed_zero1/2/3 (tensor and pipeline parallelism are not supported for PPO)")
+
+    @override
     def configure_model(self) -> None:
         super().configure_model()
         if self._reward is None:
