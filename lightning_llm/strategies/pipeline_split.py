@@ -59,7 +59,7 @@ def layout_of(model: nn.Module) -> PipelineLayout:
         if isinstance(model, cls):
             return layout
     known = ", ".join(c.__name__ for c in PIPELINE_LAYOUTS)
-    raise ValueError(f"pipeline parallelism can split {known}; the task built a {type(model).__name__}")
+    raise ValueError(f"pipeline parallelism can split {known}; the task built {type(model).__name__}")
 
 
 @dataclass(frozen=True)

@@ -122,7 +122,8 @@ class CausalLMTask(LLMTask):
         super().on_validation_epoch_end()
         val_loss = self.trainer.callback_metrics.get("val_loss")
         if val_loss is not None:
-            self.log("val_ppl", math.exp(min(float(val_loss), 50.0)), prog_bar=True)
+            # val_loss is already reduced over ranks, so every rank computes the same value; sync_dist only states that.
+            self.log("val_ppl", math.exp(min(float(val_loss), 50.0)), prog_bar=True, sync_dist=True)
 
     # ------------------------------------------------------------------------------------------ PEFT checkpoints
     def _trainable_keys(self) -> set[str]:

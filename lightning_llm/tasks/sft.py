@@ -189,6 +189,19 @@ class SFTTask(CausalLMTask):
             self.log(name, value, prog_bar=name.endswith("rouge-l"), sync_dist=False, rank_zero_only=False)
 
     @override
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        generates = stage == "predict" or bool(self.generate_in)
+        pp = getattr(getattr(self.trainer.strategy, "dims", None), "pp", 1)
+        if generates and pp > 1:
+            # Token-by-token decoding with a KV cache would need one pipeline round trip per new token; the
+            # pipeline strategies run whole-batch schedules only.
+            raise ValueError(
+                f"SFTTask: generation (--model.generate_in={self.generate_in}, and predict) is not supported with "
+                f"pipeline parallelism (pipeline_parallel_size={pp}); train with --model.generate_in=[] (validation "
+                "then logs val_loss/val_ppl only) and generate from the exported checkpoint on another strategy")
+
+    @override
     def _log_epoch_metrics(self, stage: str) -> None:
         super()._log_epoch_metrics(stage)
         self._log_text_scores(stage)
