@@ -329,3 +329,50 @@ if __name__ == "__main__":
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     run_worker(worker, a.group, a.out)
+
+
+@pytest.mark.multiprocess
+def test_zero3_checkpoints_evaluate_and_predict_like_their_consolidated_weights(pair_data: Path, tmp_path: Path) -> None:
+    """validate / predict from a stage-3 checkpoint (native DCP and DeepSpeed directories) on 2 processes equal the
+    same commands on one device with the consolidated weights: val_loss within 1e-6, identical predictions."""
+    import csv
+
+    import torch
+
+    from lightning_llm.cli import main
+    from lightning_llm.export import read_checkpoint
+    from lightning_llm.testing import run_cli
+
+    def args(sub: str, out: Path, *extra: str) -> list[str]:
+        return [sub, "--seed_everything=1", "--model=lightning_llm.tasks.ClassificationTask", "--model.backbone=debug",
+                f"--model.predict_output={out / 'pred.json'}", "--data=lightning_llm.data.SentencePairDataModule",
+                f"--data.data_dir={pair_data}", f"--data.tokenizer_dir={pair_data / 'tokenizer'}",
+                "--data.batch_size=4", "--trainer.accelerator=cpu", "--trainer.enable_progress_bar=false",
+                f"--trainer.default_root_dir={out}", "--trainer.logger=CSVLogger", f"--trainer.logger.save_dir={out}",
+                *extra]
+
+    def val_loss(out: Path) -> float:
+        rows = list(csv.DictReader(next(out.rglob("metrics.csv")).open()))
+        return float(next(r["val_loss"] for r in rows if r.get("val_loss")))
+
+    two = ["--trainer.devices=2"]
+    for strategy in ("zero3", "deepspeed_zero3"):
+        run_cli(args("fit", tmp_path / strategy, *two, f"--trainer.strategy={strategy}", "--trainer.max_steps=4",
+                     "--trainer.limit_val_batches=0"), nproc=2)
+        ckpt = next((tmp_path / strategy).rglob("*.ckpt"))
+        full = tmp_path / f"{strategy}-full.ckpt"
+        torch.save(read_checkpoint(ckpt), full)
+        res = {}
+        for tag, extra in (("2", [*two, f"--trainer.strategy={strategy}", f"--ckpt_path={ckpt}"]),
+                           ("1", ["--trainer.devices=1", f"--ckpt_path={full}"])):
+            out = tmp_path / f"{strategy}-eval{tag}"
+            if tag == "2":
+                run_cli(args("validate", out, *extra), nproc=2)
+                run_cli(args("predict", out, *extra), nproc=2)
+            else:
+                assert main(args("validate", out, *extra)) == 0 and main(args("predict", out, *extra)) == 0
+            res[tag] = (val_loss(out), (out / "pred.json").read_text().splitlines())
+        err = abs(res["2"][0] - res["1"][0])
+        print(f"{strategy}: val_loss 2 procs {res['2'][0]:.6f} vs 1 device (consolidated) {res['1'][0]:.6f}, "
+              f"|err| {err:.1e}; predictions identical {res['2'][1] == res['1'][1]} ({len(res['1'][1])} lines)")
+        assert err <= 1e-6 and len(res["1"][1]) == 24 and res["2"][1] == res["1"][1]

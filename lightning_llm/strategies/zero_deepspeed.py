@@ -21,7 +21,7 @@ import argparse
 import copy
 import json
 import logging
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -32,6 +32,8 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -191,6 +193,7 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
         self.engine = "deepspeed"
         self.optimizer_name = optimizer
         self.zero_init = zero_init
+        self._full_weights_once = False  # the next load_model_state_dict gets consolidated ZeRO-3 weights
 
     @contextmanager
     @override
@@ -218,16 +221,63 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
         return None
 
     @override
-    def _setup_model_and_optimizer(self, model: Any, optimizer: Optimizer | None, lr_scheduler: Any = None) -> Any:
+    def _auto_select_batch_size(self) -> int:
+        # Lightning sizes DeepSpeed's throughput log from the *train* loader, also for validate/test/predict, where a
+        # datamodule has not set up its training split (and the value is unused): only ask it while fitting.
+        assert self.lightning_module is not None
+        if self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            return 1
+        return super()._auto_select_batch_size()
+
+    def _initialize(self, model: Any, config: dict[str, Any], optimizer: Optimizer | None = None,
+                    lr_scheduler: Any = None) -> tuple[Any, Any]:
+        """``deepspeed.initialize`` with a device rank that also exists on CPU (Lightning passes
+        ``root_device.index``, which is None for CPU devices)."""
         import deepspeed
 
-        # DeepSpeed reads the device index from args.device_rank; CPU devices have none, so pass the local rank.
         rank = self.root_device.index if self.root_device.type == "cuda" else self.local_rank
+        params = filter(lambda p: p.requires_grad, model.parameters()) if optimizer is not None else []
         engine, ds_optimizer, _, _ = deepspeed.initialize(
-            args=argparse.Namespace(device_rank=rank), config=self.config, model=model,
-            model_parameters=filter(lambda p: p.requires_grad, model.parameters()), optimizer=optimizer,
-            lr_scheduler=lr_scheduler, dist_init_required=False)
+            args=argparse.Namespace(device_rank=rank), config=config, model=model, model_parameters=params,
+            optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False)
         return engine, ds_optimizer
+
+    @override
+    def _setup_model_and_optimizer(self, model: Any, optimizer: Optimizer | None, lr_scheduler: Any = None) -> Any:
+        return self._initialize(model, self.config, optimizer, lr_scheduler)
+
+    @override
+    def _initialize_deepspeed_inference(self, model: Any) -> None:
+        # validate/test/predict outside fit: no optimizer; the ZeRO-3 partitioning (and precision) of the training
+        # config, a micro-batch size for DeepSpeed's throughput timers.
+        assert isinstance(self.config, dict)
+        keys = ["fp16", "bf16"] + (["zero_allow_untested_optimizer", "zero_optimization"] if self.zero_stage_3 else [])
+        config = {"train_micro_batch_size_per_gpu": 1, **{k: self.config[k] for k in keys if k in self.config}}
+        remove_module_hooks(model)  # as Lightning does: hooks of an earlier engine must not stay on the module
+        self.model, _ = self._initialize(model, config)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        assert self.lightning_module is not None
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if self.zero_stage_3 and not fitting and not self.load_full_weights and Path(checkpoint_path).is_dir():
+            # DeepSpeed cannot load a ZeRO-3 checkpoint into an optimizer-less (validate/test/predict) engine
+            # ("'DeepSpeedZeRoOffload' object has no attribute '_restore_from_bit16_weights'"): consolidate the
+            # shards and load the full weights through Lightning's gather-and-assign path for ZeRO-3 instead.
+            from lightning_llm.export import read_checkpoint
+
+            self._full_weights_once = True
+            return read_checkpoint(checkpoint_path)
+        return super().load_checkpoint(checkpoint_path, weights_only)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self._full_weights_once:
+            self._full_weights_once = False
+            self.model_to_device()
+            self._restore_zero_state(checkpoint, strict=strict)
+            return
+        super().load_model_state_dict(checkpoint, strict=strict)
 
     @override
     def _init_optimizers(self) -> tuple[Optimizer, Any]:
