@@ -11,8 +11,8 @@ import os
 import sys
 from collections.abc import Callable
 
-from lightning.pytorch import LightningDataModule
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_llm.data.io import DataError
