@@ -315,24 +315,9 @@ def test_lora_adapter_saved_under_stage3_is_full_and_reproduces_outputs(tmp_path
         assert moved > 0 and err <= 1e-5
 
 
-if __name__ == "__main__":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--group", required=True, choices=["native", "deepspeed", "lora"])
-    parser.add_argument("--out", required=True, type=Path)
-    a = parser.parse_args()
-    from lightning_llm.testing import run_worker
-
-    import logging
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    run_worker(worker, a.group, a.out)
-
-
 @pytest.mark.multiprocess
-def test_zero3_checkpoints_evaluate_and_predict_like_their_consolidated_weights(pair_data: Path, tmp_path: Path) -> None:
+def test_zero3_checkpoints_evaluate_and_predict_like_their_consolidated_weights(pair_data: Path,
+                                                                               tmp_path: Path) -> None:
     """validate / predict from a stage-3 checkpoint (native DCP and DeepSpeed directories) on 2 processes equal the
     same commands on one device with the consolidated weights: val_loss within 1e-6, identical predictions."""
     import csv
@@ -376,3 +361,19 @@ def test_zero3_checkpoints_evaluate_and_predict_like_their_consolidated_weights(
         print(f"{strategy}: val_loss 2 procs {res['2'][0]:.6f} vs 1 device (consolidated) {res['1'][0]:.6f}, "
               f"|err| {err:.1e}; predictions identical {res['2'][1] == res['1'][1]} ({len(res['1'][1])} lines)")
         assert err <= 1e-6 and len(res["1"][1]) == 24 and res["2"][1] == res["1"][1]
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--group", required=True, choices=["native", "deepspeed", "lora"])
+    parser.add_argument("--out", required=True, type=Path)
+    a = parser.parse_args()
+    import logging
+    import warnings
+
+    from lightning_llm.testing import run_worker
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    run_worker(worker, a.group, a.out)
