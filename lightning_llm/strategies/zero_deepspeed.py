@@ -193,7 +193,6 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
         self.engine = "deepspeed"
         self.optimizer_name = optimizer
         self.zero_init = zero_init
-        self._full_weights_once = False  # the next load_model_state_dict gets consolidated ZeRO-3 weights
 
     @contextmanager
     @override
@@ -266,14 +265,14 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
             # shards and load the full weights through Lightning's gather-and-assign path for ZeRO-3 instead.
             from lightning_llm.export import read_checkpoint
 
-            self._full_weights_once = True
             return read_checkpoint(checkpoint_path)
         return super().load_checkpoint(checkpoint_path, weights_only)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if self._full_weights_once:
-            self._full_weights_once = False
+        if self.zero_stage_3 and not self.load_full_weights and "state_dict" in checkpoint:
+            # The consolidated weights from load_checkpoint above (DeepSpeed's own loading already put the weights
+            # in place and returns its client state, which never holds a state_dict).
             self.model_to_device()
             self._restore_zero_state(checkpoint, strict=strict)
             return
