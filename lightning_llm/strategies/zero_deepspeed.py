@@ -228,14 +228,13 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
             return 1
         return super()._auto_select_batch_size()
 
-    def _initialize(self, model: Any, config: dict[str, Any], optimizer: Optimizer | None = None,
+    def _initialize(self, model: Any, config: dict[str, Any], *, params: Any, optimizer: Optimizer | None = None,
                     lr_scheduler: Any = None) -> tuple[Any, Any]:
         """``deepspeed.initialize`` with a device rank that also exists on CPU (Lightning passes
         ``root_device.index``, which is None for CPU devices)."""
         import deepspeed
 
         rank = self.root_device.index if self.root_device.type == "cuda" else self.local_rank
-        params = filter(lambda p: p.requires_grad, model.parameters()) if optimizer is not None else []
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=rank), config=config, model=model, model_parameters=params,
             optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False)
@@ -243,7 +242,9 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
 
     @override
     def _setup_model_and_optimizer(self, model: Any, optimizer: Optimizer | None, lr_scheduler: Any = None) -> Any:
-        return self._initialize(model, self.config, optimizer, lr_scheduler)
+        # Trainable parameters also when optimizer is None: a user config's "optimizer" section builds it from them.
+        params = [p for p in model.parameters() if p.requires_grad]
+        return self._initialize(model, self.config, params=params, optimizer=optimizer, lr_scheduler=lr_scheduler)
 
     @override
     def _initialize_deepspeed_inference(self, model: Any) -> None:
@@ -253,7 +254,7 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
         keys = ["fp16", "bf16"] + (["zero_allow_untested_optimizer", "zero_optimization"] if self.zero_stage_3 else [])
         config = {"train_micro_batch_size_per_gpu": 1, **{k: self.config[k] for k in keys if k in self.config}}
         remove_module_hooks(model)  # as Lightning does: hooks of an earlier engine must not stay on the module
-        self.model, _ = self._initialize(model, config)
+        self.model, _ = self._initialize(model, config, params=[])
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
