@@ -336,9 +336,16 @@ def test_zero3_checkpoints_evaluate_and_predict_like_their_consolidated_weights(
                 f"--trainer.default_root_dir={out}", "--trainer.logger=CSVLogger", f"--trainer.logger.save_dir={out}",
                 *extra]
 
-    def val_loss(out: Path) -> float:
+    def evaluate(out: Path, *extra: str, nproc: int) -> tuple[float, list[str]]:
+        """``validate`` then ``predict`` (one device: in this process, which saves the start-up): (val_loss, lines)."""
+        for sub in ("validate", "predict"):
+            if nproc > 1:
+                run_cli(args(sub, out, *extra), nproc=nproc)
+            else:
+                assert main(args(sub, out, *extra)) == 0
         rows = list(csv.DictReader(next(out.rglob("metrics.csv")).open()))
-        return float(next(r["val_loss"] for r in rows if r.get("val_loss")))
+        loss = float(next(r["val_loss"] for r in rows if r.get("val_loss")))
+        return loss, (out / "pred.json").read_text().splitlines()
 
     two = ["--trainer.devices=2"]
     for strategy in ("zero3", "deepspeed_zero3"):
@@ -347,21 +354,13 @@ def test_zero3_checkpoints_evaluate_and_predict_like_their_consolidated_weights(
         ckpt = next((tmp_path / strategy).rglob("*.ckpt"))
         full = tmp_path / f"{strategy}-full.ckpt"
         torch.save(read_checkpoint(ckpt), full)
-        res = {}
-        for tag, extra in (("2", [*two, f"--trainer.strategy={strategy}", f"--ckpt_path={ckpt}"]),
-                           ("1", ["--trainer.devices=1", f"--ckpt_path={full}"])):
-            out = tmp_path / f"{strategy}-eval{tag}"
-            if tag == "2":
-                run_cli(args("validate", out, *extra), nproc=2)
-                run_cli(args("predict", out, *extra), nproc=2)
-            else:
-                assert main(args("validate", out, *extra)) == 0 and main(args("predict", out, *extra)) == 0
-            res[tag] = (val_loss(out), (out / "pred.json").read_text().splitlines())
+        res = {"2": evaluate(tmp_path / f"{strategy}-eval2", *two, f"--trainer.strategy={strategy}",
+                             f"--ckpt_path={ckpt}", nproc=2),
+               "1": evaluate(tmp_path / f"{strategy}-eval1", "--trainer.devices=1", f"--ckpt_path={full}", nproc=1)}
         err = abs(res["2"][0] - res["1"][0])
         print(f"{strategy}: val_loss 2 procs {res['2'][0]:.6f} vs 1 device (consolidated) {res['1'][0]:.6f}, "
               f"|err| {err:.1e}; predictions identical {res['2'][1] == res['1'][1]} ({len(res['1'][1])} lines)")
         assert err <= 1e-6 and len(res["1"][1]) == 24 and res["2"][1] == res["1"][1]
-
 
 
 @pytest.mark.multiprocess
