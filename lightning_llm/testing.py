@@ -90,6 +90,51 @@ def run_worker(fn: Callable[..., Any], *args: Any) -> NoReturn:
     os._exit(0)
 
 
+def launch(script: str | Path, nproc: int, *args: str, extra: list[str] | None = None) -> subprocess.Popen:
+    """Start ``python -m torch.distributed.run --nproc_per_node=NPROC SCRIPT ARGS`` on this machine (1 thread per
+    process, output captured); pair it with :func:`wait`. The one launcher of the multi-process tests."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", *(extra or []), str(script), *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+
+
+def wait(proc: subprocess.Popen, timeout: float = 600) -> str:
+    """The output of a :func:`launch`; raises ``RuntimeError`` with its tail when it fails or times out."""
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise RuntimeError(f"{' '.join(proc.args)} timed out\n{out[-8000:]}") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(proc.args)} failed\n{out[-8000:]}")
+    return out
+
+
+def run_reference_meanwhile(proc: subprocess.Popen, fn: Callable[[], Any], timeout: float = 600) -> str:
+    """Run the single-device reference ``fn`` in this process (1 thread) while the launched ranks ``proc`` run;
+    returns their output. Environment variables the reference sets (PL_GLOBAL_SEED & co) are removed after."""
+    env, threads = dict(os.environ), torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        fn()
+        return wait(proc, timeout)
+    finally:
+        torch.set_num_threads(threads)
+        for key in set(os.environ) - set(env):
+            del os.environ[key]
+        os.environ.update(env)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def max_abs_err(got: list[float], ref: list[float]) -> float:
+    """``max |got - ref|`` over two equally long curves."""
+    return max(abs(x - y) for x, y in zip(got, ref, strict=True))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_llm.testing import free_port, run_worker
+from lightning_llm.testing import launch, max_abs_err, run_reference_meanwhile, run_worker
 
 STEPS = 6
 GLOBAL_BATCH = 8
@@ -109,42 +108,6 @@ def _worker(mode: str, out: Path, only: str | None = None) -> None:
         (out / "times.json").write_text(json.dumps(times))
 
 
-def launch(script: str, nproc: int, *args: str, extra: list[str] | None = None) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", *(extra or []), script, *args]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-
-
-def wait(proc: subprocess.Popen, timeout: float = 600) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-        raise RuntimeError(f"{' '.join(proc.args)} timed out\n{out[-8000:]}") from None
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(proc.args)} failed\n{out[-8000:]}")
-    return out
-
-
-def run_reference_meanwhile(proc: subprocess.Popen, fn: Any) -> str:
-    """Run ``fn`` in this process (1 thread) while ``proc`` runs; keep PL_GLOBAL_SEED & co out of later tests."""
-    env, threads = dict(os.environ), torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        fn()
-        return wait(proc)
-    finally:
-        torch.set_num_threads(threads)
-        for key in set(os.environ) - set(env):
-            del os.environ[key]
-        os.environ.update(env)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("hybrid")
@@ -163,8 +126,7 @@ def global_losses(per_rank: list[list[float]]) -> list[float]:
     return [sum(step) / len(step) for step in zip(*per_rank)]
 
 
-def max_err(got: list[float], ref: list[float]) -> float:
-    return max(abs(x - y) for x, y in zip(got, ref, strict=True))
+max_err = max_abs_err
 
 
 @pytest.mark.multiprocess

@@ -22,7 +22,9 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_hybrid import global_losses, launch, max_err, wait
+from test_hybrid import global_losses, max_err
+
+from lightning_llm.testing import launch, wait
 
 HALF = 3
 TOL = 1e-5

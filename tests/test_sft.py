@@ -247,5 +247,5 @@ def test_sft_pipeline_trains_without_generation_and_refuses_it(sft_single: tuple
     with pytest.raises(RuntimeError) as e:
         run_cli(_sft_args(tmp_path / "pp_gen", data, batch=8, extra=pp), nproc=2)
     assert "lightning_llm: error: SFTTask: generation (--model.generate_in=['val', 'test'], and predict) is not " \
-           "supported with pipeline parallelism (pipeline_parallel_size=2)" in str(e.value)
+           "supported with pipeline parallelism (--trainer.strategy=PipelineParallelStrategy)" in str(e.value)
     assert not (tmp_path / "pp_gen" / "steps.json").exists()

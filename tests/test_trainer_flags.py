@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_hybrid import global_losses, launch, max_err, run_reference_meanwhile, wait
+from test_hybrid import global_losses, max_err
 
-from lightning_llm.testing import free_port, run_worker
+from lightning_llm.testing import free_port, launch, run_reference_meanwhile, run_worker, wait
 
 TOL = 1e-5
 LOOSE = 5e-3  # bf16 autocast (CPU runs 16-mixed as bf16-mixed): per-step loss of a sharded run vs one device

@@ -32,7 +32,6 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -43,13 +42,16 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as _loss_parallel_ctx
 from typing_extensions import override
 
+from lightning_llm.contract import Capabilities, check_pipelinable
 from lightning_llm.strategies import hybrid_checkpoint as hckpt
 from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coordinate
 from lightning_llm.strategies.parallelize import (
     apply_tensor_parallel,
+    average_replicated_grads,
     clip_grads_by_global_norm,
     local_loss,
     reduce_partial_grads,
+    sharded_logits_for,
 )
 from lightning_llm.strategies.pipeline_parallel import PipelineParallelStrategy
 from lightning_llm.strategies.pipeline_runtime import ScheduleName, checkpoint_blocks
@@ -122,6 +124,7 @@ class HybridParallelStrategy(PipelineParallelStrategy):
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
         self.tp_rank = 0
+        self._sharded_logits = False  # whether the task's loss receives vocab-sharded DTensor logits
         self._tp_mesh: Any = None
         self._dp_mesh: Any = None
         self._grad_hooks: list[Any] = []
@@ -176,6 +179,15 @@ class HybridParallelStrategy(PipelineParallelStrategy):
     def device_mesh(self) -> Any:
         return self._mesh
 
+    @property
+    @override
+    def capabilities(self) -> Capabilities:
+        if self.dims is None:
+            return Capabilities()
+        return Capabilities(data_parallel_size=self.dims.dp, batch_shared=self.dims.tp * self.dims.pp > 1,
+                            pipelined=self.pipelined, generation=not self.pipelined,
+                            data_parallel_group=self._dp_group)
+
     # ------------------------------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -185,6 +197,8 @@ class HybridParallelStrategy(PipelineParallelStrategy):
         model = getattr(module, "model", None)
         if not isinstance(model, nn.Module):
             raise ValueError("strategy=3d needs a task that builds `self.model` in configure_model() (an LLMTask)")
+        if self.pipelined:
+            check_pipelinable(module, strategy="3d")
         precision = str(self.precision_plugin.precision)
         scaler = isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None
         if scaler and (self.pipelined or self.zero_stage >= 2 or self.dims.tp > 1):
@@ -198,12 +212,10 @@ class HybridParallelStrategy(PipelineParallelStrategy):
         if model is not self._pp_model:  # else already parallelized (e.g. trainer.validate() after fit)
             self._parallelize(model, precision=precision)
         self.model_to_device()
-        self._pp_model, self._params = model, list(model.parameters())
+        # Every parameter of the task (its model and any module of its own; a pipeline refuses the latter).
+        self._pp_model, self._params = model, list(module.parameters())
         if self.pipelined:
-            from lightning_llm.strategies.pipeline_split import stage_module
-
-            self._stage_mods = [stage_module(model, s) for s in self._specs]
-            self._schedules.clear()
+            self._build_runner(model)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -216,8 +228,11 @@ class HybridParallelStrategy(PipelineParallelStrategy):
         assert self.dims is not None
         if self.pipelined:
             self._split(model)  # also checkpoints the kept blocks when activation_checkpointing is set
+        # Vocab-sharded logits only reach a loss that declares it handles them (and never a pipeline's stage output).
+        self._sharded_logits = sharded_logits_for(self.lightning_module, requested=self.loss_parallel and not
+                                                  self.pipelined, tp=self.dims.tp)
         apply_tensor_parallel(model, self._tp_mesh, sequence_parallel=self.sequence_parallel,
-                              loss_parallel=self.loss_parallel and not self.pipelined)
+                              loss_parallel=self._sharded_logits)
         if not self.pipelined:
             keys = tuple(getattr(model, layout_of(model).layers).keys())
             self._specs = [StageSpec(0, 1, keys)]
@@ -253,8 +268,7 @@ class HybridParallelStrategy(PipelineParallelStrategy):
     # ------------------------------------------------------------------------------------------ steps (pp == 1)
     @contextlib.contextmanager
     def _loss_context(self) -> Generator[None, None, None]:
-        on = self.loss_parallel and self.dims is not None and self.dims.tp > 1 and not self.pipelined
-        with _loss_parallel_ctx() if on else contextlib.nullcontext():
+        with _loss_parallel_ctx() if self._sharded_logits else contextlib.nullcontext():
             yield
 
     _local_loss = staticmethod(local_loss)
@@ -305,17 +319,13 @@ class HybridParallelStrategy(PipelineParallelStrategy):
 
     @torch.no_grad()
     def _finalize_gradients(self) -> None:
-        """pp == 1: reduce TP ``Partial`` grads; ZeRO-0 averages over ``dp`` here, once per optimizer step (ZeRO-1/2
-        reduce in their gradient hooks, FSDP2 reduce-scatters in backward)."""
+        """pp == 1: reduce TP ``Partial`` grads, then average over ``dp`` once per optimizer step what no ZeRO
+        mechanism reduced: every gradient under ZeRO-0, the task's own plain parameters under ZeRO-3 (FSDP2
+        reduce-scatters its units; ZeRO-1/2 reduce in their gradient hooks)."""
         assert self.dims is not None
         reduce_partial_grads(self._params)
-        if self.zero_stage != 0 or self.dims.dp == 1:
-            return
-        for p in self._params:
-            if p.grad is not None:
-                local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                dist.all_reduce(local, group=self._dp_group)  # gloo has no AVG
-                local.div_(self.dims.dp)
+        if self.zero_stage in (0, 3):
+            average_replicated_grads(self._params, dp_group=self._dp_group, dp=self.dims.dp)
 
     @contextlib.contextmanager
     @override

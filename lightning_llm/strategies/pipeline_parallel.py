@@ -1,22 +1,24 @@
 """Pipeline parallelism inside Lightning's loop, built on ``torch.distributed.pipelining`` (registered as ``pp``).
 
-How a step runs (tasks are unchanged):
+How a step runs (the task contract of :mod:`lightning_llm.contract`; nothing of the task is replaced):
 
 * ``configure_model`` builds the full model as usual; :meth:`PipelineParallelStrategy.setup` splits it
   (:mod:`.pipeline_split`): this rank keeps only its stages' blocks/embeddings/head (names stay global, so the
-  optimizer and checkpoints hold exactly this rank's shard) and wraps each stage view in a ``PipelineStage``
-  (:mod:`.pipeline_runtime`).
-* Training: during ``training_step`` the task's ``compute_loss`` is replaced by one that runs the schedule
-  (forward *and* backward of every micro-batch). The last stage computes each micro-batch's loss with the task's own
-  ``compute_loss``, fed the stage output instead of a model call. The mean loss is sent to every pipeline rank, so
-  the task's ``self.log("train_loss", ...)``, the progress bar and checkpoint monitoring see the real value.
+  optimizer and checkpoints hold exactly this rank's shard) and a :class:`~.pipeline_engine.PipelineRunner` wraps
+  each stage view in a ``PipelineStage``. The split model refuses direct calls (a forward pre-hook names
+  ``run_model``); a task that overrides ``compute_loss`` is refused at set-up, before any step.
+* Training: the task's ``step_loss`` asks the runner, which runs the schedule (forward *and* backward of every
+  micro-batch) on ``task.model_inputs(batch)``; the last stage computes each micro-batch's loss with
+  ``task.loss_from_output``. The mean loss is sent to every pipeline rank, so the task's ``train_loss``, the
+  progress bar and checkpoint monitoring see the real value.
 * Gradients vs Lightning's closure (training_step -> zero_grad -> backward): the schedule's gradients are moved out
   of ``.grad`` right after the schedule, so Lightning's ``zero_grad`` finds nothing to clear, and are put back in
   :meth:`backward`, which replaces Lightning's ``loss.backward()``. We chose this over running the schedule inside
   ``backward`` because the loss must exist when ``training_step`` logs it, and it keeps Lightning's hook order
   (``on_before_backward``/``on_after_backward``, accumulation, clipping) intact.
-* Validation/test run forward-only schedules (the last stage computes loss and metric outputs with the task's
-  ``compute_loss`` and sends them to the other ranks); predict gets the last stage's output on every rank.
+* Validation/test run forward-only schedules (the last stage computes loss and metric outputs with
+  ``loss_from_output`` and sends them to the other ranks); ``task.run_model`` (predict) gets the last stage's
+  output on every rank.
 * Gradient clipping by norm uses the global norm over all stages; checkpoints are a directory with one file per
   pipeline rank (that rank's shard + its optimizer state), see :mod:`.pipeline_checkpoint`.
 
@@ -29,9 +31,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -51,21 +50,19 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
-from torch.distributed.pipelining import PipelineStage
 from typing_extensions import override
 
+from lightning_llm.contract import Capabilities, check_pipelinable
 from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coordinate
 from lightning_llm.strategies.pipeline_checkpoint import (
     CHECKPOINT_FILE, check_layout, consolidate_checkpoint, pipeline_layout, stage_checkpoint_file,
 )
-from lightning_llm.strategies.pipeline_runtime import (
-    SCHEDULES, ScheduleName, build_schedule, capture_model_inputs, check_microbatches, checkpoint_blocks,
-    microbatch_count, model_call, run_schedule, schedule_key, select_microbatch, task_loss,
-)
+from lightning_llm.strategies.parallelize import average_replicated_grads
+from lightning_llm.strategies.pipeline_engine import PipelineRunner
+from lightning_llm.strategies.pipeline_runtime import SCHEDULES, ScheduleName, check_microbatches, checkpoint_blocks
 from lightning_llm.strategies.pipeline_split import (
     prune_model, split_layers, stage_module, stage_ranks, stage_specs, tied_across_stages,
 )
-from lightning_llm.strategies.pipeline_stats import ActivationMeter, BusyTimer, gather_step_stats, log_step_stats
 
 log = logging.getLogger(__name__)
 
@@ -140,12 +137,9 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._params: list[nn.Parameter] = []
         self._specs: list[Any] = []
         self._last_stage_rank = 0  # global rank holding the last stage in this rank's pipeline
-        self._schedules: dict[tuple[Any, ...], tuple[Any, list[PipelineStage]]] = {}
-        self._grads: tuple[list[Tensor | None], list[Tensor | None]] | None = None
+        self.pipeline_runner: PipelineRunner | None = None
+        self._guard: Any = None  # forward pre-hook refusing direct calls of the split model
         self._batch_idx = 0
-        self._timer = BusyTimer()
-        self._meter: ActivationMeter | None = None
-        self._current: tuple[Any, str] | None = None  # (batch, stage) whose micro-batch losses the schedule asks for
         self.step_stats: list[dict[str, Any]] = []
         """Per training step: ``busy_s``, ``wall_s``, ``idle_frac`` (lists over pipeline ranks), ``loss`` and, with
         ``measure_activations``, ``peak_act_bytes``/``act_bytes_per_mb`` per rank."""
@@ -216,6 +210,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         model = getattr(module, "model", None)
         if not isinstance(model, nn.Module):
             raise ValueError("strategy=pp needs a task that builds `self.model` in configure_model() (an LLMTask)")
+        check_pipelinable(module, strategy="pp")
         if isinstance(self.precision_plugin, MixedPrecision) and self.precision_plugin.scaler is not None:
             raise ValueError("--trainer.precision=16-mixed: fp16 loss scaling is not supported with strategy=pp; "
                              "use 32-true, bf16-mixed or bf16-true")
@@ -224,10 +219,8 @@ class PipelineParallelStrategy(ParallelStrategy):
             self._split(model)
         self.precision_plugin.convert_module(module)
         self.model_to_device()
-        self._stage_mods = [stage_module(model, s) for s in self._specs]
-        # The real model and its (local) parameters: while a task hook runs, ``task.model`` is a stand-in.
-        self._pp_model, self._params = model, list(model.parameters())
-        self._schedules.clear()
+        self._pp_model, self._params = model, list(module.parameters())  # == the model's: extras are refused
+        self._build_runner(model)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -269,125 +262,54 @@ class PipelineParallelStrategy(ParallelStrategy):
         assert self.model is not None
         self.model.to(self.root_device)
 
-    # ------------------------------------------------------------------------------------------ schedules
-    def _schedule(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, train: bool) -> tuple[Any, int]:
-        """The (cached) schedule for these input shapes; stages infer their P2P shapes on first use."""
-        batch = next(t.shape[0] for t in (*args, *kwargs.values()) if isinstance(t, Tensor))
-        m = microbatch_count(batch, n_microbatches=self.n_microbatches, train=train)
-        key = schedule_key(args, kwargs, train=train, m=m)
-        if key not in self._schedules:
-            self._schedules[key] = build_schedule(
-                schedule=self.schedule, stage_mods=self._stage_mods, specs=self._specs, device=self.root_device,
-                group=self._pp_group, n_microbatches=m, loss_fn=self._microbatch_loss if train else None,
-                wrap=self._timer.wrap,
-            )
-        return self._schedules[key][0], m
+    # ------------------------------------------------------------------------------------------ task contract
+    @property
+    def capabilities(self) -> Capabilities:
+        """Pipeline ranks of one replica share its batch; generation is not offered (one round trip per token)."""
+        if self.dims is None:
+            return Capabilities()
+        pp = self.dims.pp
+        return Capabilities(data_parallel_size=self.dims.dp, batch_shared=pp > 1, pipelined=pp > 1,
+                            generation=pp == 1, data_parallel_group=self._dp_group)
 
-    def _run(self, sched: Any, args: tuple[Any, ...], kwargs: dict[str, Any], **step_kwargs: Any) -> Any:
-        return run_schedule(sched, self._specs, args, kwargs, **step_kwargs)
-
-    # ------------------------------------------------------------------------------------------ task hooks
-    def _microbatch_loss(self, output: Any, index: Tensor) -> Tensor:
-        """Schedule loss_fn on the last stage: the task's compute_loss on micro-batch ``index`` of the current batch,
-        with the model call answered by the stage output."""
-        t0 = time.perf_counter()
-        assert self._current is not None
-        batch, stage = self._current
-        mb = select_microbatch(batch, index.to(self.root_device))
-        loss, _ = task_loss(self.lightning_module, mb, stage, output)
-        self._timer.busy += time.perf_counter() - t0
-        return loss
-
-    def _pipelined_compute_loss(self, batch: Any, stage: str) -> tuple[Tensor, dict[str, Any]]:
-        args, kwargs = capture_model_inputs(self.lightning_module, batch, stage)
-        if stage == "train":
-            return self._train_schedule(batch, args, kwargs), {}
-        sched, _ = self._schedule(args, kwargs, train=False)
-        out = self._run(sched, args, kwargs)
-        result: list[Any] = [None]
-        if self.global_rank == self._last_stage_rank:
-            loss, outputs = task_loss(self.lightning_module, batch, stage, out)
-            result = [(loss.detach(), outputs)]
-        dist.broadcast_object_list(result, src=self._last_stage_rank, group=self._pp_group)
-        loss, outputs = result[0]
-        return loss.to(self.root_device), outputs
-
-    def _train_schedule(self, batch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+    def _build_runner(self, model: nn.Module) -> None:
+        """Stage views of the split model, the runner that schedules them, and the guard on direct model calls."""
         assert self.dims is not None
-        sched, m = self._schedule(args, kwargs, train=True)
-        params = self._params
-        prev = [p.grad for p in params]
-        for p in params:  # the schedule accumulates into .grad: start from zero, keep earlier accumulation aside
-            p.grad = None
-        n = args[0].shape[0] if args else next(v.shape[0] for v in kwargs.values() if isinstance(v, Tensor))
-        self._current = (batch, "train")
-        self._timer.reset()
-        losses: list[Tensor] = []
-        if self.measure_activations and self._meter is None:
-            self._meter = ActivationMeter(params)
-        if self._meter is not None:
-            self._meter.reset()
-        t0 = time.perf_counter()
-        with self._meter.hooks() if self._meter is not None else nullcontext():
-            self._run(sched, args, kwargs, target=torch.arange(n, device=self.root_device), losses=losses)
-        wall = time.perf_counter() - t0
-        new = [p.grad for p in params]
-        for p in params:  # hidden from Lightning's zero_grad; restored in backward()
-            p.grad = None
-        self._grads = (prev, new)
-        loss, row = gather_step_stats(losses=losses, busy=self._timer.busy, wall=wall, meter=self._meter,
-                                      n_microbatches=m, last_pp_rank=self._specs_owner_of_last(), pp_size=self.dims.pp,
-                                      group=self._pp_group, device=self.root_device)
-        self.step_stats.append(row)
-        if self.log_pipeline_stats:
-            log_step_stats(self.lightning_module, row, batch_size=n)
-        return loss.to(device=self.root_device, dtype=torch.float32)
+        if self._guard is not None:  # set-up again (validate after fit): the views must not inherit the guard
+            self._guard.remove()
+        self._stage_mods = [stage_module(model, s) for s in self._specs]
+        self.pipeline_runner = PipelineRunner(
+            schedule=self.schedule, n_microbatches=self.n_microbatches, stage_mods=self._stage_mods,
+            specs=self._specs, params=self._params, device=self.root_device, pp_group=self._pp_group,
+            pp_size=self.dims.pp, last_stage_rank=self._last_stage_rank,
+            last_stage_pp_rank=self._specs_owner_of_last(), step_stats=self.step_stats,
+            log_stats=self.log_pipeline_stats, measure_activations=self.measure_activations,
+        )
+        self._guard = model.register_forward_pre_hook(_refuse_direct_call)
 
     def _specs_owner_of_last(self) -> int:
         assert self.dims is not None
         return stage_ranks(self.dims.pp, self.stages_per_rank, style=SCHEDULES[self.schedule][1])[-1]
 
-    @contextmanager
-    def _pipelined(self, stage: str | None) -> Iterator[None]:
-        """Within a task hook: compute_loss runs the pipeline; any other model call runs a forward-only schedule."""
-        module = self.lightning_module
-        with model_call(module, self._forward):
-            if stage is None:
-                yield
-                return
-            module.compute_loss = self._pipelined_compute_loss  # type: ignore[method-assign]
-            try:
-                yield
-            finally:
-                del module.compute_loss
-
-    def _forward(self, *args: Any, **kwargs: Any) -> Any:
-        """A direct model call (e.g. in predict_step): forward-only schedule, last-stage output sent to all ranks."""
-        kwargs = {k: v for k, v in kwargs.items() if v is not None}
-        sched, _ = self._schedule(args, kwargs, train=False)
-        out = [self._run(sched, args, kwargs)]
-        dist.broadcast_object_list(out, src=self._last_stage_rank, group=self._pp_group)
-        return out[0].to(self.root_device) if isinstance(out[0], Tensor) else out[0]
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         self._batch_idx = int(args[1]) if len(args) > 1 else int(kwargs.get("batch_idx", 0))
-        with self.precision_plugin.train_step_context(), self._pipelined("train"):
+        with self.precision_plugin.train_step_context():
             return self.lightning_module.training_step(*args, **kwargs)
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.val_step_context(), self._pipelined("val"):
+        with self.precision_plugin.val_step_context():
             return self.lightning_module.validation_step(*args, **kwargs)
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.test_step_context(), self._pipelined("test"):
+        with self.precision_plugin.test_step_context():
             return self.lightning_module.test_step(*args, **kwargs)
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context(), self._pipelined(None):
+        with self.precision_plugin.predict_step_context():
             return self.lightning_module.predict_step(*args, **kwargs)
 
     # ------------------------------------------------------------------------------------------ backward / clipping
@@ -396,21 +318,18 @@ class PipelineParallelStrategy(ParallelStrategy):
         """Replaces ``loss.backward()``: the schedule already ran it; put its gradients (moved aside before
         Lightning's zero_grad) back, averaged over data-parallel replicas and summed across tied copies."""
         module = self.lightning_module
-        if self._grads is None:
-            raise RuntimeError("strategy=pp: backward() without a pipelined training_step (manual optimization is "
-                               "not supported)")
+        assert self.pipeline_runner is not None
+        prev, new = self.pipeline_runner.take_grads()
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        prev, new = self._grads
-        self._grads = None
         accum = self.lightning_module.trainer.accumulate_grad_batches
         first = self._batch_idx % accum == 0  # Lightning zeroed (set aside) the earlier gradients
         assert self.dims is not None
+        for p, g in zip(self._params, new, strict=True):
+            p.grad = g
+        average_replicated_grads(self._params, dp_group=self._dp_group, dp=self.dims.dp)
+        new = [p.grad for p in self._params]
         for p, g_prev, g in zip(self._params, prev, new, strict=True):
-            if g is not None and self.dims.dp > 1:  # SUM then divide: gloo has no AVG; DTensor grads: local shard
-                local = g.to_local() if hasattr(g, "to_local") else g
-                dist.all_reduce(local, group=self._dp_group)
-                local.div_(self.dims.dp)
             if g is not None and accum > 1:
                 g = g / accum
             if not first and g_prev is not None:
@@ -499,7 +418,16 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self._schedules.clear()
+        if self.pipeline_runner is not None:
+            self.pipeline_runner.clear()
         self._stage_mods = []
         super().teardown()
+
+
+def _refuse_direct_call(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook of a pipeline-split model: only the stage views (which the schedule runs) may run it."""
+    raise RuntimeError(
+        "pipeline parallelism: the task's model holds only this rank's pipeline stages and cannot be called "
+        "directly; call it through the task's run_model(...) (a forward-only pipeline pass), or compute the loss "
+        "with the model_inputs()/loss_from_output() hooks")
 

@@ -1,10 +1,8 @@
-"""What :class:`~lightning_llm.strategies.pipeline_parallel.PipelineParallelStrategy` runs in a step.
+"""Pipeline building blocks used by :class:`~lightning_llm.strategies.pipeline_engine.PipelineRunner`.
 
 * The schedule table (:data:`SCHEDULES`) and :func:`build_schedule`, which wraps this rank's stage views in
   ``PipelineStage`` objects and picks the schedule class (forward-only for evaluation).
-* Running the task's own code against a pipeline: while a task hook runs, ``task.model`` is swapped for a stand-in
-  (:func:`model_call`), so :func:`capture_model_inputs` can learn what ``compute_loss`` feeds the model and
-  :func:`task_loss` can run ``compute_loss`` on a stage output instead of a model call.
+* :func:`select_microbatch`: the rows of a batch that one micro-batch's loss needs.
 * Activation checkpointing of the local blocks (:func:`checkpoint_blocks`).
 """
 
@@ -12,11 +10,9 @@ from __future__ import annotations
 
 import logging
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
-import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 from torch.distributed.pipelining import (
@@ -34,7 +30,7 @@ from lightning_llm.strategies.pipeline_split import StageSpec, layout_of
 log = logging.getLogger(__name__)
 
 __all__ = ["ScheduleName", "SCHEDULES", "check_microbatches", "build_schedule", "microbatch_count", "schedule_key", "run_schedule",
-           "model_call", "capture_model_inputs", "task_loss", "select_microbatch", "checkpoint_blocks"]
+           "select_microbatch", "checkpoint_blocks"]
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 # name -> (schedule class, stage placement, allowed stages_per_rank or None for any)
@@ -121,61 +117,7 @@ def run_schedule(sched: Any, specs: Sequence[StageSpec], args: tuple[Any, ...], 
     return sched.step(*(args if first else ()), **kwargs, **step_kwargs)
 
 
-# ---------------------------------------------------------------------------------------------------- task calls
-class _Captured(Exception):  # noqa: N818 - control flow, not an error
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self.args, self.kwargs = args, kwargs
-
-
-class _ModelCall(nn.Module):
-    """Stands in for ``task.model`` while a task hook runs: every call goes to ``fn``."""
-
-    def __init__(self, fn: Callable[..., Any]) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
-
-
-@contextmanager
-def model_call(module: pl.LightningModule, fn: Callable[..., Any]) -> Iterator[None]:
-    """Within the block, ``module.model(...)`` calls ``fn`` instead of the model."""
-    original = module._modules["model"]
-    module._modules["model"] = _ModelCall(fn)
-    try:
-        yield
-    finally:
-        module._modules["model"] = original
-
-
-def capture_model_inputs(module: pl.LightningModule, batch: Any, stage: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """What the task's ``compute_loss`` passes to its model, captured by running it up to the model call.
-
-    ``None`` keyword arguments are dropped and an ``input_ids=`` keyword becomes the positional input, because the
-    schedule hands positional inputs to the first stage only.
-    """
-    def capture(*args: Any, **kwargs: Any) -> Any:
-        raise _Captured(args, kwargs)
-
-    try:
-        with model_call(module, capture):
-            type(module).compute_loss(module, batch, stage)
-    except _Captured as c:
-        args, kwargs = c.args, {k: v for k, v in c.kwargs.items() if v is not None}
-        if not args and "input_ids" in kwargs:
-            args = (kwargs.pop("input_ids"),)
-        return args, kwargs
-    raise RuntimeError("strategy=pp: the task's compute_loss did not call self.model")
-
-
-def task_loss(module: pl.LightningModule, batch: Any, stage: str, output: Any) -> tuple[Tensor, dict[str, Any]]:
-    """The task's own ``compute_loss`` (the class method, not the strategy's replacement) with its model call
-    answered by ``output`` (the last stage's output)."""
-    with model_call(module, lambda *a, **k: output):
-        return type(module).compute_loss(module, batch, stage)
-
-
+# ---------------------------------------------------------------------------------------------------- micro-batches
 def select_microbatch(batch: dict[str, Any], index: Tensor) -> dict[str, Any]:
     """Rows ``index`` of every per-sample tensor of ``batch`` (first dimension = batch size); the rest as is."""
     n = next(v.shape[0] for v in batch.values() if isinstance(v, Tensor))

@@ -169,8 +169,11 @@ def stage_module(model: nn.Module, spec: StageSpec) -> nn.Module:
     """A view of ``model`` running only ``spec``'s part; shares all parameters and buffers with ``model``."""
     layout = layout_of(model)
     view = copy.copy(model)  # shallow: same submodules; the registries are copied below so edits stay local
-    for registry in ("_modules", "_parameters", "_buffers"):
-        object.__setattr__(view, registry, dict(getattr(model, registry)))
+    # Own registries (edits stay local) and own forward hooks (the split model's guard against direct calls is not
+    # the view's: the schedule runs the views).
+    for registry in ("_modules", "_parameters", "_buffers", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+                     "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+        object.__setattr__(view, registry, type(getattr(model, registry))(getattr(model, registry)))
     all_layers = getattr(model, layout.layers)
     setattr(view, layout.layers, nn.ModuleDict({k: all_layers[k] for k in spec.layers}))
     for name in () if spec.is_first else layout.first:

@@ -19,18 +19,23 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as _loss_parallel_ctx
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_llm.strategies.parallelize import local_loss
+from lightning_llm.contract import Capabilities
+from lightning_llm.strategies.parallelize import (
+    average_replicated_grads,
+    local_loss,
+    reduce_partial_grads,
+    sharded_logits_for,
+)
 from lightning_llm.strategies import checkpoint as ckpt
 from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coordinate
 from lightning_llm.strategies.plans import TPPlan, find_backbone, tp_plan, validate_tp
@@ -92,6 +97,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
         self.plan = plan
+        self._sharded_logits = False  # whether the task's loss receives vocab-sharded DTensor logits
         self.dims: ParallelDims | None = None
         self._parallelized: nn.Module | None = None
 
@@ -141,9 +147,17 @@ class TensorParallelStrategy(ModelParallelStrategy):
         model = getattr(pl_module, "model", None)
         return model if isinstance(model, nn.Module) else pl_module
 
+    @property
+    def capabilities(self) -> Capabilities:
+        """Tensor-parallel ranks of one replica share its batch; the model is whole on each, so generation works."""
+        if self.dims is None:
+            return Capabilities()
+        return Capabilities(data_parallel_size=self.dims.dp, batch_shared=self.dims.tp > 1,
+                            data_parallel_group=self.device_mesh["dp"].get_group())
+
     def build_plan(self, model: nn.Module) -> TPPlan:
         if self.plan is None:
-            return tp_plan(model, sequence_parallel=self.sequence_parallel, loss_parallel=self.loss_parallel)
+            return tp_plan(model, sequence_parallel=self.sequence_parallel, loss_parallel=self._sharded_logits)
         plan = self.plan
         if isinstance(plan, str):
             plan = _resolve_plan_fn(plan)
@@ -214,6 +228,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
                              "supported with strategy=tp (tensor_parallel_size > 1); use bf16-mixed or 32-true")
         target = self._target()
         if self._parallelized is not target:  # setup runs again for validate/test after fit
+            # Vocab-sharded logits only reach a loss that declares it handles them; other task code gets full ones.
+            self._sharded_logits = sharded_logits_for(self.lightning_module, requested=self.loss_parallel,
+                                                      tp=self.dims.tp)
             self.parallelize(target)
             self._parallelized = target
         super().setup(trainer)
@@ -230,8 +247,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
     # ------------------------------------------------------------------------------------------ steps
     @contextlib.contextmanager
     def _loss_context(self) -> Generator[None, None, None]:
-        ctx = _loss_parallel_ctx() if self.loss_parallel and self.dims is not None and self.dims.tp > 1 else (
-            contextlib.nullcontext())
+        ctx = _loss_parallel_ctx() if self._sharded_logits else contextlib.nullcontext()
         with ctx:
             yield
 
@@ -282,18 +298,9 @@ class TensorParallelStrategy(ModelParallelStrategy):
         params (sequence-parallel norms, LoRA factors next to sharded layers) once per step, and average over the
         data-parallel replicas when ``dp > 1``."""
         assert self.model is not None and self.dims is not None
-        dp_group = self.device_mesh["dp"].get_group() if self.dims.dp > 1 else None
-        for p in self.model.parameters():
-            g = p.grad
-            if g is None:
-                continue
-            if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
-                if any(isinstance(pl_, Partial) for pl_ in g.placements):
-                    p.grad = g = g.redistribute(placements=p.placements)
-            if dp_group is not None:
-                local = g.to_local() if isinstance(g, DTensor) else g
-                dist.all_reduce(local, group=dp_group)  # gloo has no AVG
-                local.div_(self.dims.dp)
+        params = list(self.model.parameters())
+        reduce_partial_grads(params)
+        average_replicated_grads(params, dp_group=self.device_mesh["dp"].get_group(), dp=self.dims.dp)
 
     # ------------------------------------------------------------------------------------------ checkpoints
     @override

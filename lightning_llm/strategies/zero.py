@@ -19,7 +19,7 @@ backbone ``state_dict`` (or only the LoRA adapter) as one ``torch.save`` file - 
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -37,7 +37,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_llm.contract import Capabilities
 from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coordinate
+from lightning_llm.strategies.parallelize import average_replicated_grads
 from lightning_llm.strategies.zero_native import (
     FSDP_UNITS,
     PartitionedOptimizer,
@@ -169,6 +171,13 @@ class ZeroStrategy(ModelParallelStrategy):
         rank, size = mesh_coordinate(self.device_mesh, "dp")
         return {"num_replicas": size, "rank": rank}
 
+    @property
+    def capabilities(self) -> Capabilities:
+        """Every rank is a data-parallel replica holding (or gathering) the whole model."""
+        if self._dims is None:
+            return Capabilities()
+        return Capabilities(data_parallel_size=self._dims.dp, data_parallel_group=self.dp_mesh.get_group())
+
     # ------------------------------------------------------------------------------------------ setup
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -199,6 +208,20 @@ class ZeroStrategy(ModelParallelStrategy):
         assert self._dims is not None
         params = [p for g in optimizer.param_groups for p in g["params"]]
         clip_grads_by_global_norm(params, clip_val, dp=self._dims.dp, grads_sharded_over_dp=True)
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self.stage != 3:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_sync() -> Any:
+            # FSDP2 reduce-scatters the gradients of its units; a task's own modules outside them are replicated.
+            out = closure()
+            assert self.model is not None and self._dims is not None
+            average_replicated_grads(self.model.parameters(), dp_group=self.dp_mesh.get_group(), dp=self._dims.dp)
+            return out
+
+        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
 
     @override
     def model_to_device(self) -> None:

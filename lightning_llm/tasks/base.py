@@ -1,8 +1,9 @@
 """The one training loop every task shares: build the model lazily, step, log, optimize.
 
-A task subclass supplies ``build_model`` and ``compute_loss`` (and optionally metrics / prediction); the
-loop, logging names, optimizer and schedule live here once. Models are built in ``configure_model`` so a
-parallel strategy can build them on the meta device or shard them before weights are materialized.
+A task subclass supplies ``build_model``, ``model_inputs`` and ``loss_from_output`` (or its own ``compute_loss``),
+and optionally metrics / prediction; the loop, logging names, optimizer and schedule live here once. Models are
+built in ``configure_model`` so a parallel strategy can build them on the meta device or shard them before weights
+are materialized. What a task may do under each parallel layout is the contract of :mod:`lightning_llm.contract`.
 """
 
 from __future__ import annotations
@@ -14,8 +15,17 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
+from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
 from typing_extensions import override
+
+from lightning_llm.contract import (
+    Capabilities,
+    accepts_sharded_logits,
+    capabilities_of,
+    pipeline_runner,
+    weighted_mean_over,
+)
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +88,15 @@ def padded_vocab_size(n: int, multiple: int = 8) -> int:
 
 
 class LLMTask(pl.LightningModule):
-    """Base LightningModule of every task. Subclasses implement :meth:`build_model` and :meth:`compute_loss`."""
+    """Base LightningModule of every task.
+
+    Subclasses implement :meth:`build_model` and either the two declared hooks :meth:`model_inputs` and
+    :meth:`loss_from_output` (the default :meth:`compute_loss` composes them; every layout, pipelines included, runs
+    them exactly as one device would) or their own :meth:`compute_loss` (free to call ``self.model`` several times;
+    refused under pipeline parallelism before the first step). Task code sees plain full tensors under every layout
+    unless its loss is marked :func:`~lightning_llm.contract.accepts_sharded_logits`. Outside the loss, call the
+    model with :meth:`run_model`. Ask :attr:`capabilities` what the strategy offers.
+    """
 
     def __init__(self, *, optim: OptimConfig | None = None, nonfinite_loss: Literal["stop", "skip"] = "stop") -> None:
         super().__init__()
@@ -93,9 +111,31 @@ class LLMTask(pl.LightningModule):
     def build_model(self) -> nn.Module:
         raise NotImplementedError
 
+    def model_inputs(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` of the one model call a step makes; the first positional argument is the per-sample
+        input (a pipeline feeds it to the first stage and splits it into micro-batches along dim 0)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement model_inputs() and loss_from_output() "
+                                  "(or override compute_loss())")
+
+    def loss_from_output(self, output: Any, batch: dict[str, torch.Tensor],
+                         stage: str) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The batch's mean loss from the model's output (and anything the metric hooks need). Under a pipeline it
+        runs on the last stage, once per micro-batch (``batch`` then holds that micro-batch's rows)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement model_inputs() and loss_from_output() "
+                                  "(or override compute_loss())")
+
+    @accepts_sharded_logits  # transparent: hands the output to loss_from_output, which decides
     def compute_loss(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[torch.Tensor, dict[str, Any]]:
-        """Return the mean loss of the batch and anything the metric hooks need."""
-        raise NotImplementedError
+        """Return the mean loss of the batch and anything the metric hooks need: by default the model called once
+        on :meth:`model_inputs`, then :meth:`loss_from_output`. Override it for losses that call the model more than
+        once (then the task cannot be pipelined)."""
+        args, kwargs = self.model_inputs(batch, stage)
+        return self.loss_from_output(self.run_model(*args, **kwargs), batch, stage)
+
+    def loss_weight(self, batch: dict[str, torch.Tensor]) -> float:
+        """What the batch's mean loss averages over (samples by default; tokens for language modelling): the
+        logged ``train_loss`` is the mean over data-parallel replicas weighted by it."""
+        return float(self._batch_size(batch))
 
     def update_metrics(self, stage: str, outputs: dict[str, Any], batch: dict[str, torch.Tensor]) -> None:
         """Feed evaluation metrics (``val``/``test``); logged by :meth:`log_metrics` at epoch end."""
@@ -146,28 +186,59 @@ class LLMTask(pl.LightningModule):
     @override
     def configure_model(self) -> None:
         if self.model is None:  # idempotent: Lightning may call it more than once
+            # Build from the seed itself: distributed strategies re-seed each process before this hook, one device
+            # does not, so a module a subclass created in __init__ would otherwise shift the model's init there only.
+            reset_seed()
             self.model = self.build_model()
             total = sum(p.numel() for p in self.model.parameters())
             trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
             log.info("model built: %s parameters, %s trainable", f"{total:,}", f"{trainable:,}")
 
     @property
+    def capabilities(self) -> Capabilities:
+        """What the strategy offers this task (:class:`~lightning_llm.contract.Capabilities`)."""
+        return capabilities_of(self.trainer.strategy) if self._trainer is not None else Capabilities()
+
+    @property
     def data_parallel_size(self) -> int:
         """Replicas that see different batches: the world size under DDP, fewer when tensor- or pipeline-parallel
-        ranks share a batch (the strategy's sampler ``num_replicas``); 1 without a distributed strategy."""
-        kwargs = getattr(self.trainer.strategy, "distributed_sampler_kwargs", None) if self._trainer else None
-        return int((kwargs or {}).get("num_replicas", 1))
+        ranks share a batch; 1 without a distributed strategy."""
+        return self.capabilities.data_parallel_size
+
+    def run_model(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the model: directly, or as a forward-only pass through the pipeline when it is split in stages
+        (where ``self.model`` holds only this rank's stages and refuses direct calls)."""
+        runner = pipeline_runner(self.trainer.strategy) if self._trainer is not None else None
+        if runner is not None:
+            return runner.forward(*args, **kwargs)
+        assert self.model is not None, "configure_model() must run first"
+        return self.model(*args, **kwargs)
+
+    def step_loss(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The loss of a train/val/test step: :meth:`compute_loss`, or the pipeline's run of the declared hooks."""
+        runner = pipeline_runner(self.trainer.strategy) if self._trainer is not None else None
+        if runner is not None:
+            return runner.loss(self, batch, stage)
+        return self.compute_loss(batch, stage)
 
     def _batch_size(self, batch: dict[str, torch.Tensor]) -> int:
         return int(batch["input_ids"].shape[0])
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
-        loss, _ = self.compute_loss(batch, "train")
+        loss, _ = self.step_loss(batch, "train")
         if not self._loss_is_finite(loss):
             return self._on_nonfinite_loss(loss, batch_idx)
-        self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=False, batch_size=self._batch_size(batch))
+        self.log("train_loss", self._replica_mean(loss, batch), prog_bar=True, on_step=True, on_epoch=False,
+                 batch_size=self._batch_size(batch))
         return loss
+
+    def _replica_mean(self, loss: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The loss of the global batch: the mean over data-parallel replicas weighted by :meth:`loss_weight`, so
+        one run logs the same curve at any data-parallel degree (a collective over the replicas)."""
+        caps = self.capabilities
+        return weighted_mean_over(caps.data_parallel_group, loss, self.loss_weight(batch),
+                                  world=caps.data_parallel_size)
 
     def _loss_is_finite(self, loss: torch.Tensor) -> bool:
         finite = bool(torch.isfinite(loss.detach()).all())
@@ -188,7 +259,7 @@ class LLMTask(pl.LightningModule):
         return None
 
     def _eval_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
-        loss, outputs = self.compute_loss(batch, stage)
+        loss, outputs = self.step_loss(batch, stage)
         self.log(f"{stage}_loss", loss, prog_bar=stage == "val", on_epoch=True, sync_dist=True,
                  batch_size=self._batch_size(batch))
         self.update_metrics(stage, outputs, batch)
@@ -220,7 +291,8 @@ class LLMTask(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         assert self.model is not None, "configure_model() must run first"
         cfg = self.optim
-        optimizer = torch.optim.AdamW(param_groups(self.model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
+        # Every trainable parameter of the task: its model and any module a subclass adds (e.g. an auxiliary head).
+        optimizer = torch.optim.AdamW(param_groups(self, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
                                       eps=cfg.eps)
         total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cfg.lr_lambda(total))

@@ -15,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from lightning_llm.contract import accepts_sharded_logits
 from lightning_llm.peft import (
     LoraArgs,
     PeftConfig,
@@ -93,14 +94,22 @@ class CausalLMTask(LLMTask):
         return model
 
     def forward(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        assert self.model is not None
-        return self.model(input_ids, **kwargs)  # logits [B, S, V]
+        return self.run_model(input_ids, **kwargs)  # logits [B, S, V]
 
     @override
-    def compute_loss(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[torch.Tensor, dict[str, Any]]:
-        logits = self(batch["input_ids"], attention_mask=batch.get("attention_mask"))
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100)
+    def model_inputs(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return (batch["input_ids"],), {"attention_mask": batch.get("attention_mask")}
+
+    @override
+    @accepts_sharded_logits  # cross_entropy has a DTensor rule under loss_parallel: [B, S, V/tp] shards suffice
+    def loss_from_output(self, output: Any, batch: dict[str, torch.Tensor],
+                         stage: str) -> tuple[torch.Tensor, dict[str, Any]]:
+        loss = F.cross_entropy(output.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100)
         return loss, {}
+
+    @override
+    def loss_weight(self, batch: dict[str, torch.Tensor]) -> float:
+        return float((batch["labels"] != -100).sum())  # the loss is a mean over these tokens
 
     # ------------------------------------------------------------------------------------------ throughput
     @override

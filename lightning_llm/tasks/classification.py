@@ -83,14 +83,18 @@ class ClassificationTask(LLMTask):
 
     # ------------------------------------------------------------------------------------------ steps
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        assert self.model is not None
-        return self.model(batch["input_ids"], attention_mask=batch.get("attention_mask"),
-                          token_type_ids=batch.get("token_type_ids"))  # logits [B, num_labels]
+        args, kwargs = self.model_inputs(batch, "predict")
+        return self.run_model(*args, **kwargs)  # logits [B, num_labels]
 
     @override
-    def compute_loss(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[torch.Tensor, dict[str, Any]]:
-        logits = self(batch)
-        return F.cross_entropy(logits.float(), batch["labels"]), {"logits": logits}
+    def model_inputs(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return (batch["input_ids"],), {"attention_mask": batch.get("attention_mask"),
+                                       "token_type_ids": batch.get("token_type_ids")}
+
+    @override
+    def loss_from_output(self, output: Any, batch: dict[str, torch.Tensor],
+                         stage: str) -> tuple[torch.Tensor, dict[str, Any]]:
+        return F.cross_entropy(output.float(), batch["labels"]), {"logits": output}
 
     @override
     def configure_model(self) -> None:

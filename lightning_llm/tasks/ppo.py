@@ -167,7 +167,7 @@ class PPOTask(CausalLMTask):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         world, replicas = self.trainer.world_size, self.data_parallel_size
-        if replicas != world:
+        if self.capabilities.batch_shared:
             # Rollouts are sampled with a per-rank generator and every statistic is all-reduced over the world:
             # ranks that share a batch (tensor/pipeline parallel) would feed one sharded forward different tokens.
             raise ValueError(

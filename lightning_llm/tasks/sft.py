@@ -192,14 +192,14 @@ class SFTTask(CausalLMTask):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         generates = stage == "predict" or bool(self.generate_in)
-        pp = getattr(getattr(self.trainer.strategy, "dims", None), "pp", 1)
-        if generates and pp > 1:
-            # Token-by-token decoding with a KV cache would need one pipeline round trip per new token; the
-            # pipeline strategies run whole-batch schedules only.
+        if generates and not self.capabilities.generation:
+            # e.g. pipeline parallelism: token-by-token decoding with a KV cache would need one pipeline round trip
+            # per new token; the pipeline strategies run whole-batch schedules only.
             raise ValueError(
                 f"SFTTask: generation (--model.generate_in={self.generate_in}, and predict) is not supported with "
-                f"pipeline parallelism (pipeline_parallel_size={pp}); train with --model.generate_in=[] (validation "
-                "then logs val_loss/val_ppl only) and generate from the exported checkpoint on another strategy")
+                f"pipeline parallelism (--trainer.strategy={type(self.trainer.strategy).__name__}); train with "
+                "--model.generate_in=[] (validation then logs val_loss/val_ppl only) and generate from the exported "
+                "checkpoint on another strategy")
 
     @override
     def _log_epoch_metrics(self, stage: str) -> None:

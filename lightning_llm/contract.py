@@ -1,0 +1,151 @@
+"""The task <-> strategy contract, declared in one place (``docs/architecture.md`` explains it).
+
+What a task may rely on, under every layout:
+
+* **Plain tensors.** Task code (``compute_loss``, ``loss_from_output``, ``predict_step``, metrics, extra modules)
+  sees ordinary local tensors holding the *full* values: full-vocabulary logits, a plain scalar loss. A task opts
+  in to a sharded fast path only by marking its loss with :func:`accepts_sharded_logits` (the built-in causal-LM
+  loss does: under tensor parallelism its logits stay vocab-sharded DTensors and the cross-entropy runs on the
+  shards). An override that is not marked gets gathered logits, at the cost of one all-gather.
+* **One model call per step, declared.** A task says what the model is called with (:meth:`model_inputs`) and how
+  the loss follows from the one output (:meth:`loss_from_output`); the default ``compute_loss`` composes the two.
+  A pipeline runs exactly that, micro-batch by micro-batch. A task that overrides ``compute_loss`` itself (it may
+  call the model twice, as DPO, consistency or contrastive losses do) trains under every layout whose ranks hold
+  the whole model, and is refused before the first step under pipeline parallelism, naming the class and the rule.
+* **Model calls go through** ``task.run_model(...)`` outside the loss (prediction, generation): under a pipeline the
+  split model cannot be called directly, and such a call fails with a message naming ``run_model``.
+* **Capabilities, not internals.** A task asks ``capabilities_of(trainer.strategy)`` (what :class:`Capabilities`
+  lists) instead of reading another class's attributes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "Capabilities",
+    "PipelineRunner",
+    "accepts_sharded_logits",
+    "capabilities_of",
+    "task_accepts_sharded_logits",
+    "check_pipelinable",
+]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+_SHARDED_OK = "_lightning_llm_accepts_sharded_logits"
+
+
+def accepts_sharded_logits(fn: _F) -> _F:
+    """Mark a task's ``compute_loss`` or ``loss_from_output`` as correct on vocab-sharded DTensor logits (it only
+    uses ops with a DTensor rule inside ``loss_parallel``, e.g. ``F.cross_entropy``). An unmarked method, including
+    any override of a marked one, receives full plain logits."""
+    setattr(fn, _SHARDED_OK, True)
+    return fn
+
+
+def _resolved(task: Any, name: str) -> Callable[..., Any] | None:
+    return getattr(type(task), name, None)
+
+
+def task_accepts_sharded_logits(task: Any) -> bool:
+    """Whether every method between the model output and the loss is marked with :func:`accepts_sharded_logits`."""
+    return all(getattr(_resolved(task, n), _SHARDED_OK, False) for n in ("compute_loss", "loss_from_output"))
+
+
+def overrides_compute_loss(task: Any) -> bool:
+    """Whether the task's class replaces the base ``compute_loss`` (model inputs -> one call -> loss)."""
+    from lightning_llm.tasks.base import LLMTask
+
+    return _resolved(task, "compute_loss") is not LLMTask.compute_loss
+
+
+def check_pipelinable(task: Any, *, strategy: str) -> None:
+    """Raise before training when a pipeline cannot run ``task`` exactly as one device would."""
+    from lightning_llm.tasks.base import LLMTask
+
+    name = type(task).__name__
+    if not isinstance(task, LLMTask):
+        raise ValueError(f"--trainer.strategy={strategy}: pipeline parallelism runs an LLMTask through its "
+                         f"model_inputs()/loss_from_output() hooks; {name} is not an LLMTask")
+    extras = [n for n, p in task.named_parameters() if p.requires_grad and not n.startswith("model.")]
+    if extras:
+        raise ValueError(
+            f"--trainer.strategy={strategy}: {name} has trainable parameters outside self.model ({', '.join(extras[:4])}"
+            f"{', ...' if len(extras) > 4 else ''}). A pipeline places only the modules of self.model on its stages; "
+            "build such a module into the model that build_model() returns, or train this task with a layout whose "
+            "ranks hold the whole model (ddp, tp, zero1/2/3, deepspeed_*)")
+    if overrides_compute_loss(task):
+        raise ValueError(
+            f"--trainer.strategy={strategy}: {name} overrides compute_loss(). A pipeline runs the model once per "
+            "micro-batch, from model_inputs(batch, stage), and computes the loss from that one output with "
+            "loss_from_output(output, batch, stage); a compute_loss that calls the model itself (possibly more than "
+            "once) cannot be pipelined. Move the model call into those two hooks, or train this task with a layout "
+            "whose ranks hold the whole model (ddp, tp, zero1/2/3, deepspeed_*)")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a strategy offers the task running under it."""
+
+    data_parallel_size: int = 1
+    """Replicas that see different batches (tensor/pipeline ranks of one replica share its batch)."""
+    batch_shared: bool = False
+    """Several ranks compute on the same batch (tensor or pipeline parallelism)."""
+    pipelined: bool = False
+    """The model is split into pipeline stages: model calls go through :class:`PipelineRunner`."""
+    generation: bool = True
+    """Token-by-token generation (KV cache) is supported."""
+    data_parallel_group: Any = None
+    """Process group of this rank's data-parallel replicas (``None``: the default group, or no group)."""
+
+
+class PipelineRunner(Protocol):
+    """What a pipelined strategy runs for a task (see :meth:`LLMTask.step_loss` and :meth:`LLMTask.run_model`)."""
+
+    def loss(self, task: Any, batch: Any, stage: str) -> tuple[Tensor, dict[str, Any]]:
+        """The batch's loss (training: forward and backward of every micro-batch) and metric outputs."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """A forward-only pipeline pass; the last stage's output on every pipeline rank."""
+
+
+def capabilities_of(strategy: Any) -> Capabilities:
+    """The strategy's declared capabilities; Lightning's own strategies (single device, DDP, FSDP, DeepSpeed) are
+    pure data parallel: every rank is a replica."""
+    caps = getattr(strategy, "capabilities", None)
+    if isinstance(caps, Capabilities):
+        return caps
+    kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
+    world = int(getattr(strategy, "world_size", 1) or 1)
+    replicas = int(kwargs.get("num_replicas", world))
+    return Capabilities(data_parallel_size=replicas, batch_shared=replicas != world)
+
+
+def pipeline_runner(strategy: Any) -> PipelineRunner | None:
+    """The strategy's pipeline runner when the model is split into stages, else ``None``."""
+    if not capabilities_of(strategy).pipelined:
+        return None
+    return getattr(strategy, "pipeline_runner", None)
+
+
+@torch.no_grad()
+def weighted_mean_over(group: Any, value: Tensor, weight: float, *, world: int) -> Tensor:
+    """``sum(value_r * weight_r) / sum(weight_r)`` over the ranks of ``group`` (a collective when ``world > 1``)."""
+    import torch.distributed as dist
+
+    if hasattr(value, "full_tensor"):  # a replicated DTensor loss (vocab-parallel cross-entropy)
+        value = value.full_tensor()
+    v = value.detach().to(torch.float64)
+    if world <= 1 or not dist.is_initialized():
+        return v.float()
+    buf = torch.stack([v * weight, torch.tensor(float(weight), dtype=torch.float64, device=v.device)])
+    dist.all_reduce(buf, group=group)
+    return (buf[0] / buf[1].clamp_min(1e-12)).float()

@@ -1,0 +1,179 @@
+"""The pipeline runtime as a component: runs a task's declared hooks through ``torch.distributed.pipelining``.
+
+A pipelined strategy (``pp``, or ``3d`` with ``pipeline_parallel_size > 1``) owns one :class:`PipelineRunner` per
+set-up and exposes it as ``strategy.pipeline_runner``; :meth:`LLMTask.step_loss` and :meth:`LLMTask.run_model`
+call it (the contract of :mod:`lightning_llm.contract`). Nothing of the task is replaced or captured:
+
+* inputs come from ``task.model_inputs(batch, stage)``; the first positional input feeds the first stage, keyword
+  inputs are split into micro-batches for every stage;
+* the loss of micro-batch ``i`` is ``task.loss_from_output(output_i, batch_i, stage)`` on the last stage;
+* training runs forward and backward of every micro-batch; the gradients are kept aside (:meth:`take_grads`) until
+  the strategy's ``backward``, because Lightning zeroes gradients between ``training_step`` and ``backward``;
+* the mean loss (and, in evaluation, the metric outputs) is sent to every pipeline rank, so logging, progress bars
+  and checkpoint monitors see the real value.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_llm.strategies.pipeline_runtime import (
+    build_schedule,
+    microbatch_count,
+    run_schedule,
+    schedule_key,
+    select_microbatch,
+)
+from lightning_llm.strategies.pipeline_split import StageSpec
+from lightning_llm.strategies.pipeline_stats import ActivationMeter, BusyTimer, gather_step_stats, log_step_stats
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PipelineRunner", "split_inputs"]
+
+
+def split_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Schedule inputs from a task's ``model_inputs``: ``None`` keywords dropped, ``input_ids=`` made positional
+    (the schedule hands positional inputs to the first stage only)."""
+    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    if not args and "input_ids" in kwargs:
+        args = (kwargs.pop("input_ids"),)
+    if not args:
+        raise ValueError("model_inputs() returned no positional input: a pipeline feeds the first positional input "
+                         "to its first stage")
+    return tuple(args), kwargs
+
+
+class PipelineRunner:
+    """Schedules for one rank's stages, and the task calls a pipelined strategy makes."""
+
+    def __init__(
+        self,
+        *,
+        schedule: str,
+        n_microbatches: int,
+        stage_mods: Sequence[nn.Module],
+        specs: Sequence[StageSpec],
+        params: Sequence[nn.Parameter],
+        device: torch.device,
+        pp_group: Any,
+        pp_size: int,
+        last_stage_rank: int,
+        last_stage_pp_rank: int,
+        step_stats: list[dict[str, Any]],
+        log_stats: bool = True,
+        measure_activations: bool = False,
+    ) -> None:
+        self.schedule, self.n_microbatches = schedule, n_microbatches
+        self.stage_mods, self.specs, self.params = list(stage_mods), list(specs), list(params)
+        self.device, self.pp_group, self.pp_size = device, pp_group, pp_size
+        self.last_stage_rank, self.last_stage_pp_rank = last_stage_rank, last_stage_pp_rank
+        self.step_stats, self.log_stats, self.measure_activations = step_stats, log_stats, measure_activations
+        self._schedules: dict[tuple[Any, ...], Any] = {}
+        self._timer = BusyTimer()
+        self._meter: ActivationMeter | None = None
+        self._current: tuple[Any, Any, str] | None = None  # (task, batch, stage) whose micro-batch losses are asked
+        self._grads: tuple[list[Tensor | None], list[Tensor | None]] | None = None
+
+    @property
+    def is_last_stage_rank(self) -> bool:
+        return dist.get_rank() == self.last_stage_rank
+
+    # ------------------------------------------------------------------------------------------ schedules
+    def _schedule_for(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, train: bool) -> tuple[Any, int]:
+        """The (cached) schedule for these input shapes; stages infer their P2P shapes on first use."""
+        batch = next(t.shape[0] for t in (*args, *kwargs.values()) if isinstance(t, Tensor))
+        m = microbatch_count(batch, n_microbatches=self.n_microbatches, train=train)
+        key = schedule_key(args, kwargs, train=train, m=m)
+        if key not in self._schedules:
+            self._schedules[key] = build_schedule(
+                schedule=self.schedule, stage_mods=self.stage_mods, specs=self.specs, device=self.device,
+                group=self.pp_group, n_microbatches=m, loss_fn=self._microbatch_loss if train else None,
+                wrap=self._timer.wrap,
+            )[0]
+        return self._schedules[key], m
+
+    def _broadcast_from_last(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.last_stage_rank, group=self.pp_group)
+        return box[0]
+
+    # ------------------------------------------------------------------------------------------ contract
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """A forward-only pass (prediction): the last stage's output, on every pipeline rank."""
+        args, kwargs = split_inputs(args, kwargs)
+        sched, _ = self._schedule_for(args, kwargs, train=False)
+        out = self._broadcast_from_last(run_schedule(sched, self.specs, args, kwargs))
+        return out.to(self.device) if isinstance(out, Tensor) else out
+
+    def loss(self, task: Any, batch: Any, stage: str) -> tuple[Tensor, dict[str, Any]]:
+        """The batch's loss (and, in evaluation, the metric outputs) from the task's declared hooks."""
+        args, kwargs = split_inputs(*task.model_inputs(batch, stage))
+        if stage == "train":
+            return self._train(task, batch, args, kwargs), {}
+        sched, _ = self._schedule_for(args, kwargs, train=False)
+        out = run_schedule(sched, self.specs, args, kwargs)
+        result: Any = None
+        if self.is_last_stage_rank:
+            loss, outputs = task.loss_from_output(out, batch, stage)
+            result = (loss.detach(), outputs)
+        loss, outputs = self._broadcast_from_last(result)
+        return loss.to(self.device), outputs
+
+    def _microbatch_loss(self, output: Any, index: Tensor) -> Tensor:
+        """Schedule ``loss_fn`` on the last stage: the task's loss of micro-batch ``index`` of the current batch."""
+        t0 = time.perf_counter()
+        assert self._current is not None
+        task, batch, stage = self._current
+        loss, _ = task.loss_from_output(output, select_microbatch(batch, index.to(self.device)), stage)
+        self._timer.busy += time.perf_counter() - t0
+        return loss
+
+    def _train(self, task: Any, batch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+        sched, m = self._schedule_for(args, kwargs, train=True)
+        prev = [p.grad for p in self.params]
+        for p in self.params:  # the schedule accumulates into .grad: start from zero, keep earlier accumulation aside
+            p.grad = None
+        n = args[0].shape[0]
+        self._current = (task, batch, "train")
+        self._timer.reset()
+        losses: list[Tensor] = []
+        if self.measure_activations and self._meter is None:
+            self._meter = ActivationMeter(self.params)
+        if self._meter is not None:
+            self._meter.reset()
+        t0 = time.perf_counter()
+        with self._meter.hooks() if self._meter is not None else nullcontext():
+            run_schedule(sched, self.specs, args, kwargs, target=torch.arange(n, device=self.device), losses=losses)
+        wall = time.perf_counter() - t0
+        self._current = None
+        new = [p.grad for p in self.params]
+        for p in self.params:  # hidden from Lightning's zero_grad; the strategy's backward() puts them back
+            p.grad = None
+        self._grads = (prev, new)
+        loss, row = gather_step_stats(losses=losses, busy=self._timer.busy, wall=wall, meter=self._meter,
+                                      n_microbatches=m, last_pp_rank=self.last_stage_pp_rank, pp_size=self.pp_size,
+                                      group=self.pp_group, device=self.device)
+        self.step_stats.append(row)
+        if self.log_stats:
+            log_step_stats(task, row, batch_size=n)
+        return loss.to(device=self.device, dtype=torch.float32)
+
+    def take_grads(self) -> tuple[list[Tensor | None], list[Tensor | None]]:
+        """``(gradients before the step, the schedule's gradients)``, once per training step."""
+        if self._grads is None:
+            raise RuntimeError("pipeline parallelism: backward() without a pipelined training step (manual "
+                               "optimization is not supported)")
+        grads, self._grads = self._grads, None
+        return grads
+
+    def clear(self) -> None:
+        self._schedules.clear()
