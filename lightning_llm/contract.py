@@ -77,9 +77,10 @@ def check_pipelinable(task: Any, *, strategy: str) -> None:
                          f"model_inputs()/loss_from_output() hooks; {name} is not an LLMTask")
     extras = [n for n, p in task.named_parameters() if p.requires_grad and not n.startswith("model.")]
     if extras:
+        listed = ", ".join(extras[:4]) + (", ..." if len(extras) > 4 else "")
         raise ValueError(
-            f"--trainer.strategy={strategy}: {name} has trainable parameters outside self.model ({', '.join(extras[:4])}"
-            f"{', ...' if len(extras) > 4 else ''}). A pipeline places only the modules of self.model on its stages; "
+            f"--trainer.strategy={strategy}: {name} has trainable parameters outside self.model ({listed}). "
+            "A pipeline places only the modules of self.model on its stages; "
             "build such a module into the model that build_model() returns, or train this task with a layout whose "
             "ranks hold the whole model (ddp, tp, zero1/2/3, deepspeed_*)")
     if overrides_compute_loss(task):

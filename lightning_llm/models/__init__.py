@@ -13,6 +13,7 @@ from .config import NAMED_SIZES, Family, ModelConfig, named_config
 from .decoder import DecoderLM
 from .encoder import EncoderModel
 from .hf import config_from_hf, config_to_hf, load_hf, save_hf
+from .parallel_spec import PARALLEL_SPECS, ParallelSpec, parallel_spec_of
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,9 @@ __all__ = [
     "config_to_hf",
     "build_model",
     "model_from_config",
+    "ParallelSpec",
+    "PARALLEL_SPECS",
+    "parallel_spec_of",
 ]
 
 

@@ -48,7 +48,6 @@ from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coo
 from lightning_llm.strategies.parallelize import (
     apply_tensor_parallel,
     average_replicated_grads,
-    clip_grads_by_global_norm,
     local_loss,
     reduce_partial_grads,
     sharded_logits_for,
@@ -57,9 +56,9 @@ from lightning_llm.strategies.pipeline_parallel import PipelineParallelStrategy
 from lightning_llm.strategies.pipeline_runtime import ScheduleName, checkpoint_blocks
 from lightning_llm.strategies.pipeline_split import StageSpec, layout_of
 from lightning_llm.strategies.zero_native import (
-    FSDP_UNITS,
     PartitionedOptimizer,
     apply_fsdp,
+    fsdp_units,
     register_grad_hooks,
 )
 
@@ -239,7 +238,8 @@ class HybridParallelStrategy(PipelineParallelStrategy):
             if self.activation_checkpointing:
                 checkpoint_blocks(model, self._specs)
         if self.zero_stage == 3:
-            apply_fsdp(self.lightning_module, dp_mesh=self._dp_mesh, units=FSDP_UNITS, reshard_after_forward=True,
+            apply_fsdp(self.lightning_module, dp_mesh=self._dp_mesh, units=fsdp_units(self.lightning_module),
+                       reshard_after_forward=True,
                        precision=precision)
 
     @override
@@ -349,14 +349,10 @@ class HybridParallelStrategy(PipelineParallelStrategy):
             for m in fsdp:
                 m.set_requires_gradient_sync(True, recurse=False)
 
-    def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
-        assert self.dims is not None
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        tied = self._tied_param()
-        copy = tied if tied is not None and getattr(self._pp_model, "embed_tokens", None) is None else None
-        clip_grads_by_global_norm(params, clip_val, pp=self.dims.pp, dp=self.dims.dp,
-                                  grads_sharded_over_dp=self.zero_stage == 2 and not self.pipelined,
-                                  skip=[copy] if copy is not None else [], device=torch.device("cpu"))
+    @override
+    def _norm_kwargs(self) -> dict[str, Any]:
+        # ZeRO-2 keeps each gradient on its owner only (pp == 1): the norm counts each shard once.
+        return {**super()._norm_kwargs(), "grads_sharded_over_dp": self.zero_stage == 2 and not self.pipelined}
 
     @override
     def model_to_device(self) -> None:

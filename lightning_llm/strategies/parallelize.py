@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial
 from torch.distributed.tensor.parallel import parallelize_module
 
-from lightning_llm.strategies.plans import TPPlan, find_backbone, tp_plan, validate_tp
+from lightning_llm.strategies.plans import TPPlan, tp_plan, validate_tp_for
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +78,7 @@ def apply_tensor_parallel(
 ) -> nn.Module:
     """Shard ``model`` in place with ``parallelize_module`` following ``plan`` (default: our families' plan, which
     tolerates modules removed by a pipeline split). Tied weights are re-tied to the sharded parameter."""
-    found = find_backbone(model)
-    if found is not None:
-        validate_tp(found[1].config, tp_mesh.size())  # type: ignore[arg-type]
+    validate_tp_for(model, tp_mesh.size())
     if tp_mesh.size() == 1:
         return model
     plan = plan if plan is not None else tp_plan(model, sequence_parallel=sequence_parallel,

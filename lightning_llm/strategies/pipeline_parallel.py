@@ -30,7 +30,6 @@ Per step the strategy logs each rank's busy time (inside stage forward/backward 
 from __future__ import annotations
 
 import logging
-import math
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -57,7 +56,7 @@ from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coo
 from lightning_llm.strategies.pipeline_checkpoint import (
     CHECKPOINT_FILE, check_layout, consolidate_checkpoint, pipeline_layout, stage_checkpoint_file,
 )
-from lightning_llm.strategies.parallelize import average_replicated_grads
+from lightning_llm.strategies.parallelize import average_replicated_grads, clip_grads_by_global_norm
 from lightning_llm.strategies.pipeline_engine import PipelineRunner
 from lightning_llm.strategies.pipeline_runtime import SCHEDULES, ScheduleName, check_microbatches, checkpoint_blocks
 from lightning_llm.strategies.pipeline_split import (
@@ -132,6 +131,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._pp_group: Any = None
         self._dp_group: Any = None
         self._tie_group: Any = None
+        self._tied_names: tuple[str, str] | None = None  # (copy, source) of a weight tied across stages
         self._stage_mods: list[nn.Module] = []
         self._pp_model: nn.Module | None = None  # the task's split model (not Lightning's ``_model``: the task)
         self._params: list[nn.Parameter] = []
@@ -244,7 +244,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._specs = stage_specs(layers, self.pp_rank, owners)
         pp_ranks = self._mesh["pp"].mesh.flatten().tolist()  # global ranks of this pipeline, by pp index
         self._last_stage_rank = pp_ranks[owners[-1]]
-        if tied_across_stages(model, n_stages) and owners[0] != owners[-1]:
+        self._tied_names = tied_across_stages(model, n_stages)
+        if self._tied_names is not None and owners[0] != owners[-1]:
             # The LM head on the last stage keeps a copy of the token embedding; their gradients are summed.
             all_pp = self._mesh.mesh.permute(1, 2, 0).reshape(-1, self.dims.pp).tolist()  # [dp*tp, pp] global ranks
             for ranks in all_pp:
@@ -335,35 +336,31 @@ class PipelineParallelStrategy(ParallelStrategy):
             if not first and g_prev is not None:
                 g = g_prev if g is None else g_prev + g
             p.grad = g
-        tied = self._tied_param()
+        tied, _ = self._tied_local()
         if tied is not None and tied.grad is not None:
             dist.all_reduce(tied.grad, group=self._tie_group)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
 
-    def _tied_param(self) -> nn.Parameter | None:
-        if self._tie_group is None:
-            return None
-        if getattr(self._pp_model, "embed_tokens", None) is not None:
-            return self._pp_model.embed_tokens.weight
-        return self._pp_model.lm_head.weight
+    def _tied_local(self) -> tuple[nn.Parameter | None, bool]:
+        """This rank's use of the weight the family ties across stages (an LM head tied to the token embedding), and
+        whether it is the copy (the same weight as the source on another stage: counted once in norms)."""
+        if self._tie_group is None or self._tied_names is None:
+            return None, False
+        copy, source = self._tied_names
+        params = dict(self._pp_model.named_parameters())
+        return (params[source], False) if source in params else (params[copy], True)
+
+    def _norm_kwargs(self) -> dict[str, Any]:
+        """How gradients are laid out, for the global norm over every stage and replica."""
+        assert self.dims is not None
+        tied, is_copy = self._tied_local()
+        return dict(pp=self.dims.pp, dp=self.dims.dp, skip=[tied] if is_copy else [], device=self.root_device)
 
     def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
-        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
-        tied = self._tied_param()
-        # The LM-head copy of a tied embedding (last stage) is the same weight as the embedding: count it once.
-        copy = tied if tied is not None and getattr(self._pp_model, "embed_tokens", None) is None else None
-        sq = torch.zeros((), dtype=torch.float64, device=self.root_device)
-        for p in params:
-            if p is not copy:
-                sq += p.grad.detach().double().pow(2).sum()
-        dist.all_reduce(sq, group=self._pp_group)
-        total = math.sqrt(float(sq))
-        scale = clip_val / (total + 1e-6)
-        if scale < 1.0:
-            for p in params:
-                p.grad.detach().mul_(scale)
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grads_by_global_norm(params, clip_val, **self._norm_kwargs())
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def _layout(self) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Splitting the built-in model families into pipeline stages (also used by the 3-D strategy).
 
-The split is DATA: :data:`PIPELINE_LAYOUTS` says, per model class, which modules go on the first stage (embeddings),
-which on the last (final norm, heads) and where the block container is. Blocks are divided into contiguous runs
+The split is DATA declared by each model family (:class:`~lightning_llm.models.parallel_spec.ParallelSpec`): which
+modules go on the first stage (embeddings), which on the last (final norm, heads) and where the block container is. Blocks are divided into contiguous runs
 (balanced by count or by parameters, or at explicit split points).
 
 Two operations on a built model:
@@ -9,8 +9,8 @@ Two operations on a built model:
 * :func:`stage_module` -> a *view* of the model for one stage: a shallow copy whose ``layers`` hold only that stage's
   blocks and whose first/last-stage modules are ``None``. It shares every Parameter with the model, so the model
   itself (what Lightning checkpoints and what the optimizer sees) and the stage modules (what the schedule runs)
-  stay one set of weights. The families' ``forward`` already treats ``embed_tokens=None`` as "input is the hidden
-  state" and ``lm_head=None``/``classifier=None`` as "return hidden states".
+  stay one set of weights. The families' ``forward`` treats a missing first module as "input is the hidden state"
+  and missing last modules as "return hidden states".
 * :func:`prune_model` -> deletes, in place, everything the local stages do not use, so parameter names stay global
   (``layers.2.mlp.up_proj.weight``) and each rank's state dict is its shard of the full one.
 """
@@ -25,41 +25,22 @@ from typing import Literal
 
 from torch import nn
 
-from lightning_llm.models import DecoderLM, EncoderModel
+from lightning_llm.models import PARALLEL_SPECS, ParallelSpec, parallel_spec_of
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PipelineLayout", "PIPELINE_LAYOUTS", "StageSpec", "layout_of", "split_layers", "stage_specs",
+__all__ = ["StageSpec", "layout_of", "split_layers", "stage_specs",
            "stage_ranks", "stage_module", "prune_model", "tied_across_stages"]
 
 
-@dataclass(frozen=True)
-class PipelineLayout:
-    """Where a model family keeps its pieces, by attribute name."""
-
-    first: tuple[str, ...]
-    """Modules run before the first block (embeddings): kept on the first stage only."""
-    last: tuple[str, ...]
-    """Modules run after the last block (final norm, pooler, heads): kept on the last stage only."""
-    layers: str = "layers"
-    """``nn.ModuleDict`` of blocks keyed ``"0".."n-1"``."""
-
-
-PIPELINE_LAYOUTS: dict[type[nn.Module], PipelineLayout] = {
-    DecoderLM: PipelineLayout(first=("embed_tokens", "embed_positions"), last=("norm", "lm_head")),
-    EncoderModel: PipelineLayout(
-        first=("embed_tokens", "embed_positions", "embed_token_types", "embed_norm"),
-        last=("final_norm", "pooler", "classifier"),
-    ),
-}
-
-
-def layout_of(model: nn.Module) -> PipelineLayout:
-    for cls, layout in PIPELINE_LAYOUTS.items():
-        if isinstance(model, cls):
-            return layout
-    known = ", ".join(c.__name__ for c in PIPELINE_LAYOUTS)
-    raise ValueError(f"pipeline parallelism can split {known}; the task built {type(model).__name__}")
+def layout_of(model: nn.Module) -> ParallelSpec:
+    """The family spec of ``model`` itself (its ``first``/``last`` modules and ``layers`` container)."""
+    found = parallel_spec_of(model)
+    if found is None or found[0] != "":
+        known = ", ".join(c.__name__ for c in PARALLEL_SPECS)
+        raise ValueError(f"pipeline parallelism can split the registered model families ({known}); the task built "
+                         f"{type(model).__name__}")
+    return found[2]
 
 
 @dataclass(frozen=True)
@@ -185,10 +166,15 @@ def stage_module(model: nn.Module, spec: StageSpec) -> nn.Module:
     return view
 
 
-def tied_across_stages(model: nn.Module, num_stages: int) -> bool:
-    """Whether the LM head shares the token embedding while they sit on different stages."""
-    cfg = getattr(model, "config", None)
-    return bool(num_stages > 1 and isinstance(model, DecoderLM) and cfg is not None and cfg.tie_embeddings)
+def tied_across_stages(model: nn.Module, num_stages: int) -> tuple[str, str] | None:
+    """``(copy, source)``: the parameter names of a weight the family ties (a tied LM head) when a split puts its two
+    uses on different stages; ``None`` otherwise."""
+    tied = layout_of(model).tied(model)
+    if num_stages < 2 or not tied:
+        return None
+    if len(tied) > 1:
+        raise ValueError(f"pipeline parallelism supports one tied weight pair, {type(model).__name__} declares {tied}")
+    return tied[0]
 
 
 def prune_model(model: nn.Module, specs: Sequence[StageSpec]) -> None:

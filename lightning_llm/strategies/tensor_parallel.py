@@ -38,7 +38,8 @@ from lightning_llm.strategies.parallelize import (
 )
 from lightning_llm.strategies import checkpoint as ckpt
 from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coordinate
-from lightning_llm.strategies.plans import TPPlan, find_backbone, tp_plan, validate_tp
+from lightning_llm.models import parallel_spec_of
+from lightning_llm.strategies.plans import TPPlan, tp_plan, validate_tp_for
 
 log = logging.getLogger(__name__)
 
@@ -170,9 +171,7 @@ class TensorParallelStrategy(ModelParallelStrategy):
     def parallelize(self, model: nn.Module) -> nn.Module:
         """Validate the model's dimensions against the TP size, then shard it in place following the plan."""
         assert self.dims is not None
-        found = find_backbone(model)
-        if found is not None:
-            validate_tp(found[1].config, self.dims.tp)  # type: ignore[arg-type]
+        validate_tp_for(model, self.dims.tp)
         if self.dims.tp == 1:
             return model
         plan = self.build_plan(model)
@@ -187,7 +186,8 @@ class TensorParallelStrategy(ModelParallelStrategy):
         if any(p.is_meta for p in model.parameters()):
             # Built on the meta device: allocate the local shards, then initialise them (DTensor-aware init).
             model.to_empty(device=self.root_device)
-            init = getattr(found[1] if found else model, "init_weights", None)
+            found = parallel_spec_of(model)
+            init = getattr(found[1], found[2].init, None) if found else getattr(model, "init_weights", None)
             if init is None:
                 raise RuntimeError("model has meta parameters but no init_weights() to materialise them")
             init()

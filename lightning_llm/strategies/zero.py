@@ -41,9 +41,9 @@ from lightning_llm.contract import Capabilities
 from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coordinate
 from lightning_llm.strategies.parallelize import average_replicated_grads
 from lightning_llm.strategies.zero_native import (
-    FSDP_UNITS,
     PartitionedOptimizer,
     apply_fsdp,
+    fsdp_units,
     register_grad_hooks,
 )
 
@@ -189,7 +189,7 @@ class ZeroStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         if self.stage == 3:
-            apply_fsdp(self.model, dp_mesh=self.dp_mesh, units=FSDP_UNITS, reshard_after_forward=True,
+            apply_fsdp(self.model, dp_mesh=self.dp_mesh, units=fsdp_units(self.model), reshard_after_forward=True,
                        precision=precision, offload=self.offload_params)
         self.model_to_device()
         self.barrier()

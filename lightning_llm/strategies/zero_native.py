@@ -12,7 +12,7 @@ the same pieces shard over a sub-group when tensor/pipeline parallel dims are ad
   FSDP2 with ``reshard_after_forward=False`` was not used for stage 2: it keeps its own parameter shard next to the
   all-gathered whole parameters (4Ψ + 16Ψ/N when parameters are whole at the step), or - with its default resharding
   after backward - only shards at the step, i.e. stage 3's memory.
-* Stage 3: FSDP2 ``fully_shard`` on the units of :data:`FSDP_UNITS` (parameters, gradients and optimizer states all
+* Stage 3: FSDP2 ``fully_shard`` on the units of :func:`fsdp_units` (parameters, gradients and optimizer states all
   sharded: 16Ψ/N), with :class:`MixedPrecisionPolicy` from the Trainer precision and :class:`CPUOffloadPolicy`.
 """
 
@@ -31,10 +31,20 @@ from torch.optim import Optimizer
 
 log = logging.getLogger(__name__)
 
-FSDP_UNITS: tuple[str, ...] = ("model.layers.*", "model")
-"""Stage-3 plan (data): module paths, relative to the LightningModule, that become FSDP2 units, innermost first.
-Each transformer block is one all-gather/reduce-scatter unit; the backbone root takes the embeddings, final norm
-and head (and keeps tied embedding/head weights in one unit)."""
+def fsdp_units(task: nn.Module) -> tuple[str, ...]:
+    """Stage-3 units, as module paths relative to the task (innermost first): its backbone family's
+    :attr:`~lightning_llm.models.parallel_spec.ParallelSpec.fsdp_units` (each transformer block one
+    all-gather/reduce-scatter unit; the backbone root takes the embeddings, final norm and head, and keeps tied
+    embedding/head weights in one unit) under ``task.model``, or ``task.model`` whole for a model of no registered
+    family. A task's own modules outside ``task.model`` stay replicated (their gradients are averaged over ``dp``)."""
+    from lightning_llm.models import parallel_spec_of
+
+    model = getattr(task, "model", None)
+    found = parallel_spec_of(model) if isinstance(model, nn.Module) else None
+    if found is None:
+        return ("model",)
+    prefix, _, spec = found
+    return tuple(f"model.{prefix}{unit}".rstrip(".") for unit in spec.fsdp_units)
 
 
 # ------------------------------------------------------------------------------------------------ stage 3 (FSDP2)
@@ -55,7 +65,7 @@ def apply_fsdp(
     root: nn.Module,
     *,
     dp_mesh: DeviceMesh,
-    units: Iterable[str] = FSDP_UNITS,
+    units: Iterable[str],
     reshard_after_forward: bool = True,
     precision: str = "32-true",
     offload: bool = False,

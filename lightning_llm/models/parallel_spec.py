@@ -1,0 +1,209 @@
+"""What each model family declares for parallelism: data next to the models, read by the strategies.
+
+The models themselves hold no parallel code, and ``lightning_llm/strategies/`` names no model module: a strategy
+looks the family up with :func:`parallel_spec_of` and applies what its :class:`ParallelSpec` says (as torchtitan's
+per-model ``parallelize.py``). A new family registers one spec in :data:`PARALLEL_SPECS` here.
+
+Tensor-parallel plans follow Megatron's layout (Shoeybi et al. 2019), expressed with DTensor styles:
+
+* attention q/k/v and MLP gate/up are column-parallel (output features sharded), attention o and MLP down are
+  row-parallel (input features sharded). The block input is turned into one replicated DTensor per block half
+  (``PrepareModuleInput`` on ``self_attn``/``mlp``), so each half does exactly one collective forward (Megatron's
+  *g*: all-reduce after the row-parallel linear) and one backward (Megatron's *f*: all-reduce of the input grad).
+* the token embedding is vocab-parallel (``RowwiseParallel`` on ``nn.Embedding``: rows sharded, output all-reduced);
+  the LM head is column-parallel over the vocabulary and, with ``loss_parallel``, keeps its logits sharded
+  ``[B, S, V/tp]`` so the loss never materialises the full vocabulary.
+* sequence parallel (Korthikanti et al. 2022): the residual stream between blocks is a DTensor sharded on the
+  sequence dim; norms and dropout run on ``[B, S/tp, H]`` shards, each block half all-gathers its input and
+  reduce-scatters its output (same bytes as one all-reduce, 1/tp of the activation memory).
+* everything else (position/token-type embeddings, encoder pooler and classifier, norms without SP) is replicated.
+
+Plans are keyed by module path relative to the backbone (``parallelize_module`` syntax, ``*`` per path atom) and
+tolerate modules a pipeline split removed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from .config import ModelConfig
+from .decoder import DecoderLM
+from .encoder import EncoderModel
+
+__all__ = ["ParallelSpec", "PARALLEL_SPECS", "TPPlan", "parallel_spec_of", "decoder_tp_plan", "encoder_tp_plan"]
+
+TPPlan = dict[str, ParallelStyle]
+"""Module path (``parallelize_module`` syntax, ``*`` wildcards per path atom) -> parallel style."""
+
+
+@dataclass(frozen=True)
+class ParallelSpec:
+    """Everything a strategy needs to know about a family, by attribute name and as plan builders."""
+
+    first: tuple[str, ...]
+    """Modules run before the first block (embeddings): the first pipeline stage keeps them."""
+    last: tuple[str, ...]
+    """Modules run after the last block (final norm, pooler, heads): the last pipeline stage keeps them."""
+    tp_plan: Callable[..., TPPlan]
+    """``(backbone, *, sequence_parallel, loss_parallel) -> plan`` relative to the backbone."""
+    tp_divides: tuple[str, ...]
+    """Config fields the tensor-parallel degree must divide."""
+    tied: Callable[[nn.Module], tuple[tuple[str, str], ...]]
+    """``backbone -> ((copy, source), ...)`` parameter names that are one weight (a tied LM head): a pipeline keeps
+    ``source`` on the first stage and ``copy`` on the last and sums their gradients."""
+    layers: str = "layers"
+    """``nn.ModuleDict`` of blocks keyed ``"0".."n-1"``: pipeline split units, FSDP units, recompute units."""
+    fsdp_units: tuple[str, ...] = field(default=("layers.*", ""))
+    """FSDP2 units relative to the backbone, innermost first (``""`` = the backbone: embeddings, norm, heads)."""
+    init: str = "init_weights"
+    """Method that (re)initialises every parameter, DTensor shards and meta-device ``to_empty`` included."""
+
+
+# ---------------------------------------------------------------------------------------------------- TP plans
+def _block_plan(prefix: str, *, sequence_parallel: bool, gated: bool) -> TPPlan:
+    """Styles of every ``TransformerBlock`` under ``prefix`` (``layers.*``); same for both families.
+
+    Shapes (local, per rank): q/k/v out [B, S, N/tp*D], o in [B, S, N/tp*D]; gate/up out [B, S, I/tp].
+    """
+    resid: Placement = Shard(1) if sequence_parallel else Replicate()
+    # One conversion per block half: SP all-gathers [B, S/tp, H] -> [B, S, H] here; without SP it is free forward
+    # and the single all-reduce of the input grad backward.
+    half_input = PrepareModuleInput(input_layouts=(resid,), desired_input_layouts=(Replicate(),),
+                                    use_local_output=False)
+    # Row-parallel output: all-reduce (no SP) or reduce-scatter to sequence shards (SP, kept as DTensor so the
+    # residual add and the next norm stay sharded).
+    row = RowwiseParallel(output_layouts=resid, use_local_output=not sequence_parallel)
+    plan: TPPlan = {
+        f"{prefix}.self_attn": half_input,
+        f"{prefix}.self_attn.q_proj": ColwiseParallel(),
+        f"{prefix}.self_attn.k_proj": ColwiseParallel(),
+        f"{prefix}.self_attn.v_proj": ColwiseParallel(),
+        f"{prefix}.self_attn.o_proj": row,
+        f"{prefix}.mlp": half_input,
+        f"{prefix}.mlp.up_proj": ColwiseParallel(),
+        f"{prefix}.mlp.down_proj": row,
+    }
+    if gated:
+        plan[f"{prefix}.mlp.gate_proj"] = ColwiseParallel()
+    if sequence_parallel:
+        plan[f"{prefix}.attn_norm"] = SequenceParallel()
+        plan[f"{prefix}.mlp_norm"] = SequenceParallel()
+        # The block's residual dropout needs no entry: it receives the reduce-scattered DTensor [B, S/tp, H].
+    return plan
+
+
+def _split_sequence(layer: str) -> TPPlan:
+    """The first block of a stage receives the replicated hidden state; shard it on the sequence (a local slice)."""
+    return {f"layers.{layer}": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                  use_local_output=False)}
+
+
+def _embedding_plan(*, sequence_parallel: bool, first_layer: str | None) -> TPPlan:
+    # Vocab-parallel embedding: rows [V/tp, H] per rank, out-of-shard ids give zeros, one all-reduce sums them.
+    # The full [B, S, H] embedding is kept (positions / token types / embedding norm are added replicated, as in
+    # Megatron); with SP the first block splits it into sequence shards (a local slice, no communication).
+    plan: TPPlan = {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())}
+    if sequence_parallel and first_layer is not None:
+        plan.update(_split_sequence(first_layer))
+    return plan
+
+
+def _layer_keys(model: nn.Module) -> list[str]:
+    layers = getattr(model, "layers", None)
+    return list(layers.keys()) if isinstance(layers, nn.ModuleDict) else []
+
+
+def decoder_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool = True) -> TPPlan:
+    """Plan for :class:`DecoderLM` (tolerates modules removed by a pipeline split)."""
+    config: ModelConfig = model.config  # type: ignore[assignment]
+    keys = _layer_keys(model)
+    plan: TPPlan = {}
+    if getattr(model, "embed_tokens", None) is not None:
+        plan.update(_embedding_plan(sequence_parallel=sequence_parallel, first_layer=keys[0] if keys else None))
+    elif sequence_parallel and keys:
+        plan.update(_split_sequence(keys[0]))  # a later pipeline stage: split the hidden state like stage 0 does
+    if keys:
+        plan.update(_block_plan("layers.*", sequence_parallel=sequence_parallel, gated=config.gated))
+    if sequence_parallel and getattr(model, "norm", None) is not None:
+        plan["norm"] = SequenceParallel()
+    if getattr(model, "lm_head", None) is not None:
+        # [B, S, H] -> logits [B, S, V/tp]; SP all-gathers the sequence shards first.
+        plan["lm_head"] = ColwiseParallel(
+            input_layouts=Shard(1) if sequence_parallel else Replicate(),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    elif sequence_parallel and keys:
+        # Last stage of a pipeline split without the head: hand the next stage a full replicated hidden state.
+        plan[f"layers.{keys[-1]}"] = PrepareModuleOutput(
+            output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True
+        )
+    return plan
+
+
+def encoder_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, loss_parallel: bool = True) -> TPPlan:
+    """Plan for :class:`EncoderModel`; pooler and classifier (tiny) stay replicated.
+
+    ``loss_parallel`` is accepted for symmetry and ignored: the classification logits are not vocab-sized.
+    """
+    config: ModelConfig = model.config  # type: ignore[assignment]
+    keys = _layer_keys(model)
+    plan: TPPlan = {}
+    if getattr(model, "embed_tokens", None) is not None:
+        plan.update(_embedding_plan(sequence_parallel=sequence_parallel, first_layer=keys[0] if keys else None))
+    if keys:
+        plan.update(_block_plan("layers.*", sequence_parallel=sequence_parallel, gated=config.gated))
+        if sequence_parallel:
+            # The pooler reads token 0 of the full sequence: gather the shards once after the last block, so the
+            # final norm / pooler / classifier run replicated on plain tensors. With a single layer the first layer's
+            # PrepareModuleInput and this output hook share the module, hence the combined style.
+            gather: dict[str, Any] = dict(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),),
+                                          use_local_output=True)
+            last = f"layers.{keys[-1]}"
+            if len(keys) == 1 and getattr(model, "embed_tokens", None) is not None:
+                plan[last] = PrepareModuleInputOutput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                      use_local_input=False, **gather)
+            else:
+                plan[last] = PrepareModuleOutput(**gather)
+    return plan
+
+
+def _tied_lm_head(model: nn.Module) -> tuple[tuple[str, str], ...]:
+    cfg = getattr(model, "config", None)
+    return (("lm_head.weight", "embed_tokens.weight"),) if cfg is not None and cfg.tie_embeddings else ()
+
+
+_TP_DIVIDES = ("num_heads", "num_kv_heads", "hidden_size", "intermediate_size", "vocab_size")
+
+PARALLEL_SPECS: dict[type[nn.Module], ParallelSpec] = {
+    DecoderLM: ParallelSpec(first=("embed_tokens", "embed_positions"), last=("norm", "lm_head"),
+                            tp_plan=decoder_tp_plan, tp_divides=_TP_DIVIDES, tied=_tied_lm_head),
+    EncoderModel: ParallelSpec(first=("embed_tokens", "embed_positions", "embed_token_types", "embed_norm"),
+                               last=("final_norm", "pooler", "classifier"), tp_plan=encoder_tp_plan,
+                               tp_divides=_TP_DIVIDES, tied=lambda model: ()),
+}
+"""Model class -> its spec. A new family adds its entry here (and its module next to this file)."""
+
+
+def parallel_spec_of(model: nn.Module) -> tuple[str, nn.Module, ParallelSpec] | None:
+    """``(path prefix, backbone, spec)`` of the first registered family inside ``model`` (PEFT wrappers put it at
+    ``base_model.model.``), or ``None`` for a model of no registered family."""
+    for name, mod in model.named_modules():
+        for cls, spec in PARALLEL_SPECS.items():
+            if isinstance(mod, cls):
+                return (f"{name}." if name else ""), mod, spec
+    return None
