@@ -41,6 +41,30 @@ PAIRS: list[tuple[str, str, dict[str, Any]]] = [
 ]
 
 
+# The chain across presets of the one engine: each segment resumes the previous segment's checkpoint for 2 steps.
+# (tag, strategy preset, its args, processes, per-rank batch)
+CHAIN: list[tuple[str, str, dict[str, Any], int, int]] = [
+    ("tp2", "TensorParallelStrategy", dict(tensor_parallel_size=2), 2, 8),
+    ("zero3", "ZeroStrategy", dict(stage=3), 2, 4),
+    ("pp2", "PipelineParallelStrategy", dict(pipeline_parallel_size=2, n_microbatches=2), 2, 8),
+    ("single", "HybridParallelStrategy", dict(data_parallel_size=1), 1, 8),
+    ("tp2_again", "TensorParallelStrategy", dict(tensor_parallel_size=2), 2, 8),
+]
+SEGMENT = 2
+
+
+def _chain(out: Path, first: int, last: int) -> None:
+    """Run chain segments ``first..last`` (same process count), each resumed from its predecessor's checkpoint."""
+    import lightning_llm.strategies as strategies
+    from test_hybrid import fit
+
+    for i in range(first, last + 1):
+        tag, cls, args, devices, batch = CHAIN[i]
+        fit(out, getattr(strategies, cls)(**args), devices, tag=f"chain-{tag}", batch_size=batch,
+            steps=SEGMENT * (i + 1), ckpt_path=str(out / f"chain-{CHAIN[i - 1][0]}") if i else None,
+            save_to=str(out / f"chain-{tag}"))
+
+
 def _strategy(args: dict[str, Any]) -> Any:
     from lightning_llm.strategies.hybrid import HybridParallelStrategy
 
@@ -54,7 +78,14 @@ def _worker(mode: str, out: Path) -> None:
         fit(out, _strategy(args), devices, tag=f"{saved}-to-{resumed}", batch_size=8 // args["data_parallel_size"],
             steps=2 * HALF, ckpt_path=str(out / f"ckpt-{saved}"))
 
-    if mode == "single_save":  # one process: the uninterrupted reference, and a 3d checkpoint after 3 steps
+    if mode == "chain_multi":  # tp2 -> zero3 -> pp2
+        _chain(out, 0, 2)
+    elif mode == "chain_single":  # -> 1 device (and the uninterrupted reference of the whole chain)
+        fit(out, "auto", 1, tag="chain-reference", batch_size=8, steps=SEGMENT * len(CHAIN))
+        _chain(out, 3, 3)
+    elif mode == "chain_back":  # -> tp2 again
+        _chain(out, 4, 4)
+    elif mode == "single_save":  # one process: the uninterrupted reference, and a 3d checkpoint after 3 steps
         fit(out, "auto", 1, tag="reference", batch_size=8, steps=2 * HALF)
         fit(out, _strategy(dict(data_parallel_size=1)), 1, tag="single", batch_size=8, steps=HALF,
             save_to=str(out / "ckpt-single"))
@@ -107,6 +138,34 @@ def test_resume_at_another_layout(runs: Path, saved: str, resumed: str) -> None:
     print(f"{saved} -> {resumed}: max |loss err| steps 1-3 {err_before:.2e}, resumed steps 4-6 {err_after:.2e}; "
           f"resumed losses {[round(x, 5) for x in after]} vs {[round(x, 5) for x in ref[HALF:]]}")
     assert err_before <= TOL and err_after <= TOL
+
+
+@pytest.mark.multiprocess
+def test_resume_chain_across_strategies(tmp_path: Path) -> None:
+    """tp2 -> zero3 (2 ranks) -> pp2 -> 1 device -> tp2, 2 steps each, every segment resumed from the previous one's
+    checkpoint (weights, AdamW moments, step, LR schedule, data position): the 10 losses equal one uninterrupted
+    single-device run within 1e-5."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+    def single(mode: str) -> None:
+        wait(subprocess.Popen([sys.executable, __file__, mode, str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env))
+
+    wait(launch(__file__, 2, "chain_multi", str(tmp_path)))
+    single("chain_single")
+    wait(launch(__file__, 2, "chain_back", str(tmp_path)))
+    ref = json.loads((tmp_path / "chain-reference.json").read_text())["losses"][0]
+    got: list[float] = []
+    rows = []
+    for i, (tag, *_rest) in enumerate(CHAIN):
+        seg = global_losses(json.loads((tmp_path / f"chain-{tag}.json").read_text())["losses"])
+        assert len(seg) == SEGMENT
+        rows.append(f"{tag} (steps {SEGMENT * i + 1}-{SEGMENT * (i + 1)}): "
+                    f"{max_err(seg, ref[SEGMENT * i:SEGMENT * (i + 1)]):.2e}")
+        got += seg
+    print("resume chain, max |loss err| vs uninterrupted 1 device per segment: " + "; ".join(rows))
+    assert len(ref) == len(got) == SEGMENT * len(CHAIN) and ref[0] - ref[-1] > 0.05
+    assert max_err(got, ref) <= TOL
 
 
 if __name__ == "__main__":

@@ -63,14 +63,18 @@ def _stateful(opt: Optimizer) -> Optimizer | None:
     return getattr(opt, "local_optimizer", opt) if hasattr(opt, "local_optimizer") else opt
 
 
-def _names(module: nn.Module) -> dict[int, str]:
-    return {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+def _names(module: nn.Module, opt: Optimizer) -> dict[int, str]:
+    """Parameter name by tensor id, also for the fp32 master copies an offloading optimizer updates instead."""
+    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    for pid, master in getattr(_inner(opt), "masters", {}).items():
+        names[id(master)] = names[pid]
+    return names
 
 
 def optimizer_flat_state(module: nn.Module, opt: Optimizer) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """``({"<fqn>/<key>": tensor}, meta)`` for the parameters whose state this rank holds, and the layout-free meta
     (hyperparameters of every param group, and ``{key: ("param" | "scalar", dtype)}``)."""
-    names = _names(module)
+    names = _names(module, opt)
     inner = _stateful(opt)
     flat: dict[str, Tensor] = {}
     kinds: dict[str, tuple[str, torch.dtype]] = {}
@@ -78,8 +82,7 @@ def optimizer_flat_state(module: nn.Module, opt: Optimizer) -> tuple[dict[str, T
         for p, state in inner.state.items():
             fqn = names.get(id(p))
             if fqn is None:
-                raise RuntimeError("optimizer holds a parameter that is not in the module (offloaded master copies "
-                                   "are not supported by strategy=3d checkpoints)")
+                raise RuntimeError("optimizer holds a parameter that is not in the module")
             for k, v in state.items():
                 if not isinstance(v, Tensor):
                     continue
@@ -136,7 +139,7 @@ def save_hybrid(
 
 def _template(module: nn.Module, opt: Optimizer, kinds: Mapping[str, tuple[str, torch.dtype]]) -> dict[str, Any]:
     """Empty state tensors, shaped and sharded like this rank's parameters, for DCP to fill."""
-    names = _names(module)
+    names = _names(module, opt)
     inner = _stateful(opt)
     out: dict[str, Any] = {}
     if inner is None:
@@ -183,7 +186,7 @@ def load_hybrid(
         inner = _stateful(opt)
         if inner is None:
             continue
-        names = _names(module)
+        names = _names(module, opt)
         flat = wanted[f"optim_{i}"]
         for group in inner.param_groups:
             for prm in group["params"]:

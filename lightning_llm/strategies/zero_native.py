@@ -160,6 +160,11 @@ class PartitionedOptimizer(Optimizer):
                  len(params), f"{sum(p.numel() for p in self.owned):,}", f"{sum(p.numel() for p in params):,}",
                  ", optimizer offloaded to CPU" if offload else "")
 
+    @property
+    def masters(self) -> dict[int, nn.Parameter]:
+        """``id(parameter) -> fp32 CPU master`` of the owned parameters when offloading (what the states belong to)."""
+        return dict(self._master)
+
     def owner(self, p: Tensor) -> int:
         return self._owner_of[id(p)]
 

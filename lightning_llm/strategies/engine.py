@@ -1,0 +1,556 @@
+"""The one native parallel engine: data x tensor x pipeline parallel with ZeRO 0-3 on the data-parallel dim.
+
+Every native layout is a preset of :class:`ParallelEngine`: ``tp`` (:class:`.TensorParallelStrategy`), ``pp``
+(:class:`.PipelineParallelStrategy`), ``zero1/2/3`` and ``zero*_offload`` (:class:`.ZeroStrategy`) and ``3d``
+(:class:`.HybridParallelStrategy`). DeepSpeed is its own engine (it owns its loop) under the same task contract.
+
+One :class:`~lightning_llm.strategies.mesh.ParallelDims` validates the degrees (product = devices x nodes, one may be
+``-1``) and builds the named mesh ``("pp", "dp", "tp")``; every group below is a dim of that mesh. Set-up applies,
+for whichever degrees are > 1 (the task has built the full model, same seed on every rank, in ``configure_model``):
+
+1. pipeline split (``pp > 1``): keep this rank's stages, names stay global (:mod:`.pipeline_split`), and a
+   :class:`~.pipeline_engine.PipelineRunner` component runs the task's declared hooks through the schedule;
+2. tensor parallelism on the ``tp`` dim with the family's plan (:func:`.parallelize.apply_tensor_parallel`);
+3. activation checkpointing of the local blocks;
+4. ZeRO on the ``dp`` dim: stage 1/2 partition the optimizer (and gradients) with
+   :class:`~.zero_native.PartitionedOptimizer`, stage 3 is FSDP2 over ``dp`` (2-D with TP shards).
+
+Written once here: process-group set-up, precision checks, data-parallel gradient averaging (once per optimizer
+step: :func:`.parallelize.average_replicated_grads`), global-norm clipping over every shard, stage and replica, and
+checkpoint IO: every layout saves the layout-free DCP format of :mod:`.hybrid_checkpoint` (keyed by global names,
+optimizer included), so any layout resumes from any other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+from collections.abc import Callable, Generator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel as _loss_parallel_ctx
+from typing_extensions import override
+
+from lightning_llm.contract import Capabilities, check_pipelinable
+from lightning_llm.strategies import hybrid_checkpoint as hckpt
+from lightning_llm.strategies.engine_layout import LayoutArgs, PipelineStages
+from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coordinate
+from lightning_llm.strategies.parallelize import (
+    apply_tensor_parallel,
+    average_replicated_grads,
+    clip_grads_by_global_norm,
+    local_loss,
+    reduce_partial_grads,
+    sharded_logits_for,
+)
+from lightning_llm.strategies.pipeline_runtime import ScheduleName, checkpoint_blocks
+from lightning_llm.strategies.pipeline_split import StageSpec, layout_of
+from lightning_llm.strategies.plans import TPPlan
+from lightning_llm.strategies.zero_native import PartitionedOptimizer, apply_fsdp, fsdp_units, register_grad_hooks
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ParallelEngine"]
+
+_FP16_SCALER_OK = "tensor_parallel_size=1, pipeline_parallel_size=1 and zero_stage 0 or 1 (gradients whole on every rank)"
+
+
+class ParallelEngine(ParallelStrategy):
+    """DP x TP x PP with ZeRO stage 0-3 on the data-parallel dim; the presets ``tp``, ``pp``, ``zero*`` and ``3d``."""
+
+    strategy_name = "3d"
+
+    def __init__(
+        self,
+        data_parallel_size: int = -1,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        zero_stage: int = 0,
+        *,
+        offload_optimizer: bool = False,
+        offload_params: bool = False,
+        sequence_parallel: bool = False,
+        loss_parallel: bool = True,
+        plan: TPPlan | Callable[[nn.Module], TPPlan] | str | None = None,
+        n_microbatches: int = 4,
+        schedule: ScheduleName = "1f1b",
+        stages_per_rank: int = 1,
+        split_points: list[int] | None = None,
+        balance: Literal["layers", "params"] = "layers",
+        activation_checkpointing: bool = False,
+        log_pipeline_stats: bool = False,
+        measure_activations: bool = False,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Any = None,
+    ) -> None:
+        """
+        Args:
+            data_parallel_size: Data-parallel replicas (ZeRO shards); ``-1`` = inferred from the world size.
+            tensor_parallel_size: Ranks per tensor-parallel group (Megatron column/row split).
+            pipeline_parallel_size: Pipeline ranks.
+            zero_stage: 0 (plain gradient averaging), 1 (partitioned optimizer states), 2 (+ gradients; ``pp=1``
+                only), 3 (FSDP2 parameter sharding over ``dp``; ``pp=1`` only).
+            offload_optimizer: Keep optimizer states (fp32 masters) in CPU memory (ZeRO 1-3).
+            offload_params: Keep parameter shards in CPU memory (ZeRO-3; then also ``offload_optimizer``).
+            sequence_parallel: Shard the residual stream on the sequence dim inside each TP group.
+            loss_parallel: Vocab-parallel cross-entropy on the TP-sharded logits, for losses that accept them
+                (``pp=1``; a pipeline's last stage gathers the logits, since stage outputs are plain tensors).
+            plan: A tensor-parallel plan for a model of no registered family: ``module path -> ParallelStyle``
+                (relative to ``task.model``), a callable ``model -> plan`` or its import path ``"pkg.mod:fn"``.
+            n_microbatches: Micro-batches per batch (``pp > 1``); the per-device batch must be divisible by it.
+            schedule: ``gpipe``, ``1f1b``, ``interleaved_1f1b`` or ``zero_bubble``.
+            stages_per_rank: Virtual pipeline stages per rank (interleaved schedules).
+            split_points: Block indices where stages 1..n-1 begin; default: balanced by ``balance``.
+            balance: Automatic split balanced by block count (``layers``) or by parameter count (``params``).
+            activation_checkpointing: Recompute each transformer block in backward.
+            log_pipeline_stats: Log per-rank pipeline busy/idle time every step (``pp > 1``).
+            measure_activations: Count peak live saved-activation bytes per pipeline step (slower; benchmarks).
+            save_distributed_checkpoint: ``False``: checkpoints are one consolidated file of full weights written by
+                rank 0 (for export and inference; no optimizer state, so not for resuming; ``pp=1`` only).
+            process_group_backend: ``nccl``/``gloo``; default from the device.
+            timeout: Collective timeout.
+        """
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
+        self.args = LayoutArgs(
+            dims=ParallelDims(dp=data_parallel_size, tp=tensor_parallel_size, pp=pipeline_parallel_size),
+            zero_stage=zero_stage, offload_optimizer=offload_optimizer, offload_params=offload_params,
+            n_microbatches=n_microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+        )
+        self.zero_stage, self.offload_optimizer, self.offload_params = zero_stage, offload_optimizer, offload_params
+        self.sequence_parallel, self.loss_parallel, self.plan = sequence_parallel, loss_parallel, plan
+        self.n_microbatches, self.schedule, self.stages_per_rank = n_microbatches, schedule, stages_per_rank
+        self.split_points, self.balance = split_points, balance
+        self.activation_checkpointing = activation_checkpointing
+        self.log_pipeline_stats, self.measure_activations = log_pipeline_stats, measure_activations
+        self.save_distributed_checkpoint = save_distributed_checkpoint
+        self._process_group_backend, self._timeout = process_group_backend, timeout
+        self.num_nodes = 1
+        self.dims: ParallelDims | None = None
+        self.pp_rank = self.dp_rank = self.tp_rank = 0
+        self._mesh: Any = None
+        self._pp_group: Any = None
+        self._dp_group: Any = None
+        self._sharded_logits = False  # whether the task's loss receives vocab-sharded DTensor logits
+        self._pp_model: nn.Module | None = None  # the task's parallelized model (set-up runs again for validate)
+        self._params: list[nn.Parameter] = []  # every parameter of the task
+        self._grad_hooks: list[Any] = []
+        self._batch_idx = 0
+        self.stages: PipelineStages | None = None  # the pipeline component (pp > 1)
+        self.step_stats: list[dict[str, Any]] = []
+        """Per pipelined training step: ``busy_s``, ``wall_s``, ``idle_frac`` (lists over pipeline ranks), ``loss``
+        and, with ``measure_activations``, ``peak_act_bytes``/``act_bytes_per_mb`` per rank."""
+
+    # ------------------------------------------------------------------------------------------ environment
+    @property
+    def pipelined(self) -> bool:
+        return self.dims is not None and self.dims.pp > 1
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def is_distributed(self) -> bool:
+        return True
+
+    @property
+    def device_mesh(self) -> Any:
+        return self._mesh
+
+    @property
+    def pipeline_runner(self) -> Any:
+        """The contract's pipeline runner (``pp > 1``), else ``None``."""
+        return self.stages.runner if self.stages is not None else None
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # Tensor and pipeline ranks of one data-parallel replica must see identical batches: key the sampler by dp.
+        return {"num_replicas": self.dims.dp if self.dims is not None else 1, "rank": self.dp_rank}
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # checkpoints hold this rank's shards: load after the model is parallelized
+
+    @property
+    def capabilities(self) -> Capabilities:
+        if self.dims is None:
+            return Capabilities()
+        return Capabilities(data_parallel_size=self.dims.dp, batch_shared=self.dims.tp * self.dims.pp > 1,
+                            pipelined=self.pipelined, generation=not self.pipelined,
+                            data_parallel_group=self._dp_group)
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self.args.dims.resolved(max(1, self.num_processes) * self.num_nodes)  # fail before launching processes
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        """The process group and the named mesh: written once for every layout."""
+        super().setup_environment()
+        reset_seed()
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        self.dims = self.args.dims.resolved(self.world_size)
+        self.args.check_pipeline(self.dims)
+        self._mesh = mesh = self.dims.build_mesh(device_type_of(self.root_device))
+        self.pp_rank, _ = mesh_coordinate(mesh, "pp")
+        self.dp_rank, _ = mesh_coordinate(mesh, "dp")
+        self.tp_rank, _ = mesh_coordinate(mesh, "tp")
+        self._pp_group, self._dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = mesh
+        log.info("%s: mesh pp=%d dp=%d tp=%d, zero_stage=%d", type(self).__name__, self.dims.pp, self.dims.dp,
+                 self.dims.tp, self.zero_stage)
+
+    # ------------------------------------------------------------------------------------------ setup
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.dims is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        precision = str(self.precision_plugin.precision)
+        self.args.check_precision(precision, self.dims, fp16_scaler=isinstance(self.precision_plugin, MixedPrecision)
+                                  and self.precision_plugin.scaler is not None)
+        model = self._target()
+        if self.pipelined:
+            check_pipelinable(module, strategy=self._name())
+            self.args.check_batch_size(trainer)
+        self.precision_plugin.convert_module(module)
+        if model is not self._pp_model:  # else already parallelized (e.g. trainer.validate() after fit)
+            self._parallelize(model, precision=precision)
+        self.model_to_device()
+        self._pp_model, self._params = model, list(module.parameters())
+        if self.pipelined:
+            assert self.stages is not None
+            self.stages.build_runner(model, params=self._params, device=self.root_device, step_stats=self.step_stats,
+                                     log_stats=self.log_pipeline_stats, measure=self.measure_activations)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting and not self.offload_params:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        # Lightning clips with the local norm; shards, stages and ZeRO-2 owners need the global one.
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+
+    def _name(self) -> str:
+        return getattr(self, "strategy_name", type(self).__name__)
+
+    def _target(self) -> nn.Module:
+        """``task.model`` (what a plan, a split and FSDP units are relative to); the LightningModule itself only for a
+        tensor-parallel plan on a module that has no ``model``."""
+        module = self.lightning_module
+        model = getattr(module, "model", None)
+        if isinstance(model, nn.Module):
+            return model
+        if self.plan is not None and self.dims is not None and self.dims.pp == 1 and self.zero_stage != 3:
+            return module
+        raise ValueError(f"--trainer.strategy={self._name()} needs a task that builds `self.model` in "
+                         "configure_model() (an LLMTask)")
+
+    def _parallelize(self, model: nn.Module, *, precision: str) -> None:
+        """Pipeline split -> TP -> activation checkpointing -> FSDP (ZeRO-3)."""
+        assert self.dims is not None
+        module = self.lightning_module
+        if self.pipelined:
+            self.stages = PipelineStages.split(model, dims=self.dims, pp_rank=self.pp_rank, mesh=self._mesh,
+                                               args=self.args, split_points=self.split_points, balance=self.balance,
+                                               global_rank=self.global_rank)
+            specs = self.stages.specs
+        else:
+            specs = [StageSpec(0, 1, tuple(getattr(model, layout_of(model).layers).keys()))] \
+                if self.activation_checkpointing else []
+        # Vocab-sharded logits only reach a loss that declares it handles them (and never a pipeline's stage output).
+        self._sharded_logits = sharded_logits_for(module, requested=self.loss_parallel and not self.pipelined,
+                                                  tp=self.dims.tp)
+        apply_tensor_parallel(model, self._mesh["tp"], sequence_parallel=self.sequence_parallel,
+                              loss_parallel=self._sharded_logits, plan=self.args.resolve_plan(self.plan, model))
+        if self.activation_checkpointing:
+            checkpoint_blocks(model, specs)
+        if self.zero_stage == 3:
+            apply_fsdp(module, dp_mesh=self._mesh["dp"], units=fsdp_units(module), reshard_after_forward=True,
+                       precision=precision, offload=self.offload_params)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if not self.offload_params:  # FSDP2 CPU offload keeps the shards on the host
+            self.model.to(self.root_device)
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks = []
+        if self.zero_stage not in (1, 2):
+            return
+        wrapped = []
+        for opt in self.optimizers:
+            opt = getattr(opt, "_optimizer", opt)
+            zero = PartitionedOptimizer(opt, dp_mesh=self._mesh["dp"], stage=self.zero_stage,
+                                        offload=self.offload_optimizer)
+            for cfg in self.lr_scheduler_configs:  # schedulers keep working: same param-group dicts
+                if getattr(cfg.scheduler, "optimizer", None) is opt:
+                    cfg.scheduler.optimizer = zero
+            if self.pipelined:
+                zero.sync_grads = False  # the pipeline's backward averages gradients over dp
+            else:
+                self._grad_hooks += register_grad_hooks(self.lightning_module, zero)
+            wrapped.append(zero)
+        self.optimizers = wrapped
+
+    # ------------------------------------------------------------------------------------------ steps
+    @contextlib.contextmanager
+    def _loss_context(self) -> Generator[None, None, None]:
+        with _loss_parallel_ctx() if self._sharded_logits else contextlib.nullcontext():
+            yield
+
+    def _step(self, hook: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        with context(), self._loss_context():
+            return local_loss(getattr(self.lightning_module, hook)(*args, **kwargs))
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._batch_idx = int(args[1]) if len(args) > 1 else int(kwargs.get("batch_idx", 0))
+        return self._step("training_step", self.precision_plugin.train_step_context, *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("validation_step", self.precision_plugin.val_step_context, *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("test_step", self.precision_plugin.test_step_context, *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if not self.pipelined:
+            with self._loss_context():
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # The schedule already ran backward; put its gradients (kept aside from Lightning's zero_grad) back.
+        assert self.stages is not None and self.dims is not None
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        accum = module.trainer.accumulate_grad_batches
+        self.stages.restore_grads(self._params, dp_group=self._dp_group, dp=self.dims.dp, accumulate=accum,
+                                  first=self._batch_idx % accum == 0)
+        reduce_partial_grads(self._params)
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self.pipelined:  # gradients were finalized in backward()
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_sync() -> Any:
+            out = closure()
+            self._finalize_gradients()
+            return out
+
+        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+
+    @torch.no_grad()
+    def _finalize_gradients(self) -> None:
+        """pp == 1, once per optimizer step: reduce TP ``Partial`` grads, then average over ``dp`` what no ZeRO
+        mechanism reduced: every gradient under ZeRO-0, the task's own plain parameters under ZeRO-3 (FSDP2
+        reduce-scatters its units; ZeRO-1/2 reduce in their gradient hooks)."""
+        assert self.dims is not None
+        reduce_partial_grads(self._params)
+        if self.zero_stage in (0, 3):
+            average_replicated_grads(self._params, dp_group=self._dp_group, dp=self.dims.dp)
+
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip gradient communication on accumulation micro-batches (ZeRO-1/2 hooks, FSDP2 reduce-scatter)."""
+        if self.dims is None or self.pipelined:
+            yield
+            return
+        partitioned = [o for o in (getattr(x, "_optimizer", x) for x in self.optimizers)
+                       if isinstance(o, PartitionedOptimizer)]
+        fsdp = [m for m in self.lightning_module.modules() if hasattr(m, "set_requires_gradient_sync")]
+        for o in partitioned:
+            o.sync_grads = False
+        for m in fsdp:
+            m.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for o in partitioned:
+                o.sync_grads = True
+            for m in fsdp:
+                m.set_requires_gradient_sync(True, recurse=False)
+
+    def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
+        assert self.dims is not None
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        copy = self.stages.tied_copy() if self.stages is not None else None
+        clip_grads_by_global_norm(params, clip_val, pp=self.dims.pp, dp=self.dims.dp,
+                                  grads_sharded_over_dp=self.zero_stage == 2 and not self.pipelined,
+                                  skip=[copy] if copy is not None else [], device=self.root_device)
+
+    # ------------------------------------------------------------------------------------------ collectives
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, DTensor):  # a replicated DTensor (the loss under loss_parallel)
+            tensor = tensor.full_tensor()
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # optimizer states are loaded by parameter name in load_checkpoint
+
+    def layout(self) -> dict[str, Any]:
+        assert self.dims is not None
+        return {"dp": self.dims.dp, "tp": self.dims.tp, "pp": self.dims.pp, "zero_stage": self.zero_stage}
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the DCP writer takes the module's (sharded) state dict itself
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Consolidated (unsharded) weights of the LightningModule on rank 0, ``{}`` elsewhere (a collective;
+        ``pp == 1``)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        if self.pipelined:
+            raise ValueError("full_state_dict(): a pipeline rank holds only its stages; read the saved checkpoint "
+                             "with lightning_llm export instead")
+        return get_model_state_dict(self.lightning_module,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"strategy={self._name()}: save_checkpoint(..., storage_options=...) is not supported")
+        path = Path(self.broadcast(str(filepath)))
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        if not self.save_distributed_checkpoint:
+            weights = self.full_state_dict()
+            if self.is_global_zero:
+                self.checkpoint_io.save_checkpoint({**meta, "state_dict": weights, "optimizer_states": []}, path)
+            self.barrier()
+            return
+        hckpt.save_hybrid(path, module=self.lightning_module, optimizers=self.optimizers, metadata=meta,
+                          layout=self.layout(), is_global_zero=self.is_global_zero, barrier=self.barrier)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if path.is_file() and not fitting:
+            return self._load_full_weights(path)
+        if not hckpt.is_hybrid_checkpoint(path):
+            raise FileNotFoundError(
+                f"--ckpt_path={path}: not a checkpoint directory of the parallel engine (tp, pp, zero1/2/3, 3d). "
+                "A plain Lightning .ckpt resumes with strategy=auto/ddp; convert it with "
+                "lightning_llm.strategies.hybrid_checkpoint.from_lightning_checkpoint (weights and loop state, fresh "
+                "optimizer state) to resume it here")
+        return hckpt.load_hybrid(path, module=self.lightning_module, optimizers=self.optimizers if fitting else [],
+                                 strict=self.lightning_module.strict_loading)
+
+    def _load_full_weights(self, path: Path) -> dict[str, Any]:
+        """Evaluation from a consolidated file: full tensors into the (sharded, split) module."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        checkpoint = self.checkpoint_io.load_checkpoint(path)
+        local = set(self.lightning_module.state_dict())
+        weights = {k: v for k, v in checkpoint["state_dict"].items() if k in local}  # a stage's part
+        set_model_state_dict(self.lightning_module, weights,
+                             options=StateDictOptions(full_state_dict=True, strict=not self.pipelined))
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # loaded in load_checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            path = Path(filepath)
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+    @override
+    def teardown(self) -> None:
+        if self.stages is not None:
+            self.stages.clear()
+        super().teardown()
