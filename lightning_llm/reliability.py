@@ -6,9 +6,11 @@ many batches of the current epoch were consumed); optimizer, LR-schedule and loo
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import random
+import shutil
 import signal
 from pathlib import Path
 from typing import Any
@@ -160,3 +162,54 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         finally:
             if tmp.exists():
                 tmp.unlink()
+
+
+def staging_path(path: str | os.PathLike) -> Path:
+    """Where a checkpoint directory is written before :func:`publish` moves it to ``path`` (the same on every rank)."""
+    p = Path(path)
+    return p.with_name(f".{p.name}.partial")
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths in one step (Linux ``renameat2(RENAME_EXCHANGE)``); ``False`` where that is unavailable."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    elif p.exists() or p.is_symlink():
+        p.unlink()
+
+
+def _fsync_dir(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish(staged: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Move a complete checkpoint (file or directory) from ``staged`` to ``path`` atomically: readers see the old
+    checkpoint or the new one, whole, at every moment; the old one is deleted only after the swap. Call it once
+    (rank 0) after every rank finished writing into ``staged``."""
+    staged, path = Path(staged), Path(path)
+    if not (path.exists() or path.is_symlink()):
+        os.replace(staged, path)
+    elif _exchange(staged, path):  # ``path`` is now the new checkpoint, ``staged`` the old one
+        _remove(staged)
+    else:  # no atomic swap here: the old one is moved aside for the instant between the two renames
+        old = path.with_name(f".{path.name}.old")
+        _remove(old)
+        os.replace(path, old)
+        os.replace(staged, path)
+        _remove(old)
+    _fsync_dir(path.parent)
+

@@ -105,3 +105,18 @@ def test_missing_dirs_name_the_parameter(pair_data: Path, tmp_path: Path) -> Non
         SentencePairDataModule(str(tmp_path / "missing"), str(pair_data / "tokenizer"))
     with pytest.raises(FileNotFoundError, match=r"--data.tokenizer_dir=.*: no tokenizer.json"):
         SentencePairDataModule(str(pair_data), str(tmp_path))
+
+
+def test_jsonl_lines_break_at_newline_only(tmp_path) -> None:
+    """U+2028, U+2029 and U+0085 are legal unescaped inside JSON strings: one record, not a malformed line."""
+    import json
+
+    from lightning_llm.data import read_records
+
+    path = tmp_path / "train.json"
+    rows = [{"sentence1": "上海\u2028浦东", "sentence2": "a\u2029b\u0085c", "label": "1"}, {"sentence1": "x",
+                                                                                       "sentence2": "y", "label": "0"}]
+    path.write_text("\r\n".join(json.dumps(r, ensure_ascii=False) for r in rows) + "\r\n", encoding="utf-8")
+    got = read_records(path, required=("sentence1", "sentence2"))
+    assert [{k: v for k, v in r.items() if k != "_line"} for r in got] == rows
+    assert [r["_line"] for r in got] == [1, 2]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from lightning_llm.strategies.pipeline_parallel import PipelineParallelStrategy
 from lightning_llm.strategies.pipeline_split import (
     prune_model, split_layers, stage_module, stage_ranks, stage_specs,
 )
-from lightning_llm.testing import free_port, run_worker
+from lightning_llm.testing import launch, run_reference_meanwhile, run_worker
 
 STEPS = 10
 # (schedule, stages_per_rank, measure_activations)
@@ -197,47 +196,16 @@ def _worker(mode: str, out: Path, data: Path) -> None:
         (out / f"times-{mode}.json").write_text(json.dumps(times))
 
 
-def _launch(out: Path, data: Path) -> subprocess.Popen:
-    """This file's ``pp`` worker under torchrun, 2 processes."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", __file__, "pp", str(out), str(data)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-
-
-def _wait(proc: subprocess.Popen) -> None:
-    out, _ = proc.communicate(timeout=600)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{' '.join(proc.args)} failed\n{out[-8000:]}")
-
-
 @pytest.fixture(scope="module")
 def runs(pair_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Both runs, once per module, at the same time: the pipeline runs in one torchrun launch (2 processes) and,
     meanwhile, the single-device reference in this process (no launch: it would only add interpreter start-up)."""
     out = tmp_path_factory.mktemp("pp")
     t0 = time.perf_counter()
-    proc = _launch(out, pair_data)
-    env, threads = dict(os.environ), torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)  # like the launched processes (OMP_NUM_THREADS=1): 2 cores, 3 processes
-        _worker("reference", out, pair_data)
-        t_ref = time.perf_counter() - t0
-        _wait(proc)
-    finally:
-        torch.set_num_threads(threads)
-        for key in set(os.environ) - set(env):  # seed_everything exports PL_GLOBAL_SEED: keep it out of later tests
-            del os.environ[key]
-        os.environ.update(env)
-        if proc.poll() is None:  # the reference failed: stop the launch; on SIGTERM torchrun stops its ranks
-            proc.terminate()
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    proc = launch(__file__, 2, "pp", str(out), str(pair_data))
+    run_reference_meanwhile(proc, lambda: _worker("reference", out, pair_data))
     times = {m: json.loads((out / f"times-{m}.json").read_text()) for m in ("reference", "pp")}
-    print(f"\nwall time: reference (in-process) {t_ref:.1f} s, pp launch {time.perf_counter() - t0:.1f} s; "
+    print(f"\nwall time: reference (in-process) and pp launch {time.perf_counter() - t0:.1f} s; "
           f"seconds per case {times}")
     return out
 

@@ -6,6 +6,7 @@ import json
 import random
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -139,3 +140,49 @@ def test_fuzzed_pair_files_fail_with_file_and_line(pair_data: Path, tmp_path: Pa
             assert re.search(r"train\.json:\d+: ", str(e)), str(e)  # names the file and the line
         else:
             assert len(dm.datasets["fit"]) == len(read_records(d / "train.json"))
+
+
+def test_layout_free_save_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save of the engine's sharded format that dies after writing its shards (before it is published) leaves the
+    previous checkpoint in place, whole; the next save replaces it and leaves no staging directory behind."""
+    import torch
+
+    from lightning_llm.strategies import hybrid_checkpoint as hc
+
+    module = torch.nn.Linear(4, 4)
+    path = tmp_path / "last.ckpt"
+
+    def save(step: int) -> None:
+        module.weight.data.fill_(float(step))
+        hc.save_hybrid(path, module=module, optimizers=[], metadata={"global_step": step}, layout={},
+                       is_global_zero=True, barrier=lambda: None)
+
+    save(1)
+    real = hc.dcp.save
+
+    def dies_after_writing(state: Any, checkpoint_id: Any, **kwargs: Any) -> Any:
+        real(state, checkpoint_id=checkpoint_id, **kwargs)
+        raise RuntimeError("killed during the save")
+
+    monkeypatch.setattr(hc.dcp, "save", dies_after_writing)
+    with pytest.raises(RuntimeError, match="killed"):
+        save(2)
+    loaded = hc.consolidated_state_dict(path)
+    assert loaded["global_step"] == 1 and bool((loaded["state_dict"]["weight"] == 1.0).all())
+    monkeypatch.setattr(hc.dcp, "save", real)
+    save(3)
+    loaded = hc.consolidated_state_dict(path)
+    assert loaded["global_step"] == 3 and bool((loaded["state_dict"]["weight"] == 3.0).all())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_publish_replaces_a_file_or_directory_in_one_step(tmp_path: Path) -> None:
+    from lightning_llm.reliability import publish, staging_path
+
+    target = tmp_path / "last.ckpt"
+    target.write_text("old single-file checkpoint")
+    staged = staging_path(target)
+    staged.mkdir()
+    (staged / "meta.pt").write_text("new")
+    publish(staged, target)
+    assert target.is_dir() and (target / "meta.pt").read_text() == "new" and not staged.exists()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -246,17 +245,10 @@ def worker(out_dir: Path) -> None:
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     """One torchrun launch (2 processes, gloo) running every TP configuration of this module."""
-    from lightning_llm.testing import free_port
+    from lightning_llm.testing import launch, wait
 
     out = tmp_path_factory.mktemp("tp")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", __file__, "--worker", str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    (out / "worker.log").write_text(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        raise RuntimeError(f"TP worker failed (full log: {out / 'worker.log'}):\n{proc.stdout[-3000:]}\n"
-                           f"{proc.stderr[-8000:]}")
+    (out / "worker.log").write_text(wait(launch(__file__, 2, "--worker", str(out))))
     return out, json.loads((out / "results.json").read_text())
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -154,18 +152,9 @@ def worker(group: str, out: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------------- test side
 def _launch(group: str, out: Path, timeout: float = 300) -> dict[str, Any]:
-    from lightning_llm.testing import free_port
+    from lightning_llm.testing import launch, wait
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONWARNINGS": "ignore"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(HERE), "--group", group, "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if proc.returncode != 0:
-        (out / "launch.log").write_text(proc.stdout + proc.stderr)
-        errors = [ln for ln in proc.stderr.splitlines() if "Error" in ln][-6:]
-        raise RuntimeError(f"{' '.join(cmd)} failed ({proc.returncode}); full log in {out / 'launch.log'}\n"
-                           + "\n".join(errors) + f"\n{proc.stderr[-6000:]}")
+    (out / "launch.log").write_text(wait(launch(HERE, 2, "--group", group, "--out", str(out)), timeout))
     return json.loads((out / "results.json").read_text())
 
 

@@ -42,7 +42,9 @@ def read_records(path: str | os.PathLike, *, required: Sequence[str] = (), types
         records = [(i + 1, r) for i, r in enumerate(data)]  # "line" = record number for arrays
     else:
         records = []
-        for lineno, line in enumerate(text.splitlines(), start=1):
+        # JSON Lines breaks at "\n" only ("\r\n" too): str.splitlines() would also break inside strings at U+2028,
+        # U+2029 and U+0085, which JSON allows unescaped (they occur in scraped Chinese text).
+        for lineno, line in enumerate(text.split("\n"), start=1):
             if not line.strip():
                 continue
             try:

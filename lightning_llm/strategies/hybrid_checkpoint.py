@@ -20,6 +20,7 @@ Every function here that touches tensors is a collective: call it on all ranks.
 from __future__ import annotations
 
 import logging
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.optim import Optimizer
+
+from lightning_llm.data.io import atomic_open
 
 log = logging.getLogger(__name__)
 
@@ -115,12 +118,18 @@ def save_hybrid(
     is_global_zero: bool,
     barrier: Callable[[], None],
 ) -> Path:
-    """Write ``module``'s state dict and every optimizer's per-name state with DCP; rank 0 writes the metadata."""
+    """Write ``module``'s state dict and every optimizer's per-name state with DCP; rank 0 writes the metadata.
+
+    Atomic: every rank writes into a staging directory beside ``path``; once all are done (barrier), rank 0 swaps it
+    in (:func:`~lightning_llm.reliability.publish`). A crash at any moment leaves the previous checkpoint whole."""
+    from lightning_llm.reliability import publish, staging_path
+
     p = Path(path)
-    if is_global_zero and p.is_file():
-        p.unlink()
+    staged = staging_path(p)
+    if is_global_zero and (staged.exists() or staged.is_symlink()):  # left by a crashed save
+        shutil.rmtree(staged) if staged.is_dir() else staged.unlink()
     barrier()
-    p.mkdir(parents=True, exist_ok=True)
+    staged.mkdir(parents=True, exist_ok=True)
     state: dict[str, Any] = {"model": dict(module.state_dict())}
     opt_meta = []
     for i, opt in enumerate(optimizers):
@@ -128,10 +137,13 @@ def save_hybrid(
         meta["kinds"] = _merge_kinds(meta["kinds"])
         state[f"optim_{i}"] = flat
         opt_meta.append(meta)
-    dcp.save(state, checkpoint_id=p)
+    dcp.save(state, checkpoint_id=staged)
     if is_global_zero:
-        torch.save({**metadata, "format": FORMAT, "layout": dict(layout), "optimizer_meta": opt_meta},
-                   p / META_FILE)
+        with atomic_open(staged / META_FILE, "wb") as f:
+            torch.save({**metadata, "format": FORMAT, "layout": dict(layout), "optimizer_meta": opt_meta}, f)
+    barrier()  # every rank's shards are complete
+    if is_global_zero:
+        publish(staged, p)
     barrier()
     log.info("saved 3-D checkpoint to %s (layout %s)", p, dict(layout))
     return p
