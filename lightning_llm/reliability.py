@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 
 FAULT_ENV = "LIGHTNING_LLM_FAULT"
 """Fault injection for tests: ``kill:step=K[:rank=R]`` SIGKILLs rank R (default all) before training step K;
-``kill:save=N[:rank=R]`` SIGKILLs it half-way through writing its N-th checkpoint file (1-based);
+``kill:save=N[:rank=R]`` SIGKILLs it half-way through writing its N-th checkpoint (1-based; a file half-written, or
+a sharded directory with its shards written but not yet published);
 ``raise:step=K[:rank=R]`` raises RuntimeError there instead."""
 
 
@@ -162,6 +163,21 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         finally:
             if tmp.exists():
                 tmp.unlink()
+
+
+class SaveFault:
+    """``kill:save=N[:rank=R]`` (see :data:`FAULT_ENV`) for checkpoints that are directories written by every rank:
+    fires at this process's N-th save, after its shards are written and before the checkpoint is published (the
+    moment a crash used to leave a mixed or truncated checkpoint under the final name)."""
+
+    def __init__(self) -> None:
+        self.fault = parse_fault(os.environ.get(FAULT_ENV))
+        self.saves = 0
+
+    def shards_written(self, path: str | os.PathLike) -> None:
+        self.saves += 1
+        if _fault_hits(self.fault, "save", self.saves, _global_rank()):
+            _trigger(self.fault, f"checkpoint save #{self.saves} ({Path(path).name}), shards written, not published")
 
 
 def staging_path(path: str | os.PathLike) -> Path:

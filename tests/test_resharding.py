@@ -46,6 +46,7 @@ PAIRS: list[tuple[str, str, dict[str, Any]]] = [
 CHAIN: list[tuple[str, str, dict[str, Any], int, int]] = [
     ("tp2", "TensorParallelStrategy", dict(tensor_parallel_size=2), 2, 8),
     ("zero3", "ZeroStrategy", dict(stage=3), 2, 4),
+    ("zero2_offload", "ZeroStrategy", dict(stage=2, offload_optimizer=True), 2, 4),
     ("pp2", "PipelineParallelStrategy", dict(pipeline_parallel_size=2, n_microbatches=2), 2, 8),
     ("single", "HybridParallelStrategy", dict(data_parallel_size=1), 1, 8),
     ("tp2_again", "TensorParallelStrategy", dict(tensor_parallel_size=2), 2, 8),
@@ -55,8 +56,9 @@ SEGMENT = 2
 
 def _chain(out: Path, first: int, last: int) -> None:
     """Run chain segments ``first..last`` (same process count), each resumed from its predecessor's checkpoint."""
-    import lightning_llm.strategies as strategies
     from test_hybrid import fit
+
+    import lightning_llm.strategies as strategies
 
     for i in range(first, last + 1):
         tag, cls, args, devices, batch = CHAIN[i]
@@ -78,13 +80,13 @@ def _worker(mode: str, out: Path) -> None:
         fit(out, _strategy(args), devices, tag=f"{saved}-to-{resumed}", batch_size=8 // args["data_parallel_size"],
             steps=2 * HALF, ckpt_path=str(out / f"ckpt-{saved}"))
 
-    if mode == "chain_multi":  # tp2 -> zero3 -> pp2
-        _chain(out, 0, 2)
+    if mode == "chain_multi":  # tp2 -> zero3 -> zero2_offload -> pp2
+        _chain(out, 0, 3)
     elif mode == "chain_single":  # -> 1 device (and the uninterrupted reference of the whole chain)
         fit(out, "auto", 1, tag="chain-reference", batch_size=8, steps=SEGMENT * len(CHAIN))
-        _chain(out, 3, 3)
-    elif mode == "chain_back":  # -> tp2 again
         _chain(out, 4, 4)
+    elif mode == "chain_back":  # -> tp2 again
+        _chain(out, 5, 5)
     elif mode == "single_save":  # one process: the uninterrupted reference, and a 3d checkpoint after 3 steps
         fit(out, "auto", 1, tag="reference", batch_size=8, steps=2 * HALF)
         fit(out, _strategy(dict(data_parallel_size=1)), 1, tag="single", batch_size=8, steps=HALF,
@@ -142,9 +144,9 @@ def test_resume_at_another_layout(runs: Path, saved: str, resumed: str) -> None:
 
 @pytest.mark.multiprocess
 def test_resume_chain_across_strategies(tmp_path: Path) -> None:
-    """tp2 -> zero3 (2 ranks) -> pp2 -> 1 device -> tp2, 2 steps each, every segment resumed from the previous one's
-    checkpoint (weights, AdamW moments, step, LR schedule, data position): the 10 losses equal one uninterrupted
-    single-device run within 1e-5."""
+    """tp2 -> zero3 (2 ranks) -> zero2 with the optimizer offloaded -> pp2 -> 1 device -> tp2, 2 steps each, every
+    segment resumed from the previous one's checkpoint (weights, AdamW moments, step, LR schedule, data position): the
+    12 losses equal one uninterrupted single-device run within 1e-5."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
     def single(mode: str) -> None:

@@ -55,6 +55,7 @@ from torch.distributed.tensor.parallel import loss_parallel as _loss_parallel_ct
 from typing_extensions import override
 
 from lightning_llm.contract import Capabilities, check_pipelinable
+from lightning_llm.reliability import SaveFault
 from lightning_llm.strategies import hybrid_checkpoint as hckpt
 from lightning_llm.strategies.engine_layout import LayoutArgs, PipelineStages
 from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coordinate
@@ -69,13 +70,17 @@ from lightning_llm.strategies.parallelize import (
 from lightning_llm.strategies.pipeline_runtime import ScheduleName, checkpoint_blocks
 from lightning_llm.strategies.pipeline_split import StageSpec, layout_of
 from lightning_llm.strategies.plans import TPPlan
-from lightning_llm.strategies.zero_native import PartitionedOptimizer, apply_fsdp, fsdp_units, register_grad_hooks
+from lightning_llm.strategies.zero_native import (
+    PartitionedOptimizer,
+    apply_fsdp,
+    fsdp_units,
+    gradient_sync_paused,
+    register_grad_hooks,
+)
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ParallelEngine"]
-
-_FP16_SCALER_OK = "tensor_parallel_size=1, pipeline_parallel_size=1 and zero_stage 0 or 1 (gradients whole on every rank)"
 
 
 class ParallelEngine(ParallelStrategy):
@@ -167,6 +172,7 @@ class ParallelEngine(ParallelStrategy):
         self._params: list[nn.Parameter] = []  # every parameter of the task
         self._grad_hooks: list[Any] = []
         self._batch_idx = 0
+        self._save_fault = SaveFault()  # fault injection for tests (LIGHTNING_LLM_FAULT=kill:save=N)
         self.stages: PipelineStages | None = None  # the pipeline component (pp > 1)
         self.step_stats: list[dict[str, Any]] = []
         """Per pipelined training step: ``busy_s``, ``wall_s``, ``idle_frac`` (lists over pipeline ranks), ``loss``
@@ -422,20 +428,8 @@ class ParallelEngine(ParallelStrategy):
         if self.dims is None or self.pipelined:
             yield
             return
-        partitioned = [o for o in (getattr(x, "_optimizer", x) for x in self.optimizers)
-                       if isinstance(o, PartitionedOptimizer)]
-        fsdp = [m for m in self.lightning_module.modules() if hasattr(m, "set_requires_gradient_sync")]
-        for o in partitioned:
-            o.sync_grads = False
-        for m in fsdp:
-            m.set_requires_gradient_sync(False, recurse=False)
-        try:
+        with gradient_sync_paused(self.lightning_module, self.optimizers):
             yield
-        finally:
-            for o in partitioned:
-                o.sync_grads = True
-            for m in fsdp:
-                m.set_requires_gradient_sync(True, recurse=False)
 
     def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
         assert self.dims is not None
@@ -486,13 +480,10 @@ class ParallelEngine(ParallelStrategy):
     def full_state_dict(self) -> dict[str, Tensor]:
         """Consolidated (unsharded) weights of the LightningModule on rank 0, ``{}`` elsewhere (a collective;
         ``pp == 1``)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
         if self.pipelined:
             raise ValueError("full_state_dict(): a pipeline rank holds only its stages; read the saved checkpoint "
                              "with lightning_llm export instead")
-        return get_model_state_dict(self.lightning_module,
-                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return hckpt.full_weights(self.lightning_module)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -507,7 +498,8 @@ class ParallelEngine(ParallelStrategy):
             self.barrier()
             return
         hckpt.save_hybrid(path, module=self.lightning_module, optimizers=self.optimizers, metadata=meta,
-                          layout=self.layout(), is_global_zero=self.is_global_zero, barrier=self.barrier)
+                          layout=self.layout(), is_global_zero=self.is_global_zero, barrier=self.barrier,
+                          on_shards_written=self._save_fault.shards_written)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -526,13 +518,8 @@ class ParallelEngine(ParallelStrategy):
 
     def _load_full_weights(self, path: Path) -> dict[str, Any]:
         """Evaluation from a consolidated file: full tensors into the (sharded, split) module."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
         checkpoint = self.checkpoint_io.load_checkpoint(path)
-        local = set(self.lightning_module.state_dict())
-        weights = {k: v for k, v in checkpoint["state_dict"].items() if k in local}  # a stage's part
-        set_model_state_dict(self.lightning_module, weights,
-                             options=StateDictOptions(full_state_dict=True, strict=not self.pipelined))
+        hckpt.load_full_weights(self.lightning_module, checkpoint["state_dict"], strict=not self.pipelined)
         return checkpoint
 
     @override

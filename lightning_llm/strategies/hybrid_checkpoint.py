@@ -117,6 +117,7 @@ def save_hybrid(
     layout: Mapping[str, Any],
     is_global_zero: bool,
     barrier: Callable[[], None],
+    on_shards_written: Callable[[Path], None] | None = None,
 ) -> Path:
     """Write ``module``'s state dict and every optimizer's per-name state with DCP; rank 0 writes the metadata.
 
@@ -138,6 +139,8 @@ def save_hybrid(
         state[f"optim_{i}"] = flat
         opt_meta.append(meta)
     dcp.save(state, checkpoint_id=staged)
+    if on_shards_written is not None:  # fault injection in tests
+        on_shards_written(p)
     if is_global_zero:
         with atomic_open(staged / META_FILE, "wb") as f:
             torch.save({**metadata, "format": FORMAT, "layout": dict(layout), "optimizer_meta": opt_meta}, f)
@@ -190,6 +193,10 @@ def load_hybrid(
             wanted[f"optim_{i}"] = _template(module, opt, opt_meta[i]["kinds"])
     dcp.load(wanted, checkpoint_id=p)
     module.load_state_dict(wanted["model"], strict=False)  # DCP filled the tensors in place; this covers copies
+    for opt in optimizers:  # offloaded fp32 masters follow the loaded weights
+        refresh = getattr(_inner(opt), "refresh_masters", None)
+        if refresh is not None:
+            refresh()
     for i, opt in enumerate(optimizers):
         if i >= len(opt_meta):
             continue
@@ -210,6 +217,22 @@ def load_hybrid(
     meta["state_dict"] = wanted["model"]  # for on_load_checkpoint hooks (e.g. a PEFT task checks its keys)
     log.info("loaded 3-D checkpoint %s saved at layout %s", p, meta.get("layout"))
     return meta
+
+
+def full_weights(module: nn.Module) -> dict[str, Tensor]:
+    """The module's full (unsharded) weights on CPU on rank 0, ``{}`` elsewhere (a collective over DTensor shards)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_weights(module: nn.Module, state_dict: Mapping[str, Tensor], *, strict: bool) -> None:
+    """Full tensors into a (sharded, possibly pipeline-split) module; keys this rank does not hold are skipped."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    local = set(module.state_dict())
+    set_model_state_dict(module, {k: v for k, v in state_dict.items() if k in local},
+                         options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
 def consolidated_state_dict(path: str | Path) -> dict[str, Any]:

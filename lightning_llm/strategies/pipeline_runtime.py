@@ -29,8 +29,8 @@ from lightning_llm.strategies.pipeline_split import StageSpec, layout_of
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ScheduleName", "SCHEDULES", "check_microbatches", "build_schedule", "microbatch_count", "schedule_key", "run_schedule",
-           "select_microbatch", "checkpoint_blocks"]
+__all__ = ["ScheduleName", "SCHEDULES", "check_microbatches", "build_schedule", "microbatch_count", "schedule_key",
+           "run_schedule", "select_microbatch", "checkpoint_blocks"]
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 # name -> (schedule class, stage placement, allowed stages_per_rank or None for any)

@@ -1,7 +1,8 @@
 """Splitting the built-in model families into pipeline stages (also used by the 3-D strategy).
 
 The split is DATA declared by each model family (:class:`~lightning_llm.models.parallel_spec.ParallelSpec`): which
-modules go on the first stage (embeddings), which on the last (final norm, heads) and where the block container is. Blocks are divided into contiguous runs
+modules go on the first stage (embeddings), which on the last (final norm, heads) and where the block container is.
+Blocks are divided into contiguous runs
 (balanced by count or by parameters, or at explicit split points).
 
 Two operations on a built model:

@@ -58,6 +58,7 @@ class TensorParallelStrategy(ParallelEngine):
         """
         super().__init__(data_parallel_size=1 if tensor_parallel_size == -1 else -1,
                          tensor_parallel_size=tensor_parallel_size, sequence_parallel=sequence_parallel,
-                         loss_parallel=loss_parallel, plan=plan, save_distributed_checkpoint=save_distributed_checkpoint,
+                         loss_parallel=loss_parallel, plan=plan,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
                          activation_checkpointing=activation_checkpointing,
                          process_group_backend=process_group_backend, timeout=timeout)

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import fnmatch
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -165,6 +166,15 @@ class PartitionedOptimizer(Optimizer):
         """``id(parameter) -> fp32 CPU master`` of the owned parameters when offloading (what the states belong to)."""
         return dict(self._master)
 
+    @torch.no_grad()
+    def refresh_masters(self) -> None:
+        """Copy the owned parameters into their fp32 masters: after weights were loaded into the parameters (a
+        resume), the masters would otherwise still hold the values from construction and overwrite them."""
+        for p in self.owned:
+            master = self._master.get(id(p))
+            if master is not None:
+                master.copy_(_local(p).detach().to(master.device, master.dtype))
+
     def owner(self, p: Tensor) -> int:
         return self._owner_of[id(p)]
 
@@ -248,6 +258,25 @@ class PartitionedOptimizer(Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
         self.load_local_state_dict(state_dict)
+
+
+@contextmanager
+def gradient_sync_paused(module: nn.Module, optimizers: Iterable[Any]) -> Iterator[None]:
+    """Skip gradient communication on accumulation micro-batches: ZeRO-1/2 gradient hooks and FSDP2 reduce-scatter
+    wait for the last micro-batch of the accumulation window."""
+    partitioned = [o for o in (getattr(x, "_optimizer", x) for x in optimizers) if isinstance(o, PartitionedOptimizer)]
+    fsdp = [m for m in module.modules() if hasattr(m, "set_requires_gradient_sync")]
+    for o in partitioned:
+        o.sync_grads = False
+    for m in fsdp:
+        m.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for o in partitioned:
+            o.sync_grads = True
+        for m in fsdp:
+            m.set_requires_gradient_sync(True, recurse=False)
 
 
 def register_grad_hooks(module: nn.Module, optimizer: PartitionedOptimizer) -> list[Any]:
