@@ -138,15 +138,20 @@ def pipeline_runner(strategy: Any) -> PipelineRunner | None:
 
 
 @torch.no_grad()
-def weighted_mean_over(group: Any, value: Tensor, weight: float, *, world: int) -> Tensor:
-    """``sum(value_r * weight_r) / sum(weight_r)`` over the ranks of ``group`` (a collective when ``world > 1``)."""
+def replica_loss(group: Any, loss: Tensor, weight: float, *, dp: int) -> tuple[Tensor, float]:
+    """The global batch's loss over ``dp`` data-parallel replicas whose mean losses average over ``weight`` elements
+    each (tokens, samples): ``(sum_r loss_r * w_r / W, W)`` with ``W = sum_r w_r`` (a collective when ``dp > 1``).
+
+    Scaling a replica's loss by ``w * dp / W`` before backward makes the replica-averaged gradient the gradient of
+    that global mean, as on one device, also when replicas hold different numbers of tokens."""
     import torch.distributed as dist
 
-    if hasattr(value, "full_tensor"):  # a replicated DTensor loss (vocab-parallel cross-entropy)
-        value = value.full_tensor()
-    v = value.detach().to(torch.float64)
-    if world <= 1 or not dist.is_initialized():
-        return v.float()
+    if hasattr(loss, "full_tensor"):  # a replicated DTensor loss (vocab-parallel cross-entropy)
+        loss = loss.full_tensor()
+    v = loss.detach().to(torch.float64)
+    if dp <= 1 or not dist.is_initialized():
+        return v.float(), float(weight)
     buf = torch.stack([v * weight, torch.tensor(float(weight), dtype=torch.float64, device=v.device)])
     dist.all_reduce(buf, group=group)
-    return (buf[0] / buf[1].clamp_min(1e-12)).float()
+    total = float(buf[1])
+    return (buf[0] / max(total, 1e-12)).float(), total

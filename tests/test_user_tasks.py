@@ -6,7 +6,9 @@ Three subclasses of :class:`CausalLMTask`, written as a user would (no knowledge
   it used to crash on the vocab-sharded logits);
 * ``TwoViews`` overrides ``compute_loss`` and calls the model twice (the batch, then its first half-sequence), as a
   consistency/DPO/contrastive loss does (under pp it used to train with a different loss, silently);
-* ``LogitProbe`` adds its own module (a linear probe on the top-8 logits) trained with an auxiliary loss.
+* ``LogitProbe`` adds its own module (a linear probe on the top-8 logits) trained with an auxiliary loss;
+* ``SparseLabels`` masks a data-dependent share of the labels (as prompt masking does): ranks and micro-batches hold
+  different numbers of labelled tokens.
 
 One torchrun launch (2 CPU processes) fits each subclass for ``STEPS`` steps under every layout of :data:`LAYOUTS`
 while the pytest process runs the same steps on one device. Compared per step: the ``train_loss`` every rank logs
@@ -70,7 +72,18 @@ class LogitProbe(CausalLMTask):
         return loss + 0.1 * (self.probe(top) - 1.0).pow(2).mean(), out
 
 
-SUBCLASSES = {"SmoothedZLoss": SmoothedZLoss, "TwoViews": TwoViews, "LogitProbe": LogitProbe}
+class SparseLabels(CausalLMTask):
+    """Only some tokens carry a label, as in prompt-masked SFT data: ranks and micro-batches hold different numbers
+    of them, so the one-device loss is a mean over tokens, not over ranks."""
+
+    def on_after_batch_transfer(self, batch: dict[str, torch.Tensor], dataloader_idx: int) -> dict[str, torch.Tensor]:
+        ids = batch["input_ids"]  # [B, S]; the mask depends on the content only (samplers order rows differently)
+        keep = (ids % 3 != 0) & (ids.sum(1, keepdim=True) % 4 != 1)
+        return {**batch, "labels": batch["labels"].masked_fill(~keep, -100)}
+
+
+SUBCLASSES = {"SmoothedZLoss": SmoothedZLoss, "TwoViews": TwoViews, "LogitProbe": LogitProbe,
+              "SparseLabels": SparseLabels}
 
 
 def _layouts() -> dict[str, tuple[Any, int]]:

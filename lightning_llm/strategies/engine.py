@@ -277,7 +277,8 @@ class ParallelEngine(ParallelStrategy):
         if self.pipelined:
             assert self.stages is not None
             self.stages.build_runner(model, params=self._params, device=self.root_device, step_stats=self.step_stats,
-                                     log_stats=self.log_pipeline_stats, measure=self.measure_activations)
+                                     log_stats=self.log_pipeline_stats, measure=self.measure_activations,
+                                     dp_group=self._dp_group, dp=self.dims.dp)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)

@@ -173,7 +173,8 @@ class PipelineStages:
                    tied_names=tied_names if tie_group is not None else None)
 
     def build_runner(self, model: nn.Module, *, params: list[nn.Parameter], device: torch.device,
-                     step_stats: list[dict[str, Any]], log_stats: bool, measure: bool) -> None:
+                     step_stats: list[dict[str, Any]], log_stats: bool, measure: bool, dp_group: Any,
+                     dp: int) -> None:
         """Stage views of the split model, the runner that schedules them, and the guard on direct model calls."""
         if self._guard is not None:  # set-up again (validate after fit): the views must not inherit the guard
             self._guard.remove()
@@ -183,7 +184,7 @@ class PipelineStages:
             schedule=self.args.schedule, n_microbatches=self.args.n_microbatches, stage_mods=views, specs=self.specs,
             params=params, device=device, pp_group=self.pp_group, pp_size=self.pp_size,
             last_stage_rank=self.last_stage_rank, last_stage_pp_rank=self.last_stage_pp_rank, step_stats=step_stats,
-            log_stats=log_stats, measure_activations=measure,
+            dp_group=dp_group, dp=dp, log_stats=log_stats, measure_activations=measure,
         )
         self._guard = model.register_forward_pre_hook(_refuse_direct_call)
 

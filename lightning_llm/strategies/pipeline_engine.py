@@ -69,6 +69,8 @@ class PipelineRunner:
         last_stage_rank: int,
         last_stage_pp_rank: int,
         step_stats: list[dict[str, Any]],
+        dp_group: Any = None,
+        dp: int = 1,
         log_stats: bool = True,
         measure_activations: bool = False,
     ) -> None:
@@ -80,7 +82,10 @@ class PipelineRunner:
         self._schedules: dict[tuple[Any, ...], Any] = {}
         self._timer = BusyTimer()
         self._meter: ActivationMeter | None = None
+        self.dp_group, self.dp = dp_group, dp
         self._current: tuple[Any, Any, str] | None = None  # (task, batch, stage) whose micro-batch losses are asked
+        self._scale: tuple[int, float] | None = None  # (micro-batches, loss weight of the global batch) in training
+        self._weighted: dict[int, tuple[Tensor, float]] = {}  # first row -> (micro-batch loss, its loss weight)
         self._grads: tuple[list[Tensor | None], list[Tensor | None]] | None = None
 
     @property
@@ -133,7 +138,15 @@ class PipelineRunner:
         t0 = time.perf_counter()
         assert self._current is not None
         task, batch, stage = self._current
-        loss, _ = task.loss_from_output(output, select_microbatch(batch, index.to(self.device)), stage)
+        mb = select_microbatch(batch, index.to(self.device))
+        loss, _ = task.loss_from_output(output, mb, stage)
+        if self._scale is not None:
+            # Weighted by what it averages over: after the schedule's 1/m and the replicas' 1/dp, the gradient is
+            # that of the global batch's mean, as on one device, whatever the micro-batches' token counts.
+            m, total = self._scale
+            weight = task.loss_weight(mb)
+            self._weighted[int(index[0])] = (loss.detach(), weight)  # keyed: a repeated call replaces, not adds
+            loss = loss * (weight * m * self.dp / total)
         self._timer.busy += time.perf_counter() - t0
         return loss
 
@@ -144,6 +157,8 @@ class PipelineRunner:
             p.grad = None
         n = args[0].shape[0]
         self._current = (task, batch, "train")
+        self._scale = (m, self._global_weight(task.loss_weight(batch)))
+        self._weighted = {}
         self._timer.reset()
         losses: list[Tensor] = []
         if self.measure_activations and self._meter is None:
@@ -154,7 +169,10 @@ class PipelineRunner:
         with self._meter.hooks() if self._meter is not None else nullcontext():
             run_schedule(sched, self.specs, args, kwargs, target=torch.arange(n, device=self.device), losses=losses)
         wall = time.perf_counter() - t0
-        self._current = None
+        self._current, self._scale = None, None
+        if self._weighted:  # this rank's loss: its micro-batches' losses weighted as the gradient was
+            weight = sum(w for _, w in self._weighted.values())
+            losses = [sum(loss * w for loss, w in self._weighted.values()) / max(weight, 1e-12)]
         new = [p.grad for p in self.params]
         for p in self.params:  # hidden from Lightning's zero_grad; the strategy's backward() puts them back
             p.grad = None
@@ -166,6 +184,14 @@ class PipelineRunner:
         if self.log_stats:
             log_step_stats(task, row, batch_size=n)
         return loss.to(device=self.device, dtype=torch.float32)
+
+    def _global_weight(self, weight: float) -> float:
+        """The loss weight of the global batch: summed over the data-parallel replicas (a collective)."""
+        if self.dp == 1:
+            return float(weight)
+        t = torch.tensor(float(weight), dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.dp_group)
+        return float(t)
 
     def take_grads(self) -> tuple[list[Tensor | None], list[Tensor | None]]:
         """``(gradients before the step, the schedule's gradients)``, once per training step."""

@@ -24,7 +24,7 @@ from lightning_llm.contract import (
     accepts_sharded_logits,
     capabilities_of,
     pipeline_runner,
-    weighted_mean_over,
+    replica_loss,
 )
 
 log = logging.getLogger(__name__)
@@ -229,16 +229,16 @@ class LLMTask(pl.LightningModule):
         loss, _ = self.step_loss(batch, "train")
         if not self._loss_is_finite(loss):
             return self._on_nonfinite_loss(loss, batch_idx)
-        self.log("train_loss", self._replica_mean(loss, batch), prog_bar=True, on_step=True, on_epoch=False,
-                 batch_size=self._batch_size(batch))
-        return loss
-
-    def _replica_mean(self, loss: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The loss of the global batch: the mean over data-parallel replicas weighted by :meth:`loss_weight`, so
-        one run logs the same curve at any data-parallel degree (a collective over the replicas)."""
         caps = self.capabilities
-        return weighted_mean_over(caps.data_parallel_group, loss, self.loss_weight(batch),
-                                  world=caps.data_parallel_size)
+        weight = self.loss_weight(batch)
+        # The global batch's loss: the replicas' losses weighted by what each averages over, so one run logs the same
+        # curve at any data-parallel degree; the same weights make the averaged gradient the global mean's.
+        global_loss, total = replica_loss(caps.data_parallel_group, loss, weight, dp=caps.data_parallel_size)
+        self.log("train_loss", global_loss, prog_bar=True, on_step=True, on_epoch=False,
+                 batch_size=self._batch_size(batch))
+        if caps.pipelined or caps.data_parallel_size == 1:
+            return loss  # a pipeline weighs its micro-batch losses itself (the schedule already ran backward)
+        return loss * (weight * caps.data_parallel_size / total)
 
     def _loss_is_finite(self, loss: torch.Tensor) -> bool:
         finite = bool(torch.isfinite(loss.detach()).all())
