@@ -1,31 +1,20 @@
-"""Checkpoints of ``strategy=pp``: a directory with one file per pipeline rank.
+"""The pre-engine checkpoints of ``strategy=pp``: a directory with one file per pipeline rank, kept so that
+``lightning_llm export`` reads them (every native layout now writes :mod:`.hybrid_checkpoint`'s format).
 
-Each file holds that rank's shard of the weights (global parameter names), its optimizer state, the loop state and
-the ``pipeline_layout`` it was saved with; loading checks the layout matches. :func:`consolidate_checkpoint` merges
-the shards into one single-device checkpoint (weights only).
+Each file holds that rank's shard of the weights (global parameter names), its optimizer state and the loop state;
+:func:`consolidate_checkpoint` merges the shards into one single-device checkpoint (weights only).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from lightning_llm.strategies.pipeline_split import StageSpec
-
-__all__ = ["CHECKPOINT_FILE", "pipeline_layout", "stage_checkpoint_file", "check_layout", "consolidate_checkpoint"]
+__all__ = ["CHECKPOINT_FILE", "stage_checkpoint_file", "consolidate_checkpoint"]
 
 CHECKPOINT_FILE = "pp-stage-rank-{:02d}.ckpt"
-
-
-def pipeline_layout(
-    *, pp_size: int, stages_per_rank: int, placement: str, specs: Sequence[StageSpec]
-) -> dict[str, Any]:
-    """What a shard depends on: resuming needs the same degrees, placement and this rank's stages/blocks."""
-    return {"pipeline_parallel_size": pp_size, "stages_per_rank": stages_per_rank, "schedule_placement": placement,
-            "stages": [[s.index, list(s.layers)] for s in specs]}
 
 
 def stage_checkpoint_file(path: str | Path, pp_rank: int, *, must_exist: bool = False) -> Path:
@@ -35,15 +24,6 @@ def stage_checkpoint_file(path: str | Path, pp_rank: int, *, must_exist: bool = 
         raise FileNotFoundError(f"--ckpt_path={path}: not a strategy=pp checkpoint directory "
                                 f"(missing {file.name}); pipeline checkpoints hold one file per pipeline rank")
     return file
-
-
-def check_layout(checkpoint: dict[str, Any], layout: dict[str, Any], path: str | Path) -> None:
-    """Raise when a loaded shard was saved with a different pipeline layout than this run's."""
-    saved = checkpoint.get("pipeline_layout")
-    if saved != layout:
-        raise ValueError(f"--ckpt_path={path}: saved with pipeline layout {saved}, but this run uses "
-                         f"{layout}; resume with the same pipeline_parallel_size, stages_per_rank and split (or merge "
-                         "the shards with consolidate_checkpoint)")
 
 
 def consolidate_checkpoint(path: str | Path) -> dict[str, Any]:
