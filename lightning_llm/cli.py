@@ -16,7 +16,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_llm.data.io import DataError
-from lightning_llm.reliability import shutdown_process_group
+from lightning_llm.reliability import leave_process, shutdown_process_group
 from lightning_llm.tasks.base import LLMTask, NonFiniteLossError
 
 log = logging.getLogger("lightning_llm")
@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         return _tool(args[0])(args[1:])
     try:
         LLMCLI(args=argv)  # None: LightningCLI reads sys.argv itself
-        shutdown_process_group()  # no SIGABRT at exit under torchrun
+        if shutdown_process_group() and argv is None:
+            leave_process(0)  # a torchrun worker: no SIGABRT in interpreter teardown (see leave_process)
     except _USER_ERRORS as e:
         # Bad input or configuration: one clear line instead of a traceback.
         if os.environ.get("LIGHTNING_LLM_DEBUG"):

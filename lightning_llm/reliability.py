@@ -12,8 +12,9 @@ import os
 import random
 import shutil
 import signal
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 import numpy as np
@@ -59,8 +60,8 @@ def _trigger(fault: dict[str, Any], where: str) -> None:
     raise RuntimeError(f"injected fault at {where}")
 
 
-def shutdown_process_group() -> None:
-    """Barrier, then destroy every process group. Call on all ranks once the work is done.
+def shutdown_process_group() -> bool:
+    """Barrier, then destroy every process group; True if there was one. Call on all ranks once the work is done.
 
     Left to interpreter exit, gloo's communication threads can be torn down on one rank while a peer still talks
     to them, which aborts the peer ("terminate called without an active exception", SIGABRT) after all work is
@@ -68,9 +69,28 @@ def shutdown_process_group() -> None:
     """
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    dist.barrier()
+    dist.destroy_process_group()
+    return True
+
+
+def leave_process(code: int) -> NoReturn:
+    """Exit a distributed worker once its work is done and its process groups are destroyed: run the ``atexit``
+    handlers (loggers, progress bars), flush, then ``os._exit`` so that no C++ static destructor runs.
+
+    Even after :func:`shutdown_process_group`, a worker that built DeepSpeed or gloo state occasionally aborted in
+    interpreter finalization ("terminate called without an active exception", seen once in CI after a DeepSpeed
+    ZeRO-3 predict had written its output), turning a finished run into a failed one.
+    """
+    import atexit
+
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _global_rank() -> int:

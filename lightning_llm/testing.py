@@ -81,13 +81,11 @@ def run_worker(fn: Callable[..., Any], *args: Any) -> NoReturn:
     A process that built several Trainers (each with its device meshes, FSDP or DeepSpeed state) can otherwise abort
     in interpreter shutdown after all its work is done; an exception still exits non-zero with its traceback.
     """
-    from lightning_llm.reliability import shutdown_process_group
+    from lightning_llm.reliability import leave_process, shutdown_process_group
 
     fn(*args)
     shutdown_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_process(0)
 
 
 def launch(script: str | Path, nproc: int, *args: str, extra: list[str] | None = None) -> subprocess.Popen:
