@@ -26,6 +26,7 @@ from lightning_llm.contract import (
     pipeline_runner,
     replica_loss,
 )
+from lightning_llm.tasks.guard import NonFiniteGuard, NonFiniteLossError
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,9 @@ class OptimConfig:
     """Decay after warmup."""
     min_lr_ratio: float = 0.0
     """Floor of the decay as a fraction of ``lr``."""
+    max_consecutive_skips: int = 10
+    """Stop the run when more optimizer steps than this in a row were skipped for a NaN/inf loss or gradients
+    (``--model.nonfinite_loss=skip``, an fp16 loss scaler, DeepSpeed's overflow check)."""
 
     def lr_lambda(self, total_steps: int):  # noqa: ANN201 - returns a closure for LambdaLR
         warmup = int(self.warmup_steps * total_steps) if 0 < self.warmup_steps < 1 else int(self.warmup_steps)
@@ -78,10 +82,6 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-class NonFiniteLossError(RuntimeError):
-    """The training loss became NaN/inf (the message names the step)."""
-
-
 def padded_vocab_size(n: int, multiple: int = 8) -> int:
     """Round a tokenizer's vocabulary up so tensor-parallel degrees up to ``multiple`` divide it (as Megatron)."""
     return -(-n // multiple) * multiple
@@ -100,11 +100,9 @@ class LLMTask(pl.LightningModule):
 
     def __init__(self, *, optim: OptimConfig | None = None, nonfinite_loss: Literal["stop", "skip"] = "stop") -> None:
         super().__init__()
-        if nonfinite_loss not in ("stop", "skip"):
-            raise ValueError(f"--model.nonfinite_loss must be 'stop' or 'skip', got {nonfinite_loss!r}")
         self.optim = optim or OptimConfig()
         self.nonfinite_loss = nonfinite_loss
-        self.skipped_batches = 0
+        self.guard = NonFiniteGuard(policy=nonfinite_loss, max_consecutive_skips=self.optim.max_consecutive_skips)
         self.model: nn.Module | None = None
 
     # ------------------------------------------------------------------------------------------ to implement
@@ -170,7 +168,7 @@ class LLMTask(pl.LightningModule):
     def configure_callbacks(self) -> list[pl.Callback]:
         from lightning_llm.reliability import FaultInjector, RNGState
 
-        return [RNGState(), FaultInjector()]
+        return [RNGState(), FaultInjector(), self.guard]
 
     @override
     def setup(self, stage: str) -> None:
@@ -241,22 +239,14 @@ class LLMTask(pl.LightningModule):
         return loss * (weight * caps.data_parallel_size / total)
 
     def _loss_is_finite(self, loss: torch.Tensor) -> bool:
-        finite = bool(torch.isfinite(loss.detach()).all())
-        if self._trainer is not None and self.trainer.world_size > 1:  # every rank must take the same branch
-            finite = bool(self.trainer.strategy.reduce_boolean_decision(finite, all=True))
-        return finite
+        return self.guard.loss_is_finite(self, loss)  # the same answer on every rank
 
-    def _on_nonfinite_loss(self, loss: torch.Tensor, batch_idx: int) -> None:
-        where = f"step {self.global_step} (batch {batch_idx} of epoch {self.current_epoch})"
-        if self.nonfinite_loss == "stop":
-            raise NonFiniteLossError(
-                f"train_loss is {float(loss.detach()):.4g} at {where}: stopping before the optimizer step, so the "
-                "last checkpoint stays good (resume from it with --ckpt_path, or pass --model.nonfinite_loss=skip)"
-            )
-        self.skipped_batches += 1
-        log.warning("non-finite train_loss at %s: batch skipped (%d so far)", where, self.skipped_batches)
-        self.log("skipped_batches", float(self.skipped_batches), on_step=True)
-        return None
+    def _on_nonfinite_loss(self, loss: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+        """Stop (raises), or skip: ``None`` skips backward and the step; an engine that steps internally and cannot
+        skip backward (DeepSpeed) gets the loss itself, whose NaN/inf gradients make it skip the step (checked)."""
+        self.guard.on_nonfinite_loss(self, loss, f"step {self.global_step} (batch {batch_idx} of epoch "
+                                                 f"{self.current_epoch})")
+        return loss if self.guard.steps_inside_engine(self) else None
 
     def _eval_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         loss, outputs = self.step_loss(batch, stage)

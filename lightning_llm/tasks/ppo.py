@@ -114,7 +114,7 @@ class PPOTask(CausalLMTask):
             generation_seed: Seed of rollout sampling (default: the global seed); rank r at rollout i draws
                 from ``seed + 1_000_003 * i + r``, so resumed runs sample the same responses.
             optim: Optimizer and LR schedule (stepped after every optimizer step).
-            nonfinite_loss: On a NaN/inf mini-batch loss: ``stop`` the run or ``skip`` the mini-batch.
+            nonfinite_loss: On a NaN/inf mini-batch loss or gradients: ``stop`` the run or ``skip`` the mini-batch.
         """
         super().__init__(backbone, dropout=dropout, model_overrides=model_overrides, lora=lora, peft=peft,
                          gradient_checkpointing=gradient_checkpointing, checkpoint_reentrant=checkpoint_reentrant,
