@@ -26,9 +26,13 @@ log = logging.getLogger(__name__)
 
 FAULT_ENV = "LIGHTNING_LLM_FAULT"
 """Fault injection for tests: ``kill:step=K[:rank=R]`` SIGKILLs rank R (default all) before training step K;
-``kill:save=N[:rank=R]`` SIGKILLs it half-way through writing its N-th checkpoint (1-based; a file half-written, or
-a sharded directory with its shards written but not yet published);
-``raise:step=K[:rank=R]`` raises RuntimeError there instead."""
+``kill:save=N[:rank=R][:at=MOMENT]`` SIGKILLs it during its N-th checkpoint save (1-based) at one of
+:data:`SAVE_MOMENTS`: ``begin`` (nothing written yet), ``shards`` (default: a file half-written, or a sharded
+directory with this rank's shards written but not yet published; with ``rank=R`` the other ranks go on writing),
+``published`` (the new checkpoint in place, the save not yet returned);
+``raise:...`` raises RuntimeError there instead (every rank at once: a crash that tests can survive in-process)."""
+
+SAVE_MOMENTS = ("begin", "shards", "published")
 
 
 def parse_fault(spec: str | None) -> dict[str, Any] | None:
@@ -41,8 +45,12 @@ def parse_fault(spec: str | None) -> dict[str, Any] | None:
     out: dict[str, Any] = {"action": action}
     for f in fields:
         key, _, value = f.partition("=")
+        if key == "at" and value in SAVE_MOMENTS:
+            out[key] = value
+            continue
         if key not in ("step", "save", "rank") or not value.isdigit():
-            raise ValueError(f"{FAULT_ENV}={spec!r}: expected step=K, save=N or rank=R, got {f!r}")
+            raise ValueError(f"{FAULT_ENV}={spec!r}: expected step=K, save=N, rank=R or at={'|'.join(SAVE_MOMENTS)}, "
+                             f"got {f!r}")
         out[key] = int(value)
     if "step" not in out and "save" not in out:
         raise ValueError(f"{FAULT_ENV}={spec!r}: needs step=K or save=N")
@@ -155,49 +163,61 @@ class RNGState(pl.Callback):
         torch.set_rng_state(s["torch"])
 
 
+class SaveFault:
+    """``kill:save=N[:rank=R][:at=MOMENT]`` (see :data:`FAULT_ENV`): a save calls :meth:`begin`, then
+    :meth:`shards_written` and :meth:`published` as it gets there; the fault fires at this process's N-th save, at
+    its moment."""
+
+    def __init__(self) -> None:
+        self.fault = parse_fault(os.environ.get(FAULT_ENV))
+        self.saves = 0
+
+    def hits(self, moment: str) -> bool:
+        return _fault_hits(self.fault, "save", self.saves, _global_rank()) and self.fault.get("at", "shards") == moment
+
+    def _at(self, moment: str, path: str | os.PathLike, what: str) -> None:
+        if self.hits(moment):
+            _trigger(self.fault, f"checkpoint save #{self.saves} ({Path(path).name}), {what}")
+
+    def begin(self, path: str | os.PathLike) -> None:
+        self.saves += 1
+        self._at("begin", path, "nothing written yet")
+
+    def shards_written(self, path: str | os.PathLike) -> None:
+        self._at("shards", path, "this rank's shards written, not published")
+
+    def published(self, path: str | os.PathLike) -> None:
+        self._at("published", path, "published, the save not yet returned")
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """``torch.save`` to a temp file beside the target, fsync, then rename: a crash mid-write leaves the previous
     checkpoint intact and never a truncated file under the final name."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.fault = parse_fault(os.environ.get(FAULT_ENV))
-        self.saves = 0
+        self.fault = SaveFault()
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        self.saves += 1
+        self.fault.begin(path)
         try:
             with open(tmp, "wb") as f:
                 torch.save(checkpoint, f)
-                if _fault_hits(self.fault, "save", self.saves, _global_rank()):
+                if self.fault.hits("shards"):
                     f.flush()
                     f.truncate(max(1, f.tell() // 2))  # half-written, as a crash mid-write leaves it
-                    _trigger(self.fault, f"checkpoint save #{self.saves} ({path.name})")
+                    self.fault.shards_written(path)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, path)
         finally:
             if tmp.exists():
                 tmp.unlink()
-
-
-class SaveFault:
-    """``kill:save=N[:rank=R]`` (see :data:`FAULT_ENV`) for checkpoints that are directories written by every rank:
-    fires at this process's N-th save, after its shards are written and before the checkpoint is published (the
-    moment a crash used to leave a mixed or truncated checkpoint under the final name)."""
-
-    def __init__(self) -> None:
-        self.fault = parse_fault(os.environ.get(FAULT_ENV))
-        self.saves = 0
-
-    def shards_written(self, path: str | os.PathLike) -> None:
-        self.saves += 1
-        if _fault_hits(self.fault, "save", self.saves, _global_rank()):
-            _trigger(self.fault, f"checkpoint save #{self.saves} ({Path(path).name}), shards written, not published")
+        self.fault.published(path)
 
 
 def staging_path(path: str | os.PathLike) -> Path:
@@ -217,7 +237,8 @@ def _exchange(a: Path, b: Path) -> bool:
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
-def _remove(p: Path) -> None:
+def remove_path(p: Path) -> None:
+    """Remove a file, link or directory tree if it exists."""
     if p.is_dir() and not p.is_symlink():
         shutil.rmtree(p)
     elif p.exists() or p.is_symlink():
@@ -240,12 +261,12 @@ def publish(staged: str | os.PathLike, path: str | os.PathLike) -> None:
     if not (path.exists() or path.is_symlink()):
         os.replace(staged, path)
     elif _exchange(staged, path):  # ``path`` is now the new checkpoint, ``staged`` the old one
-        _remove(staged)
+        remove_path(staged)
     else:  # no atomic swap here: the old one is moved aside for the instant between the two renames
         old = path.with_name(f".{path.name}.old")
-        _remove(old)
+        remove_path(old)
         os.replace(path, old)
         os.replace(staged, path)
-        _remove(old)
+        remove_path(old)
     _fsync_dir(path.parent)
 

@@ -189,26 +189,31 @@ def test_publish_replaces_a_file_or_directory_in_one_step(tmp_path: Path) -> Non
 
 
 @pytest.mark.multiprocess
-def test_kill_during_sharded_save_resumes_exactly(pair_data: Path, tmp_path: Path) -> None:
-    """zero3 on 2 processes, a checkpoint every step: SIGKILL of both ranks after they wrote the shards of step 2's
-    last.ckpt, before it was published. last.ckpt is step 1's, whole; resuming from it gives the uninterrupted
-    run's losses for every later step."""
-    from lightning_llm.strategies.hybrid_checkpoint import consolidated_state_dict
+@pytest.mark.parametrize(("strategy", "fault"),
+                         [("zero3", "kill:save=4"), ("deepspeed_zero2", "kill:save=4:rank=1:at=begin")],
+                         ids=["zero3-all-ranks-after-shards", "deepspeed_zero2-rank1-before-writing"])
+def test_kill_during_sharded_save_resumes_exactly(pair_data: Path, tmp_path: Path, strategy: str, fault: str) -> None:
+    """2 processes, a checkpoint every step; SIGKILL during step 2's last.ckpt: of both ranks after they wrote its
+    shards (zero3), or of rank 1 alone before it wrote anything while rank 0 goes on writing (DeepSpeed, which used to
+    overwrite <dir>/checkpoint/ in place: mixed state). last.ckpt is step 1's, whole; resuming from it gives the
+    uninterrupted run's losses for every later step."""
+    from lightning_llm.export import read_checkpoint
 
-    extra = ["--trainer.devices=2", "--trainer.strategy=zero3", "--data.batch_size=4"]
+    extra = ["--trainer.devices=2", f"--trainer.strategy={strategy}", "--data.batch_size=4"]
     full, broken = tmp_path / "full", tmp_path / "broken"
     run_cli(_args(pair_data, full, extra=extra), nproc=2)
     # Saves per step: epoch=0-step=N.ckpt then last.ckpt; save #4 is step 2's last.ckpt.
     with pytest.raises(RuntimeError, match="command failed"):
-        run_cli(_args(pair_data, broken, extra=extra), nproc=2, env={"LIGHTNING_LLM_FAULT": "kill:save=4"})
+        run_cli(_args(pair_data, broken, extra=extra), nproc=2, env={"LIGHTNING_LLM_FAULT": fault})
     last = broken / "ckpt" / "last.ckpt"
-    assert (broken / "ckpt" / ".last.ckpt.partial").is_dir()  # the kill hit the staged save
-    assert consolidated_state_dict(last)["global_step"] == 1
+    if fault.endswith("save=4"):
+        assert (broken / "ckpt" / ".last.ckpt.partial").is_dir()  # the kill hit the staged save
+    assert read_checkpoint(last)["global_step"] == 1
     run_cli(_args(pair_data, broken, extra=[*extra, f"--ckpt_path={last}"]), nproc=2)
     ref = [sum(xs) / len(xs) for xs in zip(*_losses(full))]
     resumed = [sum(xs) / len(xs) for xs in zip(*_losses(broken))]
     assert len(resumed) == STEPS - 1
     err = max(abs(a - b) for a, b in zip(ref[1:], resumed))
-    print(f"zero3, killed while saving step 2's last.ckpt: resumed from step 1, steps 1..{STEPS - 1} max abs loss "
+    print(f"{strategy}, {fault} (step 2's last.ckpt): resumed from step 1, steps 1..{STEPS - 1} max abs loss "
           f"diff = {err:.2e}")
     assert err <= 1e-6

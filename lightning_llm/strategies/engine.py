@@ -498,9 +498,11 @@ class ParallelEngine(ParallelStrategy):
                 self.checkpoint_io.save_checkpoint({**meta, "state_dict": weights, "optimizer_states": []}, path)
             self.barrier()
             return
+        self._save_fault.begin(path)
         hckpt.save_hybrid(path, module=self.lightning_module, optimizers=self.optimizers, metadata=meta,
                           layout=self.layout(), is_global_zero=self.is_global_zero, barrier=self.barrier,
                           on_shards_written=self._save_fault.shards_written)
+        self._save_fault.published(path)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

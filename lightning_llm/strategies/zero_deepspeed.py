@@ -37,6 +37,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_llm.reliability import SaveFault
+
 log = logging.getLogger(__name__)
 
 OPTIMIZERS = ("adam", "adamw", "cpu_adam", "lamb", "onebitadam", "zerooneadam")
@@ -193,6 +195,7 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
         self.engine = "deepspeed"
         self.optimizer_name = optimizer
         self.zero_init = zero_init
+        self._save_fault = SaveFault()  # fault injection for tests (LIGHTNING_LLM_FAULT=kill:save=N[:at=...])
 
     @contextmanager
     @override
@@ -244,6 +247,11 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
     def _setup_model_and_optimizer(self, model: Any, optimizer: Optimizer | None, lr_scheduler: Any = None) -> Any:
         # Trainable parameters also when optimizer is None: a user config's "optimizer" section builds it from them.
         params = [p for p in model.parameters() if p.requires_grad]
+        bf16 = self.config.get("bf16") if isinstance(self.config, dict) else None
+        if isinstance(bf16, dict) and bf16.get("enabled"):
+            # Without it DeepSpeed applies a bf16 step whose gradients hold NaN/inf; with it, it skips the step, as
+            # it does in fp16/fp32, and the non-finite guard (tasks/guard.py) sees the skip.
+            bf16.setdefault("check_grad_overflow", True)
         return self._initialize(model, self.config, params=params, optimizer=optimizer, lr_scheduler=lr_scheduler)
 
     @override
@@ -255,6 +263,27 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
         config = {"train_micro_batch_size_per_gpu": 1, **{k: self.config[k] for k in keys if k in self.config}}
         remove_module_hooks(model)  # as Lightning does: hooks of an earlier engine must not stay on the module
         self.model, _ = self._initialize(model, config, params=[])
+
+    @override
+    def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:
+        """DeepSpeed writes its tag directory into a staging directory beside ``filepath``; once every rank is done,
+        rank 0 swaps it in (:func:`~lightning_llm.reliability.publish`), so a crash at any moment leaves the previous
+        checkpoint whole (DeepSpeed itself overwrites ``<dir>/checkpoint/`` file by file)."""
+        from lightning_llm.reliability import publish, remove_path, staging_path
+
+        path = Path(self.broadcast(str(filepath)))
+        staged = staging_path(path)
+        if self.is_global_zero:
+            remove_path(staged)  # left by a crashed save
+        self.barrier()
+        self._save_fault.begin(path)
+        super().save_checkpoint(checkpoint, staged, storage_options)
+        self._save_fault.shards_written(path)
+        self.barrier()  # every rank's files are complete
+        if self.is_global_zero:
+            publish(staged, path)
+        self.barrier()
+        self._save_fault.published(path)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:

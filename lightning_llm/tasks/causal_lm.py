@@ -64,7 +64,8 @@ class CausalLMTask(LLMTask):
                 require grad so frozen-embedding adapters still get gradients).
             adapter_dir: Where to export the adapter after ``fit`` (default ``<log_dir>/adapter`` when PEFT is on).
             optim: Optimizer and LR schedule.
-            nonfinite_loss: On a NaN/inf training loss or gradients: ``stop`` the run (naming the step) or ``skip`` the step.
+            nonfinite_loss: On a NaN/inf training loss or gradients: ``stop`` the run (naming the step) or
+                ``skip`` the step.
         """
         super().__init__(optim=optim, nonfinite_loss=nonfinite_loss)
         self.save_hyperparameters()

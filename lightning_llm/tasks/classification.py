@@ -45,7 +45,8 @@ class ClassificationTask(LLMTask):
             model_overrides: Extra ModelConfig fields for a named size (e.g. ``{num_layers: 4}``).
             predict_output: Where ``predict`` writes a CLUE submission (``{"id", "label"}`` per line).
             optim: Optimizer and LR schedule.
-            nonfinite_loss: On a NaN/inf training loss or gradients: ``stop`` the run (naming the step) or ``skip`` the step.
+            nonfinite_loss: On a NaN/inf training loss or gradients: ``stop`` the run (naming the step) or
+                ``skip`` the step.
         """
         super().__init__(optim=optim, nonfinite_loss=nonfinite_loss)
         # predict_output is a run-time choice: LightningCLI re-applies checkpoint hparams over the command line.

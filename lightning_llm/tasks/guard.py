@@ -166,8 +166,8 @@ class NonFiniteGuard(pl.Callback):
         bad_norm = norm is not None and (norm == -1 or not torch.isfinite(torch.as_tensor(float(norm))).item())
         if engine.was_step_applied():
             if bad_norm:  # applied a non-finite update: the weights are lost, stop before any checkpoint
-                self._stop(task, f"DeepSpeed applied a step with gradient norm {norm} at {self.where(task, stepped=True)}; the "
-                                 "weights now hold NaN/inf and were not saved")
+                self._stop(task, f"DeepSpeed applied a step with gradient norm {norm} at "
+                                 f"{self.where(task, stepped=True)}; the weights now hold NaN/inf and were not saved")
             self.in_a_row = 0
             return
         what = f"DeepSpeed skipped the optimizer step at {self.where(task, stepped=True)} (gradient overflow: NaN/inf)"

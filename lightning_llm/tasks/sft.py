@@ -74,7 +74,8 @@ class SFTTask(CausalLMTask):
             predictions_path: JSONL file for predictions (``{stage}`` is replaced by val/test/predict); default
                 ``<log_dir>/generated_predictions_{stage}.jsonl``.
             optim: Optimizer and LR schedule.
-            nonfinite_loss: On a NaN/inf training loss or gradients: ``stop`` the run (naming the step) or ``skip`` the step.
+            nonfinite_loss: On a NaN/inf training loss or gradients: ``stop`` the run (naming the step) or
+                ``skip`` the step.
         """
         super().__init__(backbone, dropout=dropout, model_overrides=model_overrides, lora=lora, peft=peft,
                          gradient_checkpointing=gradient_checkpointing, checkpoint_reentrant=checkpoint_reentrant,

@@ -1,0 +1,135 @@
+"""A crash at every moment of a checkpoint save, under every sharded layout: the resume loads the previous or the
+new checkpoint whole, and the curve continues exactly from it.
+
+One torchrun launch (2 CPU processes) runs, per layout of :data:`LAYOUTS` and moment of
+:data:`~lightning_llm.reliability.SAVE_MOMENTS`: a fit that saves ``last.ckpt`` every step and crashes on every rank
+in step 2's save (``LIGHTNING_LLM_FAULT=raise:save=2:at=MOMENT``), then a fresh Trainer that resumes from
+``last.ckpt`` to the end. The pytest process runs one uninterrupted device meanwhile (and the same crashes for the
+single-file checkpoint of one device). Asserted: the resume starts at step 1 (crash before publishing) or 2 (after),
+and every resumed loss equals the uninterrupted one (fp32, dropout 0). ``tests/test_reliability.py`` adds real
+SIGKILLs, of all ranks and of one rank between the ranks' writes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_llm.reliability import FAULT_ENV, SAVE_MOMENTS
+from lightning_llm.testing import launch, max_abs_err, run_reference_meanwhile, run_worker
+
+STEPS = 4
+CRASHED_SAVE = 2  # the save of step 2's last.ckpt (one save per step)
+TOL = 1e-5
+LAYOUTS = ["zero3", "pp", "3d", "deepspeed_zero2", "deepspeed_zero3"]
+
+
+def _fit(layout: str, devices: int, out: Path, *, fault: str | None = None, resume: bool = False) -> dict[str, Any]:
+    """Train to ``STEPS`` (from ``last.ckpt`` when ``resume``); the losses logged and the step it started from."""
+    import lightning.pytorch as pl
+
+    from lightning_llm.data import TextDataModule
+    from lightning_llm.strategies.hybrid import HybridParallelStrategy
+    from lightning_llm.tasks import CausalLMTask
+    from lightning_llm.tasks.base import OptimConfig
+
+    class Logged(pl.Callback):
+        def __init__(self) -> None:
+            self.losses: list[float] = []
+            self.start = -1
+
+        def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
+            self.start = trainer.global_step
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+            self.losses.append(float(trainer.callback_metrics["train_loss"]))
+
+    if fault:
+        os.environ[FAULT_ENV] = fault  # read when the strategy and its checkpoint IO are built
+    try:
+        strategy: Any = ("auto" if layout == "1" else
+                         HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2) if layout == "3d" else
+                         layout)
+        batch = 8 if devices == 1 or layout in ("pp", "3d") else 4
+        pl.seed_everything(3)
+        task = CausalLMTask("debug", dropout=0.0, optim=OptimConfig(lr=3e-3, scheduler="constant"))
+        dm = TextDataModule(block_size=32, batch_size=batch, cache_dir=str(out.parent / "cache"), generated_docs=100)
+        rec = Logged()
+        ckpt = pl.callbacks.ModelCheckpoint(dirpath=str(out / "ckpt"), save_last=True, every_n_train_steps=1,
+                                            save_top_k=0)
+        trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                             num_sanity_val_steps=0, callbacks=[rec, ckpt], default_root_dir=str(out))
+        row: dict[str, Any] = {}
+        try:
+            trainer.fit(task, dm, ckpt_path=str(out / "ckpt" / "last.ckpt") if resume else None)
+        except RuntimeError as e:
+            row["error"] = str(e)
+    finally:
+        os.environ.pop(FAULT_ENV, None)
+    return {**row, "losses": rec.losses, "start": rec.start}
+
+
+def _cells(layout: str, devices: int, out: Path) -> dict[str, Any]:
+    cells = {}
+    for moment in SAVE_MOMENTS:
+        run = out / f"{layout}-{moment}"
+        crashed = _fit(layout, devices, run, fault=f"raise:save={CRASHED_SAVE}:at={moment}")
+        cells[moment] = {"crash": crashed.get("error", ""), **_fit(layout, devices, run, resume=True)}
+    return cells
+
+
+def _worker(mode: str, out: Path) -> None:
+    if mode == "reference":
+        ref = {"uninterrupted": _fit("1", 1, out / "ref"), "cells": _cells("1", 1, out)}
+        (out / "reference.json").write_text(json.dumps(ref))
+        return
+    results = {}
+    for layout in LAYOUTS:
+        cells = _cells(layout, 2, out)
+        every: list[Any] = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, cells)
+        results[layout] = every
+    if int(os.environ.get("RANK", "0")) == 0:
+        (out / "layouts.json").write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("save_faults")
+    proc = launch(__file__, 2, "layouts", str(out))
+    run_reference_meanwhile(proc, lambda: _worker("reference", out), timeout=1200)
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("moment", SAVE_MOMENTS)
+@pytest.mark.parametrize("layout", ["1 device", *LAYOUTS])
+def test_crash_during_save_resumes_from_a_whole_checkpoint(runs: Path, layout: str, moment: str) -> None:
+    ref = json.loads((runs / "reference.json").read_text())
+    full = ref["uninterrupted"]["losses"]
+    assert len(full) == STEPS and "error" not in ref["uninterrupted"]
+    per_rank = ([ref["cells"]] if layout == "1 device"
+                else json.loads((runs / "layouts.json").read_text())[layout])
+    expected_start = CRASHED_SAVE if moment == "published" else CRASHED_SAVE - 1
+    for cells in per_rank:
+        cell = cells[moment]
+        assert cell["crash"].startswith(f"injected fault at checkpoint save #{CRASHED_SAVE}"), cell["crash"]
+        assert "error" not in cell, cell["error"]
+        assert cell["start"] == expected_start, cell
+        resumed = cell["losses"]
+        assert len(resumed) == STEPS - expected_start
+        err = max_abs_err(resumed, full[expected_start:])
+        assert err <= TOL, (resumed, full)
+    print(f"{layout}, crash at '{moment}' of step {CRASHED_SAVE}'s save: resumed from step {expected_start}, "
+          f"max |loss - uninterrupted| = {err:.2e}")
+
+
+if __name__ == "__main__":
+    run_worker(_worker, sys.argv[1], Path(sys.argv[2]))
