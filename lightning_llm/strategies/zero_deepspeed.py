@@ -247,11 +247,6 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
     def _setup_model_and_optimizer(self, model: Any, optimizer: Optimizer | None, lr_scheduler: Any = None) -> Any:
         # Trainable parameters also when optimizer is None: a user config's "optimizer" section builds it from them.
         params = [p for p in model.parameters() if p.requires_grad]
-        bf16 = self.config.get("bf16") if isinstance(self.config, dict) else None
-        if isinstance(bf16, dict) and bf16.get("enabled"):
-            # Without it DeepSpeed applies a bf16 step whose gradients hold NaN/inf; with it, it skips the step, as
-            # it does in fp16/fp32, and the non-finite guard (tasks/guard.py) sees the skip.
-            bf16.setdefault("check_grad_overflow", True)
         return self._initialize(model, self.config, params=params, optimizer=optimizer, lr_scheduler=lr_scheduler)
 
     @override
