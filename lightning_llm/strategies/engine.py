@@ -510,6 +510,10 @@ class ParallelEngine(ParallelStrategy):
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if path.is_file() and not fitting:
             return self._load_full_weights(path)
+        from lightning_llm.checkpoint_errors import check_engine_dir
+
+        # A missing or cut shard fails in DCP on some ranks only: check the files first, the same on every rank.
+        check_engine_dir(path, name=f"--ckpt_path={path}", meta_file=hckpt.META_FILE)
         if not hckpt.is_hybrid_checkpoint(path):
             raise FileNotFoundError(
                 f"--ckpt_path={path}: not a checkpoint directory of the parallel engine (tp, pp, zero1/2/3, 3d). "
@@ -521,7 +525,11 @@ class ParallelEngine(ParallelStrategy):
 
     def _load_full_weights(self, path: Path) -> dict[str, Any]:
         """Evaluation from a consolidated file: full tensors into the (sharded, split) module."""
-        checkpoint = self.checkpoint_io.load_checkpoint(path)
+        from lightning_llm.checkpoint_errors import check_torch_file, loading
+
+        check_torch_file(path, name=f"--ckpt_path={path}")
+        with loading(f"--ckpt_path={path}"):
+            checkpoint = self.checkpoint_io.load_checkpoint(path)
         hckpt.load_full_weights(self.lightning_module, checkpoint["state_dict"], strict=not self.pipelined)
         return checkpoint
 

@@ -191,7 +191,7 @@ def load_hybrid(
     for i, opt in enumerate(optimizers):
         if i < len(opt_meta):
             wanted[f"optim_{i}"] = _template(module, opt, opt_meta[i]["kinds"])
-    dcp.load(wanted, checkpoint_id=p)
+    _read_shards(wanted, p)
     module.load_state_dict(wanted["model"], strict=False)  # DCP filled the tensors in place; this covers copies
     for opt in optimizers:  # offloaded fp32 masters follow the loaded weights
         refresh = getattr(_inner(opt), "refresh_masters", None)
@@ -217,6 +217,22 @@ def load_hybrid(
     meta["state_dict"] = wanted["model"]  # for on_load_checkpoint hooks (e.g. a PEFT task checks its keys)
     log.info("loaded 3-D checkpoint %s saved at layout %s", p, meta.get("layout"))
     return meta
+
+
+def _read_shards(wanted: dict[str, Any], path: Path) -> None:
+    """``dcp.load`` with a failure (a shard cut or corrupted in the middle, which the size checks before cannot see)
+    raised as one line naming the directory. DCP gathers every rank's failure and raises on all of them, so every
+    rank stops here with the same error."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from lightning_llm.checkpoint_errors import CheckpointError, first_line
+
+    try:
+        dcp.load(wanted, checkpoint_id=path)
+    except CheckpointException as e:
+        rank, (exc, _) = next(iter(e.failures.items()))
+        raise CheckpointError(f"--ckpt_path={path}: corrupt checkpoint directory: reading its shards failed on rank "
+                              f"{rank} ({first_line(exc)})") from e
 
 
 def full_weights(module: nn.Module) -> dict[str, Tensor]:

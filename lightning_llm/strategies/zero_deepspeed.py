@@ -284,6 +284,14 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if not self.load_full_weights and not self.config.get("checkpoint", {}).get("load_universal"):
+            from lightning_llm.checkpoint_errors import check_deepspeed_dir
+
+            # Every rank checks every file before DeepSpeed reads its own, so all ranks stop with the same error
+            # (a rank failing alone left its peers to die in a gloo error). Only a resume loads the per-rank
+            # optimizer partitions, which DeepSpeed cannot repartition: weights load at any world size.
+            check_deepspeed_dir(checkpoint_path, name=f"--ckpt_path={checkpoint_path}",
+                                world_size=self.world_size if fitting else None)
         if self.zero_stage_3 and not fitting and not self.load_full_weights and Path(checkpoint_path).is_dir():
             # DeepSpeed cannot load a ZeRO-3 checkpoint into an optimizer-less (validate/test/predict) engine
             # ("'DeepSpeedZeRoOffload' object has no attribute '_restore_from_bit16_weights'"): consolidate the
