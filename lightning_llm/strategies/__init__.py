@@ -25,3 +25,25 @@ for _name, (_cls, _description) in _PRESETS.items():
     if _name not in _StrategyRegistry:
         _StrategyRegistry.register(_name, _cls, description=_description)
 ZeroStrategy.register_presets(_StrategyRegistry)  # zero1/2/3(_offload), deepspeed_zero1/2/3(_offload); idempotent
+
+
+def check_strategy_name(name: str) -> None:
+    """Raise ``ValueError`` for a ``--trainer.strategy`` name that is not registered, listing ours and Lightning's
+    names with the closest match (Lightning's own error lists only a few of its names)."""
+    import difflib
+
+    known = _StrategyRegistry.available_strategies()
+    if name.lower() == "auto" or name.lower() in known:
+        return
+    modules = {n: _StrategyRegistry[n]["strategy"].__module__ for n in known}
+    ours = [n for n in known if modules[n].startswith("lightning_llm.")]
+    lightning = ["auto", *(n for n in known if n not in ours and "_graveyard" not in modules[n])]
+    close = difflib.get_close_matches(name.lower(), [*ours, *lightning], n=1)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    path = " (a class path must name a Strategy subclass)" if "." in name else ""
+    # The 8 ddp*_find_unused_parameters_* variants are shown as one entry to keep the line readable.
+    shown = [n for n in lightning if "_find_unused_parameters_" not in n]
+    if len(shown) < len(lightning):
+        shown.append("ddp*_find_unused_parameters_true/false")
+    raise ValueError(f"--trainer.strategy={name!r}: unknown strategy{path}; {hint}lightning_llm's: {', '.join(ours)}; "
+                     f"Lightning's: {', '.join(shown)}")
