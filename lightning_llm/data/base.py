@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,28 @@ class ResumableDistributedSampler(DistributedSampler):
         return iter(indices)
 
 
+def check_batch_sizes(batch_size: int, eval_batch_size: int | None) -> None:
+    """``ValueError`` naming the parameter for a batch size below 1 (``eval_batch_size=None`` means ``batch_size``;
+    0 used to fall back to it silently, -1 reached the DataLoader, whose error names neither parameter)."""
+    if batch_size < 1:
+        raise ValueError(f"--data.batch_size must be >= 1, got {batch_size}")
+    if eval_batch_size is not None and eval_batch_size < 1:
+        raise ValueError(f"--data.eval_batch_size must be >= 1 (or null for --data.batch_size), got {eval_batch_size}")
+
+
+# Lightning warns on every mid-epoch resume that the training DataLoader "is not resumable" because the loader
+# itself has no state_dict. Ours is: the datamodule's state_dict records the consumed batches and the next loader's
+# sampler skips exactly those (see make_loader; tests/test_reliability.py checks the losses match an uninterrupted
+# run). The filter is installed only once such a skip is set up, and matches only that message.
+_NOT_RESUMABLE_WARNING = r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader is"
+
+
+def _silence_not_resumable_warning() -> None:
+    from lightning.fabric.utilities.warnings import PossibleUserWarning
+
+    warnings.filterwarnings("ignore", message=_NOT_RESUMABLE_WARNING, category=PossibleUserWarning)
+
+
 class LLMDataModule(pl.LightningDataModule):
     """Base for our datamodules: batch sizes, workers, and a training sampler keyed by data-parallel rank.
 
@@ -86,8 +109,7 @@ class LLMDataModule(pl.LightningDataModule):
     def __init__(self, *, batch_size: int = 32, eval_batch_size: int | None = None, num_workers: int = 0,
                  seed: int = 42) -> None:
         super().__init__()
-        if batch_size < 1:
-            raise ValueError(f"--data.batch_size must be >= 1, got {batch_size}")
+        check_batch_sizes(batch_size, eval_batch_size)
         self.batch_size = batch_size
         self.eval_batch_size = eval_batch_size or batch_size
         self.num_workers = num_workers
@@ -131,6 +153,7 @@ class LLMDataModule(pl.LightningDataModule):
                 if self._resume["samples"] >= 0:  # global samples -> this replica's share of them
                     sampler.skip_samples = self._resume["samples"] // num_replicas
                 self._resume = None
+                _silence_not_resumable_warning()
         else:
             # Lightning shards evaluation loaders itself (padded for val/test, unrepeated for predict).
             sampler, batch_size = SequentialSampler(dataset), self.eval_batch_size

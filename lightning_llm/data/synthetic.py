@@ -12,6 +12,7 @@ import logging
 import random
 from pathlib import Path
 
+from lightning_llm.data.base import check_batch_sizes
 from lightning_llm.data.io import atomic_open, write_jsonl_atomic
 from lightning_llm.data.pairs import SentencePairDataModule
 
@@ -79,6 +80,7 @@ class SyntheticPairDataModule(SentencePairDataModule):
             num_workers: DataLoader worker processes.
             seed: Seed of the training shuffle.
         """
+        check_batch_sizes(batch_size, eval_batch_size)  # before generating a dataset
         out = Path(out_dir) / f"seed{data_seed}-n{n_train}-{n_val}-{n_test}"
         if not (out / "tokenizer" / "vocab.txt").is_file():
             generate_pair_dataset(out, n_train=n_train, n_val=n_val, n_test=n_test, seed=data_seed)
