@@ -9,12 +9,15 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningCLI
 
+from lightning_llm.checkpoint_errors import CheckpointError
 from lightning_llm.data.io import DataError
 from lightning_llm.reliability import leave_process, shutdown_process_group
 from lightning_llm.tasks.base import LLMTask, NonFiniteLossError
@@ -48,6 +51,31 @@ class LLMCLI(LightningCLI):
             **kwargs,
         )
 
+    def before_instantiate_classes(self) -> None:
+        # Lightning rejects an unknown strategy name only once the model and data are built, with a list of a few
+        # of its own names: name ours too, before anything is built.
+        from lightning_llm.strategies import check_strategy_name
+
+        cfg = self.config[self.subcommand] if self.subcommand else self.config
+        strategy = cfg.get("trainer.strategy")
+        if isinstance(strategy, str):
+            check_strategy_name(strategy)
+
+    def _parse_ckpt_path(self) -> None:
+        # LightningCLI torch.loads a --ckpt_path file here (for its hyperparameters), before anything else reads it:
+        # a cut or corrupt file must fail here with one line naming it. (A private hook of LightningCLI; the test
+        # of a truncated --ckpt_path notices if it stops being called.)
+        from lightning_llm.checkpoint_errors import check_torch_file, loading
+
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if not (ckpt_path and Path(ckpt_path).is_file()):
+            return super()._parse_ckpt_path()
+        name = f"--ckpt_path={ckpt_path}"
+        check_torch_file(ckpt_path, name=name)
+        with loading(name):
+            return super()._parse_ckpt_path()
+
 
 def _has_omegaconf() -> bool:
     try:
@@ -70,7 +98,32 @@ def _tool(name: str) -> Callable[[list[str]], int]:
     return getattr(importlib.import_module(module), func)
 
 
-_USER_ERRORS = (DataError, FileNotFoundError, ValueError, NonFiniteLossError, MisconfigurationException)
+_USER_ERRORS = (CheckpointError, DataError, FileNotFoundError, ValueError, NonFiniteLossError,
+                MisconfigurationException)
+
+
+def _is_global_zero() -> bool:
+    """Rank 0 of a torchrun job (``RANK``) or of Lightning's own launcher (``NODE_RANK``/``LOCAL_RANK`` in the
+    processes it starts); True in a plain process."""
+    if "RANK" in os.environ:
+        return int(os.environ["RANK"]) == 0
+    return os.environ.get("NODE_RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
+
+
+PEER_EXIT_DELAY_S = 3.0
+"""How long a rank other than 0 waits before leaving after a user error: the first rank to exit makes torchrun
+terminate the others, which could kill rank 0 before it printed the line (ranks reach the same check together)."""
+
+
+def _report(e: BaseException) -> int:
+    """Print the one-line error on global rank 0 only (every rank of a job hits the same bad input; N copies of the
+    line bury it) and return the exit code every rank exits with."""
+    if _is_global_zero():
+        print(f"lightning_llm: error: {_user_error(e)}\n(set LIGHTNING_LLM_DEBUG=1 to see the traceback)",
+              file=sys.stderr, flush=True)
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        time.sleep(PEER_EXIT_DELAY_S)
+    return 2
 
 
 def _user_error(e: BaseException) -> BaseException:
@@ -84,6 +137,17 @@ def _user_error(e: BaseException) -> BaseException:
             break
         e = e.__cause__
     return e
+
+
+def _drop_process_group() -> bool:
+    """Destroy the process group a failed run leaves behind (Lightning's teardown on an exception keeps it); True if
+    there was one. No barrier, unlike after a finished run: a rank that failed alone must not wait for its peers."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    dist.destroy_process_group()
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,9 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         # Bad input or configuration: one clear line instead of a traceback.
         if os.environ.get("LIGHTNING_LLM_DEBUG"):
             raise
-        print(f"lightning_llm: error: {_user_error(e)}\n(set LIGHTNING_LLM_DEBUG=1 to see the traceback)",
-              file=sys.stderr)
-        return 2
+        code = _report(e)
+        if _drop_process_group() and argv is None:
+            leave_process(code)  # a torchrun worker: as after a finished run, no abort in interpreter teardown
+        return code
     return 0
 
 
