@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import pickle
+import re
 import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -31,8 +32,9 @@ class CheckpointError(ValueError):
 def first_line(e: BaseException) -> str:
     """``"<type>: <first sentence of the message>"``: low-level messages run to many lines of advice that does not
     apply here (e.g. torch's "re-run with weights_only=False" for a corrupted shard)."""
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0].split('. ')[0]}" if text else type(e).__name__
+    line = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    line = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", line)  # torch's C++ location prefix
+    return f"{type(e).__name__}: {line.split('. ')[0]}" if line else type(e).__name__
 
 
 def check_torch_file(path: str | Path, *, name: str) -> None:

@@ -79,7 +79,8 @@ def test_damaged_ckpt_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFix
         "half": f"--ckpt_path={ckpt}: truncated or corrupt file ({ckpt.stat().st_size} bytes, its zip directory is "
                 "missing or damaged), not a loadable checkpoint",
         "empty": f"--ckpt_path={ckpt}: empty file (0 bytes), not a loadable checkpoint",
-        "zip_not_torch": f"--ckpt_path={ckpt}: not a loadable checkpoint (RuntimeError: ",
+        "zip_not_torch": f"--ckpt_path={ckpt}: not a loadable checkpoint (RuntimeError: file in archive is not in a "
+                         "subdirectory: hello.txt)",
     }[damage]
     assert line.startswith(PREFIX + expected), line
 
@@ -138,6 +139,45 @@ def test_shard_corrupted_in_the_middle(tmp_path: Path, capsys: pytest.CaptureFix
     line = _run_main(capsys, _fit_args(tmp_path, *one, "--trainer.max_steps=3", f"--ckpt_path={ckpt}"))
     assert line.startswith(f"{PREFIX}--ckpt_path={ckpt}: corrupt checkpoint directory: reading its shards failed on "
                            "rank 0 ("), line
+
+
+def _deepspeed_dir(tmp_path: Path, *, ranks: int = 2) -> Path:
+    """The file layout of a DeepSpeed ZeRO-1/2 checkpoint written by ``ranks`` processes (tiny stand-in contents;
+    the real thing is checked by the torchrun test below)."""
+    d = tmp_path / "ds.ckpt"
+    (d / "checkpoint").mkdir(parents=True)
+    (d / "latest").write_text("checkpoint")
+    torch.save({"dp_world_size": ranks, "module": {"w": torch.zeros(4)}}, d / "checkpoint" / "mp_rank_00_model_states.pt")
+    for r in range(ranks):
+        torch.save({"optimizer_state_dict": {}}, d / "checkpoint" / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt")
+    return d
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("no_latest", "not a DeepSpeed checkpoint directory (no 'latest' file naming its tag)"),
+    ("no_tag", "incomplete DeepSpeed checkpoint: 'latest' names checkpoint/, which is missing"),
+    ("no_model", "incomplete DeepSpeed checkpoint: checkpoint/mp_rank_00_model_states.pt is missing"),
+    ("no_optim", ("incomplete DeepSpeed checkpoint: checkpoint/zero_pp_rank_1_mp_rank_00_optim_states.pt is missing "
+                  "(it was written by 2 ranks)")),
+    ("world_size", ("this DeepSpeed ZeRO checkpoint was written by 2 ranks and this run has 3; DeepSpeed cannot "
+                    "repartition its optimizer state. Resume with 2 processes")),
+])
+def test_damaged_deepspeed_directory_names_what_is_missing(tmp_path: Path, damage: str, message: str) -> None:
+    import shutil
+
+    from lightning_llm.checkpoint_errors import check_deepspeed_dir
+
+    d = _deepspeed_dir(tmp_path)
+    assert check_deepspeed_dir(d, name="X", world_size=2) == 2  # whole, same world size: no error
+    assert check_deepspeed_dir(d, name="X") == 2  # weights only (validate/test/predict): any world size
+    {"no_latest": lambda: (d / "latest").unlink(), "no_tag": lambda: shutil.rmtree(d / "checkpoint"),
+     "no_model": lambda: (d / "checkpoint" / "mp_rank_00_model_states.pt").unlink(),
+     "no_optim": lambda: (d / "checkpoint" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink(),
+     "world_size": lambda: None}[damage]()
+    with pytest.raises(CheckpointError) as info:
+        check_deepspeed_dir(d, name="X", world_size=3)
+    print(info.value)
+    assert str(info.value).startswith("X: " + message)
 
 
 # ------------------------------------------------------------------------------------------- 4. unknown strategy
