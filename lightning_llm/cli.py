@@ -60,6 +60,10 @@ class LLMCLI(LightningCLI):
         strategy = cfg.get("trainer.strategy")
         if isinstance(strategy, str):
             check_strategy_name(strategy)
+            if "." in strategy:  # a bare class path stays a string (Trainer would refuse it): instantiate it
+                from jsonargparse import Namespace
+
+                cfg["trainer.strategy"] = Namespace(class_path=strategy, init_args=Namespace())
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI torch.loads a --ckpt_path file here (for its hyperparameters), before anything else reads it:

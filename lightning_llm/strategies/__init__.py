@@ -27,13 +27,29 @@ for _name, (_cls, _description) in _PRESETS.items():
 ZeroStrategy.register_presets(_StrategyRegistry)  # zero1/2/3(_offload), deepspeed_zero1/2/3(_offload); idempotent
 
 
+def _is_strategy_class_path(name: str) -> bool:
+    """``package.module.Class`` naming a ``Strategy`` subclass (LightningCLI instantiates it with no arguments)."""
+    import importlib
+
+    from lightning.pytorch.strategies import Strategy
+
+    module, _, cls = name.rpartition(".")
+    if not module:
+        return False
+    try:
+        obj = getattr(importlib.import_module(module), cls, None)
+    except ImportError:
+        return False
+    return isinstance(obj, type) and issubclass(obj, Strategy)
+
+
 def check_strategy_name(name: str) -> None:
     """Raise ``ValueError`` for a ``--trainer.strategy`` name that is not registered, listing ours and Lightning's
     names with the closest match (Lightning's own error lists only a few of its names)."""
     import difflib
 
     known = _StrategyRegistry.available_strategies()
-    if name.lower() == "auto" or name.lower() in known:
+    if name.lower() == "auto" or name.lower() in known or _is_strategy_class_path(name):
         return
     modules = {n: _StrategyRegistry[n]["strategy"].__module__ for n in known}
     ours = [n for n in known if modules[n].startswith("lightning_llm.")]
