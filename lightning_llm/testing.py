@@ -110,6 +110,30 @@ def wait(proc: subprocess.Popen, timeout: float = 600) -> str:
     return out
 
 
+def gathered(obj: Any) -> list[Any]:
+    """``obj`` of every rank, in rank order (``all_gather_object`` over the default group)."""
+    import torch.distributed as dist
+
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, obj)
+    return every
+
+
+def write_json_on_rank0(path: Path, obj: Any) -> None:
+    """``obj`` as JSON at ``path``, written by global rank 0 only."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        path.write_text(json.dumps(obj))
+
+
+def run_layouts_and_reference(script: str | Path, out: Path, reference: Callable[[], Any], *, nproc: int = 2,
+                              timeout: float = 1200) -> Path:
+    """The layout-table pattern: ``script layouts OUT`` on ``nproc`` ranks while this process runs the one-device
+    ``reference``; returns ``out``."""
+    proc = launch(script, nproc, "layouts", str(out))
+    run_reference_meanwhile(proc, reference, timeout=timeout)
+    return out
+
+
 def run_reference_meanwhile(proc: subprocess.Popen, fn: Callable[[], Any], timeout: float = 600) -> str:
     """Run the single-device reference ``fn`` in this process (1 thread) while the launched ranks ``proc`` run;
     returns their output. Environment variables the reference sets (PL_GLOBAL_SEED & co) are removed after."""

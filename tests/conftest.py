@@ -23,3 +23,15 @@ def pair_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from lightning_llm.data import generate_pair_dataset
 
     return generate_pair_dataset(tmp_path_factory.mktemp("pairs"), n_train=64, n_val=32, n_test=24, seed=0)
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():  # noqa: ANN202 - a generator fixture
+    """Undo what a test's in-process run left in ``os.environ``: Lightning and DeepSpeed set ``MASTER_PORT`` (and
+    ``PL_GLOBAL_SEED``, ``RANK``, ...) when a 1-device run initializes a process group, and the port can stay bound
+    by this process; every later subprocess (torchrun tests, the CLI) would inherit it and fail with EADDRINUSE."""
+    before = dict(os.environ)
+    yield
+    for key in set(os.environ) - set(before):
+        del os.environ[key]
+    os.environ.update(before)

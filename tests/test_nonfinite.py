@@ -15,7 +15,6 @@ Asserted per layout:
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ import pytest
 import torch
 
 from lightning_llm.tasks import CausalLMTask
-from lightning_llm.testing import launch, max_abs_err, run_reference_meanwhile, run_worker
+from lightning_llm.testing import gathered, max_abs_err, run_layouts_and_reference, run_worker, write_json_on_rank0
 
 STEPS = 5
 BAD_STEP = 2
@@ -93,23 +92,15 @@ def _worker(mode: str, out: Path) -> None:
         ref = {case: _fit("1", 1, out / f"ref-{case}", **kw) for case, kw in CASES.items()}
         (out / "reference.json").write_text(json.dumps(ref))
         return
-    results: dict[str, Any] = {}
-    for layout in LAYOUTS:
-        for case, kw in CASES.items():
-            row = _fit(layout, 2, out / f"{layout}-{case}", **kw)
-            every: list[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(every, row)
-            results[f"{layout}/{case}"] = every
-    if int(os.environ.get("RANK", "0")) == 0:
-        (out / "layouts.json").write_text(json.dumps(results))
+    results = {f"{layout}/{case}": gathered(_fit(layout, 2, out / f"{layout}-{case}", **kw))
+               for layout in LAYOUTS for case, kw in CASES.items()}
+    write_json_on_rank0(out / "layouts.json", results)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("nonfinite")
-    proc = launch(__file__, 2, "layouts", str(out))
-    run_reference_meanwhile(proc, lambda: _worker("reference", out), timeout=1200)
-    return out
+    return run_layouts_and_reference(__file__, out, lambda: _worker("reference", out))
 
 
 def _checkpoint(path: str) -> dict[str, Any]:
@@ -198,6 +189,22 @@ def test_skips_in_a_row_beyond_the_bound_stop_the_run(tmp_path: Path, precision:
     with pytest.raises(NonFiniteLossError, match=r"^3 optimizer steps in a row were skipped .* at step 4 "):
         trainer.fit(task, dm)
     assert task.guard.skipped == 3 and trainer.global_step == BAD_STEP + 2  # stopped before the third skipped step
+
+
+def test_diverging_run_through_the_cli_is_one_line_and_exit_2(tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """As a user meets it: ``lightning_llm fit`` at lr=1e30 exits 2 with one line naming the step."""
+    from lightning_llm.cli import main
+
+    config = Path(__file__).resolve().parents[1] / "configs" / "pretrain_debug.yaml"
+    rc = main(["fit", "--config", str(config), "--trainer.max_steps=5", "--trainer.logger=false",
+               "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+               "--trainer.enable_checkpointing=false", f"--trainer.default_root_dir={tmp_path}",
+               f"--data.cache_dir={tmp_path / 'cache'}", "--data.generated_docs=40", f"--model.optim.lr={DIVERGING_LR}"])
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("lightning_llm: error: ")]
+    assert rc == 2 and len(lines) == 1, lines
+    assert "hold NaN/inf" in lines[0] and " at step " in lines[0], lines[0]
+    print(lines[0])
 
 
 def test_all_finite_is_exact() -> None:

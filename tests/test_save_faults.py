@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from lightning_llm.reliability import FAULT_ENV, SAVE_MOMENTS
-from lightning_llm.testing import launch, max_abs_err, run_reference_meanwhile, run_worker
+from lightning_llm.testing import gathered, max_abs_err, run_layouts_and_reference, run_worker, write_json_on_rank0
 
 STEPS = 4
 CRASHED_SAVE = 2  # the save of step 2's last.ckpt (one save per step)
@@ -90,22 +89,13 @@ def _worker(mode: str, out: Path) -> None:
         ref = {"uninterrupted": _fit("1", 1, out / "ref"), "cells": _cells("1", 1, out)}
         (out / "reference.json").write_text(json.dumps(ref))
         return
-    results = {}
-    for layout in LAYOUTS:
-        cells = _cells(layout, 2, out)
-        every: list[Any] = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(every, cells)
-        results[layout] = every
-    if int(os.environ.get("RANK", "0")) == 0:
-        (out / "layouts.json").write_text(json.dumps(results))
+    write_json_on_rank0(out / "layouts.json", {layout: gathered(_cells(layout, 2, out)) for layout in LAYOUTS})
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("save_faults")
-    proc = launch(__file__, 2, "layouts", str(out))
-    run_reference_meanwhile(proc, lambda: _worker("reference", out), timeout=1200)
-    return out
+    return run_layouts_and_reference(__file__, out, lambda: _worker("reference", out))
 
 
 @pytest.mark.multiprocess

@@ -19,7 +19,6 @@ run a subclass must refuse it before the first step with the message in :data:`R
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_llm.tasks import CausalLMTask
-from lightning_llm.testing import launch, max_abs_err, run_reference_meanwhile, run_worker
+from lightning_llm.testing import gathered, max_abs_err, run_layouts_and_reference, run_worker, write_json_on_rank0
 
 STEPS = 6
 GLOBAL_BATCH = 8
@@ -148,7 +147,6 @@ def _worker(mode: str, out: Path) -> None:
             results[name] = _fit(cls, "auto", 1, GLOBAL_BATCH, out)
         (out / "reference.json").write_text(json.dumps(results))
         return
-    rank = int(os.environ.get("RANK", "0"))
     for layout in LAYOUT_NAMES:
         for name, cls in SUBCLASSES.items():
             strategy, batch = _layouts()[layout]
@@ -156,19 +154,14 @@ def _worker(mode: str, out: Path) -> None:
                 row: dict[str, Any] = {"logged": _fit(cls, strategy, 2, batch, out)}
             except ValueError as e:
                 row = {"error": str(e)}
-            every: list[Any] = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(every, row)
-            results[f"{layout}/{name}"] = every
-    if rank == 0:
-        (out / "layouts.json").write_text(json.dumps(results))
+            results[f"{layout}/{name}"] = gathered(row)
+    write_json_on_rank0(out / "layouts.json", results)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("user_tasks")
-    proc = launch(__file__, 2, "layouts", str(out))
-    run_reference_meanwhile(proc, lambda: _worker("reference", out), timeout=900)
-    return out
+    return run_layouts_and_reference(__file__, out, lambda: _worker("reference", out), timeout=900)
 
 
 @pytest.mark.multiprocess

@@ -194,16 +194,18 @@ class NonFiniteGuard(pl.Callback):
         return f"step {task.global_step - int(stepped)} (epoch {task.current_epoch})"
 
     @staticmethod
-    def _last_good(task: Any) -> str:
+    def _last_good(task: Any, advice: str) -> str:
+        """Where to go on from: the last checkpoint (finite: every save checks) and ``advice``."""
         cb = getattr(task.trainer, "checkpoint_callback", None)
         path = (getattr(cb, "last_model_path", "") or getattr(cb, "best_model_path", "")) if cb is not None else ""
         if path:
-            return f"The last checkpoint, {path}, was saved before it and holds finite weights (checked at save)"
-        return "No checkpoint was saved after it (every checkpoint save checks that the weights are finite)"
+            return (f"The last checkpoint, {path}, was saved before it and holds finite weights (checked at save); "
+                    f"resume from it with --ckpt_path and {advice}")
+        return f"No checkpoint of this run was saved; restart with {advice}"
 
     def _stop(self, task: Any, what: str) -> None:
-        raise NonFiniteLossError(f"{what}. {self._last_good(task)}; resume from it with --ckpt_path (a lower "
-                                 "--model.optim.lr, or --model.nonfinite_loss=skip)")
+        advice = "a lower --model.optim.lr (or --model.nonfinite_loss=skip)"
+        raise NonFiniteLossError(f"{what}. {self._last_good(task, advice)}")
 
     def _skipped(self, task: Any, what: str) -> None:
         self.skipped += 1
@@ -214,4 +216,4 @@ class NonFiniteGuard(pl.Callback):
             raise NonFiniteLossError(
                 f"{self.in_a_row} optimizer steps in a row were skipped for NaN/inf loss or gradients, the last at "
                 f"{self.where(task)} (--model.optim.max_consecutive_skips={self.max_consecutive_skips}): the run has "
-                f"diverged. {self._last_good(task)}; resume from it with a lower --model.optim.lr")
+                f"diverged. {self._last_good(task, 'a lower --model.optim.lr')}")
