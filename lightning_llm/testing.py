@@ -110,6 +110,36 @@ def wait(proc: subprocess.Popen, timeout: float = 600) -> str:
     return out
 
 
+class LoggedLoss(pl.Callback):
+    """The ``train_loss`` this rank logged at each training step (NaN where none was), and the step ``fit`` started
+    from (> 0 after a resume)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.start = -1
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.start = trainer.global_step
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self.losses.append(float(trainer.callback_metrics.get("train_loss", float("nan"))))
+
+
+def table_trainer(out: Path, *, strategy: Any, devices: int, max_steps: int, callbacks: list[pl.Callback],
+                  save_every_step: bool = False) -> pl.Trainer:
+    """The Trainer of the layout-table tests: CPU, no logger, progress bar or validation; ``save_every_step``:
+    ``out/ckpt/last.ckpt`` rewritten after every step (no other checkpoint)."""
+    if save_every_step:
+        callbacks = [*callbacks, pl.callbacks.ModelCheckpoint(dirpath=str(out / "ckpt"), save_last=True,
+                                                              every_n_train_steps=1, save_top_k=0)]
+    return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=False,
+                      enable_checkpointing=save_every_step, enable_progress_bar=False, enable_model_summary=False,
+                      limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=str(out))
+
+
 def gathered(obj: Any) -> list[Any]:
     """``obj`` of every rank, in rank order (``all_gather_object`` over the default group)."""
     import torch.distributed as dist

@@ -23,7 +23,15 @@ import pytest
 import torch
 
 from lightning_llm.tasks import CausalLMTask
-from lightning_llm.testing import gathered, max_abs_err, run_layouts_and_reference, run_worker, write_json_on_rank0
+from lightning_llm.testing import (
+    LoggedLoss,
+    gathered,
+    max_abs_err,
+    run_layouts_and_reference,
+    run_worker,
+    table_trainer,
+    write_json_on_rank0,
+)
 
 STEPS = 5
 BAD_STEP = 2
@@ -59,23 +67,13 @@ def _fit(layout: str, devices: int, out: Path, *, policy: str, lr: float = 3e-3)
     from lightning_llm.data import TextDataModule
     from lightning_llm.tasks.base import OptimConfig
 
-    class Logged(pl.Callback):
-        def __init__(self) -> None:
-            self.losses: list[float] = []
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-            self.losses.append(float(trainer.callback_metrics.get("train_loss", float("nan"))))
-
     strategy, batch = _strategy(layout) if devices > 1 else ("auto", 8)
     pl.seed_everything(3)
     task = NaNGradAt("debug", dropout=0.0, nonfinite_loss=policy, optim=OptimConfig(lr=lr, scheduler="constant"))
     dm = TextDataModule(block_size=32, batch_size=batch, cache_dir=str(out / "cache"), generated_docs=100)
-    rec = Logged()
-    ckpt = pl.callbacks.ModelCheckpoint(dirpath=str(out / "ckpt"), save_last=True, every_n_train_steps=1,
-                                        save_top_k=0)
-    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         num_sanity_val_steps=0, callbacks=[rec, ckpt], default_root_dir=str(out))
+    rec = LoggedLoss()
+    trainer = table_trainer(out, strategy=strategy, devices=devices, max_steps=STEPS, callbacks=[rec],
+                            save_every_step=True)
     row: dict[str, Any] = {}
     try:
         trainer.fit(task, dm)

@@ -21,7 +21,15 @@ from typing import Any
 import pytest
 
 from lightning_llm.reliability import FAULT_ENV, SAVE_MOMENTS
-from lightning_llm.testing import gathered, max_abs_err, run_layouts_and_reference, run_worker, write_json_on_rank0
+from lightning_llm.testing import (
+    LoggedLoss,
+    gathered,
+    max_abs_err,
+    run_layouts_and_reference,
+    run_worker,
+    table_trainer,
+    write_json_on_rank0,
+)
 
 STEPS = 4
 CRASHED_SAVE = 2  # the save of step 2's last.ckpt (one save per step)
@@ -38,17 +46,6 @@ def _fit(layout: str, devices: int, out: Path, *, fault: str | None = None, resu
     from lightning_llm.tasks import CausalLMTask
     from lightning_llm.tasks.base import OptimConfig
 
-    class Logged(pl.Callback):
-        def __init__(self) -> None:
-            self.losses: list[float] = []
-            self.start = -1
-
-        def on_train_start(self, trainer, pl_module) -> None:  # noqa: ANN001
-            self.start = trainer.global_step
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-            self.losses.append(float(trainer.callback_metrics["train_loss"]))
-
     if fault:
         os.environ[FAULT_ENV] = fault  # read when the strategy and its checkpoint IO are built
     try:
@@ -59,12 +56,9 @@ def _fit(layout: str, devices: int, out: Path, *, fault: str | None = None, resu
         pl.seed_everything(3)
         task = CausalLMTask("debug", dropout=0.0, optim=OptimConfig(lr=3e-3, scheduler="constant"))
         dm = TextDataModule(block_size=32, batch_size=batch, cache_dir=str(out.parent / "cache"), generated_docs=100)
-        rec = Logged()
-        ckpt = pl.callbacks.ModelCheckpoint(dirpath=str(out / "ckpt"), save_last=True, every_n_train_steps=1,
-                                            save_top_k=0)
-        trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
-                             enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                             num_sanity_val_steps=0, callbacks=[rec, ckpt], default_root_dir=str(out))
+        rec = LoggedLoss()
+        trainer = table_trainer(out, strategy=strategy, devices=devices, max_steps=STEPS, callbacks=[rec],
+                                save_every_step=True)
         row: dict[str, Any] = {}
         try:
             trainer.fit(task, dm, ckpt_path=str(out / "ckpt" / "last.ckpt") if resume else None)

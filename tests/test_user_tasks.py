@@ -29,7 +29,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_llm.tasks import CausalLMTask
-from lightning_llm.testing import gathered, max_abs_err, run_layouts_and_reference, run_worker, write_json_on_rank0
+from lightning_llm.testing import (
+    LoggedLoss,
+    gathered,
+    max_abs_err,
+    run_layouts_and_reference,
+    run_worker,
+    table_trainer,
+    write_json_on_rank0,
+)
 
 STEPS = 6
 GLOBAL_BATCH = 8
@@ -122,21 +130,11 @@ def _fit(cls: type, strategy: Any, devices: int, batch_size: int, out: Path) -> 
     from lightning_llm.data import TextDataModule
     from lightning_llm.tasks.base import OptimConfig
 
-    class Logged(pl.Callback):
-        def __init__(self) -> None:
-            self.losses: list[float] = []
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
-            self.losses.append(float(trainer.callback_metrics["train_loss"]))
-
     pl.seed_everything(3)
     task = cls("debug", dropout=0.0, optim=OptimConfig(lr=3e-3, scheduler="constant"))
     dm = TextDataModule(block_size=32, batch_size=batch_size, cache_dir=str(out / "cache"), generated_docs=100)
-    rec = Logged()
-    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[rec], default_root_dir=str(out))
-    trainer.fit(task, dm)
+    rec = LoggedLoss()
+    table_trainer(out, strategy=strategy, devices=devices, max_steps=STEPS, callbacks=[rec]).fit(task, dm)
     return rec.losses
 
 
