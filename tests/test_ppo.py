@@ -114,7 +114,7 @@ def test_lora_policy_uses_adapter_disabled_reference_without_a_copy(tmp_path: Pa
                           if "lora_" not in k})
     rep_full, rep_lora = full.parameter_report(), task.parameter_report()
     print(f"parameters: full fine-tune {rep_full}; LoRA {rep_lora}")
-    assert task.ref_model is None and rep_lora["reference"] == 0
+    assert task.reference.shares_policy and rep_lora["reference"] == 0
     assert rep_full["reference"] == rep_full["policy"] and rep_full["total"] == 2 * rep_full["policy"] + 65
     lora_params = sum(p.numel() for n, p in task.model.policy.named_parameters() if "lora_" in n)
     assert rep_lora["total"] == rep_full["policy"] + lora_params + 65  # base + adapters + value head, no copy

@@ -15,7 +15,7 @@ import logging
 import re
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,8 +25,6 @@ from typing_extensions import override
 from lightning_llm.data.io import atomic_open, write_jsonl_atomic
 from lightning_llm.generation import GenerationConfig, generate, strip_after_eos
 from lightning_llm.metrics.text import TextSimilarity, Tokenization
-from lightning_llm.peft import LoraArgs, PeftConfig
-from lightning_llm.tasks.base import OptimConfig
 from lightning_llm.tasks.causal_lm import CausalLMTask
 
 log = logging.getLogger(__name__)
@@ -43,43 +41,24 @@ class SFTTask(CausalLMTask):
         self,
         backbone: str = "debug",
         *,
-        dropout: float | None = None,
-        model_overrides: dict[str, Any] | None = None,
-        lora: LoraArgs | None = None,
-        peft: PeftConfig | None = None,
-        gradient_checkpointing: bool = False,
-        checkpoint_reentrant: bool = False,
-        adapter_dir: str | None = None,
         generation: GenerationConfig | None = None,
         generate_in: list[str] | None = None,
         metric_tokenization: Tokenization = "char",
         predictions_path: str | None = None,
-        optim: OptimConfig | None = None,
-        nonfinite_loss: Literal["stop", "skip"] = "stop",
+        **kwargs: Any,
     ) -> None:
         """
         Args:
-            backbone: A named decoder size or a local HF directory.
-            dropout: Override the backbone's dropout.
-            model_overrides: Extra ModelConfig fields for a named size.
-            lora: LoRA settings.
-            peft: Any supported PEFT method.
-            gradient_checkpointing: Recompute block activations in backward.
-            checkpoint_reentrant: Use torch's reentrant checkpointing.
-            adapter_dir: Where to export the adapter after ``fit``.
+            backbone: A named decoder size or a local HF directory (the other backbone and PEFT arguments are
+                :class:`~lightning_llm.tasks.decoder.DecoderTask`'s).
             generation: Decoding settings (EOS/pad ids default to the datamodule's tokenizer).
             generate_in: Stages that generate and score text: any of ``val``, ``test`` (``predict`` always does).
                 Default both.
             metric_tokenization: Units of BLEU/ROUGE: ``char`` (Chinese), ``jieba`` or ``whitespace``.
             predictions_path: JSONL file for predictions (``{stage}`` is replaced by val/test/predict); default
                 ``<log_dir>/generated_predictions_{stage}.jsonl``.
-            optim: Optimizer and LR schedule.
-            nonfinite_loss: On a NaN/inf training loss or gradients: ``stop`` the run (naming the step) or
-                ``skip`` the step.
         """
-        super().__init__(backbone, dropout=dropout, model_overrides=model_overrides, lora=lora, peft=peft,
-                         gradient_checkpointing=gradient_checkpointing, checkpoint_reentrant=checkpoint_reentrant,
-                         adapter_dir=adapter_dir, optim=optim, nonfinite_loss=nonfinite_loss)
+        super().__init__(backbone, **kwargs)
         # predictions_path is a run-time choice: LightningCLI re-applies checkpoint hparams over the command line.
         self.save_hyperparameters(ignore=["predictions_path"])
         self.generation = generation or GenerationConfig()

@@ -1,0 +1,355 @@
+"""What PPO and GRPO share: sampling rollouts from the policy, scoring them, the reference policy, and the clipped
+policy update (manual optimization, several epochs of shuffled mini-batches per rollout batch).
+
+One training step = one rollout batch of the datamodule's prompts (:class:`~lightning_llm.data.PromptDataModule`):
+:meth:`OnlineRLTask.make_rollout` (generate, score, old and reference log-probs), :meth:`compute_advantages`
+(the algorithm's), then :meth:`policy_update` calls the algorithm's :meth:`minibatch_loss` per mini-batch.
+
+Data parallel only (ddp, zero1/2/3, deepspeed_zero*): every rank rolls out its own prompts and every statistic is
+all-reduced; tensor- and pipeline-parallel ranks would feed one sharded forward different sampled tokens, so
+they are refused at set-up. All forwards run with dropout off (eval mode): the importance ratio must be 1 before
+the first update. ``trainer.max_steps`` counts optimizer steps (Lightning's rule for manual optimization).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_llm.generation import GenerationConfig, generate, strip_after_eos
+from lightning_llm.rl.policy import Rollout, pack_responses
+from lightning_llm.rl.reference import ReferencePolicy
+from lightning_llm.rl.rewards import RewardConfig, RewardModel, build_reward
+from lightning_llm.tasks.decoder import DecoderTask
+
+log = logging.getLogger(__name__)
+
+__all__ = ["OnlineRLTask", "Samples", "UpdateSchedule"]
+
+
+@dataclass(frozen=True)
+class UpdateSchedule:
+    """How a rollout batch is consumed: ``epochs`` passes of ``num_mini_batches`` optimizer steps."""
+
+    epochs: int
+    num_mini_batches: int
+    max_grad_norm: float | None
+    ratio_threshold: float | None
+
+    @property
+    def updates_per_rollout(self) -> int:
+        return self.epochs * self.num_mini_batches
+
+
+@dataclass
+class Samples:
+    """Sampled responses of one rollout batch (layout of :mod:`lightning_llm.rl.policy`), decoded and scored."""
+
+    query_responses: Tensor  # [B, P+N]
+    attention_mask: Tensor  # [B, P+N]
+    position_ids: Tensor  # [B, P+N]
+    context_length: int  # P
+    responses: Tensor  # [B, N]
+    response_mask: Tensor  # [B, N] bool
+    has_eos: Tensor  # [B] bool
+    texts: list[str]
+    scores: Tensor  # [B] fp32
+    temperature: float  # of the sampling distribution (1 when greedy)
+
+
+class OnlineRLTask(DecoderTask):
+    """Base of the on-policy RL tasks (see the module docstring). Subclasses implement :meth:`make_rollout`,
+    :meth:`compute_advantages`, :meth:`minibatch_loss` and :attr:`update_schedule`."""
+
+    rl_state_key = "rl_state"
+    """Checkpoint entry of the loop counters (and :meth:`rl_state` extras)."""
+
+    def __init__(
+        self,
+        backbone: str = "debug",
+        *,
+        dropout: float | None = 0.0,
+        generation: GenerationConfig | None = None,
+        reward: RewardConfig | None = None,
+        generation_seed: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        """
+        Args:
+            backbone: The policy: a named decoder size or a local HF directory (e.g. an SFT export). With PEFT
+                the reference is the policy with the adapter disabled, otherwise a frozen copy.
+            dropout: Dropout of the policy (forwards run in eval mode anyway).
+            generation: Rollout sampling (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``max_new_tokens``;
+                EOS/pad default to the datamodule's tokenizer). Validation decodes greedily.
+            reward: The reward source (``reward.fn`` import path or ``reward.model``).
+            generation_seed: Seed of rollout sampling (default: the global seed); rank r at rollout i draws
+                from ``seed + 1_000_003 * i + r``, so resumed runs sample the same responses.
+        """
+        super().__init__(backbone, dropout=dropout, **kwargs)
+        self.automatic_optimization = False
+        self.generation = generation or GenerationConfig(max_new_tokens=32, do_sample=True)
+        self.reward_config = reward or RewardConfig()
+        if (self.reward_config.fn is None) == (self.reward_config.model is None):
+            raise ValueError("--model.reward: set exactly one of reward.fn (an import path) and reward.model "
+                             "(a reward-model checkpoint or HF directory)")
+        self.generation_seed = generation_seed
+        self.reference: ReferencePolicy | None = None
+        self._reward: Any = None  # callable or RewardModel: deliberately not a submodule (not saved, not in DDP)
+        self.rollouts_done = 0
+        self.episodes = 0
+        self.skipped_minibatches = 0
+
+    # ------------------------------------------------------------------------------------------ to implement
+    @property
+    def update_schedule(self) -> UpdateSchedule:
+        raise NotImplementedError
+
+    def make_rollout(self, batch: dict[str, Any], *, greedy: bool = False) -> Rollout:
+        raise NotImplementedError
+
+    def compute_advantages(self, r: Rollout) -> dict[str, float]:
+        """Fill ``r.advantages`` (and what the loss needs); return the rollout's global statistics."""
+        raise NotImplementedError
+
+    def minibatch_loss(self, mb: Rollout) -> tuple[Tensor, dict[str, Tensor]]:
+        """The loss of a mini-batch and this rank's share of its global statistics (must include ``ratio``)."""
+        raise NotImplementedError
+
+    def update_stats(self, avg: dict[str, float]) -> dict[str, float]:
+        """Logged names of the averaged mini-batch statistics."""
+        return {"policy/approxkl_avg": avg.get("approxkl", 0.0), "policy/clipfrac_avg": avg.get("clipfrac", 0.0),
+                "policy/entropy_avg": avg.get("entropy", 0.0), "loss/policy_avg": avg.get("policy", 0.0),
+                "val/ratio": avg.get("ratio", 1.0), "policy/skipped_minibatches": float(self.skipped_minibatches)}
+
+    def rl_state(self) -> dict[str, Any]:
+        """Extra state the algorithm checkpoints (e.g. PPO's KL controller)."""
+        return {}
+
+    def load_rl_state(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`rl_state`."""
+
+    # ------------------------------------------------------------------------------------------ model
+    def reference_for(self, policy: Any) -> ReferencePolicy:
+        """Build the reference of a freshly built policy (kept on the task as ``self.reference``)."""
+        self.reference = ReferencePolicy.for_policy(policy)
+        return self.reference
+
+    @override
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if self.capabilities.batch_shared:
+            # Rollouts are sampled with a per-rank generator and every statistic is all-reduced over the world:
+            # ranks that share a batch (tensor/pipeline parallel) would feed one sharded forward different tokens.
+            raise ValueError(
+                f"--trainer.strategy={type(self.trainer.strategy).__name__}: {type(self).__name__} needs every rank "
+                f"to be a data-parallel replica ({self.trainer.world_size} ranks here, {self.data_parallel_size} "
+                "replica(s)); use ddp, zero1/2/3 or deepspeed_zero1/2/3 (tensor and pipeline parallelism are not "
+                "supported for on-policy RL)")
+
+    @override
+    def configure_model(self) -> None:
+        super().configure_model()
+        if self._reward is None:
+            self._reward = build_reward(self.reward_config)
+
+    # ------------------------------------------------------------------------------------------ distributed helpers
+    def _world(self) -> int:
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    def _all_sum(self, x: Tensor) -> Tensor:
+        """Sum over data-parallel ranks (identity on one process)."""
+        if self._world() == 1:
+            return x
+        x = x.detach().clone().float()
+        dist.all_reduce(x)
+        return x
+
+    def _global_mean(self, total: Tensor, count: Tensor | float) -> float:
+        both = self._all_sum(torch.stack([total.detach().float(), torch.as_tensor(count, device=total.device).float()]))
+        return float(both[0] / both[1].clamp(min=1))
+
+    # ------------------------------------------------------------------------------------------ rollout
+    def _gen_config(self, *, greedy: bool = False) -> GenerationConfig:
+        dm = self.trainer.datamodule if self._trainer is not None else None
+        changes: dict[str, Any] = {}
+        if self.generation.eos_token_id is None and getattr(dm, "eos_token_id", None) is not None:
+            changes["eos_token_id"] = dm.eos_token_id
+        if getattr(dm, "pad_token_id", None) is not None:
+            changes["pad_token_id"] = dm.pad_token_id
+        if greedy:
+            changes.update(do_sample=False, num_beams=1)
+        cfg = GenerationConfig(**{**self.generation.__dict__, **changes})
+        if cfg.num_beams != 1:
+            raise ValueError(f"--model.generation.num_beams must be 1 for {type(self).__name__} rollouts "
+                             "(responses are sampled)")
+        return cfg
+
+    def _decode(self, ids: list[int]) -> str:
+        tok = getattr(self.trainer.datamodule, "tokenizer", None)
+        if tok is None:
+            raise ValueError(f"{type(self).__name__} needs a datamodule with a tokenizer (e.g. PromptDataModule)")
+        return tok.decode(ids, skip_special_tokens=True)
+
+    def _generator(self) -> torch.Generator:
+        seed = self.generation_seed if self.generation_seed is not None else torch.initial_seed()
+        g = torch.Generator(device=self.device)
+        rank = self.trainer.global_rank if self._trainer is not None else 0
+        g.manual_seed((int(seed) + 1_000_003 * self.rollouts_done + rank) % (2**63))
+        return g
+
+    def score(self, prompts: list[str], responses: list[str]) -> Tensor:
+        """Scores [B] fp32 on this device from the reward source."""
+        out = self._reward(prompts, responses)
+        scores = out.detach().float() if isinstance(out, Tensor) else torch.tensor([float(s) for s in out])
+        if scores.shape != (len(responses),):
+            raise ValueError(f"the reward returned shape {tuple(scores.shape)} for {len(responses)} responses")
+        return scores.to(self.device)
+
+    @torch.no_grad()
+    def sample(self, batch: dict[str, Any], *, greedy: bool = False, repeats: int = 1) -> Samples:
+        """Generate ``repeats`` responses per prompt (rows of one prompt are adjacent), decode and score them."""
+        cfg = self._gen_config(greedy=greedy)
+        self.eval()  # dropout off for generation and every forward of the rollout and the update
+        prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
+        prompts = list(batch["prompt"])
+        if repeats > 1:
+            prompt_ids, prompt_mask = prompt_ids.repeat_interleave(repeats, 0), prompt_mask.repeat_interleave(repeats, 0)
+            prompts = [p for p in prompts for _ in range(repeats)]
+        responses = generate(self.policy, prompt_ids, prompt_mask, config=cfg,
+                             generator=None if greedy else self._generator())  # [B, N]
+        qr, am, pos, rmask, has_eos = pack_responses(prompt_ids, prompt_mask, responses, cfg.eos_ids)
+        texts = [self._decode(ids) for ids in strip_after_eos(responses, cfg.eos_ids)]
+        return Samples(query_responses=qr, attention_mask=am, position_ids=pos, context_length=prompt_ids.shape[1],
+                       responses=responses, response_mask=rmask, has_eos=has_eos, texts=texts,
+                       scores=self.score(prompts, texts), temperature=cfg.temperature if cfg.do_sample else 1.0)
+
+    def reference_logprobs(self, r: Rollout, temperature: float) -> Tensor:
+        """Log-probs [B, N] of the rollout's responses under the reference policy."""
+        assert self.reference is not None, "configure_model() must run first"
+        policy = self.policy
+
+        def call(*args: Any, **kwargs: Any) -> Tensor:
+            return self.reference.run(policy, policy, *args, **kwargs)
+
+        return r.forward_logprobs(call, temperature=temperature)
+
+    # ------------------------------------------------------------------------------------------ update
+    def policy_update(self, r: Rollout) -> dict[str, float]:
+        """``epochs`` x ``num_mini_batches`` optimizer steps on rollout ``r``; returns averaged global stats."""
+        opt, sch, cfg = self.optimizers(), self.lr_schedulers(), self.update_schedule
+        world, b = self._world(), r.query_responses.shape[0]
+        g = torch.Generator().manual_seed(self.rollouts_done)
+        sums: dict[str, float] = {}
+        done = 0
+        for _ in range(cfg.epochs):
+            for idx in torch.tensor_split(torch.randperm(b, generator=g), cfg.num_mini_batches):
+                loss, stats = self.minibatch_loss(r.select(idx.to(self.device)))
+                # Local stats are this rank's share of the global mean: sum over ranks / world = global mean.
+                glob = self._all_sum(torch.stack(list(stats.values())).detach()) / world
+                values = dict(zip(stats, glob.tolist()))
+                if cfg.ratio_threshold is not None and values["ratio"] > cfg.ratio_threshold:
+                    self.skipped_minibatches += 1
+                    log.warning("%s: mini-batch skipped, mean importance ratio %.3g > ratio_threshold %.3g",
+                                type(self).__name__, values["ratio"], cfg.ratio_threshold)
+                    continue
+                if not self._loss_is_finite(loss):  # "stop" raises naming the step; "skip" counts it
+                    self._on_nonfinite_loss(loss, self.rollouts_done)
+                    self.skipped_minibatches += 1
+                    continue
+                opt.zero_grad()
+                self.manual_backward(loss)
+                if cfg.max_grad_norm is not None:
+                    self.clip_gradients(opt, gradient_clip_val=cfg.max_grad_norm, gradient_clip_algorithm="norm")
+                opt.step()
+                if sch is not None:
+                    sch.step()
+                for k, v in values.items():
+                    sums[k] = sums.get(k, 0.0) + v
+                done += 1
+        return self.update_stats({k: v / max(done, 1) for k, v in sums.items()})
+
+    # ------------------------------------------------------------------------------------------ steps
+    @override
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        start = time.perf_counter()
+        rollout = self.make_rollout(batch)
+        stats = self.compute_advantages(rollout)
+        rollout_s = time.perf_counter() - start
+        stats.update(self.policy_update(rollout))
+        self.rollouts_done += 1
+        stats.update({"episode": float(self.episodes), "time/rollout_s": rollout_s,
+                      "time/update_s": time.perf_counter() - start - rollout_s,
+                      "lr": float(self.optimizers().param_groups[0]["lr"])})
+        for name, value in stats.items():  # already global means: identical on every rank
+            self.log(name, value, on_step=True, on_epoch=False, prog_bar=name in ("objective/scores", "objective/kl"),
+                     batch_size=rollout.scores.shape[0])
+        return torch.tensor(self.step_loss_value(stats))
+
+    def step_loss_value(self, stats: dict[str, float]) -> float:
+        """The number ``training_step`` returns (progress bar): the mean policy loss."""
+        return stats["loss/policy_avg"]
+
+    @override
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        scores = self.sample(batch, greedy=True).scores
+        self.log("eval/scores", scores.mean(), on_epoch=True, sync_dist=True, prog_bar=True,
+                 batch_size=scores.shape[0])
+        return scores.mean()
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    @override
+    def on_fit_start(self) -> None:
+        if isinstance(self._reward, RewardModel):
+            self._reward.to(self.device)
+        batch_size = getattr(self.trainer.datamodule, "batch_size", None)
+        per_rank = (batch_size or 0) * self.rollouts_per_prompt
+        if batch_size is not None and per_rank < self.update_schedule.num_mini_batches:
+            raise ValueError(f"--data.batch_size={batch_size} gives {per_rank} rollouts per rank, fewer than the "
+                             f"{self.update_schedule.num_mini_batches} mini-batches of an update "
+                             "(--model.*.num_mini_batches): every mini-batch needs at least one rollout")
+        if getattr(self.trainer, "gradient_clip_val", None):
+            raise ValueError(f"--trainer.gradient_clip_val does not apply to {type(self).__name__} (manual "
+                             "optimization): use the algorithm's max_grad_norm (e.g. --model.ppo.max_grad_norm)")
+
+    @property
+    def rollouts_per_prompt(self) -> int:
+        """Responses sampled per prompt in training."""
+        return 1
+
+    @override
+    def on_validation_start(self) -> None:
+        if isinstance(self._reward, RewardModel):
+            self._reward.to(self.device)
+
+    @override
+    def configure_optimizers(self) -> Any:
+        config = super().configure_optimizers()
+        # The schedule steps after every optimizer step. Bounded by max_steps, Lightning's estimate already counts
+        # optimizer steps; bounded by epochs it counts rollouts, so scale it by the updates per rollout.
+        if self._trainer is not None and (self.trainer.max_steps is None or self.trainer.max_steps < 0):
+            total = int(self.trainer.estimated_stepping_batches) * self.update_schedule.updates_per_rollout
+            sch = config["lr_scheduler"]["scheduler"]
+            sch.lr_lambdas = [self.optim.lr_lambda(total)]
+        return config
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        checkpoint[self.rl_state_key] = {"rollouts": self.rollouts_done, "episodes": self.episodes,
+                                         "skipped_minibatches": self.skipped_minibatches, **self.rl_state()}
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        state = checkpoint.get(self.rl_state_key)
+        if state:
+            self.rollouts_done, self.episodes = int(state["rollouts"]), int(state["episodes"])
+            self.skipped_minibatches = int(state["skipped_minibatches"])
+            self.load_rl_state(state)
