@@ -138,20 +138,27 @@ def pipeline_runner(strategy: Any) -> PipelineRunner | None:
 
 
 @torch.no_grad()
+def replica_mean(group: Any, values: Tensor, weight: float, *, dp: int) -> tuple[Tensor, float]:
+    """Means over ``dp`` data-parallel replicas of per-replica means ``values`` [k], each averaging over ``weight``
+    elements: ``(sum_r values_r * w_r / W, W)`` with ``W = sum_r w_r`` (one collective when ``dp > 1``)."""
+    import torch.distributed as dist
+
+    v = values.detach().to(torch.float64).reshape(-1)
+    if dp <= 1 or not dist.is_initialized():
+        return v.float(), float(weight)
+    buf = torch.cat([v * weight, torch.tensor([float(weight)], dtype=torch.float64, device=v.device)])
+    dist.all_reduce(buf, group=group)
+    total = float(buf[-1])
+    return (buf[:-1] / max(total, 1e-12)).float(), total
+
+
 def replica_loss(group: Any, loss: Tensor, weight: float, *, dp: int) -> tuple[Tensor, float]:
     """The global batch's loss over ``dp`` data-parallel replicas whose mean losses average over ``weight`` elements
     each (tokens, samples): ``(sum_r loss_r * w_r / W, W)`` with ``W = sum_r w_r`` (a collective when ``dp > 1``).
 
     Scaling a replica's loss by ``w * dp / W`` before backward makes the replica-averaged gradient the gradient of
     that global mean, as on one device, also when replicas hold different numbers of tokens."""
-    import torch.distributed as dist
-
     if hasattr(loss, "full_tensor"):  # a replicated DTensor loss (vocab-parallel cross-entropy)
         loss = loss.full_tensor()
-    v = loss.detach().to(torch.float64)
-    if dp <= 1 or not dist.is_initialized():
-        return v.float(), float(weight)
-    buf = torch.stack([v * weight, torch.tensor(float(weight), dtype=torch.float64, device=v.device)])
-    dist.all_reduce(buf, group=group)
-    total = float(buf[1])
-    return (buf[0] / max(total, 1e-12)).float(), total
+    mean, total = replica_mean(group, loss.reshape(1), weight, dp=dp)
+    return mean[0], total

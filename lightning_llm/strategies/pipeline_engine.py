@@ -9,8 +9,8 @@ call it (the contract of :mod:`lightning_llm.contract`). Nothing of the task is 
 * the loss of micro-batch ``i`` is ``task.loss_from_output(output_i, batch_i, stage)`` on the last stage;
 * training runs forward and backward of every micro-batch; the gradients are kept aside (:meth:`take_grads`) until
   the strategy's ``backward``, because Lightning zeroes gradients between ``training_step`` and ``backward``;
-* the mean loss (and, in evaluation, the metric outputs) is sent to every pipeline rank, so logging, progress bars
-  and checkpoint monitors see the real value.
+* the mean loss and the metric outputs (in training only for a task that logs them, ``wants_train_outputs``) are
+  sent to every pipeline rank, so logging, progress bars and checkpoint monitors see the real value.
 """
 
 from __future__ import annotations
@@ -33,7 +33,12 @@ from lightning_llm.strategies.pipeline_runtime import (
     select_microbatch,
 )
 from lightning_llm.strategies.pipeline_split import StageSpec
-from lightning_llm.strategies.pipeline_stats import ActivationMeter, BusyTimer, gather_step_stats, log_step_stats
+from lightning_llm.strategies.pipeline_stats import (
+    ActivationMeter,
+    BusyTimer,
+    gather_step_stats,
+    log_step_stats,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +55,22 @@ def split_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[A
         raise ValueError("model_inputs() returned no positional input: a pipeline feeds the first positional input "
                          "to its first stage")
     return tuple(args), kwargs
+
+
+def _detached(outputs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v.detach() if isinstance(v, Tensor) else v for k, v in (outputs or {}).items()}
+
+
+def _merge_outputs(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Micro-batch outputs -> one dict: per-row tensors concatenated along dim 0, anything else listed."""
+    merged: dict[str, Any] = {}
+    for key in parts[0]:
+        values = [p[key] for p in parts]
+        if all(isinstance(v, Tensor) and v.dim() for v in values):
+            merged[key] = torch.cat(values)
+        else:
+            merged[key] = values
+    return merged
 
 
 class PipelineRunner:
@@ -86,6 +107,7 @@ class PipelineRunner:
         self._current: tuple[Any, Any, str] | None = None  # (task, batch, stage) whose micro-batch losses are asked
         self._scale: tuple[int, float] | None = None  # (micro-batches, loss weight of the global batch) in training
         self._weighted: dict[int, tuple[Tensor, float]] = {}  # first row -> (micro-batch loss, its loss weight)
+        self._outputs: dict[int, dict[str, Any]] | None = None  # first row -> micro-batch outputs (when asked for)
         self._grads: tuple[list[Tensor | None], list[Tensor | None]] | None = None
 
     @property
@@ -123,7 +145,7 @@ class PipelineRunner:
         """The batch's loss (and, in evaluation, the metric outputs) from the task's declared hooks."""
         args, kwargs = split_inputs(*task.model_inputs(batch, stage))
         if stage == "train":
-            return self._train(task, batch, args, kwargs), {}
+            return self._train(task, batch, args, kwargs)
         sched, _ = self._schedule_for(args, kwargs, train=False)
         out = run_schedule(sched, self.specs, args, kwargs)
         result: Any = None
@@ -139,7 +161,9 @@ class PipelineRunner:
         assert self._current is not None
         task, batch, stage = self._current
         mb = select_microbatch(batch, index.to(self.device))
-        loss, _ = task.loss_from_output(output, mb, stage)
+        loss, outputs = task.loss_from_output(output, mb, stage)
+        if self._outputs is not None:
+            self._outputs[int(index[0])] = _detached(outputs)
         if self._scale is not None:
             # Weighted by what it averages over: after the schedule's 1/m and the replicas' 1/dp, the gradient is
             # that of the global batch's mean, as on one device, whatever the micro-batches' token counts.
@@ -150,7 +174,8 @@ class PipelineRunner:
         self._timer.busy += time.perf_counter() - t0
         return loss
 
-    def _train(self, task: Any, batch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+    def _train(self, task: Any, batch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+               ) -> tuple[Tensor, dict[str, Any]]:
         sched, m = self._schedule_for(args, kwargs, train=True)
         prev = [p.grad for p in self.params]
         for p in self.params:  # the schedule accumulates into .grad: start from zero, keep earlier accumulation aside
@@ -159,6 +184,8 @@ class PipelineRunner:
         self._current = (task, batch, "train")
         self._scale = (m, self._global_weight(task.loss_weight(batch)))
         self._weighted = {}
+        want_outputs = task.wants_train_outputs()
+        self._outputs = {} if want_outputs else None
         self._timer.reset()
         losses: list[Tensor] = []
         if self.measure_activations and self._meter is None:
@@ -183,7 +210,12 @@ class PipelineRunner:
         self.step_stats.append(row)
         if self.log_stats:
             log_step_stats(task, row, batch_size=n)
-        return loss.to(device=self.device, dtype=torch.float32)
+        outputs: dict[str, Any] = {}
+        if want_outputs:  # the last stage's micro-batch outputs, in row order, on every pipeline rank
+            merged = _merge_outputs([self._outputs[k] for k in sorted(self._outputs)]) if self._outputs else {}
+            outputs = self._broadcast_from_last(merged if self.is_last_stage_rank else None)
+        self._outputs = None
+        return loss.to(device=self.device, dtype=torch.float32), outputs
 
     def _global_weight(self, weight: float) -> float:
         """The loss weight of the global batch: summed over the data-parallel replicas (a collective)."""

@@ -3,7 +3,9 @@
 from lightning_llm.tasks.base import LLMTask, OptimConfig
 from lightning_llm.tasks.causal_lm import CausalLMTask
 from lightning_llm.tasks.classification import ClassificationTask
+from lightning_llm.tasks.decoder import DecoderTask
+from lightning_llm.tasks.dpo import DPOTask
 from lightning_llm.tasks.ppo import PPOTask
 from lightning_llm.tasks.sft import SFTTask
 
-__all__ = ["CausalLMTask", "ClassificationTask", "LLMTask", "OptimConfig", "PPOTask", "SFTTask"]
+__all__ = ["CausalLMTask", "ClassificationTask", "DPOTask", "DecoderTask", "LLMTask", "OptimConfig", "PPOTask", "SFTTask"]

@@ -138,6 +138,15 @@ class LLMTask(pl.LightningModule):
     def update_metrics(self, stage: str, outputs: dict[str, Any], batch: dict[str, torch.Tensor]) -> None:
         """Feed evaluation metrics (``val``/``test``); logged by :meth:`log_metrics` at epoch end."""
 
+    def log_train_outputs(self, outputs: dict[str, Any], batch: dict[str, torch.Tensor]) -> None:
+        """Log per-step training statistics from ``loss_from_output``'s outputs (under a pipeline: its micro-batches'
+        outputs, tensors concatenated along dim 0, on every pipeline rank). Only tasks that override this hook make
+        a pipeline gather them."""
+
+    def wants_train_outputs(self) -> bool:
+        """Whether :meth:`log_train_outputs` is overridden (the same answer on every rank)."""
+        return type(self).log_train_outputs is not LLMTask.log_train_outputs
+
     def metric_collection(self, stage: str) -> dict[str, Any]:
         """torchmetrics objects to log at the end of a ``val``/``test`` epoch, by logged name."""
         return {}
@@ -224,7 +233,7 @@ class LLMTask(pl.LightningModule):
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
-        loss, _ = self.step_loss(batch, "train")
+        loss, outputs = self.step_loss(batch, "train")
         if not self._loss_is_finite(loss):
             return self._on_nonfinite_loss(loss, batch_idx)
         caps = self.capabilities
@@ -234,6 +243,8 @@ class LLMTask(pl.LightningModule):
         global_loss, total = replica_loss(caps.data_parallel_group, loss, weight, dp=caps.data_parallel_size)
         self.log("train_loss", global_loss, prog_bar=True, on_step=True, on_epoch=False,
                  batch_size=self._batch_size(batch))
+        if self.wants_train_outputs():
+            self.log_train_outputs(outputs, batch)
         if caps.pipelined or caps.data_parallel_size == 1:
             return loss  # a pipeline weighs its micro-batch losses itself (the schedule already ran backward)
         return loss * (weight * caps.data_parallel_size / total)

@@ -1,0 +1,185 @@
+"""Preference pairs for DPO: JSON/JSONL records ``{"prompt", "chosen", "rejected"}``, or generated pairs.
+
+A batch of b pairs holds 2b rows, INTERLEAVED: row ``2i`` is prompt + chosen response of pair i, row ``2i + 1`` prompt +
+rejected response. Any contiguous even split of the rows (a data-parallel shard, a pipeline micro-batch) therefore
+holds whole pairs. Per row (right-padded, [2b, S]): ``input_ids``, ``attention_mask`` and pre-shifted ``labels``
+(the label at t is token t + 1 where that token belongs to the response, EOS included; -100 on the prompt and the
+padding, so only the response is scored), plus ``pair_index`` [2b] (the pair's record index in its split, used to
+look up precomputed reference log-probabilities).
+
+Prompts longer than ``max_prompt_len`` keep their last tokens; responses are cut to ``cutoff_len`` minus the prompt.
+Every problem with a file raises :class:`~lightning_llm.data.io.DataError` naming the file and line.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_llm.data.base import (
+    EncodedDataset,
+    LLMDataModule,
+    load_tokenizer,
+    tokenizer_vocab_size,
+)
+from lightning_llm.data.io import DataError, read_records
+from lightning_llm.data.prompts import make_prompts
+from lightning_llm.data.tokenizers import ByteTokenizer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["PreferenceDataModule", "make_preference_pairs"]
+
+FIELDS = ("prompt", "chosen", "rejected")
+
+
+def make_preference_pairs(n: int, *, seed: int = 0) -> list[dict[str, str]]:
+    """``n`` deterministic pairs for runs without a file: the chosen response is digits, the rejected one letters
+    (the preference PPO's digits reward expresses)."""
+    rng = random.Random(seed)
+    prompts = make_prompts(n, seed=seed)
+    out = []
+    for p in prompts:
+        k = rng.randint(3, 8)
+        out.append({"prompt": p, "chosen": "".join(rng.choice("0123456789") for _ in range(k)),
+                    "rejected": "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(k))})
+    return out
+
+
+class PreferenceDataModule(LLMDataModule):
+    """Preference pairs (see the module docstring). ``batch_size`` counts pairs per device."""
+
+    def __init__(
+        self,
+        train_path: str | None = None,
+        tokenizer_dir: str | None = None,
+        *,
+        val_path: str | None = None,
+        val_fraction: float = 0.0,
+        cutoff_len: int = 512,
+        max_prompt_len: int = 256,
+        generated_pairs: int = 256,
+        generated_val_pairs: int = 32,
+        limit_examples: int | None = None,
+        batch_size: int = 8,
+        eval_batch_size: int | None = None,
+        num_workers: int = 0,
+        seed: int = 42,
+    ) -> None:
+        """
+        Args:
+            train_path: JSON array or JSONL file of ``{"prompt", "chosen", "rejected"}`` records; ``None`` uses
+                ``generated_pairs`` generated pairs.
+            tokenizer_dir: Local tokenizer directory; ``None`` uses the byte-level tokenizer.
+            val_path: Validation pairs (default: ``val_fraction`` of the training pairs, or generated pairs).
+            val_fraction: Share of the training pairs held out for validation when ``val_path`` is not given.
+            cutoff_len: Most tokens of prompt + response in a row.
+            max_prompt_len: Most prompt tokens (the prompt's end is kept).
+            generated_pairs: Generated training pairs when ``train_path`` is not given.
+            generated_val_pairs: Generated validation pairs when neither ``train_path`` nor ``val_path`` is given.
+            limit_examples: Use only the first N records of every file (quick runs).
+            batch_size: Per-device training batch size, in pairs.
+            eval_batch_size: Per-device evaluation batch size, in pairs.
+            num_workers: DataLoader worker processes.
+            seed: Seed of the training shuffle and of the validation split.
+        """
+        super().__init__(batch_size=batch_size, eval_batch_size=eval_batch_size, num_workers=num_workers, seed=seed)
+        if max_prompt_len < 1 or cutoff_len <= max_prompt_len:
+            raise ValueError(f"--data.cutoff_len ({cutoff_len}) must exceed --data.max_prompt_len ({max_prompt_len}) "
+                             "which must be >= 1: a response needs room after the prompt")
+        if not 0 <= val_fraction < 1:
+            raise ValueError(f"--data.val_fraction must be in [0, 1), got {val_fraction}")
+        self.paths = {"fit": train_path, "validate": val_path}
+        self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else ByteTokenizer()
+        eos = self.tokenizer.eos_token_id
+        if eos is None:  # BERT-style vocabularies: [SEP] ends a response
+            eos = getattr(self.tokenizer, "sep_token_id", None)
+        if eos is None:
+            raise ValueError(f"--data.tokenizer_dir={tokenizer_dir}: the tokenizer has no EOS (or SEP) token")
+        self.eos_token_id = int(eos)
+        pad = self.tokenizer.pad_token_id
+        self.pad_token_id = int(pad) if pad is not None else self.eos_token_id
+        self.cutoff_len, self.max_prompt_len = cutoff_len, max_prompt_len
+        self.val_fraction, self.limit_examples = val_fraction, limit_examples
+        self.generated = {"fit": generated_pairs, "validate": generated_val_pairs}
+        self.datasets: dict[str, EncodedDataset] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return tokenizer_vocab_size(self.tokenizer)
+
+    # ------------------------------------------------------------------------------------------ records -> rows
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+    def encode_pair(self, rec: dict[str, Any], index: int, where: str) -> dict[str, Any]:
+        """One pair -> ``{"chosen": (ids, labels), "rejected": (ids, labels), "index"}``."""
+        prompt = self._encode(rec["prompt"])[-self.max_prompt_len:]
+        if not prompt:
+            raise DataError(f"{where}: empty prompt (a response is scored given its prompt)")
+        row: dict[str, Any] = {"index": index}
+        for key in ("chosen", "rejected"):
+            response = (self._encode(rec[key]) + [self.eos_token_id])[: self.cutoff_len - len(prompt)]
+            ids = prompt + response
+            # labels[t] = ids[t + 1] on response tokens: the prompt's last position predicts the first response token.
+            row[key] = (ids, [-100] * (len(prompt) - 1) + response + [-100])
+        return row
+
+    def _records(self, split: str) -> list[tuple[dict[str, Any], str]]:
+        """``(record, "file:line")`` of a split's file, or generated pairs."""
+        path = self.paths[split]
+        if path is None:
+            n = self.generated[split] if split == "fit" or self.paths["fit"] is None else 0
+            pairs = make_preference_pairs(n, seed=self.seed + (0 if split == "fit" else 1)) if n else []
+            return [(r, f"generated pair {i + 1}") for i, r in enumerate(pairs)]
+        recs = read_records(path, required=FIELDS, types=dict.fromkeys(FIELDS, str))
+        recs = recs[: self.limit_examples] if self.limit_examples else recs
+        return [(r, f"{path}:{r['_line']}") for r in recs]
+
+    def setup(self, stage: str) -> None:
+        if stage not in ("fit", "validate") or "fit" in self.datasets:
+            return
+        train, val = self._records("fit"), self._records("validate")
+        if self.paths["validate"] is None and self.paths["fit"] is not None and self.val_fraction > 0:
+            g = torch.Generator().manual_seed(self.seed)
+            order = torch.randperm(len(train), generator=g).tolist()
+            held = set(order[: max(1, round(len(train) * self.val_fraction))])
+            val = [r for i, r in enumerate(train) if i in held]
+            train = [r for i, r in enumerate(train) if i not in held]
+        if stage == "fit" and not train:
+            raise DataError(f"{self.paths['fit']}: no preference pairs")
+        for split, recs in (("fit", train), ("validate", val)):
+            self.datasets[split] = EncodedDataset([self.encode_pair(r, i, where) for i, (r, where) in enumerate(recs)])
+        log.info("%d training and %d validation preference pairs", len(train), len(val))
+
+    # ------------------------------------------------------------------------------------------ batches
+    def collate(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """b pairs -> 2b interleaved rows (chosen, rejected, chosen, ...), right-padded."""
+        seqs = [r[key] for r in rows for key in ("chosen", "rejected")]
+        longest = max(len(ids) for ids, _ in seqs)
+        ids = torch.full((len(seqs), longest), self.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(seqs), longest), -100, dtype=torch.long)
+        mask = torch.zeros((len(seqs), longest), dtype=torch.long)
+        for i, (seq, lab) in enumerate(seqs):
+            ids[i, : len(seq)], labels[i, : len(seq)], mask[i, : len(seq)] = torch.tensor(seq), torch.tensor(lab), 1
+        index = torch.tensor([r["index"] for r in rows]).repeat_interleave(2)
+        return {"input_ids": ids, "labels": labels, "attention_mask": mask, "pair_index": index}
+
+    def split_dataset(self, split: str) -> EncodedDataset:
+        """The encoded pairs of ``fit`` or ``validate`` (after ``setup``)."""
+        return self.datasets.get(split, EncodedDataset([]))
+
+    def reference_dataloader(self, split: str) -> DataLoader:
+        """Every pair of ``split`` in order, unsharded (each rank precomputes the whole reference table)."""
+        return DataLoader(self.split_dataset(split), batch_size=self.eval_batch_size, shuffle=False,
+                          collate_fn=self.collate)
+
+    def train_dataloader(self) -> DataLoader:
+        return self.make_loader(self.datasets["fit"], train=True, collate_fn=self.collate)
+
+    def val_dataloader(self) -> DataLoader:
+        return self.make_loader(self.split_dataset("validate"), train=False, collate_fn=self.collate)
