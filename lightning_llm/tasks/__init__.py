@@ -3,7 +3,8 @@
 from lightning_llm.tasks.base import LLMTask, OptimConfig
 from lightning_llm.tasks.causal_lm import CausalLMTask
 from lightning_llm.tasks.classification import ClassificationTask
+from lightning_llm.tasks.grpo import GRPOTask
 from lightning_llm.tasks.ppo import PPOTask
 from lightning_llm.tasks.sft import SFTTask
 
-__all__ = ["CausalLMTask", "ClassificationTask", "LLMTask", "OptimConfig", "PPOTask", "SFTTask"]
+__all__ = ["CausalLMTask", "ClassificationTask", "GRPOTask", "LLMTask", "OptimConfig", "PPOTask", "SFTTask"]
