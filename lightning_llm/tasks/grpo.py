@@ -49,7 +49,13 @@ from typing_extensions import override
 
 from lightning_llm.peft import count_parameters
 from lightning_llm.rl.config import GRPOConfig
-from lightning_llm.rl.core import entropy_from_logits, group_advantages, grpo_loss, kl_penalty, logprobs_from_logits
+from lightning_llm.rl.core import (
+    entropy_from_logits,
+    group_advantages,
+    grpo_loss,
+    kl_penalty,
+    logprobs_from_logits,
+)
 from lightning_llm.rl.policy import Rollout, response_logits
 from lightning_llm.tasks.online_rl import OnlineRLTask, UpdateSchedule
 
