@@ -172,11 +172,17 @@ def generate(
     *,
     config: GenerationConfig | None = None,
     generator: torch.Generator | None = None,
+    uniforms: Tensor | None = None,
 ) -> Tensor:
     """Continue left-padded prompts ``input_ids`` [B, S]; returns the new tokens [B, N] (N <= max_new_tokens).
 
     Rows that ended (EOS) are filled with ``pad_token_id`` afterwards; the EOS itself is kept. Generation stops
     early once every row has ended. The model's training mode is left unchanged (call ``eval()`` first).
+
+    ``uniforms`` [B, max_new_tokens] (sampling only, instead of ``generator``): pre-drawn U(0, 1) numbers; row b's
+    token at step t is the inverse CDF of its sampling distribution at ``uniforms[b, t]``. A row's sample then
+    depends on its own draws only, not on which other rows share the batch (``torch.multinomial`` with one
+    generator draws the rows in sequence).
     """
     cfg = config or GenerationConfig()
     if attention_mask is None:
@@ -187,6 +193,9 @@ def generate(
         raise ValueError("generate() needs LEFT-padded prompts: some rows end with padding")
     if cfg.num_beams > 1:
         return _beam_search(model, input_ids, attention_mask, cfg)
+    if uniforms is not None and uniforms.shape != (input_ids.shape[0], cfg.max_new_tokens):
+        raise ValueError(f"uniforms {tuple(uniforms.shape)} must be [batch, max_new_tokens] = "
+                         f"{(input_ids.shape[0], cfg.max_new_tokens)}")
     eos = torch.tensor(cfg.eos_ids, dtype=torch.long, device=input_ids.device)
     stepper = _Stepper(model, input_ids, attention_mask, cfg.use_cache)
     logits = stepper.first()
@@ -194,7 +203,9 @@ def generate(
     out: list[Tensor] = []
     for step in range(cfg.max_new_tokens):
         scores = _process_logits(logits, stepper.seqs, cfg)
-        if cfg.do_sample:
+        if cfg.do_sample and uniforms is not None:
+            token = _inverse_cdf(scores.softmax(-1), uniforms[:, step])  # [B]
+        elif cfg.do_sample:
             token = torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(1)  # [B]
         else:
             token = scores.argmax(-1)  # [B]
@@ -205,6 +216,14 @@ def generate(
             break
         logits = stepper.next(token)
     return torch.stack(out, dim=1)
+
+
+def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
+    """The token [R] whose CDF interval holds ``u`` [R] (in [0, 1)), per row of ``probs`` [R, V]. fp64 cumulative
+    sums: the last bucket's edge stays within ~1e-16 of the total. Zero-probability tokens have empty intervals."""
+    cdf = probs.double().cumsum(-1)  # [R, V]
+    target = (u.double() * cdf[:, -1]).unsqueeze(-1)  # [R, 1]
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
 def _beam_search(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, cfg: GenerationConfig) -> Tensor:

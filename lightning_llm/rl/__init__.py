@@ -1,9 +1,12 @@
-"""Reinforcement learning from feedback: PPO math (pure functions), KL controllers, reward sources, rollouts."""
+"""Reinforcement learning from feedback: PPO and GRPO math (pure functions), KL controllers, reward sources,
+rollouts."""
 
-from lightning_llm.rl.config import PPOConfig
+from lightning_llm.rl.config import GRPOConfig, PPOConfig
 from lightning_llm.rl.core import (
     entropy_from_logits,
     gae,
+    group_advantages,
+    grpo_loss,
     kl_penalty,
     logprobs_from_logits,
     masked_mean,
@@ -27,8 +30,8 @@ from lightning_llm.rl.rewards import (
 )
 
 __all__ = [
-    "AdaptiveKLController", "CharShareReward", "FixedKLController", "PPOConfig", "RewardConfig", "RewardModel",
-    "build_reward", "entropy_from_logits", "gae", "kl_penalty", "load_callable", "logprobs_from_logits",
-    "make_kl_controller", "masked_mean", "masked_var", "masked_whiten", "per_token_rewards", "policy_loss",
-    "value_loss",
+    "AdaptiveKLController", "CharShareReward", "FixedKLController", "GRPOConfig", "PPOConfig", "RewardConfig",
+    "RewardModel", "build_reward", "entropy_from_logits", "gae", "group_advantages", "grpo_loss", "kl_penalty",
+    "load_callable", "logprobs_from_logits", "make_kl_controller", "masked_mean", "masked_var", "masked_whiten",
+    "per_token_rewards", "policy_loss", "value_loss",
 ]

@@ -1,14 +1,16 @@
-"""PPO hyper-parameters (names and defaults follow trl's ``PPOConfig`` where it has the same knob)."""
+"""PPO and GRPO hyper-parameters (names and defaults follow trl's ``PPOConfig`` / ``GRPOConfig`` where they have
+the same knob)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from lightning_llm.rl.core import KLEstimator
 
-__all__ = ["PPOConfig"]
+__all__ = ["GRPOConfig", "GRPOLossType", "PPOConfig"]
 
 
 @dataclass
@@ -75,3 +77,59 @@ class PPOConfig:
 
 
 torch.serialization.add_safe_globals([PPOConfig])  # saved in checkpoints' hyper-parameters
+
+
+GRPOLossType = Literal["grpo", "dapo"]
+
+
+@dataclass
+class GRPOConfig:
+    """Group sampling, group-relative advantages and the clipped GRPO update (no critic)."""
+
+    num_generations: int = 8
+    """G: responses sampled per prompt; advantages are relative to the prompt's group (G >= 2)."""
+    epochs: int = 1
+    """Passes over each rollout batch (trl's ``num_iterations``); with 1 pass and 1 mini-batch the ratio stays 1."""
+    num_mini_batches: int = 1
+    """Mini-batches (optimizer steps) per pass over the B x G responses of a rank."""
+    clip_range: float = 0.2
+    """Policy ratio clip epsilon."""
+    beta: float = 0.04
+    """Coefficient of the per-token KL to the reference in the loss (0 = no KL term)."""
+    kl_estimator: KLEstimator = "k3"
+    """Per-token KL estimator in the loss: ``k3`` = exp(ref - new) - (ref - new) - 1 (trl's), ``k1`` or ``k2``."""
+    scale_rewards: bool = True
+    """Divide the group-centred rewards by the group's (unbiased) std + ``eps``; false: centre only (Dr. GRPO)."""
+    eps: float = 1e-4
+    """Added to the group std before dividing (trl's 1e-4): a group of equal rewards gets zero advantages."""
+    loss_type: GRPOLossType = "grpo"
+    """``grpo``: each response's token mean, then the mean over responses; ``dapo``: the mean over every token of
+    the global mini-batch (long responses weigh more)."""
+    missing_eos_penalty: float | None = None
+    """Subtracted from the score of responses that never emit EOS (before group normalisation)."""
+    ratio_threshold: float | None = 10.0
+    """Skip a mini-batch whose mean importance ratio exceeds this (counted in ``policy/skipped_minibatches``)."""
+    max_grad_norm: float | None = 1.0
+    """Clip the gradient norm of every update."""
+
+    def __post_init__(self) -> None:
+        checks = {
+            "num_generations": self.num_generations >= 2, "epochs": self.epochs >= 1,
+            "num_mini_batches": self.num_mini_batches >= 1, "clip_range": self.clip_range > 0,
+            "beta": self.beta >= 0, "kl_estimator": self.kl_estimator in ("k1", "k2", "k3"), "eps": self.eps > 0,
+            "loss_type": self.loss_type in ("grpo", "dapo"),
+            "missing_eos_penalty": self.missing_eos_penalty is None or self.missing_eos_penalty >= 0,
+            "ratio_threshold": self.ratio_threshold is None or self.ratio_threshold > 1,
+            "max_grad_norm": self.max_grad_norm is None or self.max_grad_norm > 0,
+        }
+        why = {"num_generations": " (>= 2: a group of one has no relative advantage)"}
+        bad = [k for k, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"--model.grpo.{bad[0]}={getattr(self, bad[0])!r} is out of range{why.get(bad[0], '')}")
+
+    @property
+    def updates_per_rollout(self) -> int:
+        return self.epochs * self.num_mini_batches
+
+
+torch.serialization.add_safe_globals([GRPOConfig])  # saved in checkpoints' hyper-parameters

@@ -1,4 +1,4 @@
-"""PPO math on padded per-token tensors, as pure functions (no model, no Lightning).
+"""PPO and GRPO math on padded per-token tensors, as pure functions (no model, no Lightning).
 
 Every tensor is ``[B, N]`` over response tokens (B rollouts, N = longest response) with a boolean/0-1 ``mask``
 marking real tokens (a response's tokens up to and including its EOS). Formulas follow trl's ``PPOTrainer``
@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "KLEstimator", "entropy_from_logits", "gae", "kl_penalty", "logprobs_from_logits", "masked_mean", "masked_var",
-    "masked_whiten", "per_token_rewards", "policy_loss", "value_loss",
+    "KLEstimator", "entropy_from_logits", "gae", "group_advantages", "grpo_loss", "kl_penalty", "logprobs_from_logits",
+    "masked_mean", "masked_var", "masked_whiten", "per_token_rewards", "policy_loss", "value_loss",
 ]
 
 AllReduce = Callable[[Tensor], Tensor]
@@ -165,3 +165,62 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     with torch.no_grad():
         clipfrac = ((losses2 > losses1).to(m.dtype) * m).sum() / denom
     return loss, clipfrac
+
+
+# ---------------------------------------------------------------------------------------------------- GRPO
+
+
+def group_advantages(scores: Tensor, group_size: int, *, scale: bool = True, eps: float = 1e-4
+                     ) -> tuple[Tensor, Tensor]:
+    """GRPO's group-relative advantages of ``scores`` [B * G] (the G responses of a prompt adjacent):
+    ``A = (r - mean_group) / (std_group + eps)`` with the unbiased (Bessel) group std, as trl; ``scale=False``
+    only centres. Returns (advantages [B * G], group std [B])."""
+    grouped = scores.view(-1, group_size)  # [B, G]
+    std = grouped.std(dim=1)  # [B]
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    advantages = centred / (std[:, None] + eps) if scale else centred
+    return advantages.reshape(-1), std
+
+
+def grpo_loss(new_logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
+              clip_range: float, beta: float, kl_estimator: KLEstimator = "k3", loss_type: str = "grpo",
+              seq_count: Tensor | float | None = None, token_count: Tensor | float | None = None
+              ) -> tuple[Tensor, dict[str, Tensor]]:
+    """The GRPO loss of a mini-batch; every tensor ``[B, N]`` over response tokens (``advantages`` broadcast over
+    each response's tokens). Per token, with ``ratio = exp(new - old)``::
+
+        l_t = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) + beta * KL_t,   KL_t = kl_penalty(new, ref)
+
+    (k3: ``exp(ref - new) - (ref - new) - 1``). ``loss_type="grpo"``: sum over responses of each response's token
+    mean, divided by ``seq_count`` (default B); ``"dapo"``: sum over all masked tokens divided by ``token_count``
+    (default: their number). Under data parallelism pass the GLOBAL counts divided by the world size, so DDP's
+    gradient mean is the global mini-batch's loss gradient.
+
+    Stats (local shares of global token means, divided by ``token_count``): ``ratio``, ``clipfrac`` (tokens where
+    the clipped branch is taken), ``approxkl`` (``0.5 * log ratio^2``), ``kl`` (KL_t to the reference) and
+    ``policy`` (the loss).
+    """
+    m = mask.to(new_logprobs.dtype)
+    tokens = m.sum() if token_count is None else token_count
+    log_ratio = (new_logprobs - old_logprobs) * m
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    kl = kl_penalty(new_logprobs, ref_logprobs, kl_estimator) * m
+    per_token = torch.maximum(unclipped, clipped) + beta * kl  # = -min(ratio A, clip(ratio) A) + beta KL
+    if loss_type == "grpo":
+        per_seq = (per_token * m).sum(-1) / m.sum(-1).clamp(min=1)  # [B]
+        loss = per_seq.sum() / (per_seq.shape[0] if seq_count is None else seq_count)
+    elif loss_type == "dapo":
+        loss = (per_token * m).sum() / tokens
+    else:
+        raise ValueError(f"loss_type must be grpo or dapo, got {loss_type!r}")
+    with torch.no_grad():
+        stats = {
+            "ratio": (ratio * m).sum() / tokens,
+            "clipfrac": ((clipped > unclipped).to(m.dtype) * m).sum() / tokens,
+            "approxkl": 0.5 * (log_ratio**2 * m).sum() / tokens,
+            "kl": kl.sum() / tokens,
+            "policy": loss.detach(),
+        }
+    return loss, stats

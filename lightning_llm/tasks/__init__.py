@@ -5,7 +5,10 @@ from lightning_llm.tasks.causal_lm import CausalLMTask
 from lightning_llm.tasks.classification import ClassificationTask
 from lightning_llm.tasks.decoder import DecoderTask
 from lightning_llm.tasks.dpo import DPOTask
+from lightning_llm.tasks.grpo import GRPOTask
+from lightning_llm.tasks.online_rl import OnlineRLTask
 from lightning_llm.tasks.ppo import PPOTask
 from lightning_llm.tasks.sft import SFTTask
 
-__all__ = ["CausalLMTask", "ClassificationTask", "DPOTask", "DecoderTask", "LLMTask", "OptimConfig", "PPOTask", "SFTTask"]
+__all__ = ["CausalLMTask", "ClassificationTask", "DPOTask", "DecoderTask", "GRPOTask", "LLMTask", "OnlineRLTask",
+           "OptimConfig", "PPOTask", "SFTTask"]

@@ -90,7 +90,9 @@ class OnlineRLTask(DecoderTask):
                 EOS/pad default to the datamodule's tokenizer). Validation decodes greedily.
             reward: The reward source (``reward.fn`` import path or ``reward.model``).
             generation_seed: Seed of rollout sampling (default: the global seed); rank r at rollout i draws
-                from ``seed + 1_000_003 * i + r``, so resumed runs sample the same responses.
+                from ``seed + 1_000_003 * i + r``, so resumed runs sample the same responses. Tasks that sample
+                per prompt (GRPO) seed each prompt from (seed, rollout, prompt index) instead: the same responses at
+                any number of devices.
         """
         super().__init__(backbone, dropout=dropout, **kwargs)
         self.automatic_optimization = False
@@ -212,18 +214,41 @@ class OnlineRLTask(DecoderTask):
             raise ValueError(f"the reward returned shape {tuple(scores.shape)} for {len(responses)} responses")
         return scores.to(self.device)
 
+    def _prompt_uniforms(self, index: Tensor, repeats: int, steps: int) -> Tensor:
+        """U(0, 1) draws [B * repeats, steps] for :func:`generate`'s inverse-CDF sampling: one CPU generator per
+        prompt, seeded from (seed, rollout, the prompt's record ``index``) and not from the rank, so a prompt's
+        responses do not depend on the rank or batch that holds it."""
+        seed = self.generation_seed if self.generation_seed is not None else torch.initial_seed()
+        rows = []
+        for i in index.tolist():
+            mixed = ((int(seed) * 1_000_003 + self.rollouts_done) * 1_000_000_007 + int(i)) % (2**63)
+            rows.append(torch.rand(repeats, steps, generator=torch.Generator().manual_seed(mixed),
+                                   dtype=torch.float64))
+        return torch.cat(rows).to(self.device)
+
     @torch.no_grad()
-    def sample(self, batch: dict[str, Any], *, greedy: bool = False, repeats: int = 1) -> Samples:
-        """Generate ``repeats`` responses per prompt (rows of one prompt are adjacent), decode and score them."""
+    def sample(self, batch: dict[str, Any], *, greedy: bool = False, repeats: int = 1,
+               seed_per_prompt: bool = False) -> Samples:
+        """Generate ``repeats`` responses per prompt (rows of one prompt are adjacent), decode and score them.
+        ``seed_per_prompt``: draw from :meth:`_prompt_uniforms` (needs the batch's ``index``, as
+        :class:`~lightning_llm.data.PromptDataModule` gives) instead of the per-rank generator."""
         cfg = self._gen_config(greedy=greedy)
         self.eval()  # dropout off for generation and every forward of the rollout and the update
         prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
         prompts = list(batch["prompt"])
+        uniforms = generator = None
+        if not greedy and seed_per_prompt:
+            if "index" not in batch:
+                raise ValueError(f"{type(self).__name__} seeds rollouts per prompt: its batches need the prompts' "
+                                 "record 'index' (as PromptDataModule's batches have)")
+            uniforms = self._prompt_uniforms(batch["index"], repeats, cfg.max_new_tokens)
+        elif not greedy:
+            generator = self._generator()
         if repeats > 1:
             prompt_ids, prompt_mask = prompt_ids.repeat_interleave(repeats, 0), prompt_mask.repeat_interleave(repeats, 0)
             prompts = [p for p in prompts for _ in range(repeats)]
-        responses = generate(self.policy, prompt_ids, prompt_mask, config=cfg,
-                             generator=None if greedy else self._generator())  # [B, N]
+        responses = generate(self.policy, prompt_ids, prompt_mask, config=cfg, generator=generator,
+                             uniforms=uniforms)  # [B, N]
         qr, am, pos, rmask, has_eos = pack_responses(prompt_ids, prompt_mask, responses, cfg.eos_ids)
         texts = [self._decode(ids) for ids in strip_after_eos(responses, cfg.eos_ids)]
         return Samples(query_responses=qr, attention_mask=am, position_ids=pos, context_length=prompt_ids.shape[1],

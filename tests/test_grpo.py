@@ -1,0 +1,351 @@
+"""GRPO task: the loss and group advantages against the formulas written out here in float64, learning the
+programmatic digits reward with a bounded KL, the LoRA reference (adapters off, no copy), per-prompt seeded
+sampling, configuration errors, and DDP on 2 processes vs one device (tensor parallelism refused)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_llm.cli import main
+from lightning_llm.data import PromptDataModule
+from lightning_llm.generation import GenerationConfig, _inverse_cdf, generate
+from lightning_llm.peft import LoraArgs
+from lightning_llm.rl import GRPOConfig, RewardConfig, group_advantages, grpo_loss
+from lightning_llm.rl.core import logprobs_from_logits
+from lightning_llm.rl.policy import Rollout, pack_responses, response_logits
+from lightning_llm.tasks import GRPOTask, OptimConfig
+from lightning_llm.testing import run_cli
+
+DIGITS = RewardConfig(fn="lightning_llm.rl.rewards:CharShareReward", kwargs={"chars": "digits"})
+KEYS = ("objective/scores", "objective/kl", "reward_std", "frac_reward_zero_std", "response_length", "episode",
+        "policy/approxkl_avg", "policy/clipfrac_avg", "policy/entropy_avg", "policy/kl_avg", "loss/policy_avg",
+        "val/ratio", "policy/skipped_minibatches")
+
+
+class Metrics(pl.Callback):
+    """Every logged metric after each rollout step."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+def _task(**kwargs: Any) -> GRPOTask:
+    defaults: dict[str, Any] = {
+        "model_overrides": {"num_layers": 2}, "generation": GenerationConfig(max_new_tokens=12, do_sample=True),
+        "grpo": GRPOConfig(num_generations=8, epochs=2, num_mini_batches=2, beta=0.1), "reward": DIGITS,
+        "optim": OptimConfig(lr=3e-3, warmup_steps=0, scheduler="constant", weight_decay=0.0)}
+    return GRPOTask("debug", **{**defaults, **kwargs})
+
+
+def _fit(task: GRPOTask, rollouts: int, *, batch_size: int = 4) -> list[dict[str, float]]:
+    pl.seed_everything(0)
+    rec = Metrics()
+    dm = PromptDataModule(batch_size=batch_size, generated_prompts=256, max_prompt_len=32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pl.Trainer(accelerator="cpu", max_steps=rollouts * task.grpo.updates_per_rollout, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[rec],
+                   limit_val_batches=0, num_sanity_val_steps=0).fit(task, dm)
+    return rec.rows
+
+
+def _mean(rows: list[dict[str, float]], key: str) -> float:
+    return sum(r[key] for r in rows) / len(rows)
+
+
+# ------------------------------------------------------------------------------------------------ formulas
+def _advantages_by_hand(scores: list[float], g: int, *, scale: bool, eps: float) -> list[float]:
+    out = []
+    for start in range(0, len(scores), g):
+        group = scores[start:start + g]
+        mean = sum(group) / g
+        std = math.sqrt(sum((x - mean) ** 2 for x in group) / (g - 1))  # unbiased
+        out += [(x - mean) / (std + eps) if scale else x - mean for x in group]
+    return out
+
+
+def _loss_by_hand(new: list[list[float]], old: list[list[float]], ref: list[list[float]], adv: list[float],
+                  lengths: list[int], *, eps: float, beta: float, loss_type: str) -> tuple[float, list[list[float]], int]:
+    """(loss, d loss / d new per token, number of clipped tokens), one token at a time."""
+    seq_losses, grads, clipped, total, tokens = [], [], 0, 0.0, sum(lengths)
+    for i, n in enumerate(lengths):
+        a, row_loss, row_grad = adv[i], 0.0, []
+        for t in range(n):
+            ratio = math.exp(new[i][t] - old[i][t])
+            unclipped, clip = ratio * a, min(max(ratio, 1 - eps), 1 + eps) * a
+            d = ref[i][t] - new[i][t]
+            kl = math.exp(d) - d - 1  # k3
+            surrogate = min(unclipped, clip)
+            clipped += clip < unclipped
+            token_loss = -surrogate + beta * kl
+            # d/dnew: the unclipped branch is ratio * a (d/dnew = ratio * a); the clipped one is constant outside
+            # the range; the KL term gives beta * (1 - exp(ref - new)).
+            g = (-ratio * a if unclipped <= clip else 0.0) + beta * (1 - math.exp(d))
+            row_loss += token_loss
+            row_grad.append(g)
+        seq_losses.append(row_loss / n)
+        total += row_loss
+        grads.append(row_grad)
+    if loss_type == "grpo":
+        b = len(lengths)
+        return sum(seq_losses) / b, [[g / (n * b) for g in row] for row, n in zip(grads, lengths)], clipped
+    return total / tokens, [[g / tokens for g in row] for row in grads], clipped
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_loss_and_advantages_match_the_formulas_in_float64(loss_type: str) -> None:
+    g, b, n, eps, beta = 4, 3, 6, 0.2, 0.04
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.rand(b * g, generator=gen, dtype=torch.float64)
+    scores[g:2 * g] = 0.5  # a group of equal rewards: zero advantages, not 0/0
+    adv, std = group_advantages(scores, g, scale=True, eps=1e-4)
+    by_hand = _advantages_by_hand(scores.tolist(), g, scale=True, eps=1e-4)
+    err_adv = max(abs(x - y) for x, y in zip(adv.tolist(), by_hand))
+    centred, _ = group_advantages(scores, g, scale=False)
+    err_centred = max(abs(x - y) for x, y in zip(centred.tolist(), _advantages_by_hand(scores.tolist(), g, scale=False,
+                                                                                         eps=0.0)))
+    assert adv[g:2 * g].abs().max() == 0 and float(std[1]) == 0
+
+    rows = b * g
+    lengths = [int(x) for x in torch.randint(1, n + 1, (rows,), generator=gen)]
+    mask = torch.arange(n)[None, :] < torch.tensor(lengths)[:, None]  # [rows, n]
+    old = -torch.rand(rows, n, generator=gen, dtype=torch.float64) * 4
+    new = (old + torch.randn(rows, n, generator=gen, dtype=torch.float64) * 0.3).requires_grad_(True)  # ratios off 1
+    ref = old + torch.randn(rows, n, generator=gen, dtype=torch.float64) * 0.5
+    a = torch.randn(rows, generator=gen, dtype=torch.float64)
+    loss, stats = grpo_loss(new * mask, old * mask, ref * mask, a[:, None] * mask, mask, clip_range=eps, beta=beta,
+                            loss_type=loss_type)
+    loss.backward()
+    want, want_grad, n_clipped = _loss_by_hand(new.tolist(), old.tolist(), ref.tolist(), a.tolist(), lengths, eps=eps,
+                                               beta=beta, loss_type=loss_type)
+    err_loss = abs(float(loss.detach()) - want)
+    err_grad = max(abs(float(new.grad[i, t]) - want_grad[i][t]) for i in range(rows) for t in range(lengths[i]))
+    assert float(new.grad[~mask].abs().max()) == 0  # padding gets no gradient
+    # Data parallel: two halves with the global counts / 2 and averaged (DDP's gradient mean) = the whole batch.
+    halves = []
+    for part in (slice(0, rows // 2), slice(rows // 2, rows)):
+        m = mask[part]
+        halves.append(grpo_loss(new[part] * m, old[part] * m, ref[part] * m, a[part, None] * m, m, clip_range=eps,
+                                beta=beta, loss_type=loss_type, seq_count=rows / 2, token_count=mask.sum() / 2)[0])
+    err_split = abs(float(sum(halves).detach() / 2) - want)
+    print(f"{loss_type}: |adv - formula| {err_adv:.1e} (centred {err_centred:.1e}); |loss - formula| {err_loss:.1e}; "
+          f"|grad - formula| {err_grad:.1e}; 2-way split {err_split:.1e}; clipped tokens {n_clipped}/{sum(lengths)} "
+          f"(clipfrac {float(stats['clipfrac']):.3f})")
+    assert 0 < n_clipped < sum(lengths) and abs(float(stats["clipfrac"]) - n_clipped / sum(lengths)) < 1e-12
+    assert max(err_adv, err_centred, err_loss, err_grad, err_split) <= 1e-12
+
+
+def test_task_advantages_and_minibatch_loss_follow_the_formulas() -> None:
+    """The task wires the formulas: advantages broadcast over each response's tokens (fp64 scores), and the loss of
+    its own forward of the policy (fp32 log-probs, the same as the forward here; the formula evaluated in fp64)."""
+    g, b, p, n = 4, 2, 5, 6
+    task = _task(grpo=GRPOConfig(num_generations=g, beta=0.04, missing_eos_penalty=0.25))
+    task.configure_model()
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(3, 250, (b * g, p), generator=gen)
+    responses = torch.randint(3, 250, (b * g, n), generator=gen)
+    responses[0, 2] = 2  # an EOS (ByteTokenizer's id 2 is passed below): row 0 ends after 3 tokens
+    qr, am, pos, rmask, has_eos = pack_responses(prompts, torch.ones_like(prompts), responses, [2])
+    policy = task.model.eval()
+    with torch.no_grad():
+        cur = logprobs_from_logits(response_logits(policy(qr, attention_mask=am, position_ids=pos), p), responses)
+    m = rmask.double()
+    old = (cur.double() + torch.randn(b * g, n, generator=gen, dtype=torch.float64) * 0.3) * m
+    ref = (cur.double() + torch.randn(b * g, n, generator=gen, dtype=torch.float64) * 0.3) * m
+    scores = torch.rand(b * g, generator=gen, dtype=torch.float64)
+    r = Rollout(query_responses=qr, attention_mask=am, position_ids=pos, context_length=p, responses=responses,
+                response_mask=rmask, has_eos=has_eos, logprobs=old, ref_logprobs=ref, values=torch.zeros_like(old),
+                scores=scores.clone())
+    stats = task.compute_advantages(r)
+    penalised = [s - 0.25 * (not e) for s, e in zip(scores.tolist(), has_eos.tolist())]
+    want = _advantages_by_hand(penalised, g, scale=True, eps=1e-4)
+    err_adv = max(abs(float(r.advantages[i, t]) - want[i] * bool(rmask[i, t])) for i in range(b * g) for t in range(n))
+    assert abs(stats["objective/scores"] - sum(penalised) / len(penalised)) < 1e-6
+    loss, mb_stats = task.minibatch_loss(r)
+    lengths = rmask.sum(-1).tolist()
+    want_loss, _, n_clipped = _loss_by_hand([row[:k] for row, k in zip(cur.double().tolist(), lengths)], old.tolist(),
+                                            ref.tolist(), want, lengths, eps=0.2, beta=0.04, loss_type="grpo")
+    err_loss = abs(float(loss) - want_loss)
+    print(f"task: |advantages - formula| {err_adv:.1e}; |loss - formula| {err_loss:.1e}; clipped tokens "
+          f"{n_clipped}/{sum(lengths)}; stats {sorted(mb_stats)}")
+    assert err_adv <= 1e-12 and err_loss <= 1e-12 and n_clipped > 0
+    assert {"ratio", "clipfrac", "approxkl", "kl", "entropy", "policy"} <= set(mb_stats)
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+def test_per_prompt_sampling_does_not_depend_on_the_batch() -> None:
+    """Inverse-CDF sampling from pre-drawn uniforms: the right distribution, and a row samples the same tokens alone
+    as beside other rows (what makes 2 ranks x B prompts sample what 1 device x 2B prompts samples)."""
+    probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]]).expand(200_000, 4)
+    tokens = _inverse_cdf(probs, torch.rand(200_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
+    freq = torch.bincount(tokens, minlength=4).double() / tokens.numel()
+    assert freq[1] == 0 and float((freq - probs[0].double()).abs().max()) < 0.005
+    task = _task()
+    task.configure_model()
+    model = task.model.eval()
+    cfg = GenerationConfig(max_new_tokens=10, do_sample=True, eos_token_id=2)
+    ids = torch.randint(3, 250, (3, 7), generator=torch.Generator().manual_seed(2)).repeat_interleave(2, 0)
+    mask = torch.ones_like(ids)
+    mask[2:4, :3] = 0  # prompt 9 is shorter: left-padded in the batch, unpadded alone
+    u = task._prompt_uniforms(torch.tensor([5, 9, 11]), 2, 10)  # 3 prompts x 2 responses
+    both = generate(model, ids, mask, config=cfg, uniforms=u)
+    alone = generate(model, ids[2:4, 3:], mask[2:4, 3:], config=cfg, uniforms=u[2:4])
+    assert torch.equal(both[2:4, :alone.shape[1]], alone)
+    again = task._prompt_uniforms(torch.tensor([9]), 2, 10)
+    assert torch.equal(again, u[2:4]) and not torch.equal(u[0:2], u[2:4])
+
+
+# ------------------------------------------------------------------------------------------------ learning
+def test_grpo_raises_programmatic_reward_with_bounded_kl() -> None:
+    """Reward = share of digits in the response (random-init policy starts near 10/259); 4 prompts x 8 responses
+    per rollout. A run without the KL term (beta=0) drifts further from the reference: the term binds."""
+    rows = _fit(_task(), 30)
+    first, last = _mean(rows[:5], "objective/scores"), _mean(rows[-5:], "objective/scores")
+    kls = [r["objective/kl"] for r in rows]
+    free = _fit(_task(grpo=GRPOConfig(num_generations=8, epochs=2, num_mini_batches=2, beta=0.0)), 30)
+    free_kl = max(r["objective/kl"] for r in free)
+    print(f"beta=0.1: scores first5={first:.3f} last5={last:.3f} gain={last - first:.3f}; per-token kl step0="
+          f"{kls[0]:.1e} max={max(kls):.2f} last5={_mean(rows[-5:], 'objective/kl'):.2f}; reward_std last5="
+          f"{_mean(rows[-5:], 'reward_std'):.3f}; clipfrac={_mean(rows, 'policy/clipfrac_avg'):.3f} "
+          f"ratio={_mean(rows, 'val/ratio'):.4f} | beta=0: scores last5={_mean(free[-5:], 'objective/scores'):.3f} "
+          f"kl max={free_kl:.2f}")
+    assert set(KEYS) <= set(rows[0]) and rows[-1]["episode"] == 30 * 4 * 8
+    assert abs(kls[0]) < 1e-6  # reference == initial policy
+    assert last - first >= 0.5
+    # Per-token KL to the near-uniform initial policy (259 tokens): spreading over the 10 digits costs
+    # log(259/10) = 3.25 nats, a deterministic policy ~4.6 (k3 of one token); beta=0.1 stays below the former.
+    assert max(kls) < 3.25 and free_kl > max(kls) + 0.5
+
+
+def test_lora_policy_reference_is_the_base_model_without_a_copy(tmp_path: Path) -> None:
+    lora = LoraArgs(r=8, alpha=16, dropout=0.0,
+                    target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"])
+    overrides = {"num_layers": 2, "vocab_size": 264}  # built before fit: give it the byte tokenizer's vocabulary
+    full = _task(model_overrides=overrides)
+    task = _task(model_overrides=overrides, lora=lora, adapter_dir=str(tmp_path / "adapter"),
+                 optim=OptimConfig(lr=1e-2, warmup_steps=0, scheduler="constant", weight_decay=0.0))
+    full.configure_model()
+    task.configure_model()
+    rep_full, rep_lora = full.parameter_report(), task.parameter_report()
+    lora_params = sum(p.numel() for n, p in task.model.named_parameters() if "lora_" in n)
+    print(f"parameters: full fine-tune {rep_full}; LoRA {rep_lora}")
+    assert task.reference.shares_policy and rep_lora["reference"] == 0
+    assert rep_full["reference"] == rep_full["policy"] and rep_full["total"] == 2 * rep_full["policy"]
+    assert rep_lora["total"] == rep_full["policy"] + lora_params  # base + adapters, no copy
+    rows = _fit(task, 12)
+    base = copy.deepcopy(full.model)
+    base.load_state_dict({k.replace(".base_layer", ""): v for k, v in task.model.state_dict().items()
+                          if "lora_" not in k})
+    # A rollout's reference log-probs vs the base decoder's, after the adapter has trained.
+    dm = PromptDataModule(generated_prompts=8)
+    dm.setup("fit")
+    batch = dm.collate([dm.datasets["fit"][i] for i in range(4)])
+    out = generate(task.model.eval(), batch["input_ids"], batch["attention_mask"],
+                   config=GenerationConfig(max_new_tokens=8, do_sample=True), generator=torch.Generator().manual_seed(0))
+    qr, am, pos, rmask, has_eos = pack_responses(batch["input_ids"], batch["attention_mask"], out, [dm.eos_token_id])
+    zeros = torch.zeros(out.shape)
+    r = Rollout(query_responses=qr, attention_mask=am, position_ids=pos, context_length=batch["input_ids"].shape[1],
+                responses=out, response_mask=rmask, has_eos=has_eos, logprobs=zeros, ref_logprobs=zeros, values=zeros,
+                scores=torch.zeros(4))
+    ref = task.reference_logprobs(r, 1.0)
+    with torch.no_grad():
+        want = r.forward_logprobs(base.eval(), temperature=1.0)
+        policy = r.forward_logprobs(task.model, temperature=1.0)
+    err, moved = float((ref - want).abs().max()), float((policy - want).abs().max())
+    print(f"LoRA: |reference - base model| log-probs {err:.1e}; policy moved {moved:.2f}; scores first3="
+          f"{_mean(rows[:3], 'objective/scores'):.3f} last3={_mean(rows[-3:], 'objective/scores'):.3f} "
+          f"kl last={rows[-1]['objective/kl']:.3f}")
+    assert err < 1e-5 and moved > 0.1 and rows[-1]["objective/kl"] > 1e-3
+    assert all(p.requires_grad == ("lora_" in name) for name, p in task.model.named_parameters())
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+
+
+# ------------------------------------------------------------------------------------------------ errors
+def test_configuration_errors_name_the_parameter(capsys: pytest.CaptureFixture[str]) -> None:
+    for bad, name in [({"num_generations": 1}, "num_generations=1"), ({"loss_type": "bnpo"}, "loss_type='bnpo'"),
+                      ({"beta": -0.1}, "beta=-0.1"), ({"eps": 0.0}, "eps=0.0"), ({"clip_range": 0.0}, "clip_range"),
+                      ({"epochs": 0}, "epochs=0"), ({"kl_estimator": "k4"}, "kl_estimator")]:
+        with pytest.raises(ValueError, match=f"--model.grpo.{name}"):
+            GRPOConfig(**bad)
+    with pytest.raises(ValueError, match="exactly one of reward.fn"):
+        GRPOTask("debug")
+    with pytest.raises(ValueError, match="--model.generation.do_sample=false"):
+        _task(generation=GenerationConfig(do_sample=False))
+    with pytest.raises(ValueError, match="num_mini_batches"):
+        _fit(_task(grpo=GRPOConfig(num_generations=2, num_mini_batches=4)), 1, batch_size=1)
+    assert main(["fit", "--model=lightning_llm.tasks.GRPOTask", "--model.reward.fn=x:y",
+                 "--model.grpo.num_generations=1", "--data=lightning_llm.data.PromptDataModule"]) == 2
+    assert "--model.grpo.num_generations=1 is out of range (>= 2" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------ DDP
+def _grpo_args(out: Path, prompts: Path, *, batch: int, extra: list[str]) -> list[str]:
+    return [
+        "fit", "--seed_everything=3", "--model=lightning_llm.tasks.GRPOTask", "--model.backbone=debug",
+        "--model.model_overrides={num_layers: 2}", "--model.generation.max_new_tokens=8",
+        "--model.generation.do_sample=true", "--model.grpo.num_generations=4", "--model.grpo.epochs=2",
+        "--model.grpo.num_mini_batches=1", "--model.grpo.loss_type=dapo", "--model.grpo.missing_eos_penalty=0.1",
+        "--model.reward.fn=lightning_llm.rl.rewards:CharShareReward", "--model.reward.kwargs={chars: digits}",
+        "--model.optim.lr=0.003", "--model.optim.scheduler=constant", "--model.optim.weight_decay=0",
+        "--data=lightning_llm.data.PromptDataModule", f"--data.train_path={prompts}", f"--data.batch_size={batch}",
+        "--trainer.accelerator=cpu", "--trainer.max_steps=8", "--trainer.logger=CSVLogger",
+        f"--trainer.logger.save_dir={out}", "--trainer.log_every_n_steps=1", "--trainer.enable_checkpointing=false",
+        "--trainer.enable_progress_bar=false", "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={out}",
+        "--trainer.callbacks+=lightning_llm.testing.StepRecorder", f"--trainer.callbacks.output={out / 'steps.json'}",
+        "--trainer.callbacks.save_params=true", *extra,
+    ]
+
+
+def _logged(out: Path) -> list[dict[str, float]]:
+    import csv
+
+    path = next(out.rglob("metrics.csv"))
+    return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(path.open()) if r.get("objective/kl")]
+
+
+@pytest.mark.multiprocess
+def test_ddp_two_processes_match_one_device(tmp_path: Path) -> None:
+    """Sampled rollouts seeded per prompt (not per rank), groups kept on one rank, the dapo loss divided by the
+    global token count: 2 ranks x 4 prompts must reproduce one device x 8 prompts, parameters included."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Say {i:02d} digits:"}) + "\n" for i in range(64)))
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    assert main(_grpo_args(single, prompts, batch=8, extra=["--trainer.devices=1"])) == 0
+    run_cli(_grpo_args(ddp, prompts, batch=4, extra=["--trainer.devices=2", "--trainer.strategy=ddp"]), nproc=2)
+    one, two = _logged(single), _logged(ddp)
+    assert len(one) == len(two) == 4  # 4 rollouts x 2 epochs = 8 optimizer steps
+    errs = {k: max(abs(a[k] - b[k]) for a, b in zip(one, two)) for k in
+            ("objective/scores", "objective/kl", "reward_std", "response_length", "loss/policy_avg", "policy/kl_avg",
+             "policy/clipfrac_avg", "val/ratio", "episode")}
+    p1, p2 = torch.load(single / "steps.json.pt"), torch.load(ddp / "steps.json.pt")
+    perr = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
+    print(f"single vs ddp max abs err: {json.dumps({k: f'{v:.2e}' for k, v in errs.items()})}; params {perr:.2e}")
+    print("scores per rollout:", [round(r["objective/scores"], 4) for r in two], "reward_std",
+          [round(r["reward_std"], 4) for r in two], "episodes", two[-1]["episode"])
+    assert two[-1]["episode"] == 4 * 8 * 4  # rollouts x global prompts x G
+    assert all(r["reward_std"] > 0 for r in two) and one[-1]["policy/kl_avg"] > 0  # real sampling, real updates
+    assert max(errs.values()) < 1e-4 and perr < 1e-4
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallel_is_refused_before_training(tmp_path: Path) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Say {i:02d} digits:"}) + "\n" for i in range(16)))
+    with pytest.raises(RuntimeError) as e:
+        run_cli(_grpo_args(tmp_path / "tp", prompts, batch=2, extra=["--trainer.devices=2", "--trainer.strategy=tp"]),
+                nproc=2)
+    assert ("lightning_llm: error: --trainer.strategy=TensorParallelStrategy: GRPOTask needs every rank to be a "
+            "data-parallel replica (2 ranks here, 1 replica(s))") in str(e.value)
+    assert not (tmp_path / "tp" / "steps.json").exists()
