@@ -168,6 +168,10 @@ def test_classifier_export_keeps_head_pooler_and_labels(arch: str, pairs: Path, 
     torch.save(old, tmp_path / "old.ckpt")
     assert export_main([str(tmp_path / "old.ckpt"), "--to", str(tmp_path / "hf-old")]) == 0
     check(tmp_path / "hf-old", "older checkpoint via the backbone")
+    # An architecture without the head is refused rather than written without the trained classifier.
+    base_arch = "MegatronBertModel" if arch.startswith("Megatron") else "BertModel"
+    assert export_main([str(ckpt), "--to", str(tmp_path / "no-head"), "--architecture", base_arch]) == 2
+    assert not (tmp_path / "no-head").exists()
 
 
 # ---------------------------------------------------------------------------------------------------- LoRA, tied
