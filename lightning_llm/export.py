@@ -9,10 +9,17 @@ Reads every checkpoint layout our strategies write and consolidates it to full t
 * a native ZeRO-1/2 directory (``model.pt`` + optimizer shards);
 * a DeepSpeed checkpoint directory (via Lightning's ``convert_zero_checkpoint_to_fp32_state_dict``).
 
-The model is rebuilt from the checkpoint's hyper-parameters (``backbone``, ``model_overrides``; vocabulary and label
-count from the weights' shapes). A PEFT/LoRA run is written either merged into full weights (``--merge-lora``, the
-default) or as a peft adapter directory (``--adapter-only``) with the base model next to it in ``DIR/base``, so
+The model is rebuilt as trained (:mod:`lightning_llm.export_model`): from the model config the checkpoint stores
+(:mod:`lightning_llm.export_meta`), so a full fine-tune needs nothing but the checkpoint; older checkpoints from
+their hyper-parameters (``backbone``, ``model_overrides``; label count from the weights). A classification run is
+written as ``...ForSequenceClassification`` with its trained pooler and classifier and the run's ``id2label``. A
+PEFT/LoRA run is written either merged into full weights (``--merge-lora``, the default; a tied embedding / LM head
+whose uses were trained apart is untied) or as a peft adapter directory (``--adapter-only``, ``modules_to_save``
+included) with the base model next to it in ``DIR/base``, so
 ``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(DIR/base), DIR)`` loads it.
+
+Beside the weights: the run's tokenizer (checked to encode identically when reloaded with ``AutoTokenizer``) and,
+for decoders, ``generation_config.json``. ``DIR`` appears only once complete (:mod:`lightning_llm.export_files`).
 """
 
 from __future__ import annotations
@@ -24,11 +31,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+
+from lightning_llm.export_files import (
+    ExportSources,
+    has_tokenizer,
+    staged_directory,
+    write_model_directory,
+    write_tokenizer,
+)
+from lightning_llm.export_meta import CHECKPOINT_KEY
+from lightning_llm.export_model import base_model, rebuild_model
 
 log = logging.getLogger(__name__)
 
-__all__ = ["export_checkpoint", "main", "read_checkpoint", "rebuild_model"]
+__all__ = ["export_checkpoint", "export_sources", "main", "read_checkpoint", "rebuild_model"]
 
 
 def _dcp_contents(path: Path) -> dict[str, Any]:
@@ -79,113 +95,100 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
                      "deepspeed)")
 
 
-def _family(state: dict[str, Tensor]) -> str:
-    if any(k.endswith("lm_head.weight") for k in state) or not any("classifier" in k for k in state):
-        return "decoder"
-    return "encoder"
+def _resolved(p: Any) -> Path | None:
+    return Path(str(p)).expanduser().resolve() if p and Path(str(p)).expanduser().is_dir() else None
 
 
-def _find(state: dict[str, Tensor], suffix: str) -> Tensor | None:
-    return next((v for k, v in state.items() if k.endswith(suffix)), None)
+def export_sources(checkpoint: dict[str, Any], *, base: str | None = None, tokenizer: str | None = None,
+                   no_tokenizer: bool = False) -> ExportSources:
+    """Where the tokenizer and generation config of an export come from.
 
-
-def rebuild_model(checkpoint: dict[str, Any], *, base: str | None = None) -> tuple[nn.Module, Any]:
-    """Our model with the checkpoint's weights, and its ``PeftConfig`` (or ``None``).
-
-    ``base``: a HF directory holding the frozen base weights, for PEFT checkpoints that store only the adapter
-    (plain ``.ckpt`` files of PEFT runs; ``strategy=3d`` checkpoints hold the base too).
-    """
-    from lightning_llm.models import build_model
-    from lightning_llm.peft import LoraArgs, PeftConfig, apply_peft
-
+    The tokenizer is the one the run trained with: ``--tokenizer``, else the directory the checkpoint records
+    (``checkpoint["export"]["tokenizer"]``; if that moved and was the backbone, ``--base``). Checkpoints that record
+    none fall back to the datamodule's saved ``tokenizer_dir`` hyper-parameter, then to the backbone directory. A run
+    on the built-in byte tokenizer has no Hugging Face tokenizer to write."""
+    meta = checkpoint.get(CHECKPOINT_KEY) or {}
     hp = dict(checkpoint.get("hyper_parameters") or {})
-    state = {k[len("model."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
-    if not state:
-        raise ValueError("the checkpoint holds no model weights (`model.*` entries of the task)")
-    family = _family(state)
-    backbone = base or hp.get("backbone", "debug")
-    overrides = {k: v for k, v in dict(hp.get("model_overrides") or {}).items() if v is not None}
-    if hp.get("dropout") is not None:
-        overrides["dropout"] = hp["dropout"]
-    embed = _find(state, "embed_tokens.weight")
-    if embed is not None and not Path(str(backbone)).is_dir():
-        overrides.setdefault("vocab_size", int(embed.shape[0]))
-    classifier = _find(state, "classifier.weight")
-    if family == "encoder" and classifier is not None and not Path(str(backbone)).is_dir():
-        overrides.setdefault("num_labels", int(classifier.shape[0]))
-    model = build_model(str(backbone), family=family, **overrides)  # type: ignore[arg-type]
-    peft_cfg = None
-    if checkpoint.get("peft") is not None:
-        peft_cfg = PeftConfig(**checkpoint["peft"])
-    elif hp.get("peft") is not None or hp.get("lora") is not None:
-        peft_cfg = hp.get("peft") or PeftConfig(method="lora", lora=hp["lora"])
-        if isinstance(peft_cfg, dict):
-            peft_cfg = PeftConfig(**peft_cfg)
-        if isinstance(peft_cfg.lora, dict):
-            peft_cfg.lora = LoraArgs(**peft_cfg.lora)
-    if peft_cfg is not None:
-        model = apply_peft(model, peft_cfg)
-    have = set(state)
-    missing = [n for n in model.state_dict() if n not in have]
-    frozen_missing = [n for n in missing if "lora_" not in n]
-    if missing and (peft_cfg is None or any("lora_" in n for n in missing)):
-        raise ValueError(f"the checkpoint lacks {len(missing)} weights of the rebuilt model, e.g. {missing[:3]}")
-    if frozen_missing and not Path(str(backbone)).is_dir():
-        raise ValueError(f"the checkpoint holds only the adapter of a PEFT run and backbone={backbone!r} is not a "
-                         "directory: pass --base HF_DIR with the base weights the run started from")
-    model.load_state_dict(state, strict=False)
-    model.eval()
-    return model, peft_cfg
-
-
-def _base_model(model: nn.Module) -> nn.Module:
-    """A plain copy of a PEFT-injected model without its adapters (base-layer weights, not merged)."""
-    import copy
-
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    plain = copy.deepcopy(model)
-    for name, module in list(plain.named_modules()):
-        if isinstance(module, BaseTunerLayer):
-            parent = plain.get_submodule(name.rsplit(".", 1)[0]) if "." in name else plain
-            setattr(parent, name.rsplit(".", 1)[-1], module.get_base_layer())
-    return plain
+    backbone = _resolved(hp.get("backbone"))
+    src = ExportSources(generation_config=meta.get("generation_config"), backbone_dir=_resolved(base) or backbone)
+    if no_tokenizer:
+        src.no_tokenizer_reason = "--no-tokenizer"
+        return src
+    if tokenizer:
+        if _resolved(tokenizer) is None:
+            raise FileNotFoundError(f"--tokenizer={tokenizer}: no such directory")
+        src.tokenizer = _resolved(tokenizer)
+        return src
+    recorded = meta.get("tokenizer") if CHECKPOINT_KEY in checkpoint else None
+    if recorded == "byte":
+        src.no_tokenizer_reason = ("the run used the built-in byte tokenizer (ids 0-258), which has no Hugging Face "
+                                   "files")
+        return src
+    if recorded:
+        candidates = [recorded]
+        if base and str(recorded) == str(Path(str(hp.get("backbone"))).expanduser().resolve()):
+            candidates.append(base)  # the backbone (holding the tokenizer) moved: --base names its new place
+    else:
+        dm_hp = dict(checkpoint.get("datamodule_hyper_parameters") or {})
+        candidates = [dm_hp.get("tokenizer_dir"), base, hp.get("backbone")]
+    found = next((d for d in map(_resolved, candidates) if d is not None and has_tokenizer(d)), None)
+    if found is None:
+        named = [str(c) for c in candidates if c]
+        src.no_tokenizer_reason = (f"no tokenizer found (looked in {named})" if named else
+                                   "the checkpoint names no tokenizer directory") + "; pass --tokenizer DIR"
+    src.tokenizer = found
+    return src
 
 
 def export_checkpoint(ckpt: str | Path, to: str | Path, *, adapter_only: bool = False, base: str | None = None,
-                      architecture: str | None = None) -> Path:
-    """Write ``to`` (HF ``config.json`` + ``model.safetensors``; or a peft adapter + ``to/base``)."""
-    from lightning_llm.models import save_hf
+                      architecture: str | None = None, tokenizer: str | None = None,
+                      no_tokenizer: bool = False) -> Path:
+    """Write ``to``: a HF model directory (``config.json``, ``model.safetensors``, tokenizer, generation config), or
+    for ``adapter_only`` a peft adapter with that directory for the base model in ``to/base``. ``to`` appears only
+    once complete; an existing ``to`` that holds a model is replaced."""
     from lightning_llm.peft import export_adapter, merge_peft
 
-    model, peft_cfg = rebuild_model(read_checkpoint(ckpt), base=base)
-    out = Path(to)
-    if peft_cfg is None:
+    checkpoint = read_checkpoint(ckpt)
+    model, peft_cfg = rebuild_model(checkpoint, base=base)
+    if adapter_only and peft_cfg is None:
+        raise ValueError("--adapter-only: the checkpoint is not from a PEFT/LoRA run")
+    sources = export_sources(checkpoint, base=base, tokenizer=tokenizer, no_tokenizer=no_tokenizer)
+    out = Path(to).absolute()
+    with staged_directory(out, flag="--to") as tmp:
         if adapter_only:
-            raise ValueError("--adapter-only: the checkpoint is not from a PEFT/LoRA run")
-        return save_hf(model, out, architecture=architecture)
-    if adapter_only:
-        export_adapter(model, peft_cfg, out, base_model_name_or_path=str(out / "base"))
-        save_hf(_base_model(model), out / "base", architecture=architecture)
-        return out
-    return save_hf(merge_peft(model), out, architecture=architecture)
+            export_adapter(model, peft_cfg, tmp, base_model_name_or_path=str(out / "base"))
+            (tmp / "base").mkdir()
+            write_model_directory(base_model(model), tmp / "base", sources, architecture=architecture)
+            if sources.tokenizer is not None:  # PeftModel users load the tokenizer from the adapter directory
+                write_tokenizer(sources.tokenizer, tmp)
+        else:
+            write_model_directory(model if peft_cfg is None else merge_peft(model), tmp, sources,
+                                  architecture=architecture)
+    if sources.tokenizer is None:
+        log.warning("%s: no tokenizer written: %s", out, sources.no_tokenizer_reason)
+    return out
 
 
 def main(argv: list[str]) -> int:
-    """``lightning_llm export CKPT --to DIR [--merge-lora | --adapter-only] [--base HF_DIR]``."""
+    """``lightning_llm export CKPT --to DIR [--merge-lora | --adapter-only] [--base HF_DIR] [--tokenizer DIR]``."""
     parser = argparse.ArgumentParser(prog="lightning_llm export", description=__doc__.split("\n\n")[0])
     parser.add_argument("ckpt", help="checkpoint file or directory (any of our strategies' layouts)")
-    parser.add_argument("--to", required=True, help="output directory (Hugging Face format)")
+    parser.add_argument("--to", required=True, help="output directory (Hugging Face format), written atomically")
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--merge-lora", action="store_true", help="PEFT runs: fold the adapter into full weights "
                                                                 "(default)")
     mode.add_argument("--adapter-only", action="store_true", help="PEFT runs: write the peft adapter (+ DIR/base)")
-    parser.add_argument("--base", help="HF directory of the base model, for adapter-only PEFT checkpoints")
-    parser.add_argument("--architecture", help="HF architecture (default: from the model family)")
+    parser.add_argument("--base", help="HF directory of the base model, for adapter-only PEFT checkpoints (default: "
+                                       "the run's backbone)")
+    parser.add_argument("--architecture", help="HF architecture (default: from the model family and head)")
+    tok = parser.add_mutually_exclusive_group()
+    tok.add_argument("--tokenizer", help="tokenizer directory to write (default: the run's, from the checkpoint)")
+    tok.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer files")
     args = parser.parse_args(argv)
     try:
         out = export_checkpoint(args.ckpt, args.to, adapter_only=args.adapter_only, base=args.base,
-                                architecture=args.architecture)
+                                architecture=args.architecture, tokenizer=args.tokenizer,
+                                no_tokenizer=args.no_tokenizer)
     except (ValueError, FileNotFoundError) as e:
         print(f"lightning_llm export: error: {e}")
         return 2

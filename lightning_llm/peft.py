@@ -275,17 +275,15 @@ def _check_llama_layout(model: nn.Module) -> None:
 
 def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,
                    base_model_name_or_path: str | None = None) -> Path:
-    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` loadable by ``PeftModel.from_pretrained`` on the
-    HF export of the base model (written atomically: a temporary directory renamed into place)."""
-    import os
-    import shutil
-    import tempfile
-
+    """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (``modules_to_save`` weights included) loadable by
+    ``PeftModel.from_pretrained`` on the HF export of the base model. ``directory`` appears only once complete
+    (``export_files.staged_directory``); an existing adapter or model directory there is replaced."""
     from safetensors.torch import save_file
+
+    from lightning_llm.export_files import staged_directory
 
     base = model.base if isinstance(model, PromptTuningLM) else model
     _check_llama_layout(base)
-    directory = Path(directory)
     state = peft_state_dict(model, cfg)
     if cfg.method == "prompt_tuning":
         from peft import PromptTuningConfig
@@ -299,20 +297,12 @@ def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,
         peft_cfg = cfg.peft_config()
         tensors = {"base_model.model." + hf_module_name(k): v for k, v in state.items()}
     peft_cfg.base_model_name_or_path = base_model_name_or_path
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
-    try:
+    with staged_directory(directory, flag="adapter directory") as tmp:
         peft_cfg.save_pretrained(str(tmp))
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"),
                   metadata={"format": "pt"})
-        if directory.exists():
-            shutil.rmtree(directory)
-        os.replace(tmp, directory)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("adapter (%d tensors) written to %s", len(tensors), directory)
-    return directory
+    return Path(directory)
 
 
 def load_adapter(model: nn.Module, directory: str | Path) -> tuple[nn.Module, PeftConfig]:
@@ -334,22 +324,37 @@ def load_adapter(model: nn.Module, directory: str | Path) -> tuple[nn.Module, Pe
     model = apply_peft(model, cfg)
     tensors = load_file(str(directory / "adapter_model.safetensors"))
     prefix = "base_model.model."
-    ours = {_our_module_name(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in tensors.items()}
+    ours = {_our_module_name(k.removeprefix(prefix)): v for k, v in tensors.items()}
     result = set_peft_model_state_dict(model, ours, adapter_name="default")
     unexpected = getattr(result, "unexpected_keys", [])
-    if unexpected:
-        raise ValueError(f"--adapter={directory}: weights {unexpected[:5]} do not match the model")
+    # Adapter weights the file lacks would stay at their initialisation (a LoRA at zero, a module_to_save at the
+    # base's values): a different model than the one trained.
+    missing = [k for k in getattr(result, "missing_keys", []) if ".default." in k or k.endswith(".default")]
+    if unexpected or missing:
+        raise ValueError(f"--adapter={directory}: does not match the model: unexpected weights {unexpected[:5]}, "
+                         f"missing {missing[:5]}")
     return model, cfg
 
 
 def merge_peft(model: nn.Module) -> nn.Module:
     """Fold injected adapters into the base weights and remove the PEFT wrappers (in place); returns the plain model.
-    Modules trained in full (``modules_to_save``) replace the originals."""
+    Modules trained in full (``modules_to_save``) replace the originals.
+
+    A tied embedding / LM head (``tie_embeddings``) stays tied only if both uses still hold the same values: with
+    ``modules_to_save`` each use trained its own copy, and a LoRA on ``lm_head`` changes the head only, so the merged
+    model is untied (``config.tie_embeddings=False``) and keeps both tensors rather than re-tying to one of them.
+    """
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils import ModulesToSaveWrapper
 
     if isinstance(model, PromptTuningLM):
-        raise ValueError("prompt tuning has no weights to merge: keep the adapter beside the base model")
+        raise ValueError("prompt tuning has no weights to merge: export the adapter with --adapter-only and keep it "
+                         "beside the base model")
+    # A base weight shared by several modules (the tied embedding under a LoRA'd lm_head) is copied before the merge
+    # writes into it: merging in place would change the embedding too.
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
     replacements: list[tuple[nn.Module, str, nn.Module]] = []
     for name, module in model.named_modules():
         if isinstance(module, (BaseTunerLayer, ModulesToSaveWrapper)):
@@ -357,44 +362,85 @@ def merge_peft(model: nn.Module) -> nn.Module:
             if isinstance(module, ModulesToSaveWrapper):
                 new = module.modules_to_save["default"]
             else:
+                base = module.get_base_layer()
+                for pname, p in list(base.named_parameters(recurse=False)):
+                    if uses.get(id(p), 0) > 1:
+                        setattr(base, pname, nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
                 module.merge(safe_merge=True)
-                new = module.get_base_layer()
+                new = base
             replacements.append((parent, name.rsplit(".", 1)[-1], new))
     for parent, attr, new in replacements:
         setattr(parent, attr, new)
     for p in model.parameters():
         p.requires_grad_(True)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
+    config = getattr(model, "config", None)
+    embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
+    if getattr(config, "tie_embeddings", False) and embed is not None and head is not None:
+        if embed.weight is head.weight or torch.equal(embed.weight, head.weight):
+            model.tie_weights()  # type: ignore[operator]
+        else:
+            log.warning("embed_tokens and lm_head of the tied model were trained apart (modules_to_save / a LoRA on "
+                        "lm_head): the merged model is untied (tie_word_embeddings=false) and keeps both")
+            model.config = config.replace(tie_embeddings=False)
     return model
 
 
 def merge_main(argv: list[str]) -> int:
-    """``lightning_llm merge --base HF_DIR (--adapter DIR | --ckpt FILE) --output DIR``: write merged full weights."""
-    from lightning_llm.models import load_hf, save_hf
-
+    """``lightning_llm merge --base HF_DIR (--adapter DIR | --ckpt CKPT) --output DIR``: write merged full weights
+    (with the tokenizer and generation config; the output appears only once complete)."""
     parser = argparse.ArgumentParser(prog="lightning_llm merge", description=merge_main.__doc__)
     parser.add_argument("--base", required=True, help="HF checkpoint directory of the base model")
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--adapter", help="adapter directory (adapter_config.json + adapter_model.safetensors)")
-    src.add_argument("--ckpt", help="Lightning checkpoint of a PEFT run (trainable weights only)")
+    src.add_argument("--ckpt", help="checkpoint of a PEFT run (file or directory, any layout `export` reads)")
     parser.add_argument("--output", required=True, help="directory for the merged HF checkpoint")
     args = parser.parse_args(argv)
-    model, _ = load_hf(args.base, family="decoder")
-    if args.adapter:
-        model, _ = load_adapter(model, args.adapter)
-    else:
-        ckpt = torch.load(args.ckpt, map_location="cpu", weights_only=False)
-        if "peft" not in ckpt:
-            raise ValueError(f"--ckpt={args.ckpt}: not a checkpoint of a PEFT run (no 'peft' entry)")
-        cfg = PeftConfig(**ckpt["peft"])
-        model = apply_peft(model, cfg)
-        state = {k[len("model."):]: v for k, v in ckpt["state_dict"].items() if k.startswith("model.")}
-        missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in state]
-        if missing:
-            raise ValueError(f"--ckpt={args.ckpt}: adapter weights missing, e.g. {missing[:3]}")
-        model.load_state_dict(state, strict=False)
-    merged = merge_peft(model)
-    save_hf(merged, args.output)
+    try:
+        _merge(args.base, adapter=args.adapter, ckpt=args.ckpt, output=args.output)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"lightning_llm merge: error: {e}")
+        return 2
     print(f"merged weights written to {args.output}")
     return 0
+
+
+def _merge(base: str, *, adapter: str | None, ckpt: str | None, output: str) -> None:
+    from lightning_llm.export import export_sources, read_checkpoint
+    from lightning_llm.export_files import (
+        ExportSources,
+        has_tokenizer,
+        staged_directory,
+        write_model_directory,
+    )
+    from lightning_llm.models import load_hf
+
+    if not Path(base).is_dir():
+        raise FileNotFoundError(f"--base={base}: no such directory")
+    model, _ = load_hf(base, family="decoder")
+    if adapter:
+        model, _ = load_adapter(model, adapter)
+        # The tokenizer: the adapter's own copy if it has one (an export of a run with its own tokenizer), else the
+        # base's.
+        tok = next((Path(d).resolve() for d in (adapter, base) if has_tokenizer(Path(d))), None)
+        sources = ExportSources(tokenizer=tok, backbone_dir=Path(base).resolve(),
+                                no_tokenizer_reason=f"neither --adapter nor --base={base} holds tokenizer files")
+    else:
+        assert ckpt is not None
+        checkpoint = read_checkpoint(ckpt)
+        if not checkpoint.get("peft"):
+            raise ValueError(f"--ckpt={ckpt}: not a checkpoint of a PEFT run (no 'peft' entry)")
+        model = apply_peft(model, PeftConfig(**checkpoint["peft"]))
+        state = {k[len("model."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
+        names = set(model.state_dict())
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in state]
+        unexpected = sorted(set(state) - names)
+        if missing or unexpected:
+            raise ValueError(f"--ckpt={ckpt}: does not match --base with its PEFT settings: adapter weights missing "
+                             f"{missing[:3]}, unexpected {unexpected[:3]}")
+        model.load_state_dict(state, strict=False)
+        sources = export_sources(checkpoint, base=base)
+    merged = merge_peft(model)
+    with staged_directory(output, flag="--output") as tmp:
+        write_model_directory(merged, tmp, sources)
+    if sources.tokenizer is None:
+        log.warning("%s: no tokenizer written: %s", output, sources.no_tokenizer_reason)

@@ -175,9 +175,21 @@ class LLMTask(pl.LightningModule):
     # ------------------------------------------------------------------------------------------ lifecycle
     @override
     def configure_callbacks(self) -> list[pl.Callback]:
+        from lightning_llm.export_meta import ExportMetadata
         from lightning_llm.reliability import FaultInjector, RNGState
 
-        return [RNGState(), FaultInjector(), self.guard]
+        # ExportMetadata: what `lightning_llm export` needs besides the weights (model config, tokenizer), stored by a
+        # callback so that tasks overriding on_save_checkpoint without super() store it too.
+        return [RNGState(), FaultInjector(), self.guard, ExportMetadata()]
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Lightning skips the callbacks' hook for save_weights_only checkpoints: store the export metadata here too.
+        from lightning_llm.export_meta import CHECKPOINT_KEY, export_metadata
+
+        meta = export_metadata(self)
+        if meta is not None:
+            checkpoint[CHECKPOINT_KEY] = meta
 
     @override
     def setup(self, stage: str) -> None:

@@ -79,8 +79,19 @@ class ClassificationTask(LLMTask):
             raise ValueError("ClassificationTask: --model.num_labels must be >= 2 (or come from the datamodule)")
         if self.label_names is not None and len(self.label_names) != self.num_labels:
             raise ValueError(f"--model.label_names has {len(self.label_names)} names but num_labels={self.num_labels}")
-        return self.build_backbone(self.backbone, family="encoder", num_labels=self.num_labels, dropout=self.dropout,
-                                   **self.model_overrides)
+        model = self.build_backbone(self.backbone, family="encoder", num_labels=self.num_labels, dropout=self.dropout,
+                                    **self.model_overrides)
+        self._record_label_map(model)
+        return model
+
+    def _record_label_map(self, model: nn.Module) -> None:
+        """Put the run's label map in the model config (``extra['id2label']``), which the checkpoint stores and
+        ``lightning_llm export`` writes as ``id2label``/``label2id``; a backbone's own map (e.g. the generic
+        LABEL_0/1 of a ...ForSequenceClassification directory) would name the trained classes wrongly."""
+        config = getattr(model, "config", None)
+        if config is None or not self.label_names:  # no names of our own: a backbone head's map stays
+            return
+        config.extra = {**(config.extra or {}), "id2label": {str(i): n for i, n in enumerate(self.label_names)}}
 
     # ------------------------------------------------------------------------------------------ steps
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -147,6 +158,7 @@ class ClassificationTask(LLMTask):
     # ------------------------------------------------------------------------------------------ checkpoints
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)  # the export metadata (model config with the label map)
         checkpoint["label_names"] = self.label_names
 
     @override
@@ -156,3 +168,5 @@ class ClassificationTask(LLMTask):
             raise ValueError(f"checkpoint label names {saved} differ from the data's {self.label_names}")
         if saved:
             self.label_names = list(saved)
+            if self.model is not None:
+                self._record_label_map(self.model)

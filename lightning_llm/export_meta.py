@@ -1,0 +1,82 @@
+"""What ``lightning_llm export`` needs besides the weights, stored in every checkpoint under ``checkpoint["export"]``.
+
+* ``model_config``: the whole model's :class:`~lightning_llm.models.ModelConfig` as a dict, so a full fine-tune is
+  rebuilt from the checkpoint alone (the backbone directory may be gone); a PEFT run still needs the frozen base
+  weights from the backbone (or ``--base``) unless the checkpoint holds them (``strategy=3d``).
+* ``tokenizer``: the run's tokenizer directory (absolute), ``"byte"`` for the built-in byte tokenizer (which has no
+  Hugging Face files), or ``None`` when the datamodule has no tokenizer we can name.
+* ``generation_config``: the backbone's ``generation_config.json`` as read at save time (decoders), or ``None``.
+
+Written by :class:`ExportMetadata`, a callback every task installs (``LLMTask.configure_callbacks``), so a task that
+overrides ``on_save_checkpoint`` without calling ``super()`` still stores it; ``LLMTask.on_save_checkpoint`` writes the
+same through :func:`export_metadata`, for ``save_weights_only`` checkpoints, where Lightning skips the callbacks' hook.
+Plain data only (dicts, strings, numbers): Lightning resumes with ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from typing_extensions import override
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CHECKPOINT_KEY", "ExportMetadata", "export_metadata"]
+
+CHECKPOINT_KEY = "export"
+
+
+def _tokenizer_source(datamodule: Any) -> str | None:
+    """The directory the run's tokenizer was loaded from, ``"byte"`` for our byte tokenizer, else ``None``."""
+    if datamodule is None:
+        return None
+    tok = getattr(datamodule, "tokenizer", None)
+    if tok is not None and type(tok).__name__ == "ByteTokenizer":
+        return "byte"
+    for candidate in (getattr(datamodule, "tokenizer_dir", None), getattr(tok, "name_or_path", None)):
+        if candidate and Path(str(candidate)).is_dir():
+            return str(Path(str(candidate)).resolve())
+    return None
+
+
+def _generation_config(backbone: Any) -> dict[str, Any] | None:
+    path = Path(str(backbone)) / "generation_config.json" if backbone else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:  # a damaged file must not fail a training save: export falls back
+        log.warning("%s: not stored in the checkpoint (%s)", path, e)
+        return None
+
+
+def export_metadata(pl_module: pl.LightningModule) -> dict[str, Any] | None:
+    """The ``checkpoint["export"]`` entry for ``pl_module`` (``None`` before its model is built)."""
+    from lightning_llm.models import ModelConfig
+
+    model = getattr(pl_module, "model", None)
+    config = getattr(model, "config", None)
+    if not isinstance(config, ModelConfig):
+        return None
+    trainer = pl_module._trainer  # None outside a Trainer (`.trainer` would raise)
+    datamodule = trainer.datamodule if trainer is not None else None
+    return {
+        "model_config": config.to_dict(),
+        "tokenizer": _tokenizer_source(datamodule),
+        "generation_config": _generation_config(getattr(pl_module, "backbone", None)),
+    }
+
+
+class ExportMetadata(pl.Callback):
+    """Adds ``checkpoint["export"]`` (:func:`export_metadata`) to every checkpoint the task saves."""
+
+    @override
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        meta = export_metadata(pl_module)
+        if meta is not None:
+            checkpoint[CHECKPOINT_KEY] = meta
