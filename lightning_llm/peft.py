@@ -292,6 +292,11 @@ def _check_llama_layout(model: nn.Module) -> None:
         raise ValueError(f"adapter export of a LoRA on Baichuan's fused W_pack (lora.target_modules=[W_pack], e.g. "
                          f"{packed[0]}) is not supported yet: merge it with `lightning_llm merge --ckpt` (merged "
                          f"weights are saved in Baichuan's row order)")
+    if config.norm_head and any(n.rsplit(".", 1)[-1] == "lm_head" and hasattr(m, "lora_B")
+                                for n, m in model.named_modules()):
+        # Baichuan2's NormHead is no nn.Linear in its HF code: peft cannot attach this adapter there.
+        raise ValueError("adapter export of a LoRA on Baichuan2's lm_head (a NormHead) is not supported: peft cannot "
+                         "target NormHead on the HF model; drop lm_head from lora.target_modules")
 
 
 def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,

@@ -457,3 +457,7 @@ def test_unsupported_configs_are_refused_by_name(tmp_path: Path) -> None:
               str(tmp_path / "a" / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match="W_pack"):
         load_adapter(build_model("debug-baichuan2", family="decoder"), tmp_path / "a")
+    head = apply_peft(build_model("debug-baichuan2", family="decoder"),
+                      PeftConfig(lora=LoraArgs(target_modules=["lm_head"])))
+    with pytest.raises(ValueError, match="NormHead"):
+        export_adapter(head, PeftConfig(lora=LoraArgs(target_modules=["lm_head"])), tmp_path / "never")
