@@ -52,7 +52,9 @@ class LoraArgs:
     dropout: float = 0.05
     """Dropout on the LoRA branch input."""
     target_modules: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
-    """Module names (suffixes) that get adapters: any of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj."""
+    """Module names (suffixes) as in the HF checkpoint: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj,
+    down_proj (LLaMA, Qwen2, Qwen3, Mistral); Baichuan2 fuses q/k/v into ``W_pack`` (LLaMA-Factory's recipe targets
+    ``[W_pack]``: one LoRA on the fused linear, exactly peft's on the HF model)."""
     modules_to_save: list[str] | None = None
     """Modules trained in full and saved with the adapter (e.g. ``[embed_tokens, lm_head]`` for a new vocabulary)."""
     bias: Literal["none", "all", "lora_only"] = "none"
@@ -256,21 +258,45 @@ def peft_state_dict(model: nn.Module, cfg: PeftConfig) -> dict[str, Tensor]:
 
 
 def hf_module_name(name: str) -> str:
-    """Our decoder parameter/module name -> HF Llama's (``layers.0.mlp.up_proj`` -> ``model.layers.0.mlp.up_proj``)."""
+    """Our decoder parameter/module name -> the HF name (``layers.0.mlp.up_proj`` -> ``model.layers.0.mlp.up_proj``).
+
+    One mapping for every LLaMA-layout family (llama, qwen2, qwen3, mistral, baichuan): projection names are the HF
+    ones (``q_proj``, Qwen3's ``q_norm``, Baichuan's ``W_pack``); only the base-model prefix differs."""
     if name.startswith(("layers.", "embed_tokens", "norm.")) or name == "norm":
         return "model." + name
     return name
 
 
 def _our_module_name(hf_name: str) -> str:
+    """Inverse of :func:`hf_module_name`. Refuses Baichuan ``W_pack`` LoRA ``lora_B`` tensors: their rows are in the
+    checkpoint's ``[q; k; v]`` order, ours head-interleaved (``models.hf_decoders.adapter_tensor_from_hf`` permutes
+    them; ``load_adapter`` does not call it yet), so loading them by name alone would be silently wrong."""
+    atoms = hf_name.split(".")
+    if "W_pack" in atoms and "lora_B" in atoms[atoms.index("W_pack"):]:
+        raise ValueError(f"adapter tensor {hf_name}: a LoRA on Baichuan's fused W_pack (lora.target_modules=[W_pack]) "
+                         "cannot be loaded from a peft adapter yet (its lora_B rows need re-ordering); merge it into "
+                         "the HF weights instead, or train it here and use `lightning_llm merge --ckpt`")
     return hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
 
 
 def _check_llama_layout(model: nn.Module) -> None:
     config = getattr(model, "config", None)
     if config is None or config.family != "decoder" or config.position != "rope" or config.norm != "rmsnorm":
-        raise ValueError("adapter export supports LLaMA-layout decoders (rope + rmsnorm); GPT-2 modules differ in "
-                         "HF (fused c_attn), so merge with `lightning_llm merge` instead")
+        raise ValueError("adapter export supports LLaMA-layout decoders (rope + rmsnorm: llama, qwen2, qwen3, mistral, "
+                         "baichuan); GPT-2 modules differ in HF (fused c_attn), so merge with `lightning_llm merge` "
+                         "instead")
+    packed = [n for n, m in model.named_modules() if n.rsplit(".", 1)[-1] == "W_pack" and hasattr(m, "lora_B")]
+    if packed:
+        # Our W_pack rows are head-interleaved (layers.Attention): lora_B would need the permutation of
+        # models.hf_decoders.adapter_tensor_to_hf, which export_adapter does not apply yet. Refuse, never write it wrong.
+        raise ValueError(f"adapter export of a LoRA on Baichuan's fused W_pack (lora.target_modules=[W_pack], e.g. "
+                         f"{packed[0]}) is not supported yet: merge it with `lightning_llm merge --ckpt` (merged "
+                         f"weights are saved in Baichuan's row order)")
+    if config.norm_head and any(n.rsplit(".", 1)[-1] == "lm_head" and hasattr(m, "lora_B")
+                                for n, m in model.named_modules()):
+        # Baichuan2's NormHead is no nn.Linear in its HF code: peft cannot attach this adapter there.
+        raise ValueError("adapter export of a LoRA on Baichuan2's lm_head (a NormHead) is not supported: peft cannot "
+                         "target NormHead on the HF model; drop lm_head from lora.target_modules")
 
 
 def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,

@@ -53,6 +53,7 @@ def build_model(backbone: str, *, family: Family, **overrides: Any) -> nn.Module
 
     Named sizes are randomly initialised (wrap in ``with torch.device("meta")`` for deferred init, then
     ``to_empty`` + ``init_weights()``); directories are loaded with :func:`load_hf` (``overrides`` go to the config).
+    Either way the model is in train mode (Lightning does not switch modules a task built to train mode).
     """
     if (family, backbone) in NAMED_SIZES:
         return model_from_config(named_config(backbone, family=family, **overrides))
@@ -65,6 +66,6 @@ def build_model(backbone: str, *, family: Family, **overrides: Any) -> nn.Module
             )
         dtype = overrides.pop("dtype", None)
         model, _ = load_hf(p, family=family, dtype=dtype, **overrides)
-        return model
+        return model.train()  # load_hf returns eval mode (as from_pretrained); this builds models to train
     named_config(backbone, family=family)  # raises the "unknown size; known sizes: ..." error
     raise AssertionError("unreachable")

@@ -6,6 +6,7 @@ heads divide the tensor-parallel size) but never write parallel state into it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 from dataclasses import dataclass, field
@@ -42,17 +43,33 @@ class ModelConfig:
     """Normalization layer type."""
     norm_eps: float = 1e-5
     """Epsilon of every norm."""
-    activation: Literal["swiglu", "geglu", "gelu", "gelu_tanh", "relu"] = "swiglu"
-    """``swiglu``/``geglu`` are gated (gate_proj, up_proj, down_proj); the others are plain (up_proj, down_proj)."""
+    activation: Literal["swiglu", "geglu", "geglu_tanh", "gelu", "gelu_tanh", "relu"] = "swiglu"
+    """``swiglu``/``geglu``/``geglu_tanh`` are gated (gate_proj, up_proj, down_proj; HF ``hidden_act`` silu / gelu /
+    gelu_pytorch_tanh); the others are plain (up_proj, down_proj)."""
     position: Literal["rope", "learned"] = "rope"
     """Rotary embeddings applied to q/k, or a learned absolute position table added to token embeddings."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
     rope_scaling: dict[str, Any] | None = None
-    """RoPE frequency scaling as in HF ``rope_parameters`` minus ``rope_theta`` (``{"rope_type": "linear" | "llama3",
-    "factor": ..., ...}``); ``None`` means plain RoPE."""
+    """RoPE frequency scaling as in HF ``rope_parameters`` minus ``rope_theta`` (``{"rope_type": "linear" | "llama3"
+    | "dynamic" | "yarn", "factor": ..., ...}``); ``None`` means plain RoPE."""
     attention_bias: bool = False
-    """Biases on q/k/v/o projections."""
+    """Biases on the q/k/v projections (and on o_proj unless ``o_bias`` says otherwise)."""
+    o_bias: bool | None = None
+    """Bias on the attention output projection; ``None`` means ``attention_bias`` (Qwen2: q/k/v biased, o not)."""
+    qk_norm: bool = False
+    """Per-head RMSNorm of queries and keys over the head dim before rotary (Qwen3 ``q_norm``/``k_norm``)."""
+    qkv_packed: bool = False
+    """One fused ``W_pack`` projection for q, k, v (Baichuan), stored head-interleaved (see ``layers.Attention``);
+    needs ``num_kv_heads == num_heads``."""
+    norm_head: bool = False
+    """LM head weight L2-normalised per vocabulary row in forward (Baichuan2 ``NormHead``)."""
+    sliding_window: int | None = None
+    """Sliding-window attention (Mistral, Qwen2): a query attends to the ``sliding_window`` most recent positions
+    (itself included), as HF's ``kv_idx > q_idx - sliding_window``; ``None`` = full causal attention."""
+    layer_types: list[str] | None = None
+    """Per-layer ``"full_attention"`` / ``"sliding_attention"`` (HF ``layer_types``); ``None`` = every layer slides
+    when ``sliding_window`` is set. Ignored without ``sliding_window``."""
     mlp_bias: bool = False
     """Biases on the MLP projections."""
     tie_embeddings: bool = False
@@ -97,17 +114,42 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig: num_heads={self.num_heads} is not divisible by num_kv_heads={self.num_kv_heads}"
             )
+        if self.o_bias is None:
+            self.o_bias = self.attention_bias
+        if self.qkv_packed and self.num_kv_heads != self.num_heads:
+            raise ValueError(f"ModelConfig: qkv_packed=True (fused W_pack) needs num_kv_heads == num_heads, got "
+                             f"num_kv_heads={self.num_kv_heads}, num_heads={self.num_heads}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"ModelConfig: sliding_window={self.sliding_window} must be >= 1 (or None)")
+        if self.layer_types is not None:
+            self.layer_types = list(self.layer_types)
+            bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+            if bad or len(self.layer_types) != self.num_layers:
+                raise ValueError(f"ModelConfig: layer_types must list num_layers={self.num_layers} entries of "
+                                 f"full_attention / sliding_attention, got {self.layer_types}")
 
     @property
     def gated(self) -> bool:
-        return self.activation in ("swiglu", "geglu")
+        return self.activation in ("swiglu", "geglu", "geglu_tanh")
+
+    @property
+    def sliding_layers(self) -> tuple[int, ...]:
+        """Indices of the layers that use the sliding window (empty without ``sliding_window``)."""
+        if self.sliding_window is None:
+            return ()
+        if self.layer_types is None:
+            return tuple(range(self.num_layers))
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "sliding_attention")
 
     def replace(self, **changes: Any) -> ModelConfig:
-        """A copy with some fields changed (``head_dim`` is recomputed unless given)."""
+        """A copy with some fields changed (``head_dim`` is recomputed unless given; so is ``o_bias`` when
+        ``attention_bias`` changes)."""
         if "head_dim" not in changes and ("hidden_size" in changes or "num_heads" in changes):
             changes["head_dim"] = None
         if "num_kv_heads" not in changes and "num_heads" in changes:
             changes["num_kv_heads"] = None
+        if "o_bias" not in changes and "attention_bias" in changes:
+            changes["o_bias"] = None
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -139,6 +181,26 @@ NAMED_SIZES: dict[tuple[str, str], dict[str, Any]] = {
     ("decoder", "debug"): dict(
         _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
         intermediate_size=128, max_position_embeddings=256,
+    ),
+    # Debug sizes of the other decoder families (tests; their HF architecture is the default save target).
+    ("decoder", "debug-qwen2"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=128,
+        max_position_embeddings=256, norm_eps=1e-6, rope_theta=1e6, attention_bias=True, o_bias=False,
+        tie_embeddings=True, extra={"hf_model_type": "qwen2"},
+    ),
+    ("decoder", "debug-qwen3"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+        intermediate_size=128, max_position_embeddings=256, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
+        extra={"hf_model_type": "qwen3"},
+    ),
+    ("decoder", "debug-mistral"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=128,
+        max_position_embeddings=256, norm_eps=1e-6, sliding_window=8, extra={"hf_model_type": "mistral"},
+    ),
+    ("decoder", "debug-baichuan2"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=128,
+        max_position_embeddings=256, norm_eps=1e-6, qkv_packed=True, norm_head=True,
+        extra={"hf_model_type": "baichuan"},
     ),
     ("decoder", "small"): dict(
         _LLAMA, vocab_size=8192, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4,
@@ -177,4 +239,4 @@ def named_config(name: str, *, family: Family, **overrides: Any) -> ModelConfig:
     if key not in NAMED_SIZES:
         known = sorted(n for f, n in NAMED_SIZES if f == family)
         raise ValueError(f"unknown {family} model size {name!r}; known sizes: {', '.join(known)}")
-    return ModelConfig(**{**NAMED_SIZES[key], **overrides})
+    return ModelConfig(**copy.deepcopy({**NAMED_SIZES[key], **overrides}))  # no config shares the table's dicts

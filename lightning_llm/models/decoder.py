@@ -6,7 +6,12 @@ Module tree (uniform so that parallel plans are data keyed by module path)::
     embed_positions   nn.Embedding [P, H] or None      (GPT-2 learned positions)
     layers            nn.ModuleDict {"0": TransformerBlock, ...}   (a pipeline split deletes entries)
     norm              final norm or None
-    lm_head           nn.Linear [H -> V], no bias      (None on non-last pipeline stages; tied to embed_tokens)
+    lm_head           nn.Linear [H -> V], no bias      (None on non-last pipeline stages; tied to embed_tokens;
+                                                        a NormHead when config.norm_head: rows L2-normalised)
+
+Variants are config switches of this one module tree (so every family shares one parallel spec): fused ``W_pack``
+and ``q_norm``/``k_norm`` in the attention (``layers.Attention``), a sliding window on the layers of
+``config.sliding_layers`` (a band in the attention mask), rope types of ``rope.py``.
 
 Shape legend: B batch, S sequence, H hidden, V vocab, D head dim.
 """
@@ -21,13 +26,15 @@ from torch import Tensor, nn
 from .config import ModelConfig
 from .layers import (
     KVCache,
+    NormHead,
     TransformerBlock,
     build_norm,
+    causal_mask,
     causal_padding_mask,
     init_embedding,
     init_linear,
-    precompute_rope,
 )
+from .rope import precompute_rope, rope_from_positions, rope_type
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +57,8 @@ class DecoderLM(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.num_layers)})
         self.norm: nn.Module | None = build_norm(config) if config.final_norm else None
-        self.lm_head: nn.Linear | None = nn.Linear(h, config.vocab_size, bias=False)
+        head_cls = NormHead if config.norm_head else nn.Linear
+        self.lm_head: nn.Linear | None = head_cls(h, config.vocab_size, bias=False)
         self.rope_cos: Tensor | None
         self.rope_sin: Tensor | None
         if config.position == "rope":
@@ -132,37 +140,71 @@ class DecoderLM(nn.Module):
             x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [B, S, H]
         b, s = x.shape[0], x.shape[1]
         past = kv_cache.seq_len if kv_cache is not None else 0
+        total = past + s
         if past and attention_mask is None:
             # SDPA's is_causal aligns the mask top-left, which is wrong for S < T: build an explicit mask.
-            attention_mask = torch.ones(b, past + s, dtype=torch.bool, device=x.device)
+            attention_mask = torch.ones(b, total, dtype=torch.bool, device=x.device)
         if position_ids is None:
-            position_ids = torch.arange(past, past + s, device=x.device).unsqueeze(0).expand(b, s)  # [B, S]
+            position_ids = torch.arange(past, total, device=x.device).unsqueeze(0).expand(b, s)  # [B, S]
         elif position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0).expand(b, s)
         if self.embed_tokens is not None:
             # Positions are added where the tokens are embedded (first stage only).
             if self.embed_positions is not None:
+                limit = self.embed_positions.num_embeddings
+                if total > limit:
+                    raise ValueError(f"DecoderLM: a sequence of {total} tokens (cached {past} + new {s}) is longer "
+                                     f"than max_position_embeddings={limit}, the size of the learned position table")
                 x = x + self.embed_positions(position_ids)
             x = self.dropout(x)
 
-        rope: tuple[Tensor, Tensor] | None = None
-        if self.rope_cos is not None and self.rope_sin is not None:
-            rope = (self.rope_cos[position_ids], self.rope_sin[position_ids])  # [B, S, D] each
-
-        if attention_mask is None:
-            mask, is_causal = None, True
-        elif attention_mask.dim() == 2:
-            mask, is_causal = causal_padding_mask(attention_mask, s), False  # [B, 1, S, past + S]
-        else:
-            mask, is_causal = attention_mask.bool(), False  # already an attend-mask broadcastable to [B, N, S, S]
+        rope = self._rope(position_ids, total)  # cos, sin [B, S, D] each, or None
+        full, sliding = self._masks(attention_mask, s, total, x.device)
+        windowed = set(self.config.sliding_layers)
 
         cache_kw = {} if kv_cache is None else {"kv_cache": kv_cache}  # absent unless decoding
-        for layer in self.layers.values():
+        for key, layer in self.layers.items():
+            mask, is_causal = sliding if int(key) in windowed else full
             x = layer(x, rope=rope, attn_mask=mask, is_causal=is_causal, **cache_kw)
         if kv_cache is not None:
-            kv_cache.seq_len = past + s
+            kv_cache.seq_len = total
         if self.norm is not None:
             x = self.norm(x)
         if self.lm_head is None:
             return x
         return self.lm_head(x)  # [B, S, V]
+
+    def _rope(self, position_ids: Tensor, total: int) -> tuple[Tensor, Tensor] | None:
+        """cos, sin [B, S, D] for ``position_ids`` [B, S] of a forward spanning ``total`` columns."""
+        if self.rope_cos is None or self.rope_sin is None:
+            return None
+        if total <= self.rope_cos.shape[0]:  # every position is inside the precomputed table
+            return self.rope_cos[position_ids], self.rope_sin[position_ids]
+        # Past the table (transformers has no such limit): computed from the positions. `dynamic` rope picks its
+        # frequencies from this forward's longest position, as transformers' dynamic_rope_update does.
+        c = self.config
+        assert c.head_dim is not None
+        seq_len = int(position_ids.max()) + 1 if rope_type(c.rope_scaling) == "dynamic" else total
+        return rope_from_positions(position_ids, c.head_dim, c.max_position_embeddings, c.rope_theta,
+                                   c.rope_scaling, seq_len=seq_len)
+
+    def _masks(self, attention_mask: Tensor | None, s: int, total: int, device: torch.device) -> tuple[
+            tuple[Tensor | None, bool], tuple[Tensor | None, bool]]:
+        """``(attn_mask, is_causal)`` of the full-attention layers and of the sliding-window layers."""
+        window = self.config.sliding_window if self.config.sliding_layers else None
+        if window is not None and total <= window:
+            window = None  # the window covers every key: plain causal attention
+        if attention_mask is None:
+            full: tuple[Tensor | None, bool] = (None, True)
+            if window is None:
+                return full, full
+            return full, (causal_mask(s, total, window, device=device)[None, None], False)  # [1, 1, S, T]
+        if attention_mask.dim() == 2:
+            full = (causal_padding_mask(attention_mask, s), False)  # [B, 1, S, past + S]
+            if window is None:
+                return full, full
+            return full, (causal_padding_mask(attention_mask, s, window), False)
+        mask = attention_mask.bool()  # already an attend-mask broadcastable to [B, N, S, T]
+        if window is None:
+            return (mask, False), (mask, False)
+        return (mask, False), (mask & causal_mask(s, mask.shape[-1], window, device=device), False)

@@ -7,6 +7,9 @@ Reads ``config.json`` plus ``model.safetensors`` / sharded safetensors (``model.
 Supported architectures (``kind`` = weight layout):
 
 * llama:        LlamaForCausalLM, LlamaModel
+* qwen2, qwen3, mistral: Qwen2/Qwen3/MistralForCausalLM and their ...Model (LLaMA's names; see ``hf_decoders``)
+* baichuan:     BaichuanForCausalLM (Baichuan2-7B: fused ``W_pack``, ``NormHead``; trust_remote_code, so transformers
+                itself cannot load what ``save_hf`` writes without Baichuan's modeling files beside it)
 * gpt2:         GPT2LMHeadModel, GPT2Model (Conv1D weights are [in, out]; ``c_attn`` is fused q,k,v)
 * bert:         BertModel, BertForSequenceClassification (+ BertForMaskedLM/BertForPreTraining as load sources)
 * megatron-bert: MegatronBertModel, MegatronBertForSequenceClassification (+ ...ForMaskedLM/ForPreTraining sources)
@@ -32,6 +35,8 @@ import torch
 from torch import Tensor, nn
 
 from .config import ModelConfig
+from .decoder import DecoderLM
+from .encoder import EncoderModel
 from .hf_config import (
     _DEFAULT_ARCH,
     SUPPORTED_ARCHITECTURES,
@@ -39,15 +44,15 @@ from .hf_config import (
     config_from_hf,
     config_to_hf,
 )
-from .decoder import DecoderLM
-from .encoder import EncoderModel
+from .hf_decoders import DECODER_KINDS, wpack_from_hf, wpack_to_hf
 from .layers import LayerNorm, RMSNorm, init_embedding, init_linear
 
 log = logging.getLogger(__name__)
 
 __all__ = ["load_hf", "save_hf", "config_from_hf", "config_to_hf", "SUPPORTED_ARCHITECTURES"]
 
-_BASE_PREFIX = {"llama": "model.", "gpt2": "transformer.", "bert": "bert.", "megatron-bert": "bert.", "roberta": "roberta."}
+_BASE_PREFIX = {**{k: "model." for k in DECODER_KINDS}, "gpt2": "transformer.", "bert": "bert.", "megatron-bert": "bert.",
+                "roberta": "roberta."}
 
 # Checkpoint keys that carry no weights we need (buffers that old versions persisted).
 _IGNORED = re.compile(
@@ -55,7 +60,7 @@ _IGNORED = re.compile(
 )
 # Head weights of other tasks: dropped with a warning (e.g. an MLM head when loading a backbone).
 _HEAD_KEYS = {
-    "llama": re.compile(r"^score\."),
+    **{k: re.compile(r"^score\.") for k in DECODER_KINDS},
     "gpt2": re.compile(r"^score\."),
     "bert": re.compile(r"^(cls|classifier|pooler)\."),
     "megatron-bert": re.compile(r"^(cls|classifier|pooler)\."),
@@ -103,18 +108,29 @@ def _entries(config: ModelConfig, architecture: str) -> list[_Entry]:
     c = config
     e: list[_Entry] = []
     ab, mb = c.attention_bias, c.mlp_bias
-    if a.kind == "llama":
+    if a.kind in DECODER_KINDS:
         e += _lin("embed_tokens", "embed_tokens", False)
+        n = c.num_heads
         for i in range(c.num_layers):
             p, q = f"layers.{i}", f"layers.{i}"
-            for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                e += _lin(f"{p}.self_attn.{n}", f"{q}.self_attn.{n}", ab)
-            for n in (("gate_proj", "up_proj", "down_proj") if c.gated else ("up_proj", "down_proj")):
-                e += _lin(f"{p}.mlp.{n}", f"{q}.mlp.{n}", mb)
+            if c.qkv_packed:  # [q; k; v] rows in the checkpoint, head-interleaved in our W_pack (layers.Attention)
+                for t in ("weight", "bias") if ab else ("weight",):
+                    e.append(_Entry(f"{p}.self_attn.W_pack.{t}", (f"{q}.self_attn.W_pack.{t}",),
+                                    split=lambda w, n=n: (wpack_from_hf(w, n),),
+                                    merge=lambda ws, n=n: wpack_to_hf(ws[0], n)))
+            else:
+                for name in ("q_proj", "k_proj", "v_proj"):
+                    e += _lin(f"{p}.self_attn.{name}", f"{q}.self_attn.{name}", ab)
+            e += _lin(f"{p}.self_attn.o_proj", f"{q}.self_attn.o_proj", bool(c.o_bias))
+            if c.qk_norm:
+                e += _lin(f"{p}.self_attn.q_norm", f"{q}.self_attn.q_norm", False)
+                e += _lin(f"{p}.self_attn.k_norm", f"{q}.self_attn.k_norm", False)
+            for name in (("gate_proj", "up_proj", "down_proj") if c.gated else ("up_proj", "down_proj")):
+                e += _lin(f"{p}.mlp.{name}", f"{q}.mlp.{name}", mb)
             e += _lin(f"{p}.input_layernorm", f"{q}.attn_norm", False)
             e += _lin(f"{p}.post_attention_layernorm", f"{q}.mlp_norm", False)
         e += _lin("norm", "norm", False)
-        if a.head != "base":
+        if a.head != "base":  # Baichuan's NormHead stores the raw weight too (normalised in forward)
             e += _lin("lm_head", "lm_head", False, group="lm_head", top=True)
         return e
     if a.kind == "gpt2":
@@ -333,7 +349,8 @@ def load_hf(
     dtype: torch.dtype | str | None = None,
     **config_overrides: Any,
 ) -> tuple[nn.Module, ModelConfig]:
-    """Load a local HF checkpoint directory as (DecoderLM | EncoderModel, ModelConfig).
+    """Load a local HF checkpoint directory as (DecoderLM | EncoderModel, ModelConfig), in eval mode (as
+    transformers' ``from_pretrained``; Lightning switches to train mode in ``fit``).
 
     ``dtype``: None -> float32, ``"auto"`` -> the checkpoint's dtype, or a torch dtype / its name.
     ``config_overrides`` are applied to the converted config (e.g. ``num_labels=3`` to add a fresh classifier,
@@ -359,6 +376,7 @@ def load_hf(
     sd, _ = _convert_to_ours(hf_sd, config, arch, where=str(d))
     del hf_sd
     model = _materialize(config, sd, target, where=str(d))
+    model.eval()  # as transformers' from_pretrained: dropout off until a trainer switches to train mode
     log.info("loaded %s from %s (%s, %d layers, dtype %s)", arch, d, config.family, config.num_layers, target)
     return model, config
 
@@ -373,19 +391,34 @@ def default_architecture(config: ModelConfig) -> str:
     kind = (config.extra or {}).get("hf_model_type")
     if kind not in _DEFAULT_ARCH:
         if config.family == "decoder":
-            kind = "llama" if config.position == "rope" else "gpt2"
+            kind = _decoder_kind(config)
         elif config.pre_norm:
             kind = "megatron-bert"
         else:
             kind = "roberta" if config.position_offset > 0 else "bert"
+    if config.family == "decoder" or kind in DECODER_KINDS + ("gpt2",):
+        return _DEFAULT_ARCH[kind]
     names = {
-        ("llama", False): "LlamaForCausalLM", ("gpt2", False): "GPT2LMHeadModel",
         ("bert", False): "BertModel", ("bert", True): "BertForSequenceClassification",
         ("megatron-bert", False): "MegatronBertModel", ("megatron-bert", True): "MegatronBertForSequenceClassification",
         ("roberta", False): "RobertaModel", ("roberta", True): "RobertaForSequenceClassification",
     }
-    cls = config.family == "encoder" and config.num_labels > 0
-    return names[(kind, cls)]
+    return names[(kind, config.num_labels > 0)]
+
+
+def _decoder_kind(config: ModelConfig) -> str:
+    """The HF family a decoder of no recorded origin is saved as: the one whose switches it uses."""
+    if config.position != "rope":
+        return "gpt2"
+    if config.qkv_packed or config.norm_head:
+        return "baichuan"
+    if config.qk_norm:
+        return "qwen3"
+    if config.attention_bias and not config.o_bias:
+        return "qwen2"
+    if config.sliding_layers:
+        return "mistral"
+    return "llama"
 
 
 def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
@@ -410,7 +443,7 @@ def save_hf(model: nn.Module, path: str | os.PathLike[str], *, architecture: str
     a = SUPPORTED_ARCHITECTURES.get(arch)
     if a is None or a.head == "mlm":
         raise ValueError(f"save_hf: cannot save as {arch!r}")
-    if (a.kind in ("llama", "gpt2")) != (config.family == "decoder"):
+    if (a.kind in DECODER_KINDS + ("gpt2",)) != (config.family == "decoder"):
         raise ValueError(f"save_hf: a {config.family} model cannot be saved as {arch}")
     sd = model.state_dict()
     dtypes = {t.dtype for t in sd.values() if t.is_floating_point()}

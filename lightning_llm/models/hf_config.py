@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .config import ModelConfig
+from .hf_decoders import DECODER_KINDS, decoder_config_from_hf, decoder_config_to_hf
 
 log = logging.getLogger(__name__)
 
@@ -16,13 +17,20 @@ __all__ = ["config_from_hf", "config_to_hf", "SUPPORTED_ARCHITECTURES"]
 
 @dataclass(frozen=True)
 class _Arch:
-    kind: str  # llama | gpt2 | bert | megatron-bert | roberta
+    kind: str  # llama | qwen2 | qwen3 | mistral | baichuan | gpt2 | bert | megatron-bert | roberta
     head: str  # base | lm | cls | mlm (mlm: load source only, its head is ignored)
 
 
 SUPPORTED_ARCHITECTURES: dict[str, _Arch] = {
     "LlamaForCausalLM": _Arch("llama", "lm"),
     "LlamaModel": _Arch("llama", "base"),
+    "Qwen2ForCausalLM": _Arch("qwen2", "lm"),
+    "Qwen2Model": _Arch("qwen2", "base"),
+    "Qwen3ForCausalLM": _Arch("qwen3", "lm"),
+    "Qwen3Model": _Arch("qwen3", "base"),
+    "MistralForCausalLM": _Arch("mistral", "lm"),
+    "MistralModel": _Arch("mistral", "base"),
+    "BaichuanForCausalLM": _Arch("baichuan", "lm"),  # Baichuan2-7B (trust_remote_code; not in transformers)
     "GPT2LMHeadModel": _Arch("gpt2", "lm"),
     "GPT2Model": _Arch("gpt2", "base"),
     "BertModel": _Arch("bert", "base"),
@@ -39,6 +47,10 @@ SUPPORTED_ARCHITECTURES: dict[str, _Arch] = {
 }
 _DEFAULT_ARCH = {
     "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "baichuan": "BaichuanForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "bert": "BertModel",
     "megatron-bert": "MegatronBertModel",
@@ -84,29 +96,6 @@ def _plain_act(name: str) -> str:
     return table[name]
 
 
-def _gated_act(name: str) -> str:
-    table = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu"}
-    if name not in table:
-        raise ValueError(f"unsupported gated activation {name!r} (supported: {', '.join(table)})")
-    return table[name]
-
-
-def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    params = dict(hf.get("rope_parameters") or {})
-    legacy = hf.get("rope_scaling")
-    if legacy:
-        params = {**dict(legacy), **params}
-    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-    if "type" in params and "rope_type" not in params:
-        params["rope_type"] = params.pop("type")
-    params.pop("type", None)
-    if params.get("rope_type", "default") == "default":
-        return theta, None
-    if params["rope_type"] not in ("linear", "llama3"):
-        raise ValueError(f"unsupported rope scaling {params['rope_type']!r} (supported: default, linear, llama3)")
-    return theta, params
-
-
 def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
     """Our :class:`ModelConfig` from a HF ``config.json`` dict (architecture from ``architectures`` / ``model_type``)."""
     hf = hf_config
@@ -121,23 +110,8 @@ def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
     pad = hf.get("pad_token_id")
     pad = 0 if pad is None else int(pad)
 
-    if a.kind == "llama":
-        theta, scaling = _rope_from_hf(hf)
-        heads = int(hf["num_attention_heads"])
-        return ModelConfig(
-            family="decoder", vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
-            num_layers=int(hf["num_hidden_layers"]), num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads), head_dim=hf.get("head_dim"),
-            intermediate_size=int(hf["intermediate_size"]),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
-            norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            activation=_gated_act(hf.get("hidden_act", "silu")),  # type: ignore[arg-type]
-            position="rope", rope_theta=theta, rope_scaling=scaling,
-            attention_bias=bool(hf.get("attention_bias", False)), mlp_bias=bool(hf.get("mlp_bias", False)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)), pre_norm=True, embedding_norm=False,
-            final_norm=True, dropout=float(hf.get("attention_dropout", 0.0)),
-            initializer_range=float(hf.get("initializer_range", 0.02)), pad_token_id=pad, extra=extra,
-        )
+    if a.kind in DECODER_KINDS:
+        return decoder_config_from_hf(hf, a.kind, extra=extra, pad=pad)
 
     if a.kind == "gpt2":
         if hf.get("scale_attn_by_inverse_layer_idx", False) or not hf.get("scale_attn_weights", True):
@@ -191,9 +165,15 @@ _HF_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
 _ARCH_FIELDS = (
     "family", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
     "max_position_embeddings", "norm", "norm_eps", "activation", "position", "rope_theta", "rope_scaling",
-    "attention_bias", "mlp_bias", "tie_embeddings", "pre_norm", "embedding_norm", "final_norm", "type_vocab_size",
-    "position_offset",
+    "attention_bias", "o_bias", "mlp_bias", "qk_norm", "qkv_packed", "norm_head", "tie_embeddings", "pre_norm",
+    "embedding_norm", "final_norm", "type_vocab_size", "position_offset", "sliding_layers", "window",
 )
+
+
+def _arch_value(c: ModelConfig, field: str) -> Any:
+    if field == "window":  # the window only matters where some layer slides
+        return c.sliding_window if c.sliding_layers else None
+    return getattr(c, field)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -213,19 +193,8 @@ def config_to_hf(config: ModelConfig, architecture: str, *, dtype: torch.dtype =
     for k in ("bos_token_id", "eos_token_id"):
         if k in ex:
             hf[k] = ex[k]
-    if a.kind == "llama":
-        rope = {"rope_type": "default", "rope_theta": c.rope_theta}
-        if c.rope_scaling:
-            rope = {**dict(c.rope_scaling), "rope_theta": c.rope_theta}
-        inv_act = {"swiglu": "silu", "geglu": "gelu"}
-        hf.update(
-            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-            num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-            head_dim=c.head_dim, hidden_act=inv_act.get(c.activation, c.activation),
-            max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.norm_eps, rope_parameters=rope,
-            attention_bias=c.attention_bias, attention_dropout=c.dropout, mlp_bias=c.mlp_bias,
-            tie_word_embeddings=c.tie_embeddings,
-        )
+    if a.kind in DECODER_KINDS:
+        hf.update(decoder_config_to_hf(c, a.kind))
     elif a.kind == "gpt2":
         hf.update(
             vocab_size=c.vocab_size, n_positions=c.max_position_embeddings, n_embd=c.hidden_size, n_layer=c.num_layers,
@@ -259,8 +228,8 @@ def config_to_hf(config: ModelConfig, architecture: str, *, dtype: torch.dtype =
     # The written config must describe exactly this model.
     back = config_from_hf(hf)
     fields = list(_ARCH_FIELDS) + (["num_labels", "pooler"] if a.head == "cls" else [])
-    diffs = [f"{f}: ours={getattr(c, f)!r} {architecture}={getattr(back, f)!r}" for f in fields
-             if getattr(c, f) != getattr(back, f)]
+    diffs = [f"{f}: ours={_arch_value(c, f)!r} {architecture}={_arch_value(back, f)!r}" for f in fields
+             if _arch_value(c, f) != _arch_value(back, f)]
     if diffs:
         raise ValueError(f"config is not representable as {architecture}: " + "; ".join(diffs))
     return hf

@@ -11,8 +11,6 @@ Shape legend: B batch, S sequence, H hidden size, N query heads, K key/value hea
 from __future__ import annotations
 
 import logging
-import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +18,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from .config import ModelConfig
+from .rope import apply_rotary, precompute_rope, rope_inv_freq, rotate_half
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +40,8 @@ __all__ = [
     "init_linear",
     "init_embedding",
     "causal_padding_mask",
+    "causal_mask",
+    "NormHead",
     "key_padding_mask",
 ]
 
@@ -77,67 +78,17 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float) -> Te
 
 
 def activation(name: str, x: Tensor) -> Tensor:
-    """Elementwise activation by config name; gated names use their gate nonlinearity (swiglu->silu, geglu->gelu)."""
+    """Elementwise activation by config name; gated names use their gate nonlinearity (swiglu->silu, geglu->gelu,
+    geglu_tanh->tanh-approximated gelu, HF's ``gelu_pytorch_tanh``)."""
     if name in ("swiglu", "silu"):
         return F.silu(x)
     if name in ("gelu", "geglu"):
         return F.gelu(x)
-    if name == "gelu_tanh":
+    if name in ("gelu_tanh", "geglu_tanh"):
         return F.gelu(x, approximate="tanh")
     if name == "relu":
         return F.relu(x)
     raise ValueError(f"unknown activation {name!r}")
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> Tensor:
-    """Inverse frequencies [D/2] in fp32, bit-identical to HF's default / linear / llama3 rope initialisation."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(dtype=torch.float) / head_dim))
-    if not scaling:
-        return inv_freq
-    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type == "default":
-        return inv_freq
-    if rope_type == "linear":
-        return inv_freq / float(scaling["factor"])
-    if rope_type == "llama3":
-        factor = float(scaling["factor"])
-        low_freq_factor = float(scaling["low_freq_factor"])
-        high_freq_factor = float(scaling["high_freq_factor"])
-        old_context_len = float(scaling["original_max_position_embeddings"])
-        low_freq_wavelen = old_context_len / low_freq_factor
-        high_freq_wavelen = old_context_len / high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        smoothed = (1 - smooth) * inv_freq_llama / factor + smooth * inv_freq_llama
-        is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-        return torch.where(is_medium, smoothed, inv_freq_llama)
-    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
-
-
-def precompute_rope(
-    head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None = None,
-    device: torch.device | str | None = None,
-) -> tuple[Tensor, Tensor]:
-    """cos, sin tables [max_positions, D] in fp32 (HF layout: frequencies repeated as cat(freqs, freqs))."""
-    inv_freq = rope_inv_freq(head_dim, theta, scaling).to(device)  # [D/2]
-    t = torch.arange(max_positions, device=device, dtype=torch.float32)  # [P]
-    freqs = torch.outer(t, inv_freq)  # [P, D/2]
-    emb = torch.cat((freqs, freqs), dim=-1)  # [P, D]
-    return emb.cos(), emb.sin()
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    """HF LLaMA convention: [x1, x2] -> [-x2, x1] over the last dim halves."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """Rotate q [B, S, N, D] and k [B, S, K, D] with cos/sin [B, S, D] (already gathered by position)."""
-    cos = cos.unsqueeze(2).to(q.dtype)  # [B, S, 1, D]
-    sin = sin.unsqueeze(2).to(q.dtype)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -245,10 +196,22 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    """Multi-head / grouped-query self-attention with separate q/k/v/o projections.
+    """Multi-head / grouped-query self-attention: q/k/v/o projections, or one fused ``W_pack`` for q, k, v.
 
     Head counts are derived from the tensors at runtime (``view(B, S, -1, D)``), never from the config, so a
-    tensor-parallel plan that shards q/k/v column-wise and o row-wise works unchanged.
+    tensor-parallel plan that shards q/k/v (or W_pack) column-wise over whole heads and o row-wise works unchanged.
+
+    ``W_pack`` (Baichuan, ``config.qkv_packed``) is a real ``nn.Linear`` [3*N*D, H] (so a LoRA on it is peft's LoRA on
+    one fused linear), but its rows are stored **head-interleaved**: ``[q_h0, k_h0, v_h0, q_h1, k_h1, v_h1, ...]``
+    (each block D rows) instead of the checkpoint's ``[q; k; v]``. The HF mapping permutes the rows on load and
+    un-permutes them on save (``hf_decoders.wpack_from_hf`` / ``wpack_to_hf``), as Meta->HF conversion permutes
+    rotary rows. Why: any contiguous row shard over whole heads (tensor-parallel ``Shard(0)``, a LoRA ``lora_B``
+    sharded the same way) then holds each of its heads' q, k and v, for every degree dividing the heads; a plain
+    row shard of ``[q; k; v]`` would give rank 0 all of q and part of k. Checkpoints of every layout hold the one
+    interleaved order, so they reshard freely.
+
+    ``q_norm``/``k_norm`` (Qwen3, ``config.qk_norm``): RMSNorm over the head dim of every head of q and k, before
+    rotary.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -258,14 +221,41 @@ class Attention(nn.Module):
         self.dropout: float = config.dropout
         self.kernels: str = config.kernels
         h, d = config.hidden_size, config.head_dim
-        self.q_proj = nn.Linear(h, config.num_heads * d, bias=config.attention_bias)
-        self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.attention_bias)
-        self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.attention_bias)
-        self.o_proj = nn.Linear(config.num_heads * d, h, bias=config.attention_bias)
+        self.W_pack: nn.Linear | None = None
+        self.q_proj: nn.Linear | None = None
+        self.k_proj: nn.Linear | None = None
+        self.v_proj: nn.Linear | None = None
+        if config.qkv_packed:
+            self.W_pack = nn.Linear(h, 3 * config.num_heads * d, bias=config.attention_bias)  # rows [N, 3, D]
+        else:
+            self.q_proj = nn.Linear(h, config.num_heads * d, bias=config.attention_bias)
+            self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.attention_bias)
+            self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.attention_bias)
+        self.q_norm = RMSNorm(d, config.norm_eps, kernels=config.kernels) if config.qk_norm else None
+        self.k_norm = RMSNorm(d, config.norm_eps, kernels=config.kernels) if config.qk_norm else None
+        self.o_proj = nn.Linear(config.num_heads * d, h, bias=bool(config.o_bias))
 
     def reset_parameters(self, std: float) -> None:
-        for lin in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
-            init_linear(lin, std)
+        for lin in (self.W_pack, self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+            if lin is not None:
+                init_linear(lin, std)
+        for norm in (self.q_norm, self.k_norm):
+            if norm is not None:
+                norm.reset_parameters()
+
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # x [B, S, H] -> q [B, S, N, D], k, v [B, S, K, D]
+        b, s, _ = x.shape
+        if self.W_pack is not None:
+            qkv = self.W_pack(x).view(b, s, -1, 3, self.head_dim)  # [B, S, N, 3, D]: head-interleaved rows
+            q, k, v = qkv.unbind(3)
+        else:
+            assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
+            q = self.q_proj(x).view(b, s, -1, self.head_dim)
+            k = self.k_proj(x).view(b, s, -1, self.head_dim)
+            v = self.v_proj(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        return q, k, v
 
     def forward(
         self,
@@ -277,9 +267,7 @@ class Attention(nn.Module):
         kv_cache: KVCache | None = None,  # incremental decoding: past keys/values, appended in place
     ) -> Tensor:  # [B, S, H]
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, -1, self.head_dim)  # [B, S, N, D]
-        k = self.k_proj(x).view(b, s, -1, self.head_dim)  # [B, S, K, D]
-        v = self.v_proj(x).view(b, s, -1, self.head_dim)  # [B, S, K, D]
+        q, k, v = self._qkv(x)  # [B, S, N|K, D]
         if rope is not None and use_fused_kernel(self.kernels, q):
             from lightning_llm import kernels
 
@@ -324,13 +312,28 @@ class MLP(nn.Module):
         if self.gate_proj is not None and use_fused_kernel(self.kernels, x):
             from lightning_llm import kernels
 
-            fused = kernels.swiglu if self.act == "swiglu" else kernels.geglu
-            h = fused(self.gate_proj(x), self.up_proj(x), backend="triton")  # [B, S, I]
+            gate, up = self.gate_proj(x), self.up_proj(x)
+            if self.act == "swiglu":
+                h = kernels.swiglu(gate, up, backend="triton")  # [B, S, I]
+            else:
+                approximate = "tanh" if self.act == "geglu_tanh" else "none"
+                h = kernels.geglu(gate, up, approximate=approximate, backend="triton")
         elif self.gate_proj is not None:
             h = activation(self.act, self.gate_proj(x)) * self.up_proj(x)  # [B, S, I]
         else:
             h = activation(self.act, self.up_proj(x))  # [B, S, I]
         return self.down_proj(h)
+
+
+class NormHead(nn.Linear):
+    """LM head whose weight rows are L2-normalised in forward (Baichuan2 ``NormHead``): ``x @ normalize(W).T``.
+
+    The stored weight [V, H] stays the raw parameter (what Baichuan2 checkpoints hold and what is trained); the
+    normalisation is per vocabulary row, so it runs unchanged on a vocab-sharded weight (tensor parallelism).
+    """
+
+    def forward(self, x: Tensor) -> Tensor:  # [B, S, H] -> [B, S, V]
+        return F.linear(x, F.normalize(self.weight, dim=-1), self.bias)
 
 
 class TransformerBlock(nn.Module):
@@ -377,10 +380,13 @@ class TransformerBlock(nn.Module):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def causal_padding_mask(attention_mask: Tensor, seq_len: int) -> Tensor:
-    """Boolean attend-mask [B, 1, S, T] = causal AND key-not-padding, from a padding mask [B, T] (1/True = token).
+def causal_padding_mask(attention_mask: Tensor, seq_len: int, sliding_window: int | None = None) -> Tensor:
+    """Boolean attend-mask [B, 1, S, T] = causal AND key-not-padding (AND within the sliding window), from a padding
+    mask [B, T] (1/True = token).
 
     ``T`` may exceed ``S`` when decoding with a KV cache: the S queries are then the last S of the T positions.
+    ``sliding_window``: a query at column i attends to columns j with ``i - j < sliding_window`` (HF's
+    ``kv_idx > q_idx - sliding_window``; columns, not position ids, as transformers' masks).
     Query rows that would attend to nothing (left-padded positions) are allowed to attend to themselves, so SDPA
     never produces NaN; their outputs are meaningless and should be ignored by the loss.
     """
@@ -388,14 +394,23 @@ def causal_padding_mask(attention_mask: Tensor, seq_len: int) -> Tensor:
     total = attention_mask.shape[-1]
     offset = total - seq_len  # cached positions before the first query
     keep = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, T]
-    causal = torch.ones(seq_len, total, dtype=torch.bool, device=device).tril(diagonal=offset)  # [S, T]
-    mask = causal[None, None] & keep  # [B, 1, S, T]
+    mask = causal_mask(seq_len, total, sliding_window, device=device)[None, None] & keep  # [B, 1, S, T]
     empty = ~mask.any(dim=-1, keepdim=True)  # [B, 1, S, 1]
     rows = torch.arange(seq_len, device=device)
     eye = torch.zeros(seq_len, total, dtype=torch.bool, device=device)
     eye[rows, rows + offset] = True  # each query's own position
     eye = eye[None, None]  # [1, 1, S, T]
     return mask | (empty & eye)
+
+
+def causal_mask(seq_len: int, total: int, sliding_window: int | None = None, *,
+                device: torch.device | str | None = None) -> Tensor:
+    """Boolean attend-mask [S, T] of the last S of T positions: causal, and within ``sliding_window`` if given."""
+    offset = total - seq_len
+    mask = torch.ones(seq_len, total, dtype=torch.bool, device=device).tril(diagonal=offset)  # key j <= query i
+    if sliding_window is not None:
+        mask = mask.triu(diagonal=offset - sliding_window + 1)  # key j > query i - window
+    return mask
 
 
 def key_padding_mask(attention_mask: Tensor) -> Tensor:

@@ -74,10 +74,31 @@ class ParallelSpec:
 
 
 # ---------------------------------------------------------------------------------------------------- TP plans
-def _block_plan(prefix: str, *, sequence_parallel: bool, gated: bool) -> TPPlan:
+def _attention_plan(prefix: str, config: ModelConfig) -> TPPlan:
+    """Column-parallel q/k/v (or the fused ``W_pack``), plus Qwen3's per-head ``q_norm``/``k_norm``.
+
+    ``W_pack`` [3*N*D, H] is stored head-interleaved (rows ``[q_h0, k_h0, v_h0, q_h1, ...]``, see
+    ``layers.Attention``), so the plain ``Shard(0)`` of ``ColwiseParallel`` gives each rank whole heads' q, k and v:
+    out [B, S, N/tp*3*D]. ``q_norm``/``k_norm`` weights [D] are replicated and see their heads' slice of q/k
+    [B, S, N/tp, D] as ``Shard(2)`` of the full tensor (``SequenceParallel`` on dim 2: the norm is over D, so the
+    local result is exact; the weight gradient comes out ``Partial`` over the heads and is summed by the strategy, as
+    for sequence-parallel norms).
+    """
+    plan: TPPlan = {}
+    names = ("W_pack",) if config.qkv_packed else ("q_proj", "k_proj", "v_proj")
+    for name in names:
+        plan[f"{prefix}.self_attn.{name}"] = ColwiseParallel()
+    if config.qk_norm:
+        for name in ("q_norm", "k_norm"):
+            plan[f"{prefix}.self_attn.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def _block_plan(prefix: str, config: ModelConfig, *, sequence_parallel: bool) -> TPPlan:
     """Styles of every ``TransformerBlock`` under ``prefix`` (``layers.*``); same for both families.
 
-    Shapes (local, per rank): q/k/v out [B, S, N/tp*D], o in [B, S, N/tp*D]; gate/up out [B, S, I/tp].
+    Shapes (local, per rank): q/k/v out [B, S, N/tp*D] (W_pack [B, S, N/tp*3*D]), o in [B, S, N/tp*D]; gate/up out
+    [B, S, I/tp].
     """
     resid: Placement = Shard(1) if sequence_parallel else Replicate()
     # One conversion per block half: SP all-gathers [B, S/tp, H] -> [B, S, H] here; without SP it is free forward
@@ -89,15 +110,13 @@ def _block_plan(prefix: str, *, sequence_parallel: bool, gated: bool) -> TPPlan:
     row = RowwiseParallel(output_layouts=resid, use_local_output=not sequence_parallel)
     plan: TPPlan = {
         f"{prefix}.self_attn": half_input,
-        f"{prefix}.self_attn.q_proj": ColwiseParallel(),
-        f"{prefix}.self_attn.k_proj": ColwiseParallel(),
-        f"{prefix}.self_attn.v_proj": ColwiseParallel(),
+        **_attention_plan(prefix, config),
         f"{prefix}.self_attn.o_proj": row,
         f"{prefix}.mlp": half_input,
         f"{prefix}.mlp.up_proj": ColwiseParallel(),
         f"{prefix}.mlp.down_proj": row,
     }
-    if gated:
+    if config.gated:
         plan[f"{prefix}.mlp.gate_proj"] = ColwiseParallel()
     if sequence_parallel:
         plan[f"{prefix}.attn_norm"] = SequenceParallel()
@@ -137,7 +156,7 @@ def decoder_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, loss_p
     elif sequence_parallel and keys:
         plan.update(_split_sequence(keys[0]))  # a later pipeline stage: split the hidden state like stage 0 does
     if keys:
-        plan.update(_block_plan("layers.*", sequence_parallel=sequence_parallel, gated=config.gated))
+        plan.update(_block_plan("layers.*", config, sequence_parallel=sequence_parallel))
     if sequence_parallel and getattr(model, "norm", None) is not None:
         plan["norm"] = SequenceParallel()
     if getattr(model, "lm_head", None) is not None:
@@ -166,7 +185,7 @@ def encoder_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, loss_p
     if getattr(model, "embed_tokens", None) is not None:
         plan.update(_embedding_plan(sequence_parallel=sequence_parallel, first_layer=keys[0] if keys else None))
     if keys:
-        plan.update(_block_plan("layers.*", sequence_parallel=sequence_parallel, gated=config.gated))
+        plan.update(_block_plan("layers.*", config, sequence_parallel=sequence_parallel))
         if sequence_parallel:
             # The pooler reads token 0 of the full sequence: gather the shards once after the last block, so the
             # final norm / pooler / classifier run replicated on plain tensors. With a single layer the first layer's

@@ -1,0 +1,224 @@
+"""HF ``config.json`` <-> :class:`ModelConfig` for the LLaMA-layout decoders: llama, qwen2, qwen3, mistral, baichuan.
+
+They share LLaMA's module names (``model.layers.N.self_attn.q_proj``, ``mlp.gate_proj``, ``input_layernorm`` ...)
+and differ by switches of one :class:`~lightning_llm.models.DecoderLM`:
+
+=========  ==========================================================================================================
+llama      biases from ``attention_bias``/``mlp_bias``; rope types default, linear, llama3, dynamic, yarn
+qwen2      q/k/v biased, o not (hard-coded in transformers); ``use_sliding_window`` + ``sliding_window`` on the layers
+           ``>= max_window_layers`` (or the explicit ``layer_types``); tied or untied head
+qwen3      ``q_norm``/``k_norm`` (RMSNorm per head over ``head_dim``); ``head_dim`` may differ from hidden/heads
+           (transformers' default 128 when absent); sliding window as qwen2; biases from ``attention_bias``
+mistral    ``sliding_window`` on every layer (transformers' default 4096 when the key is absent, off when null)
+baichuan   Baichuan2-7B (``BaichuanForCausalLM``, trust_remote_code): fused ``W_pack`` [3H, H] = q, k, v rows;
+           ``NormHead`` (lm_head rows L2-normalised in forward); RoPE with base 10000 (hard-coded by its code);
+           no biases; multi-head attention. The 13B layout (ALiBi, no ``max_position_embeddings``) is refused.
+=========  ==========================================================================================================
+
+``W_pack`` is stored head-interleaved in our model (see :class:`~lightning_llm.models.layers.Attention`):
+:func:`wpack_from_hf` / :func:`wpack_to_hf` permute its rows (weight, bias, and a LoRA ``lora_B``) at the boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import Tensor
+
+from .config import ModelConfig
+from .rope import ROPE_TYPES
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "DECODER_KINDS",
+    "decoder_config_from_hf",
+    "decoder_config_to_hf",
+    "rope_from_hf",
+    "wpack_from_hf",
+    "wpack_to_hf",
+    "adapter_tensor_to_hf",
+    "adapter_tensor_from_hf",
+]
+
+DECODER_KINDS = ("llama", "qwen2", "qwen3", "mistral", "baichuan")
+"""HF model types with LLaMA's module layout (weight names of ``hf._entries``)."""
+
+# transformers' defaults for keys a config.json may omit (its config classes' field defaults).
+_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 131072}
+_BAICHUAN_AUTO_MAP = {"AutoConfig": "configuration_baichuan.BaichuanConfig",
+                      "AutoModelForCausalLM": "modeling_baichuan.BaichuanForCausalLM"}
+
+
+# ---------------------------------------------------------------------------------------------------- W_pack rows
+
+
+def wpack_from_hf(t: Tensor, num_heads: int) -> Tensor:
+    """Baichuan's ``[q; k; v]`` rows (dim 0 of a weight [3*N*D, ...] or bias [3*N*D]) -> head-interleaved
+    ``[q_h0, k_h0, v_h0, q_h1, ...]``."""
+    rest = t.shape[1:]
+    return t.reshape(3, num_heads, -1, *rest).transpose(0, 1).reshape(t.shape).contiguous()  # [3, N, D] -> [N, 3, D]
+
+
+def wpack_to_hf(t: Tensor, num_heads: int) -> Tensor:
+    """Inverse of :func:`wpack_from_hf`: head-interleaved rows -> ``[q; k; v]``."""
+    rest = t.shape[1:]
+    return t.reshape(num_heads, 3, -1, *rest).transpose(0, 1).reshape(t.shape).contiguous()  # [N, 3, D] -> [3, N, D]
+
+
+def _is_wpack_rows(name: str) -> bool:
+    """Adapter tensors whose dim 0 are W_pack's output rows: ``...W_pack.lora_B[.adapter].weight`` (and bias)."""
+    atoms = name.split(".")
+    return "W_pack" in atoms and "lora_B" in atoms[atoms.index("W_pack"):]
+
+
+def adapter_tensor_to_hf(config: ModelConfig, name: str, t: Tensor) -> Tensor:
+    """An adapter tensor of ours (peft state-dict name) in the checkpoint's row order: ``lora_B`` of a packed
+    ``W_pack`` is un-permuted (its rows are W_pack's rows); every other tensor is returned unchanged."""
+    if config.qkv_packed and _is_wpack_rows(name):
+        return wpack_to_hf(t, config.num_heads)
+    return t
+
+
+def adapter_tensor_from_hf(config: ModelConfig, name: str, t: Tensor) -> Tensor:
+    """Inverse of :func:`adapter_tensor_to_hf` (a peft adapter of the HF checkpoint -> our row order)."""
+    if config.qkv_packed and _is_wpack_rows(name):
+        return wpack_from_hf(t, config.num_heads)
+    return t
+
+
+# ---------------------------------------------------------------------------------------------------- from HF
+
+
+def gated_act(name: str) -> str:
+    table = {"silu": "swiglu", "swish": "swiglu", "gelu": "geglu", "gelu_pytorch_tanh": "geglu_tanh",
+             "gelu_new": "geglu_tanh", "gelu_fast": "geglu_tanh"}
+    if name not in table:
+        raise ValueError(f"unsupported gated activation hidden_act={name!r} (supported: {', '.join(table)})")
+    return table[name]
+
+
+def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling)`` from ``rope_parameters`` (transformers 5) or legacy ``rope_theta`` +
+    ``rope_scaling``; ``original_max_position_embeddings`` defaults to ``max_position_embeddings`` as in
+    transformers' ``standardize_rope_params``."""
+    params = dict(hf.get("rope_parameters") or {})
+    legacy = hf.get("rope_scaling")
+    if legacy:
+        params = {**dict(legacy), **params}
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    if "type" in params and "rope_type" not in params:
+        params["rope_type"] = params.pop("type")
+    params.pop("type", None)
+    kind = params.get("rope_type", "default")
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope scaling rope_type={kind!r} (supported: {', '.join(ROPE_TYPES)})")
+    if float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1.0 (rotary on part of the head dim) is not supported")
+    if kind == "default":
+        return theta, None
+    if kind in ("llama3", "yarn") and "original_max_position_embeddings" not in params:
+        params["original_max_position_embeddings"] = hf.get("original_max_position_embeddings",
+                                                            hf.get("max_position_embeddings"))
+    if kind in ("linear", "dynamic") and params.get("factor") is None:
+        raise ValueError(f"rope_type={kind!r} needs a 'factor'")
+    return theta, params
+
+
+def _sliding_from_hf(hf: dict[str, Any], kind: str, num_layers: int) -> tuple[int | None, list[str] | None]:
+    """``(sliding_window, layer_types)`` as transformers' Qwen2/Qwen3/Mistral configs resolve them."""
+    if kind == "mistral":
+        window = hf.get("sliding_window", 4096)  # MistralConfig's default; an explicit null disables it
+        return (None, None) if window is None else (int(window), None)
+    if kind in ("qwen2", "qwen3"):
+        if not hf.get("use_sliding_window", False) or hf.get("sliding_window", 4096) is None:
+            return None, None
+        window = int(hf.get("sliding_window", 4096))
+        types = hf.get("layer_types")
+        if types is None:
+            first = int(hf.get("max_window_layers", 28))
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+        return window, list(types)
+    return None, None
+
+
+def decoder_config_from_hf(hf: dict[str, Any], kind: str, *, extra: dict[str, Any], pad: int) -> ModelConfig:
+    """:class:`ModelConfig` of a LLaMA-layout decoder (``kind`` in :data:`DECODER_KINDS`)."""
+    heads = int(hf["num_attention_heads"])
+    layers = int(hf["num_hidden_layers"])
+    kw: dict[str, Any] = {}
+    if kind == "baichuan":
+        if "max_position_embeddings" not in hf:
+            raise ValueError("Baichuan config without max_position_embeddings: the 13B layout (ALiBi positions) is not "
+                             "supported, only the 7B layout (RoPE, W_pack, NormHead)")
+        if hf.get("num_key_value_heads") not in (None, heads):
+            raise ValueError(f"Baichuan with num_key_value_heads={hf['num_key_value_heads']} != num_attention_heads "
+                             f"({heads}) is not supported (W_pack holds q, k, v of every head)")
+        if hf.get("rope_parameters") or hf.get("rope_scaling") or hf.get("rope_theta"):
+            log.warning("Baichuan config sets rope parameters; Baichuan's modeling code ignores them (base 10000, no "
+                        "scaling), and so does this model")
+        theta, scaling = 10000.0, None
+        kw.update(qkv_packed=True, norm_head=True, attention_bias=False, mlp_bias=False)
+    else:
+        theta, scaling = rope_from_hf(hf)
+        window, types = _sliding_from_hf(hf, kind, layers)
+        kw.update(sliding_window=window, layer_types=types)
+        if kind == "llama":
+            kw.update(attention_bias=bool(hf.get("attention_bias", False)), mlp_bias=bool(hf.get("mlp_bias", False)))
+        elif kind == "qwen2":
+            kw.update(attention_bias=True, o_bias=False)  # Qwen2Attention: bias=True on q/k/v, False on o
+        elif kind == "qwen3":
+            kw.update(attention_bias=bool(hf.get("attention_bias", False)), qk_norm=True)
+    head_dim = hf.get("head_dim")
+    if head_dim is None and kind == "qwen3":
+        head_dim = 128  # Qwen3Config's default, independent of hidden_size / heads
+    return ModelConfig(
+        family="decoder", vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
+        num_layers=layers, num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=None if head_dim is None else int(head_dim), intermediate_size=int(hf["intermediate_size"]),
+        max_position_embeddings=int(hf.get("max_position_embeddings", _MAX_POSITIONS.get(kind, 2048))),
+        norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        activation=gated_act(hf.get("hidden_act", "silu")),  # type: ignore[arg-type]
+        position="rope", rope_theta=theta, rope_scaling=scaling,
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), pre_norm=True, embedding_norm=False,
+        final_norm=True, dropout=float(hf.get("attention_dropout", 0.0)),
+        initializer_range=float(hf.get("initializer_range", 0.02)), pad_token_id=pad, extra=extra, **kw,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- to HF
+
+
+_INV_ACT = {"swiglu": "silu", "geglu": "gelu", "geglu_tanh": "gelu_pytorch_tanh"}
+
+
+def decoder_config_to_hf(c: ModelConfig, kind: str) -> dict[str, Any]:
+    """The architecture fields of a LLaMA-layout decoder's ``config.json`` (the caller checks representability)."""
+    hf: dict[str, Any] = dict(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+        hidden_act=_INV_ACT.get(c.activation, c.activation), max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.norm_eps, tie_word_embeddings=c.tie_embeddings,
+    )
+    if kind == "baichuan":
+        hf.update(model_max_length=c.max_position_embeddings, z_loss_weight=0, use_cache=True,
+                  auto_map=dict(_BAICHUAN_AUTO_MAP))
+        return hf
+    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
+    if c.rope_scaling:
+        rope = {**dict(c.rope_scaling), "rope_theta": c.rope_theta}
+    hf.update(num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rope_parameters=rope,
+              attention_dropout=c.dropout)
+    sliding = c.sliding_layers
+    if kind == "llama":
+        hf.update(attention_bias=c.attention_bias, mlp_bias=c.mlp_bias)
+    elif kind == "mistral":
+        hf.update(sliding_window=c.sliding_window if sliding else None)
+    elif kind in ("qwen2", "qwen3"):
+        if kind == "qwen3":
+            hf.update(attention_bias=c.attention_bias)
+        types = ["sliding_attention" if i in sliding else "full_attention" for i in range(c.num_layers)]
+        hf.update(use_sliding_window=bool(sliding), sliding_window=c.sliding_window if sliding else None,
+                  max_window_layers=min(sliding) if sliding else c.num_layers, layer_types=types)
+    return hf
