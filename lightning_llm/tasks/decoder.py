@@ -119,6 +119,7 @@ class DecoderTask(LLMTask):
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
         if self.peft_config is None:
             return
         keep = self._trainable_keys()
@@ -127,6 +128,7 @@ class DecoderTask(LLMTask):
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
         if self.peft_config is None or self.model is None:
             return
         missing = sorted(self._trainable_keys() - set(checkpoint["state_dict"]))
