@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import random
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +33,7 @@ from lightning_llm.data.tokenizers import ByteTokenizer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PreferenceDataModule", "make_preference_pairs"]
+__all__ = ["PreferenceDataModule", "corrupt_title", "csl_preference_pairs", "make_preference_pairs"]
 
 FIELDS = ("prompt", "chosen", "rejected")
 
@@ -48,6 +49,49 @@ def make_preference_pairs(n: int, *, seed: int = 0) -> list[dict[str, str]]:
         out.append({"prompt": p, "chosen": "".join(rng.choice("0123456789") for _ in range(k)),
                     "rejected": "".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(k))})
     return out
+
+
+def corrupt_title(title: str, rng: random.Random) -> str:
+    """A worse title: the characters shuffled and half of them replaced by random CJK characters (same length)."""
+    chars = list(title)
+    rng.shuffle(chars)
+    for i in rng.sample(range(len(chars)), len(chars) // 2):
+        chars[i] = chr(rng.randint(0x4E00, 0x9FA5))
+    out = "".join(chars)
+    return out if out != title else out[::-1] + "\u4e00"
+
+
+def csl_preference_pairs(path: str | Path, *, seed: int = 0, max_abstract_chars: int | None = None
+                         ) -> list[dict[str, str]]:
+    """Preference pairs from alpaca-format CSL records (``instruction``, ``input`` = abstract, ``output`` = title):
+    prompt = instruction + abstract, chosen = the real title, rejected = :func:`corrupt_title` of it."""
+    rng = random.Random(seed)
+    pairs = []
+    for rec in read_records(path, required=["instruction", "input", "output"]):
+        abstract = rec["input"][:max_abstract_chars] if max_abstract_chars else rec["input"]
+        pairs.append({"prompt": rec["instruction"] + abstract, "chosen": rec["output"],
+                      "rejected": corrupt_title(rec["output"], rng)})
+    return pairs
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m lightning_llm.data.preference --csl DIR --out DIR``: write ``train.jsonl`` / ``val.jsonl``
+    preference pairs from the CSL title set's ``dev.json`` / ``test.json``."""
+    import argparse
+
+    from lightning_llm.data.io import write_jsonl_atomic
+
+    parser = argparse.ArgumentParser(prog="python -m lightning_llm.data.preference", description=main.__doc__)
+    parser.add_argument("--csl", required=True, help="directory with the CSL dev.json and test.json (alpaca format)")
+    parser.add_argument("--out", required=True, help="output directory")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for src, name in (("dev.json", "train.jsonl"), ("test.json", "val.jsonl")):
+        n = write_jsonl_atomic(out / name, csl_preference_pairs(Path(args.csl) / src, seed=args.seed))
+        print(f"{n} pairs -> {out / name}")
+    return 0
 
 
 class PreferenceDataModule(LLMDataModule):
@@ -183,3 +227,7 @@ class PreferenceDataModule(LLMDataModule):
 
     def val_dataloader(self) -> DataLoader:
         return self.make_loader(self.split_dataset("validate"), train=False, collate_fn=self.collate)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
