@@ -36,6 +36,18 @@ def load_tokenizer(tokenizer_dir: str | None, *, param: str = "--data.tokenizer_
     )
 
 
+def eos_and_pad_ids(tokenizer: Any, tokenizer_dir: str | None) -> tuple[int, int]:
+    """``(eos, pad)`` ids of a tokenizer that ends responses: EOS, or [SEP] for BERT-style vocabularies; pad falls
+    back to EOS. ``ValueError`` naming ``--data.tokenizer_dir`` when it has neither EOS nor SEP."""
+    eos = tokenizer.eos_token_id
+    if eos is None:  # BERT-style vocabularies: [SEP] ends a response
+        eos = getattr(tokenizer, "sep_token_id", None)
+    if eos is None:
+        raise ValueError(f"--data.tokenizer_dir={tokenizer_dir}: the tokenizer has no EOS (or SEP) token")
+    pad = tokenizer.pad_token_id
+    return int(eos), int(pad) if pad is not None else int(eos)
+
+
 def tokenizer_vocab_size(tokenizer: Any) -> int:
     """Rows an embedding needs for this tokenizer (largest id + 1; vocab files can hold duplicate lines)."""
     return max(tokenizer.get_vocab().values()) + 1

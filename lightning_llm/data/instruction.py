@@ -19,7 +19,13 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_llm.data.base import EncodedDataset, LLMDataModule, load_tokenizer, tokenizer_vocab_size
+from lightning_llm.data.base import (
+    EncodedDataset,
+    LLMDataModule,
+    eos_and_pad_ids,
+    load_tokenizer,
+    tokenizer_vocab_size,
+)
 from lightning_llm.data.io import DataError, read_records
 from lightning_llm.data.tokenizers import ByteTokenizer
 from lightning_llm.generation import left_pad
@@ -136,14 +142,7 @@ class InstructionDataModule(LLMDataModule):
         self.cutoff_len, self.max_prompt_len = cutoff_len, max_prompt_len or cutoff_len
         self.packing, self.val_fraction, self.limit_examples = packing, val_fraction, limit_examples
         self.datasets: dict[str, EncodedDataset] = {}
-        eos = self.tokenizer.eos_token_id
-        if eos is None:  # BERT-style vocabularies: [SEP] ends a response
-            eos = getattr(self.tokenizer, "sep_token_id", None)
-        if eos is None:
-            raise ValueError(f"--data.tokenizer_dir={tokenizer_dir}: the tokenizer has no EOS (or SEP) token")
-        self.eos_token_id: int = int(eos)
-        pad = self.tokenizer.pad_token_id
-        self.pad_token_id: int = int(pad) if pad is not None else self.eos_token_id
+        self.eos_token_id, self.pad_token_id = eos_and_pad_ids(self.tokenizer, tokenizer_dir)
 
     @property
     def vocab_size(self) -> int:

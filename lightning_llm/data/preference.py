@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from lightning_llm.data.base import (
     EncodedDataset,
     LLMDataModule,
+    eos_and_pad_ids,
     load_tokenizer,
     tokenizer_vocab_size,
 )
@@ -139,14 +140,7 @@ class PreferenceDataModule(LLMDataModule):
             raise ValueError(f"--data.val_fraction must be in [0, 1), got {val_fraction}")
         self.paths = {"fit": train_path, "validate": val_path}
         self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else ByteTokenizer()
-        eos = self.tokenizer.eos_token_id
-        if eos is None:  # BERT-style vocabularies: [SEP] ends a response
-            eos = getattr(self.tokenizer, "sep_token_id", None)
-        if eos is None:
-            raise ValueError(f"--data.tokenizer_dir={tokenizer_dir}: the tokenizer has no EOS (or SEP) token")
-        self.eos_token_id = int(eos)
-        pad = self.tokenizer.pad_token_id
-        self.pad_token_id = int(pad) if pad is not None else self.eos_token_id
+        self.eos_token_id, self.pad_token_id = eos_and_pad_ids(self.tokenizer, tokenizer_dir)
         self.cutoff_len, self.max_prompt_len = cutoff_len, max_prompt_len
         self.val_fraction, self.limit_examples = val_fraction, limit_examples
         self.generated = {"fit": generated_pairs, "validate": generated_val_pairs}
