@@ -210,3 +210,41 @@ def run_cli(args: list[str], *, nproc: int = 1, nnodes: int = 1, timeout: float 
         raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}"
                            f"\n--- stderr\n{proc.stderr[-8000:]}")
     return proc
+
+
+class MetricRows(pl.Callback):
+    """Every metric logged so far (``trainer.callback_metrics``), after each training step."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
+
+
+def rl_cli_args(task: list[str], out: Path, prompts: Path, *, batch: int, extra: list[str]) -> list[str]:
+    """``lightning_llm fit`` arguments of the on-policy RL parity tests: ``task`` (``--model=...`` and its settings),
+    the digits reward, a constant LR, ``prompts`` in PromptDataModule, 8 CPU steps logged to CSV under ``out`` and
+    the parameters recorded by :class:`StepRecorder` to ``out/steps.json.pt``."""
+    return [
+        "fit", "--seed_everything=3", *task, "--model.backbone=debug", "--model.model_overrides={num_layers: 2}",
+        "--model.generation.max_new_tokens=8",
+        "--model.reward.fn=lightning_llm.rl.rewards:CharShareReward", "--model.reward.kwargs={chars: digits}",
+        "--model.optim.lr=0.003", "--model.optim.scheduler=constant", "--model.optim.weight_decay=0",
+        "--data=lightning_llm.data.PromptDataModule", f"--data.train_path={prompts}", f"--data.batch_size={batch}",
+        "--trainer.accelerator=cpu", "--trainer.max_steps=8", "--trainer.logger=CSVLogger",
+        f"--trainer.logger.save_dir={out}", "--trainer.log_every_n_steps=1", "--trainer.enable_checkpointing=false",
+        "--trainer.enable_progress_bar=false", "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={out}",
+        "--trainer.callbacks+=lightning_llm.testing.StepRecorder", f"--trainer.callbacks.output={out / 'steps.json'}",
+        "--trainer.callbacks.save_params=true", *extra,
+    ]
+
+
+def logged_rows(out: Path, *, key: str) -> list[dict[str, float]]:
+    """The rows of the ``metrics.csv`` under ``out`` that hold ``key``, as floats."""
+    import csv
+
+    path = next(out.rglob("metrics.csv"))
+    return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(path.open()) if r.get(key)]
+

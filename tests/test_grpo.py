@@ -23,7 +23,7 @@ from lightning_llm.rl import GRPOConfig, RewardConfig, group_advantages, grpo_lo
 from lightning_llm.rl.core import logprobs_from_logits
 from lightning_llm.rl.policy import Rollout, pack_responses, response_logits
 from lightning_llm.tasks import GRPOTask, OptimConfig
-from lightning_llm.testing import run_cli
+from lightning_llm.testing import MetricRows, logged_rows, rl_cli_args, run_cli
 
 DIGITS = RewardConfig(fn="lightning_llm.rl.rewards:CharShareReward", kwargs={"chars": "digits"})
 KEYS = ("objective/scores", "objective/kl", "reward_std", "frac_reward_zero_std", "response_length", "episode",
@@ -31,14 +31,6 @@ KEYS = ("objective/scores", "objective/kl", "reward_std", "frac_reward_zero_std"
         "val/ratio", "policy/skipped_minibatches")
 
 
-class Metrics(pl.Callback):
-    """Every logged metric after each rollout step."""
-
-    def __init__(self) -> None:
-        self.rows: list[dict[str, float]] = []
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
 def _task(**kwargs: Any) -> GRPOTask:
@@ -51,7 +43,7 @@ def _task(**kwargs: Any) -> GRPOTask:
 
 def _fit(task: GRPOTask, rollouts: int, *, batch_size: int = 4) -> list[dict[str, float]]:
     pl.seed_everything(0)
-    rec = Metrics()
+    rec = MetricRows()
     dm = PromptDataModule(batch_size=batch_size, generated_prompts=256, max_prompt_len=32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -292,27 +284,15 @@ def test_configuration_errors_name_the_parameter(capsys: pytest.CaptureFixture[s
 
 # ------------------------------------------------------------------------------------------------ DDP
 def _grpo_args(out: Path, prompts: Path, *, batch: int, extra: list[str]) -> list[str]:
-    return [
-        "fit", "--seed_everything=3", "--model=lightning_llm.tasks.GRPOTask", "--model.backbone=debug",
-        "--model.model_overrides={num_layers: 2}", "--model.generation.max_new_tokens=8",
-        "--model.generation.do_sample=true", "--model.grpo.num_generations=4", "--model.grpo.epochs=2",
-        "--model.grpo.num_mini_batches=1", "--model.grpo.loss_type=dapo", "--model.grpo.missing_eos_penalty=0.1",
-        "--model.reward.fn=lightning_llm.rl.rewards:CharShareReward", "--model.reward.kwargs={chars: digits}",
-        "--model.optim.lr=0.003", "--model.optim.scheduler=constant", "--model.optim.weight_decay=0",
-        "--data=lightning_llm.data.PromptDataModule", f"--data.train_path={prompts}", f"--data.batch_size={batch}",
-        "--trainer.accelerator=cpu", "--trainer.max_steps=8", "--trainer.logger=CSVLogger",
-        f"--trainer.logger.save_dir={out}", "--trainer.log_every_n_steps=1", "--trainer.enable_checkpointing=false",
-        "--trainer.enable_progress_bar=false", "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={out}",
-        "--trainer.callbacks+=lightning_llm.testing.StepRecorder", f"--trainer.callbacks.output={out / 'steps.json'}",
-        "--trainer.callbacks.save_params=true", *extra,
-    ]
+    return rl_cli_args([
+        "--model=lightning_llm.tasks.GRPOTask", "--model.generation.do_sample=true",
+        "--model.grpo.num_generations=4", "--model.grpo.epochs=2", "--model.grpo.num_mini_batches=1",
+        "--model.grpo.loss_type=dapo", "--model.grpo.missing_eos_penalty=0.1",
+    ], out, prompts, batch=batch, extra=extra)
 
 
 def _logged(out: Path) -> list[dict[str, float]]:
-    import csv
-
-    path = next(out.rglob("metrics.csv"))
-    return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(path.open()) if r.get("objective/kl")]
+    return logged_rows(out, key="objective/kl")
 
 
 @pytest.mark.multiprocess

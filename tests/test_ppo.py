@@ -20,7 +20,7 @@ from lightning_llm.peft import LoraArgs
 from lightning_llm.rl import CharShareReward, PPOConfig, RewardConfig, RewardModel
 from lightning_llm.rl.policy import adapters_disabled
 from lightning_llm.tasks import OptimConfig, PPOTask
-from lightning_llm.testing import run_cli
+from lightning_llm.testing import MetricRows, logged_rows, rl_cli_args, run_cli
 
 DIGITS = RewardConfig(fn="lightning_llm.rl.rewards:CharShareReward", kwargs={"chars": "digits"})
 KEYS = ("objective/scores", "objective/kl", "objective/kl_coef", "objective/entropy", "objective/rlhf_reward",
@@ -28,14 +28,6 @@ KEYS = ("objective/scores", "objective/kl", "objective/kl_coef", "objective/entr
         "val/num_eos_tokens", "policy/skipped_minibatches")
 
 
-class Metrics(pl.Callback):
-    """Every logged PPO metric after each rollout step."""
-
-    def __init__(self) -> None:
-        self.rows: list[dict[str, float]] = []
-
-    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
-        self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
 def _task(**kwargs: Any) -> PPOTask:
@@ -48,7 +40,7 @@ def _task(**kwargs: Any) -> PPOTask:
 
 def _fit(task: PPOTask, rollouts: int, *, batch_size: int = 16) -> list[dict[str, float]]:
     pl.seed_everything(0)
-    rec = Metrics()
+    rec = MetricRows()
     steps = rollouts * task.ppo.updates_per_rollout
     dm = PromptDataModule(batch_size=batch_size, generated_prompts=256, max_prompt_len=32)
     with warnings.catch_warnings():
@@ -228,28 +220,16 @@ def test_configuration_errors_name_the_parameter() -> None:
 
 # ------------------------------------------------------------------------------------------------ DDP
 def _ppo_args(out: Path, prompts: Path, *, batch: int, extra: list[str]) -> list[str]:
-    return [
-        "fit", "--seed_everything=3", "--model=lightning_llm.tasks.PPOTask", "--model.backbone=debug",
-        "--model.model_overrides={num_layers: 2}", "--model.generation.max_new_tokens=8",
-        "--model.generation.do_sample=false", "--model.ppo.ppo_epochs=2", "--model.ppo.num_mini_batches=1",
-        "--model.ppo.kl_coef=0.05", "--model.ppo.adaptive_kl=true", "--model.ppo.kl_target=0.5",
-        "--model.ppo.kl_horizon=50", "--model.ppo.whiten_rewards=true", "--model.ppo.missing_eos_penalty=0.1",
-        "--model.reward.fn=lightning_llm.rl.rewards:CharShareReward", "--model.reward.kwargs={chars: digits}",
-        "--model.optim.lr=0.003", "--model.optim.scheduler=constant", "--model.optim.weight_decay=0",
-        "--data=lightning_llm.data.PromptDataModule", f"--data.train_path={prompts}", f"--data.batch_size={batch}",
-        "--trainer.accelerator=cpu", "--trainer.max_steps=8", "--trainer.logger=CSVLogger",
-        f"--trainer.logger.save_dir={out}", "--trainer.log_every_n_steps=1", "--trainer.enable_checkpointing=false",
-        "--trainer.enable_progress_bar=false", "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={out}",
-        "--trainer.callbacks+=lightning_llm.testing.StepRecorder", f"--trainer.callbacks.output={out / 'steps.json'}",
-        "--trainer.callbacks.save_params=true", *extra,
-    ]
+    return rl_cli_args([
+        "--model=lightning_llm.tasks.PPOTask", "--model.generation.do_sample=false", "--model.ppo.ppo_epochs=2",
+        "--model.ppo.num_mini_batches=1", "--model.ppo.kl_coef=0.05", "--model.ppo.adaptive_kl=true",
+        "--model.ppo.kl_target=0.5", "--model.ppo.kl_horizon=50", "--model.ppo.whiten_rewards=true",
+        "--model.ppo.missing_eos_penalty=0.1",
+    ], out, prompts, batch=batch, extra=extra)
 
 
 def _logged(out: Path) -> list[dict[str, float]]:
-    import csv
-
-    path = next(out.rglob("metrics.csv"))
-    return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(path.open()) if r.get("objective/kl")]
+    return logged_rows(out, key="objective/kl")
 
 
 @pytest.mark.multiprocess
