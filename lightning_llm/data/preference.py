@@ -13,6 +13,7 @@ Every problem with a file raises :class:`~lightning_llm.data.io.DataError` namin
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 from pathlib import Path
@@ -210,6 +211,15 @@ class PreferenceDataModule(LLMDataModule):
     def split_dataset(self, split: str) -> EncodedDataset:
         """The encoded pairs of ``fit`` or ``validate`` (after ``setup``)."""
         return self.datasets.get(split, EncodedDataset([]))
+
+    def fingerprint(self, split: str) -> str:
+        """A digest of the split's encoded pairs (token ids, in order): a precomputed reference table is valid only
+        for the data it was computed on."""
+        digest = hashlib.sha256()
+        for row in self.split_dataset(split):
+            for key in ("chosen", "rejected"):
+                digest.update(repr(row[key]).encode())
+        return digest.hexdigest()
 
     def reference_dataloader(self, split: str) -> DataLoader:
         """Every pair of ``split`` in order, unsharded (each rank precomputes the whole reference table)."""

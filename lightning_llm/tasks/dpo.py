@@ -61,6 +61,7 @@ class DPOTask(DecoderTask):
         self.dpo = dpo or DPOConfig()
         self.reference: ReferencePolicy | None = None
         self.reference_table: dict[str, Tensor] = {}  # split -> [pairs, 2] summed reference log-probs (precomputed)
+        self.reference_data: dict[str, str] = {}  # split -> fingerprint of the pairs the table was computed on
         self.val_stats = nn.ModuleDict({n.replace("/", "_"): MeanMetric() for n in _STAT_NAMES})
 
     # ------------------------------------------------------------------------------------------ model
@@ -132,6 +133,8 @@ class DPOTask(DecoderTask):
             logps = self._reference_logps(batch).float().cpu().view(-1, 2)
             table[batch["pair_index"][0::2].cpu()] = logps
         self.reference_table[split] = table
+        if hasattr(dm, "fingerprint"):
+            self.reference_data[split] = dm.fingerprint(split)
         log.info("DPO: reference log-probs precomputed for %d %s pairs", n, split)
 
     # ------------------------------------------------------------------------------------------ steps
@@ -173,18 +176,27 @@ class DPOTask(DecoderTask):
     def on_fit_start(self) -> None:
         if self.dpo.reference != "precomputed":
             return
-        dm = self.trainer.datamodule
         for split in ("fit", "validate"):
-            table = self.reference_table.get(split)
-            if table is None:  # a resume brings them from the checkpoint
+            if split in self.reference_table:  # a resume brings them from the checkpoint
+                self._check_reference_data(split)
+            else:
                 self.precompute_reference(split)
-            elif hasattr(dm, "split_dataset") and len(table) != len(dm.split_dataset(split)):
-                raise ValueError(f"the checkpoint's precomputed reference log-probs cover {len(table)} {split} pairs, "
-                                 f"the data has {len(dm.split_dataset(split))}: resume with the same --data files")
+
+    def _check_reference_data(self, split: str) -> None:
+        """Refuse a checkpoint's precomputed table for other pairs than the datamodule's (looked up by index, it
+        would silently pair each example with another example's reference log-probs)."""
+        dm = self.trainer.datamodule
+        saved, now = self.reference_data.get(split), getattr(dm, "fingerprint", None)
+        if saved is not None and now is not None and saved != now(split):
+            raise ValueError(f"the checkpoint's precomputed reference log-probs were computed on other {split} pairs "
+                             "than the datamodule holds: resume with the same --data files and tokenizer, or start a "
+                             "new run")
 
     @override
     def on_validation_start(self) -> None:
-        if self.dpo.reference == "precomputed" and "validate" not in self.reference_table:
+        if self.dpo.reference == "precomputed" and "validate" in self.reference_table:
+            self._check_reference_data("validate")
+        elif self.dpo.reference == "precomputed":
             if self.reference is None:  # `validate` alone: the initial policy is gone, only a copy could stand in
                 raise ValueError("DPOTask: the checkpoint holds no precomputed reference log-probs for validation "
                                  "pairs and a full fine-tune keeps no reference copy: validate with "
@@ -196,11 +208,13 @@ class DPOTask(DecoderTask):
         super().on_save_checkpoint(checkpoint)
         if self.reference_table:
             checkpoint["dpo_reference"] = {k: v.clone() for k, v in self.reference_table.items()}
+            checkpoint["dpo_reference_data"] = dict(self.reference_data)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         self.reference_table = dict(checkpoint.get("dpo_reference") or {})
+        self.reference_data = dict(checkpoint.get("dpo_reference_data") or {})
 
 
 def _row_parity(batch: dict[str, Tensor]) -> Tensor:
