@@ -30,8 +30,11 @@ def _fit(tmp_path: Path, *args: str, timeout: float = 150) -> subprocess.Complet
 
 
 def _assert_one_line_error(proc: subprocess.CompletedProcess, *expected: str) -> str:
-    """Non-zero exit; the last meaningful stderr line is our one-line error and contains ``expected``."""
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("(set LIGHTNING_LLM_DEBUG")]
+    """Non-zero exit; the last meaningful stderr line is our one-line error and contains ``expected``. Log records
+    (``INFO``/``WARNING`` lines) are not meaningful here: another rank may still log its progress (e.g. "model
+    built") after rank 0 printed the error, before it exits."""
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip() and not ln.startswith("(set LIGHTNING_LLM_DEBUG")
+             and not ln.startswith(("INFO ", "WARNING "))]
     last = lines[-1] if lines else ""
     print(f"rc={proc.returncode} last line: {last}")
     assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
