@@ -70,9 +70,15 @@ def _worker(rank: int, port: int, backend: str) -> None:
                 assert _rel(loss, ref) <= TOL, f"loss {tag}: {_rel(loss, ref):.2e}"
                 assert _rel(gfull, gref) <= TOL, f"grad {tag}: {_rel(gfull, gref):.2e}"
         _dtensor_check(rank, backend)
-        dist.barrier()  # no rank tears gloo down while the other still talks to it (SIGABRT at exit otherwise)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Done: leave like every other test worker (barrier, destroy the group, os._exit), so that no gloo thread or C++
+    # static destructor can abort the finished process in interpreter teardown (SIGABRT seen once in CI here).
+    from lightning_llm.reliability import leave_process, shutdown_process_group
+
+    shutdown_process_group()
+    leave_process(0)
 
 
 def _dtensor_check(rank: int, backend: str) -> None:
