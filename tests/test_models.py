@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lightning_llm.models import NAMED_SIZES, DecoderLM, EncoderModel, ModelConfig, build_model, named_config
+from lightning_llm.models.init import materialize
 from lightning_llm.models.layers import Attention, apply_rotary, precompute_rope, rms_norm, rotate_half
 
 
@@ -78,14 +79,20 @@ def test_meta_device_big_models(family: str, name: str, lo: float, hi: float) ->
 
 
 def test_meta_init_matches_eager_init() -> None:
+    """A model built on the meta device and materialized equals one built on the CPU from the same seed, and
+    init_weights() reproduces those values whatever torch's generator state is (init is a function of init_seed
+    and the parameter names)."""
     cfg = named_config("debug", family="decoder")
-    eager = DecoderLM(cfg)
     torch.manual_seed(123)
-    eager.init_weights()
+    eager = DecoderLM(cfg)
+    after_eager = torch.random.get_rng_state()
+    torch.manual_seed(123)
     with torch.device("meta"):
         lazy = DecoderLM(cfg)
-    lazy.to_empty(device="cpu")
-    torch.manual_seed(123)
+    assert torch.equal(torch.random.get_rng_state(), after_eager)  # both drew exactly the seed
+    assert all(p.is_meta for p in lazy.parameters())
+    materialize(lazy, "cpu")
+    torch.manual_seed(999)
     lazy.init_weights()
     for (n1, p1), (n2, p2) in zip(eager.named_parameters(), lazy.named_parameters()):
         assert n1 == n2 and torch.equal(p1, p2), n1
@@ -111,8 +118,7 @@ def test_tied_weights_share_storage() -> None:
     assert _n_params(m) == _n_params(build_model("debug", family="decoder")) - m.embed_tokens.weight.numel()
     with torch.device("meta"):
         lazy = build_model("debug", family="decoder", tie_embeddings=True)
-    lazy.to_empty(device="cpu")
-    lazy.init_weights()
+    materialize(lazy, "cpu")
     assert lazy.lm_head.weight is lazy.embed_tokens.weight
 
 
@@ -207,8 +213,9 @@ def test_pipeline_split_chains_to_full_forward(learned: bool) -> None:
     hidden = first(ids)
     assert hidden.shape == (2, 7, full.config.hidden_size)
     torch.testing.assert_close(second(hidden), full(ids), rtol=0, atol=1e-6)
-    first.init_weights()  # init tolerates removed modules
+    first.init_weights()  # init tolerates removed modules and gives each stage the whole model's values
     second.init_weights()
+    torch.testing.assert_close(second(first(ids)), full(ids), rtol=0, atol=1e-6)
     # state-dict keys keep their global layer index
     assert any(k.startswith("layers.3.") for k in second.state_dict())
 

@@ -24,16 +24,8 @@ import torch
 from torch import Tensor, nn
 
 from .config import ModelConfig
-from .layers import (
-    KVCache,
-    NormHead,
-    TransformerBlock,
-    build_norm,
-    causal_mask,
-    causal_padding_mask,
-    init_embedding,
-    init_linear,
-)
+from .init import InitPlan, WeightsSource, draw_init_seed, init_whole, materialize, plan_for_modules
+from .layers import KVCache, NormHead, TransformerBlock, build_norm, causal_mask, causal_padding_mask
 from .rope import precompute_rope, rope_from_positions, rope_type
 
 log = logging.getLogger(__name__)
@@ -49,27 +41,38 @@ class DecoderLM(nn.Module):
         if config.family != "decoder":
             raise ValueError(f"DecoderLM needs a decoder config, got family={config.family!r}")
         self.config = config
+        device = torch.empty(0).device  # where the caller builds: "meta" under `with torch.device("meta")`
+        self.init_seed: int = draw_init_seed()
+        """The init's seed (:mod:`.init`): every initial value is a function of it and the parameter's name."""
+        self.weights_source: WeightsSource | None = None
+        """Where :func:`~.init.materialize` reads weights from (a lazily loaded HF checkpoint), else None."""
         h = config.hidden_size
-        self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, h)
-        self.embed_positions: nn.Embedding | None = (
-            nn.Embedding(config.max_position_embeddings, h) if config.position == "learned" else None
-        )
-        self.dropout = nn.Dropout(config.dropout)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.num_layers)})
-        self.norm: nn.Module | None = build_norm(config) if config.final_norm else None
-        head_cls = NormHead if config.norm_head else nn.Linear
-        self.lm_head: nn.Linear | None = head_cls(h, config.vocab_size, bias=False)
-        self.rope_cos: Tensor | None
-        self.rope_sin: Tensor | None
-        if config.position == "rope":
-            cos, sin = self._rope_tables(device=None)
-            self.register_buffer("rope_cos", cos, persistent=False)  # [P, D] fp32
-            self.register_buffer("rope_sin", sin, persistent=False)  # [P, D] fp32
-        else:
-            self.rope_cos = None
-            self.rope_sin = None
+        with torch.device("meta"):  # built empty: the init below writes every value once
+            self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, h)
+            self.embed_positions: nn.Embedding | None = (
+                nn.Embedding(config.max_position_embeddings, h) if config.position == "learned" else None
+            )
+            self.dropout = nn.Dropout(config.dropout)
+            self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.num_layers)})
+            self.norm: nn.Module | None = build_norm(config) if config.final_norm else None
+            head_cls = NormHead if config.norm_head else nn.Linear
+            self.lm_head: nn.Linear | None = head_cls(h, config.vocab_size, bias=False)
+            self.rope_cos: Tensor | None
+            self.rope_sin: Tensor | None
+            if config.position == "rope":
+                assert config.head_dim is not None
+                table = (config.max_position_embeddings, config.head_dim)
+                self.register_buffer("rope_cos", torch.empty(table, dtype=torch.float32), persistent=False)  # [P, D]
+                self.register_buffer("rope_sin", torch.empty(table, dtype=torch.float32), persistent=False)  # [P, D]
+            else:
+                self.rope_cos = None
+                self.rope_sin = None
         self.tie_weights()
-        self.init_weights()
+        tied = {"lm_head.weight": "embed_tokens.weight"} if config.tie_embeddings else {}
+        self.init_plan: InitPlan = plan_for_modules(self, std=config.initializer_range, tied=tied)
+        """What each parameter starts as (read by :func:`~.init.materialize`, also for shards)."""
+        if device.type != "meta":
+            materialize(self, device)
 
     # ------------------------------------------------------------------ init
 
@@ -85,7 +88,7 @@ class DecoderLM(nn.Module):
 
     def init_buffers(self) -> None:
         """Recompute the (non-persistent) rotary tables in place, on their current device (after ``to_empty``)."""
-        if self.rope_cos is not None and self.rope_sin is not None:
+        if self.rope_cos is not None and self.rope_sin is not None and not self.rope_cos.is_meta:
             cos, sin = self._rope_tables(device=self.rope_cos.device)
             with torch.no_grad():
                 self.rope_cos.copy_(cos)
@@ -93,25 +96,15 @@ class DecoderLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """(Re)initialise every parameter (normal(std=initializer_range), zero biases, unit norms) and buffer.
+        """(Re)initialise every parameter from :attr:`init_plan` (normal(std=initializer_range) for linear and
+        embedding weights, zero biases, unit norms) and the buffers.
 
-        Deterministic under ``torch.manual_seed``; works after ``to_empty`` from the meta device. Tolerates modules
-        removed by a pipeline split.
+        The values depend only on :attr:`init_seed` and the parameter names, not on torch's generator state, so a
+        pipeline stage (modules removed), a shard or a model built on the meta device gets the same values as the
+        whole model on one device.
         """
-        std = self.config.initializer_range
         self.tie_weights()
-        if self.embed_tokens is not None:
-            init_embedding(self.embed_tokens, std)
-        if self.embed_positions is not None:
-            init_embedding(self.embed_positions, std)
-        for layer in self.layers.values():
-            layer.reset_parameters(std)  # type: ignore[operator]
-        if self.norm is not None:
-            self.norm.reset_parameters()  # type: ignore[operator]
-        if self.lm_head is not None:
-            tied = self.embed_tokens is not None and self.lm_head.weight is self.embed_tokens.weight
-            if not tied:
-                init_linear(self.lm_head, std)
+        init_whole(self)
         self.init_buffers()
 
     def reset_parameters(self) -> None:

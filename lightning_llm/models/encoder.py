@@ -22,7 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from .config import ModelConfig
-from .layers import TransformerBlock, build_norm, init_embedding, init_linear, key_padding_mask
+from .init import InitPlan, WeightsSource, draw_init_seed, init_whole, materialize, plan_for_modules
+from .layers import TransformerBlock, build_norm, key_padding_mask
 
 log = logging.getLogger(__name__)
 
@@ -39,21 +40,30 @@ class EncoderModel(nn.Module):
         if config.position != "learned":
             raise ValueError(f"EncoderModel supports learned positions only, got position={config.position!r}")
         self.config = config
+        device = torch.empty(0).device  # where the caller builds: "meta" under `with torch.device("meta")`
+        self.init_seed: int = draw_init_seed()
+        """The init's seed (:mod:`.init`): every initial value is a function of it and the parameter's name."""
+        self.weights_source: WeightsSource | None = None
+        """Where :func:`~.init.materialize` reads weights from (a lazily loaded HF checkpoint), else None."""
         h = config.hidden_size
-        self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, h)
-        self.embed_positions: nn.Embedding | None = nn.Embedding(config.max_position_embeddings, h)
-        self.embed_token_types: nn.Embedding | None = (
-            nn.Embedding(config.type_vocab_size, h) if config.type_vocab_size > 0 else None
-        )
-        self.embed_norm: nn.Module | None = build_norm(config) if config.embedding_norm else None
-        self.dropout = nn.Dropout(config.dropout)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.num_layers)})
-        self.final_norm: nn.Module | None = build_norm(config) if config.final_norm else None
-        self.pooler: nn.Linear | None = nn.Linear(h, h) if config.pooler else None
-        cls_p = config.dropout if config.classifier_dropout is None else config.classifier_dropout
-        self.classifier_dropout = nn.Dropout(cls_p)
-        self.classifier: nn.Linear | None = nn.Linear(h, config.num_labels) if config.num_labels > 0 else None
-        self.init_weights()
+        with torch.device("meta"):  # built empty: the init below writes every value once
+            self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, h)
+            self.embed_positions: nn.Embedding | None = nn.Embedding(config.max_position_embeddings, h)
+            self.embed_token_types: nn.Embedding | None = (
+                nn.Embedding(config.type_vocab_size, h) if config.type_vocab_size > 0 else None
+            )
+            self.embed_norm: nn.Module | None = build_norm(config) if config.embedding_norm else None
+            self.dropout = nn.Dropout(config.dropout)
+            self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.num_layers)})
+            self.final_norm: nn.Module | None = build_norm(config) if config.final_norm else None
+            self.pooler: nn.Linear | None = nn.Linear(h, h) if config.pooler else None
+            cls_p = config.dropout if config.classifier_dropout is None else config.classifier_dropout
+            self.classifier_dropout = nn.Dropout(cls_p)
+            self.classifier: nn.Linear | None = nn.Linear(h, config.num_labels) if config.num_labels > 0 else None
+        self.init_plan: InitPlan = plan_for_modules(self, std=config.initializer_range)
+        """What each parameter starts as (read by :func:`~.init.materialize`, also for shards)."""
+        if device.type != "meta":
+            materialize(self, device)
 
     # ------------------------------------------------------------------ init
 
@@ -62,24 +72,9 @@ class EncoderModel(nn.Module):
 
     @torch.no_grad()
     def init_weights(self) -> None:
-        """(Re)initialise every parameter (normal(std=initializer_range), zero biases, unit norms).
-
-        Deterministic under ``torch.manual_seed``; works after ``to_empty`` from the meta device.
-        """
-        std = self.config.initializer_range
-        for emb in (self.embed_tokens, self.embed_positions, self.embed_token_types):
-            if emb is not None:
-                init_embedding(emb, std)
-        if self.embed_norm is not None:
-            self.embed_norm.reset_parameters()  # type: ignore[operator]
-        for layer in self.layers.values():
-            layer.reset_parameters(std)  # type: ignore[operator]
-        if self.final_norm is not None:
-            self.final_norm.reset_parameters()  # type: ignore[operator]
-        for lin in (self.pooler, self.classifier):
-            if lin is not None:
-                init_linear(lin, std)
-        self.init_buffers()
+        """(Re)initialise every parameter from :attr:`init_plan` (normal(std=initializer_range), zero biases, unit
+        norms): a function of :attr:`init_seed` and the parameter names only (see :mod:`.init`)."""
+        init_whole(self)
 
     def reset_parameters(self) -> None:
         """Alias of :meth:`init_weights`."""

@@ -45,7 +45,8 @@ from .hf_config import (
     config_to_hf,
 )
 from .hf_decoders import DECODER_KINDS, wpack_from_hf, wpack_to_hf
-from .layers import LayerNorm, RMSNorm, init_embedding, init_linear
+from .hf_source import CheckpointFiles, HFWeightsSource, Mapped
+from .init import materialize
 
 log = logging.getLogger(__name__)
 
@@ -198,63 +199,28 @@ def _entries(config: ModelConfig, architecture: str) -> list[_Entry]:
 # ====================================================================================================================
 
 
-def _read_state_dict(directory: Path) -> dict[str, Tensor]:
-    st = directory / "model.safetensors"
-    st_index = directory / "model.safetensors.index.json"
-    pt = directory / "pytorch_model.bin"
-    pt_index = directory / "pytorch_model.bin.index.json"
-
-    def _load_st(p: Path) -> dict[str, Tensor]:
-        from safetensors.torch import load_file
-
-        return load_file(str(p), device="cpu")
-
-    def _load_pt(p: Path) -> dict[str, Tensor]:
-        return torch.load(str(p), map_location="cpu", weights_only=True)
-
-    def _sharded(index: Path, loader: Callable[[Path], dict[str, Tensor]]) -> dict[str, Tensor]:
-        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
-        out: dict[str, Tensor] = {}
-        for shard in sorted(set(weight_map.values())):
-            sp = directory / shard
-            if not sp.is_file():
-                raise FileNotFoundError(f"{index} names shard {shard!r}, but {sp} does not exist")
-            out.update(loader(sp))
-        return out
-
-    if st.is_file():
-        return _load_st(st)
-    if st_index.is_file():
-        return _sharded(st_index, _load_st)
-    if pt.is_file():
-        return _load_pt(pt)
-    if pt_index.is_file():
-        return _sharded(pt_index, _load_pt)
-    raise FileNotFoundError(
-        f"no weights in {directory}: expected one of model.safetensors, model.safetensors.index.json, "
-        f"pytorch_model.bin, pytorch_model.bin.index.json"
-    )
-
-
-def _normalize_keys(sd: dict[str, Tensor], kind: str) -> dict[str, Tensor]:
-    """Strip the base-model prefix (``model.``, ``transformer.``, ``bert.``, ``roberta.``) and old gamma/beta names."""
+def _normalized_keys(keys: list[str], kind: str) -> dict[str, str]:
+    """Checkpoint key -> key without the base-model prefix (``model.``, ``transformer.``, ``bert.``, ``roberta.``)
+    and old gamma/beta names, as ``{normalized: stored}``."""
     prefix = _BASE_PREFIX[kind]
-    out: dict[str, Tensor] = {}
-    for k, v in sd.items():
+    out: dict[str, str] = {}
+    for k in keys:
         k2 = k[len(prefix):] if k.startswith(prefix) else k
         k2 = re.sub(r"(LayerNorm|\bln(_\w+)?)\.gamma$", r"\1.weight", k2)
         k2 = re.sub(r"(LayerNorm|\bln(_\w+)?)\.beta$", r"\1.bias", k2)
-        out[k2] = v
+        out[k2] = k
     return out
 
 
-def _convert_to_ours(
-    hf_sd: dict[str, Tensor], config: ModelConfig, architecture: str, where: str
-) -> tuple[dict[str, Tensor], list[str]]:
-    """Our state dict from HF tensors; returns (state dict, our keys left for random init). Raises on mismatch."""
+def _map_to_ours(
+    files: CheckpointFiles, config: ModelConfig, architecture: str, where: str
+) -> tuple[dict[str, Mapped], dict[str, tuple[int, ...]]]:
+    """Where each of our parameters is stored, and its shape after conversion (from the stored shapes, nothing
+    read). Raises on missing or unexpected keys; parameters left out are initialised fresh (heads)."""
     kind = SUPPORTED_ARCHITECTURES[architecture].kind
-    sd = _normalize_keys(hf_sd, kind)
-    out: dict[str, Tensor] = {}
+    stored = _normalized_keys(files.keys(), kind)
+    mapping: dict[str, Mapped] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     used: set[str] = set()
     missing: list[str] = []
     fresh: list[str] = []
@@ -262,17 +228,19 @@ def _convert_to_ours(
         if e.group == "lm_head" and config.tie_embeddings:
             used.add(e.hf)  # tied: a stored copy (if any) is redundant
             continue
-        if e.hf not in sd:
+        if e.hf not in stored:
             if e.group in ("lm_head", "pooler", "classifier"):
                 fresh.extend(e.ours)  # HF also initialises these freshly (with a warning)
             else:
                 missing.append(e.hf)
             continue
         used.add(e.hf)
-        t = sd[e.hf]
-        parts = e.split(t) if e.split is not None else (t,)
-        out.update(zip(e.ours, parts))
-    rest = [k for k in sd if k not in used and not _IGNORED.search(k)]
+        meta = files.meta(stored[e.hf])
+        parts = e.split(meta) if e.split is not None else (meta,)  # on meta tensors: shapes only
+        for i, (name, part) in enumerate(zip(e.ours, parts)):
+            mapping[name] = Mapped(stored[e.hf], i, e.split)
+            shapes[name] = tuple(part.shape)
+    rest = [k for k in stored if k not in used and not _IGNORED.search(k)]
     heads = [k for k in rest if _HEAD_KEYS[kind].match(k)]
     unexpected = [k for k in rest if k not in heads]
     if missing or unexpected:
@@ -287,12 +255,12 @@ def _convert_to_ours(
         log.warning("%s: ignoring head weights not used by this model: %s", where, sorted(heads))
     if fresh:
         log.warning("%s: newly initialised (not in checkpoint): %s", where, fresh)
-    return out, fresh
+    return mapping, shapes
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None, hf: dict[str, Any]) -> torch.dtype:
     if dtype is None:
-        return torch.float32
+        return torch.get_default_dtype()
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype == "auto":
@@ -303,43 +271,28 @@ def _resolve_dtype(dtype: torch.dtype | str | None, hf: dict[str, Any]) -> torch
     return d
 
 
-@torch.no_grad()
-def _materialize(config: ModelConfig, sd: dict[str, Tensor], dtype: torch.dtype, where: str) -> nn.Module:
-    """Build on meta, assign checkpoint tensors, init whatever is left (fresh heads, rope buffers)."""
-    cls = DecoderLM if config.family == "decoder" else EncoderModel
-    with torch.device("meta"):
-        model = cls(config)
-    expected = model.state_dict()
+def _checked_mapping(model: nn.Module, mapping: dict[str, Mapped], shapes: dict[str, tuple[int, ...]],
+                     where: str) -> dict[str, Mapped]:
+    """Compare the stored shapes with the model's; a classifier of another ``num_labels`` is initialised fresh."""
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     bad: list[str] = []
-    for k in list(sd):
-        want = tuple(expected[k].shape)
-        if tuple(sd[k].shape) != want:
+    out = dict(mapping)
+    for k, shape in shapes.items():
+        want = expected.get(k)
+        if want is None:
+            bad.append(f"{k}: in the checkpoint mapping but not in the model")
+        elif shape != want:
             if k.startswith("classifier."):
                 log.warning("%s: %s has shape %s, model needs %s (num_labels changed): re-initialising",
-                            where, k, tuple(sd[k].shape), want)
-                del sd[k]
+                            where, k, shape, want)
+                del out[k]
             else:
-                bad.append(f"{k}: checkpoint {tuple(sd[k].shape)} vs model {want}")
+                bad.append(f"{k}: checkpoint {shape} vs model {want}")
     if bad:
         raise ValueError(f"{where}: shape mismatch: " + "; ".join(bad))
-    sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()}
-    model.load_state_dict(sd, strict=False, assign=True)
-    if isinstance(model, DecoderLM):
-        model.tie_weights()
-    std = config.initializer_range
-    for mod in model.modules():
-        tensors = list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False))
-        if not any(t.is_meta for t in tensors):
-            continue
-        mod.to_empty(device="cpu", recurse=False)
-        if isinstance(mod, nn.Linear):
-            init_linear(mod, std)
-        elif isinstance(mod, nn.Embedding):
-            init_embedding(mod, std)
-        elif isinstance(mod, (RMSNorm, LayerNorm)):
-            mod.reset_parameters()
-    model.init_buffers()  # type: ignore[operator]
-    return model.to(dtype)
+    if getattr(model.config, "tie_embeddings", False) and "embed_tokens.weight" in out:
+        out["lm_head.weight"] = out["embed_tokens.weight"]  # a pipeline's last stage holds the tied head alone
+    return out
 
 
 def load_hf(
@@ -347,14 +300,21 @@ def load_hf(
     *,
     family: str | None = None,
     dtype: torch.dtype | str | None = None,
+    lazy: bool = False,
     **config_overrides: Any,
 ) -> tuple[nn.Module, ModelConfig]:
     """Load a local HF checkpoint directory as (DecoderLM | EncoderModel, ModelConfig), in eval mode (as
     transformers' ``from_pretrained``; Lightning switches to train mode in ``fit``).
 
-    ``dtype``: None -> float32, ``"auto"`` -> the checkpoint's dtype, or a torch dtype / its name.
-    ``config_overrides`` are applied to the converted config (e.g. ``num_labels=3`` to add a fresh classifier,
-    ``dropout=0.0``); overrides that change tensor shapes (other than ``num_labels``) fail with the mismatching keys.
+    ``dtype``: None -> torch's default dtype (float32 unless a precision context set another), ``"auto"`` -> the
+    checkpoint's dtype, or a torch dtype / its name. ``config_overrides`` are applied to the converted config (e.g.
+    ``num_labels=3`` to add a fresh classifier, ``dropout=0.0``); overrides that change tensor shapes (other than
+    ``num_labels``) fail with the mismatching keys. Parameters the checkpoint lacks (a fresh head) get the family's
+    init (:mod:`.init`).
+
+    ``lazy=True``: the model stays on the meta device with ``weights_source`` set, names and shapes already checked;
+    :func:`~lightning_llm.models.init.materialize` (which a sharding strategy calls after splitting and sharding)
+    then reads only the elements each rank holds.
     """
     d = Path(path).expanduser()
     if not d.is_dir():
@@ -372,12 +332,18 @@ def load_hf(
     if family is not None and config.family != family:
         raise ValueError(f"load_hf: {str(d)!r} holds a {config.family} ({arch}), but family={family!r} was requested")
     target = _resolve_dtype(dtype, hf)
-    hf_sd = _read_state_dict(d)
-    sd, _ = _convert_to_ours(hf_sd, config, arch, where=str(d))
-    del hf_sd
-    model = _materialize(config, sd, target, where=str(d))
+    files = CheckpointFiles(d)
+    mapping, shapes = _map_to_ours(files, config, arch, where=str(d))
+    cls = DecoderLM if config.family == "decoder" else EncoderModel
+    with torch.device("meta"):
+        model = cls(config).to(target)
+    model.weights_source = HFWeightsSource(files, _checked_mapping(model, mapping, shapes, str(d)), where=str(d))
+    if not lazy:
+        materialize(model, "cpu")
+        model.weights_source = None
     model.eval()  # as transformers' from_pretrained: dropout off until a trainer switches to train mode
-    log.info("loaded %s from %s (%s, %d layers, dtype %s)", arch, d, config.family, config.num_layers, target)
+    log.info("%s %s from %s (%s, %d layers, dtype %s)", "indexed" if lazy else "loaded", arch, d, config.family,
+             config.num_layers, target)
     return model, config
 
 

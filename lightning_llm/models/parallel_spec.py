@@ -69,8 +69,9 @@ class ParallelSpec:
     """``nn.ModuleDict`` of blocks keyed ``"0".."n-1"``: pipeline split units, FSDP units, recompute units."""
     fsdp_units: tuple[str, ...] = field(default=("layers.*", ""))
     """FSDP2 units relative to the backbone, innermost first (``""`` = the backbone: embeddings, norm, heads)."""
-    init: str = "init_weights"
-    """Method that (re)initialises every parameter, DTensor shards and meta-device ``to_empty`` included."""
+    # Initialisation is declared by the family model itself, not here: ``model.init_plan`` (parameter name -> its
+    # init), ``model.init_seed``, ``model.weights_source`` (a lazily loaded checkpoint) and ``model.init_buffers()``,
+    # which :func:`lightning_llm.models.init.materialize` reads to fill shards of a meta-device model.
 
 
 # ---------------------------------------------------------------------------------------------------- TP plans

@@ -1,0 +1,180 @@
+"""Reading a local HF checkpoint lazily: the tensors' names and shapes up front, their values element range by
+element range when a (possibly sharded) parameter is materialized.
+
+:class:`CheckpointFiles` indexes ``model.safetensors``, sharded ``model-0000x-of-0000y.safetensors`` with
+``model.safetensors.index.json``, or ``pytorch_model.bin`` (optionally sharded). Safetensors files are opened per read
+and only the requested slice is read (``safe_open(...).get_slice``), so a rank that owns a row block of a weight reads
+those rows only; a column block (a row-parallel weight) reads each row's columns, and the file mapping is closed
+after every read, so resident memory never holds more than one tensor's pages. ``.bin`` files are memory-mapped
+(zip format) or loaded whole (legacy format).
+
+:class:`HFWeightsSource` is what a lazily loaded model carries as ``weights_source`` (:mod:`.init`): our parameter
+name -> the checkpoint tensor (plus the conversion of entries that are not one-to-one, e.g. GPT-2's fused ``c_attn``
+or Baichuan's ``W_pack`` row order; those are read whole, one tensor at a time, then sliced).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CheckpointFiles", "HFWeightsSource", "Mapped"]
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+def _as_slices(index: Sequence[Tensor]) -> tuple[tuple[slice, ...], tuple[Tensor | None, ...]]:
+    """Per dim: the bounding slice of an index, and the positions to pick inside it (None when the index is the
+    whole contiguous range, the usual case of a tensor-parallel or FSDP shard)."""
+    slices, picks = [], []
+    for idx in index:
+        if idx.numel() == 0:
+            slices.append(slice(0, 0))
+            picks.append(None)
+            continue
+        lo, hi = int(idx.min()), int(idx.max()) + 1
+        slices.append(slice(lo, hi))
+        contiguous = hi - lo == idx.numel() and bool((idx[1:] > idx[:-1]).all()) if idx.numel() > 1 else True
+        picks.append(None if contiguous else (idx - lo).cpu())
+    return tuple(slices), tuple(picks)
+
+
+def _pick(t: Tensor, picks: Sequence[Tensor | None]) -> Tensor:
+    for d, p in enumerate(picks):
+        if p is not None:
+            t = t.index_select(d, p)
+    return t
+
+
+class CheckpointFiles:
+    """The tensors of a local HF checkpoint directory by key: shapes and dtypes without reading values."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.format, self.file_of = self._index(directory)
+        self._bin: dict[str, Tensor] = {}  # .bin checkpoints: key -> (memory-mapped) tensor
+        self._meta: dict[str, Tensor] = {}
+        if self.format == "safetensors":
+            from safetensors import safe_open
+
+            for f in sorted(set(self.file_of.values())):
+                with safe_open(str(f), framework="pt") as handle:
+                    for key in handle.keys():
+                        if self.file_of.get(key) == f:
+                            sl = handle.get_slice(key)
+                            self._meta[key] = torch.empty(sl.get_shape(), dtype=_DTYPES[sl.get_dtype()],
+                                                          device="meta")
+        else:
+            for f in sorted(set(self.file_of.values())) or [directory / "pytorch_model.bin"]:
+                try:
+                    sd = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError:  # legacy (non-zip) format cannot be memory-mapped
+                    sd = torch.load(str(f), map_location="cpu", weights_only=True)
+                self._bin.update(sd)
+            self.file_of = {k: self.file_of.get(k, directory / "pytorch_model.bin") for k in self._bin}
+            self._meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in self._bin.items()}
+
+    @staticmethod
+    def _index(directory: Path) -> tuple[str, dict[str, Path]]:
+        st, st_index = directory / "model.safetensors", directory / "model.safetensors.index.json"
+        pt, pt_index = directory / "pytorch_model.bin", directory / "pytorch_model.bin.index.json"
+        if st.is_file():
+            return "safetensors", _keys_of_safetensors(st)
+        if st_index.is_file():
+            return "safetensors", _sharded(directory, st_index)
+        if pt.is_file():
+            return "bin", {}
+        if pt_index.is_file():
+            return "bin", _sharded(directory, pt_index)
+        raise FileNotFoundError(
+            f"no weights in {directory}: expected one of model.safetensors, model.safetensors.index.json, "
+            f"pytorch_model.bin, pytorch_model.bin.index.json")
+
+    def keys(self) -> list[str]:
+        return list(self._meta)
+
+    def meta(self, key: str) -> Tensor:
+        """A meta tensor with the stored shape and dtype."""
+        return self._meta[key]
+
+    def read(self, key: str, index: Sequence[Tensor] | None = None) -> Tensor:
+        """The tensor ``key`` (whole, or the elements ``index``: one global index per dim), in its stored dtype."""
+        if self.format == "bin":
+            t = self._bin[key]
+            if index is None:
+                return t.clone()
+            slices, picks = _as_slices(index)
+            return _pick(t[slices], picks).clone()
+        from safetensors import safe_open
+
+        with safe_open(str(self.file_of[key]), framework="pt") as handle:  # closed after each read: see module doc
+            if index is None:
+                return handle.get_tensor(key)
+            slices, picks = _as_slices(index)
+            return _pick(handle.get_slice(key)[slices], picks)
+
+
+def _keys_of_safetensors(path: Path) -> dict[str, Path]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        return {k: path for k in handle.keys()}
+
+
+def _sharded(directory: Path, index: Path) -> dict[str, Path]:
+    weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    out: dict[str, Path] = {}
+    for key, shard in weight_map.items():
+        sp = directory / shard
+        if not sp.is_file():
+            raise FileNotFoundError(f"{index} names shard {shard!r}, but {sp} does not exist")
+        out[key] = sp
+    return out
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """One of our parameters in the checkpoint: stored under ``key``; ``split`` (for entries that are not
+    one-to-one) turns the stored tensor into the parts ``e.ours``, of which this parameter is ``part``."""
+
+    key: str
+    part: int = 0
+    split: Callable[[Tensor], Sequence[Tensor]] | None = None
+
+
+class HFWeightsSource:
+    """:class:`~lightning_llm.models.init.WeightsSource` of a local HF checkpoint (see the module docstring)."""
+
+    def __init__(self, files: CheckpointFiles, mapping: dict[str, Mapped], *, where: str) -> None:
+        self.files, self.mapping, self.where = files, mapping, where
+        self.bytes_read = 0
+        """Bytes of tensor data read so far (what a sharded load saves is visible here)."""
+
+    def has(self, name: str) -> bool:
+        return name in self.mapping
+
+    def read(self, name: str, index: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
+        m = self.mapping[name]
+        if m.split is None:
+            t = self.files.read(m.key, index)
+        else:  # not one-to-one: convert the whole stored tensor, then take our part's elements
+            whole = self.files.read(m.key)
+            slices, picks = _as_slices(index)
+            t = _pick(m.split(whole)[m.part][slices], picks)
+            self.bytes_read += whole.numel() * whole.element_size() - t.numel() * t.element_size()
+        self.bytes_read += t.numel() * t.element_size()
+        return t.to(dtype)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> HFWeightsSource:
+        return self  # a frozen copy of a lazily loaded model reads the same files (nothing mutable but a counter)
