@@ -106,6 +106,10 @@ class Capabilities:
     """Token-by-token generation (KV cache) is supported."""
     data_parallel_group: Any = None
     """Process group of this rank's data-parallel replicas (``None``: the default group, or no group)."""
+    deferred_init: bool = False
+    """The strategy shards the model and materializes meta-device family models after sharding
+    (:func:`lightning_llm.models.init.materialize` on each rank's shards): a task builds its backbone on the meta
+    device (named sizes) or lazily (HF checkpoints) so no rank ever holds the whole model."""
 
 
 class PipelineRunner(Protocol):

@@ -196,7 +196,65 @@ def apply_peft(model: nn.Module, cfg: PeftConfig) -> nn.Module:
     if missing:
         raise ValueError(f"{cfg.method}.target_modules: {missing} not found in the model (its linear layers are "
                          f"q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)")
-    return inject_adapter_in_model(peft_cfg, model)
+    with torch.random.fork_rng(devices=[]):  # the adapters' values come from init_adapters, not torch's generator
+        model = inject_adapter_in_model(peft_cfg, model)
+    init_adapters(model, peft_cfg)
+    return model
+
+
+def initialises_without_base(cfg: PeftConfig | None) -> bool:
+    """Whether the method's trainable weights start without reading the base weights (so the base may be built on
+    the meta device): the injected adapters do; prompt tuning samples vocabulary embeddings."""
+    return cfg is None or cfg.method in _INJECTED
+
+
+def _adapter_reset(layer: nn.Module, adapter: str, peft_cfg: Any) -> None:
+    """peft's own initialisation of one adapter of one layer (what ``update_layer`` runs when it is created)."""
+    from peft.tuners.ia3 import IA3Layer
+    from peft.tuners.loha import LoHaLayer
+    from peft.tuners.lokr import LoKrLayer
+    from peft.tuners.lora import LoraLayer
+
+    if isinstance(layer, LoraLayer):
+        layer.reset_lora_parameters(adapter, peft_cfg.init_lora_weights)
+    elif isinstance(layer, IA3Layer):
+        layer.reset_ia3_parameters(adapter)
+    elif isinstance(layer, (LoHaLayer, LoKrLayer)):
+        if peft_cfg.init_weights:
+            layer.reset_adapter_parameters(adapter)
+        else:
+            layer.reset_adapter_parameters_random(adapter)
+    else:
+        raise ValueError(f"no initialisation known for the adapter layer {type(layer).__name__}")
+
+
+@torch.no_grad()
+def init_adapters(model: nn.Module, peft_cfg: Any) -> None:
+    """(Re)initialise every adapter with peft's own init, drawn from a generator seeded by the backbone's
+    ``init_seed`` and the layer's name: the same values on one device, on a meta-device base (adapters peft moved
+    to the meta device are allocated on the CPU first) and on every rank, whatever torch's generator state."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    from lightning_llm.models.init import canonical_name, name_seed
+
+    seed = next((int(m.init_seed) for m in model.modules() if hasattr(m, "init_seed")), 0)
+    for name, layer in model.named_modules():
+        if not isinstance(layer, BaseTunerLayer):
+            continue
+        for adapter in layer.active_adapters:
+            for attr in layer.adapter_layer_names:
+                container = getattr(layer, attr, None)
+                if container is None or adapter not in container:
+                    continue
+                item = container[adapter]
+                if isinstance(item, nn.Module) and any(p.is_meta for p in item.parameters()):
+                    item.to_empty(device="cpu")
+                elif isinstance(item, nn.Parameter) and item.is_meta:
+                    container[adapter] = nn.Parameter(torch.empty_like(item, device="cpu"),
+                                                      requires_grad=item.requires_grad)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(name_seed(seed, f"{canonical_name(name)}:{adapter}") % 2**63)
+                _adapter_reset(layer, adapter, peft_cfg)
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:

@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from .config import NAMED_SIZES, Family, ModelConfig, named_config
@@ -48,14 +49,20 @@ def _looks_like_path(s: str) -> bool:
     return os.sep in s or "/" in s or s.startswith((".", "~")) or Path(s).exists()
 
 
-def build_model(backbone: str, *, family: Family, **overrides: Any) -> nn.Module:
+def build_model(backbone: str, *, family: Family, lazy: bool = False, **overrides: Any) -> nn.Module:
     """A model from a named size (``debug``, ``llama2-7b``, ...) or a local HF checkpoint directory.
 
-    Named sizes are randomly initialised (wrap in ``with torch.device("meta")`` for deferred init, then
-    ``to_empty`` + ``init_weights()``); directories are loaded with :func:`load_hf` (``overrides`` go to the config).
-    Either way the model is in train mode (Lightning does not switch modules a task built to train mode).
+    Named sizes are randomly initialised (:mod:`.init`: the values depend only on the model's ``init_seed``, drawn
+    from torch's generator, and the parameter names); directories are loaded with :func:`load_hf` (``overrides`` go
+    to the config). ``lazy=True``: nothing is allocated: a named size stays on the meta device, a directory is
+    indexed (``weights_source``); :func:`~lightning_llm.models.init.materialize` fills whatever tensors a rank keeps
+    after sharding. Either way the model is in train mode (Lightning does not switch modules a task built to train
+    mode).
     """
     if (family, backbone) in NAMED_SIZES:
+        if lazy:
+            with torch.device("meta"):
+                return model_from_config(named_config(backbone, family=family, **overrides))
         return model_from_config(named_config(backbone, family=family, **overrides))
     if _looks_like_path(backbone):
         p = Path(backbone).expanduser()
@@ -65,7 +72,7 @@ def build_model(backbone: str, *, family: Family, **overrides: Any) -> nn.Module
                 f"directories are supported; nothing is downloaded)"
             )
         dtype = overrides.pop("dtype", None)
-        model, _ = load_hf(p, family=family, dtype=dtype, **overrides)
+        model, _ = load_hf(p, family=family, dtype=dtype, lazy=lazy, **overrides)
         return model.train()  # load_hf returns eval mode (as from_pretrained); this builds models to train
     named_config(backbone, family=family)  # raises the "unknown size; known sizes: ..." error
     raise AssertionError("unreachable")

@@ -6,14 +6,17 @@ Every native layout is a preset of :class:`ParallelEngine`: ``tp`` (:class:`.Ten
 
 One :class:`~lightning_llm.strategies.mesh.ParallelDims` validates the degrees (product = devices x nodes, one may be
 ``-1``) and builds the named mesh ``("pp", "dp", "tp")``; every group below is a dim of that mesh. Set-up applies,
-for whichever degrees are > 1 (the task has built the full model, same seed on every rank, in ``configure_model``):
+for whichever degrees are > 1 (the task has built its model in ``configure_model``, on the meta device when the layout
+shards it: ``capabilities.deferred_init``):
 
 1. pipeline split (``pp > 1``): keep this rank's stages, names stay global (:mod:`.pipeline_split`), and a
    :class:`~.pipeline_engine.PipelineRunner` component runs the task's declared hooks through the schedule;
 2. tensor parallelism on the ``tp`` dim with the family's plan (:func:`.parallelize.apply_tensor_parallel`);
 3. activation checkpointing of the local blocks;
 4. ZeRO on the ``dp`` dim: stage 1/2 partition the optimizer (and gradients) with
-   :class:`~.zero_native.PartitionedOptimizer`, stage 3 is FSDP2 over ``dp`` (2-D with TP shards).
+   :class:`~.zero_native.PartitionedOptimizer`, stage 3 is FSDP2 over ``dp`` (2-D with TP shards);
+5. materialization of meta-device tensors: each rank allocates and fills only its shards, from the checkpoint of a
+   lazily loaded model or the family's init plan (:mod:`.materialize`), the same values a one-device build has.
 
 Written once here: process-group set-up, precision checks, data-parallel gradient averaging (once per optimizer
 step: :func:`.parallelize.average_replicated_grads`), global-norm clipping over every shard, stage and replica, and
@@ -58,6 +61,7 @@ from lightning_llm.contract import Capabilities, check_pipelinable
 from lightning_llm.reliability import SaveFault
 from lightning_llm.strategies import hybrid_checkpoint as hckpt
 from lightning_llm.strategies.engine_layout import LayoutArgs, PipelineStages
+from lightning_llm.strategies.materialize import materialize_shards
 from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coordinate
 from lightning_llm.strategies.parallelize import (
     apply_tensor_parallel,
@@ -224,7 +228,13 @@ class ParallelEngine(ParallelStrategy):
             return Capabilities()
         return Capabilities(data_parallel_size=self.dims.dp, batch_shared=self.dims.tp * self.dims.pp > 1,
                             pipelined=self.pipelined, generation=not self.pipelined,
-                            data_parallel_group=self._dp_group)
+                            data_parallel_group=self._dp_group, deferred_init=self.shards_model)
+
+    @property
+    def shards_model(self) -> bool:
+        """Whether no rank holds the whole model (tp, pp or ZeRO-3): then tasks build on the meta device and set-up
+        materializes each rank's shards only."""
+        return self.dims is not None and (self.dims.tp > 1 or self.dims.pp > 1 or self.zero_stage == 3)
 
     @override
     def _configure_launcher(self) -> None:
@@ -272,6 +282,8 @@ class ParallelEngine(ParallelStrategy):
         self.precision_plugin.convert_module(module)
         if model is not self._pp_model:  # else already parallelized (e.g. trainer.validate() after fit)
             self._parallelize(model, precision=precision)
+            # Meta-device family models (built lazily under a sharding layout) get this rank's shards only.
+            materialize_shards(module, torch.device("cpu") if self.offload_params else self.root_device)
         self.model_to_device()
         self._pp_model, self._params = model, list(module.parameters())
         if self.pipelined:

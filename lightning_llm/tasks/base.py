@@ -156,16 +156,20 @@ class LLMTask(pl.LightningModule):
         dm = self.trainer.datamodule if self._trainer is not None else None
         return getattr(dm, "vocab_size", None)
 
-    def build_backbone(self, backbone: str, *, family: str, **overrides: Any) -> nn.Module:
+    def build_backbone(self, backbone: str, *, family: str, lazy: bool | None = None, **overrides: Any) -> nn.Module:
         """Model from a named size (vocabulary sized to the datamodule's tokenizer, padded to a multiple of 8)
-        or from a local HF directory (whose vocabulary must cover the tokenizer's)."""
+        or from a local HF directory (whose vocabulary must cover the tokenizer's).
+
+        ``lazy`` (default: the strategy's ``capabilities.deferred_init``): build on the meta device / index the
+        checkpoint only, for a strategy that materializes each rank's shards after sharding."""
         from lightning_llm.models import NAMED_SIZES, build_model
 
         need = self.datamodule_vocab_size()
         overrides = {k: v for k, v in overrides.items() if v is not None}
         if (family, backbone) in NAMED_SIZES and need:
             overrides.setdefault("vocab_size", padded_vocab_size(need))
-        model = build_model(backbone, family=family, **overrides)
+        lazy = self.capabilities.deferred_init if lazy is None else lazy
+        model = build_model(backbone, family=family, lazy=lazy, **overrides)
         have = getattr(getattr(model, "config", None), "vocab_size", None)
         if need and have and need > have:
             raise ValueError(f"--model.backbone={backbone}: its vocabulary has {have} rows but the tokenizer "

@@ -23,6 +23,7 @@ from lightning_llm.peft import (
     count_parameters,
     enable_gradient_checkpointing,
     export_adapter,
+    initialises_without_base,
 )
 from lightning_llm.tasks.base import LLMTask, OptimConfig
 
@@ -83,8 +84,11 @@ class DecoderTask(LLMTask):
 
     # ------------------------------------------------------------------------------------------ model
     def build_decoder(self, backbone: str | None = None) -> nn.Module:
-        """A decoder from ``backbone`` (default: the task's) with the task's dropout and overrides, no PEFT."""
-        return self.build_backbone(backbone or self.backbone, family="decoder", dropout=self.dropout,
+        """A decoder from ``backbone`` (default: the task's) with the task's dropout and overrides, no PEFT.
+        Built lazily (meta device / indexed checkpoint) when the strategy materializes shards and the PEFT method
+        initialises without reading the base weights (prompt tuning samples vocabulary embeddings)."""
+        lazy = self.capabilities.deferred_init and initialises_without_base(self.peft_config)
+        return self.build_backbone(backbone or self.backbone, family="decoder", lazy=lazy, dropout=self.dropout,
                                    **self.model_overrides)
 
     def build_policy(self) -> nn.Module:
