@@ -92,6 +92,25 @@ def check_pipelinable(task: Any, *, strategy: str) -> None:
             "whose ranks hold the whole model (ddp, tp, zero1/2/3, deepspeed_*)")
 
 
+_BUILD_HOOKS = ("configure_model", "build_model", "build_policy", "build_decoder", "build_backbone")
+
+
+def builds_lazily(task: Any) -> bool:
+    """Whether ``task`` may build its backbone on the meta device under a sharding layout: its class sets
+    ``deferred_init = True``, or leaves it ``None`` and builds with the library's own hooks only. A subclass whose
+    own ``build_model`` (or another build hook) adds modules to the backbone may leave them on the meta device (peft
+    moves adapters to their base layer's device), where nothing declares their values: such a task is built whole
+    on every rank, as before sharded construction existed, unless it opts in."""
+    declared = getattr(task, "deferred_init", None)
+    if declared is not None:
+        return bool(declared)
+    own = [n for n in _BUILD_HOOKS if not getattr(_resolved(task, n), "__module__", "").startswith("lightning_llm.")]
+    if own:
+        log.info("%s overrides %s: its model is built whole on every rank (set deferred_init = True on the class "
+                 "if its own modules are real or belong to a model family)", type(task).__name__, ", ".join(own))
+    return not own
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a strategy offers the task running under it."""

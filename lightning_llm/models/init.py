@@ -34,7 +34,7 @@ from torch import Tensor, nn
 log = logging.getLogger(__name__)
 
 __all__ = ["Init", "InitPlan", "WeightsSource", "canonical_name", "draw_init_seed", "fill_", "init_plan_of",
-           "init_whole", "materialize", "normal_values", "plan_for_modules"]
+           "init_whole", "is_meta", "materialize", "normal_values", "plan_for_modules"]
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -217,7 +217,8 @@ def _whole(t: Tensor) -> tuple[Tensor, tuple[Tensor, ...]]:
     return t, full_index(t.shape, t.device)
 
 
-def _is_meta(t: Tensor) -> bool:
+def is_meta(t: Tensor) -> bool:
+    """Whether ``t`` (or a DTensor's local shard) lives on the meta device."""
     local = getattr(t, "_local_tensor", t)  # a DTensor's shard
     return local.is_meta
 
@@ -237,7 +238,7 @@ def _meta_params(root: nn.Module) -> Iterator[tuple[str, nn.Module, str, Tensor]
     seen: set[int] = set()
     for path, fam in _family_roots(root):
         for name, p in fam.named_parameters():
-            if id(p) not in seen and _is_meta(p):
+            if id(p) not in seen and is_meta(p):
                 seen.add(id(p))
                 yield path, fam, name, p
 
@@ -254,16 +255,16 @@ def materialize(root: nn.Module, device: torch.device | str, *, shard_view: Shar
     ``shard_view`` gives the local tensor and global index of a (possibly sharded) parameter; the default treats
     every tensor as whole."""
     todo = list(_meta_params(root))
-    stray = [n for n, p in root.named_parameters() if _is_meta(p)
+    stray = [n for n, p in root.named_parameters() if is_meta(p)
              and id(p) not in {id(t) for *_, t in todo}]
     if stray:
         raise ValueError(f"cannot materialize {stray[:5]}: meta parameters outside a model family (only family "
                          "models declare an init plan; build other modules on a real device)")
-    if not todo and not any(_is_meta(b) for b in root.buffers()):
+    if not todo and not any(is_meta(b) for b in root.buffers()):
         return 0
     names = {id(t): (path, name) for path, _, name, t in todo}
     shared = _shared_names(root)
-    keep = {n: shard_view(t)[0].detach().clone() for n, t in _named_tensors(root) if not _is_meta(t)}
+    keep = {n: shard_view(t)[0].detach().clone() for n, t in _named_tensors(root) if not is_meta(t)}
     root.to_empty(device=device)
     _retie(root, shared)
     tensors = dict(_named_tensors(root))

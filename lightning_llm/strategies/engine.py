@@ -58,6 +58,7 @@ from torch.distributed.tensor.parallel import loss_parallel as _loss_parallel_ct
 from typing_extensions import override
 
 from lightning_llm.contract import Capabilities, check_pipelinable
+from lightning_llm.models.init import is_meta
 from lightning_llm.reliability import SaveFault
 from lightning_llm.strategies import hybrid_checkpoint as hckpt
 from lightning_llm.strategies.engine_layout import LayoutArgs, PipelineStages
@@ -178,6 +179,8 @@ class ParallelEngine(ParallelStrategy):
         self._batch_idx = 0
         self._save_fault = SaveFault()  # fault injection for tests (LIGHTNING_LLM_FAULT=kill:save=N)
         self.stages: PipelineStages | None = None  # the pipeline component (pp > 1)
+        self.materialized_params = 0
+        """Parameters this rank allocated from the meta device at set-up (its shards only; 0: built whole)."""
         self.step_stats: list[dict[str, Any]] = []
         """Per pipelined training step: ``busy_s``, ``wall_s``, ``idle_frac`` (lists over pipeline ranks), ``loss``
         and, with ``measure_activations``, ``peak_act_bytes``/``act_bytes_per_mb`` per rank."""
@@ -283,7 +286,8 @@ class ParallelEngine(ParallelStrategy):
         if model is not self._pp_model:  # else already parallelized (e.g. trainer.validate() after fit)
             self._parallelize(model, precision=precision)
             # Meta-device family models (built lazily under a sharding layout) get this rank's shards only.
-            materialize_shards(module, torch.device("cpu") if self.offload_params else self.root_device)
+            self.materialized_params = materialize_shards(
+                module, torch.device("cpu") if self.offload_params else self.root_device)
         self.model_to_device()
         self._pp_model, self._params = model, list(module.parameters())
         if self.pipelined:
@@ -563,4 +567,14 @@ class ParallelEngine(ParallelStrategy):
     def teardown(self) -> None:
         if self.stages is not None:
             self.stages.clear()
+        module = self._lightning_module
+        if module is not None and any(is_meta(t) for t in (*module.parameters(), *module.buffers())):
+            # Set-up stopped before materializing (e.g. a refused task): nothing to move to the CPU, and the base
+            # class's `module.cpu()` would fail on meta tensors, hiding the real error.
+            self._lightning_module = None
+            try:
+                super().teardown()
+            finally:
+                self._lightning_module = module
+            return
         super().teardown()

@@ -20,9 +20,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_llm.strategies.mesh import ParallelDims
-from lightning_llm.strategies.parallelize import average_replicated_grads
+from lightning_llm.strategies.parallelize import average_replicated_grads, reduce_partial_grads
 from lightning_llm.strategies.pipeline_engine import PipelineRunner
 from lightning_llm.strategies.pipeline_runtime import SCHEDULES, check_microbatches
 from lightning_llm.strategies.pipeline_split import (
@@ -220,7 +221,11 @@ class PipelineStages:
             p.grad = g
         tied, _ = self._tied_local()
         if tied is not None and tied.grad is not None:
-            dist.all_reduce(tied.grad, group=self.tie_group)
+            # Under pp x tp both uses hold the vocab shard of one tp coordinate (the tie group pairs those ranks); the
+            # embedding's gradient can come out replicated, so bring it to the parameter's placement first.
+            reduce_partial_grads([tied])
+            g = tied.grad
+            dist.all_reduce(g.to_local() if isinstance(g, DTensor) else g, group=self.tie_group)
 
     def clear(self) -> None:
         if self.runner is not None:

@@ -98,12 +98,13 @@ def apply_tensor_parallel(
 
 @torch.no_grad()
 def reduce_partial_grads(params: Iterable[nn.Parameter]) -> None:
-    """Reduce ``Partial`` gradients of replicated DTensor parameters (sequence-parallel norms, LoRA factors next to
-    sharded layers) so every gradient has its parameter's placements."""
+    """Give every DTensor gradient its parameter's placements: reduce ``Partial`` gradients of replicated parameters
+    (sequence-parallel norms, LoRA factors next to sharded layers), and take the local shard of a gradient that
+    came out replicated for a sharded parameter (a vocab-parallel embedding's, under pipeline x tensor parallel)."""
     for p in params:
         g = p.grad
         if (isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements
-                and any(isinstance(pl, Partial) for pl in g.placements)):
+                and g.device_mesh == p.device_mesh):
             p.grad = g.redistribute(placements=p.placements)
 
 

@@ -22,6 +22,7 @@ from typing_extensions import override
 from lightning_llm.contract import (
     Capabilities,
     accepts_sharded_logits,
+    builds_lazily,
     capabilities_of,
     pipeline_runner,
     replica_loss,
@@ -98,6 +99,11 @@ class LLMTask(pl.LightningModule):
     model with :meth:`run_model`. Ask :attr:`capabilities` what the strategy offers.
     """
 
+    deferred_init: bool | None = None
+    """Build the backbone on the meta device under layouts that shard it (``capabilities.deferred_init``), so each
+    rank allocates only its shards. ``None``: when the task builds with the library's hooks only
+    (:func:`~lightning_llm.contract.builds_lazily`); a subclass with its own ``build_model`` sets ``True`` to opt in."""
+
     def __init__(self, *, optim: OptimConfig | None = None, nonfinite_loss: Literal["stop", "skip"] = "stop") -> None:
         super().__init__()
         self.optim = optim or OptimConfig()
@@ -168,7 +174,8 @@ class LLMTask(pl.LightningModule):
         overrides = {k: v for k, v in overrides.items() if v is not None}
         if (family, backbone) in NAMED_SIZES and need:
             overrides.setdefault("vocab_size", padded_vocab_size(need))
-        lazy = self.capabilities.deferred_init if lazy is None else lazy
+        if lazy is None:
+            lazy = self.capabilities.deferred_init and builds_lazily(self)
         model = build_model(backbone, family=family, lazy=lazy, **overrides)
         have = getattr(getattr(model, "config", None), "vocab_size", None)
         if need and have and need > have:

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from lightning_llm.contract import builds_lazily
 from lightning_llm.peft import (
     LoraArgs,
     PeftConfig,
@@ -87,7 +88,7 @@ class DecoderTask(LLMTask):
         """A decoder from ``backbone`` (default: the task's) with the task's dropout and overrides, no PEFT.
         Built lazily (meta device / indexed checkpoint) when the strategy materializes shards and the PEFT method
         initialises without reading the base weights (prompt tuning samples vocabulary embeddings)."""
-        lazy = self.capabilities.deferred_init and initialises_without_base(self.peft_config)
+        lazy = self.capabilities.deferred_init and builds_lazily(self) and initialises_without_base(self.peft_config)
         return self.build_backbone(backbone or self.backbone, family="decoder", lazy=lazy, dropout=self.dropout,
                                    **self.model_overrides)
 
