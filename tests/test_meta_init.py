@@ -98,6 +98,27 @@ def test_lazy_load_equals_eager_and_reads_only_the_shard(tmp_path: Path) -> None
     assert src2.bytes_read == (rows.numel() + cols.numel()) * 4
 
 
+def test_sharded_save_reloads_in_transformers_and_lazily(tmp_path: Path) -> None:
+    import transformers
+
+    from lightning_llm.models import save_hf
+
+    torch.manual_seed(0)
+    model = build_model("debug", family="decoder").eval()
+    save_hf(model, tmp_path / "out", max_shard_size="40KB")
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert "model.safetensors.index.json" in files and "model.safetensors" not in files
+    assert sum(f.startswith("model-") for f in files) > 1
+    ids = torch.randint(0, 256, (2, 9))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).eval()
+    torch.testing.assert_close(hf(ids).logits, model(ids), rtol=0, atol=1e-5)
+    lazy, _ = load_hf(tmp_path / "out", lazy=True)
+    materialize(lazy, "cpu")
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), lazy.state_dict().values()))
+    save_hf(model, tmp_path / "out")  # one file again: the stale shards and index are removed
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.safetensors"]
+
+
 def test_bf16_checkpoint_stays_bf16(tmp_path: Path) -> None:
     src = _hf_llama(tmp_path / "hf", tie=True, dtype=torch.bfloat16, shard=None)
     from safetensors.torch import load_file

@@ -399,9 +399,40 @@ def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
         raise
 
 
+_UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}
+
+
+def _size_bytes(size: int | str) -> int:
+    """``5GB`` (decimal, as transformers), ``5GiB``, or a byte count."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(size).upper())
+    if m is None:
+        raise ValueError(f"max_shard_size={size!r}: expected a byte count or a size such as 500MB / 5GB / 2GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or "B"])
+
+
+def _shards(sizes: dict[str, int], max_bytes: int) -> list[list[str]]:
+    """Keys grouped in file order, each group at most ``max_bytes`` (a larger tensor gets a file of its own)."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for key, n in sizes.items():
+        if groups[-1] and size + n > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(key)
+        size += n
+    return groups
+
+
 @torch.no_grad()
-def save_hf(model: nn.Module, path: str | os.PathLike[str], *, architecture: str | None = None) -> Path:
-    """Write ``config.json`` + ``model.safetensors`` loadable by ``transformers`` (the model must be whole)."""
+def save_hf(model: nn.Module, path: str | os.PathLike[str], *, architecture: str | None = None,
+            max_shard_size: int | str | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` loadable by ``transformers`` (the model must be whole).
+
+    ``max_shard_size`` (e.g. ``"5GB"``): split the weights into ``model-0000i-of-0000n.safetensors`` files of at most
+    that size plus ``model.safetensors.index.json``, as ``save_pretrained`` does; each file is converted and written
+    on its own, so saving holds one file's tensors besides the model."""
     from safetensors.torch import save_file
 
     config: ModelConfig = model.config  # type: ignore[assignment]
@@ -416,7 +447,7 @@ def save_hf(model: nn.Module, path: str | os.PathLike[str], *, architecture: str
     dtype = next(iter(dtypes)) if len(dtypes) == 1 else torch.float32
     hf_cfg = config_to_hf(config, arch, dtype=dtype)
     prefix = _BASE_PREFIX[a.kind] if a.head != "base" else ""
-    out: dict[str, Tensor] = {}
+    plan: dict[str, tuple[_Entry, list[Tensor]]] = {}  # HF key -> (entry, our tensors)
     missing: list[str] = []
     for e in _entries(config, arch):
         if e.group == "lm_head" and config.tie_embeddings:
@@ -427,14 +458,37 @@ def save_hf(model: nn.Module, path: str | os.PathLike[str], *, architecture: str
         if absent:
             missing.extend(absent)
             continue
-        ts = [sd[n] for n in e.ours]
-        t = e.merge(ts) if e.merge is not None else ts[0]
-        out[e.hf if e.top else prefix + e.hf] = t.detach().to("cpu").contiguous().clone()
+        plan[e.hf if e.top else prefix + e.hf] = (e, [sd[n] for n in e.ours])
     if missing:
         raise ValueError(f"save_hf: model lacks {missing[:20]} (a pipeline stage or sharded model? save the whole model)")
+
+    def converted(keys: list[str]) -> dict[str, Tensor]:
+        out = {}
+        for key in keys:
+            e, ts = plan[key]
+            t = e.merge(ts) if e.merge is not None else ts[0]
+            out[key] = t.detach().to("cpu").contiguous().clone()
+        return out
+
     d = Path(path)
     d.mkdir(parents=True, exist_ok=True)
-    _atomic_write(d / "model.safetensors", lambda p: save_file(out, p, metadata={"format": "pt"}))
+    sizes = {k: sum(t.numel() * t.element_size() for t in ts) for k, (_, ts) in plan.items()}
+    groups = _shards(sizes, _size_bytes(max_shard_size)) if max_shard_size is not None else [list(plan)]
+    meta = {"format": "pt"}
+    if len(groups) == 1:
+        _atomic_write(d / "model.safetensors", lambda p: save_file(converted(groups[0]), p, metadata=meta))
+        stale = [d / "model.safetensors.index.json", *d.glob("model-*-of-*.safetensors")]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+        for name, keys in zip(names, groups):
+            _atomic_write(d / name, lambda p, keys=keys: save_file(converted(keys), p, metadata=meta))
+        index = {"metadata": {"total_size": sum(sizes.values())},
+                 "weight_map": {k: name for name, keys in zip(names, groups) for k in keys}}
+        _atomic_write(d / "model.safetensors.index.json",
+                      lambda p: Path(p).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n"))
+        stale = [d / "model.safetensors", *(f for f in d.glob("model-*-of-*.safetensors") if f.name not in names)]
+    for f in stale:  # a previous save in the other layout would shadow or contradict this one
+        f.unlink(missing_ok=True)
     _atomic_write(d / "config.json", lambda p: Path(p).write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n"))
-    log.info("saved %s (%d tensors) to %s", arch, len(out), d)
+    log.info("saved %s (%d tensors in %d file(s)) to %s", arch, len(plan), len(groups), d)
     return d
