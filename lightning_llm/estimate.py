@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_llm.estimate_layout import layout_share, setup_peak_bytes
+
 log = logging.getLogger(__name__)
 
 GIB = 1024**3
@@ -157,15 +159,29 @@ def count_parameters(config: Any) -> int:
 
 
 def strategy_args(strategy: str) -> dict[str, Any]:
-    """``ddp`` or a registered ZeRO preset name -> ``stage``/``engine``/offload args."""
+    """``ddp``, ``tp``, ``pp``, ``3d`` or a registered ZeRO preset name -> ``stage``/``engine``/offload args (the
+    tensor/pipeline degrees come from ``--tp``/``--pp``)."""
     from lightning_llm.strategies.zero import PRESETS
 
     if strategy == "ddp":
         return {"stage": 0, "engine": "ddp", "offload_optimizer": False, "offload_params": False}
+    if strategy in ("tp", "pp", "3d"):
+        return {"stage": 0, "engine": "native", "offload_optimizer": False, "offload_params": False}
     if strategy not in PRESETS:
-        raise ValueError(f"--strategy={strategy}: choose ddp or one of {', '.join(PRESETS)}")
+        raise ValueError(f"--strategy={strategy}: choose ddp, tp, pp, 3d or one of {', '.join(PRESETS)}")
     args = {"engine": "native", "offload_optimizer": False, "offload_params": False, **PRESETS[strategy]}
     return args
+
+
+def _degrees(a: argparse.Namespace) -> tuple[int, int, int]:
+    """(tp, pp, dp) from ``--strategy``, ``--devices``, ``--tp``, ``--pp``."""
+    tp = a.tp if a.tp is not None else (a.devices if a.strategy == "tp" else 1)
+    pp = a.pp if a.pp is not None else (a.devices if a.strategy == "pp" else 1)
+    if tp < 1 or pp < 1 or a.devices % (tp * pp):
+        raise ValueError(f"--devices={a.devices} must be a multiple of --tp={tp} x --pp={pp}")
+    if a.strategy not in ("tp", "pp", "3d") and tp * pp > 1:
+        raise ValueError(f"--strategy={a.strategy} is data parallel: --tp/--pp need --strategy=tp, pp or 3d")
+    return tp, pp, a.devices // (tp * pp)
 
 
 def _gib(n: float) -> str:
@@ -183,9 +199,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=1, help="per-device micro-batch")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: max positions)")
     parser.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
-    parser.add_argument("--devices", type=int, default=1, help="data-parallel devices (ZeRO shards over these)")
-    parser.add_argument("--strategy", default="zero2", help="ddp, zero1, zero2, zero3, zero2_offload, zero3_offload, "
-                        "deepspeed_zero1/2/3, deepspeed_zero3_offload")
+    parser.add_argument("--devices", type=int, default=1, help="all devices; data-parallel = devices / (tp x pp) "
+                        "(ZeRO shards over those)")
+    parser.add_argument("--strategy", default="zero2", help="ddp, tp, pp, 3d, zero1, zero2, zero3, zero2_offload, "
+                        "zero3_offload, deepspeed_zero1/2/3, deepspeed_zero3_offload")
+    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: all devices for "
+                        "--strategy=tp, else 1)")
+    parser.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree (default: all devices for "
+                        "--strategy=pp, else 1)")
+    parser.add_argument("--init", choices=["random", "checkpoint"], default=None, help="whether set-up initialises "
+                        "randomly or reads a checkpoint (default: checkpoint when --model is a directory)")
+    parser.add_argument("--zero-stage", type=int, default=None, help="ZeRO stage over the data-parallel devices of "
+                        "--strategy=3d (0-3)")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="device memory for the max-batch search")
     parser.add_argument("--reserve-gib", type=float, default=1.0, help="memory kept aside (CUDA context, buffers)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -199,16 +224,26 @@ def main(argv: list[str] | None = None) -> int:
         if seq < 1:
             raise ValueError(f"--seq-len={seq}: must be >= 1")
         sargs = strategy_args(a.strategy)
+        tp, pp, dp = _degrees(a)
+        if a.zero_stage is not None:
+            sargs["stage"] = a.zero_stage
         numel = count_parameters(config)
-        est = estimate(config, numel=numel, batch_size=a.batch_size, seq_len=seq, precision=a.precision,
-                       devices=a.devices, **sargs)
+        share = layout_share(config, tp=tp, pp=pp, dp=dp, zero3=sargs["stage"] == 3)
+        # Model states follow what a rank holds after tp/pp (ZeRO then divides over dp).
+        local = share.numel * dp if sargs["stage"] == 3 else share.numel
+        est = estimate(config, numel=local, batch_size=a.batch_size, seq_len=seq, precision=a.precision,
+                       devices=dp, **sargs)
+        setup = setup_peak_bytes(share, param_bytes=_bytes_per_param(sargs["engine"], a.precision)[0],
+                                 from_checkpoint=(a.init or ("checkpoint" if Path(a.model).expanduser().is_dir()
+                                                           else "random")) == "checkpoint")
     except (ValueError, FileNotFoundError) as e:
         print(f"lightning_llm estimate: error: {e}", file=sys.stderr)
         return 2
     fit = max_batch_size(est, memory_bytes=a.gpu_memory_gib * GIB, reserve_bytes=a.reserve_gib * GIB)
     report = {
         "model": a.model, "parameters": numel, "strategy": a.strategy, "stage": sargs["stage"],
-        "engine": sargs["engine"], "precision": a.precision, "devices": a.devices, "batch_size": a.batch_size,
+        "engine": sargs["engine"], "precision": a.precision, "devices": a.devices, "tp": tp, "pp": pp, "dp": dp,
+        "batch_size": a.batch_size, "setup_peak_bytes": setup,
         "seq_len": seq, "bytes": {"params": est.params, "grads": est.grads, "optim": est.optim,
                                   "activations": est.activations, "model_states": est.model_states,
                                   "total": est.total, "host_offloaded": est.host},
@@ -219,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
         return 0
     print(f"{a.model}: {numel:,} parameters | {a.strategy} (stage {sargs['stage']}, {sargs['engine']}) | "
-          f"{a.precision} | {a.devices} device(s) | batch {a.batch_size} x {seq} tokens")
+          f"{a.precision} | {a.devices} device(s): tp {tp} x pp {pp} x dp {dp} | batch {a.batch_size} x {seq} tokens")
+    print(f"set-up peak (sharded construction, before the first step): {_gib(setup).strip()}")
     print("per-device memory:")
     for label, v in (("parameters", est.params), ("gradients", est.grads), ("optimizer states", est.optim),
                      ("activations", est.activations), ("total", est.total)):

@@ -130,6 +130,32 @@ def test_bf16_checkpoint_stays_bf16(tmp_path: Path) -> None:
     assert model.lm_head.weight is model.embed_tokens.weight
 
 
+def test_bf16_true_run_reads_the_bf16_checkpoint_as_is(tmp_path: Path) -> None:
+    """Under ``bf16-true`` the task's backbone is built in bf16 and takes the stored bf16 values without an fp32
+    round trip (on one device here; the sharded path reads the same way, slice by slice)."""
+    from safetensors.torch import load_file
+
+    from lightning_llm.data import TextDataModule
+    from lightning_llm.tasks import CausalLMTask
+
+    src = _hf_llama(tmp_path / "hf", tie=False, dtype=torch.bfloat16, shard=None)
+    stored = load_file(str(src / "model.safetensors"))
+    seen: dict[str, Any] = {}
+
+    class Capture(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, task: pl.LightningModule) -> None:
+            seen.update({n: p.detach().clone() for n, p in task.model.named_parameters()})
+
+    trainer = pl.Trainer(accelerator="cpu", devices=1, precision="bf16-true", max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Capture()])
+    dm = TextDataModule(block_size=16, batch_size=2, cache_dir=str(tmp_path / "cache"), generated_docs=20)
+    trainer.fit(CausalLMTask(str(src), dropout=0.0), dm)
+    assert seen["embed_tokens.weight"].dtype == torch.bfloat16
+    assert torch.equal(seen["layers.1.mlp.down_proj.weight"], stored["model.layers.1.mlp.down_proj.weight"])
+    assert torch.equal(seen["lm_head.weight"], stored["lm_head.weight"])
+
+
 def test_lazy_named_size_with_lora_equals_eager() -> None:
     """A LoRA policy on a meta-device base materializes to the eager policy (adapters included)."""
     from lightning_llm.peft import LoraArgs, PeftConfig, apply_peft

@@ -39,7 +39,9 @@ __all__ = ["Init", "InitPlan", "WeightsSource", "canonical_name", "draw_init_see
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _M1, _M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-_CHUNK = 1 << 20  # elements generated at a time (bounds the float64 scratch to ~24 MB)
+_CHUNK = 1 << 17  # elements generated at a time
+FILL_SCRATCH_BYTES = _CHUNK * 160
+"""Peak scratch of :func:`fill_` (the generator's int64/float64 temporaries of one chunk: 18-25 MB measured)."""
 
 
 def _signed(x: int) -> int:

@@ -86,7 +86,7 @@ def apply_fsdp(
     modules = dict(root.named_modules())
     done: list[str] = []
     for pattern in units:
-        for path in [p for p in modules if p and _match(p, pattern)]:
+        for path in [p for p in modules if p and module_path_matches(p, pattern)]:
             fully_shard(modules[path], **kwargs)
             done.append(path)
     if not done:
@@ -97,7 +97,7 @@ def apply_fsdp(
     return done
 
 
-def _match(path: str, pattern: str) -> bool:
+def module_path_matches(path: str, pattern: str) -> bool:
     """``*`` matches exactly one dotted component (``model.layers.*`` is the blocks, not their submodules)."""
     parts, pats = path.split("."), pattern.split(".")
     return len(parts) == len(pats) and all(fnmatch.fnmatchcase(a, b) for a, b in zip(parts, pats))

@@ -1,0 +1,121 @@
+"""What one rank holds under a tp x pp x dp layout, and its memory peak while the model is set up.
+
+Used by ``lightning_llm estimate`` (:mod:`lightning_llm.estimate`). The local element count of every parameter is
+derived from the family's own declarations, as the engine applies them: the pipeline split
+(:func:`~lightning_llm.strategies.pipeline_split.split_layers`: the first stage keeps the embeddings, the last the
+final norm and head, a tied head is a copy there), the tensor-parallel plan (column-parallel: dim 0 sharded,
+row-parallel linears: dim 1, vocab-parallel embedding: dim 0, everything else replicated) and FSDP2's dim-0 shards
+under ZeRO-3 (``ceil`` chunks, as ``torch.chunk``).
+
+Set-up peak of a rank (sharded construction, :mod:`lightning_llm.models.init`): its parameters, allocated at once,
+plus the largest transient of filling them: the init generator's scratch, or, when loading a checkpoint, one
+parameter's slice read from the file plus the file pages that read maps (a whole tensor when the slice is not a row
+block), plus a fixed base (process group, Lightning, data: measured on CPU with the debug model).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["LayoutShare", "layout_share", "setup_peak_bytes"]
+
+SETUP_BASE_BYTES = 20 * 2**20
+"""Set-up memory besides the model (gloo process group, Lightning, the data module): 18-22 MB measured on CPU for
+the debug model at 1 and 2 ranks (``benchmarks/memory.py``)."""
+
+
+@dataclass(frozen=True)
+class LayoutShare:
+    """The parameters one rank of the fullest pipeline stage holds: ``numel`` elements; ``largest``: the biggest
+    local parameter (elements) and ``largest_read``: the most elements one parameter's read maps from a checkpoint
+    (its whole stored tensor when the local slice is not a row block)."""
+
+    numel: int
+    largest: int
+    largest_read: int
+
+
+def _tp_dim(style: Any, module: nn.Module, attr: str) -> int | None:
+    """The dim a tensor-parallel style shards parameter ``attr`` of ``module`` on (None: replicated)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    if isinstance(style, ColwiseParallel):
+        return 0
+    if isinstance(style, RowwiseParallel):
+        if isinstance(module, nn.Embedding):
+            return 0
+        return 1 if attr == "weight" else None
+    return None
+
+
+def _stage_modules(model: nn.Module, pp: int) -> list[list[str]]:
+    """Module-path prefixes each pipeline stage keeps (all of them when ``pp == 1``)."""
+    from lightning_llm.models import parallel_spec_of
+    from lightning_llm.strategies.pipeline_split import split_layers
+
+    spec = parallel_spec_of(model)[2]  # type: ignore[index]
+    layers = split_layers(model, pp) if pp > 1 else [tuple(getattr(model, spec.layers).keys())]
+    stages = []
+    for s, keys in enumerate(layers):
+        mods = [f"{spec.layers}.{k}" for k in keys]
+        mods += list(spec.first) if s == 0 else []
+        mods += list(spec.last) if s == len(layers) - 1 else []
+        stages.append(mods)
+    return stages
+
+
+def layout_share(config: Any, *, tp: int = 1, pp: int = 1, dp: int = 1, zero3: bool = False) -> LayoutShare:
+    """:class:`LayoutShare` of the fullest stage of ``config``'s model under the layout (see the module docstring)."""
+    from lightning_llm.models import model_from_config, parallel_spec_of
+    from lightning_llm.strategies.zero_native import module_path_matches
+
+    with torch.device("meta"):
+        model = model_from_config(config)
+    spec = parallel_spec_of(model)[2]  # type: ignore[index]
+    plan = spec.tp_plan(model, sequence_parallel=False, loss_parallel=True) if tp > 1 else {}
+    modules = dict(model.named_modules())
+    styles = {path: style for pattern, style in plan.items() for path in modules
+              if module_path_matches(path, pattern)}
+    best = LayoutShare(0, 0, 0)
+    for stage in _stage_modules(model, pp):
+        numel = largest = largest_read = 0
+        seen: set[int] = set()
+        for path in stage:
+            root = modules.get(path)
+            if root is None:
+                continue
+            for sub, mod in root.named_modules(prefix=path):
+                for attr, p in mod.named_parameters(recurse=False):
+                    if id(p) in seen:
+                        continue
+                    seen.add(id(p))
+                    shape = list(p.shape)
+                    d = _tp_dim(styles.get(sub), mod, attr)
+                    if d is not None:
+                        shape[d] = math.ceil(shape[d] / tp)
+                    if zero3 and dp > 1 and shape:
+                        shape[0] = math.ceil(shape[0] / dp)
+                    n = math.prod(shape)
+                    numel += n
+                    largest = max(largest, n)
+                    row_block = d in (None, 0)  # a dim-0 slice is contiguous in the file
+                    largest_read = max(largest_read, n if row_block else p.numel())
+        if numel > best.numel:
+            best = LayoutShare(numel, largest, largest_read)
+    return best
+
+
+def setup_peak_bytes(share: LayoutShare, *, param_bytes: int, from_checkpoint: bool) -> int:
+    """Peak memory of a rank while its model is set up (before the first step): see the module docstring."""
+    from lightning_llm.models.init import FILL_SCRATCH_BYTES
+
+    if from_checkpoint:  # the slice read (a copy) + the file pages its read maps
+        transient = share.largest * param_bytes + share.largest_read * param_bytes
+    else:
+        transient = FILL_SCRATCH_BYTES
+    return share.numel * param_bytes + transient + SETUP_BASE_BYTES
