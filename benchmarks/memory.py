@@ -31,6 +31,9 @@ from typing import Any
 VOCAB = 32000  # LLaMA's (the byte tokenizer of the generated data needs 259 ids of it)
 LAYOUTS = {  # name -> (ranks, --trainer.strategy, estimate arguments)
     "1 device": (1, "auto", ["--strategy", "ddp", "--devices", "1"]),
+    # The same layout with the model built whole on every rank first (a task with deferred_init = False: how every
+    # layout set up before sharded construction); the estimate is the one-device figure.
+    "zero3 x2, built whole": (2, "zero3-whole", ["--strategy", "ddp", "--devices", "1"]),
     "zero3 x2": (2, "zero3", ["--strategy", "zero3", "--devices", "2"]),
     "tp x2": (2, "tp", ["--strategy", "tp", "--devices", "2"]),
     "pp x2": (2, "pp", ["--strategy", "pp", "--devices", "2"]),
@@ -53,6 +56,7 @@ def _strategy(name: str) -> Any:
     from lightning_llm.strategies.zero import ZeroStrategy
 
     return {"auto": lambda: "auto", "zero3": lambda: ZeroStrategy(stage=3), "tp": lambda: TensorParallelStrategy(),
+            "zero3-whole": lambda: ZeroStrategy(stage=3),
             "pp": lambda: PipelineParallelStrategy(n_microbatches=2),
             "3d": lambda: HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, zero_stage=3)}[name]()
 
@@ -80,9 +84,13 @@ def worker(strategy: str, backbone: str, layers: int, out: Path) -> None:
             marks["step"] = _status("VmHWM")
             trainer.should_stop = True
 
+    class BuiltWhole(CausalLMTask):
+        deferred_init = False
+
     pl.seed_everything(0)
     overrides = {"num_layers": layers, "vocab_size": VOCAB} if backbone == "llama-1b" else {}
-    task = CausalLMTask(backbone, dropout=0.0, model_overrides=overrides)
+    task = (BuiltWhole if strategy.endswith("-whole") else CausalLMTask)(backbone, dropout=0.0,
+                                                                         model_overrides=overrides)
     dm = TextDataModule(block_size=16, batch_size=2, cache_dir=str(out.parent / "cache"), generated_docs=40)
     devices = int(os.environ.get("WORLD_SIZE", "1"))
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=_strategy(strategy), max_steps=1, logger=False,
@@ -95,9 +103,17 @@ def worker(strategy: str, backbone: str, layers: int, out: Path) -> None:
     torch.distributed.barrier() if torch.distributed.is_initialized() else None
 
 
+def _out_file(work: Path, layout: str, backbone: str) -> Path:
+    return work / f"{layout.replace(' ', '_')}-{Path(backbone).name}.jsonl"
+
+
+def _read(out: Path) -> list[dict[str, Any]]:
+    return sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["rank"])
+
+
 def _run(layout: str, backbone: str, layers: int, work: Path) -> list[dict[str, Any]]:
     ranks, strategy, _ = LAYOUTS[layout]
-    out = work / f"{layout.replace(' ', '_')}-{Path(backbone).name}.jsonl"
+    out = _out_file(work, layout, backbone)
     out.unlink(missing_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     args = [__file__, "--worker", strategy, backbone, str(layers), str(out)]
@@ -107,7 +123,7 @@ def _run(layout: str, backbone: str, layers: int, work: Path) -> list[dict[str, 
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{layout} / {backbone} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return sorted((json.loads(line) for line in out.read_text().splitlines()), key=lambda r: r["rank"])
+    return _read(out)
 
 
 def _port() -> int:
@@ -131,19 +147,21 @@ def _estimate(layout: str, hf: Path, init: str) -> dict[str, Any]:
 
 def _table(results: dict[str, dict[str, list[dict[str, Any]]]],
            estimates: dict[str, dict[str, dict[str, Any]]]) -> list[str]:
+    """One row per source and layout: every rank's set-up cost (``setup - bare``), its ratio to one device, and the
+    estimate of the fullest rank against the fullest measured rank."""
     gib = 1024**3
-    rows = ["| source | layout | rank | bare GiB | set-up peak - bare GiB | / 1 device | estimate GiB | est. err | "
-            "after step 1 - bare GiB | local params GiB |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| source | layout | set-up peak - bare, per rank (GiB) | max / 1 device | estimate (GiB) | est. err "
+            "| after step 1 - bare, max (GiB) | local params (GiB) |", "|---|---|---|---|---|---|---|---|"]
     for source, by_layout in results.items():
         one = by_layout["1 device"][0]
         base = one["setup"] - one["bare"]
         for layout, ranks in by_layout.items():
+            costs = [r["setup"] - r["bare"] for r in ranks]
             est = estimates[source][layout]["setup_peak_bytes"]
-            for r in ranks:
-                cost = r["setup"] - r["bare"]
-                rows.append(f"| {source} | {layout} | {r['rank']} | {r['bare'] / gib:.2f} | {cost / gib:.3f} | "
-                            f"{cost / base:.2f} | {est / gib:.3f} | {100 * (est - cost) / cost:+.1f}% | "
-                            f"{(r['step'] - r['bare']) / gib:.3f} | {r['params_local_bytes'] / gib:.3f} |")
+            rows.append(f"| {source} | {layout} | {' / '.join(f'{c / gib:.3f}' for c in costs)} | "
+                        f"{max(costs) / base:.2f} | {est / gib:.3f} | {100 * (est - max(costs)) / max(costs):+.1f}% | "
+                        f"{max(r['step'] - r['bare'] for r in ranks) / gib:.3f} | "
+                        f"{max(r['params_local_bytes'] for r in ranks) / gib:.3f} |")
     return rows
 
 
@@ -156,6 +174,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/memory-cpu.md"))
     parser.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temporary one)")
     parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS))
+    parser.add_argument("--report-only", action="store_true", help="rebuild the table from the runs in --work")
     args = parser.parse_args()
     work = args.work or Path(tempfile.mkdtemp(prefix="llm-memory-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -172,7 +191,8 @@ def main() -> None:
     for layout in args.layouts:
         for source, backbone in (("named", "llama-1b"), ("hf (sharded safetensors)", str(hf))):
             print(f"{layout} / {source} ...", flush=True)
-            results[source][layout] = _run(layout, backbone, args.layers, work)
+            results[source][layout] = (_read(_out_file(work, layout, backbone)) if args.report_only
+                                       else _run(layout, backbone, args.layers, work))
     estimates = {source: {layout: _estimate(layout, hf, "random" if source == "named" else "checkpoint")
                           for layout in args.layouts} for source in results}
     import torch

@@ -7,10 +7,11 @@ final norm and head, a tied head is a copy there), the tensor-parallel plan (col
 row-parallel linears: dim 1, vocab-parallel embedding: dim 0, everything else replicated) and FSDP2's dim-0 shards
 under ZeRO-3 (``ceil`` chunks, as ``torch.chunk``).
 
-Set-up peak of a rank (sharded construction, :mod:`lightning_llm.models.init`): its parameters, allocated at once,
-plus the largest transient of filling them: the init generator's scratch, or, when loading a checkpoint, one
-parameter's slice read from the file plus the file pages that read maps (a whole tensor when the slice is not a row
-block), plus a fixed base (process group, Lightning, data: measured on CPU with the debug model).
+Set-up peak of a rank (sharded construction, :mod:`lightning_llm.models.init`): its parameters are allocated at
+once but become resident as they are filled, in order; the peak is the parameters plus the init generator's
+scratch, or, when loading a checkpoint, the most of (parameters filled so far + the slice being copied in from the
+file), plus a fixed base (process group, Lightning, data: measured on CPU with the debug model). Measured against
+``benchmarks/memory.py`` (``benchmarks/results/memory-cpu.md``).
 """
 
 from __future__ import annotations
@@ -31,13 +32,12 @@ the debug model at 1 and 2 ranks (``benchmarks/memory.py``)."""
 
 @dataclass(frozen=True)
 class LayoutShare:
-    """The parameters one rank of the fullest pipeline stage holds: ``numel`` elements; ``largest``: the biggest
-    local parameter (elements) and ``largest_read``: the most elements one parameter's read maps from a checkpoint
-    (its whole stored tensor when the local slice is not a row block)."""
+    """The parameters one rank of the fullest pipeline stage holds: ``numel`` elements, and ``read_peak``: the most
+    elements resident while they are filled from a checkpoint in order (those filled so far plus the slice being
+    copied in; untouched allocations are not resident yet)."""
 
     numel: int
-    largest: int
-    largest_read: int
+    read_peak: int
 
 
 def _tp_dim(style: Any, module: nn.Module, attr: str) -> int | None:
@@ -53,20 +53,15 @@ def _tp_dim(style: Any, module: nn.Module, attr: str) -> int | None:
     return None
 
 
-def _stage_modules(model: nn.Module, pp: int) -> list[list[str]]:
-    """Module-path prefixes each pipeline stage keeps (all of them when ``pp == 1``)."""
+def _stage_prefixes(model: nn.Module, pp: int) -> list[tuple[str, ...]]:
+    """Module-path prefixes each pipeline stage keeps."""
     from lightning_llm.models import parallel_spec_of
     from lightning_llm.strategies.pipeline_split import split_layers
 
     spec = parallel_spec_of(model)[2]  # type: ignore[index]
     layers = split_layers(model, pp) if pp > 1 else [tuple(getattr(model, spec.layers).keys())]
-    stages = []
-    for s, keys in enumerate(layers):
-        mods = [f"{spec.layers}.{k}" for k in keys]
-        mods += list(spec.first) if s == 0 else []
-        mods += list(spec.last) if s == len(layers) - 1 else []
-        stages.append(mods)
-    return stages
+    return [(*(f"{spec.layers}.{k}." for k in keys), *(f"{m}." for m in spec.first if s == 0),
+             *(f"{m}." for m in spec.last if s == len(layers) - 1)) for s, keys in enumerate(layers)]
 
 
 def layout_share(config: Any, *, tp: int = 1, pp: int = 1, dp: int = 1, zero3: bool = False) -> LayoutShare:
@@ -81,32 +76,26 @@ def layout_share(config: Any, *, tp: int = 1, pp: int = 1, dp: int = 1, zero3: b
     modules = dict(model.named_modules())
     styles = {path: style for pattern, style in plan.items() for path in modules
               if module_path_matches(path, pattern)}
-    best = LayoutShare(0, 0, 0)
-    for stage in _stage_modules(model, pp):
-        numel = largest = largest_read = 0
+    best = LayoutShare(0, 0)
+    for prefixes in _stage_prefixes(model, pp):
+        numel = read_peak = 0
         seen: set[int] = set()
-        for path in stage:
-            root = modules.get(path)
-            if root is None:
+        for name, p in model.named_parameters(remove_duplicate=False):  # the order materialize fills them in
+            if id(p) in seen or not name.startswith(prefixes):
                 continue
-            for sub, mod in root.named_modules(prefix=path):
-                for attr, p in mod.named_parameters(recurse=False):
-                    if id(p) in seen:
-                        continue
-                    seen.add(id(p))
-                    shape = list(p.shape)
-                    d = _tp_dim(styles.get(sub), mod, attr)
-                    if d is not None:
-                        shape[d] = math.ceil(shape[d] / tp)
-                    if zero3 and dp > 1 and shape:
-                        shape[0] = math.ceil(shape[0] / dp)
-                    n = math.prod(shape)
-                    numel += n
-                    largest = max(largest, n)
-                    row_block = d in (None, 0)  # a dim-0 slice is contiguous in the file
-                    largest_read = max(largest_read, n if row_block else p.numel())
+            seen.add(id(p))  # a tied head is a second use here only when the stage lacks the embedding
+            mod_name, _, attr = name.rpartition(".")
+            shape = list(p.shape)
+            d = _tp_dim(styles.get(mod_name), modules[mod_name], attr)
+            if d is not None:
+                shape[d] = math.ceil(shape[d] / tp)
+            if zero3 and dp > 1 and shape:
+                shape[0] = math.ceil(shape[0] / dp)
+            n = math.prod(shape)
+            read_peak = max(read_peak, numel + 2 * n)  # filled so far + this one + its slice read from the file
+            numel += n
         if numel > best.numel:
-            best = LayoutShare(numel, largest, largest_read)
+            best = LayoutShare(numel, read_peak)
     return best
 
 
@@ -114,8 +103,6 @@ def setup_peak_bytes(share: LayoutShare, *, param_bytes: int, from_checkpoint: b
     """Peak memory of a rank while its model is set up (before the first step): see the module docstring."""
     from lightning_llm.models.init import FILL_SCRATCH_BYTES
 
-    if from_checkpoint:  # the slice read (a copy) + the file pages its read maps
-        transient = share.largest * param_bytes + share.largest_read * param_bytes
-    else:
-        transient = FILL_SCRATCH_BYTES
-    return share.numel * param_bytes + transient + SETUP_BASE_BYTES
+    if from_checkpoint:
+        return max(share.read_peak * param_bytes, share.numel * param_bytes) + SETUP_BASE_BYTES
+    return share.numel * param_bytes + FILL_SCRATCH_BYTES + SETUP_BASE_BYTES

@@ -210,9 +210,20 @@ class _Capture(pl.Callback):
         from lightning_llm.testing import full_parameters
 
         self.params = full_parameters(task.model)
+        self.local_numel = sum((p.to_local() if hasattr(p, "to_local") else p).numel()
+                               for p in {id(p): p for p in task.model.parameters()}.values())
         self.materialized = trainer.strategy.materialized_params
         source = getattr(task.model, "weights_source", None)
         self.bytes_read = source.bytes_read if source is not None else 0
+
+
+def _estimated_numel(ref: Any, layout: str) -> int:
+    """What ``lightning_llm estimate`` says the fullest rank of ``layout`` holds (elements)."""
+    from lightning_llm.estimate_layout import layout_share
+
+    degrees = {"zero3": dict(dp=4, zero3=True), "3d_dp2_tp2_zero3": dict(dp=2, tp=2, zero3=True),
+               "pp2_tp2": dict(pp=2, tp=2), "pp2_dp2": dict(pp=2, dp=2)}[layout]
+    return layout_share(ref.model.config, **degrees).numel
 
 
 def _worker(mode: str, out: Path) -> None:
@@ -235,7 +246,9 @@ def _worker(mode: str, out: Path) -> None:
             equal = all(torch.equal(t, want[n]) for n, t in cap.params.items())
             results[f"{backbone}/{layout}"] = gathered({"equal": equal, "names": sorted(cap.params),
                                                         "materialized": cap.materialized,
-                                                        "bytes_read": cap.bytes_read})
+                                                        "bytes_read": cap.bytes_read,
+                                                        "local_numel": cap.local_numel,
+                                                        "estimated_numel": _estimated_numel(ref, layout)})
     total = sum(p.numel() * p.element_size() for p in load_hf(hf)[0].parameters())
     results["hf_bytes"] = total
     write_json_on_rank0(out / "meta.json", results)
@@ -268,6 +281,8 @@ def test_sharded_construction_equals_one_device(meta_runs: dict[str, Any], backb
             assert SHARE[layout] - 0.01 <= frac <= SHARE[layout] + 0.1, (r, frac)
     if layout.startswith("pp"):  # stages hold different blocks
         assert ranks[0]["names"] != ranks[-1]["names"]
+    # the estimator's per-rank count (family TP plan, pipeline split, FSDP2 chunks) is the fullest rank's exactly
+    assert max(r["local_numel"] for r in ranks) == ranks[0]["estimated_numel"]
 
 
 if __name__ == "__main__":
