@@ -180,7 +180,8 @@ def _flce_chunks(hidden, weight, bias, target, ignore_index, ls, z, chunk, backe
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, target, bias, ignore_index, reduction, ls, z, chunk_size, backend, grad_enabled):
+    def forward(ctx, hidden, weight, target, bias, ignore_index, reduction, ls, z, chunk_size, backend, grad_enabled,
+                loss_dtype):
         H = hidden.shape[-1]
         h2 = hidden.reshape(-1, H)
         t = target.reshape(-1).contiguous()
@@ -200,10 +201,10 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         ctx.args = (ignore_index, reduction, ls, z, chunk, backend, hidden.shape)
         if reduction == "none":
             ctx.save_for_backward(h2, weight, bias, t)
-            return rows.view(target.shape).to(hidden.dtype)
+            return rows.view(target.shape).to(loss_dtype)
         ctx.save_for_backward(*grads)
         loss = rows.sum() / n_valid[0] if reduction == "mean" else rows.sum()
-        return loss.to(hidden.dtype)
+        return loss.to(loss_dtype)
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -225,7 +226,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 if g is not None:
                     g.mul_(grad_loss.to(g.dtype))
         dh, dw, db = grads
-        return (None if dh is None else dh.view(shape)), dw, None, db, None, None, None, None, None, None, None
+        return (None if dh is None else dh.view(shape)), dw, None, db, None, None, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -240,6 +241,7 @@ def fused_linear_cross_entropy(
     z_loss: float = 0.0,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    loss_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``cross_entropy(hidden @ weight.T + bias, target)`` without materialising the ``[N, V]`` logits.
 
@@ -247,6 +249,7 @@ def fused_linear_cross_entropy(
     ``chunk_size`` tokens per chunk (None: about ``N * H / V`` rounded to a power of two, so a chunk's logits
     cost about as much memory as ``hidden``). Each chunk's logits are in ``hidden.dtype``; the gradients are
     accumulated in the parameter dtypes. For ``reduction="none"`` the chunks are recomputed in backward.
+    ``loss_dtype``: the returned loss's dtype (default ``hidden.dtype``; the math is fp32 either way).
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
@@ -258,4 +261,4 @@ def fused_linear_cross_entropy(
     resolved = resolve_backend(backend, hidden)
     return FusedLinearCrossEntropyFunction.apply(hidden, weight, target, bias, ignore_index, reduction,
                                                  float(label_smoothing), float(z_loss), chunk_size, resolved,
-                                                 torch.is_grad_enabled())
+                                                 torch.is_grad_enabled(), loss_dtype or hidden.dtype)

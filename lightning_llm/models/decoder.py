@@ -19,13 +19,24 @@ Shape legend: B batch, S sequence, H hidden, V vocab, D head dim.
 from __future__ import annotations
 
 import logging
+from typing import ClassVar, Literal
 
 import torch
 from torch import Tensor, nn
 
+from lightning_llm.kernels.head_loss import head_cross_entropy
+
 from .config import ModelConfig
 from .init import InitPlan, WeightsSource, draw_init_seed, init_whole, materialize, plan_for_modules
-from .layers import KVCache, NormHead, TransformerBlock, build_norm, causal_mask, causal_padding_mask
+from .layers import (
+    KVCache,
+    NormHead,
+    TransformerBlock,
+    build_norm,
+    causal_mask,
+    causal_padding_mask,
+    use_fused_kernel,
+)
 from .rope import precompute_rope, rope_from_positions, rope_type
 
 log = logging.getLogger(__name__)
@@ -34,7 +45,12 @@ __all__ = ["DecoderLM"]
 
 
 class DecoderLM(nn.Module):
-    """Decoder-only causal LM. ``forward`` returns logits [B, S, V] (or hidden states when ``lm_head is None``)."""
+    """Decoder-only causal LM. ``forward`` returns logits [B, S, V] (or hidden states when ``lm_head is None``),
+    or with ``labels=`` the next-token cross-entropy computed from the hidden states and the head in chunks
+    (:func:`~lightning_llm.kernels.head_loss.head_cross_entropy`)."""
+
+    computes_loss: ClassVar[bool] = True
+    """``forward(..., labels=)`` returns the token cross-entropy (what a task's fused loss path asks for)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -121,7 +137,9 @@ class DecoderLM(nn.Module):
         position_ids: Tensor | None = None,  # [B, S] or [S]; default arange(S)
         inputs_embeds: Tensor | None = None,  # [B, S, H] instead of input_ids
         kv_cache: KVCache | None = None,  # incremental decoding: attention_mask then covers past + new tokens
-    ) -> Tensor:  # logits [B, S, V] (hidden [B, S, H] when lm_head is None)
+        labels: Tensor | None = None,  # [B, S] next-token ids (-100 ignored): return the loss instead of logits
+        reduction: Literal["mean", "none"] = "mean",  # of the loss with labels: mean over tokens, or [B, S]
+    ) -> Tensor:  # logits [B, S, V] (hidden [B, S, H] when lm_head is None; the loss with labels)
         if self.embed_tokens is None:
             # Pipeline stage after the first: the positional input is the hidden state of the previous stage.
             x = input_ids if input_ids is not None else inputs_embeds
@@ -165,6 +183,9 @@ class DecoderLM(nn.Module):
             x = self.norm(x)
         if self.lm_head is None:
             return x
+        if labels is not None:  # fused with the head where exact: the [B, S, V] logits are never materialised
+            backend = "triton" if use_fused_kernel(self.config.kernels, x) else "torch"
+            return head_cross_entropy(x, self.lm_head, labels, reduction=reduction, backend=backend)
         return self.lm_head(x)  # [B, S, V]
 
     def _rope(self, position_ids: Tensor, total: int) -> tuple[Tensor, Tensor] | None:

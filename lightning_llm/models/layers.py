@@ -332,8 +332,12 @@ class NormHead(nn.Linear):
     normalisation is per vocabulary row, so it runs unchanged on a vocab-sharded weight (tensor parallelism).
     """
 
+    def effective_weight(self) -> Tensor:
+        """The weight the input is multiplied by: rows L2-normalised [V, H] (what a fused LM-head loss reads)."""
+        return F.normalize(self.weight, dim=-1)
+
     def forward(self, x: Tensor) -> Tensor:  # [B, S, H] -> [B, S, V]
-        return F.linear(x, F.normalize(self.weight, dim=-1), self.bias)
+        return F.linear(x, self.effective_weight(), self.bias)
 
 
 class TransformerBlock(nn.Module):

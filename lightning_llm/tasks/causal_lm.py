@@ -35,12 +35,17 @@ class CausalLMTask(DecoderTask):
 
     @override
     def model_inputs(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return (batch["input_ids"],), {"attention_mask": batch.get("attention_mask")}
+        kwargs = {"attention_mask": batch.get("attention_mask")}
+        if self.uses_fused_loss():
+            kwargs["labels"] = batch["labels"]  # the model returns the mean token loss (no logits)
+        return (batch["input_ids"],), kwargs
 
     @override
     @accepts_sharded_logits  # cross_entropy has a DTensor rule under loss_parallel: [B, S, V/tp] shards suffice
     def loss_from_output(self, output: Any, batch: dict[str, torch.Tensor],
                          stage: str) -> tuple[torch.Tensor, dict[str, Any]]:
+        if self.uses_fused_loss():
+            return output, {}  # already the mean over the tokens whose label is not -100
         loss = F.cross_entropy(output.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100)
         return loss, {}
 

@@ -30,7 +30,23 @@ from lightning_llm.tasks.base import LLMTask, OptimConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DecoderTask"]
+__all__ = ["DecoderTask", "fused_loss_blocker"]
+
+_LOSS_HOOKS = ("model_inputs", "loss_from_output", "compute_loss")
+
+
+def fused_loss_blocker(task: DecoderTask) -> str | None:
+    """Why ``task`` computes its loss from full logits, or ``None`` when the model's fused loss is used."""
+    if not task.fused_loss:
+        return "--model.fused_loss=false"
+    own = [n for n in _LOSS_HOOKS if not getattr(getattr(type(task), n), "__module__", "").startswith("lightning_llm.")]
+    if own:
+        return f"{type(task).__name__} overrides {', '.join(own)}"
+    if task.capabilities.pipelined:
+        return "pipeline stages return hidden states"
+    if not getattr(type(task.model), "computes_loss", False):
+        return f"{type(task.model).__name__} does not compute its own loss"
+    return None
 
 
 class DecoderTask(LLMTask):
@@ -54,6 +70,7 @@ class DecoderTask(LLMTask):
         adapter_dir: str | None = None,
         optim: OptimConfig | None = None,
         nonfinite_loss: Literal["stop", "skip"] = "stop",
+        fused_loss: bool = True,
     ) -> None:
         """
         Args:
@@ -69,6 +86,10 @@ class DecoderTask(LLMTask):
             optim: Optimizer and LR schedule.
             nonfinite_loss: On a NaN/inf training loss or gradients: ``stop`` the run (naming the step) or
                 ``skip`` the step.
+            fused_loss: Compute the token cross-entropy from the hidden states and the LM head in chunks (the
+                Triton fused linear cross-entropy on CUDA, chunked torch elsewhere), never materialising the
+                ``[B, S, V]`` logits; same loss and gradients. Used when the task's loss hooks are the library's
+                own and the model is not split into pipeline stages; ``false`` always computes full logits.
         """
         super().__init__(optim=optim, nonfinite_loss=nonfinite_loss)
         if lora is not None and peft is not None:
@@ -80,6 +101,8 @@ class DecoderTask(LLMTask):
         self.gradient_checkpointing = gradient_checkpointing
         self.checkpoint_reentrant = checkpoint_reentrant
         self.adapter_dir = adapter_dir
+        self.fused_loss = fused_loss
+        self._loss_path_logged = False
         # Checkpoints of a PEFT run hold only the trainable weights; the frozen base is rebuilt from `backbone`.
         self.strict_loading = self.peft_config is None
 
@@ -111,6 +134,17 @@ class DecoderTask(LLMTask):
         rank_zero_info(f"trainable params: {trainable:,} || all params: {total:,} || "
                        f"trainable%: {100 * trainable / max(total, 1):.4f}")
         return model
+
+    def uses_fused_loss(self) -> bool:
+        """Whether a step asks the model for its loss (``labels=``) instead of logits: ``--model.fused_loss``, the
+        library's own ``model_inputs``/``loss_from_output``/``compute_loss`` (an override sees logits, as it
+        expects), a model that declares ``computes_loss``, and no pipeline (whose stages return hidden states)."""
+        reason = fused_loss_blocker(self)
+        if not self._loss_path_logged:
+            self._loss_path_logged = True
+            rank_zero_info("loss: " + ("fused LM-head cross-entropy (no [B, S, V] logits)" if reason is None
+                                       else f"cross-entropy on full logits ({reason})"))
+        return reason is None
 
     @property
     def policy(self) -> nn.Module:

@@ -1,0 +1,192 @@
+"""The fused LM-head loss in the training path (``--model.fused_loss``): the model's ``forward(labels=)`` computes the
+token cross-entropy from the hidden states and the head in chunks. Compared with the eager reference
+(``F.cross_entropy`` on full fp32 logits): loss and every parameter gradient within 1e-5 (fp32), for plain, tied,
+biased, NormHead and peft ``modules_to_save`` heads; a head with hooks is called as a module (the hook still runs);
+a task whose loss hooks are overridden receives logits; one-device training with the flag on equals it off.
+The layout x flag matrix is ``tests/test_fused_loss_layouts.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lightning_llm.kernels.head_loss import fusable_head, head_cross_entropy
+
+TOL = 1e-5
+
+
+def _labels(b: int, s: int, v: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, v, (b, s), generator=g)
+    labels[0, :3] = -100  # a masked prompt
+    labels[-1, -2:] = -100  # padding
+    return labels
+
+
+def _grads(module: nn.Module, *extra: torch.Tensor) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in module.parameters() if p.grad is not None] + [t.grad.clone() for t in extra]
+
+
+def _compare(head: nn.Module, reduction: str = "mean") -> tuple[float, float]:
+    """(loss err, max grad err) of head_cross_entropy against F.cross_entropy(head(h)) on the same inputs."""
+    torch.manual_seed(0)
+    v = head.weight.shape[0] if hasattr(head, "weight") else 97
+    h = torch.randn(3, 11, 16, requires_grad=True)
+    labels = _labels(3, 11, v)
+    upstream = torch.rand(3, 11) if reduction == "none" else torch.tensor(1.0)
+    ref = F.cross_entropy(head(h).flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction=reduction)
+    (ref.view_as(upstream) * upstream).sum().backward()
+    want = _grads(head, h)
+    head.zero_grad()
+    h.grad = None
+    got = head_cross_entropy(h, head, labels, reduction=reduction)
+    (got.view_as(upstream) * upstream).sum().backward()
+    have = _grads(head, h)
+    assert got.dtype == torch.float32 and len(want) == len(have)
+    return (got.view(-1) - ref.view(-1)).abs().max().item(), max((a - b).abs().max().item() for a, b in zip(want, have))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_head_matches_eager_loss_and_gradients(bias: bool, reduction: str) -> None:
+    head = nn.Linear(16, 97, bias=bias)
+    assert fusable_head(head) is not None
+    loss_err, grad_err = _compare(head, reduction)
+    assert loss_err <= TOL and grad_err <= TOL, (loss_err, grad_err)
+
+
+def test_norm_head_is_fused_through_its_effective_weight() -> None:
+    from lightning_llm.models.layers import NormHead
+
+    head = NormHead(16, 97, bias=False)
+    nn.init.normal_(head.weight, std=0.5)
+    assert fusable_head(head) is not None
+    loss_err, grad_err = _compare(head)
+    assert loss_err <= TOL and grad_err <= TOL, (loss_err, grad_err)
+
+
+def test_modules_to_save_head_trains_its_copy() -> None:
+    from lightning_llm.models import build_model
+    from lightning_llm.peft import LoraArgs, PeftConfig, apply_peft
+
+    torch.manual_seed(0)
+    model = apply_peft(build_model("debug", family="decoder", vocab_size=96, dropout=0.0),
+                       PeftConfig(method="lora", lora=LoraArgs(r=4, dropout=0.0, modules_to_save=["lm_head"])))
+    head = model.lm_head
+    found = fusable_head(head)
+    assert found is not None and found[0] is not head.original_module.weight  # the trained copy, not the frozen one
+    ids = torch.randint(0, 96, (2, 12))
+    labels = _labels(2, 12, 96)
+    ref = F.cross_entropy(model(ids).flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    got = model(ids, labels=labels)
+    got.backward()
+    have = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert want.keys() == have.keys() and any("modules_to_save" in n for n in have)
+    assert abs(got.item() - ref.item()) <= TOL
+    assert max((want[n] - have[n]).abs().max().item() for n in want) <= TOL
+
+
+def test_head_with_hooks_or_lora_is_called_as_a_module() -> None:
+    head = nn.Linear(16, 97)
+    seen: list[torch.Size] = []
+    head.register_forward_pre_hook(lambda mod, args: seen.append(args[0].shape))  # a value head reading its input
+    assert fusable_head(head) is None
+    loss_err, grad_err = _compare(head)
+    assert seen and loss_err <= TOL and grad_err <= TOL
+
+    from peft import LoraConfig, inject_adapter_in_model
+
+    wrapped = inject_adapter_in_model(LoraConfig(r=2, target_modules=["head"]),
+                                      nn.ModuleDict({"head": nn.Linear(16, 97)}))
+    assert fusable_head(wrapped["head"]) is None
+
+
+@pytest.mark.parametrize("backbone", ["debug", "debug-qwen2", "debug-baichuan2"])
+def test_decoder_labels_equal_eager_loss(backbone: str) -> None:
+    """``DecoderLM(ids, labels=)`` against the cross-entropy of its logits: loss and all gradients (tied head on
+    Qwen2, NormHead on Baichuan2)."""
+    from lightning_llm.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model(backbone, family="decoder", dropout=0.0)
+    v = model.config.vocab_size
+    ids = torch.randint(0, v, (3, 20))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding
+    labels = _labels(3, 20, v)
+    ref = F.cross_entropy(model(ids, attention_mask=mask).flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    got = model(ids, attention_mask=mask, labels=labels)
+    got.backward()
+    err = max((want[n] - p.grad).abs().max().item() for n, p in model.named_parameters())
+    assert abs(got.item() - ref.item()) <= TOL and err <= TOL, (abs(got.item() - ref.item()), err)
+
+
+def test_bf16_autocast_matches_eager_in_the_same_precision() -> None:
+    head = nn.Linear(16, 97)
+    h = torch.randn(4, 9, 16)
+    labels = _labels(4, 9, 97)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F.cross_entropy(head(h).flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+        got = head_cross_entropy(h, head, labels)
+    assert got.dtype == torch.float32
+    assert abs(got.item() - ref.item()) <= 2e-2 * abs(ref.item())  # bf16 logits either way
+
+
+# ------------------------------------------------------------------------------------------------ the task
+
+
+def _fit(tmp: Path, **kwargs: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+    import lightning.pytorch as pl
+
+    from lightning_llm.data import TextDataModule
+    from lightning_llm.tasks import CausalLMTask
+    from lightning_llm.tasks.base import OptimConfig
+    from lightning_llm.testing import LoggedLoss, table_trainer
+
+    task_cls = kwargs.pop("task_cls", CausalLMTask)
+    pl.seed_everything(5)
+    # eps=1e-3: Adam divides by sqrt(v) + eps, so with a tiny eps fp32 summation-order noise in near-zero gradients
+    # (1e-9) becomes parameter steps of lr size; a larger eps keeps parameter parity meaningful at 1e-5.
+    task = task_cls("debug", dropout=0.0, optim=OptimConfig(lr=1e-2, scheduler="constant", eps=1e-3), **kwargs)
+    dm = TextDataModule(block_size=32, batch_size=4, cache_dir=str(tmp / "cache"), generated_docs=60)
+    rec = LoggedLoss()
+    table_trainer(tmp, strategy="auto", devices=1, max_steps=4, callbacks=[rec]).fit(task, dm)
+    return rec.losses, {k: v.detach().clone() for k, v in task.model.state_dict().items()}
+
+
+def test_one_device_training_with_the_flag_on_equals_off(tmp_path: Path) -> None:
+    on, params_on = _fit(tmp_path / "on")
+    off, params_off = _fit(tmp_path / "off", fused_loss=False)
+    assert on[0] - on[-1] > 0.05
+    loss_err = max(abs(a - b) for a, b in zip(on, off))
+    param_err = max((params_on[k] - params_off[k]).abs().max().item() for k in params_on)
+    print(f"fused vs eager over 4 steps: loss err {loss_err:.2e}, parameter err {param_err:.2e}")
+    assert loss_err <= TOL and param_err <= TOL
+
+
+def test_a_task_overriding_its_loss_hook_receives_logits(tmp_path: Path) -> None:
+    from lightning_llm.tasks import CausalLMTask
+    from lightning_llm.tasks.decoder import fused_loss_blocker
+
+    shapes: list[int] = []
+
+    class SmoothedLM(CausalLMTask):  # a user's loss: label smoothing on the logits
+        def loss_from_output(self, output, batch, stage):  # noqa: ANN001, ANN201
+            shapes.append(output.dim())
+            return F.cross_entropy(output.flatten(0, 1).float(), batch["labels"].flatten(), label_smoothing=0.1), {}
+
+    losses, _ = _fit(tmp_path, task_cls=SmoothedLM)
+    assert shapes and set(shapes) == {3} and len(losses) == 4
+    assert "overrides loss_from_output" in fused_loss_blocker(SmoothedLM("debug"))
