@@ -289,8 +289,10 @@ def test_fused_linear_cross_entropy(chunk_size, with_bias, reduction, dtype, bac
 def test_default_chunk_size():
     from lightning_llm.kernels.cross_entropy import default_chunk_size
 
-    assert default_chunk_size(8192, 128256, 4096) == 256  # chunk logits ~ hidden in size
+    assert default_chunk_size(8192, 128256, 4096) == 1024  # chunk logits ~ 4x hidden in size (1046 -> 1024)
+    assert default_chunk_size(8192, 128000, 2048) == 512  # 524 -> 512
     assert default_chunk_size(3, 10, 100) == 3
+    assert default_chunk_size(5, 10**6, 8) == 1
 
 
 def test_zz_report_max_errors():
