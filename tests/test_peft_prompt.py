@@ -253,3 +253,20 @@ def test_bad_configs_are_refused(tmp_path: Path) -> None:
     export_adapter(model, PeftConfig(method="prefix_tuning"), tmp_path / "adapter")
     with pytest.raises(ValueError, match="only LoRA.*PREFIX_TUNING.*no weights to merge"):
         load_adapter(load_hf(base_dir, family="decoder")[0], tmp_path / "adapter")
+
+
+@pytest.mark.parametrize("method", ["prefix_tuning", "p_tuning"])
+def test_checkpoint_rebuilds_the_trained_model(method: str, base_dir: Path) -> None:
+    """A PEFT run's checkpoint (trainable weights only) rebuilds the same model (what `lightning_llm export` reads)."""
+    from lightning_llm.export_model import rebuild_model
+
+    cfg = PeftConfig(method=method, num_virtual_tokens=N, options={"encoder_hidden_size": 8})
+    model = apply_peft(load_hf(base_dir, family="decoder")[0], cfg).eval()
+    checkpoint = {"state_dict": {f"model.{n}": p.detach() for n, p in model.named_parameters() if p.requires_grad},
+                  "peft": cfg.to_dict(), "hyper_parameters": {"backbone": str(base_dir)}}
+    torch.manual_seed(123)  # another init seed: the weights must come from the checkpoint
+    rebuilt, rebuilt_cfg = rebuild_model(checkpoint)
+    assert type(rebuilt) is type(model) and rebuilt_cfg.method == method
+    x, mask = _batch()
+    with torch.no_grad():
+        assert torch.equal(rebuilt(x, attention_mask=mask), model(x, attention_mask=mask))
