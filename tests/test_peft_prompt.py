@@ -270,3 +270,18 @@ def test_checkpoint_rebuilds_the_trained_model(method: str, base_dir: Path) -> N
     x, mask = _batch()
     with torch.no_grad():
         assert torch.equal(rebuilt(x, attention_mask=mask), model(x, attention_mask=mask))
+
+
+@pytest.mark.parametrize("method", ["prefix_tuning", "p_tuning"])
+def test_zero3_run_is_refused_before_training(method: str, tmp_path: Path) -> None:
+    """A real ZeRO-3 run (one CPU process: the engine still shards and builds lazily) stops before its first step."""
+    from lightning_llm.strategies.zero import ZeroStrategy
+
+    task = CausalLMTask("debug", peft=PeftConfig(method=method), model_overrides={"vocab_size": 264})
+    dm = TextDataModule(generated_docs=20, block_size=16, batch_size=2, val_fraction=0.1,
+                        cache_dir=str(tmp_path / "cache"))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=3), max_steps=1, logger=False,
+                         enable_progress_bar=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
+    with pytest.raises(ValueError, match=f"peft.method={method} runs under data-parallel layouts only"):
+        trainer.fit(task, dm)
+    assert trainer.global_step == 0
