@@ -93,7 +93,9 @@ class PeftConfig:
     prompt_init: Literal["random", "vocab"] = "vocab"
     """Prompt tuning: initialize virtual tokens randomly or from randomly sampled vocabulary embeddings."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments of the peft config class (e.g. ``{target_modules: [...], r: 8}`` for loha)."""
+    """Extra keyword arguments of the peft config class (e.g. ``{target_modules: [...], r: 8}`` for loha,
+    ``{prefix_projection: true, encoder_hidden_size: 512}`` for prefix_tuning, ``{encoder_reparameterization_type:
+    LSTM}`` for p_tuning; sizes derived from the model, such as ``token_dim``, are refused)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):  # from YAML / a checkpoint

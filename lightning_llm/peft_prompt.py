@@ -272,11 +272,13 @@ class _seeded:
         seed = int(getattr(base, "init_seed", 0))
         self._seed = name_seed(seed, name) % 2**63
         self._fork = torch.random.fork_rng(devices=[])
+        # Built on the CPU, from the CPU generator (the same values wherever the model runs; the strategy moves it
+        # with the model), never on the meta device, where nothing would give the adapter its values.
+        self._device = torch.device("cpu")
 
     def __enter__(self) -> None:
         self._fork.__enter__()
         torch.manual_seed(self._seed)
-        self._device = torch.device("cpu")  # a meta-device base must not put the adapter on meta
         self._device.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
