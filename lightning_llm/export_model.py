@@ -178,13 +178,14 @@ def rebuild_model(checkpoint: dict[str, Any], *, base: str | None = None) -> tup
     """
     from lightning_llm.models import ModelConfig
     from lightning_llm.peft import apply_peft
+    from lightning_llm.peft_prompt import PROMPT_METHODS
 
     hp = dict(checkpoint.get("hyper_parameters") or {})
     state = {k[len("model."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
     if not state:
         raise ValueError("the checkpoint holds no model weights (`model.*` entries of the task)")
     peft_cfg = _peft_config(checkpoint, hp)
-    prompt = peft_cfg is not None and peft_cfg.method == "prompt_tuning"
+    prompt = peft_cfg is not None and peft_cfg.method in PROMPT_METHODS
     plain = {_plain_name(k, prompt): v for k, v in state.items() if not _is_adapter_key(k, prompt)}
     stored = (checkpoint.get(CHECKPOINT_KEY) or {}).get("model_config")
     if stored:
@@ -221,15 +222,15 @@ def _name_labels(model: nn.Module, label_names: list[str] | None) -> None:
 
 def base_model(model: nn.Module) -> nn.Module:
     """A plain copy of a PEFT model without its adapters: base-layer weights (not merged), the original modules of
-    ``modules_to_save`` and the frozen decoder of prompt tuning."""
+    ``modules_to_save`` and the frozen decoder of prompt tuning / P-tuning / prefix tuning."""
     import copy
 
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils import ModulesToSaveWrapper
 
-    from lightning_llm.peft import PromptTuningLM
+    from lightning_llm.peft_prompt import PromptLearningLM
 
-    plain = copy.deepcopy(model.base if isinstance(model, PromptTuningLM) else model)  # deepcopy keeps ties
+    plain = copy.deepcopy(model.base if isinstance(model, PromptLearningLM) else model)  # deepcopy keeps ties
     wrapped = [(n, m) for n, m in plain.named_modules() if isinstance(m, (BaseTunerLayer, ModulesToSaveWrapper))]
     for name, module in wrapped:
         parent = plain.get_submodule(name.rsplit(".", 1)[0]) if "." in name else plain

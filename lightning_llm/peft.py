@@ -2,8 +2,8 @@
 
 Injection methods (LoRA, IA3, LoHa, LoKr, ...) use ``peft.inject_adapter_in_model`` on our module tree in place, so
 module paths stay ours (``layers.0.self_attn.q_proj.base_layer``, ``...lora_A.default``) and parallel plans keyed by
-path still find their modules. Prompt tuning wraps the decoder in :class:`PromptTuningLM` with peft's
-``PromptEmbedding`` holding the virtual tokens.
+path still find their modules. Prompt-learning methods (prompt tuning, P-tuning, prefix tuning) wrap the decoder
+(:mod:`lightning_llm.peft_prompt`) with peft's own ``PromptEmbedding`` / ``PromptEncoder`` / ``PrefixEncoder``.
 
 Adapter export writes ``adapter_config.json`` + ``adapter_model.safetensors`` in peft's own layout with HF Llama
 module names (ours ``layers.N...`` / ``embed_tokens`` / ``norm`` -> ``model.layers.N...`` / ``model.embed_tokens`` /
@@ -29,14 +29,26 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_llm.peft_prompt import (
+    PROMPT_METHODS,
+    PrefixTuningLM,
+    PromptLearningLM,
+    PromptTuningLM,
+    PTuningLM,
+    build_prompt_model,
+    check_prompt_options,
+    prompt_table,
+)
+
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "LoraArgs", "PeftConfig", "PromptTuningLM", "apply_peft", "count_parameters", "enable_gradient_checkpointing",
+    "LoraArgs", "PTuningLM", "PeftConfig", "PrefixTuningLM", "PromptLearningLM", "PromptTuningLM", "apply_peft",
+    "count_parameters", "enable_gradient_checkpointing",
     "export_adapter", "hf_module_name", "load_adapter", "merge_main", "merge_peft", "peft_state_dict",
 ]
 
-PeftMethod = Literal["lora", "ia3", "loha", "lokr", "prompt_tuning"]
+PeftMethod = Literal["lora", "ia3", "loha", "lokr", "prompt_tuning", "p_tuning", "prefix_tuning"]
 _INJECTED = ("lora", "ia3", "loha", "lokr")
 
 
@@ -65,29 +77,40 @@ class LoraArgs:
 
 @dataclass
 class PeftConfig:
-    """Which PEFT method, and its settings. ``lora`` is read for ``method=lora``; ``num_virtual_tokens`` /
-    ``prompt_init`` for ``prompt_tuning``; ``options`` go verbatim to peft's config class for ia3 / loha / lokr."""
+    """Which PEFT method, and its settings. ``lora`` is read for ``method=lora``; ``num_virtual_tokens`` for the
+    prompt-learning methods, ``prompt_init`` for ``prompt_tuning``; ``options`` go verbatim to peft's config class
+    for ia3 / loha / lokr, ``p_tuning`` (``PromptEncoderConfig``: ``encoder_reparameterization_type`` MLP|LSTM,
+    ``encoder_hidden_size``, ``encoder_num_layers``, ``encoder_dropout``) and ``prefix_tuning``
+    (``PrefixTuningConfig``: ``prefix_projection``, ``encoder_hidden_size``)."""
 
     method: PeftMethod = "lora"
-    """``lora``, ``ia3``, ``loha``, ``lokr`` (injected into linear layers) or ``prompt_tuning`` (virtual tokens)."""
+    """``lora``, ``ia3``, ``loha``, ``lokr`` (injected into linear layers), ``prompt_tuning`` / ``p_tuning``
+    (virtual input tokens) or ``prefix_tuning`` (per-layer key/value prefixes)."""
     lora: LoraArgs = field(default_factory=LoraArgs)
     """LoRA settings (``method=lora``)."""
     num_virtual_tokens: int = 20
-    """Prompt tuning: learned tokens prepended to every sequence."""
+    """Prompt tuning, P-tuning, prefix tuning: learned tokens (or key/value prefixes) before every sequence."""
     prompt_init: Literal["random", "vocab"] = "vocab"
     """Prompt tuning: initialize virtual tokens randomly or from randomly sampled vocabulary embeddings."""
     options: dict[str, Any] = field(default_factory=dict)
-    """Extra keyword arguments of the peft config class (e.g. ``{target_modules: [...], r: 8}`` for loha)."""
+    """Extra keyword arguments of the peft config class (e.g. ``{target_modules: [...], r: 8}`` for loha,
+    ``{prefix_projection: true, encoder_hidden_size: 512}`` for prefix_tuning, ``{encoder_reparameterization_type:
+    LSTM}`` for p_tuning; sizes derived from the model, such as ``token_dim``, are refused)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.lora, dict):  # from YAML / a checkpoint
             self.lora = LoraArgs(**self.lora)
-        if self.method not in (*_INJECTED, "prompt_tuning"):
-            raise ValueError(f"peft.method={self.method!r}: choose one of {', '.join((*_INJECTED, 'prompt_tuning'))}")
+        if self.method not in (*_INJECTED, *PROMPT_METHODS):
+            raise ValueError(f"peft.method={self.method!r}: choose one of {', '.join((*_INJECTED, *PROMPT_METHODS))}")
         if self.method == "lora" and self.lora.r < 1:
             raise ValueError(f"lora.r must be >= 1, got {self.lora.r}")
-        if self.method == "prompt_tuning" and self.num_virtual_tokens < 1:
+        if self.method in PROMPT_METHODS and self.num_virtual_tokens < 1:
             raise ValueError(f"peft.num_virtual_tokens must be >= 1, got {self.num_virtual_tokens}")
+        if self.method in ("p_tuning", "prefix_tuning"):
+            check_prompt_options(self.method, self.options)
+        elif self.method == "prompt_tuning" and self.options:
+            raise ValueError(f"peft.options {sorted(self.options)}: prompt tuning takes num_virtual_tokens and "
+                             "prompt_init only")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -117,77 +140,15 @@ class PeftConfig:
 torch.serialization.add_safe_globals([LoraArgs, PeftConfig])
 
 
-# ---------------------------------------------------------------------------------------------------- prompt tuning
-
-
-class PromptTuningLM(nn.Module):
-    """A frozen decoder with ``num_virtual_tokens`` learned input embeddings prepended (peft ``PromptEmbedding``).
-
-    Same call protocol as :class:`~lightning_llm.models.DecoderLM` (so generation works unchanged); the logits of
-    the virtual positions are dropped, so outputs line up with ``input_ids``. Virtual tokens take positions
-    0..n-1 and real tokens are shifted by n, as HF prompt tuning does.
-    """
-
-    def __init__(self, base: nn.Module, num_virtual_tokens: int, *, init: str = "vocab") -> None:
-        super().__init__()
-        from peft import PromptTuningConfig
-        from peft.tuners.prompt_tuning import PromptEmbedding
-
-        self.base = base
-        self.num_virtual_tokens = num_virtual_tokens
-        for p in base.parameters():
-            p.requires_grad_(False)
-        embed = base.embed_tokens
-        cfg = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=num_virtual_tokens,
-                                 token_dim=embed.weight.shape[1], num_transformer_submodules=1,
-                                 prompt_tuning_init="SAMPLE_VOCAB" if init == "vocab" else "RANDOM")
-        self.prompt = PromptEmbedding(cfg, embed)  # .embedding: nn.Embedding [n, H]
-        self.register_buffer("prompt_ids", torch.arange(num_virtual_tokens), persistent=False)
-
-    @property
-    def config(self) -> Any:
-        return self.base.config
-
-    def forward(
-        self,
-        input_ids: Tensor | None = None,  # [B, S]
-        *,
-        attention_mask: Tensor | None = None,  # [B, T] real tokens only (T = past real + S)
-        position_ids: Tensor | None = None,  # [B, S] positions of real tokens (without the virtual offset)
-        inputs_embeds: Tensor | None = None,
-        kv_cache: Any = None,
-    ) -> Tensor:  # logits [B, S, V]
-        n = self.num_virtual_tokens
-        x = self.base.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [B, S, H]
-        b, s = x.shape[0], x.shape[1]
-        first = kv_cache is None or kv_cache.seq_len == 0
-        past_real = 0 if first else kv_cache.seq_len - n
-        if attention_mask is None:
-            attention_mask = torch.ones(b, past_real + s, dtype=torch.long, device=x.device)
-        if position_ids is None:
-            position_ids = torch.arange(past_real, past_real + s, device=x.device).unsqueeze(0).expand(b, s)
-        elif position_ids.dim() == 1:
-            position_ids = position_ids.unsqueeze(0).expand(b, s)
-        mask = torch.cat([attention_mask.new_ones(b, n), attention_mask], dim=1)  # [B, n + T]
-        pos = position_ids + n
-        if first:
-            virtual = self.prompt(self.prompt_ids).to(x.dtype).unsqueeze(0).expand(b, n, -1)  # [B, n, H]
-            x = torch.cat([virtual, x], dim=1)
-            pos = torch.cat([torch.arange(n, device=x.device).unsqueeze(0).expand(b, n), pos], dim=1)
-        logits = self.base(inputs_embeds=x, attention_mask=mask, position_ids=pos, kv_cache=kv_cache)
-        return logits[:, n:] if first else logits
-
-
 # ---------------------------------------------------------------------------------------------------- apply / count
 
 
 def apply_peft(model: nn.Module, cfg: PeftConfig) -> nn.Module:
     """Freeze ``model`` and add the trainable PEFT parameters; returns the model to train (same object for
-    injection methods, a :class:`PromptTuningLM` for prompt tuning)."""
-    if cfg.method == "prompt_tuning":
-        if getattr(model, "embed_tokens", None) is None:
-            raise ValueError("peft.method=prompt_tuning needs a decoder with embed_tokens")
-        return PromptTuningLM(model, cfg.num_virtual_tokens, init=cfg.prompt_init)
+    injection methods, a :class:`PromptLearningLM` wrapper for prompt tuning, P-tuning and prefix tuning)."""
+    if cfg.method in PROMPT_METHODS:
+        return build_prompt_model(model, cfg.method, cfg.num_virtual_tokens, options=cfg.options,
+                                  prompt_init=cfg.prompt_init)
     from peft import inject_adapter_in_model
 
     peft_cfg = cfg.peft_config()
@@ -204,7 +165,8 @@ def apply_peft(model: nn.Module, cfg: PeftConfig) -> nn.Module:
 
 def initialises_without_base(cfg: PeftConfig | None) -> bool:
     """Whether the method's trainable weights start without reading the base weights (so the base may be built on
-    the meta device): the injected adapters do; prompt tuning samples vocabulary embeddings."""
+    the meta device): the injected adapters do; prompt tuning samples vocabulary embeddings (P-tuning and prefix
+    tuning do not read the base, but their wrappers are refused under sharded layouts: see ``DecoderTask``)."""
     return cfg is None or cfg.method in _INJECTED
 
 
@@ -295,6 +257,11 @@ def enable_gradient_checkpointing(model: nn.Module, *, use_reentrant: bool = Fal
 
         block.forward = forward  # type: ignore[method-assign]
         block._llm_checkpointed = True  # type: ignore[attr-defined]
+    if use_reentrant and isinstance(model, PrefixTuningLM):
+        # The prefix keys/values reach each block through the cache, not as checkpoint inputs: reentrant
+        # checkpointing would not carry their gradient back to the prefix encoder.
+        raise ValueError("peft.method=prefix_tuning with reentrant activation checkpointing "
+                         "(--model.checkpoint_reentrant=true) is not supported: use the non-reentrant variant")
     embed = next((m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] == "embed_tokens"), None)
     if use_reentrant and embed is not None and not getattr(embed, "_llm_input_grad_hook", False):
         embed.register_forward_hook(lambda _m, _i, out: out.requires_grad_(True) if not out.requires_grad else out)
@@ -310,6 +277,9 @@ def peft_state_dict(model: nn.Module, cfg: PeftConfig) -> dict[str, Tensor]:
     if cfg.method == "prompt_tuning":
         assert isinstance(model, PromptTuningLM)
         return {"prompt_embeddings": model.prompt.embedding.weight.detach().clone()}
+    if cfg.method in PROMPT_METHODS:  # peft saves the encoder's output (what inference_mode loads), not its weights
+        assert isinstance(model, (PTuningLM, PrefixTuningLM)), type(model).__name__
+        return {"prompt_embeddings": prompt_table(model)}
     from peft import get_peft_model_state_dict
 
     return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model, adapter_name="default").items()}
@@ -366,7 +336,7 @@ def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,
 
     from lightning_llm.export_files import staged_directory
 
-    base = model.base if isinstance(model, PromptTuningLM) else model
+    base = model.base if isinstance(model, PromptLearningLM) else model
     _check_llama_layout(base)
     state = peft_state_dict(model, cfg)
     if cfg.method == "prompt_tuning":
@@ -376,6 +346,12 @@ def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,
         peft_cfg = PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=cfg.num_virtual_tokens,
                                       token_dim=c.hidden_size, num_transformer_submodules=1,
                                       num_attention_heads=c.num_heads, num_layers=c.num_layers)
+        tensors = state
+    elif cfg.method in PROMPT_METHODS:
+        import copy
+
+        assert isinstance(model, (PTuningLM, PrefixTuningLM))
+        peft_cfg = copy.deepcopy(model.peft_config)
         tensors = state
     else:
         peft_cfg = cfg.peft_config()
@@ -398,7 +374,10 @@ def load_adapter(model: nn.Module, directory: str | Path) -> tuple[nn.Module, Pe
     directory = Path(directory)
     raw = json.loads((directory / "adapter_config.json").read_text())
     if raw.get("peft_type") != "LORA":
-        raise ValueError(f"--adapter={directory}: only LoRA adapters can be loaded/merged, got {raw.get('peft_type')}")
+        kind = raw.get("peft_type")
+        why = (" (a prompt-learning adapter holds no weights to merge: load it with peft.PeftModel.from_pretrained "
+               "on the HF base)") if kind in ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING") else ""
+        raise ValueError(f"--adapter={directory}: only LoRA adapters can be loaded/merged, got {kind}{why}")
     targets = raw["target_modules"]
     cfg = PeftConfig(method="lora", lora=LoraArgs(
         r=raw["r"], alpha=raw["lora_alpha"], dropout=raw.get("lora_dropout", 0.0),
@@ -431,8 +410,8 @@ def merge_peft(model: nn.Module) -> nn.Module:
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils import ModulesToSaveWrapper
 
-    if isinstance(model, PromptTuningLM):
-        raise ValueError("prompt tuning has no weights to merge: export the adapter with --adapter-only and keep it "
+    if isinstance(model, PromptLearningLM):
+        raise ValueError(f"{model.method} has no weights to merge: export the adapter with --adapter-only and keep it "
                          "beside the base model")
     # A base weight shared by several modules (the tied embedding under a LoRA'd lm_head) is copied before the merge
     # writes into it: merging in place would change the embedding too.

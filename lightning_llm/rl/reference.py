@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_llm.peft import PromptTuningLM
+from lightning_llm.peft_prompt import PromptLearningLM
 from lightning_llm.rl.core import logprobs_from_logits
 from lightning_llm.rl.policy import adapters_disabled, has_adapters
 
@@ -41,7 +41,7 @@ class ReferencePolicy(nn.Module):
     def for_policy(cls, policy: nn.Module) -> ReferencePolicy:
         """The reference of a freshly built ``policy``: shared weights when it has adapters (or is prompt-tuned),
         else a frozen copy (take it before activation checkpointing patches the blocks' ``forward``)."""
-        if isinstance(policy, PromptTuningLM) or has_adapters(policy):
+        if isinstance(policy, PromptLearningLM) or has_adapters(policy):
             return cls(None)
         return cls(copy.deepcopy(policy))
 
@@ -60,7 +60,7 @@ class ReferencePolicy(nn.Module):
         policy: ``policy`` itself, or the task's ``run_model`` under a pipeline)."""
         if self.frozen is not None:
             return self.frozen(*args, **kwargs)
-        if isinstance(policy, PromptTuningLM):
+        if isinstance(policy, PromptLearningLM):
             return policy.base(*args, **kwargs)
         if not has_adapters(policy):
             raise RuntimeError("no reference model: the policy has neither a frozen copy nor adapters to disable")

@@ -26,6 +26,7 @@ from lightning_llm.peft import (
     export_adapter,
     initialises_without_base,
 )
+from lightning_llm.peft_prompt import check_prompt_layout
 from lightning_llm.tasks.base import LLMTask, OptimConfig
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,8 @@ class DecoderTask(LLMTask):
             dropout: Override the backbone's dropout.
             model_overrides: Extra ModelConfig fields for a named size (e.g. ``{num_layers: 2}``).
             lora: LoRA settings (shorthand for ``peft: {method: lora, lora: ...}``).
-            peft: Any supported PEFT method (``lora``, ``ia3``, ``loha``, ``lokr``, ``prompt_tuning``).
+            peft: Any supported PEFT method (``lora``, ``ia3``, ``loha``, ``lokr``, ``prompt_tuning``, ``p_tuning``,
+                ``prefix_tuning``; the last two under data-parallel layouts only).
             gradient_checkpointing: Recompute block activations in backward.
             checkpoint_reentrant: Use torch's reentrant checkpointing (then embedding outputs are made to
                 require grad so frozen-embedding adapters still get gradients).
@@ -118,6 +120,8 @@ class DecoderTask(LLMTask):
     def build_policy(self) -> nn.Module:
         """The trained decoder: the backbone with the PEFT method applied (no activation checkpointing yet: a
         reference copy must be taken before :meth:`checkpointed` patches the blocks)."""
+        if self.peft_config is not None:
+            check_prompt_layout(self.peft_config.method, self.capabilities)  # before anything is built
         model = self.build_decoder()
         return apply_peft(model, self.peft_config) if self.peft_config is not None else model
 
