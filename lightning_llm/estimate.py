@@ -28,7 +28,7 @@ import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from lightning_llm.estimate_layout import layout_share, setup_peak_bytes
 
@@ -84,6 +84,8 @@ class Estimate:
     activations: int
     activations_per_sample: int
     host: int
+    loss: int = 0
+    """Transient bytes of the LM-head loss and its backward for one micro-batch (:func:`loss_peak_bytes`)."""
 
     @property
     def model_states(self) -> int:
@@ -91,15 +93,17 @@ class Estimate:
 
     @property
     def total(self) -> int:
-        return self.model_states + self.activations
+        return self.model_states + self.activations + self.loss
 
 
 def _act_bytes(precision: str) -> int:
     return 4 if precision == "32-true" else 2
 
 
-def activation_bytes_per_sample(config: Any, *, seq_len: int, precision: str) -> tuple[int, int]:
-    """(per transformer layer, whole model) activation bytes autograd keeps for one sample of ``seq_len`` tokens."""
+def activation_bytes_per_sample(config: Any, *, seq_len: int, precision: str, fused_loss: bool = False
+                                ) -> tuple[int, int]:
+    """(per transformer layer, whole model) activation bytes autograd keeps for one sample of ``seq_len`` tokens;
+    with ``fused_loss`` no logits are kept (:func:`loss_peak_bytes` counts what the loss needs instead)."""
     b = _act_bytes(precision)
     h, i = config.hidden_size, config.intermediate_size
     kv = config.num_kv_heads * config.head_dim
@@ -113,7 +117,7 @@ def activation_bytes_per_sample(config: Any, *, seq_len: int, precision: str) ->
     per_layer = per_token_layer * seq_len
     vocab = config.vocab_size
     # Embedding output, final norm (2H), logits in the compute dtype + their fp32 copy for the loss.
-    head = seq_len * (b * 3 * h + (b + 4) * vocab)
+    head = seq_len * (b * 3 * h + (0 if fused_loss else (b + 4) * vocab))
     return per_layer, per_layer * config.num_layers + head
 
 
@@ -137,20 +141,38 @@ def loss_peak_bytes(*, tokens: int, vocab: int, hidden: int, precision: str, fus
 
 
 def estimate(config: Any, *, numel: int, batch_size: int, seq_len: int, precision: str, devices: int, stage: int,
-             engine: str, offload_optimizer: bool = False, offload_params: bool = False) -> Estimate:
+             engine: str, offload_optimizer: bool = False, offload_params: bool = False, fused_loss: bool = False,
+             tp: int = 1) -> Estimate:
+    """Per-device memory; ``fused_loss``: the loss path the run takes (the fused LM-head loss keeps no logits)."""
     states = model_state_theory(numel=numel, stage=stage, dp=devices, precision=precision, engine=engine,
                                 offload_optimizer=offload_optimizer, offload_params=offload_params)
     full = model_state_theory(numel=numel, stage=stage, dp=devices, precision=precision, engine=engine)
     host = sum(full.values()) - sum(states.values())
-    _, per_sample = activation_bytes_per_sample(config, seq_len=seq_len, precision=precision)
+    _, per_sample = activation_bytes_per_sample(config, seq_len=seq_len, precision=precision, fused_loss=fused_loss)
+    loss = _loss_bytes(config, tokens=batch_size * seq_len, precision=precision, fused=fused_loss, tp=tp)
     return Estimate(numel=numel, activations=per_sample * batch_size, activations_per_sample=per_sample, host=host,
-                    **states)
+                    loss=loss, **states)
 
 
-def max_batch_size(est: Estimate, *, memory_bytes: float, reserve_bytes: float) -> int:
-    """Largest per-device batch whose model states + activations fit ``memory_bytes - reserve_bytes`` (0: none)."""
+def _loss_bytes(config: Any, *, tokens: int, precision: str, fused: bool, tp: int) -> int:
+    if getattr(config, "family", "decoder") != "decoder":
+        return 0  # classification heads: [B, num_labels] logits
+    return loss_peak_bytes(tokens=tokens, vocab=config.vocab_size, hidden=config.hidden_size, precision=precision,
+                           fused=fused, tp=tp)
+
+
+def max_batch_size(est: Estimate, *, memory_bytes: float, reserve_bytes: float,
+                   loss: Callable[[int], int] = lambda batch: 0) -> int:
+    """Largest per-device batch whose model states + activations + the loss's transient (``loss(batch)``, bytes)
+    fit ``memory_bytes - reserve_bytes`` (0: none)."""
     free = memory_bytes - reserve_bytes - est.model_states
-    return max(0, int(free // est.activations_per_sample)) if est.activations_per_sample else 0
+    if not est.activations_per_sample:
+        return 0
+    lo, hi = 0, max(0, int(free // est.activations_per_sample))  # the loss only adds: hi is an upper bound
+    while lo < hi:  # largest batch that fits (the need grows with the batch)
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if mid * est.activations_per_sample + loss(mid) <= free else (lo, mid - 1)
+    return lo
 
 
 def load_config(model: str, family: str) -> Any:
@@ -235,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
                         "--strategy=3d (0-3)")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="device memory for the max-batch search")
     parser.add_argument("--reserve-gib", type=float, default=1.0, help="memory kept aside (CUDA context, buffers)")
+    parser.add_argument("--fused-loss", choices=["on", "off"], default="on", help="the causal-LM loss path "
+                        "(--model.fused_loss): on computes it from the hidden states in chunks, without logits "
+                        "(tensor/pipeline layouts compute logits either way)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     a = parser.parse_args(argv)
     try:
@@ -253,23 +278,30 @@ def main(argv: list[str] | None = None) -> int:
         share = layout_share(config, tp=tp, pp=pp, dp=dp, zero3=sargs["stage"] == 3)
         # Model states follow what a rank holds after tp/pp (ZeRO then divides over dp).
         local = share.numel * dp if sargs["stage"] == 3 else share.numel
+        fused = a.fused_loss == "on" and tp == 1 and pp == 1
         est = estimate(config, numel=local, batch_size=a.batch_size, seq_len=seq, precision=a.precision,
-                       devices=dp, **sargs)
+                       devices=dp, fused_loss=fused, tp=tp, **sargs)
+        loss_paths = {k: _loss_bytes(config, tokens=a.batch_size * seq, precision=a.precision, fused=k == "fused",
+                                     tp=tp) for k in ("fused", "eager")}
         setup = setup_peak_bytes(share, param_bytes=_bytes_per_param(sargs["engine"], a.precision)[0],
                                  from_checkpoint=(a.init or ("checkpoint" if Path(a.model).expanduser().is_dir()
                                                            else "random")) == "checkpoint")
     except (ValueError, FileNotFoundError) as e:
         print(f"lightning_llm estimate: error: {e}", file=sys.stderr)
         return 2
-    fit = max_batch_size(est, memory_bytes=a.gpu_memory_gib * GIB, reserve_bytes=a.reserve_gib * GIB)
+    fit = max_batch_size(est, memory_bytes=a.gpu_memory_gib * GIB, reserve_bytes=a.reserve_gib * GIB,
+                         loss=lambda batch: _loss_bytes(config, tokens=batch * seq, precision=a.precision,
+                                                        fused=fused, tp=tp))
     report = {
         "model": a.model, "parameters": numel, "strategy": a.strategy, "stage": sargs["stage"],
         "engine": sargs["engine"], "precision": a.precision, "devices": a.devices, "tp": tp, "pp": pp, "dp": dp,
         "batch_size": a.batch_size, "setup_peak_bytes": setup,
         "seq_len": seq, "bytes": {"params": est.params, "grads": est.grads, "optim": est.optim,
-                                  "activations": est.activations, "model_states": est.model_states,
+                                  "activations": est.activations, "loss": est.loss,
+                                  "model_states": est.model_states,
                                   "total": est.total, "host_offloaded": est.host},
         "activations_per_sample": est.activations_per_sample, "gpu_memory_gib": a.gpu_memory_gib,
+        "fused_loss": fused, "loss_bytes": loss_paths,
         "max_batch_size": fit,
     }
     if a.json:
@@ -280,10 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"set-up peak (sharded construction, before the first step): {_gib(setup).strip()}")
     print("per-device memory:")
     for label, v in (("parameters", est.params), ("gradients", est.grads), ("optimizer states", est.optim),
-                     ("activations", est.activations), ("total", est.total)):
+                     ("activations", est.activations), ("loss + backward", est.loss), ("total", est.total)):
         print(f"  {label:18s}{_gib(v)}  ({v:,} B)")
     if est.host:
         print(f"  {'host (offloaded)':18s}{_gib(est.host)}")
+    print(f"  loss path: {'fused LM-head loss' if fused else 'full logits'} (fused {_gib(loss_paths['fused']).strip()}"
+          f", full logits {_gib(loss_paths['eager']).strip()})")
     verdict = "fits" if est.total + a.reserve_gib * GIB <= a.gpu_memory_gib * GIB else "does NOT fit"
     print(f"largest batch in {a.gpu_memory_gib:g} GiB (reserve {a.reserve_gib:g} GiB): {fit}  "
           f"(batch {a.batch_size} {verdict}; {_gib(est.activations_per_sample).strip()} activations per sample)")

@@ -50,12 +50,35 @@ def test_cli_json_split_and_largest_batch() -> None:
     r = json.loads(out)
     fit = r["max_batch_size"]
     room = 79 * 1024**3 - r["bytes"]["model_states"]
-    assert fit > 0 and fit * r["activations_per_sample"] <= room < (fit + 1) * r["activations_per_sample"]
+    from lightning_llm.estimate import load_config, loss_peak_bytes
+
+    cfg = load_config("small", "decoder")
+
+    def need(batch: int) -> int:  # activations + the fused loss's transient at that batch
+        return batch * r["activations_per_sample"] + loss_peak_bytes(
+            tokens=batch * 512, vocab=cfg.vocab_size, hidden=cfg.hidden_size, precision="bf16-mixed", fused=True)
+
+    assert r["fused_loss"] and fit > 0 and need(fit) <= room < need(fit + 1)
     # Higher stages never need more model-state memory.
     states = [json.loads(_run("--model=small", "--devices=8", f"--strategy={s}", "--json")[1])["bytes"]["model_states"]
               for s in ("ddp", "zero1", "zero2", "zero3")]
     print("small, 8 devices, bf16-mixed model states (ddp, zero1-3):", states)
     assert states == sorted(states, reverse=True) and states[0] > states[-1]
+
+
+def test_loss_term_with_and_without_the_fused_path() -> None:
+    """The fused path keeps no logits: fewer activation bytes and a smaller loss transient; with it off, the total
+    counts full logits; tensor parallelism computes logits either way (vocab-sharded)."""
+    args = ["--model=llama-1b", "--seq-len=2048", "--batch-size=4", "--strategy=zero3", "--devices=8", "--json"]
+    on = json.loads(_run(*args)[1])
+    off = json.loads(_run(*args, "--fused-loss=off")[1])
+    assert on["fused_loss"] and not off["fused_loss"]
+    assert on["loss_bytes"] == off["loss_bytes"] and on["loss_bytes"]["fused"] < on["loss_bytes"]["eager"]
+    assert on["bytes"]["loss"] == on["loss_bytes"]["fused"] and off["bytes"]["loss"] == off["loss_bytes"]["eager"]
+    assert on["activations_per_sample"] < off["activations_per_sample"]
+    assert on["bytes"]["total"] < off["bytes"]["total"]
+    tp = json.loads(_run("--model=llama-1b", "--seq-len=2048", "--strategy=tp", "--devices=2", "--json")[1])
+    assert not tp["fused_loss"]
 
 
 def test_cli_table_and_errors() -> None:
