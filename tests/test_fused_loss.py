@@ -190,3 +190,33 @@ def test_a_task_overriding_its_loss_hook_receives_logits(tmp_path: Path) -> None
     losses, _ = _fit(tmp_path, task_cls=SmoothedLM)
     assert shapes and set(shapes) == {3} and len(losses) == 4
     assert "overrides loss_from_output" in fused_loss_blocker(SmoothedLM("debug"))
+
+
+@pytest.mark.parametrize("reference", ["precomputed", "on_the_fly"])
+def test_dpo_with_the_fused_token_losses_equals_logits(tmp_path: Path, reference: str) -> None:
+    """DPO's sequence log-probs from the model's per-token cross-entropy (``reduction="none"``; the chunks are
+    recomputed in backward) against log-softmax of full logits: same losses and reward margins, step by step."""
+    import lightning.pytorch as pl
+
+    from lightning_llm.data import PreferenceDataModule
+    from lightning_llm.tasks import DPOTask
+    from lightning_llm.tasks.base import OptimConfig
+    from lightning_llm.tasks.dpo import DPOConfig
+    from lightning_llm.testing import LoggedLoss, table_trainer
+
+    def fit(fused: bool) -> list[float]:
+        pl.seed_everything(5)
+        task = DPOTask("debug", model_overrides={"num_layers": 2}, fused_loss=fused,
+                       dpo=DPOConfig(beta=0.5, reference=reference),
+                       optim=OptimConfig(lr=3e-3, scheduler="constant", weight_decay=0.0, eps=1e-3))
+        dm = PreferenceDataModule(generated_pairs=32, generated_val_pairs=0, cutoff_len=32, max_prompt_len=16,
+                                  batch_size=8)
+        rec = LoggedLoss()
+        table_trainer(tmp_path / str(fused), strategy="auto", devices=1, max_steps=4, callbacks=[rec]).fit(task, dm)
+        assert task.uses_fused_loss() is fused
+        return rec.losses
+
+    on, off = fit(True), fit(False)
+    err = max(abs(a - b) for a, b in zip(on, off))
+    print(f"DPO ({reference}) fused vs logits over 4 steps: max |loss err| {err:.2e}; losses {on}")
+    assert len(on) == 4 and on[0] - on[-1] > 0.01 and err <= TOL

@@ -76,11 +76,21 @@ class DPOTask(DecoderTask):
 
     @override
     def model_inputs(self, batch: dict[str, Tensor], stage: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return (batch["input_ids"],), {"attention_mask": batch.get("attention_mask")}
+        kwargs: dict[str, Any] = {"attention_mask": batch.get("attention_mask")}
+        if self.uses_fused_loss():  # the model returns per-token cross-entropy [2b, S] instead of logits
+            kwargs.update(labels=batch["labels"], reduction="none")
+        return (batch["input_ids"],), kwargs
+
+    def _sequence_logprobs(self, output: Tensor, labels: Tensor) -> tuple[Tensor, Tensor]:
+        """``(summed log-probs [2b], label tokens [2b])`` from the model's output: logits, or with the fused loss
+        the per-token cross-entropy (0 where the label is ignored), whose negation is the token log-prob."""
+        if self.uses_fused_loss():
+            return -output.float().sum(-1), (labels != -100).sum(-1).float()
+        return sequence_logprobs(output, labels)
 
     @override
     def loss_from_output(self, output: Any, batch: dict[str, Tensor], stage: str) -> tuple[Tensor, dict[str, Any]]:
-        logps, counts = sequence_logprobs(output, batch["labels"])  # [2b] each: rows interleave chosen/rejected
+        logps, counts = self._sequence_logprobs(output, batch["labels"])  # [2b] each: rows interleave chosen/rejected
         ref = batch["ref_logps"].to(logps)
         if self.dpo.loss_type == "ipo":  # IPO compares length-averaged log-probs
             logps, ref = logps / counts.clamp(min=1), ref / counts.clamp(min=1)
@@ -102,11 +112,11 @@ class DPOTask(DecoderTask):
         try:
             with torch.no_grad():
                 if self.reference is not None:
-                    logits = self.reference.run(self.policy, self.run_model, *args, **kwargs)
+                    output = self.reference.run(self.policy, self.run_model, *args, **kwargs)
                 else:  # precomputed for a full fine-tune: the policy itself, before any update
-                    logits = self.run_model(*args, **kwargs)
-                logits = logits.full_tensor() if hasattr(logits, "full_tensor") else logits
-                return sequence_logprobs(logits, batch["labels"])[0]
+                    output = self.run_model(*args, **kwargs)
+                output = output.full_tensor() if hasattr(output, "full_tensor") else output
+                return self._sequence_logprobs(output, batch["labels"])[0]
         finally:
             self.train(was_training)
 
