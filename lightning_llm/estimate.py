@@ -35,9 +35,9 @@ from lightning_llm.estimate_layout import layout_share, setup_peak_bytes
 log = logging.getLogger(__name__)
 
 GIB = 1024**3
-FUSED_CHUNK_FP32_COPIES = 5
-"""fp32 ``[chunk, V]`` buffers alive at once in the fused loss's torch path (logits/gradient, shifted logits, the
-exponentials, the scaled gradient and one temporary): measured by ``benchmarks/loss_memory.py``."""
+FUSED_CHUNK_FP32_COPIES = 2
+"""fp32 ``[chunk, V]`` buffers alive at once in the fused loss's torch path: the chunk's logits (overwritten by their
+gradient) and their shifted exponentials (``benchmarks/loss_memory.py``)."""
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
@@ -122,22 +122,23 @@ def activation_bytes_per_sample(config: Any, *, seq_len: int, precision: str, fu
 
 
 def loss_peak_bytes(*, tokens: int, vocab: int, hidden: int, precision: str, fused: bool, tp: int = 1) -> int:
-    """Transient memory of the LM-head loss and its backward for ``tokens`` tokens, above the hidden states and the
-    head's weight: with ``fused`` the gradients ``dW [V, H]`` (fp32) and ``dhidden [N, H]`` plus one token chunk's
-    fp32 work (:func:`~lightning_llm.kernels.cross_entropy.default_chunk_size`); without, the logits' chain
-    (``[N, V/tp]`` logits, their fp32 copy, log-softmax output and its two gradients) plus the weight gradient."""
+    """Peak transient memory of the LM-head loss and its backward for ``tokens`` tokens, above the hidden states, the
+    head's weight and its gradient buffer (as ``benchmarks/loss_memory.py`` measures it).
+
+    Full logits: the peak is in the backward of the log-softmax, where its fp32 output (saved), the NLL gradient and
+    the log-softmax gradient ``[N, V/tp]`` coexist (bf16 logits add their own copy and the gradient cast back); the
+    weight's and hidden states' gradients come after those are freed. Fused: ``dW [V, H]`` fp32 and ``dhidden
+    [N, H]`` are allocated in the forward and live until the backward, beside one token chunk's logits (which
+    become its gradient in place) and their shifted exponentials (:func:`~lightning_llm.kernels.cross_entropy.
+    default_chunk_size` tokens)."""
     from lightning_llm.kernels.cross_entropy import default_chunk_size
 
     b = _act_bytes(precision)
     v = -(-vocab // tp)
-    weight_grad, hidden_grad = 4 * v * hidden, b * tokens * hidden
     if fused:
         chunk = default_chunk_size(tokens, v, hidden)
-        return weight_grad + hidden_grad + FUSED_CHUNK_FP32_COPIES * 4 * chunk * v
-    # log-softmax output (fp32, saved), then in backward the NLL and log-softmax gradients (fp32) beside it; bf16
-    # logits add their own copy and the gradient cast back.
-    chain = 3 * 4 + (2 * b if b != 4 else 0)
-    return chain * tokens * v + weight_grad + hidden_grad
+        return 4 * v * hidden + b * tokens * hidden + FUSED_CHUNK_FP32_COPIES * 4 * chunk * v
+    return (3 * 4 + (2 * b if b != 4 else 0)) * tokens * v
 
 
 def estimate(config: Any, *, numel: int, batch_size: int, seq_len: int, precision: str, devices: int, stage: int,
