@@ -188,8 +188,18 @@ def _flce_chunks(hidden, weight, bias, target, ignore_index, ls, z, chunk, backe
             if dw is not None:
                 dw.addmm_(logits.t().to(dw.dtype), h.to(dw.dtype))
             if db is not None:
-                db.add_(logits.sum(0, dtype=torch.float32).to(db.dtype))
+                db.add_(logits.sum(0, dtype=torch.float32))
     return rows
+
+
+def _grad_buffers(h2, weight, bias, need):
+    """(dhidden in the hidden dtype, dW and db in fp32) as ``need`` asks: the head's gradients sum over every chunk,
+    and a bf16 running sum of 16 chunks would lose bits a single matmul (fp32 accumulation) keeps."""
+    return (
+        torch.empty_like(h2) if need[0] else None,
+        torch.zeros_like(weight, dtype=torch.float32) if need[1] else None,
+        torch.zeros_like(bias, dtype=torch.float32) if (bias is not None and need[3]) else None,
+    )
 
 
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
@@ -206,13 +216,9 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         if reduction == "none":  # per-row upstream grads are unknown yet: recompute in backward
             grads = (None, None, None)
         else:
-            grads = (
-                torch.empty_like(h2) if need[0] else None,
-                torch.zeros_like(weight) if need[1] else None,
-                torch.zeros_like(bias) if (bias is not None and need[3]) else None,
-            )
+            grads = _grad_buffers(h2, weight, bias, need)
         rows = _flce_chunks(h2, weight, bias, t, ignore_index, ls, z, chunk, backend, scale, grads)
-        ctx.args = (ignore_index, reduction, ls, z, chunk, backend, hidden.shape)
+        ctx.args = (ignore_index, reduction, ls, z, chunk, backend, hidden.shape, weight.dtype)
         if reduction == "none":
             ctx.save_for_backward(h2, weight, bias, t)
             return rows.view(target.shape).to(loss_dtype)
@@ -222,15 +228,11 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        ignore_index, reduction, ls, z, chunk, backend, shape = ctx.args
+        ignore_index, reduction, ls, z, chunk, backend, shape, wdtype = ctx.args
         need = ctx.needs_input_grad
         if reduction == "none":
             h2, weight, bias, t = ctx.saved_tensors
-            grads = (
-                torch.empty_like(h2) if need[0] else None,
-                torch.zeros_like(weight) if need[1] else None,
-                torch.zeros_like(bias) if (bias is not None and need[3]) else None,
-            )
+            grads = _grad_buffers(h2, weight, bias, need)
             _flce_chunks(h2, weight, bias, t, ignore_index, ls, z, chunk, backend,
                          grad_loss.reshape(-1).float().contiguous(), grads)
         else:
@@ -240,6 +242,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                 if g is not None:
                     g.mul_(grad_loss.to(g.dtype))
         dh, dw, db = grads
+        dw, db = (None if g is None else g.to(wdtype) for g in (dw, db))  # accumulated in fp32, rounded once
         return (None if dh is None else dh.view(shape)), dw, None, db, None, None, None, None, None, None, None, None
 
 
