@@ -358,13 +358,14 @@ def _check_llama_layout(model: nn.Module) -> None:
 
 
 def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,
-                   base_model_name_or_path: str | None = None) -> Path:
+                   base_model_name_or_path: str | None = None, tokenizer: str | Path | None = None) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (``modules_to_save`` weights included) loadable by
-    ``PeftModel.from_pretrained`` on the HF export of the base model. ``directory`` appears only once complete
-    (``export_files.staged_directory``); an existing adapter or model directory there is replaced."""
+    ``PeftModel.from_pretrained`` on the HF export of the base model, plus the files of ``tokenizer`` (a directory)
+    if given. ``directory`` appears only once complete (``export_files.staged_directory``); an existing adapter or
+    model directory there is replaced."""
     from safetensors.torch import save_file
 
-    from lightning_llm.export_files import staged_directory
+    from lightning_llm.export_files import staged_directory, write_tokenizer
 
     base = model.base if isinstance(model, PromptTuningLM) else model
     _check_llama_layout(base)
@@ -385,15 +386,20 @@ def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,
         peft_cfg.save_pretrained(str(tmp))
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"),
                   metadata={"format": "pt"})
+        if tokenizer is not None:  # a run with its own (e.g. extended) tokenizer: merge and PeftModel users need it
+            write_tokenizer(Path(tokenizer), tmp)
     log.info("adapter (%d tensors) written to %s", len(tensors), directory)
     return Path(directory)
 
 
 def load_adapter(model: nn.Module, directory: str | Path) -> tuple[nn.Module, PeftConfig]:
     """Inject an exported LoRA adapter (:func:`export_adapter` or any peft LoRA adapter of a Llama model) into our
-    decoder and load its weights. Returns the model and the equivalent :class:`PeftConfig`."""
+    decoder and load its weights (the base grown first to an extended vocabulary its ``modules_to_save`` hold).
+    Returns the model and the equivalent :class:`PeftConfig`."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
+
+    from lightning_llm.vocab import grow_base, trained_vocab_size
 
     directory = Path(directory)
     raw = json.loads((directory / "adapter_config.json").read_text())
@@ -405,8 +411,9 @@ def load_adapter(model: nn.Module, directory: str | Path) -> tuple[nn.Module, Pe
         target_modules=sorted(targets) if isinstance(targets, list) else [targets],
         modules_to_save=raw.get("modules_to_save"), bias=raw.get("bias", "none"),
         use_rslora=raw.get("use_rslora", False)))
-    model = apply_peft(model, cfg)
     tensors = load_file(str(directory / "adapter_model.safetensors"))
+    grow_base(model, trained_vocab_size(tensors), cfg, where=f"--adapter={directory}")
+    model = apply_peft(model, cfg)
     prefix = "base_model.model."
     ours = {_our_module_name(k.removeprefix(prefix)): v for k, v in tensors.items()}
     result = set_peft_model_state_dict(model, ours, adapter_name="default")
@@ -497,12 +504,18 @@ def _merge(base: str, *, adapter: str | None, ckpt: str | None, output: str) -> 
         write_model_directory,
     )
     from lightning_llm.models import load_hf
+    from lightning_llm.vocab import grow_base, trained_vocab_size
 
     if not Path(base).is_dir():
         raise FileNotFoundError(f"--base={base}: no such directory")
     model, _ = load_hf(base, family="decoder")
     if adapter:
+        base_vocab = int(model.config.vocab_size)
         model, _ = load_adapter(model, adapter)
+        if model.config.vocab_size > base_vocab and not has_tokenizer(Path(adapter)):
+            raise ValueError(f"--adapter={adapter}: trained with an extended vocabulary ({model.config.vocab_size} > "
+                             f"{base_vocab} ids of --base) but holds no tokenizer files: copy the run's tokenizer "
+                             "into it (the base's tokenizer does not cover the new ids)")
         # The tokenizer: the adapter's own copy if it has one (an export of a run with its own tokenizer), else the
         # base's.
         tok = next((Path(d).resolve() for d in (adapter, base) if has_tokenizer(Path(d))), None)
@@ -513,8 +526,10 @@ def _merge(base: str, *, adapter: str | None, ckpt: str | None, output: str) -> 
         checkpoint = read_checkpoint(ckpt)
         if not checkpoint.get("peft"):
             raise ValueError(f"--ckpt={ckpt}: not a checkpoint of a PEFT run (no 'peft' entry)")
-        model = apply_peft(model, PeftConfig(**checkpoint["peft"]))
         state = {k[len("model."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
+        peft_cfg = PeftConfig(**checkpoint["peft"])
+        grow_base(model, trained_vocab_size(state), peft_cfg, where=f"--ckpt={ckpt}")
+        model = apply_peft(model, peft_cfg)
         names = set(model.state_dict())
         missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in state]
         unexpected = sorted(set(state) - names)

@@ -346,6 +346,7 @@ def test_cli_lora_target_w_pack_trains_and_merges(tmp_path: Path, caplog: pytest
     assert main([
         "fit", "--model=lightning_llm.tasks.CausalLMTask", f"--model.backbone={src}", "--model.lora.r=4",
         "--model.lora.dropout=0.0", "--model.lora.target_modules=[W_pack]", "--data=lightning_llm.data.TextDataModule",
+        "--data.tokenizer_dir=byte",  # the checkpoint has no tokenizer files: byte ids on purpose
         "--data.generated_docs=40", "--data.block_size=32", "--data.batch_size=4", f"--data.cache_dir={tmp_path / 'c'}",
         "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.max_steps=2", "--trainer.logger=false",
         "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={tmp_path}",
