@@ -358,10 +358,11 @@ def _check_llama_layout(model: nn.Module) -> None:
 
 
 def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,
-                   base_model_name_or_path: str | None = None, tokenizer: str | Path | None = None) -> Path:
+                   base_model_name_or_path: str | None = None, tokenizer: str | Path | None = None,
+                   state: dict[str, Tensor] | None = None) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (``modules_to_save`` weights included) loadable by
     ``PeftModel.from_pretrained`` on the HF export of the base model, plus the files of ``tokenizer`` (a directory)
-    if given. ``directory`` appears only once complete (``export_files.staged_directory``); an existing adapter or
+    if given. ``state``: :func:`peft_state_dict` of ``model`` already gathered to full tensors (sharded layouts). ``directory`` appears only once complete (``export_files.staged_directory``); an existing adapter or
     model directory there is replaced."""
     from safetensors.torch import save_file
 
@@ -369,7 +370,7 @@ def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,
 
     base = model.base if isinstance(model, PromptTuningLM) else model
     _check_llama_layout(base)
-    state = peft_state_dict(model, cfg)
+    state = peft_state_dict(model, cfg) if state is None else state
     if cfg.method == "prompt_tuning":
         from peft import PromptTuningConfig
 

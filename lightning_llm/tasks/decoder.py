@@ -26,6 +26,7 @@ from lightning_llm.peft import (
     enable_gradient_checkpointing,
     export_adapter,
     initialises_without_base,
+    peft_state_dict,
 )
 from lightning_llm.tasks.base import LLMTask, OptimConfig
 from lightning_llm.vocab import added_rows, check_new_rows_trained
@@ -158,12 +159,25 @@ class DecoderTask(LLMTask):
             return
         # trainer.log_dir is a collective (broadcast): evaluate it on every rank, then write on rank 0 only.
         directory = self.adapter_dir or (Path(self.trainer.log_dir or self.trainer.default_root_dir) / "adapter")
+        if self.capabilities.pipelined:  # each rank holds its stages' adapters only
+            if self.trainer.global_rank == 0:
+                log.warning("adapter not exported at the end of fit under pipeline parallelism: export it from the "
+                            "checkpoint with `lightning_llm export CKPT --to DIR --adapter-only`")
+            return
+        state = _full_tensors(peft_state_dict(self.policy, self.peft_config))  # a collective under tp / ZeRO-3
         if self.trainer.global_rank != 0:
             return
         try:
             backbone = self.backbone if Path(self.backbone).is_dir() else None
             tokenizer = _tokenizer_source(self.trainer.datamodule)
             export_adapter(self.policy, self.peft_config, directory, base_model_name_or_path=backbone,
-                           tokenizer=tokenizer if tokenizer not in (None, "byte") else None)
+                           tokenizer=tokenizer if tokenizer not in (None, "byte") else None, state=state)
         except ValueError as e:  # e.g. a GPT-2 layout: no HF-named adapter; the checkpoint still has the weights
             log.warning("adapter not exported: %s", e)
+
+
+def _full_tensors(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with every DTensor (a tensor-parallel or ZeRO-3 shard) gathered to its full value, on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
