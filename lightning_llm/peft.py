@@ -326,15 +326,22 @@ def hf_module_name(name: str) -> str:
 
 
 def _our_module_name(hf_name: str) -> str:
-    """Inverse of :func:`hf_module_name`. Refuses Baichuan ``W_pack`` LoRA ``lora_B`` tensors: their rows are in the
-    checkpoint's ``[q; k; v]`` order, ours head-interleaved (``models.hf_decoders.adapter_tensor_from_hf`` permutes
-    them; ``load_adapter`` does not call it yet), so loading them by name alone would be silently wrong."""
-    atoms = hf_name.split(".")
-    if "W_pack" in atoms and "lora_B" in atoms[atoms.index("W_pack"):]:
-        raise ValueError(f"adapter tensor {hf_name}: a LoRA on Baichuan's fused W_pack (lora.target_modules=[W_pack]) "
-                         "cannot be loaded from a peft adapter yet (its lora_B rows need re-ordering); merge it into "
-                         "the HF weights instead, or train it here and use `lightning_llm merge --ckpt`")
+    """Inverse of :func:`hf_module_name`."""
     return hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+
+
+def _wpack_rows(config: Any, state: dict[str, Tensor], *, to_hf: bool, where: str) -> dict[str, Tensor]:
+    """Adapter tensors (our names) with Baichuan's ``W_pack`` rows converted between our head-interleaved order and
+    the checkpoint's ``[q; k; v]`` (a LoRA's ``lora_B``: ``models.hf_decoders.adapter_tensor_to_hf``); any other
+    tensor on ``W_pack`` (another method's, a ``modules_to_save`` copy) is refused rather than written unpermuted."""
+    from lightning_llm.models.hf_decoders import adapter_tensor_from_hf, adapter_tensor_to_hf
+
+    odd = [k for k in state if "W_pack" in k.split(".") and not {"lora_A", "lora_B"} & set(k.split("."))]
+    if odd and getattr(config, "qkv_packed", False):
+        raise ValueError(f"{where}: {odd[0]} is on Baichuan's fused W_pack but not a LoRA lora_A/lora_B tensor: only "
+                         "LoRA on W_pack is converted to Baichuan's row order; merge with `lightning_llm merge --ckpt`")
+    convert = adapter_tensor_to_hf if to_hf else adapter_tensor_from_hf
+    return {k: convert(config, k, v) for k, v in state.items()}
 
 
 def _check_llama_layout(model: nn.Module) -> None:
@@ -343,13 +350,6 @@ def _check_llama_layout(model: nn.Module) -> None:
         raise ValueError("adapter export supports LLaMA-layout decoders (rope + rmsnorm: llama, qwen2, qwen3, mistral, "
                          "baichuan); GPT-2 modules differ in HF (fused c_attn), so merge with `lightning_llm merge` "
                          "instead")
-    packed = [n for n, m in model.named_modules() if n.rsplit(".", 1)[-1] == "W_pack" and hasattr(m, "lora_B")]
-    if packed:
-        # Our W_pack rows are head-interleaved (layers.Attention): lora_B would need the permutation of
-        # models.hf_decoders.adapter_tensor_to_hf, which export_adapter does not apply yet. Refuse, never write it wrong.
-        raise ValueError(f"adapter export of a LoRA on Baichuan's fused W_pack (lora.target_modules=[W_pack], e.g. "
-                         f"{packed[0]}) is not supported yet: merge it with `lightning_llm merge --ckpt` (merged "
-                         f"weights are saved in Baichuan's row order)")
     if config.norm_head and any(n.rsplit(".", 1)[-1] == "lm_head" and hasattr(m, "lora_B")
                                 for n, m in model.named_modules()):
         # Baichuan2's NormHead is no nn.Linear in its HF code: peft cannot attach this adapter there.
@@ -362,8 +362,9 @@ def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,
                    state: dict[str, Tensor] | None = None) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (``modules_to_save`` weights included) loadable by
     ``PeftModel.from_pretrained`` on the HF export of the base model, plus the files of ``tokenizer`` (a directory)
-    if given. ``state``: :func:`peft_state_dict` of ``model`` already gathered to full tensors (sharded layouts). ``directory`` appears only once complete (``export_files.staged_directory``); an existing adapter or
-    model directory there is replaced."""
+    if given. ``state``: :func:`peft_state_dict` of ``model`` already gathered to full tensors (sharded layouts).
+    ``directory`` appears only once complete (``export_files.staged_directory``); an existing adapter or model
+    directory there is replaced. A LoRA on Baichuan's ``W_pack`` is written in the checkpoint's row order."""
     from safetensors.torch import save_file
 
     from lightning_llm.export_files import staged_directory, write_tokenizer
@@ -381,6 +382,8 @@ def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,
         tensors = state
     else:
         peft_cfg = cfg.peft_config()
+        # Baichuan's W_pack: lora_B rows back to the checkpoint's [q; k; v] order (ours are head-interleaved)
+        state = _wpack_rows(base.config, state, to_hf=True, where="adapter export")
         tensors = {"base_model.model." + hf_module_name(k): v for k, v in state.items()}
     peft_cfg.base_model_name_or_path = base_model_name_or_path
     with staged_directory(directory, flag="adapter directory") as tmp:
@@ -416,7 +419,8 @@ def load_adapter(model: nn.Module, directory: str | Path) -> tuple[nn.Module, Pe
     grow_base(model, trained_vocab_size(tensors), cfg, where=f"--adapter={directory}")
     model = apply_peft(model, cfg)
     prefix = "base_model.model."
-    ours = {_our_module_name(k.removeprefix(prefix)): v for k, v in tensors.items()}
+    ours = _wpack_rows(model.config, {_our_module_name(k.removeprefix(prefix)): v for k, v in tensors.items()},
+                       to_hf=False, where=f"--adapter={directory}")
     result = set_peft_model_state_dict(model, ours, adapter_name="default")
     unexpected = getattr(result, "unexpected_keys", [])
     # Adapter weights the file lacks would stay at their initialisation (a LoRA at zero, a module_to_save at the
