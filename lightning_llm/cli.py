@@ -27,7 +27,7 @@ log = logging.getLogger("lightning_llm")
 
 # Tool subcommands outside Lightning's four; each maps to "module:function(argv) -> int".
 TOOLS: dict[str, str] = {
-    "merge": "lightning_llm.peft:merge_main",  # fold a PEFT adapter into full HF weights
+    "merge": "lightning_llm.merge:main",  # fold a PEFT adapter into full HF weights
     "estimate": "lightning_llm.estimate:main",
     "plot": "lightning_llm.plot:main",  # loss / throughput curves of a CSVLogger run to a PNG
     "export": "lightning_llm.export:main",  # any checkpoint layout -> Hugging Face directory (LoRA merged/adapter)
