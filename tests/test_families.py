@@ -459,7 +459,7 @@ def _edit_config(d: Path, **changes: Any) -> Path:
 def test_unsupported_configs_are_refused_by_name(tmp_path: Path) -> None:
     from lightning_llm.models import build_model
     from lightning_llm.models.hf import config_from_hf
-    from lightning_llm.peft import LoraArgs, PeftConfig, apply_peft, export_adapter, load_adapter
+    from lightning_llm.peft import LoraArgs, PeftConfig, apply_peft, export_adapter
 
     d = write_baichuan(tmp_path / "b")
     with pytest.raises(ValueError, match="13B layout"):
@@ -478,21 +478,10 @@ def test_unsupported_configs_are_refused_by_name(tmp_path: Path) -> None:
     mixed = build_model("debug-mistral", family="decoder", layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2)
     with pytest.raises(ValueError, match="not representable as MistralForCausalLM.*sliding_layers"):
         save_hf(mixed, tmp_path / "x")
-    # LoRA on W_pack: no peft-format export / load until lora_B rows are permuted there (merge works, above)
-    packed = apply_peft(build_model("debug-baichuan2", family="decoder"),
-                        PeftConfig(lora=LoraArgs(target_modules=["W_pack"])))
-    with pytest.raises(ValueError, match=r"lora.target_modules=\[W_pack\]"):
-        export_adapter(packed, PeftConfig(lora=LoraArgs(target_modules=["W_pack"])), tmp_path / "never")
-    import peft
-    from safetensors.torch import save_file
-
-    (tmp_path / "a").mkdir()
-    peft.LoraConfig(r=8, target_modules=["W_pack"], task_type="CAUSAL_LM").save_pretrained(str(tmp_path / "a"))
-    save_file({"base_model.model.model.layers.0.self_attn.W_pack.lora_B.weight": torch.zeros(192, 8),
-               "base_model.model.model.layers.0.self_attn.W_pack.lora_A.weight": torch.zeros(8, 64)},
-              str(tmp_path / "a" / "adapter_model.safetensors"))
-    with pytest.raises(ValueError, match="W_pack"):
-        load_adapter(build_model("debug-baichuan2", family="decoder"), tmp_path / "a")
+    # an adapter tensor on W_pack other than LoRA's lora_A / lora_B (IA3's row scales) is not converted: refused
+    ia3 = PeftConfig(method="ia3", options={"target_modules": ["W_pack"]})
+    with pytest.raises(ValueError, match="W_pack but not a LoRA"):
+        export_adapter(apply_peft(build_model("debug-baichuan2", family="decoder"), ia3), ia3, tmp_path / "never")
     head = apply_peft(build_model("debug-baichuan2", family="decoder"),
                       PeftConfig(lora=LoraArgs(target_modules=["lm_head"])))
     with pytest.raises(ValueError, match="NormHead"):
