@@ -67,21 +67,6 @@ class LLMCLI(LightningCLI):
                 cfg["trainer.strategy"] = Namespace(class_path=strategy, init_args=Namespace())
         _default_tokenizer(cfg)
 
-
-def _default_tokenizer(cfg: Any) -> None:
-    """An HF ``--model.backbone`` directory's own tokenizer is the datamodule's default ``--data.tokenizer_dir``
-    (:func:`lightning_llm.vocab.default_tokenizer_dir`): set here, where the parsed model and data arguments meet
-    before either is built, so the saved config.yaml names it. Datamodules without ``tokenizer_dir`` are left alone."""
-    from lightning_llm.vocab import default_tokenizer_dir
-
-    model, data = cfg.get("model"), cfg.get("data")
-    model_args = getattr(model, "init_args", None)
-    data_args = getattr(data, "init_args", None)
-    if model_args is None or data_args is None or "tokenizer_dir" not in data_args:
-        return
-    backbone = model_args.get("backbone")
-    data_args["tokenizer_dir"] = default_tokenizer_dir(backbone, data_args.get("tokenizer_dir"))
-
     def _parse_ckpt_path(self) -> None:
         # LightningCLI torch.loads a --ckpt_path file here (for its hyperparameters), before anything else reads it:
         # a cut or corrupt file must fail here with one line naming it. (A private hook of LightningCLI; the test
@@ -96,6 +81,21 @@ def _default_tokenizer(cfg: Any) -> None:
         check_torch_file(ckpt_path, name=name)
         with loading(name):
             return super()._parse_ckpt_path()
+
+
+def _default_tokenizer(cfg: Any) -> None:
+    """An HF ``--model.backbone`` directory's own tokenizer is the datamodule's default ``--data.tokenizer_dir``
+    (:func:`lightning_llm.vocab.default_tokenizer_dir`): set here, where the parsed model and data arguments meet
+    before either is built, so the saved config.yaml names it. Datamodules without ``tokenizer_dir`` are left alone."""
+    from lightning_llm.vocab import default_tokenizer_dir
+
+    model, data = cfg.get("model"), cfg.get("data")
+    model_args = getattr(model, "init_args", None)
+    data_args = getattr(data, "init_args", None)
+    if model_args is None or data_args is None or "tokenizer_dir" not in data_args:
+        return
+    backbone = model_args.get("backbone")
+    data_args["tokenizer_dir"] = default_tokenizer_dir(backbone, data_args.get("tokenizer_dir"))
 
 
 def _has_omegaconf() -> bool:
