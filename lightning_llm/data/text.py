@@ -177,7 +177,8 @@ class TextDataModule(LLMDataModule):
         n_blocks = (len(tokens) - 1) // self.block_size
         n_val = int(round(n_blocks * self.val_fraction))
         if n_blocks - n_val < 1:
-            raise DataError(f"corpus has {len(tokens)} tokens: not enough for one block of block_size={self.block_size}")
+            raise DataError(f"corpus has {len(tokens)} tokens: not enough for one block of "
+                            f"block_size={self.block_size}")
         if self.val_fraction > 0 and n_val == 0:
             n_val = 1 if n_blocks > 1 else 0
         self.datasets["fit"] = BlockDataset(tokens, self.block_size, 0, n_blocks - n_val)
