@@ -12,6 +12,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule
@@ -26,7 +27,7 @@ log = logging.getLogger("lightning_llm")
 
 # Tool subcommands outside Lightning's four; each maps to "module:function(argv) -> int".
 TOOLS: dict[str, str] = {
-    "merge": "lightning_llm.peft:merge_main",  # fold a PEFT adapter into full HF weights
+    "merge": "lightning_llm.merge:main",  # fold a PEFT adapter into full HF weights
     "estimate": "lightning_llm.estimate:main",
     "plot": "lightning_llm.plot:main",  # loss / throughput curves of a CSVLogger run to a PNG
     "export": "lightning_llm.export:main",  # any checkpoint layout -> Hugging Face directory (LoRA merged/adapter)
@@ -64,6 +65,7 @@ class LLMCLI(LightningCLI):
                 from jsonargparse import Namespace
 
                 cfg["trainer.strategy"] = Namespace(class_path=strategy, init_args=Namespace())
+        _default_tokenizer(cfg)
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI torch.loads a --ckpt_path file here (for its hyperparameters), before anything else reads it:
@@ -79,6 +81,21 @@ class LLMCLI(LightningCLI):
         check_torch_file(ckpt_path, name=name)
         with loading(name):
             return super()._parse_ckpt_path()
+
+
+def _default_tokenizer(cfg: Any) -> None:
+    """An HF ``--model.backbone`` directory's own tokenizer is the datamodule's default ``--data.tokenizer_dir``
+    (:func:`lightning_llm.vocab.default_tokenizer_dir`): set here, where the parsed model and data arguments meet
+    before either is built, so the saved config.yaml names it. Datamodules without ``tokenizer_dir`` are left alone."""
+    from lightning_llm.vocab import default_tokenizer_dir
+
+    model, data = cfg.get("model"), cfg.get("data")
+    model_args = getattr(model, "init_args", None)
+    data_args = getattr(data, "init_args", None)
+    if model_args is None or data_args is None or "tokenizer_dir" not in data_args:
+        return
+    backbone = model_args.get("backbone")
+    data_args["tokenizer_dir"] = default_tokenizer_dir(backbone, data_args.get("tokenizer_dir"))
 
 
 def _has_omegaconf() -> bool:

@@ -92,6 +92,12 @@ def _base_weights(directory: str | None, config: Any, shapes: dict[str, torch.Si
                          "with the base weights the run started from")
     overrides = {"num_labels": config.num_labels, "pooler": config.pooler} if config.family == "encoder" else {}
     base, base_config = load_hf(directory, family=config.family, **overrides)
+    if peft and config.family == "decoder" and config.vocab_size > base_config.vocab_size:
+        # The run grew the vocabulary (--model.resize_embeddings): grow the frozen base the same way; its new rows
+        # are replaced by the adapter's modules_to_save, which the run had to train (vocab.check_new_rows_trained).
+        from lightning_llm.vocab import resize_embeddings
+
+        resize_embeddings(base, config.vocab_size)
     have = base.state_dict()
     diffs = [f"{f}: run={getattr(config, f)!r}, there={getattr(base_config, f)!r}" for f in _SHAPELESS_FIELDS
              if getattr(config, f) != getattr(base_config, f)]

@@ -10,13 +10,12 @@ module names (ours ``layers.N...`` / ``embed_tokens`` / ``norm`` -> ``model.laye
 ``model.norm``; ``lm_head`` unchanged), so ``peft.PeftModel.from_pretrained`` loads it on the ``save_hf`` export of
 the base model.
 
-``lightning_llm merge`` (:func:`merge_main`) folds an adapter (exported directory or a Lightning checkpoint of a
+``lightning_llm merge`` (:mod:`lightning_llm.merge`) folds an adapter (exported directory or a Lightning checkpoint of a
 PEFT run) into the base weights and writes a full HF checkpoint.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import functools
 import json
@@ -296,15 +295,22 @@ def hf_module_name(name: str) -> str:
 
 
 def _our_module_name(hf_name: str) -> str:
-    """Inverse of :func:`hf_module_name`. Refuses Baichuan ``W_pack`` LoRA ``lora_B`` tensors: their rows are in the
-    checkpoint's ``[q; k; v]`` order, ours head-interleaved (``models.hf_decoders.adapter_tensor_from_hf`` permutes
-    them; ``load_adapter`` does not call it yet), so loading them by name alone would be silently wrong."""
-    atoms = hf_name.split(".")
-    if "W_pack" in atoms and "lora_B" in atoms[atoms.index("W_pack"):]:
-        raise ValueError(f"adapter tensor {hf_name}: a LoRA on Baichuan's fused W_pack (lora.target_modules=[W_pack]) "
-                         "cannot be loaded from a peft adapter yet (its lora_B rows need re-ordering); merge it into "
-                         "the HF weights instead, or train it here and use `lightning_llm merge --ckpt`")
+    """Inverse of :func:`hf_module_name`."""
     return hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+
+
+def _wpack_rows(config: Any, state: dict[str, Tensor], *, to_hf: bool, where: str) -> dict[str, Tensor]:
+    """Adapter tensors (our names) with Baichuan's ``W_pack`` rows converted between our head-interleaved order and
+    the checkpoint's ``[q; k; v]`` (a LoRA's ``lora_B``: ``models.hf_decoders.adapter_tensor_to_hf``); any other
+    tensor on ``W_pack`` (another method's, a ``modules_to_save`` copy) is refused rather than written unpermuted."""
+    from lightning_llm.models.hf_decoders import adapter_tensor_from_hf, adapter_tensor_to_hf
+
+    odd = [k for k in state if "W_pack" in k.split(".") and not {"lora_A", "lora_B"} & set(k.split("."))]
+    if odd and getattr(config, "qkv_packed", False):
+        raise ValueError(f"{where}: {odd[0]} is on Baichuan's fused W_pack but not a LoRA lora_A/lora_B tensor: only "
+                         "LoRA on W_pack is converted to Baichuan's row order; merge with `lightning_llm merge --ckpt`")
+    convert = adapter_tensor_to_hf if to_hf else adapter_tensor_from_hf
+    return {k: convert(config, k, v) for k, v in state.items()}
 
 
 def _check_llama_layout(model: nn.Module) -> None:
@@ -313,13 +319,6 @@ def _check_llama_layout(model: nn.Module) -> None:
         raise ValueError("adapter export supports LLaMA-layout decoders (rope + rmsnorm: llama, qwen2, qwen3, mistral, "
                          "baichuan); GPT-2 modules differ in HF (fused c_attn), so merge with `lightning_llm merge` "
                          "instead")
-    packed = [n for n, m in model.named_modules() if n.rsplit(".", 1)[-1] == "W_pack" and hasattr(m, "lora_B")]
-    if packed:
-        # Our W_pack rows are head-interleaved (layers.Attention): lora_B would need the permutation of
-        # models.hf_decoders.adapter_tensor_to_hf, which export_adapter does not apply yet. Refuse, never write it wrong.
-        raise ValueError(f"adapter export of a LoRA on Baichuan's fused W_pack (lora.target_modules=[W_pack], e.g. "
-                         f"{packed[0]}) is not supported yet: merge it with `lightning_llm merge --ckpt` (merged "
-                         f"weights are saved in Baichuan's row order)")
     if config.norm_head and any(n.rsplit(".", 1)[-1] == "lm_head" and hasattr(m, "lora_B")
                                 for n, m in model.named_modules()):
         # Baichuan2's NormHead is no nn.Linear in its HF code: peft cannot attach this adapter there.
@@ -328,17 +327,20 @@ def _check_llama_layout(model: nn.Module) -> None:
 
 
 def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,
-                   base_model_name_or_path: str | None = None) -> Path:
+                   base_model_name_or_path: str | None = None, tokenizer: str | Path | None = None,
+                   state: dict[str, Tensor] | None = None) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (``modules_to_save`` weights included) loadable by
-    ``PeftModel.from_pretrained`` on the HF export of the base model. ``directory`` appears only once complete
-    (``export_files.staged_directory``); an existing adapter or model directory there is replaced."""
+    ``PeftModel.from_pretrained`` on the HF export of the base model, plus the files of ``tokenizer`` (a directory)
+    if given. ``state``: :func:`peft_state_dict` of ``model`` already gathered to full tensors (sharded layouts).
+    ``directory`` appears only once complete (``export_files.staged_directory``); an existing adapter or model
+    directory there is replaced. A LoRA on Baichuan's ``W_pack`` is written in the checkpoint's row order."""
     from safetensors.torch import save_file
 
-    from lightning_llm.export_files import staged_directory
+    from lightning_llm.export_files import staged_directory, write_tokenizer
 
     base = model.base if isinstance(model, PromptLearningLM) else model
     _check_llama_layout(base)
-    state = peft_state_dict(model, cfg)
+    state = peft_state_dict(model, cfg) if state is None else state
     if cfg.method == "prompt_tuning":
         from peft import PromptTuningConfig
 
@@ -355,21 +357,28 @@ def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,
         tensors = state
     else:
         peft_cfg = cfg.peft_config()
+        # Baichuan's W_pack: lora_B rows back to the checkpoint's [q; k; v] order (ours are head-interleaved)
+        state = _wpack_rows(base.config, state, to_hf=True, where="adapter export")
         tensors = {"base_model.model." + hf_module_name(k): v for k, v in state.items()}
     peft_cfg.base_model_name_or_path = base_model_name_or_path
     with staged_directory(directory, flag="adapter directory") as tmp:
         peft_cfg.save_pretrained(str(tmp))
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"),
                   metadata={"format": "pt"})
+        if tokenizer is not None:  # a run with its own (e.g. extended) tokenizer: merge and PeftModel users need it
+            write_tokenizer(Path(tokenizer), tmp)
     log.info("adapter (%d tensors) written to %s", len(tensors), directory)
     return Path(directory)
 
 
 def load_adapter(model: nn.Module, directory: str | Path) -> tuple[nn.Module, PeftConfig]:
     """Inject an exported LoRA adapter (:func:`export_adapter` or any peft LoRA adapter of a Llama model) into our
-    decoder and load its weights. Returns the model and the equivalent :class:`PeftConfig`."""
+    decoder and load its weights (the base grown first to an extended vocabulary its ``modules_to_save`` hold).
+    Returns the model and the equivalent :class:`PeftConfig`."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
+
+    from lightning_llm.vocab import grow_base, trained_vocab_size
 
     directory = Path(directory)
     raw = json.loads((directory / "adapter_config.json").read_text())
@@ -384,10 +393,12 @@ def load_adapter(model: nn.Module, directory: str | Path) -> tuple[nn.Module, Pe
         target_modules=sorted(targets) if isinstance(targets, list) else [targets],
         modules_to_save=raw.get("modules_to_save"), bias=raw.get("bias", "none"),
         use_rslora=raw.get("use_rslora", False)))
-    model = apply_peft(model, cfg)
     tensors = load_file(str(directory / "adapter_model.safetensors"))
+    grow_base(model, trained_vocab_size(tensors), cfg, where=f"--adapter={directory}")
+    model = apply_peft(model, cfg)
     prefix = "base_model.model."
-    ours = {_our_module_name(k.removeprefix(prefix)): v for k, v in tensors.items()}
+    ours = _wpack_rows(model.config, {_our_module_name(k.removeprefix(prefix)): v for k, v in tensors.items()},
+                       to_hf=False, where=f"--adapter={directory}")
     result = set_peft_model_state_dict(model, ours, adapter_name="default")
     unexpected = getattr(result, "unexpected_keys", [])
     # Adapter weights the file lacks would stay at their initialisation (a LoRA at zero, a module_to_save at the
@@ -449,61 +460,7 @@ def merge_peft(model: nn.Module) -> nn.Module:
 
 
 def merge_main(argv: list[str]) -> int:
-    """``lightning_llm merge --base HF_DIR (--adapter DIR | --ckpt CKPT) --output DIR``: write merged full weights
-    (with the tokenizer and generation config; the output appears only once complete)."""
-    parser = argparse.ArgumentParser(prog="lightning_llm merge", description=merge_main.__doc__)
-    parser.add_argument("--base", required=True, help="HF checkpoint directory of the base model")
-    src = parser.add_mutually_exclusive_group(required=True)
-    src.add_argument("--adapter", help="adapter directory (adapter_config.json + adapter_model.safetensors)")
-    src.add_argument("--ckpt", help="checkpoint of a PEFT run (file or directory, any layout `export` reads)")
-    parser.add_argument("--output", required=True, help="directory for the merged HF checkpoint")
-    args = parser.parse_args(argv)
-    try:
-        _merge(args.base, adapter=args.adapter, ckpt=args.ckpt, output=args.output)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"lightning_llm merge: error: {e}")
-        return 2
-    print(f"merged weights written to {args.output}")
-    return 0
+    """``lightning_llm merge``: :func:`lightning_llm.merge.main` (kept here for existing imports)."""
+    from lightning_llm.merge import main
 
-
-def _merge(base: str, *, adapter: str | None, ckpt: str | None, output: str) -> None:
-    from lightning_llm.export import export_sources, read_checkpoint
-    from lightning_llm.export_files import (
-        ExportSources,
-        has_tokenizer,
-        staged_directory,
-        write_model_directory,
-    )
-    from lightning_llm.models import load_hf
-
-    if not Path(base).is_dir():
-        raise FileNotFoundError(f"--base={base}: no such directory")
-    model, _ = load_hf(base, family="decoder")
-    if adapter:
-        model, _ = load_adapter(model, adapter)
-        # The tokenizer: the adapter's own copy if it has one (an export of a run with its own tokenizer), else the
-        # base's.
-        tok = next((Path(d).resolve() for d in (adapter, base) if has_tokenizer(Path(d))), None)
-        sources = ExportSources(tokenizer=tok, backbone_dir=Path(base).resolve(),
-                                no_tokenizer_reason=f"neither --adapter nor --base={base} holds tokenizer files")
-    else:
-        assert ckpt is not None
-        checkpoint = read_checkpoint(ckpt)
-        if not checkpoint.get("peft"):
-            raise ValueError(f"--ckpt={ckpt}: not a checkpoint of a PEFT run (no 'peft' entry)")
-        model = apply_peft(model, PeftConfig(**checkpoint["peft"]))
-        state = {k[len("model."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
-        names = set(model.state_dict())
-        missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in state]
-        unexpected = sorted(set(state) - names)
-        if missing or unexpected:
-            raise ValueError(f"--ckpt={ckpt}: does not match --base with its PEFT settings: adapter weights missing "
-                             f"{missing[:3]}, unexpected {unexpected[:3]}")
-        model.load_state_dict(state, strict=False)
-        sources = export_sources(checkpoint, base=base)
-    merged = merge_peft(model)
-    with staged_directory(output, flag="--output") as tmp:
-        write_model_directory(merged, tmp, sources)
-    if sources.tokenizer is None:
-        log.warning("%s: no tokenizer written: %s", output, sources.no_tokenizer_reason)
+    return main(argv)

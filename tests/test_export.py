@@ -25,7 +25,8 @@ def _fit(out: Path, task: Any, steps: int = 2) -> Path:
 
     from lightning_llm.data import TextDataModule
 
-    dm = TextDataModule(block_size=32, batch_size=4, cache_dir=str(out / "cache"), generated_docs=100)
+    dm = TextDataModule(tokenizer_dir="byte", block_size=32, batch_size=4, cache_dir=str(out / "cache"),
+                        generated_docs=100)
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                          num_sanity_val_steps=0, default_root_dir=str(out))

@@ -323,6 +323,35 @@ def test_lora_on_w_pack_equals_peft_on_the_fused_linear(tmp_path: Path) -> None:
     assert err2 <= TOL
 
 
+def test_w_pack_adapter_export_loads_in_peft_on_the_fused_reference(tmp_path: Path) -> None:
+    """``export_adapter`` of a LoRA on ``W_pack`` writes lora_B in Baichuan's ``[q; k; v]`` rows: peft's own
+    ``PeftModel.from_pretrained`` on the HF-style model (a real fused ``W_pack`` Linear) gives our adapted logits, and
+    ``load_adapter`` reads it back into ours (head-interleaved again)."""
+    import peft
+
+    from lightning_llm.peft import LoraArgs, PeftConfig, apply_peft, export_adapter, load_adapter
+
+    src = write_baichuan(tmp_path / "src")
+    cfg = PeftConfig(method="lora", lora=LoraArgs(r=4, alpha=8.0, dropout=0.0, target_modules=["W_pack"]))
+    ours = apply_peft(load_hf(src)[0], cfg).eval()
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    export_adapter(ours, cfg, tmp_path / "adapter")
+    ref = peft.PeftModel.from_pretrained(fused_reference(src), str(tmp_path / "adapter")).eval()
+    batch = _batch()
+    got = _logits(ours, batch, hf=False)
+    err = _err(_logits(ref, batch, hf=True), got, batch["attention_mask"])
+    moved = _err(_logits(baichuan_reference(src), batch, hf=True), got, batch["attention_mask"])
+    back, _ = load_adapter(load_hf(src)[0], tmp_path / "adapter")
+    err_back = _err(got, _logits(back.eval(), batch, hf=False), batch["attention_mask"])
+    print(f"baichuan2 W_pack adapter export -> peft PeftModel on the fused reference: max_abs_err={err:.2e} "
+          f"(adapter moves logits by {moved:.2e}); load_adapter back: {err_back:.2e}")
+    assert moved > 1e-2 and err <= TOL and err_back <= TOL
+
+
 def test_w_pack_rows_are_head_interleaved() -> None:
     n, d, h = 4, 3, 5
     hf = torch.arange(3 * n * d * h, dtype=torch.float32).view(3 * n * d, h)  # rows [q; k; v]
@@ -336,9 +365,9 @@ def test_w_pack_rows_are_head_interleaved() -> None:
 
 
 def test_cli_lora_target_w_pack_trains_and_merges(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """``--model.lora.target_modules=[W_pack]`` on a Baichuan2 checkpoint: trains, refuses the peft-format export in
-    one warning (lora_B row order, see peft._check_llama_layout), and ``lightning_llm merge --ckpt`` writes merged
-    Baichuan weights equal to base + adapter."""
+    """``--model.lora.target_modules=[W_pack]`` on a Baichuan2 checkpoint: trains, exports the peft-format adapter at
+    the end of ``fit`` (lora_B in Baichuan's row order), and ``lightning_llm merge --ckpt`` / ``--adapter`` write
+    merged Baichuan weights equal to base + adapter."""
     from lightning_llm.cli import main
     from lightning_llm.peft import LoraArgs, PeftConfig, apply_peft, merge_main
 
@@ -346,11 +375,12 @@ def test_cli_lora_target_w_pack_trains_and_merges(tmp_path: Path, caplog: pytest
     assert main([
         "fit", "--model=lightning_llm.tasks.CausalLMTask", f"--model.backbone={src}", "--model.lora.r=4",
         "--model.lora.dropout=0.0", "--model.lora.target_modules=[W_pack]", "--data=lightning_llm.data.TextDataModule",
+        "--data.tokenizer_dir=byte",  # the checkpoint has no tokenizer files: byte ids on purpose
         "--data.generated_docs=40", "--data.block_size=32", "--data.batch_size=4", f"--data.cache_dir={tmp_path / 'c'}",
         "--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.max_steps=2", "--trainer.logger=false",
         "--trainer.enable_progress_bar=false", "--trainer.limit_val_batches=0", f"--trainer.default_root_dir={tmp_path}",
     ]) == 0
-    assert "lora.target_modules=[W_pack]" in caplog.text  # the adapter export refusal, logged as a warning
+    assert "adapter not exported" not in caplog.text and (tmp_path / "adapter" / "adapter_config.json").is_file()
     ckpt = next((tmp_path / "checkpoints").glob("*.ckpt"))
     state = torch.load(ckpt, map_location="cpu", weights_only=False)["state_dict"]
     assert state and all(".W_pack.lora_" in k for k in state)
@@ -364,6 +394,12 @@ def test_cli_lora_target_w_pack_trains_and_merges(tmp_path: Path, caplog: pytest
                batch["attention_mask"])
     print(f"baichuan2 CLI LoRA(W_pack) -> merge --ckpt -> reference: max_abs_err={err:.2e}")
     assert err <= TOL
+    assert merge_main(["--base", str(src), "--adapter", str(tmp_path / "adapter"),
+                       "--output", str(tmp_path / "m2")]) == 0
+    err2 = _err(_logits(ours, batch, hf=False), _logits(baichuan_reference(tmp_path / "m2"), batch, hf=True),
+                batch["attention_mask"])
+    print(f"baichuan2 CLI LoRA(W_pack) -> fit-end adapter -> merge --adapter -> reference: max_abs_err={err2:.2e}")
+    assert err2 <= TOL
 
 
 @pytest.mark.parametrize("name", ["qwen2", "qwen3"])
@@ -423,7 +459,7 @@ def _edit_config(d: Path, **changes: Any) -> Path:
 def test_unsupported_configs_are_refused_by_name(tmp_path: Path) -> None:
     from lightning_llm.models import build_model
     from lightning_llm.models.hf import config_from_hf
-    from lightning_llm.peft import LoraArgs, PeftConfig, apply_peft, export_adapter, load_adapter
+    from lightning_llm.peft import LoraArgs, PeftConfig, apply_peft, export_adapter
 
     d = write_baichuan(tmp_path / "b")
     with pytest.raises(ValueError, match="13B layout"):
@@ -442,21 +478,10 @@ def test_unsupported_configs_are_refused_by_name(tmp_path: Path) -> None:
     mixed = build_model("debug-mistral", family="decoder", layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2)
     with pytest.raises(ValueError, match="not representable as MistralForCausalLM.*sliding_layers"):
         save_hf(mixed, tmp_path / "x")
-    # LoRA on W_pack: no peft-format export / load until lora_B rows are permuted there (merge works, above)
-    packed = apply_peft(build_model("debug-baichuan2", family="decoder"),
-                        PeftConfig(lora=LoraArgs(target_modules=["W_pack"])))
-    with pytest.raises(ValueError, match=r"lora.target_modules=\[W_pack\]"):
-        export_adapter(packed, PeftConfig(lora=LoraArgs(target_modules=["W_pack"])), tmp_path / "never")
-    import peft
-    from safetensors.torch import save_file
-
-    (tmp_path / "a").mkdir()
-    peft.LoraConfig(r=8, target_modules=["W_pack"], task_type="CAUSAL_LM").save_pretrained(str(tmp_path / "a"))
-    save_file({"base_model.model.model.layers.0.self_attn.W_pack.lora_B.weight": torch.zeros(192, 8),
-               "base_model.model.model.layers.0.self_attn.W_pack.lora_A.weight": torch.zeros(8, 64)},
-              str(tmp_path / "a" / "adapter_model.safetensors"))
-    with pytest.raises(ValueError, match="W_pack"):
-        load_adapter(build_model("debug-baichuan2", family="decoder"), tmp_path / "a")
+    # an adapter tensor on W_pack other than LoRA's lora_A / lora_B (IA3's row scales) is not converted: refused
+    ia3 = PeftConfig(method="ia3", options={"target_modules": ["W_pack"]})
+    with pytest.raises(ValueError, match="W_pack but not a LoRA"):
+        export_adapter(apply_peft(build_model("debug-baichuan2", family="decoder"), ia3), ia3, tmp_path / "never")
     head = apply_peft(build_model("debug-baichuan2", family="decoder"),
                       PeftConfig(lora=LoraArgs(target_modules=["lm_head"])))
     with pytest.raises(ValueError, match="NormHead"):

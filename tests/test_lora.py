@@ -37,7 +37,8 @@ def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _fit(tmp: Path, backbone: Path, *, steps: int, ckpt_path: str | None = None, **task_kw) -> tuple[pl.Trainer, CausalLMTask]:
     pl.seed_everything(0)
     task = CausalLMTask(str(backbone), optim=OptimConfig(lr=2e-2, weight_decay=0.0), **task_kw)
-    dm = TextDataModule(generated_docs=40, block_size=32, batch_size=4, val_fraction=0.1, cache_dir=str(tmp / "cache"))
+    dm = TextDataModule(tokenizer_dir="byte", generated_docs=40, block_size=32, batch_size=4, val_fraction=0.1,
+                        cache_dir=str(tmp / "cache"))
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=0, default_root_dir=str(tmp),
                          callbacks=[pl.callbacks.ModelCheckpoint(dirpath=str(tmp / "ckpt"), save_last=True)])
@@ -204,7 +205,7 @@ def test_pretrain_lora_config_runs_with_gradient_checkpointing(base_dir: Path, t
     repo = Path(__file__).resolve().parents[1]
     assert main([
         "fit", f"--config={repo / 'configs' / 'pretrain_lora.yaml'}", f"--model.backbone={base_dir}",
-        "--data.data_path=null", "--data.tokenizer_dir=null", "--data.generated_docs=40", "--data.block_size=32",
+        "--data.data_path=null", "--data.tokenizer_dir=byte", "--data.generated_docs=40", "--data.block_size=32",
         f"--data.cache_dir={tmp_path / 'cache'}", "--trainer.accelerator=cpu", "--trainer.devices=1",
         "--trainer.strategy=auto", "--trainer.precision=32-true", "--trainer.max_steps=2",
         "--trainer.accumulate_grad_batches=1", "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1",

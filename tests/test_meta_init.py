@@ -149,7 +149,8 @@ def test_bf16_true_run_reads_the_bf16_checkpoint_as_is(tmp_path: Path) -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=1, precision="bf16-true", max_steps=1, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Capture()])
-    dm = TextDataModule(block_size=16, batch_size=2, cache_dir=str(tmp_path / "cache"), generated_docs=20)
+    dm = TextDataModule(tokenizer_dir="byte", block_size=16, batch_size=2, cache_dir=str(tmp_path / "cache"),
+                        generated_docs=20)
     trainer.fit(CausalLMTask(str(src), dropout=0.0), dm)
     assert seen["embed_tokens.weight"].dtype == torch.bfloat16
     assert torch.equal(seen["layers.1.mlp.down_proj.weight"], stored["model.layers.1.mlp.down_proj.weight"])
@@ -241,7 +242,8 @@ def _worker(mode: str, out: Path) -> None:
         for layout in LAYOUTS:
             pl.seed_everything(3)
             cap = _Capture()
-            dm = TextDataModule(block_size=16, batch_size=4, cache_dir=str(out / "cache"), generated_docs=40)
+            dm = TextDataModule(tokenizer_dir="byte", block_size=16, batch_size=4, cache_dir=str(out / "cache"),
+                                generated_docs=40)
             table_trainer(out, strategy=_strategy(layout), devices=4, max_steps=1, callbacks=[cap]).fit(_task(path), dm)
             equal = all(torch.equal(t, want[n]) for n, t in cap.params.items())
             results[f"{backbone}/{layout}"] = gathered({"equal": equal, "names": sorted(cap.params),

@@ -36,6 +36,21 @@ def load_tokenizer(tokenizer_dir: str | None, *, param: str = "--data.tokenizer_
     )
 
 
+BYTE_TOKENIZER = "byte"
+"""``--data.tokenizer_dir=byte``: the built-in byte tokenizer (ids 0-258), chosen explicitly (named sizes, debug)."""
+
+
+def tokenizer_or_bytes(tokenizer_dir: str | None, *, param: str = "--data.tokenizer_dir") -> Any:
+    """:func:`load_tokenizer`, or the built-in byte tokenizer for ``"byte"`` / ``None``. On the command line ``None``
+    means the backbone's own tokenizer (:func:`lightning_llm.vocab.default_tokenizer_dir` fills it in); a task on an
+    HF backbone refuses an implicit byte tokenizer (:func:`lightning_llm.vocab.check_backbone_tokenizer`)."""
+    from lightning_llm.data.tokenizers import ByteTokenizer
+
+    if tokenizer_dir is None or tokenizer_dir == BYTE_TOKENIZER:
+        return ByteTokenizer()
+    return load_tokenizer(tokenizer_dir, param=param)
+
+
 def eos_and_pad_ids(tokenizer: Any, tokenizer_dir: str | None) -> tuple[int, int]:
     """``(eos, pad)`` ids of a tokenizer that ends responses: EOS, or [SEP] for BERT-style vocabularies; pad falls
     back to EOS. ``ValueError`` naming ``--data.tokenizer_dir`` when it has neither EOS nor SEP."""

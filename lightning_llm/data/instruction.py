@@ -23,11 +23,10 @@ from lightning_llm.data.base import (
     EncodedDataset,
     LLMDataModule,
     eos_and_pad_ids,
-    load_tokenizer,
+    tokenizer_or_bytes,
     tokenizer_vocab_size,
 )
 from lightning_llm.data.io import DataError, read_records
-from lightning_llm.data.tokenizers import ByteTokenizer
 from lightning_llm.generation import left_pad
 
 log = logging.getLogger(__name__)
@@ -112,7 +111,9 @@ class InstructionDataModule(LLMDataModule):
         """
         Args:
             train_path: JSON array or JSONL file of ``{"instruction", "input", "output"}`` records.
-            tokenizer_dir: Local tokenizer directory; ``None`` uses the byte-level tokenizer.
+            tokenizer_dir: Local tokenizer directory, or ``byte`` for the built-in byte tokenizer (259 ids). ``None``:
+                the backbone's own tokenizer when ``--model.backbone`` is a Hugging Face directory (the command line
+                fills it in), else the byte tokenizer.
             val_path: Validation records (default: ``val_fraction`` of the training records).
             test_path: Test records.
             predict_path: Records to generate for in ``predict`` (default ``test_path``); ``output`` may be empty.
@@ -137,7 +138,7 @@ class InstructionDataModule(LLMDataModule):
         if not 0 <= val_fraction < 1:
             raise ValueError(f"--data.val_fraction must be in [0, 1), got {val_fraction}")
         self.paths = {"fit": train_path, "validate": val_path, "test": test_path, "predict": predict_path or test_path}
-        self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else ByteTokenizer()
+        self.tokenizer = tokenizer_or_bytes(tokenizer_dir)
         self.template = PromptTemplate(template)
         self.cutoff_len, self.max_prompt_len = cutoff_len, max_prompt_len or cutoff_len
         self.packing, self.val_fraction, self.limit_examples = packing, val_fraction, limit_examples

@@ -26,12 +26,11 @@ from lightning_llm.data.base import (
     EncodedDataset,
     LLMDataModule,
     eos_and_pad_ids,
-    load_tokenizer,
+    tokenizer_or_bytes,
     tokenizer_vocab_size,
 )
 from lightning_llm.data.io import DataError, read_records
 from lightning_llm.data.prompts import make_prompts
-from lightning_llm.data.tokenizers import ByteTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +119,9 @@ class PreferenceDataModule(LLMDataModule):
         Args:
             train_path: JSON array or JSONL file of ``{"prompt", "chosen", "rejected"}`` records; ``None`` uses
                 ``generated_pairs`` generated pairs.
-            tokenizer_dir: Local tokenizer directory; ``None`` uses the byte-level tokenizer.
+            tokenizer_dir: Local tokenizer directory, or ``byte`` for the built-in byte tokenizer (259 ids). ``None``:
+                the backbone's own tokenizer when ``--model.backbone`` is a Hugging Face directory (the command line
+                fills it in), else the byte tokenizer.
             val_path: Validation pairs (default: ``val_fraction`` of the training pairs, or generated pairs).
             val_fraction: Share of the training pairs held out for validation when ``val_path`` is not given.
             cutoff_len: Most tokens of prompt + response in a row.
@@ -140,7 +141,7 @@ class PreferenceDataModule(LLMDataModule):
         if not 0 <= val_fraction < 1:
             raise ValueError(f"--data.val_fraction must be in [0, 1), got {val_fraction}")
         self.paths = {"fit": train_path, "validate": val_path}
-        self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else ByteTokenizer()
+        self.tokenizer = tokenizer_or_bytes(tokenizer_dir)
         self.eos_token_id, self.pad_token_id = eos_and_pad_ids(self.tokenizer, tokenizer_dir)
         self.cutoff_len, self.max_prompt_len = cutoff_len, max_prompt_len
         self.val_fraction, self.limit_examples = val_fraction, limit_examples

@@ -19,11 +19,10 @@ from lightning_llm.data.base import (
     EncodedDataset,
     LLMDataModule,
     eos_and_pad_ids,
-    load_tokenizer,
+    tokenizer_or_bytes,
     tokenizer_vocab_size,
 )
 from lightning_llm.data.io import DataError, read_records
-from lightning_llm.data.tokenizers import ByteTokenizer
 from lightning_llm.generation import left_pad
 
 log = logging.getLogger(__name__)
@@ -61,7 +60,9 @@ class PromptDataModule(LLMDataModule):
         """
         Args:
             train_path: JSON array or JSONL file of records with a ``prompt`` field; ``None`` uses generated prompts.
-            tokenizer_dir: Local tokenizer directory; ``None`` uses the byte-level tokenizer.
+            tokenizer_dir: Local tokenizer directory, or ``byte`` for the built-in byte tokenizer (259 ids). ``None``:
+                the backbone's own tokenizer when ``--model.backbone`` is a Hugging Face directory (the command line
+                fills it in), else the byte tokenizer.
             val_path: Prompts for validation (responses generated and scored).
             prompt_field: Name of the prompt field.
             max_prompt_len: Most prompt tokens (longer prompts keep their last tokens).
@@ -86,7 +87,7 @@ class PromptDataModule(LLMDataModule):
         self.prompt_field, self.max_prompt_len, self.bos = prompt_field, max_prompt_len, bos
         self.generated = {"fit": generated_prompts, "validate": generated_val_prompts}
         self.limit_examples = limit_examples
-        self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else ByteTokenizer()
+        self.tokenizer = tokenizer_or_bytes(tokenizer_dir)
         self.eos_token_id, self.pad_token_id = eos_and_pad_ids(self.tokenizer, tokenizer_dir)
         self.datasets: dict[str, EncodedDataset] = {}
 

@@ -13,9 +13,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_llm.data.base import LLMDataModule, load_tokenizer, tokenizer_vocab_size
+from lightning_llm.data.base import LLMDataModule, tokenizer_or_bytes, tokenizer_vocab_size
 from lightning_llm.data.io import DataError, atomic_open, read_records
-from lightning_llm.data.tokenizers import ByteTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +101,9 @@ class TextDataModule(LLMDataModule):
         """
         Args:
             data_path: A .txt/.json/.jsonl file or a directory of them; ``None`` uses a generated toy corpus.
-            tokenizer_dir: Local tokenizer directory; ``None`` uses the byte-level tokenizer (259 ids).
+            tokenizer_dir: Local tokenizer directory, or ``byte`` for the built-in byte tokenizer (259 ids). ``None``:
+                the backbone's own tokenizer when ``--model.backbone`` is a Hugging Face directory (the command line
+                fills it in), else the byte tokenizer.
             block_size: Tokens per training example.
             val_fraction: Share of blocks (the last ones) held out for validation.
             text_field: Field holding the text in JSON/JSONL records.
@@ -121,7 +122,7 @@ class TextDataModule(LLMDataModule):
         if data_path is not None and not Path(data_path).exists():
             raise FileNotFoundError(f"--data.data_path={data_path}: no such file or directory")
         self.data_path, self.text_field = data_path, text_field
-        self.tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else ByteTokenizer()
+        self.tokenizer = tokenizer_or_bytes(tokenizer_dir)
         self.tokenizer_dir = tokenizer_dir
         self.block_size, self.val_fraction = block_size, val_fraction
         self.cache_dir, self.generated_docs = Path(cache_dir), generated_docs
@@ -176,7 +177,8 @@ class TextDataModule(LLMDataModule):
         n_blocks = (len(tokens) - 1) // self.block_size
         n_val = int(round(n_blocks * self.val_fraction))
         if n_blocks - n_val < 1:
-            raise DataError(f"corpus has {len(tokens)} tokens: not enough for one block of block_size={self.block_size}")
+            raise DataError(f"corpus has {len(tokens)} tokens: not enough for one block of "
+                            f"block_size={self.block_size}")
         if self.val_fraction > 0 and n_val == 0:
             n_val = 1 if n_blocks > 1 else 0
         self.datasets["fit"] = BlockDataset(tokens, self.block_size, 0, n_blocks - n_val)

@@ -162,25 +162,39 @@ class LLMTask(pl.LightningModule):
         dm = self.trainer.datamodule if self._trainer is not None else None
         return getattr(dm, "vocab_size", None)
 
-    def build_backbone(self, backbone: str, *, family: str, lazy: bool | None = None, **overrides: Any) -> nn.Module:
+    def build_backbone(self, backbone: str, *, family: str, lazy: bool | None = None, resize: bool = False,
+                       **overrides: Any) -> nn.Module:
         """Model from a named size (vocabulary sized to the datamodule's tokenizer, padded to a multiple of 8)
-        or from a local HF directory (whose vocabulary must cover the tokenizer's).
+        or from a local HF directory (whose vocabulary must cover the tokenizer's, or grow to it with ``resize``:
+        :func:`lightning_llm.vocab.resize_embeddings`, built whole then). An HF directory with the byte tokenizer the
+        datamodule fell back to is refused (:func:`lightning_llm.vocab.check_backbone_tokenizer`).
 
         ``lazy`` (default: the strategy's ``capabilities.deferred_init``): build on the meta device / index the
         checkpoint only, for a strategy that materializes each rank's shards after sharding."""
         from lightning_llm.models import NAMED_SIZES, build_model
+        from lightning_llm.vocab import check_backbone_tokenizer, resize_embeddings
 
+        if self._trainer is not None:
+            check_backbone_tokenizer(backbone, self.trainer.datamodule)
         need = self.datamodule_vocab_size()
         overrides = {k: v for k, v in overrides.items() if v is not None}
         if (family, backbone) in NAMED_SIZES and need:
             overrides.setdefault("vocab_size", padded_vocab_size(need))
         if lazy is None:
             lazy = self.capabilities.deferred_init and builds_lazily(self)
+        if lazy and resize and need:  # new rows are drawn from all old rows: build whole if it will grow
+            with torch.random.fork_rng(devices=[]):  # the probe must not move the seed the real build draws
+                probe = build_model(backbone, family=family, lazy=True, **overrides)
+            lazy = need <= getattr(probe.config, "vocab_size", need)
         model = build_model(backbone, family=family, lazy=lazy, **overrides)
         have = getattr(getattr(model, "config", None), "vocab_size", None)
         if need and have and need > have:
-            raise ValueError(f"--model.backbone={backbone}: its vocabulary has {have} rows but the tokenizer "
-                             f"needs {need}; use the tokenizer the checkpoint was trained with")
+            if not resize:
+                raise ValueError(f"--model.backbone={backbone}: its vocabulary has {have} rows but the tokenizer "
+                                 f"needs {need}: pass --model.resize_embeddings=true to grow the embeddings and LM "
+                                 "head to the tokenizer (an extended vocabulary), or use the tokenizer the checkpoint "
+                                 "was trained with")
+            resize_embeddings(model, need)
         return model
 
     # ------------------------------------------------------------------------------------------ lifecycle

@@ -17,6 +17,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_llm.contract import builds_lazily
+from lightning_llm.export_meta import _tokenizer_source
 from lightning_llm.peft import (
     LoraArgs,
     PeftConfig,
@@ -25,9 +26,11 @@ from lightning_llm.peft import (
     enable_gradient_checkpointing,
     export_adapter,
     initialises_without_base,
+    peft_state_dict,
 )
 from lightning_llm.peft_prompt import check_prompt_layout
 from lightning_llm.tasks.base import LLMTask, OptimConfig
+from lightning_llm.vocab import added_rows, check_new_rows_trained
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,7 @@ class DecoderTask(LLMTask):
         gradient_checkpointing: bool = False,
         checkpoint_reentrant: bool = False,
         adapter_dir: str | None = None,
+        resize_embeddings: bool = False,
         optim: OptimConfig | None = None,
         nonfinite_loss: Literal["stop", "skip"] = "stop",
         fused_loss: bool = True,
@@ -85,6 +89,11 @@ class DecoderTask(LLMTask):
             checkpoint_reentrant: Use torch's reentrant checkpointing (then embedding outputs are made to
                 require grad so frozen-embedding adapters still get gradients).
             adapter_dir: Where to export the adapter after ``fit`` (default ``<log_dir>/adapter`` when PEFT is on).
+            resize_embeddings: Grow the HF backbone's ``embed_tokens`` / ``lm_head`` to the tokenizer's vocabulary
+                when the tokenizer has more ids (an extended vocabulary, as Chinese-LLaMA-Alpaca): new rows drawn
+                from the old rows' mean and covariance as transformers' ``resize_token_embeddings(mean_resizing=
+                True)``. With LoRA set ``lora.modules_to_save=[embed_tokens,lm_head]`` so the new rows train; merge
+                and export write the new ``vocab_size``.
             optim: Optimizer and LR schedule.
             nonfinite_loss: On a NaN/inf training loss or gradients: ``stop`` the run (naming the step) or
                 ``skip`` the step.
@@ -104,6 +113,7 @@ class DecoderTask(LLMTask):
         self.gradient_checkpointing = gradient_checkpointing
         self.checkpoint_reentrant = checkpoint_reentrant
         self.adapter_dir = adapter_dir
+        self.resize_embeddings = resize_embeddings
         self.fused_loss = fused_loss
         self._loss_path_logged = False
         # Checkpoints of a PEFT run hold only the trainable weights; the frozen base is rebuilt from `backbone`.
@@ -116,7 +126,7 @@ class DecoderTask(LLMTask):
         initialises without reading the base weights (prompt tuning samples vocabulary embeddings)."""
         lazy = self.capabilities.deferred_init and builds_lazily(self) and initialises_without_base(self.peft_config)
         return self.build_backbone(backbone or self.backbone, family="decoder", lazy=lazy, dropout=self.dropout,
-                                   **self.model_overrides)
+                                   resize=self.resize_embeddings, **self.model_overrides)
 
     def build_policy(self) -> nn.Module:
         """The trained decoder: the backbone with the PEFT method applied (no activation checkpointing yet: a
@@ -124,6 +134,8 @@ class DecoderTask(LLMTask):
         if self.peft_config is not None:
             check_prompt_layout(self.peft_config.method, self.capabilities)  # before anything is built
         model = self.build_decoder()
+        if added_rows(model):
+            check_new_rows_trained(self.peft_config)
         return apply_peft(model, self.peft_config) if self.peft_config is not None else model
 
     def checkpointed(self, model: nn.Module) -> nn.Module:
@@ -186,10 +198,25 @@ class DecoderTask(LLMTask):
             return
         # trainer.log_dir is a collective (broadcast): evaluate it on every rank, then write on rank 0 only.
         directory = self.adapter_dir or (Path(self.trainer.log_dir or self.trainer.default_root_dir) / "adapter")
+        if self.capabilities.pipelined:  # each rank holds its stages' adapters only
+            if self.trainer.global_rank == 0:
+                log.warning("adapter not exported at the end of fit under pipeline parallelism: export it from the "
+                            "checkpoint with `lightning_llm export CKPT --to DIR --adapter-only`")
+            return
+        state = _full_tensors(peft_state_dict(self.policy, self.peft_config))  # a collective under tp / ZeRO-3
         if self.trainer.global_rank != 0:
             return
         try:
             backbone = self.backbone if Path(self.backbone).is_dir() else None
-            export_adapter(self.policy, self.peft_config, directory, base_model_name_or_path=backbone)
+            tokenizer = _tokenizer_source(self.trainer.datamodule)
+            export_adapter(self.policy, self.peft_config, directory, base_model_name_or_path=backbone,
+                           tokenizer=tokenizer if tokenizer not in (None, "byte") else None, state=state)
         except ValueError as e:  # e.g. a GPT-2 layout: no HF-named adapter; the checkpoint still has the weights
             log.warning("adapter not exported: %s", e)
+
+
+def _full_tensors(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with every DTensor (a tensor-parallel or ZeRO-3 shard) gathered to its full value, on every rank."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in state.items()}
