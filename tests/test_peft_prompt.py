@@ -192,7 +192,7 @@ def test_fit_trains_only_the_prompt_and_export_matches_peft(method: str, tmp_pat
     pl.seed_everything(0)
     task = CausalLMTask(str(base_dir), peft=cfg, optim=OptimConfig(lr=3e-2, weight_decay=0.0))
     dm = TextDataModule(generated_docs=40, block_size=32, batch_size=4, val_fraction=0.1,
-                        cache_dir=str(tmp_path / "cache"))
+                        cache_dir=str(tmp_path / "cache"), tokenizer_dir="byte")
     probe = _FixedBatchLoss()
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=20, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, limit_val_batches=0, default_root_dir=str(tmp_path),
@@ -279,7 +279,7 @@ def test_zero3_run_is_refused_before_training(method: str, tmp_path: Path) -> No
 
     task = CausalLMTask("debug", peft=PeftConfig(method=method), model_overrides={"vocab_size": 264})
     dm = TextDataModule(generated_docs=20, block_size=16, batch_size=2, val_fraction=0.1,
-                        cache_dir=str(tmp_path / "cache"))
+                        cache_dir=str(tmp_path / "cache"), tokenizer_dir="byte")
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=ZeroStrategy(stage=3), max_steps=1, logger=False,
                          enable_progress_bar=False, enable_checkpointing=False, default_root_dir=str(tmp_path))
     with pytest.raises(ValueError, match=f"peft.method={method} runs under data-parallel layouts only"):

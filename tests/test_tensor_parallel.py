@@ -337,6 +337,22 @@ def test_per_rank_parameter_bytes_shrink(tp_results: tuple[Path, dict[str, Any]]
     assert local < 0.6 * full
 
 
+def test_modules_to_save_is_refused_by_name_before_sharding() -> None:
+    """peft's modules_to_save wrapper (a trained copy of embed_tokens / lm_head) has no column/row split: the plan
+    refuses it naming the module and the layouts that keep it whole, instead of torch's NotImplementedError."""
+    from lightning_llm.models import build_model
+    from lightning_llm.peft import LoraArgs, PeftConfig, apply_peft
+    from lightning_llm.strategies.parallelize import _refuse_wrapped_copies
+    from lightning_llm.strategies.plans import tp_plan
+
+    model = apply_peft(build_model("debug-qwen2", family="decoder"),
+                       PeftConfig(method="lora", lora=LoraArgs(r=4, modules_to_save=["embed_tokens", "lm_head"])))
+    with pytest.raises(ValueError, match="embed_tokens is trained in full through peft's modules_to_save"):
+        _refuse_wrapped_copies(model, tp_plan(model))
+    _refuse_wrapped_copies(apply_peft(build_model("debug-qwen2", family="decoder"),
+                                      PeftConfig(method="lora", lora=LoraArgs(r=4))), tp_plan(model))  # LoRA alone
+
+
 def test_validate_tp_names_the_dimension() -> None:
     from lightning_llm.models import named_config
     from lightning_llm.strategies.plans import validate_tp

@@ -195,7 +195,10 @@ class PipelineStages:
             return None, False
         copy, source = self.tied_names
         params = dict(self.model.named_parameters())
-        return (params[source], False) if source in params else (params[copy], True)
+        found = _tied_param(params, source)
+        if found is not None:
+            return found, False
+        return _tied_param(params, copy), True
 
     def tied_copy(self) -> nn.Parameter | None:
         """The local copy of a weight whose source is on another stage (counted once in the global norm)."""
@@ -230,6 +233,18 @@ class PipelineStages:
     def clear(self) -> None:
         if self.runner is not None:
             self.runner.clear()
+
+
+def _tied_param(params: Mapping[str, nn.Parameter], name: str) -> nn.Parameter | None:
+    """The parameter a family's tied name denotes on this rank, through PEFT wrappers: the frozen original a
+    ``modules_to_save`` wrapper keeps (its trained copies are separate parameters, no longer tied), or a LoRA
+    ``base_layer``'s. None when this rank holds neither."""
+    from lightning_llm.models.init import canonical_name
+
+    if name in params:
+        return params[name]
+    hits = [p for n, p in params.items() if ".modules_to_save." not in n and canonical_name(n) == name]
+    return hits[0] if hits else None
 
 
 def _refuse_direct_call(module: nn.Module, args: Any) -> None:

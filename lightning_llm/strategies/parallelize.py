@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_llm.strategies.plans import TPPlan, tp_plan, validate_tp_for
@@ -83,6 +83,7 @@ def apply_tensor_parallel(
         return model
     plan = plan if plan is not None else tp_plan(model, sequence_parallel=sequence_parallel,
                                                  loss_parallel=loss_parallel)
+    _refuse_wrapped_copies(model, plan)
     trainable = {n: p.requires_grad for n, p in model.named_parameters()}
     tied = _tied(model)
     parallelize_module(model, tp_mesh, plan)
@@ -94,6 +95,19 @@ def apply_tensor_parallel(
         _set_param(model, dst, getattr(model.get_submodule(mod_name), attr))
     log.info("tensor-parallel plan applied: %d entries over tp=%d", len(plan), tp_mesh.size())
     return model
+
+
+def _refuse_wrapped_copies(model: nn.Module, plan: TPPlan) -> None:
+    """A planned module that peft replaced by a ``modules_to_save`` wrapper (a trained full copy beside the frozen
+    original) has no column/row split: refuse by name before torch's ``NotImplementedError`` mid-set-up."""
+    import fnmatch
+
+    for path, module in model.named_modules():
+        if isinstance(getattr(module, "modules_to_save", None), nn.ModuleDict) and any(
+                fnmatch.fnmatchcase(path, key) for key in plan):
+            raise ValueError(f"tensor parallelism: {path} is trained in full through peft's modules_to_save, whose "
+                             "wrapped copy cannot be split column/row-wise; train it with a layout that keeps whole "
+                             "modules (ddp, zero1/2/3, deepspeed_*, pp) or leave it out of modules_to_save")
 
 
 @torch.no_grad()
