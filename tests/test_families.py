@@ -50,6 +50,15 @@ def _perturb(model: nn.Module, seed: int) -> nn.Module:
     return model.eval()
 
 
+def _randomize_lora(model: torch.nn.Module, *, seed: int, scale: float) -> None:
+    """Give every LoRA tensor random values (B starts at zero: an adapter that changes nothing tests nothing)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+
+
 def _batch() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, VOCAB, (3, SEQ), generator=g)
@@ -334,11 +343,7 @@ def test_w_pack_adapter_export_loads_in_peft_on_the_fused_reference(tmp_path: Pa
     src = write_baichuan(tmp_path / "src")
     cfg = PeftConfig(method="lora", lora=LoraArgs(r=4, alpha=8.0, dropout=0.0, target_modules=["W_pack"]))
     ours = apply_peft(load_hf(src)[0], cfg).eval()
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for n, p in ours.named_parameters():
-            if "lora_" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    _randomize_lora(ours, seed=7, scale=0.3)
     export_adapter(ours, cfg, tmp_path / "adapter")
     ref = peft.PeftModel.from_pretrained(fused_reference(src), str(tmp_path / "adapter")).eval()
     batch = _batch()
@@ -416,11 +421,7 @@ def test_adapter_export_loads_in_peft_on_the_hf_model(name: str, tmp_path: Path)
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     cfg = PeftConfig(lora=LoraArgs(r=4, alpha=8.0, dropout=0.0, target_modules=targets))
     ours = apply_peft(ours, cfg).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for n, p in ours.named_parameters():
-            if "lora_" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    _randomize_lora(ours, seed=1, scale=0.2)
     export_adapter(ours, cfg, tmp_path / "adapter")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
