@@ -232,15 +232,28 @@ def _logged(out: Path) -> list[dict[str, float]]:
     return logged_rows(out, key="objective/kl")
 
 
-@pytest.mark.multiprocess
-def test_ddp_two_processes_match_one_device(tmp_path: Path) -> None:
-    """Greedy rollouts (deterministic), global whitening, adaptive KL fed the global KL, losses normalized by the
-    global token count: 2 ranks x 4 prompts must reproduce one device x 8 prompts, parameters included."""
-    prompts = tmp_path / "prompts.jsonl"
+@pytest.fixture(scope="module")
+def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(prompts file, output of the one-device run on 8 prompts per rollout, fused loss on: the default)."""
+    out = tmp_path_factory.mktemp("ppo_single")
+    prompts = out / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Say {i:02d} digits:"}) + "\n" for i in range(64)))
-    single, ddp = tmp_path / "single", tmp_path / "ddp"
-    assert main(_ppo_args(single, prompts, batch=8, extra=["--trainer.devices=1"])) == 0
-    run_cli(_ppo_args(ddp, prompts, batch=4, extra=["--trainer.devices=2", "--trainer.strategy=ddp"]), nproc=2)
+    assert main(_ppo_args(out / "single", prompts, batch=8, extra=["--trainer.devices=1"])) == 0
+    return prompts, out / "single"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("strategy", "fused"), [("ddp", True), ("zero3", True), ("zero3", False)])
+def test_two_processes_match_one_device(single: tuple[Path, Path], tmp_path: Path, strategy: str, fused: bool) -> None:
+    """Greedy rollouts (deterministic), global whitening, adaptive KL fed the global KL, losses normalized by the
+    global token count: 2 ranks x 4 prompts must reproduce one device x 8 prompts, parameters included; under
+    ZeRO-3 too, with the fused token scores (the head gathered inside the model's forward) and without them. ZeRO-3
+    once clipped before averaging the value head's gradients (a task's own plain parameters, outside FSDP2's units):
+    the KL was 0.4 off after two rollouts."""
+    prompts, single = single
+    ddp = tmp_path / strategy
+    run_cli(_ppo_args(ddp, prompts, batch=4, extra=["--trainer.devices=2", f"--trainer.strategy={strategy}",
+                                                    f"--model.fused_loss={str(fused).lower()}"]), nproc=2)
     one, two = _logged(single), _logged(ddp)
     assert len(one) == len(two) == 4  # 4 rollouts x 2 epochs = 8 optimizer steps
     errs = {k: max(abs(a[k] - b[k]) for a, b in zip(one, two)) for k in
@@ -249,7 +262,8 @@ def test_ddp_two_processes_match_one_device(tmp_path: Path) -> None:
     p1 = torch.load(single / "steps.json.pt")
     p2 = torch.load(ddp / "steps.json.pt")
     perr = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
-    print(f"single vs ddp max abs err: {json.dumps({k: f'{v:.2e}' for k, v in errs.items()})}; params {perr:.2e}")
+    shown = json.dumps({k: f"{v:.2e}" for k, v in errs.items()})
+    print(f"single vs {strategy} fused_loss={fused} max abs err: {shown}; params {perr:.2e}")
     print("kl_coef per rollout:", [round(r["objective/kl_coef"], 5) for r in two], "episodes", two[-1]["episode"])
     assert two[-1]["episode"] == 32
     assert one[-1]["objective/kl_coef"] != 0.05  # the adaptive controller moved, identically on both ranks

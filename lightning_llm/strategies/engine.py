@@ -160,6 +160,7 @@ class ParallelEngine(ParallelStrategy):
         )
         self.zero_stage, self.offload_optimizer, self.offload_params = zero_stage, offload_optimizer, offload_params
         self.sequence_parallel, self.loss_parallel, self.plan = sequence_parallel, loss_parallel, plan
+        self._grads_finalized = False  # the current gradients are reduced and averaged (see _finalize_gradients)
         self.n_microbatches, self.schedule, self.stages_per_rank = n_microbatches, schedule, stages_per_rank
         self.split_points, self.balance = split_points, balance
         self.activation_checkpointing = activation_checkpointing
@@ -401,6 +402,7 @@ class ParallelEngine(ParallelStrategy):
     @override
     def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
         if not self.pipelined:
+            self._grads_finalized = False  # this backward adds gradients no replica has averaged yet
             with self._loss_context():
                 return super().backward(closure_loss, optimizer, *args, **kwargs)
         # The schedule already ran backward; put its gradients (kept aside from Lightning's zero_grad) back.
@@ -432,11 +434,16 @@ class ParallelEngine(ParallelStrategy):
     def _finalize_gradients(self) -> None:
         """pp == 1, once per optimizer step: reduce TP ``Partial`` grads, then average over ``dp`` what no ZeRO
         mechanism reduced: every gradient under ZeRO-0, the task's own plain parameters under ZeRO-3 (FSDP2
-        reduce-scatters its units; ZeRO-1/2 reduce in their gradient hooks)."""
+        reduce-scatters its units; ZeRO-1/2 reduce in their gradient hooks). Runs before clipping: Lightning clips
+        after the closure in automatic optimization, while a manual-optimization task (PPO, GRPO) clips before
+        ``opt.step()``, where the clip itself finalizes first; the second call of the step is then a no-op."""
         assert self.dims is not None
+        if self._grads_finalized:
+            return
         reduce_partial_grads(self._params)
         if self.zero_stage in (0, 3):
             average_replicated_grads(self._params, dp_group=self._dp_group, dp=self.dims.dp)
+        self._grads_finalized = True
 
     @contextlib.contextmanager
     @override
@@ -450,6 +457,8 @@ class ParallelEngine(ParallelStrategy):
 
     def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
         assert self.dims is not None
+        if not self.pipelined:
+            self._finalize_gradients()  # the norm of the averaged gradients, not of this replica's own
         params = [p for g in optimizer.param_groups for p in g["params"]]
         copy = self.stages.tied_copy() if self.stages is not None else None
         clip_grads_by_global_norm(params, clip_val, pp=self.dims.pp, dp=self.dims.dp,
