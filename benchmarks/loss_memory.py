@@ -12,6 +12,12 @@ the inputs (``/proc/self/status`` VmHWM after resetting it through ``/proc/self/
 loss + backward (best of ``--repeats``), and, in the eager process after its peak is taken, the loss and gradient
 (``dhidden``, ``dW``) errors against the fused process's (saved to a temporary file). ``lightning_llm estimate``'s
 loss term (:func:`lightning_llm.estimate.loss_peak_bytes`) is compared with each measured peak.
+
+``--objective rl`` measures what a PPO/GRPO update asks of the head instead: token log-probs of ``logits / T``
+weighted per token, and the entropies (no gradient) that they log; eager = the logits path, fused =
+:func:`lightning_llm.kernels.head_loss.head_token_scores`::
+
+    python benchmarks/loss_memory.py --objective rl --tokens 4096 --out benchmarks/results/rl-logprob-memory-cpu.md
 """
 
 from __future__ import annotations
@@ -50,17 +56,36 @@ def _inputs(n: int, v: int, h: int) -> tuple[Any, Any, Any]:
     return hidden, head, labels
 
 
-def _loss(path: str, hidden: Any, head: Any, labels: Any) -> Any:
+TEMPERATURE = 0.7  # --objective rl: PPO/GRPO's log-probs are those of logits / the sampling temperature
+
+
+def _loss(path: str, objective: str, hidden: Any, head: Any, labels: Any) -> tuple[Any, Any]:
+    """(loss, entropy sum or None). ``causal``: the mean token cross-entropy. ``rl``: what a PPO/GRPO update asks of
+    the head, token log-probs at a temperature weighted per token (advantage-like weights) and the entropy
+    (no gradient), as ``--model.fused_loss=false`` (logits) or the model's token scores (fused) compute them."""
+    import torch
     import torch.nn.functional as F
 
-    from lightning_llm.kernels.head_loss import head_cross_entropy
+    from lightning_llm.kernels.head_loss import head_cross_entropy, head_token_scores
+    from lightning_llm.rl.core import entropy_from_logits, logprobs_from_logits
 
+    if objective == "causal":
+        if path == "eager":
+            return F.cross_entropy(head(hidden).float(), labels, ignore_index=-100), None
+        return head_cross_entropy(hidden, head, labels), None
+    mask = labels != -100
+    weights = torch.linspace(-1.0, 1.0, labels.shape[0]) * mask / mask.sum()
     if path == "eager":
-        return F.cross_entropy(head(hidden).float(), labels, ignore_index=-100)
-    return head_cross_entropy(hidden, head, labels)
+        rl = head(hidden).float() / TEMPERATURE
+        logp = logprobs_from_logits(rl, labels.clamp(min=0))
+        with torch.no_grad():
+            entropy = (entropy_from_logits(rl) * mask).sum()
+        return -(logp * weights).sum(), entropy
+    scores = head_token_scores(hidden, head, labels, temperature=TEMPERATURE)
+    return (scores.loss * weights).sum(), scores.entropy.sum()
 
 
-def worker(path: str, n: int, v: int, h: int, repeats: int, shared: Path) -> dict[str, Any]:
+def worker(path: str, objective: str, n: int, v: int, h: int, repeats: int, shared: Path) -> dict[str, Any]:
     import torch
 
     hidden, head, labels = _inputs(n, v, h)
@@ -73,14 +98,17 @@ def worker(path: str, n: int, v: int, h: int, repeats: int, shared: Path) -> dic
         _reset_peak()
         base = _status("VmRSS")
         t0 = time.perf_counter()
-        loss = _loss(path, hidden, head, labels)
+        loss, _ = _loss(path, objective, hidden, head, labels)
         loss.backward()
         times.append(time.perf_counter() - t0)
         peak = max(peak, _status("VmHWM") - base)
         del loss
     out = {"path": path, "peak_bytes": peak, "seconds": min(times), "all_seconds": times}
     with torch.no_grad():
-        result = {"dh": hidden.grad.clone(), "dw": head.weight.grad.clone(), "loss": _loss(path, hidden, head, labels)}
+        loss, entropy = _loss(path, objective, hidden, head, labels)
+        result = {"dh": hidden.grad.clone(), "dw": head.weight.grad.clone(), "loss": loss}
+        if entropy is not None:
+            result["entropy"] = entropy
     if path == "fused":
         torch.save(result, shared)
     else:
@@ -90,7 +118,8 @@ def worker(path: str, n: int, v: int, h: int, repeats: int, shared: Path) -> dic
 
 
 def _run(path: str, args: argparse.Namespace, shared: Path) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--worker", path, "--tokens", str(args.tokens), "--vocab", str(args.vocab),
+    cmd = [sys.executable, __file__, "--worker", path, "--objective", args.objective, "--tokens", str(args.tokens),
+           "--vocab", str(args.vocab),
            "--hidden", str(args.hidden), "--repeats", str(args.repeats), "--shared", str(shared)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -104,12 +133,15 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=128_000)
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--objective", choices=["causal", "rl"], default="causal",
+                   help="causal: the mean token cross-entropy; rl: PPO/GRPO token log-probs at a temperature and "
+                        "their entropies")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--worker", choices=["eager", "fused"], default=None)
     p.add_argument("--shared", type=Path, default=None)
     a = p.parse_args()
     if a.worker:
-        print(json.dumps(worker(a.worker, a.tokens, a.vocab, a.hidden, a.repeats, a.shared)))
+        print(json.dumps(worker(a.worker, a.objective, a.tokens, a.vocab, a.hidden, a.repeats, a.shared)))
         return
     from lightning_llm.estimate import loss_peak_bytes
 
@@ -120,10 +152,12 @@ def main() -> None:
     est = {k: loss_peak_bytes(tokens=a.tokens, vocab=a.vocab, hidden=a.hidden, precision="32-true", fused=k == "fused")
            for k in ("eager", "fused")}
     gib = 2**30
+    what = "Causal-LM loss" if a.objective == "causal" else f"PPO/GRPO token log-probs (T={TEMPERATURE}) + entropy"
     lines = [
-        f"# Causal-LM loss + backward: {a.tokens} tokens, vocabulary {a.vocab:,}, hidden {a.hidden}, fp32, CPU",
+        f"# {what} + backward: {a.tokens} tokens, vocabulary {a.vocab:,}, hidden {a.hidden}, fp32, CPU",
         "",
-        f"`python benchmarks/loss_memory.py --tokens {a.tokens} --vocab {a.vocab} --hidden {a.hidden}` "
+        f"`python benchmarks/loss_memory.py --objective {a.objective} --tokens {a.tokens} --vocab {a.vocab} "
+        f"--hidden {a.hidden}` "
         f"(best of {a.repeats}; peak = VmHWM above the inputs)",
         "",
         "| path | peak (GiB) | vs eager | time (s) | vs eager | estimate (GiB) | estimate err |",
@@ -131,12 +165,12 @@ def main() -> None:
     ]
     for r in (eager, fused):
         e = est[r["path"]]
+        # The estimator models the causal loss; the RL objective's extra log-softmax/entropy buffers are not in it.
+        estimate = f"{e / gib:.3f} | {e / r['peak_bytes'] - 1:+.1%}" if a.objective == "causal" else "- | -"
         lines.append(f"| {r['path']} | {r['peak_bytes'] / gib:.3f} | {r['peak_bytes'] / eager['peak_bytes']:.3f} | "
-                     f"{r['seconds']:.2f} | {r['seconds'] / eager['seconds']:.3f} | {e / gib:.3f} | "
-                     f"{e / r['peak_bytes'] - 1:+.1%} |")
+                     f"{r['seconds']:.2f} | {r['seconds'] / eager['seconds']:.3f} | {estimate} |")
     errs = eager["errors"]
-    lines += ["", f"Fused vs eager, max abs error: loss {errs['loss']:.2e}, dhidden {errs['dh']:.2e}, "
-                  f"dW {errs['dw']:.2e}.", ""]
+    lines += ["", "Fused vs eager, max abs error: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()) + ".", ""]
     text = "\n".join(lines)
     print(text)
     if a.out:

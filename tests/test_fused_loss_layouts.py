@@ -1,10 +1,10 @@
 """The fused-loss flag matrix: ``--model.fused_loss`` on and off under each 2-process layout, against one device with
 full logits (the eager reference). Per step, every rank's ``train_loss`` within 1e-5 (fp32, dropout 0), and the path
 each layout took: fused under native ZeRO-3 (FSDP2 gathers the head inside the model's forward) and DeepSpeed
-ZeRO-2; the head called as a module (vocab-parallel cross-entropy on the shards) under tensor parallelism; full
-logits under a pipeline (its last stage is fed hidden states). Families: LLaMA (untied head) and Qwen2 (tied).
-DDP runs the one-device forward on each replica (the fused path with its gradient hooks unchanged); ZeRO-3 and
-DeepSpeed cover the replicated-head layouts here.
+ZeRO-2; fused on the vocab shards under tensor parallelism (chunks of ``[C, V/tp]`` logits, the softmax statistics
+all-reduced per chunk); full logits under a pipeline (its last stage is fed hidden states). Families: LLaMA (untied
+head) and Qwen2 (tied). DDP runs the one-device forward on each replica (the fused path with its gradient hooks
+unchanged); ZeRO-3 and DeepSpeed cover the replicated-head layouts here.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ TOL = 1e-5
 GLOBAL_BATCH = 8
 FAMILIES = ("debug", "debug-qwen2", "debug-qwen2+lora")
 LAYOUTS = {"zero3": GLOBAL_BATCH // 2, "deepspeed_zero2": GLOBAL_BATCH // 2, "tp": GLOBAL_BATCH, "pp": GLOBAL_BATCH}
-PATH_TAKEN = {"zero3": "fused", "deepspeed_zero2": "fused", "tp": "module", "pp": "logits"}
+PATH_TAKEN = {"zero3": "fused", "deepspeed_zero2": "fused", "tp": "fused-vocab-parallel", "pp": "logits"}
 # (fused_loss, backbone) runs per layout: the flag on for both families, off for one (the eager path is unchanged);
 # "+lora" is Qwen2's tied head with LoRA and modules_to_save [embed_tokens, lm_head] (the Chinese-LLaMA-Alpaca-2
 # recipe): the fused path reads the trained head copy, and a pipeline must not sum the frozen tied originals.
@@ -50,13 +50,17 @@ def _fit(backbone: str, strategy: Any, devices: int, batch_size: int, out: Path,
                         optim=OptimConfig(lr=1e-2, scheduler="constant", eps=1e-6))
     dm = TextDataModule(block_size=32, batch_size=batch_size, cache_dir=str(out / "cache"), generated_docs=100)
     rec = LoggedLoss()
-    # A spy on the fused kernel (wraps: same results) tells which path the model's forward took.
-    with mock.patch.object(head_loss, "fused_linear_cross_entropy", wraps=head_loss.fused_linear_cross_entropy) as spy:
+    # Spies on the fused kernels (wrapping: same results) tell which path the model's forward took.
+    fused_fn, vp_fn = head_loss.fused_linear_cross_entropy, head_loss.vocab_parallel_fused_linear_cross_entropy
+    with mock.patch.object(head_loss, "fused_linear_cross_entropy", wraps=fused_fn) as spy, \
+            mock.patch.object(head_loss, "vocab_parallel_fused_linear_cross_entropy", wraps=vp_fn) as vp_spy:
         table_trainer(out, strategy=strategy, devices=devices, max_steps=STEPS, callbacks=[rec]).fit(task, dm)
     if fused_loss_blocker(task) is not None:
         path = "logits"
+    elif spy.call_count >= STEPS:
+        path = "fused"
     else:
-        path = "fused" if spy.call_count >= STEPS else "module"
+        path = "fused-vocab-parallel" if vp_spy.call_count >= STEPS else "module"
     return {"losses": rec.losses, "path": path}
 
 

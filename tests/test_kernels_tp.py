@@ -1,4 +1,6 @@
-"""Vocab-parallel cross-entropy on 2 gloo processes equals the full-vocab cross-entropy (value and gradient).
+"""Vocab-parallel cross-entropy on 2 gloo processes equals the full-vocab cross-entropy (value and gradient); so does
+the fused linear + vocab-parallel cross-entropy (chunks of the head's row shard, no logits), directly and through
+``head_cross_entropy`` on a ``ColwiseParallel`` head with and without sequence parallelism.
 
 Each rank holds a column shard of the same full logits; the gradient of the full logits is reassembled with an
 all-gather and compared with a float64 ``F.cross_entropy`` reference.
@@ -70,6 +72,8 @@ def _worker(rank: int, port: int, backend: str) -> None:
                 assert _rel(loss, ref) <= TOL, f"loss {tag}: {_rel(loss, ref):.2e}"
                 assert _rel(gfull, gref) <= TOL, f"grad {tag}: {_rel(gfull, gref):.2e}"
         _dtensor_check(rank, backend)
+        _fused_check(rank, backend)
+        _sharded_head_check(rank, backend)
     except BaseException:
         dist.destroy_process_group()
         raise
@@ -100,6 +104,69 @@ def _dtensor_check(rank: int, backend: str) -> None:
     ref.backward()
     assert _rel(loss, ref) <= TOL
     assert _rel(dt.grad.full_tensor(), full64.grad) <= TOL
+
+
+def _fused_check(rank: int, backend: str) -> None:
+    """The fused linear + vocab-parallel cross-entropy on uneven row shards of the head, in chunks of 4 tokens:
+    loss, dhidden (all-reduced), the shard's dW and db against float64 on the full head."""
+    from lightning_llm.kernels.tp_cross_entropy import vocab_parallel_fused_linear_cross_entropy
+
+    g = torch.Generator().manual_seed(2)
+    V, H, widths = 131, 8, (70, 61)
+    start, width = sum(widths[:rank]), widths[rank]
+    h, w, b = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((3, 5, H), (V, H), (V,)))
+    target = torch.randint(0, V, (3, 5), generator=g)
+    target[0, :2] = -100
+    for reduction in ("mean", "sum", "none"):
+        hl, wl, bl = (t.float().requires_grad_(True) for t in (h, w[start:start + width], b[start:start + width]))
+        loss = vocab_parallel_fused_linear_cross_entropy(hl, wl, target, vocab_start=start, bias=bl,
+                                                         reduction=reduction, chunk_size=4, backend=backend)
+        h64, w64, b64 = (t.clone().requires_grad_(True) for t in (h, w, b))
+        ref = F.cross_entropy((h64 @ w64.T + b64).view(-1, V), target.view(-1), reduction=reduction)
+        ref = ref.view(3, 5) if reduction == "none" else ref
+        up = torch.randn(ref.shape, generator=g, dtype=torch.float64)  # same draws on both ranks
+        (loss * up.float()).sum().backward()
+        (ref * up).sum().backward()
+        errs = {"loss": _rel(loss, ref), "dh": _rel(hl.grad, h64.grad),
+                "dW": _rel(wl.grad, w64.grad[start:start + width]), "db": _rel(bl.grad, b64.grad[start:start + width])}
+        assert max(errs.values()) <= TOL, f"fused rank {rank} {reduction} {backend}: {errs}"
+
+
+def _sharded_head_check(rank: int, backend: str) -> None:
+    """head_cross_entropy on a ColwiseParallel head (131 rows over 2 ranks, torch.chunk's uneven split) takes the
+    vocab-parallel fused path, fed the replicated hidden states or sequence-parallel DTensor shards of them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from lightning_llm.kernels.head_loss import head_cross_entropy, vocab_sharded_head
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    for sequence_parallel in (False, True):
+        torch.manual_seed(4)
+        full = torch.nn.Linear(8, 131)
+        hidden = torch.randn(2, 6, 8)
+        labels = torch.randint(0, 131, (2, 6))
+        labels[1, -2:] = -100
+        ref_h = hidden.clone().requires_grad_(True)
+        ref = F.cross_entropy(full(ref_h).view(-1, 131), labels.view(-1))
+        ref.backward()
+        head = parallelize_module(torch.nn.Linear(8, 131), mesh, ColwiseParallel(
+            input_layouts=Shard(1) if sequence_parallel else Replicate(), output_layouts=Shard(-1)))
+        with torch.no_grad():
+            head.weight.to_local().copy_(full.weight[66 * rank:66 * (rank + 1)])
+            head.bias.to_local().copy_(full.bias[66 * rank:66 * (rank + 1)])
+        h = hidden.clone().requires_grad_(True)
+        x = DTensor.from_local(h[:, 3 * rank:3 * (rank + 1)], mesh, [Shard(1)]) if sequence_parallel else h
+        assert vocab_sharded_head(head, x, labels) is not None
+        loss = head_cross_entropy(x, head, labels, backend=backend)
+        loss.backward()
+        dh = h.grad[:, 3 * rank:3 * (rank + 1)] if sequence_parallel else h.grad
+        want_dh = ref_h.grad[:, 3 * rank:3 * (rank + 1)] if sequence_parallel else ref_h.grad
+        errs = {"loss": _rel(loss, ref.double()), "dh": _rel(dh, want_dh.double()),
+                "dW": _rel(head.weight.grad.full_tensor(), full.weight.grad.double()),
+                "db": _rel(head.bias.grad.full_tensor(), full.bias.grad.double())}
+        assert max(errs.values()) <= TOL, f"sharded head sp={sequence_parallel} rank {rank} {backend}: {errs}"
 
 
 @pytest.mark.multiprocess

@@ -168,9 +168,17 @@ def default_chunk_size(n: int, vocab: int, hidden: int) -> int:
     return max(1, min(n, 1 << (target.bit_length() - 1)))
 
 
-def _flce_chunks(hidden, weight, bias, target, ignore_index, ls, z, chunk, backend, scale, grads):
+def _entropy(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Entropy of ``softmax(logits)`` per row, fp32 ``[C]``: ``-sum p log p`` with ``log p = x - lse``."""
+    logp = logits.float() - lse.unsqueeze(1)  # [C, V]
+    return -torch.linalg.vecdot(logp.exp(), logp)
+
+
+def _flce_chunks(hidden, weight, bias, target, ignore_index, ls, z, chunk, backend, scale, grads, entropy=None):
     """Loop over token chunks; returns per-row fp32 losses. ``grads`` = (dh, dW, db) buffers or Nones;
-    when any is given the chunk's dlogits (scaled by ``scale``: 1 element or ``[N]``) are contracted into them."""
+    when any is given the chunk's dlogits (scaled by ``scale``: 1 element or ``[N]``) are contracted into them.
+    ``entropy`` (fp32 ``[N]``, only without gradients: the logits must survive the cross-entropy) receives each
+    row's entropy, 0 where the target is ignored."""
     ce = _ce_impl(backend)
     dh, dw, db = grads
     need_grad = any(g is not None for g in grads)
@@ -181,7 +189,9 @@ def _flce_chunks(hidden, weight, bias, target, ignore_index, ls, z, chunk, backe
         h = hidden[s:e]  # [C, H]
         logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())  # [C, V]
         sc = scale[s:e] if (scale is not None and scale.numel() > 1) else scale
-        rows[s:e], _ = ce(logits, target[s:e], ignore_index, ls, z, sc, logits if need_grad else None)
+        rows[s:e], lse = ce(logits, target[s:e], ignore_index, ls, z, sc, logits if need_grad else None)
+        if entropy is not None:
+            entropy[s:e] = torch.where(target[s:e] != ignore_index, _entropy(logits, lse), 0.0)
         if need_grad:  # `logits` now holds dloss/dlogits for the chunk
             if dh is not None:
                 torch.mm(logits, weight, out=dh[s:e])
@@ -205,7 +215,7 @@ def _grad_buffers(h2, weight, bias, need):
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, bias, ignore_index, reduction, ls, z, chunk_size, backend, grad_enabled,
-                loss_dtype):
+                loss_dtype, with_entropy=False):
         H = hidden.shape[-1]
         h2 = hidden.reshape(-1, H)
         t = target.reshape(-1).contiguous()
@@ -217,17 +227,22 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             grads = (None, None, None)
         else:
             grads = _grad_buffers(h2, weight, bias, need)
-        rows = _flce_chunks(h2, weight, bias, t, ignore_index, ls, z, chunk, backend, scale, grads)
+        ent = torch.empty(N, dtype=torch.float32, device=h2.device) if with_entropy else None
+        rows = _flce_chunks(h2, weight, bias, t, ignore_index, ls, z, chunk, backend, scale, grads, ent)
         ctx.args = (ignore_index, reduction, ls, z, chunk, backend, hidden.shape, weight.dtype)
         if reduction == "none":
             ctx.save_for_backward(h2, weight, bias, t)
-            return rows.view(target.shape).to(loss_dtype)
+            if ent is None:
+                return rows.view(target.shape).to(loss_dtype)
+            ent = ent.view(target.shape)
+            ctx.mark_non_differentiable(ent)  # the returned tensor itself (a view of a marked one would not be)
+            return rows.view(target.shape).to(loss_dtype), ent
         ctx.save_for_backward(*grads)
         loss = rows.sum() / n_valid[0] if reduction == "mean" else rows.sum()
         return loss.to(loss_dtype)
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, *_grad_entropy):  # the entropy output (when asked for) has no gradient
         ignore_index, reduction, ls, z, chunk, backend, shape, wdtype = ctx.args
         need = ctx.needs_input_grad
         if reduction == "none":
@@ -243,7 +258,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                     g.mul_(grad_loss.to(g.dtype))
         dh, dw, db = grads
         dw, db = (None if g is None else g.to(wdtype) for g in (dw, db))  # accumulated in fp32, rounded once
-        return (None if dh is None else dh.view(shape)), dw, None, db, None, None, None, None, None, None, None, None
+        return (None if dh is None else dh.view(shape)), dw, None, db, *([None] * 9)
 
 
 def fused_linear_cross_entropy(
@@ -259,7 +274,8 @@ def fused_linear_cross_entropy(
     chunk_size: int | None = None,
     backend: Backend = "auto",
     loss_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
+    with_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``cross_entropy(hidden @ weight.T + bias, target)`` without materialising the ``[N, V]`` logits.
 
     ``hidden`` ``[..., H]``, ``weight`` ``[V, H]`` (the LM head), ``bias`` ``[V]`` or None, ``target`` ``[...]``.
@@ -267,9 +283,13 @@ def fused_linear_cross_entropy(
     logits are in ``hidden.dtype``; the gradients are accumulated in the parameter dtypes. For
     ``reduction="none"`` the chunks are recomputed in backward.
     ``loss_dtype``: the returned loss's dtype (default ``hidden.dtype``; the math is fp32 either way).
+    ``with_entropy`` (``reduction="none"`` only): also return each token's entropy of ``softmax(logits)``, fp32,
+    without gradient, 0 where the target is ignored (RL logs it; one more pass over each chunk's logits).
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if with_entropy and reduction != "none":
+        raise ValueError(f"with_entropy=True needs reduction='none' (per-token values), got {reduction!r}")
     if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         raise ValueError(f"hidden, weight and bias must share a dtype, got {hidden.dtype} / {weight.dtype}"
                          f" / {None if bias is None else bias.dtype}")
@@ -278,4 +298,4 @@ def fused_linear_cross_entropy(
     resolved = resolve_backend(backend, hidden)
     return FusedLinearCrossEntropyFunction.apply(hidden, weight, target, bias, ignore_index, reduction,
                                                  float(label_smoothing), float(z_loss), chunk_size, resolved,
-                                                 torch.is_grad_enabled(), loss_dtype or hidden.dtype)
+                                                 torch.is_grad_enabled(), loss_dtype or hidden.dtype, with_entropy)

@@ -18,13 +18,14 @@ import torch
 import torch.distributed as dist
 
 from ._backend import Backend, resolve_backend
+from .cross_entropy import _grad_buffers, _mean_scale, default_chunk_size
 
 
 def _stats_torch(x: torch.Tensor, target: torch.Tensor, vocab_start: int):
     """(local row max, sum exp(x - local max), local target logit or 0), fp32 ``[N]`` each."""
     xf = x.float()
     m = xf.max(-1).values
-    d = torch.exp(xf - m.unsqueeze(1)).sum(-1)
+    d = (xf - m.unsqueeze(1)).exp_().sum(-1)  # one [N, Vl] fp32 temporary
     t = target - vocab_start
     inside = (t >= 0) & (t < x.shape[1])
     xt = xf.gather(1, torch.where(inside, t, 0).unsqueeze(1)).squeeze(1)
@@ -32,12 +33,38 @@ def _stats_torch(x: torch.Tensor, target: torch.Tensor, vocab_start: int):
 
 
 def _grad_torch(x, target, vocab_start, lse, scale):
-    g = torch.exp(x.float() - lse.unsqueeze(1))
+    g = (x.float() - lse.unsqueeze(1)).exp_()  # softmax, one [N, Vl] fp32 buffer updated in place
     t = target - vocab_start
     inside = (t >= 0) & (t < x.shape[1])
     rows = torch.nonzero(inside).squeeze(1)
     g[rows, t[rows]] -= 1.0
-    return (g * scale.unsqueeze(1)).to(x.dtype)
+    return g.mul_(scale.unsqueeze(1)).to(x.dtype)
+
+
+def _local_fns(backend: str):
+    """(local stats, local gradient) implementations of ``backend``."""
+    if backend == "triton":
+        from ._triton_cross_entropy import tp_local_grad, tp_local_stats
+
+        return tp_local_stats, tp_local_grad
+    return _stats_torch, _grad_torch
+
+
+def _global_rows(x, t, vocab_start, group, ignore_index, stats):
+    """Full-vocab (per-row loss, lse) fp32 ``[N]`` of the shard ``x`` ``[N, Vl]``: one all-reduce(MAX) of the row
+    maxima and one all-reduce(SUM) of (sum-exp, target logit) on ``group``; loss 0 where the target is ignored."""
+    distributed = dist.is_available() and dist.is_initialized()
+    m_local, d_local, xt = stats(x, t, vocab_start)
+    m = m_local.clone()
+    if distributed:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    # rescale local sum-exp to the global max; guard -inf - -inf for empty shards
+    packed = torch.stack([d_local * torch.exp(torch.where(torch.isinf(m_local), -torch.inf, m_local - m)), xt])
+    if distributed:
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+    log_d = torch.log(packed[0])
+    rows = torch.where(t != ignore_index, log_d + (m - packed[1]), 0.0)  # = lse - x_t without cancellation
+    return rows, m + log_d
 
 
 class VocabParallelCrossEntropyFunction(torch.autograd.Function):
@@ -47,27 +74,9 @@ class VocabParallelCrossEntropyFunction(torch.autograd.Function):
         x = local_logits.reshape(-1, Vl)
         x = x if x.stride(-1) == 1 else x.contiguous()
         t = target.reshape(-1).contiguous()
-        if backend == "triton":
-            from ._triton_cross_entropy import tp_local_grad, tp_local_stats
-
-            stats, grad_fn = tp_local_stats, tp_local_grad
-        else:
-            stats, grad_fn = _stats_torch, _grad_torch
-        distributed = dist.is_available() and dist.is_initialized()
-
-        m_local, d_local, xt = stats(x, t, vocab_start)
-        m = m_local.clone()
-        if distributed:
-            dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
-        # rescale local sum-exp to the global max; guard -inf - -inf for empty shards
-        packed = torch.stack([d_local * torch.exp(torch.where(torch.isinf(m_local), -torch.inf, m_local - m)), xt])
-        if distributed:
-            dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
-        log_d = torch.log(packed[0])
-        lse = m + log_d
+        stats, grad_fn = _local_fns(backend)
+        rows, lse = _global_rows(x, t, vocab_start, group, ignore_index, stats)
         valid = t != ignore_index
-        rows = torch.where(valid, log_d + (m - packed[1]), 0.0)  # = lse - x_t without cancellation
-
         n_valid = valid.sum()
         if grad_enabled and ctx.needs_input_grad[0]:
             scale = valid.float() / (n_valid.clamp_min(1).float() if reduction == "mean" else 1.0)
@@ -122,3 +131,95 @@ def vocab_parallel_cross_entropy(
     b = resolve_backend(backend, local_logits)
     return VocabParallelCrossEntropyFunction.apply(local_logits, target, group, int(vocab_start), ignore_index,
                                                    reduction, b, torch.is_grad_enabled())
+
+
+def _vocab_parallel_chunks(h2, weight, bias, t, vocab_start, group, ignore_index, chunk, backend, scale, grads):
+    """Per-row fp32 losses of ``h2 [N, H] @ weight.T [H, Vl]`` (this rank's vocab shard) in token chunks, the
+    softmax statistics all-reduced per chunk. ``grads`` = (dh, dW, db) buffers or Nones: dW/db receive this shard's
+    gradients, dh this shard's partial sum (the caller all-reduces it); ``scale``: 1 element or ``[N]``."""
+    stats, grad_fn = _local_fns(backend)
+    dh, dw, db = grads
+    need_grad = any(g is not None for g in grads)
+    n = h2.shape[0]
+    rows = torch.empty(n, dtype=torch.float32, device=h2.device)
+    for s in range(0, n, chunk):
+        e = min(s + chunk, n)
+        h, tc = h2[s:e], t[s:e]  # [C, H], [C]
+        logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())  # [C, Vl]
+        rows[s:e], lse = _global_rows(logits, tc, vocab_start, group, ignore_index, stats)
+        if need_grad:
+            sc = (scale[s:e] if scale.numel() > 1 else scale.expand(e - s)) * (tc != ignore_index)
+            g = grad_fn(logits, tc, vocab_start, lse, sc.float())  # [C, Vl] dloss/dlogits, logits dtype
+            if dh is not None:
+                torch.mm(g, weight, out=dh[s:e])
+            if dw is not None:
+                dw.addmm_(g.t().to(dw.dtype), h.to(dw.dtype))
+            if db is not None:
+                db.add_(g.sum(0, dtype=torch.float32))
+    return rows
+
+
+class VocabParallelFusedLinearCrossEntropyFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, target, bias, group, vocab_start, ignore_index, reduction, chunk_size, backend,
+                grad_enabled):
+        h2, t = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1).contiguous()
+        chunk = chunk_size or default_chunk_size(h2.shape[0], weight.shape[0], h2.shape[1])
+        n_valid, scale = _mean_scale(t, ignore_index, reduction)
+        need = [grad_enabled and x for x in ctx.needs_input_grad]
+        # reduction "none": per-row upstream gradients are unknown yet, the chunks are recomputed in backward
+        grads = (None, None, None) if reduction == "none" else _grad_buffers(h2, weight, bias, need)
+        rows = _vocab_parallel_chunks(h2, weight, bias, t, vocab_start, group, ignore_index, chunk, backend, scale,
+                                      grads)
+        ctx.args = (group, vocab_start, ignore_index, reduction, chunk, backend, hidden.shape, weight.dtype)
+        if reduction == "none":
+            ctx.save_for_backward(h2, weight, bias, t)
+            return rows.view(target.shape)
+        ctx.save_for_backward(*grads)
+        return rows.sum() / n_valid[0] if reduction == "mean" else rows.sum()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        group, vocab_start, ignore_index, reduction, chunk, backend, shape, wdtype = ctx.args
+        if reduction == "none":
+            h2, weight, bias, t = ctx.saved_tensors
+            grads = _grad_buffers(h2, weight, bias, ctx.needs_input_grad)
+            _vocab_parallel_chunks(h2, weight, bias, t, vocab_start, group, ignore_index, chunk, backend,
+                                   grad_loss.reshape(-1).float().contiguous(), grads)
+        else:
+            grads = ctx.saved_tensors
+            for g in grads:
+                if g is not None:
+                    g.mul_(grad_loss.to(g.dtype))
+        dh, dw, db = grads
+        if dh is not None and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(dh, group=group)  # each shard contributes dlogits[:, shard] @ W[shard]
+        dw, db = (None if g is None else g.to(wdtype) for g in (dw, db))
+        return (None if dh is None else dh.view(shape)), dw, None, db, *([None] * 7)
+
+
+def vocab_parallel_fused_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    vocab_start: int,
+    group: dist.ProcessGroup | None = None,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: Literal["mean", "sum", "none"] = "mean",
+    chunk_size: int | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Full-vocab cross-entropy of ``hidden @ W.T + b`` from this rank's vocab shard ``weight`` ``[Vl, H]`` (rows
+    ``[vocab_start, vocab_start + Vl)`` of ``W``) without materialising logits: chunks of ``[C, Vl]``, per chunk
+    the two all-reduces of :func:`vocab_parallel_cross_entropy`. ``hidden`` ``[..., H]`` is the full (replicated)
+    input on every rank of ``group``; its gradient is all-reduced over ``group`` in backward, the weight's is the
+    shard's own. Returns the fp32 loss, identical on every rank."""
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
+        raise ValueError(f"hidden, weight and bias must share a dtype, got {hidden.dtype} / {weight.dtype}")
+    return VocabParallelFusedLinearCrossEntropyFunction.apply(
+        hidden, weight, target, bias, group, int(vocab_start), ignore_index, reduction, chunk_size,
+        resolve_backend(backend, hidden), torch.is_grad_enabled())

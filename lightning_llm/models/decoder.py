@@ -24,7 +24,7 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
-from lightning_llm.kernels.head_loss import head_cross_entropy
+from lightning_llm.kernels.head_loss import TokenScores, head_cross_entropy, head_token_scores
 
 from .config import ModelConfig
 from .init import InitPlan, WeightsSource, draw_init_seed, init_whole, materialize, plan_for_modules
@@ -139,7 +139,9 @@ class DecoderLM(nn.Module):
         kv_cache: KVCache | None = None,  # incremental decoding: attention_mask then covers past + new tokens
         labels: Tensor | None = None,  # [B, S] next-token ids (-100 ignored): return the loss instead of logits
         reduction: Literal["mean", "none"] = "mean",  # of the loss with labels: mean over tokens, or [B, S]
-    ) -> Tensor:  # logits [B, S, V] (hidden [B, S, H] when lm_head is None; the loss with labels)
+        temperature: float = 1.0,  # with labels: the loss of logits / temperature (RL's sampling temperature)
+        token_scores: bool = False,  # with labels: TokenScores (per-token loss, entropy, hidden) instead of a loss
+    ) -> Tensor | TokenScores:  # logits [B, S, V] (hidden [B, S, H] when lm_head is None; the loss with labels)
         if self.embed_tokens is None:
             # Pipeline stage after the first: the positional input is the hidden state of the previous stage.
             x = input_ids if input_ids is not None else inputs_embeds
@@ -185,7 +187,10 @@ class DecoderLM(nn.Module):
             return x
         if labels is not None:  # fused with the head where exact: the [B, S, V] logits are never materialised
             backend = "triton" if use_fused_kernel(self.config.kernels, x) else "torch"
-            return head_cross_entropy(x, self.lm_head, labels, reduction=reduction, backend=backend)
+            if token_scores:
+                return head_token_scores(x, self.lm_head, labels, temperature=temperature, backend=backend)
+            return head_cross_entropy(x, self.lm_head, labels, reduction=reduction, temperature=temperature,
+                                      backend=backend)
         return self.lm_head(x)  # [B, S, V]
 
     def _rope(self, position_ids: Tensor, total: int) -> tuple[Tensor, Tensor] | None:

@@ -19,6 +19,7 @@ import logging
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -43,7 +44,9 @@ class ActorCritic(nn.Module):
     hidden state (``critic=None``: one trunk) or on a separate ``critic`` trunk (a decoder whose ``lm_head`` is
     None, so it returns hidden states).
 
-    ``forward`` returns (logits [B, S, V], values [B, S] fp32).
+    ``forward`` returns (logits [B, S, V], values [B, S] fp32); with ``labels`` (a policy that
+    ``computes_loss``) it returns (:class:`~lightning_llm.kernels.head_loss.TokenScores`, values) instead, the
+    per-token log-probs and entropies computed from the hidden states in chunks, never the logits.
     """
 
     def __init__(self, policy: nn.Module, *, hidden_size: int, critic: nn.Module | None = None) -> None:
@@ -55,8 +58,18 @@ class ActorCritic(nn.Module):
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)
 
-    def forward(self, input_ids: Tensor, *, attention_mask: Tensor, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+    @property
+    def computes_loss(self) -> bool:
+        """The policy's own flag: ``forward(..., labels=)`` gives token scores instead of logits."""
+        return bool(getattr(self.policy, "computes_loss", False))
+
+    def forward(self, input_ids: Tensor, *, attention_mask: Tensor, position_ids: Tensor,
+                labels: Tensor | None = None, temperature: float = 1.0) -> tuple[Any, Tensor]:
         kwargs = {"attention_mask": attention_mask, "position_ids": position_ids}
+        if labels is not None:
+            scores = self.policy(input_ids, labels=labels, temperature=temperature, token_scores=True, **kwargs)
+            hidden = scores.hidden if self.critic is None else self.critic(input_ids, **kwargs)
+            return scores, self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
         if self.critic is None:
             captured: list[Tensor] = []
             # The lm_head's input is the trunk's final (normed) hidden state [B, S', H].
@@ -119,7 +132,8 @@ def pack_responses(prompt_ids: Tensor, prompt_mask: Tensor, responses: Tensor, e
 
 
 def response_logits(logits: Tensor, context_length: int) -> Tensor:
-    """Logits [B, P+N, V] -> the logits that predict each response token [B, N, V]."""
+    """Logits [B, P+N, V] (or any per-position values [B, P+N, ...]) -> those that predict each response token
+    [B, N, ...]."""
     return logits[:, context_length - 1:-1]
 
 
@@ -148,7 +162,20 @@ class Rollout:
                    if isinstance(getattr(self, f.name), Tensor)}
         return dataclasses.replace(self, **changes)
 
-    def forward_logprobs(self, model: nn.Module, *, temperature: float) -> Tensor:
-        """Log-probs of the responses under a plain decoder ``model`` (e.g. the reference) [B, N]."""
-        logits = model(self.query_responses, attention_mask=self.attention_mask, position_ids=self.position_ids)
+    def labels(self) -> Tensor:
+        """Next-token labels [B, P+N] for a model that computes its loss: each response token (up to its first EOS)
+        at the column whose logits predict it, -100 elsewhere."""
+        labels = torch.full_like(self.query_responses, -100)
+        labels[:, self.context_length - 1:-1] = self.responses.masked_fill(~self.response_mask, -100)
+        return labels
+
+    def forward_logprobs(self, model: nn.Module, *, temperature: float, fused: bool = False) -> Tensor:
+        """Log-probs of the responses under a plain decoder ``model`` (e.g. the reference) [B, N]; ``fused``: the
+        model computes them from its hidden states (``labels=``), 0 outside the response mask."""
+        kwargs = {"attention_mask": self.attention_mask, "position_ids": self.position_ids}
+        if fused:
+            loss = model(self.query_responses, labels=self.labels(), reduction="none", temperature=temperature,
+                         **kwargs)
+            return -response_logits(loss, self.context_length)
+        logits = model(self.query_responses, **kwargs)
         return logprobs_from_logits(response_logits(logits, self.context_length) / temperature, self.responses)

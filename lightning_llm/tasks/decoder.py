@@ -48,7 +48,7 @@ def fused_loss_blocker(task: DecoderTask) -> str | None:
         return f"{type(task).__name__} overrides {', '.join(own)}"
     if task.capabilities.pipelined:
         return "pipeline stages return hidden states"
-    if not getattr(type(task.model), "computes_loss", False):
+    if not getattr(task.model, "computes_loss", False):
         return f"{type(task.model).__name__} does not compute its own loss"
     return None
 

@@ -108,10 +108,18 @@ class GRPOTask(OnlineRLTask):
         return model
 
     def _logprobs(self, r: Rollout, temperature: float) -> tuple[Tensor, Tensor]:
-        """(log-probs [b, N] of the responses under the current policy, response logits [b, N, V] fp32 / T)."""
-        logits = self.policy(r.query_responses, attention_mask=r.attention_mask, position_ids=r.position_ids)
-        rl = response_logits(logits, r.context_length).float() / temperature
-        return logprobs_from_logits(rl, r.responses), rl
+        """(log-probs, entropies) [b, N] of the responses under the current policy: from the model's token scores
+        (no [b, S, V] logits) with the fused loss, else from its logits (fp32 / T)."""
+        kwargs = {"attention_mask": r.attention_mask, "position_ids": r.position_ids}
+        p = r.context_length
+        if self.uses_fused_loss():
+            scores = self.policy(r.query_responses, labels=r.labels(), temperature=temperature, token_scores=True,
+                                 **kwargs)
+            return -response_logits(scores.loss, p), response_logits(scores.entropy, p)
+        rl = response_logits(self.policy(r.query_responses, **kwargs), p).float() / temperature
+        with torch.no_grad():
+            entropy = entropy_from_logits(rl)
+        return logprobs_from_logits(rl, r.responses), entropy
 
     # ------------------------------------------------------------------------------------------ rollout
     @override
@@ -166,12 +174,11 @@ class GRPOTask(OnlineRLTask):
         counts = self._all_sum(torch.stack([torch.tensor(float(mask.shape[0]), device=self.device),
                                             mask.sum().float()])) / world
         temperature = self.generation.temperature if self.generation.do_sample else 1.0
-        new_logprobs, rl = self._logprobs(mb, temperature)
+        new_logprobs, entropy = self._logprobs(mb, temperature)
         loss, stats = grpo_loss(new_logprobs * mask, mb.logprobs, mb.ref_logprobs, mb.advantages, mask,
                                 clip_range=cfg.clip_range, beta=cfg.beta, kl_estimator=cfg.kl_estimator,
                                 loss_type=cfg.loss_type, seq_count=counts[0], token_count=counts[1])
-        with torch.no_grad():
-            stats["entropy"] = (entropy_from_logits(rl) * mask).sum() / counts[1]
+        stats["entropy"] = (entropy * mask).sum() / counts[1]
         return loss, stats
 
     @override

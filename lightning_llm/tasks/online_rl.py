@@ -245,7 +245,8 @@ class OnlineRLTask(DecoderTask):
         elif not greedy:
             generator = self._generator()
         if repeats > 1:
-            prompt_ids, prompt_mask = prompt_ids.repeat_interleave(repeats, 0), prompt_mask.repeat_interleave(repeats, 0)
+            prompt_ids = prompt_ids.repeat_interleave(repeats, 0)
+            prompt_mask = prompt_mask.repeat_interleave(repeats, 0)
             prompts = [p for p in prompts for _ in range(repeats)]
         responses = generate(self.policy, prompt_ids, prompt_mask, config=cfg, generator=generator,
                              uniforms=uniforms)  # [B, N]
@@ -263,7 +264,7 @@ class OnlineRLTask(DecoderTask):
         def call(*args: Any, **kwargs: Any) -> Tensor:
             return self.reference.run(policy, policy, *args, **kwargs)
 
-        return r.forward_logprobs(call, temperature=temperature)
+        return r.forward_logprobs(call, temperature=temperature, fused=self.uses_fused_loss())
 
     # ------------------------------------------------------------------------------------------ update
     def policy_update(self, r: Rollout) -> dict[str, float]:

@@ -128,16 +128,29 @@ class PPOTask(OnlineRLTask):
         """Generate, score, and compute old log-probs / values / reference log-probs (no rewards yet)."""
         assert self.model is not None
         s = self.sample(batch, greedy=greedy)
-        p = s.context_length
-        logits, values = self.model(s.query_responses, attention_mask=s.attention_mask, position_ids=s.position_ids)
-        logprobs = logprobs_from_logits(response_logits(logits, p) / s.temperature, s.responses)
         m = s.response_mask.float()
         r = Rollout(query_responses=s.query_responses, attention_mask=s.attention_mask, position_ids=s.position_ids,
-                    context_length=p, responses=s.responses, response_mask=s.response_mask, has_eos=s.has_eos,
-                    logprobs=logprobs * m, ref_logprobs=logprobs * 0, values=values[:, p - 1:-1] * m,
-                    scores=s.scores)
+                    context_length=s.context_length, responses=s.responses, response_mask=s.response_mask,
+                    has_eos=s.has_eos, logprobs=m, ref_logprobs=m, values=m, scores=s.scores)
+        logprobs, values, _ = self._forward(r, s.temperature)
+        r.logprobs, r.values = logprobs * m, values * m
         r.ref_logprobs = self.reference_logprobs(r, s.temperature) * m
         return r
+
+    def _forward(self, r: Rollout, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+        """(log-probs, values, entropies) [b, N] of the responses under the current actor-critic: from the
+        model's token scores (no [b, S, V] logits) with the fused loss, else from its logits (fp32 / T)."""
+        assert self.model is not None
+        kwargs = {"attention_mask": r.attention_mask, "position_ids": r.position_ids}
+        p = r.context_length
+        if self.uses_fused_loss():
+            scores, values = self.model(r.query_responses, labels=r.labels(), temperature=temperature, **kwargs)
+            return -response_logits(scores.loss, p), response_logits(values, p), response_logits(scores.entropy, p)
+        logits, values = self.model(r.query_responses, **kwargs)
+        rl = response_logits(logits, p).float() / temperature
+        with torch.no_grad():
+            entropy = entropy_from_logits(rl)
+        return logprobs_from_logits(rl, r.responses), response_logits(values, p), entropy
 
     @override
     @torch.no_grad()
@@ -185,23 +198,18 @@ class PPOTask(OnlineRLTask):
     @override
     def minibatch_loss(self, mb: Rollout) -> tuple[Tensor, dict[str, Tensor]]:
         assert self.model is not None and mb.advantages is not None and mb.returns is not None
-        cfg, p = self.ppo, mb.context_length
-        mask = mb.response_mask
+        cfg, mask = self.ppo, mb.response_mask
         # Global tokens of this mini-batch / world size: DDP's gradient mean then equals the global token mean.
         token_count = self._all_sum(mask.sum().float()) / self._world()
         temperature = self.generation.temperature if self.generation.do_sample else 1.0
-        logits, vpred = self.model(mb.query_responses, attention_mask=mb.attention_mask, position_ids=mb.position_ids)
-        rl = response_logits(logits, p).float() / temperature
-        new_logprobs = logprobs_from_logits(rl, mb.responses) * mask
-        vpred = vpred[:, p - 1:-1] * mask
+        new_logprobs, vpred, entropy = self._forward(mb, temperature)
+        new_logprobs, vpred = new_logprobs * mask, vpred * mask
         pg_loss, stats = policy_loss(new_logprobs, mb.logprobs, mb.advantages, mask, clip_range=cfg.clip_range,
                                      token_count=token_count)
         vf_loss, vf_clipfrac = value_loss(vpred, mb.values, mb.returns, mask, clip_range_value=cfg.clip_range_value,
                                           token_count=token_count)
-        with torch.no_grad():
-            entropy = (entropy_from_logits(rl) * mask).sum() / token_count
         stats = {**stats, "policy": pg_loss.detach(), "value": vf_loss.detach(), "vf_clipfrac": vf_clipfrac,
-                 "entropy": entropy}
+                 "entropy": (entropy * mask).sum() / token_count}
         return pg_loss + cfg.vf_coef * vf_loss, stats
 
     @override
