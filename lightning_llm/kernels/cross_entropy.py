@@ -180,26 +180,36 @@ def _flce_chunks(hidden, weight, bias, target, ignore_index, ls, z, chunk, backe
     ``entropy`` (fp32 ``[N]``, only without gradients: the logits must survive the cross-entropy) receives each
     row's entropy, 0 where the target is ignored."""
     ce = _ce_impl(backend)
-    dh, dw, db = grads
     need_grad = any(g is not None for g in grads)
     N = hidden.shape[0]
     rows = torch.empty(N, dtype=torch.float32, device=hidden.device)
     for s in range(0, N, chunk):
         e = min(s + chunk, N)
         h = hidden[s:e]  # [C, H]
-        logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())  # [C, V]
+        logits = chunk_logits(h, weight, bias)  # [C, V]
         sc = scale[s:e] if (scale is not None and scale.numel() > 1) else scale
         rows[s:e], lse = ce(logits, target[s:e], ignore_index, ls, z, sc, logits if need_grad else None)
         if entropy is not None:
             entropy[s:e] = torch.where(target[s:e] != ignore_index, _entropy(logits, lse), 0.0)
         if need_grad:  # `logits` now holds dloss/dlogits for the chunk
-            if dh is not None:
-                torch.mm(logits, weight, out=dh[s:e])
-            if dw is not None:
-                dw.addmm_(logits.t().to(dw.dtype), h.to(dw.dtype))
-            if db is not None:
-                db.add_(logits.sum(0, dtype=torch.float32))
+            contract_chunk(logits, h, weight, grads, s, e)
     return rows
+
+
+def chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """One token chunk's logits ``[C, V]`` of the head (or ``[C, V/tp]`` of its shard)."""
+    return h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())
+
+
+def contract_chunk(dlogits, h, weight, grads, s: int, e: int) -> None:
+    """Accumulate a chunk's ``dlogits [C, V]`` into ``grads`` = (dh rows ``s:e``, dW, db), each optional."""
+    dh, dw, db = grads
+    if dh is not None:
+        torch.mm(dlogits, weight, out=dh[s:e])
+    if dw is not None:
+        dw.addmm_(dlogits.t().to(dw.dtype), h.to(dw.dtype))
+    if db is not None:
+        db.add_(dlogits.sum(0, dtype=torch.float32))
 
 
 def _grad_buffers(h2, weight, bias, need):

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ._backend import Backend, resolve_backend
-from .cross_entropy import _grad_buffers, _mean_scale, default_chunk_size
+from .cross_entropy import _grad_buffers, _mean_scale, chunk_logits, contract_chunk, default_chunk_size
 
 
 def _stats_torch(x: torch.Tensor, target: torch.Tensor, vocab_start: int):
@@ -138,24 +138,18 @@ def _vocab_parallel_chunks(h2, weight, bias, t, vocab_start, group, ignore_index
     softmax statistics all-reduced per chunk. ``grads`` = (dh, dW, db) buffers or Nones: dW/db receive this shard's
     gradients, dh this shard's partial sum (the caller all-reduces it); ``scale``: 1 element or ``[N]``."""
     stats, grad_fn = _local_fns(backend)
-    dh, dw, db = grads
     need_grad = any(g is not None for g in grads)
     n = h2.shape[0]
     rows = torch.empty(n, dtype=torch.float32, device=h2.device)
     for s in range(0, n, chunk):
         e = min(s + chunk, n)
         h, tc = h2[s:e], t[s:e]  # [C, H], [C]
-        logits = h @ weight.t() if bias is None else torch.addmm(bias, h, weight.t())  # [C, Vl]
+        logits = chunk_logits(h, weight, bias)  # [C, Vl]
         rows[s:e], lse = _global_rows(logits, tc, vocab_start, group, ignore_index, stats)
         if need_grad:
             sc = (scale[s:e] if scale.numel() > 1 else scale.expand(e - s)) * (tc != ignore_index)
             g = grad_fn(logits, tc, vocab_start, lse, sc.float())  # [C, Vl] dloss/dlogits, logits dtype
-            if dh is not None:
-                torch.mm(g, weight, out=dh[s:e])
-            if dw is not None:
-                dw.addmm_(g.t().to(dw.dtype), h.to(dw.dtype))
-            if db is not None:
-                db.add_(g.sum(0, dtype=torch.float32))
+            contract_chunk(g, h, weight, grads, s, e)
     return rows
 
 
