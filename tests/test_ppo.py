@@ -243,13 +243,15 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("strategy", "fused"), [("ddp", True), ("zero3", True), ("zero3", False)])
+@pytest.mark.parametrize(("strategy", "fused"), [("ddp", True), ("zero3", True), ("zero3", False),
+                                                ("deepspeed_zero2", True)])
 def test_two_processes_match_one_device(single: tuple[Path, Path], tmp_path: Path, strategy: str, fused: bool) -> None:
     """Greedy rollouts (deterministic), global whitening, adaptive KL fed the global KL, losses normalized by the
     global token count: 2 ranks x 4 prompts must reproduce one device x 8 prompts, parameters included; under
     ZeRO-3 too, with the fused token scores (the head gathered inside the model's forward) and without them. ZeRO-3
     once clipped before averaging the value head's gradients (a task's own plain parameters, outside FSDP2's units):
-    the KL was 0.4 off after two rollouts."""
+    the KL was 0.4 off after two rollouts. DeepSpeed clips only inside engine.step(): max_grad_norm reaches its
+    config (it was silently not applied)."""
     prompts, single = single
     ddp = tmp_path / strategy
     run_cli(_ppo_args(ddp, prompts, batch=4, extra=["--trainer.devices=2", f"--trainer.strategy={strategy}",
@@ -268,6 +270,20 @@ def test_two_processes_match_one_device(single: tuple[Path, Path], tmp_path: Pat
     assert two[-1]["episode"] == 32
     assert one[-1]["objective/kl_coef"] != 0.05  # the adaptive controller moved, identically on both ranks
     assert max(errs.values()) < 1e-4 and perr < 1e-4
+
+
+def test_deepspeed_takes_the_clip_norm_from_the_task_and_refuses_a_conflicting_config() -> None:
+    from lightning_llm.strategies.zero_deepspeed import DeepSpeedZeroStrategy
+
+    task = _task(ppo=PPOConfig(max_grad_norm=0.7))
+    task.automatic_optimization = False
+    strategy = DeepSpeedZeroStrategy(stage=2)
+    strategy._lightning_module = task
+    assert strategy._with_manual_clipping({"gradient_clipping": 0.0})["gradient_clipping"] == 0.7
+    with pytest.raises(ValueError, match="gradient_clipping=0.5 differs from PPOTask's max_grad_norm=0.7"):
+        strategy._with_manual_clipping({"gradient_clipping": 0.5})
+    task.ppo = PPOConfig(max_grad_norm=None)
+    assert "gradient_clipping" not in strategy._with_manual_clipping({})
 
 
 @pytest.mark.multiprocess

@@ -247,7 +247,25 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
     def _setup_model_and_optimizer(self, model: Any, optimizer: Optimizer | None, lr_scheduler: Any = None) -> Any:
         # Trainable parameters also when optimizer is None: a user config's "optimizer" section builds it from them.
         params = [p for p in model.parameters() if p.requires_grad]
-        return self._initialize(model, self.config, params=params, optimizer=optimizer, lr_scheduler=lr_scheduler)
+        config = self._with_manual_clipping(self.config)
+        return self._initialize(model, config, params=params, optimizer=optimizer, lr_scheduler=lr_scheduler)
+
+    def _with_manual_clipping(self, config: dict[str, Any]) -> dict[str, Any]:
+        """The config with ``gradient_clipping`` set to a manual-optimization task's ``manual_clip_norm``: DeepSpeed
+        clips inside ``engine.step()`` and Lightning's ``clip_gradients`` is a no-op under it, so without this a
+        PPO/GRPO ``max_grad_norm`` would silently not apply."""
+        task = self.lightning_module
+        norm = task.manual_clip_norm if task is not None and not task.automatic_optimization and hasattr(
+            task, "manual_clip_norm") else None
+        if not norm:
+            return config
+        current = float(config.get("gradient_clipping") or 0.0)
+        if current and current != norm:
+            raise ValueError(f"DeepSpeedZeroStrategy: the DeepSpeed config's gradient_clipping={current} differs "
+                             f"from {type(task).__name__}'s max_grad_norm={norm}: set one of them")
+        log.info("DeepSpeed clips gradients to %s inside engine.step() (%s's max_grad_norm)", norm,
+                 type(task).__name__)
+        return {**config, "gradient_clipping": float(norm)}
 
     @override
     def _initialize_deepspeed_inference(self, model: Any) -> None:

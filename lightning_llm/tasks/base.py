@@ -153,6 +153,13 @@ class LLMTask(pl.LightningModule):
         """Whether :meth:`log_train_outputs` is overridden (the same answer on every rank)."""
         return type(self).log_train_outputs is not LLMTask.log_train_outputs
 
+    @property
+    def manual_clip_norm(self) -> float | None:
+        """The global gradient norm a manual-optimization task clips to with ``clip_gradients`` before each
+        ``opt.step()`` (None: no clipping). Engines that clip only inside their own optimizer step (DeepSpeed, whose
+        ``clip_gradients`` does nothing) read it and clip there."""
+        return None
+
     def metric_collection(self, stage: str) -> dict[str, Any]:
         """torchmetrics objects to log at the end of a ``val``/``test`` epoch, by logged name."""
         return {}

@@ -108,6 +108,11 @@ class OnlineRLTask(DecoderTask):
         self.episodes = 0
         self.skipped_minibatches = 0
 
+    @property
+    @override
+    def manual_clip_norm(self) -> float | None:
+        return self.update_schedule.max_grad_norm
+
     # ------------------------------------------------------------------------------------------ to implement
     @property
     def update_schedule(self) -> UpdateSchedule:
