@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         share = layout_share(config, tp=tp, pp=pp, dp=dp, zero3=sargs["stage"] == 3)
         # Model states follow what a rank holds after tp/pp (ZeRO then divides over dp).
         local = share.numel * dp if sargs["stage"] == 3 else share.numel
-        fused = a.fused_loss == "on" and pp == 1  # under tp: the vocab-parallel fused loss on V/tp shards
+        fused = a.fused_loss == "on"  # tp: the vocab-parallel fused loss on V/tp shards; pp: on the last stage
         est = estimate(config, numel=local, batch_size=a.batch_size, seq_len=seq, precision=a.precision,
                        devices=dp, fused_loss=fused, tp=tp, **sargs)
         loss_paths = {k: _loss_bytes(config, tokens=a.batch_size * seq, precision=a.precision, fused=k == "fused",

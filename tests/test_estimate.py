@@ -68,8 +68,8 @@ def test_cli_json_split_and_largest_batch() -> None:
 
 def test_loss_term_with_and_without_the_fused_path() -> None:
     """The fused path keeps no logits: fewer activation bytes and a smaller loss transient; with it off, the total
-    counts full logits; under tensor parallelism the fused path runs on vocab shards (chunks of [C, V/tp]), a
-    pipeline's last stage is fed hidden states and computes logits."""
+    counts full logits; under tensor parallelism the fused path runs on vocab shards (chunks of [C, V/tp]), under
+    a pipeline on its last stage."""
     args = ["--model=llama-1b", "--seq-len=2048", "--batch-size=4", "--strategy=zero3", "--devices=8", "--json"]
     on = json.loads(_run(*args)[1])
     off = json.loads(_run(*args, "--fused-loss=off")[1])
@@ -82,7 +82,7 @@ def test_loss_term_with_and_without_the_fused_path() -> None:
     assert tp["fused_loss"] and tp["bytes"]["loss"] == tp["loss_bytes"]["fused"]
     assert tp["loss_bytes"]["eager"] < on["loss_bytes"]["eager"]  # [N, V/2] shards, batch 1 vs 4
     pp = json.loads(_run("--model=llama-1b", "--seq-len=2048", "--strategy=pp", "--devices=2", "--json")[1])
-    assert not pp["fused_loss"]
+    assert pp["fused_loss"] and pp["bytes"]["loss"] == pp["loss_bytes"]["fused"]
 
 
 def test_cli_table_and_errors() -> None:

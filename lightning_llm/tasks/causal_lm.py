@@ -35,9 +35,11 @@ class CausalLMTask(DecoderTask):
 
     @override
     def model_inputs(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        kwargs = {"attention_mask": batch.get("attention_mask")}
-        if self.uses_fused_loss():
-            kwargs["labels"] = batch["labels"]  # the model returns the mean token loss (no logits)
+        kwargs: dict[str, Any] = {"attention_mask": batch.get("attention_mask")}
+        if self.uses_fused_loss():  # the model returns the mean token loss (no logits)
+            kwargs["labels"] = batch["labels"]
+            if self.capabilities.pipelined:  # per-token losses [b, S]: a pipeline concatenates micro-batch outputs
+                kwargs["reduction"] = "none"
         return (batch["input_ids"],), kwargs
 
     @override
@@ -45,7 +47,10 @@ class CausalLMTask(DecoderTask):
     def loss_from_output(self, output: Any, batch: dict[str, torch.Tensor],
                          stage: str) -> tuple[torch.Tensor, dict[str, Any]]:
         if self.uses_fused_loss():
-            return output, {}  # already the mean over the tokens whose label is not -100
+            if output.dim() == 0:
+                return output, {}  # already the mean over the tokens whose label is not -100
+            # per-token losses (0 where ignored), the mean over the batch's labelled tokens
+            return output.float().sum() / (batch["labels"] != -100).sum().clamp(min=1), {}
         loss = F.cross_entropy(output.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100)
         return loss, {}
 

@@ -46,8 +46,6 @@ def fused_loss_blocker(task: DecoderTask) -> str | None:
     own = [n for n in _LOSS_HOOKS if not getattr(getattr(type(task), n), "__module__", "").startswith("lightning_llm.")]
     if own:
         return f"{type(task).__name__} overrides {', '.join(own)}"
-    if task.capabilities.pipelined:
-        return "pipeline stages return hidden states"
     if not getattr(task.model, "computes_loss", False):
         return f"{type(task.model).__name__} does not compute its own loss"
     return None
@@ -155,7 +153,7 @@ class DecoderTask(LLMTask):
     def uses_fused_loss(self) -> bool:
         """Whether a step asks the model for its loss (``labels=``) instead of logits: ``--model.fused_loss``, the
         library's own ``model_inputs``/``loss_from_output``/``compute_loss`` (an override sees logits, as it
-        expects), a model that declares ``computes_loss``, and no pipeline (whose stages return hidden states)."""
+        expects) and a model that declares ``computes_loss`` (under a pipeline, its last stage computes it)."""
         reason = fused_loss_blocker(self)
         if not self._loss_path_logged:
             self._loss_path_logged = True
