@@ -286,6 +286,23 @@ def test_deepspeed_takes_the_clip_norm_from_the_task_and_refuses_a_conflicting_c
     assert "gradient_clipping" not in strategy._with_manual_clipping({})
 
 
+def test_clip_gradients_under_deepspeed_refuses_a_norm_the_engine_would_not_apply() -> None:
+    """A user's manual-optimization task calling clip_gradients(x) under DeepSpeed trained unclipped, silently."""
+    from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
+
+    from lightning_llm.strategies.zero_deepspeed import CheckedClipPrecision, DeepSpeedZeroStrategy
+
+    strategy = DeepSpeedZeroStrategy(stage=2)
+    strategy.precision_plugin = DeepSpeedPrecision("32-true")  # what Lightning's connector hands the strategy
+    plugin = strategy.precision_plugin
+    assert isinstance(plugin, CheckedClipPrecision) and plugin.precision == "32-true"
+    plugin.clip_gradients(None, 0.0)  # no clipping asked: nothing to check
+    with pytest.raises(ValueError, match=r"clip_gradients\(1.0\) under DeepSpeed: .* gradient_clipping=0.0"):
+        plugin.clip_gradients(None, 1.0)
+    strategy.config["gradient_clipping"] = 1.0  # what the engine applies (max_grad_norm or gradient_clip_val)
+    plugin.clip_gradients(None, 1.0)
+
+
 @pytest.mark.multiprocess
 def test_tensor_parallel_is_refused_before_training(tmp_path: Path) -> None:
     """Ranks that share a batch (tp) cannot roll out independently: one clear error line, before any step."""

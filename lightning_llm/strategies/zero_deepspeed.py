@@ -31,6 +31,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.strategies.deepspeed import remove_module_hooks
 from lightning.pytorch.trainer.states import TrainerFn
@@ -140,6 +141,27 @@ def _drop_empty_groups(optimizer: Optimizer, scheduler: Any) -> None:
                 del values[i]
 
 
+class CheckedClipPrecision(DeepSpeedPrecision):
+    """DeepSpeed's precision plugin, except that ``clip_gradients`` refuses a norm DeepSpeed would not apply.
+
+    DeepSpeed clips only inside ``engine.step()``, to its config's ``gradient_clipping``; Lightning's
+    ``DeepSpeedPrecision.clip_gradients`` does nothing. A manual-optimization task calling ``clip_gradients(x)``
+    would silently train unclipped unless ``x`` is what the engine applies (automatic optimization fills the config
+    from ``--trainer.gradient_clip_val``; a task declares its own norm with ``manual_clip_norm``)."""
+
+    def __init__(self, precision: Any, *, applied: Any) -> None:
+        super().__init__(precision)
+        self._applied = applied  # () -> the engine's gradient_clipping (0: none)
+
+    @override
+    def clip_gradients(self, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = None) -> None:
+        applied = float(self._applied() or 0.0)
+        if clip_val and abs(float(clip_val) - applied) > 1e-12:
+            raise ValueError(f"clip_gradients({clip_val}) under DeepSpeed: DeepSpeed clips inside engine.step() to "
+                             f"gradient_clipping={applied}, so this call would not clip. Declare the norm with the "
+                             "task's manual_clip_norm, or set gradient_clipping in the DeepSpeed config")
+
+
 class DeepSpeedZeroStrategy(DeepSpeedStrategy):
     """DeepSpeed ZeRO stage 1/2/3 (+ CPU offload) configured from the same args as ``ZeroStrategy``; runs on CPU."""
 
@@ -197,6 +219,17 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
         self.zero_init = zero_init
         self._save_fault = SaveFault()  # fault injection for tests (LIGHTNING_LLM_FAULT=kill:save=N[:at=...])
 
+    @property
+    def precision_plugin(self) -> Any:
+        return DeepSpeedStrategy.precision_plugin.fget(self)
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Any) -> None:
+        if type(plugin) is DeepSpeedPrecision:  # what Lightning's connector builds for a DeepSpeed strategy
+            plugin = CheckedClipPrecision(plugin.precision,
+                                          applied=lambda: (self.config or {}).get("gradient_clipping"))
+        DeepSpeedStrategy.precision_plugin.fset(self, plugin)
+
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
@@ -247,8 +280,8 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
     def _setup_model_and_optimizer(self, model: Any, optimizer: Optimizer | None, lr_scheduler: Any = None) -> Any:
         # Trainable parameters also when optimizer is None: a user config's "optimizer" section builds it from them.
         params = [p for p in model.parameters() if p.requires_grad]
-        config = self._with_manual_clipping(self.config)
-        return self._initialize(model, config, params=params, optimizer=optimizer, lr_scheduler=lr_scheduler)
+        self.config = self._with_manual_clipping(self.config)  # CheckedClipPrecision reads what the engine applies
+        return self._initialize(model, self.config, params=params, optimizer=optimizer, lr_scheduler=lr_scheduler)
 
     def _with_manual_clipping(self, config: dict[str, Any]) -> dict[str, Any]:
         """The config with ``gradient_clipping`` set to a manual-optimization task's ``manual_clip_norm``: DeepSpeed
