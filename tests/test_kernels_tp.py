@@ -107,29 +107,30 @@ def _dtensor_check(rank: int, backend: str) -> None:
 
 
 def _fused_check(rank: int, backend: str) -> None:
-    """The fused linear + vocab-parallel cross-entropy on uneven row shards of the head, in chunks of 4 tokens:
-    loss, dhidden (all-reduced), the shard's dW and db against float64 on the full head."""
+    """The fused linear + vocab-parallel cross-entropy on uneven row shards of the head, in chunks of 4 tokens and
+    in default chunks (the shards' own widths would give 4 and 8 tokens here: every rank must run the same chunk
+    loop): loss, dhidden (all-reduced), the shard's dW and db against float64 on the full head."""
     from lightning_llm.kernels.tp_cross_entropy import vocab_parallel_fused_linear_cross_entropy
 
     g = torch.Generator().manual_seed(2)
     V, H, widths = 131, 8, (70, 61)
     start, width = sum(widths[:rank]), widths[rank]
-    h, w, b = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((3, 5, H), (V, H), (V,)))
-    target = torch.randint(0, V, (3, 5), generator=g)
+    h, w, b = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((4, 4, H), (V, H), (V,)))
+    target = torch.randint(0, V, (4, 4), generator=g)
     target[0, :2] = -100
-    for reduction in ("mean", "sum", "none"):
+    for reduction, chunk in (("mean", 4), ("sum", 4), ("none", 4), ("mean", None), ("none", None)):
         hl, wl, bl = (t.float().requires_grad_(True) for t in (h, w[start:start + width], b[start:start + width]))
         loss = vocab_parallel_fused_linear_cross_entropy(hl, wl, target, vocab_start=start, bias=bl,
-                                                         reduction=reduction, chunk_size=4, backend=backend)
+                                                         reduction=reduction, chunk_size=chunk, backend=backend)
         h64, w64, b64 = (t.clone().requires_grad_(True) for t in (h, w, b))
         ref = F.cross_entropy((h64 @ w64.T + b64).view(-1, V), target.view(-1), reduction=reduction)
-        ref = ref.view(3, 5) if reduction == "none" else ref
+        ref = ref.view(4, 4) if reduction == "none" else ref
         up = torch.randn(ref.shape, generator=g, dtype=torch.float64)  # same draws on both ranks
         (loss * up.float()).sum().backward()
         (ref * up).sum().backward()
         errs = {"loss": _rel(loss, ref), "dh": _rel(hl.grad, h64.grad),
                 "dW": _rel(wl.grad, w64.grad[start:start + width]), "db": _rel(bl.grad, b64.grad[start:start + width])}
-        assert max(errs.values()) <= TOL, f"fused rank {rank} {reduction} {backend}: {errs}"
+        assert max(errs.values()) <= TOL, f"fused rank {rank} {reduction} chunk {chunk} {backend}: {errs}"
 
 
 def _sharded_head_check(rank: int, backend: str) -> None:

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._backend import Backend
-from .cross_entropy import fused_linear_cross_entropy
+from .cross_entropy import default_chunk_size, fused_linear_cross_entropy
 from .tp_cross_entropy import vocab_parallel_fused_linear_cross_entropy
 
 log = logging.getLogger(__name__)
@@ -114,11 +114,13 @@ def _vocab_parallel_loss(hidden: Tensor, weight: Tensor, bias: Tensor | None, la
     hidden, w, b = _head_dtype(hidden, w, b)
     if temperature != 1.0:
         hidden, b = hidden / temperature, (b / temperature if b is not None else None)
-    per_rank = -(-weight.shape[0] // mesh.size())  # torch.chunk's split of the vocabulary rows
+    per_rank = -(-weight.shape[0] // mesh.size())  # torch.chunk's split of the vocabulary rows (the widest shard)
+    # Chunks sized by the widest shard: every rank runs the same chunk loop (each chunk all-reduces).
+    chunk = default_chunk_size(hidden.numel() // hidden.shape[-1], per_rank, hidden.shape[-1])
     with torch.autocast(hidden.device.type, enabled=False):
         return vocab_parallel_fused_linear_cross_entropy(
             hidden, w, labels, vocab_start=min(mesh.get_local_rank() * per_rank, weight.shape[0]),
-            group=mesh.get_group(), bias=b, reduction=reduction, backend=backend)
+            group=mesh.get_group(), bias=b, reduction=reduction, chunk_size=chunk, backend=backend)
 
 
 def _head_dtype(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:

@@ -158,7 +158,7 @@ class VocabParallelFusedLinearCrossEntropyFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, target, bias, group, vocab_start, ignore_index, reduction, chunk_size, backend,
                 grad_enabled):
         h2, t = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1).contiguous()
-        chunk = chunk_size or default_chunk_size(h2.shape[0], weight.shape[0], h2.shape[1])
+        chunk = chunk_size  # the same on every rank (see vocab_parallel_fused_linear_cross_entropy)
         n_valid, scale = _mean_scale(t, ignore_index, reduction)
         need = [grad_enabled and x for x in ctx.needs_input_grad]
         # reduction "none": per-row upstream gradients are unknown yet, the chunks are recomputed in backward
@@ -207,13 +207,20 @@ def vocab_parallel_fused_linear_cross_entropy(
 ) -> torch.Tensor:
     """Full-vocab cross-entropy of ``hidden @ W.T + b`` from this rank's vocab shard ``weight`` ``[Vl, H]`` (rows
     ``[vocab_start, vocab_start + Vl)`` of ``W``) without materialising logits: chunks of ``[C, Vl]``, per chunk
-    the two all-reduces of :func:`vocab_parallel_cross_entropy`. ``hidden`` ``[..., H]`` is the full (replicated)
+    the two all-reduces of :func:`vocab_parallel_cross_entropy`. ``chunk_size`` must be equal on every rank (default:
+    sized by the widest shard, one small all-reduce). ``hidden`` ``[..., H]`` is the full (replicated)
     input on every rank of ``group``; its gradient is all-reduced over ``group`` in backward, the weight's is the
     shard's own. Returns the fp32 loss, identical on every rank."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         raise ValueError(f"hidden, weight and bias must share a dtype, got {hidden.dtype} / {weight.dtype}")
+    if chunk_size is None:
+        # Every rank must loop over the same chunks (each one all-reduces): size them by the widest shard.
+        width = torch.tensor([weight.shape[0]], device=hidden.device)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(width, op=dist.ReduceOp.MAX, group=group)
+        chunk_size = default_chunk_size(hidden.numel() // hidden.shape[-1], int(width), hidden.shape[-1])
     return VocabParallelFusedLinearCrossEntropyFunction.apply(
         hidden, weight, target, bias, group, int(vocab_start), ignore_index, reduction, chunk_size,
         resolve_backend(backend, hidden), torch.is_grad_enabled())
