@@ -64,10 +64,14 @@ class ActorCritic(nn.Module):
         return bool(getattr(self.policy, "computes_loss", False))
 
     def forward(self, input_ids: Tensor, *, attention_mask: Tensor, position_ids: Tensor,
-                labels: Tensor | None = None, temperature: float = 1.0) -> tuple[Any, Tensor]:
+                **scoring: Any) -> tuple[Any, Tensor]:
+        """``scoring``: ``labels=``, ``temperature=``, ``token_scores=True`` for the policy's token scores."""
         kwargs = {"attention_mask": attention_mask, "position_ids": position_ids}
-        if labels is not None:
-            scores = self.policy(input_ids, labels=labels, temperature=temperature, token_scores=True, **kwargs)
+        if scoring:
+            if not scoring.get("token_scores"):
+                raise ValueError("ActorCritic with labels needs token_scores=True (its value head reads the hidden "
+                                 "states the scores carry)")
+            scores = self.policy(input_ids, **scoring, **kwargs)
             hidden = scores.hidden if self.critic is None else self.critic(input_ids, **kwargs)
             return scores, self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
         if self.critic is None:

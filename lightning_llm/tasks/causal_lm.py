@@ -49,8 +49,9 @@ class CausalLMTask(DecoderTask):
         if self.uses_fused_loss():
             if output.dim() == 0:
                 return output, {}  # already the mean over the tokens whose label is not -100
-            # per-token losses (0 where ignored), the mean over the batch's labelled tokens
-            return output.float().sum() / (batch["labels"] != -100).sum().clamp(min=1), {}
+            # per-token losses (0 where ignored), the mean over the batch's labelled tokens (NaN without any, as
+            # the mean cross-entropy gives: the non-finite guard then sees it)
+            return output.float().sum() / (batch["labels"] != -100).sum(), {}
         loss = F.cross_entropy(output.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100)
         return loss, {}
 

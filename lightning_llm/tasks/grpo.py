@@ -50,13 +50,11 @@ from typing_extensions import override
 from lightning_llm.peft import count_parameters
 from lightning_llm.rl.config import GRPOConfig
 from lightning_llm.rl.core import (
-    entropy_from_logits,
     group_advantages,
     grpo_loss,
     kl_penalty,
-    logprobs_from_logits,
 )
-from lightning_llm.rl.policy import Rollout, response_logits
+from lightning_llm.rl.policy import Rollout
 from lightning_llm.tasks.online_rl import OnlineRLTask, UpdateSchedule
 
 log = logging.getLogger(__name__)
@@ -108,18 +106,9 @@ class GRPOTask(OnlineRLTask):
         return model
 
     def _logprobs(self, r: Rollout, temperature: float) -> tuple[Tensor, Tensor]:
-        """(log-probs, entropies) [b, N] of the responses under the current policy: from the model's token scores
-        (no [b, S, V] logits) with the fused loss, else from its logits (fp32 / T)."""
-        kwargs = {"attention_mask": r.attention_mask, "position_ids": r.position_ids}
-        p = r.context_length
-        if self.uses_fused_loss():
-            scores = self.policy(r.query_responses, labels=r.labels(), temperature=temperature, token_scores=True,
-                                 **kwargs)
-            return -response_logits(scores.loss, p), response_logits(scores.entropy, p)
-        rl = response_logits(self.policy(r.query_responses, **kwargs), p).float() / temperature
-        with torch.no_grad():
-            entropy = entropy_from_logits(rl)
-        return logprobs_from_logits(rl, r.responses), entropy
+        """(log-probs, entropies) [b, N] of the responses under the current policy."""
+        output = self.policy(r.query_responses, **self.scoring_kwargs(r, temperature))
+        return self.response_logprobs(output, r, temperature)
 
     # ------------------------------------------------------------------------------------------ rollout
     @override

@@ -24,7 +24,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_llm.generation import GenerationConfig, generate, strip_after_eos
-from lightning_llm.rl.policy import Rollout, pack_responses
+from lightning_llm.kernels.head_loss import TokenScores
+from lightning_llm.rl.core import entropy_from_logits, logprobs_from_logits
+from lightning_llm.rl.policy import Rollout, pack_responses, response_logits
 from lightning_llm.rl.reference import ReferencePolicy
 from lightning_llm.rl.rewards import RewardConfig, RewardModel, build_reward
 from lightning_llm.tasks.decoder import DecoderTask
@@ -260,6 +262,26 @@ class OnlineRLTask(DecoderTask):
         return Samples(query_responses=qr, attention_mask=am, position_ids=pos, context_length=prompt_ids.shape[1],
                        responses=responses, response_mask=rmask, has_eos=has_eos, texts=texts,
                        scores=self.score(prompts, texts), temperature=cfg.temperature if cfg.do_sample else 1.0)
+
+    def scoring_kwargs(self, r: Rollout, temperature: float) -> dict[str, Any]:
+        """Keyword inputs of a policy call on rollout ``r``: with the fused loss also ``labels``, the temperature and
+        ``token_scores=True``, so the model returns :class:`~lightning_llm.kernels.head_loss.TokenScores`."""
+        kwargs: dict[str, Any] = {"attention_mask": r.attention_mask, "position_ids": r.position_ids}
+        if self.uses_fused_loss():
+            kwargs.update(labels=r.labels(), temperature=temperature, token_scores=True)
+        return kwargs
+
+    @staticmethod
+    def response_logprobs(output: Any, r: Rollout, temperature: float) -> tuple[Tensor, Tensor]:
+        """(log-probs, entropies) [b, N] of ``r``'s responses from a policy's output: its ``TokenScores`` (the fused
+        path, no [b, S, V] logits) or logits [b, P+N, V] (log-softmax of logits / T in fp32)."""
+        p = r.context_length
+        if isinstance(output, TokenScores):
+            return -response_logits(output.loss, p), response_logits(output.entropy, p)
+        rl = response_logits(output, p).float() / temperature
+        with torch.no_grad():
+            entropy = entropy_from_logits(rl)
+        return logprobs_from_logits(rl, r.responses), entropy
 
     def reference_logprobs(self, r: Rollout, temperature: float) -> Tensor:
         """Log-probs [B, N] of the rollout's responses under the reference policy."""

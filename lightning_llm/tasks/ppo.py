@@ -39,10 +39,8 @@ from typing_extensions import override
 from lightning_llm.peft import count_parameters
 from lightning_llm.rl.config import PPOConfig
 from lightning_llm.rl.core import (
-    entropy_from_logits,
     gae,
     kl_penalty,
-    logprobs_from_logits,
     masked_whiten,
     per_token_rewards,
     policy_loss,
@@ -138,19 +136,11 @@ class PPOTask(OnlineRLTask):
         return r
 
     def _forward(self, r: Rollout, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
-        """(log-probs, values, entropies) [b, N] of the responses under the current actor-critic: from the
-        model's token scores (no [b, S, V] logits) with the fused loss, else from its logits (fp32 / T)."""
+        """(log-probs, values, entropies) [b, N] of the responses under the current actor-critic."""
         assert self.model is not None
-        kwargs = {"attention_mask": r.attention_mask, "position_ids": r.position_ids}
-        p = r.context_length
-        if self.uses_fused_loss():
-            scores, values = self.model(r.query_responses, labels=r.labels(), temperature=temperature, **kwargs)
-            return -response_logits(scores.loss, p), response_logits(values, p), response_logits(scores.entropy, p)
-        logits, values = self.model(r.query_responses, **kwargs)
-        rl = response_logits(logits, p).float() / temperature
-        with torch.no_grad():
-            entropy = entropy_from_logits(rl)
-        return logprobs_from_logits(rl, r.responses), response_logits(values, p), entropy
+        output, values = self.model(r.query_responses, **self.scoring_kwargs(r, temperature))
+        logprobs, entropy = self.response_logprobs(output, r, temperature)
+        return logprobs, response_logits(values, r.context_length), entropy
 
     @override
     @torch.no_grad()
