@@ -98,8 +98,8 @@ class DecoderTask(LLMTask):
             fused_loss: Compute the token cross-entropy from the hidden states and the LM head in chunks (the
                 Triton fused linear cross-entropy on CUDA, chunked torch elsewhere), never materialising the
                 ``[B, S, V]`` logits; same loss and gradients. Used when the task's loss hooks are the library's
-                own and the model is not split into pipeline stages (causal LM, SFT, DPO; GRPO and PPO use logits);
-                ``false`` always computes full logits.
+                own (causal LM, SFT and DPO losses, PPO and GRPO log-probs), under every layout (tensor parallel:
+                on the vocabulary shards; pipeline: on the last stage); ``false`` always computes full logits.
         """
         super().__init__(optim=optim, nonfinite_loss=nonfinite_loss)
         if lora is not None and peft is not None:
