@@ -18,8 +18,9 @@ whose uses were trained apart is untied) or as a peft adapter directory (``--ada
 included) with the base model next to it in ``DIR/base``, so
 ``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(DIR/base), DIR)`` loads it.
 
-Beside the weights: the run's tokenizer (checked to encode identically when reloaded with ``AutoTokenizer``) and,
-for decoders, ``generation_config.json``. ``DIR`` appears only once complete (:mod:`lightning_llm.export_files`).
+Beside the weights: the run's tokenizer (checked to encode identically when reloaded with ``AutoTokenizer``), with
+the chat template the run rendered with when the tokenizer did not carry it, and, for decoders,
+``generation_config.json`` (ending generation where the run's did: the template's end-of-turn token and EOS). ``DIR`` appears only once complete (:mod:`lightning_llm.export_files`).
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ def export_sources(checkpoint: dict[str, Any], *, base: str | None = None, token
     meta = checkpoint.get(CHECKPOINT_KEY) or {}
     hp = dict(checkpoint.get("hyper_parameters") or {})
     backbone = _resolved(hp.get("backbone"))
-    src = ExportSources(generation_config=meta.get("generation_config"), backbone_dir=_resolved(base) or backbone)
+    src = ExportSources(generation_config=meta.get("generation_config"), backbone_dir=_resolved(base) or backbone,
+                        chat_template=meta.get("chat_template"), stop_token_ids=meta.get("stop_token_ids"))
     if no_tokenizer:
         src.no_tokenizer_reason = "--no-tokenizer"
         return src
@@ -160,7 +162,7 @@ def export_checkpoint(ckpt: str | Path, to: str | Path, *, adapter_only: bool = 
             (tmp / "base").mkdir()
             write_model_directory(base_model(model), tmp / "base", sources, architecture=architecture)
             if sources.tokenizer is not None:  # PeftModel users load the tokenizer from the adapter directory
-                write_tokenizer(sources.tokenizer, tmp)
+                write_tokenizer(sources.tokenizer, tmp, chat_template=sources.chat_template)
         else:
             write_model_directory(model if peft_cfg is None else merge_peft(model), tmp, sources,
                                   architecture=architecture)

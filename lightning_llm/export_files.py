@@ -3,8 +3,9 @@
 * :func:`staged_directory`: everything goes into a hidden ``.<name>.partial-*`` directory beside the target, which
   replaces the target in one rename only once complete (``reliability.publish``); an error at any point leaves no
   target and no temporary directory.
-* :func:`write_tokenizer`: the run's tokenizer (the one it trained with), checked to encode identically once written.
-* :func:`write_generation_config`: decoders' ``generation_config.json``.
+* :func:`write_tokenizer`: the run's tokenizer (the one it trained with), checked to encode identically once written,
+  with the run's chat template (``chat_template.jinja``) when the tokenizer did not carry it.
+* :func:`write_generation_config`: decoders' ``generation_config.json``, stopping at the run's stop ids.
 * :func:`write_model_directory`: ``save_hf`` + the two above, shared by ``lightning_llm export`` and ``merge``.
 """
 
@@ -45,6 +46,8 @@ class ExportSources:
     no_tokenizer_reason: str = ""
     generation_config: dict[str, Any] | None = None
     backbone_dir: Path | None = None
+    chat_template: str | None = None
+    stop_token_ids: list[int] | None = None
     notes: list[str] = field(default_factory=list)
 
 
@@ -112,10 +115,12 @@ def _encodings(tok: Any) -> tuple[Any, ...]:
     return (tok(_PROBE)["input_ids"], tok(_PROBE, sample)["input_ids"], len(tok.get_vocab()))
 
 
-def write_tokenizer(source: Path, directory: Path) -> None:
+def write_tokenizer(source: Path, directory: Path, *, chat_template: str | None = None) -> None:
     """Put the tokenizer of ``source`` in ``directory``: its files copied verbatim, or, for a bare ``vocab.txt``
     (which ``AutoTokenizer`` cannot read without a ``tokenizer_config.json``), saved from the tokenizer loaded as the
-    run loaded it. Raises ``ValueError`` if ``AutoTokenizer.from_pretrained(directory)`` then encodes differently."""
+    run loaded it; ``chat_template`` (the run's, when the tokenizer does not carry it) as ``chat_template.jinja``,
+    the file transformers reads first. Raises ``ValueError`` if ``AutoTokenizer.from_pretrained(directory)`` then
+    encodes differently or renders another template."""
     from transformers import AutoTokenizer
 
     from lightning_llm.data.base import load_tokenizer
@@ -131,6 +136,9 @@ def write_tokenizer(source: Path, directory: Path) -> None:
         ours.save_pretrained(str(directory))
         if (source / "vocab.txt").is_file():  # readers that want the plain WordPiece file still find it
             shutil.copy2(source / "vocab.txt", directory / "vocab.txt")
+    if chat_template is not None:
+        (directory / "chat_template.json").unlink(missing_ok=True)
+        (directory / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
     try:
         theirs = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     except Exception as e:  # any loader failure: re-raised naming the source
@@ -140,6 +148,8 @@ def write_tokenizer(source: Path, directory: Path) -> None:
         raise ValueError(f"tokenizer from {source}: AutoTokenizer loads the exported copy as {type(theirs).__name__}, "
                          f"which encodes differently from the run's {type(ours).__name__}; pass --tokenizer DIR or "
                          "--no-tokenizer")
+    if chat_template is not None and theirs.get_chat_template() != chat_template:
+        raise ValueError(f"tokenizer from {source}: the exported copy does not load the run's chat template")
     log.info("tokenizer from %s written to %s", source, directory)
 
 
@@ -160,6 +170,11 @@ def write_generation_config(model: nn.Module, directory: Path, sources: ExportSo
 
         ids = {k: config.extra[k] for k in ("bos_token_id", "eos_token_id") if (config.extra or {}).get(k) is not None}
         gen = GenerationConfig(**ids, pad_token_id=config.pad_token_id).to_diff_dict()
+    if sources.stop_token_ids:  # the run generated until its template's end-of-turn token or EOS: so will the export
+        eos = gen.get("eos_token_id")
+        have = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        stops = list(dict.fromkeys([*sources.stop_token_ids, *have]))
+        gen = {**gen, "eos_token_id": stops if len(stops) > 1 else stops[0]}
     (directory / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
 
 
@@ -193,5 +208,5 @@ def write_model_directory(model: nn.Module, directory: Path, sources: ExportSour
     check_architecture(model, architecture)
     save_hf(model, directory, architecture=architecture)
     if sources.tokenizer is not None:
-        write_tokenizer(sources.tokenizer, directory)
+        write_tokenizer(sources.tokenizer, directory, chat_template=sources.chat_template)
     write_generation_config(model, directory, sources)

@@ -6,6 +6,10 @@
 * ``tokenizer``: the run's tokenizer directory (absolute), ``"byte"`` for the built-in byte tokenizer (which has no
   Hugging Face files), or ``None`` when the datamodule has no tokenizer we can name.
 * ``generation_config``: the backbone's ``generation_config.json`` as read at save time (decoders), or ``None``.
+* ``chat_template``: the Jinja source of the chat template the datamodule rendered with, when it is not the
+  tokenizer's own (a named or the user's template: the export writes it beside the tokenizer), else ``None``.
+* ``stop_token_ids``: the ids generation stopped at (the template's end-of-turn token and EOS), or ``None``; the
+  export's ``generation_config.json`` ends generation at them too.
 
 Written by :class:`ExportMetadata`, a callback every task installs (``LLMTask.configure_callbacks``), so a task that
 overrides ``on_save_checkpoint`` without calling ``super()`` still stores it; ``LLMTask.on_save_checkpoint`` writes the
@@ -25,7 +29,7 @@ from typing_extensions import override
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CHECKPOINT_KEY", "ExportMetadata", "export_metadata"]
+__all__ = ["CHECKPOINT_KEY", "ExportMetadata", "chat_template_source", "export_metadata"]
 
 CHECKPOINT_KEY = "export"
 
@@ -41,6 +45,19 @@ def _tokenizer_source(datamodule: Any) -> str | None:
         if candidate and Path(str(candidate)).is_dir():
             return str(Path(str(candidate)).resolve())
     return None
+
+
+def chat_template_source(datamodule: Any) -> str | None:
+    """The Jinja source of the datamodule's chat template when the tokenizer does not carry it itself (a named or
+    the user's template), else ``None``."""
+    template = getattr(getattr(datamodule, "chat", None), "template", None)
+    return None if template is None or template.own else template.source
+
+
+def _stop_token_ids(datamodule: Any) -> list[int] | None:
+    if getattr(datamodule, "chat", None) is None:
+        return None
+    return [int(i) for i in datamodule.stop_token_ids]
 
 
 def _generation_config(backbone: Any) -> dict[str, Any] | None:
@@ -68,6 +85,8 @@ def export_metadata(pl_module: pl.LightningModule) -> dict[str, Any] | None:
         "model_config": config.to_dict(),
         "tokenizer": _tokenizer_source(datamodule),
         "generation_config": _generation_config(getattr(pl_module, "backbone", None)),
+        "chat_template": chat_template_source(datamodule),
+        "stop_token_ids": _stop_token_ids(datamodule),
     }
 
 

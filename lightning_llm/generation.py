@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,7 @@ from lightning_llm.models.layers import KVCache
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GenerationConfig", "generate", "left_pad", "strip_after_eos"]
+__all__ = ["GenerationConfig", "for_datamodule", "generate", "left_pad", "strip_after_eos"]
 
 
 @dataclass
@@ -77,6 +78,19 @@ class GenerationConfig:
 
 
 torch.serialization.add_safe_globals([GenerationConfig])  # saved in SFT checkpoints' hyper-parameters
+
+
+def for_datamodule(config: GenerationConfig, datamodule: Any) -> GenerationConfig:
+    """``config`` completed from the datamodule's tokenizer: where it names no ``eos_token_id``, the ids a response
+    ends at (``datamodule.stop_token_ids``: a chat template's end-of-turn token and EOS; else its
+    ``eos_token_id``), and its ``pad_token_id``."""
+    changes: dict[str, Any] = {}
+    stops = getattr(datamodule, "stop_token_ids", None) or getattr(datamodule, "eos_token_id", None)
+    if config.eos_token_id is None and stops is not None:
+        changes["eos_token_id"] = list(stops) if isinstance(stops, (list, tuple)) else int(stops)
+    if getattr(datamodule, "pad_token_id", None) is not None:
+        changes["pad_token_id"] = datamodule.pad_token_id
+    return GenerationConfig(**{**config.__dict__, **changes})
 
 
 def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Tensor, Tensor]:

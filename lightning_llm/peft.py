@@ -328,10 +328,10 @@ def _check_llama_layout(model: nn.Module) -> None:
 
 def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,
                    base_model_name_or_path: str | None = None, tokenizer: str | Path | None = None,
-                   state: dict[str, Tensor] | None = None) -> Path:
+                   chat_template: str | None = None, state: dict[str, Tensor] | None = None) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (``modules_to_save`` weights included) loadable by
     ``PeftModel.from_pretrained`` on the HF export of the base model, plus the files of ``tokenizer`` (a directory)
-    if given. ``state``: :func:`peft_state_dict` of ``model`` already gathered to full tensors (sharded layouts).
+    if given, with ``chat_template`` (the run's, when the tokenizer does not carry it). ``state``: :func:`peft_state_dict` of ``model`` already gathered to full tensors (sharded layouts).
     ``directory`` appears only once complete (``export_files.staged_directory``); an existing adapter or model
     directory there is replaced. A LoRA on Baichuan's ``W_pack`` is written in the checkpoint's row order."""
     from safetensors.torch import save_file
@@ -366,7 +366,7 @@ def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"),
                   metadata={"format": "pt"})
         if tokenizer is not None:  # a run with its own (e.g. extended) tokenizer: merge and PeftModel users need it
-            write_tokenizer(Path(tokenizer), tmp)
+            write_tokenizer(Path(tokenizer), tmp, chat_template=chat_template)
     log.info("adapter (%d tensors) written to %s", len(tensors), directory)
     return Path(directory)
 

@@ -1,20 +1,26 @@
-"""Instruction (alpaca-style) data for supervised fine-tuning: ``{"instruction", "input", "output"}`` records.
+"""Supervised fine-tuning data: conversations (OpenAI ``messages``, ShareGPT ``conversations``, alpaca records with
+``system``/``history``), rendered with a chat template, learning exactly the assistant replies.
 
-Each record becomes ``prompt = template(instruction, input)`` and ``response = output + EOS``. Training rows are
-``prompt + response`` with labels pre-shifted by one token and -100 wherever the next token belongs to the prompt
-(so only the response is learned). Evaluation rows additionally carry the prompt alone (left-padded in the batch,
-for generation), the reference text and the record index.
+Records are read by :mod:`lightning_llm.data.chat`, rendered and tokenized by :mod:`lightning_llm.data.chat_encode`
+with the template ``--data.template`` names (:mod:`lightning_llm.data.chat_template`: the tokenizer's own
+``chat_template`` by default, else ``alpaca``; a named template; a Jinja string; a ``{instruction}``/``{input}``
+format string). A training row is the whole conversation's tokens (``apply_chat_template``'s) with labels pre-shifted
+by one token and -100 everywhere but the replies: every assistant message (``assistant_turns=all``) or the last, each
+up to and including the template's end-of-turn token. Evaluation rows additionally carry the prompt for generation:
+the conversation before its last reply with the template's generation prompt (left-padded in the batch), the
+rendered prompt text, the reference reply and the record index. Generation stops at the template's end-of-turn
+token and EOS (:attr:`InstructionDataModule.stop_token_ids`).
 
-``cutoff_len`` bounds prompt + response like LLaMA-Factory's ``infer_seqlen`` (long sources shrink first); a
-truncated prompt loses tokens from the end of its instruction/input part while the template's tail (e.g.
-``### Response:``) is kept. ``packing`` concatenates training rows greedily into ``cutoff_len`` sequences.
+``cutoff_len`` bounds a training row (whole replies kept; a too-long first reply shares it with its prompt as
+LLaMA-Factory's ``infer_seqlen``: the user text is shortened, the template's markers kept). ``packing``
+concatenates training rows greedily into ``cutoff_len`` sequences.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch.utils.data import DataLoader
@@ -26,68 +32,21 @@ from lightning_llm.data.base import (
     tokenizer_or_bytes,
     tokenizer_vocab_size,
 )
+from lightning_llm.data.chat import ChatColumns, Conversation, load_conversation, make_conversations
+from lightning_llm.data.chat_encode import ChatEncoder, infer_seqlen, labels_for
+from lightning_llm.data.chat_template import resolve_template
 from lightning_llm.data.io import DataError, read_records
 from lightning_llm.generation import left_pad
 
 log = logging.getLogger(__name__)
 
-TEMPLATES: dict[str, tuple[str, str]] = {
-    # name: (with input, without input); placeholders {instruction} and {input}
-    "alpaca": (
-        "Below is an instruction that describes a task, paired with an input that provides further context. "
-        "Write a response that appropriately completes the request.\n\n"
-        "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n",
-        "Below is an instruction that describes a task. Write a response that appropriately completes the "
-        "request.\n\n### Instruction:\n{instruction}\n\n### Response:\n",
-    ),
-    "plain": ("{instruction}{input}\n", "{instruction}\n"),
-}
-
-
-def infer_seqlen(source_len: int, target_len: int, cutoff_len: int) -> tuple[int, int]:
-    """LLaMA-Factory's split of ``cutoff_len`` between source (prompt) and target (response) tokens."""
-    if target_len * 2 < cutoff_len:  # short target: truncate the source only
-        max_target_len = cutoff_len
-    elif source_len * 2 < cutoff_len:  # short source: truncate the target only
-        max_target_len = cutoff_len - source_len
-    else:  # both long: proportional
-        max_target_len = int(cutoff_len * (target_len / (source_len + target_len)))
-    new_target_len = min(max_target_len, target_len)
-    new_source_len = min(max(cutoff_len - new_target_len, 0), source_len)
-    return new_source_len, new_target_len
-
-
-class PromptTemplate:
-    """Renders prompts from a named template (``alpaca``, ``plain``) or a format string with ``{instruction}``
-    and ``{input}`` (used for both record kinds)."""
-
-    def __init__(self, template: str) -> None:
-        if template in TEMPLATES:
-            self.with_input, self.without_input = TEMPLATES[template]
-        elif "{instruction}" in template:
-            self.with_input = self.without_input = template
-        else:
-            raise ValueError(f"--data.template={template!r}: a template name ({', '.join(TEMPLATES)}) or a format "
-                             f"string containing {{instruction}} (and optionally {{input}})")
-        try:
-            self.render("x", "y")
-        except (KeyError, IndexError) as e:
-            raise ValueError(f"--data.template: unknown placeholder {e} (use {{instruction}} and {{input}})") from None
-
-    def render(self, instruction: str, inp: str) -> str:
-        template = self.with_input if inp else self.without_input
-        return template.format(instruction=instruction, input=inp)
-
-    def tail(self, inp: str) -> str:
-        """Fixed text after the last placeholder (kept when a long prompt is truncated)."""
-        template = self.with_input if inp else self.without_input
-        return template.rsplit("}", 1)[-1]
+__all__ = ["InstructionDataModule", "infer_seqlen"]
 
 
 class InstructionDataModule(LLMDataModule):
-    """Alpaca-format JSON/JSONL for SFT, with optional packing; validation/test/predict batches also carry
-    left-padded prompts for generation (``gen_input_ids``, ``gen_attention_mask``), ``prompt``/``label`` texts and
-    the record ``index``."""
+    """Conversation/instruction JSON or JSONL for SFT, with optional packing; validation/test/predict batches also
+    carry left-padded prompts for generation (``gen_input_ids``, ``gen_attention_mask``), ``prompt``/``label`` texts
+    and the record ``index``."""
 
     def __init__(
         self,
@@ -98,10 +57,14 @@ class InstructionDataModule(LLMDataModule):
         test_path: str | None = None,
         predict_path: str | None = None,
         val_fraction: float = 0.0,
-        template: str = "alpaca",
+        template: str = "auto",
+        columns: ChatColumns | None = None,
+        assistant_turns: Literal["all", "last"] = "all",
+        default_system: str | None = None,
         cutoff_len: int = 1024,
         max_prompt_len: int | None = None,
         packing: bool = False,
+        generated_conversations: int = 0,
         limit_examples: int | None = None,
         batch_size: int = 8,
         eval_batch_size: int | None = None,
@@ -110,18 +73,27 @@ class InstructionDataModule(LLMDataModule):
     ) -> None:
         """
         Args:
-            train_path: JSON array or JSONL file of ``{"instruction", "input", "output"}`` records.
+            train_path: JSON array or JSONL file of conversations: OpenAI ``{"messages": [...]}``, ShareGPT
+                ``{"conversations": [...], "system", "tools"}`` or alpaca ``{"instruction", "input", "output",
+                "system", "history"}`` records (see ``columns``).
             tokenizer_dir: Local tokenizer directory, or ``byte`` for the built-in byte tokenizer (259 ids). ``None``:
                 the backbone's own tokenizer when ``--model.backbone`` is a Hugging Face directory (the command line
                 fills it in), else the byte tokenizer.
             val_path: Validation records (default: ``val_fraction`` of the training records).
             test_path: Test records.
-            predict_path: Records to generate for in ``predict`` (default ``test_path``); ``output`` may be empty.
+            predict_path: Records to generate for in ``predict`` (default ``test_path``); they need no answer.
             val_fraction: Share of training records held out for validation when ``val_path`` is not given.
-            template: ``alpaca`` (default), ``plain``, or a format string with ``{instruction}`` and ``{input}``.
-            cutoff_len: Most tokens of prompt + response in a training row (and of a packed sequence).
+            template: The chat template: ``auto`` (the tokenizer's ``chat_template``, else ``alpaca``),
+                ``tokenizer``, ``chatml``, ``llama3``, ``llama2``, ``mistral``, ``baichuan2``, ``alpaca``, ``plain``,
+                a Jinja string or ``.jinja`` file, or a format string with ``{instruction}`` and ``{input}``.
+            columns: Format and column/role names of the records (default: told apart per record).
+            assistant_turns: Learn every assistant reply (``all``) or only the last one (``last``).
+            default_system: System message of conversations that have none.
+            cutoff_len: Most tokens of a training row (and of a packed sequence).
             max_prompt_len: Most prompt tokens given to generation (default ``cutoff_len``).
             packing: Concatenate training rows into ``cutoff_len``-token sequences (rows are never split).
+            generated_conversations: Without ``train_path``: this many generated two-turn conversations
+                (:func:`~lightning_llm.data.chat.make_conversations`), 1 in 16 held out for validation.
             limit_examples: Use only the first N records of every file (quick runs).
             batch_size: Per-device training batch size.
             eval_batch_size: Per-device evaluation/generation batch size.
@@ -137,54 +109,72 @@ class InstructionDataModule(LLMDataModule):
             raise ValueError(f"--data.cutoff_len must be >= 2, got {cutoff_len}")
         if not 0 <= val_fraction < 1:
             raise ValueError(f"--data.val_fraction must be in [0, 1), got {val_fraction}")
+        if generated_conversations < 0:
+            raise ValueError(f"--data.generated_conversations must be >= 0, got {generated_conversations}")
         self.paths = {"fit": train_path, "validate": val_path, "test": test_path, "predict": predict_path or test_path}
-        self.tokenizer = tokenizer_or_bytes(tokenizer_dir)
-        self.template = PromptTemplate(template)
+        tokenizer = tokenizer_or_bytes(tokenizer_dir)
+        self.eos_token_id, self.pad_token_id = eos_and_pad_ids(tokenizer, tokenizer_dir)
+        self.chat = ChatEncoder(tokenizer, resolve_template(template, tokenizer, fallback="alpaca"),
+                                eos_token_id=self.eos_token_id)
+        self.tokenizer = self.chat.tokenizer
+        self.columns, self.assistant_turns, self.default_system = columns or ChatColumns(), assistant_turns, \
+            default_system
         self.cutoff_len, self.max_prompt_len = cutoff_len, max_prompt_len or cutoff_len
         self.packing, self.val_fraction, self.limit_examples = packing, val_fraction, limit_examples
+        self.generated_conversations = generated_conversations
         self.datasets: dict[str, EncodedDataset] = {}
-        self.eos_token_id, self.pad_token_id = eos_and_pad_ids(self.tokenizer, tokenizer_dir)
+        log.info("chat template %s; generation stops at %s", self.chat.template.name, self.stop_token_ids)
 
     @property
     def vocab_size(self) -> int:
         return tokenizer_vocab_size(self.tokenizer)
 
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """Token ids generation stops at: the template's end-of-turn token and EOS."""
+        return self.chat.stop_token_ids
+
     # ------------------------------------------------------------------------------------------ records -> rows
-    def _encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
-
-    def _prompt_ids(self, rec: dict[str, Any], limit: int) -> list[int]:
-        inp = rec.get("input") or ""
-        ids = self._encode(self.template.render(rec["instruction"], inp))
-        if len(ids) <= limit:
-            return ids
-        tail = self._encode(self.template.tail(inp))[:limit]
-        return ids[:limit - len(tail)] + tail if tail else ids[:limit]
-
-    def encode_record(self, rec: dict[str, Any], index: int, *, with_eval: bool) -> dict[str, Any]:
-        prompt = self._prompt_ids(rec, 10**9)
-        response = self._encode(rec.get("output") or "") + [self.eos_token_id]
-        src_len, tgt_len = infer_seqlen(len(prompt), len(response), self.cutoff_len)
-        if src_len < len(prompt):
-            prompt_t = self._prompt_ids(rec, src_len)
-        else:
-            prompt_t = prompt
-        full = prompt_t + response[:tgt_len]
-        # labels[t] = full[t + 1] where that token is part of the response; -100 elsewhere (pre-shifted).
-        labels = [-100] * max(len(prompt_t) - 1, 0) + response[:tgt_len] + [-100]
-        labels = labels[len(labels) - len(full):] if len(prompt_t) == 0 else labels
-        row: dict[str, Any] = {"input_ids": full, "labels": labels}
+    def encode_record(self, conv: Conversation, index: int, *, with_eval: bool) -> dict[str, Any]:
+        """One conversation -> a row: ``input_ids``/``labels`` (a prompt-only predict record: the prompt, nothing
+        labelled), plus with ``with_eval`` the generation prompt ``prompt_ids``, its text, the reference ``label``
+        (the last reply) and ``index``."""
+        answered = conv.messages[-1]["role"] == "assistant"
+        row: dict[str, Any] = {}
+        if answered:
+            enc, cut = self.chat.training_row(conv, cutoff_len=self.cutoff_len, turns=self.assistant_turns)
+            row.update(input_ids=enc.ids, labels=labels_for(enc.ids, enc.spans), truncated=cut)
         if with_eval:
-            row["prompt_ids"] = self._prompt_ids(rec, self.max_prompt_len)
-            row["prompt"] = self.template.render(rec["instruction"], rec.get("input") or "")
-            row["label"] = rec.get("output") or ""
-            row["index"] = index
+            prompt = Conversation(conv.messages[:-1] if answered else conv.messages, conv.tools, conv.where)
+            ids = self.chat.ids(self.chat.fit_prompt(prompt, self.max_prompt_len).messages, conv.tools,
+                                generation_prompt=True, where=conv.where)
+            row.update(prompt_ids=ids, index=index, label=conv.messages[-1]["content"] if answered else "",
+                       prompt=self.chat.render(prompt.messages, conv.tools, generation_prompt=True, where=conv.where))
+            if not answered:
+                row.update(input_ids=ids, labels=[-100] * len(ids), truncated=False)
         return row
 
-    def _read(self, path: str, *, need_output: bool) -> list[dict[str, Any]]:
-        required = ["instruction", "output"] if need_output else ["instruction"]
-        recs = read_records(path, required=required, types={"instruction": str, "input": str, "output": str})
-        return recs[: self.limit_examples] if self.limit_examples else recs
+    def _read(self, path: str, *, need_output: bool) -> list[Conversation]:
+        recs = read_records(path)
+        recs = recs[: self.limit_examples] if self.limit_examples else recs
+        return [load_conversation(r, self.columns, f"{path}:{r['_line']}", with_answer=need_output,
+                                  ends_with="assistant" if need_output else "any",
+                                  default_system=self.default_system) for r in recs]
+
+    def _generated(self) -> tuple[list[Conversation], list[Conversation]]:
+        recs = make_conversations(self.generated_conversations, seed=self.seed)
+        convs = [load_conversation(r, self.columns, f"generated conversation {i + 1}", ends_with="assistant",
+                                   default_system=self.default_system) for i, r in enumerate(recs)]
+        n_val = len(convs) // 16
+        return convs[n_val:], convs[:n_val]
+
+    def _rows(self, convs: list[Conversation], *, with_eval: bool, what: str) -> EncodedDataset:
+        rows = [self.encode_record(c, i, with_eval=with_eval) for i, c in enumerate(convs)]
+        cut = sum(r.pop("truncated") for r in rows)
+        if cut:
+            log.warning("%s: %d of %d conversations are longer than cutoff_len=%d tokens and were shortened", what, cut,
+                        len(rows), self.cutoff_len)
+        return EncodedDataset(rows)
 
     def _pack(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         packed: list[dict[str, Any]] = []
@@ -201,7 +191,11 @@ class InstructionDataModule(LLMDataModule):
 
     def setup(self, stage: str) -> None:
         if stage in ("fit", "validate") and "fit" not in self.datasets and "validate" not in self.datasets:
-            train = self._read(self.paths["fit"], need_output=True) if self.paths["fit"] else []
+            if self.paths["fit"] is None and self.generated_conversations:
+                train, val = self._generated()
+            else:
+                train = self._read(self.paths["fit"], need_output=True) if self.paths["fit"] else []
+                val = []
             if self.paths["validate"]:
                 val = self._read(self.paths["validate"], need_output=True)
             elif self.val_fraction > 0 and train:
@@ -211,23 +205,19 @@ class InstructionDataModule(LLMDataModule):
                 held = set(order[:n_val])
                 val = [r for i, r in enumerate(train) if i in held]
                 train = [r for i, r in enumerate(train) if i not in held]
-            else:
-                val = []
             if stage == "fit" and not train:
-                raise DataError("--data.train_path is required for fit")
-            rows = [self.encode_record(r, i, with_eval=False) for i, r in enumerate(train)]
+                raise DataError("--data.train_path (or --data.generated_conversations) is required for fit")
+            rows = self._rows(train, with_eval=False, what="training").examples
             self.datasets["fit"] = EncodedDataset(self._pack(rows) if self.packing else rows)
-            self.datasets["validate"] = EncodedDataset(
-                [self.encode_record(r, i, with_eval=True) for i, r in enumerate(val)])
+            self.datasets["validate"] = self._rows(val, with_eval=True, what="validation")
             log.info("%d training rows (%d records, packing=%s), %d validation records",
                      len(self.datasets["fit"]), len(train), self.packing, len(val))
         for name in ("test", "predict"):
             if stage == name and name not in self.datasets:
                 if not self.paths[name]:
                     raise DataError(f"--data.{name}_path (or test_path) is required for {name}")
-                recs = self._read(self.paths[name], need_output=name == "test")
-                self.datasets[name] = EncodedDataset(
-                    [self.encode_record(r, i, with_eval=True) for i, r in enumerate(recs)])
+                convs = self._read(self.paths[name], need_output=name == "test")
+                self.datasets[name] = self._rows(convs, with_eval=True, what=name)
 
     # ------------------------------------------------------------------------------------------ batches
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Any]:

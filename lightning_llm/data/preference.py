@@ -9,6 +9,15 @@ look up precomputed reference log-probabilities).
 
 Prompts longer than ``max_prompt_len`` keep their last tokens; responses are cut to ``cutoff_len`` minus the prompt.
 Every problem with a file raises :class:`~lightning_llm.data.io.DataError` naming the file and line.
+
+With a chat template (``--data.template``: the tokenizer's own by default, or a named one; see
+:mod:`lightning_llm.data.chat_template`) a pair is a conversation: the prompt (a string: one user message; messages;
+or the record's OpenAI ``messages`` / ShareGPT ``conversations``; a system message kept) rendered with the template's
+generation prompt, and each reply rendered as the assistant turn after it, scored up to and including the template's
+end-of-turn token (:mod:`lightning_llm.data.chat_encode`; ``chosen``/``rejected`` may be strings, messages, or whole
+conversations sharing their beginning). Too-long prompts lose their oldest turns first, then the end of the last user
+message's text (the template's markers and generation prompt stay). Without a template (``auto`` on a tokenizer
+that has none, or ``none``) the strings are joined as they are (prompt + response + EOS).
 """
 
 from __future__ import annotations
@@ -29,6 +38,9 @@ from lightning_llm.data.base import (
     tokenizer_or_bytes,
     tokenizer_vocab_size,
 )
+from lightning_llm.data.chat import ChatColumns, Conversation, preference_conversation
+from lightning_llm.data.chat_encode import ChatEncoder, labels_for
+from lightning_llm.data.chat_template import resolve_template
 from lightning_llm.data.io import DataError, read_records
 from lightning_llm.data.prompts import make_prompts
 
@@ -107,6 +119,9 @@ class PreferenceDataModule(LLMDataModule):
         val_fraction: float = 0.0,
         cutoff_len: int = 512,
         max_prompt_len: int = 256,
+        template: str = "auto",
+        columns: ChatColumns | None = None,
+        default_system: str | None = None,
         generated_pairs: int = 256,
         generated_val_pairs: int = 32,
         limit_examples: int | None = None,
@@ -126,6 +141,11 @@ class PreferenceDataModule(LLMDataModule):
             val_fraction: Share of the training pairs held out for validation when ``val_path`` is not given.
             cutoff_len: Most tokens of prompt + response in a row.
             max_prompt_len: Most prompt tokens (the prompt's end is kept).
+            template: The chat template: ``auto`` (the tokenizer's ``chat_template``, else none), ``none`` (raw
+                strings: prompt + response + EOS), ``tokenizer``, a named one (``chatml``, ``llama3``, ``llama2``,
+                ``mistral``, ``baichuan2``, ``alpaca``, ``plain``) or a Jinja string / ``.jinja`` file.
+            columns: Format and column/role names of conversation records (chat templates only).
+            default_system: System message of prompts that have none (chat templates only).
             generated_pairs: Generated training pairs when ``train_path`` is not given.
             generated_val_pairs: Generated validation pairs when neither ``train_path`` nor ``val_path`` is given.
             limit_examples: Use only the first N records of every file (quick runs).
@@ -143,6 +163,10 @@ class PreferenceDataModule(LLMDataModule):
         self.paths = {"fit": train_path, "validate": val_path}
         self.tokenizer = tokenizer_or_bytes(tokenizer_dir)
         self.eos_token_id, self.pad_token_id = eos_and_pad_ids(self.tokenizer, tokenizer_dir)
+        chat = None if template == "none" else resolve_template(template, self.tokenizer, fallback=None)
+        self.chat = None if chat is None else ChatEncoder(self.tokenizer, chat, eos_token_id=self.eos_token_id)
+        self.tokenizer = self.chat.tokenizer if self.chat is not None else self.tokenizer
+        self.columns, self.default_system = columns or ChatColumns(), default_system
         self.cutoff_len, self.max_prompt_len = cutoff_len, max_prompt_len
         self.val_fraction, self.limit_examples = val_fraction, limit_examples
         self.generated = {"fit": generated_pairs, "validate": generated_val_pairs}
@@ -152,12 +176,23 @@ class PreferenceDataModule(LLMDataModule):
     def vocab_size(self) -> int:
         return tokenizer_vocab_size(self.tokenizer)
 
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """Where a reply ends: the chat template's end-of-turn token and EOS (EOS alone without a template)."""
+        return self.chat.stop_token_ids if self.chat is not None else [self.eos_token_id]
+
     # ------------------------------------------------------------------------------------------ records -> rows
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
 
     def encode_pair(self, rec: dict[str, Any], index: int, where: str) -> dict[str, Any]:
         """One pair -> ``{"chosen": (ids, labels), "rejected": (ids, labels), "index"}``."""
+        if self.chat is not None:
+            return self._encode_chat_pair(rec, index, where)
+        for key in FIELDS:
+            if not isinstance(rec.get(key), str):
+                raise DataError(f"{where}: field {key!r} must be a string without a chat template (--data.template="
+                                "none, or a tokenizer without one); set --data.template to train on conversations")
         prompt = self._encode(rec["prompt"])[-self.max_prompt_len:]
         if not prompt:
             raise DataError(f"{where}: empty prompt (a response is scored given its prompt)")
@@ -169,6 +204,20 @@ class PreferenceDataModule(LLMDataModule):
             row[key] = (ids, [-100] * (len(prompt) - 1) + response + [-100])
         return row
 
+    def _encode_chat_pair(self, rec: dict[str, Any], index: int, where: str) -> dict[str, Any]:
+        """A pair under the chat template: one fitted prompt, each reply its assistant turn (see the module
+        docstring)."""
+        assert self.chat is not None
+        conv, *replies = preference_conversation(rec, self.columns, where, default_system=self.default_system)
+        prompt = self.chat.fit_prompt(conv, self.max_prompt_len)
+        row: dict[str, Any] = {"index": index}
+        for key, reply in zip(("chosen", "rejected"), replies):
+            enc = self.chat.encode(Conversation([*prompt.messages, reply], conv.tools, where), turns="last")
+            start, end = enc.spans[0]
+            end = min(end, self.cutoff_len)
+            row[key] = (enc.ids[:end], labels_for(enc.ids[:end], [(start, end)]))
+        return row
+
     def _records(self, split: str) -> list[tuple[dict[str, Any], str]]:
         """``(record, "file:line")`` of a split's file, or generated pairs."""
         path = self.paths[split]
@@ -176,7 +225,7 @@ class PreferenceDataModule(LLMDataModule):
             n = self.generated[split] if split == "fit" or self.paths["fit"] is None else 0
             pairs = make_preference_pairs(n, seed=self.seed + (0 if split == "fit" else 1)) if n else []
             return [(r, f"generated pair {i + 1}") for i, r in enumerate(pairs)]
-        recs = read_records(path, required=FIELDS, types=dict.fromkeys(FIELDS, str))
+        recs = read_records(path, required=FIELDS if self.chat is None else ())
         recs = recs[: self.limit_examples] if self.limit_examples else recs
         return [(r, f"{path}:{r['_line']}") for r in recs]
 

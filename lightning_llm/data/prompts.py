@@ -3,6 +3,13 @@
 Batches hold the prompts LEFT-padded for batched generation (``input_ids``/``attention_mask`` [B, P]), the prompt
 texts (``prompt``, for text-based rewards) and the record ``index``. Prompts longer than ``max_prompt_len`` keep
 their last tokens (the end of a prompt is what the response continues).
+
+With a chat template (``--data.template``: the tokenizer's own by default, or a named one; see
+:mod:`lightning_llm.data.chat_template`) a prompt is a conversation: the ``prompt`` field as one user message (or a
+list of messages), or the record's OpenAI ``messages`` / ShareGPT ``conversations`` without a trailing reply,
+rendered with the template's generation prompt; too-long prompts lose their oldest turns, then the end of the last
+user message's text (the template's markers stay). The ``prompt`` text handed to rewards is then the last user
+message's text. Rollouts stop at the template's end-of-turn token and EOS (:attr:`PromptDataModule.stop_token_ids`).
 """
 
 from __future__ import annotations
@@ -22,6 +29,9 @@ from lightning_llm.data.base import (
     tokenizer_or_bytes,
     tokenizer_vocab_size,
 )
+from lightning_llm.data.chat import ChatColumns, Conversation, prompt_conversation
+from lightning_llm.data.chat_encode import ChatEncoder
+from lightning_llm.data.chat_template import resolve_template
 from lightning_llm.data.io import DataError, read_records
 from lightning_llm.generation import left_pad
 
@@ -49,6 +59,9 @@ class PromptDataModule(LLMDataModule):
         prompt_field: str = "prompt",
         max_prompt_len: int = 128,
         bos: bool = False,
+        template: str = "auto",
+        columns: ChatColumns | None = None,
+        default_system: str | None = None,
         generated_prompts: int = 256,
         generated_val_prompts: int = 0,
         limit_examples: int | None = None,
@@ -66,7 +79,12 @@ class PromptDataModule(LLMDataModule):
             val_path: Prompts for validation (responses generated and scored).
             prompt_field: Name of the prompt field.
             max_prompt_len: Most prompt tokens (longer prompts keep their last tokens).
-            bos: Prepend the tokenizer's BOS token.
+            bos: Prepend the tokenizer's BOS token (raw prompts; a chat template writes its own).
+            template: The chat template: ``auto`` (the tokenizer's ``chat_template``, else none), ``none`` (raw
+                prompt strings), ``tokenizer``, a named one (``chatml``, ``llama3``, ``llama2``, ``mistral``,
+                ``baichuan2``, ``alpaca``, ``plain``) or a Jinja string / ``.jinja`` file.
+            columns: Format and column/role names of conversation records (chat templates only).
+            default_system: System message of prompts that have none (chat templates only).
             generated_prompts: Number of generated training prompts when ``train_path`` is None.
             generated_val_prompts: Number of generated validation prompts when ``val_path`` is None (0 = none).
             limit_examples: Use only the first N records of every file.
@@ -89,11 +107,23 @@ class PromptDataModule(LLMDataModule):
         self.limit_examples = limit_examples
         self.tokenizer = tokenizer_or_bytes(tokenizer_dir)
         self.eos_token_id, self.pad_token_id = eos_and_pad_ids(self.tokenizer, tokenizer_dir)
+        chat = None if template == "none" else resolve_template(template, self.tokenizer, fallback=None)
+        if chat is not None and bos:
+            raise ValueError(f"--data.bos=true applies to raw prompts; the chat template ({chat.name}) writes its own "
+                             "beginning (use --data.template=none for raw prompts)")
+        self.chat = None if chat is None else ChatEncoder(self.tokenizer, chat, eos_token_id=self.eos_token_id)
+        self.tokenizer = self.chat.tokenizer if self.chat is not None else self.tokenizer
+        self.columns, self.default_system = columns or ChatColumns(), default_system
         self.datasets: dict[str, EncodedDataset] = {}
 
     @property
     def vocab_size(self) -> int:
         return tokenizer_vocab_size(self.tokenizer)
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """Where a response ends: the chat template's end-of-turn token and EOS (EOS alone without a template)."""
+        return self.chat.stop_token_ids if self.chat is not None else [self.eos_token_id]
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -107,6 +137,26 @@ class PromptDataModule(LLMDataModule):
         texts = [r[self.prompt_field] for r in recs]
         return texts[: self.limit_examples] if self.limit_examples else texts
 
+    def _chat_rows(self, split: str) -> list[dict[str, Any]]:
+        """Rows of a split under the chat template: fitted prompt ids, the last user text, the index."""
+        assert self.chat is not None
+        path = self.paths[split]
+        if path is None:
+            recs = [{self.prompt_field: t, "_line": i + 1} for i, t in enumerate(self._texts(split))]
+        else:
+            recs = read_records(path)
+            recs = recs[: self.limit_examples] if self.limit_examples else recs
+        rows = []
+        for i, rec in enumerate(recs):
+            where = f"{path}:{rec['_line']}" if path else f"generated prompt {i + 1}"
+            conv = prompt_conversation(rec, self.columns, where, field=self.prompt_field,
+                                       default_system=self.default_system)
+            fitted = self.chat.fit_prompt(conv, self.max_prompt_len)
+            ids = self.chat.ids(fitted.messages, conv.tools, generation_prompt=True, where=where)
+            text = next(m["content"] for m in reversed(conv.messages) if m["role"] == "user")
+            rows.append({"input_ids": ids, "prompt": text, "index": i})
+        return rows
+
     def encode(self, text: str) -> list[int]:
         ids = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         if self.bos and self.tokenizer.bos_token_id is not None:
@@ -117,9 +167,12 @@ class PromptDataModule(LLMDataModule):
         for split in ("fit", "validate"):
             if split in self.datasets or stage not in ("fit", "validate"):
                 continue
-            texts = self._texts(split)
+            texts = self._texts(split) if self.chat is None else self._chat_rows(split)
             if split == "fit" and stage == "fit" and not texts:
                 raise DataError(f"{self.paths['fit']}: no prompts")
+            if self.chat is not None:
+                self.datasets[split] = EncodedDataset(texts)
+                continue
             rows = []
             for i, text in enumerate(texts):
                 ids = self.encode(text)

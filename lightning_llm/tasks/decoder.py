@@ -17,7 +17,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_llm.contract import builds_lazily
-from lightning_llm.export_meta import _tokenizer_source
+from lightning_llm.export_meta import _tokenizer_source, chat_template_source
 from lightning_llm.peft import (
     LoraArgs,
     PeftConfig,
@@ -208,7 +208,8 @@ class DecoderTask(LLMTask):
             backbone = self.backbone if Path(self.backbone).is_dir() else None
             tokenizer = _tokenizer_source(self.trainer.datamodule)
             export_adapter(self.policy, self.peft_config, directory, base_model_name_or_path=backbone,
-                           tokenizer=tokenizer if tokenizer not in (None, "byte") else None, state=state)
+                           tokenizer=tokenizer if tokenizer not in (None, "byte") else None,
+                           chat_template=chat_template_source(self.trainer.datamodule), state=state)
         except ValueError as e:  # e.g. a GPT-2 layout: no HF-named adapter; the checkpoint still has the weights
             log.warning("adapter not exported: %s", e)
 

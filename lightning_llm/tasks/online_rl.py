@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_llm.generation import GenerationConfig, generate, strip_after_eos
+from lightning_llm.generation import GenerationConfig, for_datamodule, generate, strip_after_eos
 from lightning_llm.kernels.head_loss import TokenScores
 from lightning_llm.rl.core import entropy_from_logits, logprobs_from_logits
 from lightning_llm.rl.policy import Rollout, pack_responses, response_logits
@@ -187,14 +187,9 @@ class OnlineRLTask(DecoderTask):
     # ------------------------------------------------------------------------------------------ rollout
     def _gen_config(self, *, greedy: bool = False) -> GenerationConfig:
         dm = self.trainer.datamodule if self._trainer is not None else None
-        changes: dict[str, Any] = {}
-        if self.generation.eos_token_id is None and getattr(dm, "eos_token_id", None) is not None:
-            changes["eos_token_id"] = dm.eos_token_id
-        if getattr(dm, "pad_token_id", None) is not None:
-            changes["pad_token_id"] = dm.pad_token_id
+        cfg = for_datamodule(self.generation, dm)
         if greedy:
-            changes.update(do_sample=False, num_beams=1)
-        cfg = GenerationConfig(**{**self.generation.__dict__, **changes})
+            cfg = GenerationConfig(**{**cfg.__dict__, "do_sample": False, "num_beams": 1})
         if cfg.num_beams != 1:
             raise ValueError(f"--model.generation.num_beams must be 1 for {type(self).__name__} rollouts "
                              "(responses are sampled)")

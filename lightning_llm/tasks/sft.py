@@ -23,7 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
 from lightning_llm.data.io import atomic_open, write_jsonl_atomic
-from lightning_llm.generation import GenerationConfig, generate, strip_after_eos
+from lightning_llm.generation import GenerationConfig, for_datamodule, generate, strip_after_eos
 from lightning_llm.metrics.text import TextSimilarity, Tokenization
 from lightning_llm.tasks.causal_lm import CausalLMTask
 
@@ -85,13 +85,7 @@ class SFTTask(CausalLMTask):
         return tok
 
     def _gen_config(self) -> GenerationConfig:
-        cfg, dm = self.generation, self.trainer.datamodule
-        changes: dict[str, Any] = {}
-        if cfg.eos_token_id is None and getattr(dm, "eos_token_id", None) is not None:
-            changes["eos_token_id"] = dm.eos_token_id
-        if getattr(dm, "pad_token_id", None) is not None:
-            changes["pad_token_id"] = dm.pad_token_id
-        return GenerationConfig(**{**cfg.__dict__, **changes})
+        return for_datamodule(self.generation, self.trainer.datamodule)
 
     def _decode(self, ids: list[int]) -> str:
         tok = self._tokenizer()
