@@ -321,6 +321,40 @@ def test_rl_prompts_render_with_the_generation_prompt_and_stop_at_the_end_of_tur
         PromptDataModule(template="chatml", bos=True)
 
 
+class RecordingReward:
+    """A reward (``--model.reward.fn=test_chat:RecordingReward``) that keeps the prompts it was given."""
+
+    prompts: list[str] = []
+
+    def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
+        RecordingReward.prompts += prompts
+        return [float(len(r)) for r in responses]
+
+
+def test_grpo_rolls_out_chat_prompts_and_stops_at_the_end_of_turn() -> None:
+    """GRPO on ChatML prompts (byte tokenizer): rollouts are generated from the rendered prompt + generation prompt
+    and stop at <|im_end|> or EOS; the reward gets the user's text."""
+    import lightning.pytorch as pl
+
+    from lightning_llm.rl import GRPOConfig, RewardConfig
+    from lightning_llm.tasks import GRPOTask, OptimConfig
+
+    pl.seed_everything(0)
+    task = GRPOTask("debug", model_overrides={"num_layers": 1}, reward=RewardConfig(fn="test_chat:RecordingReward"),
+                    generation=GenerationConfig(max_new_tokens=6, do_sample=True),
+                    grpo=GRPOConfig(num_generations=2, epochs=1, num_mini_batches=1),
+                    optim=OptimConfig(lr=1e-3, warmup_steps=0, scheduler="constant"))
+    dm = PromptDataModule(template="chatml", generated_prompts=8, batch_size=4)
+    pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+               enable_model_summary=False, limit_val_batches=0, num_sanity_val_steps=0).fit(task, dm)
+    assert task._gen_config().eos_ids == dm.stop_token_ids == [260, 258]
+    assert len(RecordingReward.prompts) == 8 and all(p.startswith("Continue: ") for p in RecordingReward.prompts)
+    batch = dm.collate(dm.datasets["fit"].examples[:4])
+    rendered = dm.tokenizer.decode(batch["input_ids"][0].tolist(), skip_special_tokens=False)
+    assert rendered.endswith("<|im_end|>\n<|im_start|>assistant\n") and rendered.replace("<pad>", "").startswith(
+        "<|im_start|>user\nContinue: ")
+
+
 def test_generation_stops_at_any_stop_id() -> None:
     """generate() ends a row at the first of several stop ids (the end-of-turn token or EOS)."""
     from lightning_llm.generation import generate

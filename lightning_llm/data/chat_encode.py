@@ -151,9 +151,11 @@ class ChatEncoder:
         if at < 0:
             raise ValueError(f"{name}: the template does not render an assistant reply as given ({turn!r})")
         after = turn[at + len(_PROBE_REPLY):]
-        specials = dict(self.tokenizer.added_tokens_encoder)
-        specials.update({k: v for k, v in [(self._kwargs.get("eos_token"), self.eos_token_id)] if k})
-        found = sorted((after.find(tok), -len(tok), tok) for tok in specials if tok and tok in after)
+        # Added tokens that are words, not whitespace (some tokenizers add "\n" tokens; templates write them as text).
+        specials = {t: i for t, i in self.tokenizer.added_tokens_encoder.items() if t.strip()}
+        if "eos_token" in self._kwargs:
+            specials[self._kwargs["eos_token"]] = self.eos_token_id
+        found = sorted((after.find(tok), -len(tok), tok) for tok in specials if tok in after)  # first, then longest
         if not found:
             raise ValueError(f"{name}: an assistant reply is followed by {after!r}, which holds no special token (EOS "
                              "or an end-of-turn token): the model could not learn where a reply ends and generation "
