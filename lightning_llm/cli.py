@@ -1,7 +1,8 @@
 """``lightning_llm`` command line: a LightningCLI (fit/validate/test/predict) plus a few tool subcommands.
 
 Tasks (``--model``) and datamodules (``--data``) are chosen by class path in subclass mode; strategies by
-their registered name (``--trainer.strategy=tp``) or class path.
+their registered name (``--trainer.strategy=tp``, which then takes the class's options:
+:mod:`lightning_llm.cli_args`) or class path.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lightning_llm.checkpoint_errors import CheckpointError
+from lightning_llm.cli_args import expand_config, prepare_argv, register_parser_mode
 from lightning_llm.data.io import DataError
 from lightning_llm.reliability import leave_process, shutdown_process_group
 from lightning_llm.tasks.base import LLMTask, NonFiniteLossError
@@ -46,11 +49,20 @@ class LLMCLI(LightningCLI):
             subclass_mode_model=True,
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"parser_mode": "omegaconf"} if _has_omegaconf() else None,
+            parser_kwargs={"parser_mode": register_parser_mode("omegaconf" if _has_omegaconf() else "yaml")},
             args=args,
             run=run,
             **kwargs,
         )
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        # Registered strategy names become their class + preset (so they take options), strategy options and config
+        # files are checked: one line each before jsonargparse's usage dump (lightning_llm.cli_args).
+        if isinstance(args, dict):
+            args = expand_config(dict(args))
+        elif not isinstance(args, Namespace):
+            args = prepare_argv(list(sys.argv[1:] if args is None else args))
+        self.config = parser.parse_object(args) if isinstance(args, (dict, Namespace)) else parser.parse_args(args)
 
     def before_instantiate_classes(self) -> None:
         # Lightning rejects an unknown strategy name only once the model and data are built, with a list of a few
@@ -62,8 +74,6 @@ class LLMCLI(LightningCLI):
         if isinstance(strategy, str):
             check_strategy_name(strategy)
             if "." in strategy:  # a bare class path stays a string (Trainer would refuse it): instantiate it
-                from jsonargparse import Namespace
-
                 cfg["trainer.strategy"] = Namespace(class_path=strategy, init_args=Namespace())
         _default_tokenizer(cfg)
 
