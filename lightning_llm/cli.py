@@ -67,14 +67,16 @@ class LLMCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         # Lightning rejects an unknown strategy name only once the model and data are built, with a list of a few
         # of its own names: name ours too, before anything is built.
-        from lightning_llm.strategies import check_strategy_name
+        from lightning_llm.strategies import check_strategy_name, strategy_class
 
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         strategy = cfg.get("trainer.strategy")
         if isinstance(strategy, str):
             check_strategy_name(strategy)
-            if "." in strategy:  # a bare class path stays a string (Trainer would refuse it): instantiate it
-                cfg["trainer.strategy"] = Namespace(class_path=strategy, init_args=Namespace())
+            cls = strategy_class(strategy)
+            if cls is not None:  # a bare class path or name stays a string (Trainer would refuse it): instantiate it
+                cfg["trainer.strategy"] = Namespace(class_path=f"{cls.__module__}.{cls.__qualname__}",
+                                                    init_args=Namespace())
         _default_tokenizer(cfg)
 
     def _parse_ckpt_path(self) -> None:

@@ -81,40 +81,17 @@ class StrategyChoice:
 def strategy_choice(value: Any) -> StrategyChoice | None:
     """A registered name (ours or Lightning's) or a ``package.module.Class`` path -> its class and preset; ``None``
     for anything else (``auto``, an unknown name: :func:`lightning_llm.strategies.check_strategy_name` names it)."""
-    import lightning_llm.strategies  # noqa: F401 - registers our names
     from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_llm.strategies import strategy_class  # importing it registers our names
 
     if not isinstance(value, str):
         return None
     if value.lower() in StrategyRegistry:
         entry = StrategyRegistry[value.lower()]
         return StrategyChoice(value, entry["strategy"], dict(entry["init_params"]), registered=True)
-    cls = _strategy_class(value)
+    cls = strategy_class(value)
     return StrategyChoice(value, cls) if cls is not None else None
-
-
-def _strategy_class(path: str) -> type | None:
-    """The ``Strategy`` subclass a class path names, or a class name as jsonargparse resolves it (unique among the
-    imported subclasses)."""
-    import importlib
-
-    from lightning.pytorch.strategies import Strategy
-
-    module, _, name = path.rpartition(".")
-    if not module:
-        found = {c for c in _subclasses(Strategy) if c.__name__ == name}
-        return found.pop() if len(found) == 1 else None
-    try:
-        obj = getattr(importlib.import_module(module), name, None)
-    except ImportError:
-        return None
-    return obj if isinstance(obj, type) and issubclass(obj, Strategy) else None
-
-
-def _subclasses(cls: type) -> Iterator[type]:
-    for sub in cls.__subclasses__():
-        yield sub
-        yield from _subclasses(sub)
 
 
 @functools.cache
