@@ -22,7 +22,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lightning_llm.checkpoint_errors import CheckpointError
 from lightning_llm.cli_args import expand_config, prepare_argv, register_parser_mode
-from lightning_llm.data.io import DataError
+from lightning_llm.data.io import DataError, read_json
 from lightning_llm.reliability import leave_process, shutdown_process_group
 from lightning_llm.tasks.base import LLMTask, NonFiniteLossError
 
@@ -98,15 +98,19 @@ class LLMCLI(LightningCLI):
 def _default_tokenizer(cfg: Any) -> None:
     """An HF ``--model.backbone`` directory's own tokenizer is the datamodule's default ``--data.tokenizer_dir``
     (:func:`lightning_llm.vocab.default_tokenizer_dir`): set here, where the parsed model and data arguments meet
-    before either is built, so the saved config.yaml names it. Datamodules without ``tokenizer_dir`` are left alone."""
+    before either is built, so the saved config.yaml names it. Datamodules without ``tokenizer_dir`` are left alone.
+    The backbone's ``config.json`` is parsed here first (one line naming file and line if it is malformed)."""
     from lightning_llm.vocab import default_tokenizer_dir
 
     model, data = cfg.get("model"), cfg.get("data")
     model_args = getattr(model, "init_args", None)
     data_args = getattr(data, "init_args", None)
+    backbone = model_args.get("backbone") if model_args is not None else None
+    if isinstance(backbone, str) and (Path(backbone).expanduser() / "config.json").is_file():
+        # Read first: the tokenizer (loaded before the model) reads it too, and its error would name the tokenizer.
+        read_json(Path(backbone).expanduser() / "config.json")
     if model_args is None or data_args is None or "tokenizer_dir" not in data_args:
         return
-    backbone = model_args.get("backbone")
     data_args["tokenizer_dir"] = default_tokenizer_dir(backbone, data_args.get("tokenizer_dir"))
 
 

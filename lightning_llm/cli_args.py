@@ -83,7 +83,9 @@ def strategy_choice(value: Any) -> StrategyChoice | None:
     for anything else (``auto``, an unknown name: :func:`lightning_llm.strategies.check_strategy_name` names it)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    from lightning_llm.strategies import strategy_class  # importing it registers our names
+    from lightning_llm.strategies import (
+        strategy_class,  # importing it registers our names
+    )
 
     if not isinstance(value, str):
         return None
@@ -101,7 +103,7 @@ def strategy_options(cls: type) -> frozenset[str]:
 
     parser = ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(cls, fail_untyped=False)
-    return frozenset(k.split(".")[0] for k in parser.get_defaults().keys())
+    return frozenset(k.split(".")[0] for k in parser.get_defaults().keys())  # noqa: SIM118 - a Namespace
 
 
 # ---------------------------------------------------------------------------------------------------- config files
@@ -193,7 +195,7 @@ def _expand_spec(value: dict[str, Any], *, where: str) -> dict[str, Any]:
     assert choice is not None
     init_args = value.get("init_args") or {}
     if not isinstance(init_args, dict):
-        raise ValueError(f"{where}: expected a mapping of {choice.describe()}'s options, got {init_args!r}")
+        raise ValueError(f"{where}: expected a mapping of {choice.describe()}'s options, got {init_args!r}")  # noqa: TRY004 - a user error (exit 2)
     return {**value, **choice.spec(init_args, where=where)}
 
 
@@ -208,7 +210,10 @@ def register_parser_mode(base_mode: str) -> str:
     """Register :data:`PARSER_MODE`: jsonargparse's ``base_mode`` loader (``yaml`` or ``omegaconf``), then
     :func:`expand_config`. Returns the mode to give the parser."""
     from jsonargparse import get_loader, set_loader
-    from jsonargparse._loaders_dumpers import get_loader_exceptions, set_omegaconf_loader  # the lazy omegaconf set-up
+    from jsonargparse._loaders_dumpers import (  # the lazy omegaconf set-up
+        get_loader_exceptions,
+        set_omegaconf_loader,
+    )
 
     if base_mode.startswith("omegaconf"):
         set_omegaconf_loader(base_mode)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from lightning_llm.data.io import read_json
 from lightning_llm.estimate_layout import layout_share, setup_peak_bytes
 
 log = logging.getLogger(__name__)
@@ -187,7 +188,7 @@ def load_config(model: str, family: str) -> Any:
         cfg = p / "config.json"
         if not cfg.is_file():
             raise FileNotFoundError(f"--model={model}: no config.json in that directory")
-        return config_from_hf(json.loads(cfg.read_text()))
+        return config_from_hf(read_json(cfg))
     known = sorted(n for f, n in NAMED_SIZES if f == family)
     raise ValueError(f"--model={model}: neither a named {family} size ({', '.join(known)}) nor a local HF directory")
 

@@ -67,8 +67,9 @@ def _error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
 
 
 def test_every_registered_name_is_covered() -> None:
-    import lightning_llm.strategies  # noqa: F401 - registers them
     from lightning.pytorch.strategies import StrategyRegistry
+
+    import lightning_llm.strategies  # noqa: F401 - registers them
 
     ours = {n for n in StrategyRegistry.available_strategies()
             if StrategyRegistry[n]["strategy"].__module__.startswith("lightning_llm.")}
