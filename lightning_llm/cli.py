@@ -11,6 +11,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning_llm.checkpoint_errors import CheckpointError
 from lightning_llm.cli_args import expand_config, prepare_argv, register_parser_mode
 from lightning_llm.data.io import DataError, read_json
+from lightning_llm.logs import RankZeroFilter, is_global_zero
 from lightning_llm.reliability import leave_process, shutdown_process_group
 from lightning_llm.tasks.base import LLMTask, NonFiniteLossError
 
@@ -122,10 +124,19 @@ def _has_omegaconf() -> bool:
     return True
 
 
+LIGHTNING_PYTREE_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+"""Raised by Lightning 2.6's own ``utilities/_pytree.py`` under torch 2.13, once per process and run: nothing a user
+can act on, so the command line hides it."""
+
+
 def _setup_logging() -> None:
+    warnings.filterwarnings("ignore", message=LIGHTNING_PYTREE_WARNING)
     level = os.environ.get("LIGHTNING_LLM_LOG", "INFO").upper()
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("lightning_llm").setLevel(level)
+    for handler in logging.getLogger().handlers:  # facts about the whole run: printed by global rank 0 only
+        if not any(isinstance(f, RankZeroFilter) for f in handler.filters):
+            handler.addFilter(RankZeroFilter())
 
 
 def _tool(name: str) -> Callable[[list[str]], int]:
@@ -139,14 +150,6 @@ _USER_ERRORS = (CheckpointError, DataError, FileNotFoundError, ValueError, NonFi
                 MisconfigurationException)
 
 
-def _is_global_zero() -> bool:
-    """Rank 0 of a torchrun job (``RANK``) or of Lightning's own launcher (``NODE_RANK``/``LOCAL_RANK`` in the
-    processes it starts); True in a plain process."""
-    if "RANK" in os.environ:
-        return int(os.environ["RANK"]) == 0
-    return os.environ.get("NODE_RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
-
-
 PEER_EXIT_DELAY_S = 3.0
 """How long a rank other than 0 waits before leaving after a user error: the first rank to exit makes torchrun
 terminate the others, which could kill rank 0 before it printed the line (ranks reach the same check together)."""
@@ -155,7 +158,7 @@ terminate the others, which could kill rank 0 before it printed the line (ranks 
 def _report(e: BaseException) -> int:
     """Print the one-line error on global rank 0 only (every rank of a job hits the same bad input; N copies of the
     line bury it) and return the exit code every rank exits with."""
-    if _is_global_zero():
+    if is_global_zero():
         print(f"lightning_llm: error: {_user_error(e)}\n(set LIGHTNING_LLM_DEBUG=1 to see the traceback)",
               file=sys.stderr, flush=True)
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
