@@ -187,8 +187,8 @@ def summary_lines(trainer: pl.Trainer, task: Any, batch: Any, *, flops: int | No
     ids = batch.get("input_ids") if isinstance(batch, dict) else None
     per_replica = int(ids.shape[0]) if isinstance(ids, torch.Tensor) else None
     where = placement(layout, per_node=trainer.num_devices, nodes=trainer.num_nodes)
-    lines = [f"layout: {trainer.world_size} rank(s) = pp {layout.pp} x dp {layout.dp} x tp {layout.tp}, ZeRO stage "
-             f"{layout.zero_stage} ({type(trainer.strategy).__name__}); {where}"]
+    lines = [(f"layout: {trainer.world_size} rank(s) = pp {layout.pp} x dp {layout.dp} x tp {layout.tp}, ZeRO stage "
+              f"{layout.zero_stage} ({type(trainer.strategy).__name__}); {where}")]
     if per_replica is not None:
         micro = f" in {layout.n_microbatches} pipeline micro-batches" if layout.pp > 1 else ""
         global_batch = per_replica * layout.dp * accum
