@@ -132,11 +132,14 @@ can act on, so the command line hides it."""
 def _setup_logging() -> None:
     warnings.filterwarnings("ignore", message=LIGHTNING_PYTREE_WARNING)
     level = os.environ.get("LIGHTNING_LLM_LOG", "INFO").upper()
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    root = logging.getLogger()
+    if not root.handlers:  # as logging.basicConfig, plus: facts about the whole run printed by global rank 0 only
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler.addFilter(RankZeroFilter())
+        root.addHandler(handler)
+        root.setLevel(logging.WARNING)
     logging.getLogger("lightning_llm").setLevel(level)
-    for handler in logging.getLogger().handlers:  # facts about the whole run: printed by global rank 0 only
-        if not any(isinstance(f, RankZeroFilter) for f in handler.filters):
-            handler.addFilter(RankZeroFilter())
 
 
 def _tool(name: str) -> Callable[[list[str]], int]:

@@ -173,12 +173,21 @@ class RunSummary(pl.Callback):
     def _flops(self, task: Any, batch: Any) -> tuple[int | None, str]:
         if self._twin is None:
             return None, "the model could not be copied to the meta device"
-        if not task.automatic_optimization or overrides_compute_loss(task) or not isinstance(batch, dict):
-            return None, "the task's step is not one model call (its own compute_loss or optimization loop)"
+        if not one_call_step(task) or not isinstance(batch, dict):
+            return None, NOT_ONE_CALL
         try:
             return count_step_flops(task, self._twin, batch), ""
         except Exception as e:  # noqa: BLE001 - the count is a report, never a reason to stop the run
             return None, f"counting failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+NOT_ONE_CALL = "the task's step is not one model call on the batch (its own compute_loss or optimization loop)"
+
+
+def one_call_step(task: Any) -> bool:
+    """A training step is one forward and backward of the batch through ``model_inputs``/``loss_from_output``: what
+    the FLOP count runs and the memory estimate models (not PPO's rollouts, not a two-call ``compute_loss``)."""
+    return bool(task.automatic_optimization) and not overrides_compute_loss(task)
 
 
 def summary_lines(trainer: pl.Trainer, task: Any, batch: Any, *, flops: int | None, flops_note: str) -> list[str]:
@@ -222,6 +231,7 @@ def _memory_line(trainer: pl.Trainer, task: Any, layout: Layout, batch: int | No
     config = getattr(getattr(task, "model", None), "config", None)
     precision = str(trainer.precision)
     why = ("the model has no ModelConfig" if not isinstance(config, ModelConfig) else
+           NOT_ONE_CALL if not one_call_step(task) else
            f"strategy {type(trainer.strategy).__name__} is not modelled" if layout.engine is None else
            f"precision {precision} is not modelled" if precision not in PRECISIONS else
            "no input_ids in the batch" if batch is None or not isinstance(ids, torch.Tensor) else "")
