@@ -165,8 +165,9 @@ def _config_strategy(data: dict[str, Any]) -> tuple[Any, bool]:
 def expand_config(data: Any, *, where: str = "config") -> Any:
     """A loaded config with its registered strategy names in class form: ``trainer.strategy`` (top level or under a
     subcommand) when it is one of lightning_llm's names or ``{class_path: NAME, ...}`` of any registered name, and a
-    value that is itself such a spec (``--trainer.strategy='{class_path: 3d, ...}'``)."""
-    if _named_spec(data) is not None:
+    value that is itself such a spec (``--trainer.strategy='{class_path: 3d, ...}'``). The ``init_args`` of every
+    strategy spec (a class path too) are checked against its class."""
+    if _spec_choice(data) is not None:
         return _expand_spec(data, where=where)
     if not isinstance(data, dict):
         return data
@@ -178,20 +179,22 @@ def expand_config(data: Any, *, where: str = "config") -> Any:
         choice = strategy_choice(value)
         if choice is not None and choice.registered and choice.ours:
             trainer["strategy"] = choice.spec()
-        elif _named_spec(value) is not None:
+        elif _spec_choice(value) is not None:
             trainer["strategy"] = _expand_spec(value, where=f"{where}: trainer.strategy.init_args")
     return data
 
 
-def _named_spec(value: Any) -> StrategyChoice | None:
-    if not isinstance(value, dict) or set(value) - {"class_path", "init_args", "dict_kwargs"}:
+def _spec_choice(value: Any) -> StrategyChoice | None:
+    """The strategy a ``{class_path: NAME_OR_PATH, init_args: {...}}`` mapping names, else ``None``."""
+    if not isinstance(value, dict) or "class_path" not in value or set(value) - {"class_path", "init_args",
+                                                                                  "dict_kwargs"}:
         return None
-    choice = strategy_choice(value.get("class_path"))
-    return choice if choice is not None and choice.registered else None
+    return strategy_choice(value["class_path"])
 
 
 def _expand_spec(value: dict[str, Any], *, where: str) -> dict[str, Any]:
-    choice = _named_spec(value)
+    """The class form of a strategy spec: the preset of a registered name under its ``init_args`` (checked)."""
+    choice = _spec_choice(value)
     assert choice is not None
     init_args = value.get("init_args") or {}
     if not isinstance(init_args, dict):
@@ -251,7 +254,7 @@ def prepare_argv(argv: list[str]) -> list[str]:
             strategy, sets = _config_strategy(data) if data else (None, False)
             expand_config(data, where=f"--config={value}")  # its strategy options checked, named by this path
             if sets:
-                current = strategy_choice(strategy) or _named_spec(strategy)
+                current = strategy_choice(strategy) or _spec_choice(strategy)
                 plain = isinstance(strategy, str) and current is not None and current.registered and not current.ours
         elif key == STRATEGY and value is not None:
             current, plain = strategy_choice(value), False

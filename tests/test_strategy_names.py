@@ -120,6 +120,11 @@ def test_yaml_names_with_init_args(tmp_path: Path, capsys: pytest.CaptureFixture
     # A name as a plain string in YAML, then an option on the command line.
     cfg.write_text("trainer:\n  strategy: deepspeed_zero3\n")
     assert _deepspeed(3)(_strategy("--config", str(cfg), "--trainer.strategy.optimizer=adamw"))
+    # A class path in the file, an option on the command line.
+    cfg.write_text("trainer:\n  strategy:\n    class_path: lightning_llm.strategies.HybridParallelStrategy\n"
+                   "    init_args: {zero_stage: 1}\n")
+    s = _strategy("--config", str(cfg), "--trainer.strategy.sequence_parallel=true")
+    assert (s.zero_stage, s.sequence_parallel) == (1, True)
     # A misspelt init arg in the file: one line naming the file, the key and the strategy.
     cfg.write_text("trainer:\n  strategy:\n    class_path: 3d\n    init_args: {tensor_paralel_size: 2}\n")
     line = _error(capsys, "--config", str(cfg))
