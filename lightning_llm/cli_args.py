@@ -27,9 +27,15 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_llm.data.io import DataError
+from lightning_llm.strategies import (  # importing it registers our names
+    check_strategy_name,
+    strategy_class,
+)
 
 __all__ = ["PARSER_MODE", "StrategyChoice", "expand_config", "prepare_argv", "read_config_file", "strategy_choice",
            "strategy_options"]
@@ -81,12 +87,6 @@ class StrategyChoice:
 def strategy_choice(value: Any) -> StrategyChoice | None:
     """A registered name (ours or Lightning's) or a ``package.module.Class`` path -> its class and preset; ``None``
     for anything else (``auto``, an unknown name: :func:`lightning_llm.strategies.check_strategy_name` names it)."""
-    from lightning.pytorch.strategies import StrategyRegistry
-
-    from lightning_llm.strategies import (
-        strategy_class,  # importing it registers our names
-    )
-
     if not isinstance(value, str):
         return None
     if value.lower() in StrategyRegistry:
@@ -265,6 +265,8 @@ def prepare_argv(argv: list[str]) -> list[str]:
                     plain = True
         elif key.startswith(STRATEGY + "."):
             option = key[len(STRATEGY) + 1:].removeprefix("init_args.").split(".")[0]
+            if option in ("dict_kwargs", "class_path"):  # jsonargparse's own keys of a class spec
+                continue
             if option == "help" and value is not None and (named := strategy_choice(value)) is not None:
                 _replace_value(out, at, inline, named.class_path)  # --trainer.strategy.help 3d: its class's help
                 continue
@@ -285,10 +287,8 @@ def _replace_value(out: list[str], at: int, inline: bool, value: str) -> None:
         out[at + 1] = value
 
 
-def _check_name(out: list[str], at: int, key: str) -> None:
+def _check_name(out: list[str], at: int, key: str) -> NoReturn:
     """An option, and no strategy this module resolves before it: the bad ``--trainer.strategy`` named, or none."""
-    from lightning_llm.strategies import check_strategy_name
-
     given = [v for _, k, v, _ in _options(out[:at]) if k == STRATEGY and v is not None]
     if given:
         check_strategy_name(given[-1])
