@@ -18,9 +18,15 @@ from lightning_llm.tasks.decoder import DecoderTask
 log = logging.getLogger(__name__)
 
 
+PACKED_INPUTS = ("position_ids", "segment_ids")
+"""Batch keys of packed rows (:func:`lightning_llm.data.packing.pack_examples`) handed to the model as they are: under
+a pipeline, as keyword inputs, they reach every stage (each builds its attention mask from ``segment_ids``)."""
+
+
 class CausalLMTask(DecoderTask):
     """Next-token prediction. Batches hold ``input_ids`` [B, S] and already-shifted ``labels`` [B, S]
-    (-100 = ignored). Logs ``train_loss``, ``train_tokens_per_s``, ``val_loss`` and ``val_ppl``.
+    (-100 = ignored); packed rows also ``position_ids`` and ``segment_ids`` [B, S] (attention stays within each
+    example). Logs ``train_loss``, ``train_tokens_per_s``, ``val_loss`` and ``val_ppl``.
 
     The backbone and PEFT arguments are :class:`DecoderTask`'s (``--model.backbone``, ``--model.lora``, ...).
     """
@@ -36,6 +42,7 @@ class CausalLMTask(DecoderTask):
     @override
     def model_inputs(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
         kwargs: dict[str, Any] = {"attention_mask": batch.get("attention_mask")}
+        kwargs.update({key: batch[key] for key in PACKED_INPUTS if key in batch})
         if self.uses_fused_loss():  # the model returns the mean token loss (no logits)
             kwargs["labels"] = batch["labels"]
             if self.capabilities.pipelined:  # per-token losses [b, S]: a pipeline concatenates micro-batch outputs
