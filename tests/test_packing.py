@@ -8,7 +8,7 @@
   the fused loss and the logits path both.
 * The old contaminating behaviour fails it: without ``segment_ids`` another example's tokens change a loss.
 * SFT with ``--data.packing=true`` trains exactly as without it (whole dataset per step: same examples, same loss).
-* Prompt-learning wrappers refuse packed rows.
+* Prompt-learning wrappers refuse packed rows, and so does a task whose ``model_inputs`` drops the segments.
 """
 
 from __future__ import annotations
@@ -248,6 +248,22 @@ def test_prompt_learning_refuses_packed_rows() -> None:
         wrapped = build_prompt_model(base, method, 4, options={}, prompt_init="random")
         with pytest.raises(ValueError, match=rf"peft.method={method} cannot train on packed rows .*packing=false"):
             wrapped(batch["input_ids"], segment_ids=batch["segment_ids"], position_ids=batch["position_ids"])
+
+
+def test_a_task_whose_model_inputs_drop_the_segments_is_refused() -> None:
+    from lightning_llm.tasks import CausalLMTask
+
+    class OwnInputs(CausalLMTask):  # a user task written before packing kept examples apart
+        def model_inputs(self, batch: dict[str, Any], stage: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+            return (batch["input_ids"],), {"attention_mask": batch["attention_mask"]}
+
+    task = OwnInputs("debug")
+    task.model = build_model("debug", family="decoder")
+    batch = _collate(pack_examples(_examples([5, 4], vocab=256), 16))
+    with pytest.raises(ValueError, match=r"OwnInputs.model_inputs\(\) drops the batch's segment_ids"):
+        task.compute_loss(batch, "train")
+    del batch["segment_ids"], batch["position_ids"]  # unpacked rows: as before
+    assert torch.isfinite(task.compute_loss(batch, "train")[0])
 
 
 # ------------------------------------------------------------------------------------------------ SFT

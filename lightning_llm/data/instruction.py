@@ -124,7 +124,9 @@ class InstructionDataModule(LLMDataModule):
             template: ``alpaca`` (default), ``plain``, or a format string with ``{instruction}`` and ``{input}``.
             cutoff_len: Most tokens of prompt + response in a training row (and of a packed sequence).
             max_prompt_len: Most prompt tokens given to generation (default ``cutoff_len``).
-            packing: Concatenate training rows into ``cutoff_len``-token sequences (rows are never split).
+            packing: Pack whole training rows into ``cutoff_len``-token sequences (best-fit decreasing); each
+                example keeps its own positions and attends only to itself (``segment_ids``), so losses and
+                gradients are those of the examples unpacked.
             limit_examples: Use only the first N records of every file (quick runs).
             batch_size: Per-device training batch size.
             eval_batch_size: Per-device evaluation/generation batch size.

@@ -12,15 +12,10 @@ import torch
 import torch.nn.functional as F
 from typing_extensions import override
 
-from lightning_llm.contract import accepts_sharded_logits
+from lightning_llm.contract import PACKED_INPUTS, accepts_sharded_logits
 from lightning_llm.tasks.decoder import DecoderTask
 
 log = logging.getLogger(__name__)
-
-
-PACKED_INPUTS = ("position_ids", "segment_ids")
-"""Batch keys of packed rows (:func:`lightning_llm.data.packing.pack_examples`) handed to the model as they are: under
-a pipeline, as keyword inputs, they reach every stage (each builds its attention mask from ``segment_ids``)."""
 
 
 class CausalLMTask(DecoderTask):
@@ -42,6 +37,7 @@ class CausalLMTask(DecoderTask):
     @override
     def model_inputs(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
         kwargs: dict[str, Any] = {"attention_mask": batch.get("attention_mask")}
+        # packed rows: keyword inputs, so under a pipeline they reach every stage (each builds its attention mask)
         kwargs.update({key: batch[key] for key in PACKED_INPUTS if key in batch})
         if self.uses_fused_loss():  # the model returns the mean token loss (no logits)
             kwargs["labels"] = batch["labels"]
