@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_llm.cli import main
-from lightning_llm.data import ByteTokenizer, InstructionDataModule
+from lightning_llm.data import ByteTokenizer, InstructionDataModule, pack_examples
 from lightning_llm.data.instruction import infer_seqlen
 from lightning_llm.generation import GenerationConfig, generate, left_pad, strip_after_eos
 from lightning_llm.models import build_model, save_hf
@@ -95,10 +95,11 @@ def test_packing_keeps_each_row_whole_in_its_own_segment(sft_file: Path) -> None
             assert [p["position_ids"][i] for i in at] == list(range(len(at)))
             found.append((tuple(p["input_ids"][i] for i in at), tuple(p["labels"][i] for i in at)))
     assert sorted(found) == sorted((tuple(r["input_ids"]), tuple(r["labels"])) for r in rows)
-    batch = packed.collate(packs[:2])  # the collate pads positions and segments with 0
-    short = int(batch["attention_mask"].sum(1).argmin())
-    assert (batch["segment_ids"][short][batch["attention_mask"][short] == 0] == 0).all()
-    assert batch["position_ids"].shape == batch["input_ids"].shape
+    shortest = pack_examples(rows[:1], 128)[0]  # one example: shorter than the full rows
+    batch = packed.collate([packs[0], shortest])  # the collate pads positions and segments with 0
+    pad = batch["attention_mask"][1] == 0
+    assert pad.any() and (batch["segment_ids"][1][pad] == 0).all() and (batch["position_ids"][1][pad] == 0).all()
+    assert batch["segment_ids"][1][~pad].tolist() == shortest["segment_ids"]
 
 
 # ------------------------------------------------------------------------------------------------ generation
