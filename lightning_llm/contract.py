@@ -37,6 +37,8 @@ __all__ = [
     "capabilities_of",
     "task_accepts_sharded_logits",
     "check_pipelinable",
+    "declared_inputs",
+    "PACKED_INPUTS",
 ]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -96,6 +98,22 @@ def check_pipelinable(task: Any, *, strategy: str) -> None:
             "loss_from_output(output, batch, stage); a compute_loss that calls the model itself (possibly more than "
             "once) cannot be pipelined. Move the model call into those two hooks, or train this task with a layout "
             "whose ranks hold the whole model (ddp, tp, zero1/2/3, deepspeed_*)")
+
+
+PACKED_INPUTS = ("position_ids", "segment_ids")
+"""Batch keys of packed rows (:func:`lightning_llm.data.packing.pack_examples`) the model must receive: each packed
+example's positions and its segment, from which the model builds a block-diagonal attention mask."""
+
+
+def declared_inputs(task: Any, batch: Any, stage: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``task.model_inputs(batch, stage)``, refused when the batch holds packed rows (``segment_ids``) that the
+    inputs do not pass on: the model would attend across the packed examples (one causal mask over the row)."""
+    args, kwargs = task.model_inputs(batch, stage)
+    if isinstance(batch, dict) and "segment_ids" in batch and kwargs.get("segment_ids") is None:
+        raise ValueError(f"{type(task).__name__}.model_inputs() drops the batch's segment_ids (packed rows): the "
+                         "model would attend across the examples packed into a row. Pass segment_ids= and "
+                         "position_ids= to the model, or train with --data.packing=false")
+    return args, kwargs
 
 
 _BUILD_HOOKS = ("configure_model", "build_model", "build_policy", "build_decoder", "build_backbone")

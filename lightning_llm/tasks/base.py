@@ -24,6 +24,7 @@ from lightning_llm.contract import (
     accepts_sharded_logits,
     builds_lazily,
     capabilities_of,
+    declared_inputs,
     pipeline_runner,
     replica_loss,
 )
@@ -140,7 +141,7 @@ class LLMTask(pl.LightningModule):
         """Return the mean loss of the batch and anything the metric hooks need: by default the model called once
         on :meth:`model_inputs`, then :meth:`loss_from_output`. Override it for losses that call the model more than
         once (then the task cannot be pipelined)."""
-        args, kwargs = self.model_inputs(batch, stage)
+        args, kwargs = declared_inputs(self, batch, stage)
         return self.loss_from_output(self.run_model(*args, **kwargs), batch, stage)
 
     def loss_weight(self, batch: dict[str, torch.Tensor]) -> float:
