@@ -32,7 +32,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torch import nn
 from typing_extensions import override
 
-from lightning_llm.contract import overrides_compute_loss
+from lightning_llm.contract import declared_inputs, overrides_compute_loss
 from lightning_llm.estimate import PRECISIONS, estimate_layout
 from lightning_llm.models import ModelConfig
 from lightning_llm.strategies import DeepSpeedZeroStrategy, ParallelEngine
@@ -110,13 +110,14 @@ def meta_twin(model: nn.Module) -> nn.Module | None:
 
 
 def count_step_flops(task: Any, twin: nn.Module, batch: dict[str, Any]) -> int:
-    """FLOPs of one forward and backward of ``batch`` through the task's declared hooks, on the meta twin."""
+    """FLOPs of one forward and backward of ``batch`` through the task's declared hooks, on the meta twin (packed rows:
+    the block-diagonal mask does not change the matmuls' FLOPs)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     counter = FlopCounterMode(display=False)
     with counter:
-        args, kwargs = task.model_inputs(meta, "train")
+        args, kwargs = declared_inputs(task, meta, "train")
         loss, _ = task.loss_from_output(twin(*args, **kwargs), meta, "train")
         loss.backward()
     return int(counter.get_total_flops())
