@@ -206,7 +206,7 @@ def summary_lines(trainer: pl.Trainer, task: Any, batch: Any, *, flops: int | No
                 f"global batch {global_batch}")
         if ids.dim() == 2 and _token_task(batch):
             seq = int(ids.shape[1])
-            exact = "" if getattr(trainer.datamodule, "block_size", None) == seq else " (first batch, padded)"
+            exact = "" if getattr(trainer.datamodule, "block_size", None) == seq else ": the first batch, padded"
             line += f"; {global_batch * seq:,} tokens per optimizer step ({seq} per sample{exact})"
         lines.append(line)
     total, trainable = getattr(task, "parameter_counts", (None, None))
