@@ -57,6 +57,12 @@ def _resolved(task: Any, name: str) -> Callable[..., Any] | None:
     return getattr(type(task), name, None)
 
 
+def user_task(task: Any) -> bool:
+    """Whether ``task`` is a user's class rather than one of the library's own tasks: messages about the contract
+    (what an override costs) speak to user subclasses only."""
+    return not type(task).__module__.startswith("lightning_llm.")
+
+
 def task_accepts_sharded_logits(task: Any) -> bool:
     """Whether every method between the model output and the loss is marked with :func:`accepts_sharded_logits`."""
     return all(getattr(_resolved(task, n), _SHARDED_OK, False) for n in ("compute_loss", "loss_from_output"))
@@ -122,7 +128,9 @@ def builds_lazily(task: Any) -> bool:
     declared = getattr(task, "deferred_init", None)
     if declared is not None:
         return bool(declared)
-    own = [n for n in _BUILD_HOOKS if not getattr(_resolved(task, n), "__module__", "").startswith("lightning_llm.")]
+    # A hook the task's classes do not have at all (ClassificationTask has no build_policy) is no override.
+    own = [n for n in _BUILD_HOOKS if _resolved(task, n) is not None
+           and not getattr(_resolved(task, n), "__module__", "").startswith("lightning_llm.")]
     if own:
         log.info("%s overrides %s: its model is built whole on every rank (set deferred_init = True on the class "
                  "if its own modules are real or belong to a model family)", type(task).__name__, ", ".join(own))

@@ -267,8 +267,6 @@ class ParallelEngine(ParallelStrategy):
         self._pp_group, self._dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = mesh
-        log.info("%s: mesh pp=%d dp=%d tp=%d, zero_stage=%d", type(self).__name__, self.dims.pp, self.dims.dp,
-                 self.dims.tp, self.zero_stage)
 
     # ------------------------------------------------------------------------------------------ setup
     @override

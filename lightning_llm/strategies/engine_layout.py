@@ -22,6 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_llm.logs import PER_RANK
 from lightning_llm.strategies.mesh import ParallelDims
 from lightning_llm.strategies.parallelize import average_replicated_grads, reduce_partial_grads
 from lightning_llm.strategies.pipeline_engine import PipelineRunner
@@ -167,8 +168,8 @@ class PipelineStages:
                 if global_rank in (ranks[owners[0]], ranks[owners[-1]]):
                     tie_group = group
         prune_model(model, specs)
-        log.info("pipeline rank %d/%d runs stages %s (blocks %s)", pp_rank, dims.pp, [s.index for s in specs],
-                 [list(s.layers) for s in specs])
+        log.info("rank %d (pipeline rank %d/%d) runs stages %s (blocks %s)", global_rank, pp_rank, dims.pp,
+                 [s.index for s in specs], [list(s.layers) for s in specs], extra=PER_RANK)
         return cls(specs=specs, args=args, pp_size=dims.pp, pp_group=mesh["pp"].get_group(),
                    last_stage_rank=pp_ranks[owners[-1]], last_stage_pp_rank=owners[-1], tie_group=tie_group,
                    tied_names=tied_names if tie_group is not None else None)

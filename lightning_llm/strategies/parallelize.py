@@ -41,12 +41,14 @@ def sharded_logits_for(task: Any, *, requested: bool, tp: int) -> bool:
     """Whether the LM head keeps vocab-sharded logits for ``task``: asked for (``loss_parallel``), tensor parallel,
     and the task's loss declares it handles DTensor shards (:func:`~lightning_llm.contract.accepts_sharded_logits`).
     Otherwise the task's code receives full plain logits (one all-gather per step), logged once."""
-    from lightning_llm.contract import task_accepts_sharded_logits
+    from lightning_llm.contract import task_accepts_sharded_logits, user_task
 
     if not requested or tp == 1:
         return False
     if task_accepts_sharded_logits(task):
         return True
+    if not user_task(task):  # the library's own unmarked losses (classification heads) need no word
+        return False
     log.info("%s's loss is not marked @accepts_sharded_logits: the model's outputs reach it as full plain tensors "
              "(vocab-parallel logits are all-gathered over tp=%d every step)", type(task).__name__, tp)
     return False

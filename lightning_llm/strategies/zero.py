@@ -65,11 +65,10 @@ def validate_zero_args(*, stage: int, offload_optimizer: bool, offload_params: b
                          "states together")
 
 
-class ZeroStrategy(ParallelEngine):
-    """ZeRO data parallelism (stage 1, 2 or 3) over the ``dp`` dim: a preset of the one parallel engine.
-
-    With ``engine="deepspeed"`` the constructor returns a ``DeepSpeedZeroStrategy`` configured from the same args.
-    """
+class _EngineChoice:
+    """``ZeroStrategy(engine="deepspeed", ...)`` constructs a ``DeepSpeedZeroStrategy`` instead. A base class rather
+    than ``ZeroStrategy.__new__``: jsonargparse reads a class's own ``__new__`` as its signature, which would hide
+    ``__init__``'s arguments (``activation_checkpointing``, ...) from ``--trainer.strategy.OPTION``."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if cls is ZeroStrategy and kwargs.get("engine", "native") == "deepspeed":
@@ -80,6 +79,13 @@ class ZeroStrategy(ParallelEngine):
                 kwargs["stage"] = args[0]
             return DeepSpeedZeroStrategy(**kwargs)
         return super().__new__(cls)
+
+
+class ZeroStrategy(_EngineChoice, ParallelEngine):
+    """ZeRO data parallelism (stage 1, 2 or 3) over the ``dp`` dim: a preset of the one parallel engine.
+
+    With ``engine="deepspeed"`` the constructor returns a ``DeepSpeedZeroStrategy`` configured from the same args.
+    """
 
     def __init__(
         self,

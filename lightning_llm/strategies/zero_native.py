@@ -30,6 +30,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
+from lightning_llm.logs import PER_RANK
+
 log = logging.getLogger(__name__)
 
 def fsdp_units(task: nn.Module) -> tuple[str, ...]:
@@ -159,7 +161,7 @@ class PartitionedOptimizer(Optimizer):
         self.local_optimizer = type(optimizer)(inner_groups) if inner_groups else None
         log.info("ZeRO-%d: rank %d owns %d/%d tensors (%s of %s elements)%s", stage, self.rank, len(self.owned),
                  len(params), f"{sum(p.numel() for p in self.owned):,}", f"{sum(p.numel() for p in params):,}",
-                 ", optimizer offloaded to CPU" if offload else "")
+                 ", optimizer offloaded to CPU" if offload else "", extra=PER_RANK)
 
     @property
     def masters(self) -> dict[int, nn.Parameter]:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from typing_extensions import override
 
 from lightning_llm.contract import PACKED_INPUTS, accepts_sharded_logits
+from lightning_llm.run_summary import throughput
 from lightning_llm.tasks.decoder import DecoderTask
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,8 @@ class CausalLMTask(DecoderTask):
         # (tensor- and pipeline-parallel ranks of one replica share its batch and must not be counted again).
         tokens = batch["input_ids"].numel() * self.data_parallel_size
         self.log("train_tokens_per_s", tokens / elapsed, on_step=True, on_epoch=False, prog_bar=False)
+        for name, value in throughput(self.trainer, self, elapsed).items():  # FLOP/s and MFU from counted FLOPs
+            self.log(name, value, on_step=True, on_epoch=False, prog_bar=False)
 
     @override
     def on_validation_epoch_end(self) -> None:
