@@ -63,7 +63,7 @@ from lightning_llm.models.init import is_meta
 from lightning_llm.reliability import SaveFault
 from lightning_llm.strategies import hybrid_checkpoint as hckpt
 from lightning_llm.strategies.engine_layout import LayoutArgs, PipelineStages
-from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB, GradReducer, replicated_over_dp
+from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB, GradReducer, reducer_for
 from lightning_llm.strategies.materialize import materialize_shards
 from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coordinate
 from lightning_llm.strategies.parallelize import (
@@ -373,20 +373,11 @@ class ParallelEngine(ParallelStrategy):
                     owners.update({id(p): zero.owner(p) for g in zero.param_groups for p in g["params"]})
                 wrapped.append(zero)
             self.optimizers = wrapped
-        self._reducer = self._build_reducer(owners)
+        assert self.dims is not None
+        self._reducer = reducer_for(self.lightning_module, group=self._dp_group, world=self.dims.dp, rank=self.dp_rank,
+                                    bucket_size_mb=self.args.bucket_size_mb, owners=owners)
         # A pipeline's backward runs inside its schedule: it reduces after the schedule (PipelineStages), no hooks.
         self._grad_hooks = [] if self.pipelined else self._reducer.register_hooks()
-
-    def _build_reducer(self, owners: dict[int, int]) -> GradReducer:
-        """The one data-parallel gradient reduction: every trainable parameter the replicas hold whole (FSDP2's
-        units reduce-scatter themselves), reduced to its ZeRO-2 owner or all-reduced."""
-        assert self.dims is not None
-        module = self.lightning_module
-        names = {id(p): n for n, p in module.named_parameters()}
-        params = [p for p in module.parameters() if p.requires_grad and replicated_over_dp(p)]
-        return GradReducer(params, group=self._dp_group, world=self.dims.dp, rank=self.dp_rank,
-                           bucket_size_mb=self.args.bucket_size_mb, names=names,
-                           owner_of=(lambda p: owners.get(id(p))) if owners else None)
 
     # ------------------------------------------------------------------------------------------ steps
     @contextlib.contextmanager

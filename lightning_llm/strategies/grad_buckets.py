@@ -36,7 +36,7 @@ import logging
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,7 +48,8 @@ from lightning_llm.strategies.parallelize import reduce_partial_grads
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_BUCKET_MB", "GradReducer", "assign_buckets", "broadcast_from_owners", "replicated_over_dp"]
+__all__ = ["DEFAULT_BUCKET_MB", "GradReducer", "assign_buckets", "broadcast_from_owners", "reducer_for",
+           "replicated_over_dp"]
 
 DEFAULT_BUCKET_MB = 25.0
 """DDP's ``bucket_cap_mb``."""
@@ -239,6 +240,17 @@ class GradReducer:
             b.ready = 0
         self._next = 0
         self._arrived.clear()
+
+
+def reducer_for(module: nn.Module, *, group: Any, world: int, rank: int, bucket_size_mb: float,
+                owners: dict[int, int]) -> GradReducer:
+    """The one data-parallel gradient reduction of a task: every trainable parameter the replicas hold whole
+    (FSDP2's units reduce-scatter themselves), reduced to its ZeRO-2 owner (``owners``: ``id(param) -> dp rank``) or
+    all-reduced."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    params = [p for p in module.parameters() if p.requires_grad and replicated_over_dp(p)]
+    return GradReducer(params, group=group, world=world, rank=rank, bucket_size_mb=bucket_size_mb, names=names,
+                       owner_of=(lambda p: owners.get(id(p))) if owners else None)
 
 
 def broadcast_from_owners(params: Sequence[Tensor], owners: Sequence[int], *, group: Any, rank: int,
