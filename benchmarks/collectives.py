@@ -12,6 +12,12 @@ AdamW, fp32) for ``--step + 1`` steps; optimizer step ``--step`` is counted two 
   through the Python API).
 
 Rank 0 prints one markdown row per layout (and appends it to ``--out``).
+
+``--primitives`` instead times the collectives a bucketed reduction could use on the gradients of ``--size`` (fp32,
+one flat buffer vs one call per tensor; median of 7), which is how ZeRO-2's reduce to owners was chosen over
+``reduce_scatter_tensor`` on gloo::
+
+    python -m torch.distributed.run --nproc_per_node=2 benchmarks/collectives.py --primitives --size small
 """
 
 from __future__ import annotations
@@ -85,6 +91,54 @@ def count(layout: str, *, size: str, step: int, cache: Path) -> str:
             f"{prof.result.get('collectives', float('nan')):.0f} |")
 
 
+def primitives(size: str) -> None:
+    """Median ms of gloo collectives over the ``size`` decoder's gradients: flat, per tensor, async, reduce-scatter."""
+    import statistics
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from lightning_llm.models import build_model
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    shapes = [p.shape for p in build_model(size, family="decoder", vocab_size=264).parameters()]
+    parts = [torch.randn(s) for s in shapes]
+    world = dist.get_world_size()
+    n = sum(p.numel() for p in parts) // world * world
+    flat, out = torch.randn(n), torch.empty(n // world)
+
+    def ms(fn: Any) -> float:
+        times = []
+        for _ in range(7):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    rows = {
+        f"all_reduce, one flat buffer ({n * 4 / 2**20:.1f} MiB)": lambda: dist.all_reduce(flat),
+        f"all_reduce, one call per tensor ({len(parts)}, blocking)": lambda: [dist.all_reduce(p) for p in parts],
+        "all_reduce, one call per tensor, async_op then wait": lambda: [
+            w.wait() for w in [dist.all_reduce(p, async_op=True) for p in parts]],
+        "reduce to rank 0, one flat buffer": lambda: dist.reduce(flat, dst=0),
+        "reduce of each 1/N of the flat buffer to its owner (ZeRO-2's owner buckets)": lambda: [
+            dist.reduce(chunk, dst=r) for r, chunk in enumerate(flat.chunk(world))],
+        "reduce, one call per tensor (owners alternate)": lambda: [dist.reduce(p, dst=i % world)
+                                                                  for i, p in enumerate(parts)],
+        "reduce_scatter_tensor, one flat buffer": lambda: dist.reduce_scatter_tensor(out, flat),
+        "broadcast from each rank, 1/N of the flat buffer": lambda: [dist.broadcast(out, src=r) for r in range(world)],
+        "torch.cat of every tensor into one buffer (the bucket copy)": lambda: torch.cat([p.reshape(-1) for p in parts]),
+    }
+    result = {name: ms(fn) for name, fn in rows.items()}
+    if dist.get_rank() == 0:
+        print(f"| {size}: gloo, {world} processes | median ms |\n|---|---|")
+        for name, t in result.items():
+            print(f"| {name} | {t:.1f} |")
+
+
 def main(layouts: list[str], size: str, step: int, out: str | None, cache: str) -> None:
     rows = [count(layout, size=size, step=step, cache=Path(cache)) for layout in layouts]
     import torch.distributed as dist
@@ -100,7 +154,8 @@ def main(layouts: list[str], size: str, step: int, out: str | None, cache: str) 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layouts", nargs="+", required=True, help="zero1, zero2, zero3 (2 processes) or dp2_tp2 (4)")
+    p.add_argument("--layouts", nargs="+", default=[], help="zero1, zero2, zero3 (2 processes) or dp2_tp2 (4)")
+    p.add_argument("--primitives", action="store_true", help="time gloo collectives on the model's gradients")
     p.add_argument("--size", default="small")
     p.add_argument("--step", type=int, default=2, help="the optimizer step counted")
     p.add_argument("--out", default=None, help="markdown rows appended here")
@@ -108,4 +163,6 @@ if __name__ == "__main__":
     a = p.parse_args()
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    if a.primitives:
+        run_worker(primitives, a.size)
     run_worker(main, a.layouts, a.size, a.step, a.out, a.cache_dir)

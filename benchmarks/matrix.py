@@ -395,7 +395,8 @@ def to_markdown(rows: list[dict[str, Any]], *, command: str, steps: int, warmup:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", nargs="+", default=["debug", "small"])
-    p.add_argument("--configs", nargs="*", default=None, help="substrings of config names to run (default: all)")
+    p.add_argument("--configs", nargs="*", default=None,
+                   help="config names, or substrings of them, to run (default: all)")
     p.add_argument("--steps", type=int, default=10, help="training steps per run")
     p.add_argument("--warmup", type=int, default=3, help="step intervals left out of the median")
     p.add_argument("--measure-step", type=int, default=2, help="step whose model-state bytes are counted")
@@ -409,7 +410,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.steps < a.warmup + 2 or a.measure_step >= a.steps - 1:
         p.error(f"--steps={a.steps} must leave at least 1 timed step after --warmup={a.warmup} and cover "
                 f"--measure-step={a.measure_step}")
-    configs = [c for c in CONFIGS if not a.configs or any(s in c.name for s in a.configs)]
+    names = {c.name for c in CONFIGS}  # a selector naming a config exactly selects only it, else every one containing it
+    configs = [c for c in CONFIGS if not a.configs
+               or any(c.name == s if s in names else s in c.name for s in a.configs)]
     load_before, t0 = os.getloadavg(), time.perf_counter()
     rows = [run_config(c, size=size, steps=a.steps, warmup=a.warmup, measure_step=a.measure_step,
                        profile_steps=a.profile_steps, work=a.work, timeout=a.timeout, retries=a.retries)

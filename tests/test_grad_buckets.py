@@ -94,8 +94,10 @@ def _reducer_cases() -> dict[str, Any]:
                 nones.append(p.grad is None)
             else:
                 errs.append((p.grad - want[i]).abs().max().item())
+        flat_sizes = sorted((sum(p.numel() for p in b.params) + len(b.params)) * 4 for b in reducer.buckets)
         out[mode] = {"buckets": len(reducer.buckets), "launched_in_backward": launched, "max_err": max(errs),
-                     "none_where_expected": all(nones)}
+                     "none_where_expected": all(nones), "peak_in_flight": reducer.peak_in_flight_bytes,
+                     "two_largest_buckets": sum(flat_sizes[-2:])}
         try:  # a second gradient for a parameter before finish() is refused
             for p in params:
                 p.grad = None
@@ -147,7 +149,7 @@ class _Probe(LoggedLoss):
         self.batch = batch_idx
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
-        reducer = getattr(trainer.strategy, "_reducer", None)
+        reducer = getattr(trainer.strategy, "grad_reducer", None)
         if reducer is not None and (self.batch + 1) % ACC == 0 and not trainer.strategy.pipelined:
             self.launched.append(reducer._next)
 
@@ -184,7 +186,7 @@ def _fit(layout: str, devices: int, out: Path) -> dict[str, Any]:
         dp = ",".join(map(str, dist.get_process_group_ranks(trainer.strategy._dp_group)))
         grad_ops = ("reduce",) if layout == "zero2" else ("all_reduce",)
         row.update(
-            buckets=len(trainer.strategy._reducer.buckets), launched=probe.launched, bytes=probe.bytes,
+            buckets=len(trainer.strategy.grad_reducer.buckets), launched=probe.launched, bytes=probe.bytes,
             tensors=sum(1 for p in task.parameters() if p.requires_grad),
             param_bytes=sum(p.numel() * p.element_size() for p in task.parameters()),
             grad_calls=[sum(counter.count(i, op, group=dp, min_elements=GRAD_MIN_ELEMENTS) for op in grad_ops)
@@ -220,6 +222,7 @@ def test_reducer_matches_the_mean_of_every_ranks_gradients(runs: dict[str, Any])
             # Buckets leave in order: the first holding a parameter without a gradient waits for finish().
             assert case["buckets"] >= 4 and 2 <= case["launched_in_backward"] < case["buckets"]
             assert case["max_err"] <= 1e-6 and case["none_where_expected"]
+            assert 0 < case["peak_in_flight"] <= case["two_largest_buckets"]  # at most two flat copies alive
             assert "received a second gradient before the optimizer step" in case["second_backward"]
         assert r["broadcast_ok"]
 

@@ -216,6 +216,11 @@ class ParallelEngine(ParallelStrategy):
         return self._mesh
 
     @property
+    def grad_reducer(self) -> GradReducer | None:
+        """The data-parallel gradient reduction (set up with the optimizers when fitting), else ``None``."""
+        return self._reducer
+
+    @property
     def pipeline_runner(self) -> Any:
         """The contract's pipeline runner (``pp > 1``), else ``None``."""
         return self.stages.runner if self.stages is not None else None

@@ -24,10 +24,17 @@ over the ``dp`` group, the way DDP's reducer does:
   ``accumulate_grad_batches``) raises instead of reducing half of it.
 
 Flat buffers live only while their collective is in flight (completed buckets are written back as later ones
-launch), so the model-state bytes are those of the unbucketed reduction; a rank holds at most the buckets still in
-flight on top. :func:`broadcast_from_owners` is the post-step parameter broadcast of ZeRO-1/2, bucketed the same way.
-Gloo's ``reduce_scatter`` is slower than ``reduce`` on CPU (``benchmarks/results/zero-cpu.md``), so ZeRO-2 reduces
-owner buckets.
+launch, and at most :data:`MAX_IN_FLIGHT` are in flight), so the model-state bytes are those of the unbucketed
+reduction, with at most two buckets' flat copies on top during backward (``peak_in_flight_bytes``).
+:func:`broadcast_from_owners` is the post-step parameter broadcast of ZeRO-1/2, bucketed the same way.
+
+Why not torch's own machinery: DDP (and its comm hooks) wraps the module and keeps a persistent flat copy of every
+gradient, which ZeRO-2 must not hold on non-owners; the composable ``replicate`` of torch 2.13 is built on FSDP2 and
+turns every parameter into a DTensor replicated over ``dp`` (tasks and checkpoints would see DTensors) and has no
+ZeRO-1/2; FSDP2 without resharding holds 4Ψ + 16Ψ/N at stage 2 (see :mod:`.zero_native`). ZeRO-2 reduces owner
+buckets rather than reduce-scattering flat partitions: parameters are owned whole (the optimizer keeps per-parameter
+state), and on gloo reducing each half of a 23 MiB buffer to its owner took 45-91 ms against 47-114 ms for
+``reduce_scatter_tensor`` (``benchmarks/collectives.py --primitives``, ``benchmarks/results/collectives-cpu.md``).
 """
 
 from __future__ import annotations
@@ -55,7 +62,9 @@ DEFAULT_BUCKET_MB = 25.0
 """DDP's ``bucket_cap_mb``."""
 FIRST_BUCKET_BYTES = 1024 * 1024
 """DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``): the last layers' gradients leave early."""
-MAX_BROADCAST_IN_FLIGHT = 2  # parameter broadcast buckets in flight at once (each a flat copy of its parameters)
+MAX_IN_FLIGHT = 2
+"""Buckets in flight at once (each a flat copy of its gradients or parameters): launching one more first waits for the
+oldest, so the transient copies stay within two buckets however slow the network (DeepSpeed's double buffer)."""
 
 
 def _local(t: Tensor) -> Tensor:
@@ -128,6 +137,8 @@ class GradReducer:
         self._next = 0  # index of the next bucket to launch: buckets leave in order on every rank
         self._arrived: set[int] = set()
         self._in_flight: deque[Bucket] = deque()
+        self.peak_in_flight_bytes = 0
+        """The most bytes of flat bucket copies alive at once so far (transient, on top of the gradients)."""
         self.paused = False
         """Set while Lightning accumulates gradients (``block_backward_sync``): hooks do nothing."""
         log.info("gradient reduction over dp=%d: %d tensors in %d buckets of <= %.1f MiB (%s)", world, len(params),
@@ -174,6 +185,8 @@ class GradReducer:
 
     # ------------------------------------------------------------------------------------------ collectives
     def _launch(self, b: Bucket) -> None:
+        while len(self._in_flight) >= MAX_IN_FLIGHT:
+            self._complete(self._in_flight.popleft())
         parts, missing = [], False
         for p in b.params:
             if p.grad is None:
@@ -197,6 +210,8 @@ class GradReducer:
                 for p in b.params:  # ZeRO-2: only the owner keeps this gradient
                     p.grad = None
         self._in_flight.append(b)
+        live = sum(x.flat.numel() * x.flat.element_size() for x in self._in_flight if x.flat is not None)
+        self.peak_in_flight_bytes = max(self.peak_in_flight_bytes, live)
 
     def _complete_finished(self) -> None:
         """Write back buckets whose collective has finished, so their flat buffers are freed during backward."""
@@ -257,7 +272,7 @@ def broadcast_from_owners(params: Sequence[Tensor], owners: Sequence[int], *, gr
                           bucket_size_mb: float) -> None:
     """Every rank gets the owners' values of ``params`` (local tensors; the same list on every rank): each owner's
     parameters in flat buckets of ``bucket_size_mb``, broadcast asynchronously, at most
-    ``MAX_BROADCAST_IN_FLIGHT`` buckets (each a flat copy) in flight."""
+    :data:`MAX_IN_FLIGHT` buckets (each a flat copy) in flight."""
     cap = int(bucket_size_mb * 2**20)
     buckets: list[tuple[int, list[Tensor]]] = []
     for owner in sorted(set(owners)):
@@ -284,7 +299,7 @@ def broadcast_from_owners(params: Sequence[Tensor], owners: Sequence[int], *, gr
 
     with torch.no_grad():
         for owner, ts in buckets:
-            if len(in_flight) >= MAX_BROADCAST_IN_FLIGHT:
+            if len(in_flight) >= MAX_IN_FLIGHT:
                 land()
             flat = torch._utils._flatten_dense_tensors([t.detach() for t in ts])
             work = dist.broadcast(flat, src=dist.get_global_rank(group, owner), group=group, async_op=True)
