@@ -5,9 +5,11 @@ One torchrun launch (2 CPU processes, gloo) runs:
 * the reducer alone on hand-made gradients, against the mean of every rank's gradients gathered separately: several
   buckets, a gradient only one rank has (averaged with a zero), one no rank has (stays ``None``), ZeRO-2's reduce to
   owners (the other ranks drop theirs), the bucketed owner broadcast, and a second backward before the step (refused);
-* Lightning fits with buckets of 0.05 MiB (~14 buckets for the debug decoder's 39 tensors) under ZeRO 0, 1 and 2
+* Lightning fits with buckets of 0.05 MiB (10-12 buckets for the debug decoder's 39 tensors) under ZeRO 0, 1 and 2
   with ``accumulate_grad_batches=2`` and global-norm clipping, counting the collectives of every batch
-  (:class:`~lightning_llm.testing.CollectiveCounter`), and a pipeline of a tied-embedding decoder with accumulation;
+  (:class:`~lightning_llm.testing.CollectiveCounter`); a pipeline of a tied-embedding decoder with accumulation; and
+  ZeRO-2 under manual optimization (backward, ``clip_gradients``, ``step``: PPO's order, the clip waits for the
+  buckets);
 
 while the pytest process runs the same fits on one device. Asserted: per-batch losses equal one device (1e-5); the
 gradient collectives of an optimizer step are exactly one per bucket, all launched before backward returns, and an
@@ -40,7 +42,7 @@ GLOBAL_BATCH = 8
 BUCKET_MB = 0.05
 TOL = 1e-5
 GRAD_MIN_ELEMENTS = 64  # gradient buckets move >= 64 elements; the logged loss, norm and guard decisions 1-2
-LAYOUTS = ["zero0", "zero1", "zero2", "pp_tied"]
+LAYOUTS = ["zero0", "zero1", "zero2", "pp_tied", "zero2_manual"]
 
 
 # ---------------------------------------------------------------------------------------------------- the reducer
@@ -124,6 +126,23 @@ def _reducer_cases() -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------------- fits
+class ManualClip:
+    """Mixed into CausalLMTask: a user's manual-optimization loop (zero_grad, backward, clip by norm, step)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        opt = self.optimizers()
+        opt.zero_grad()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        self.clip_gradients(opt, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
+        opt.step()
+        return loss
+
+
 def _strategy(layout: str) -> tuple[Any, int]:
     from lightning_llm.strategies.hybrid import HybridParallelStrategy
     from lightning_llm.strategies.pipeline_parallel import PipelineParallelStrategy
@@ -133,7 +152,7 @@ def _strategy(layout: str) -> tuple[Any, int]:
         return HybridParallelStrategy(data_parallel_size=2, bucket_size_mb=BUCKET_MB), GLOBAL_BATCH // 2
     if layout == "pp_tied":
         return PipelineParallelStrategy(n_microbatches=2, bucket_size_mb=BUCKET_MB), GLOBAL_BATCH
-    return ZeroStrategy(stage=int(layout[-1]), bucket_size_mb=BUCKET_MB), GLOBAL_BATCH // 2
+    return ZeroStrategy(stage=int(layout[4]), bucket_size_mb=BUCKET_MB), GLOBAL_BATCH // 2
 
 
 class _Probe(LoggedLoss):
@@ -168,23 +187,26 @@ def _fit(layout: str, devices: int, out: Path) -> dict[str, Any]:
     from lightning_llm.testing import CollectiveCounter
 
     strategy, batch = _strategy(layout) if devices > 1 else ("auto", GLOBAL_BATCH)
+    manual = layout.endswith("_manual")
     pl.seed_everything(5)
     # eps=1: AdamW's update ~ lr x gradient, so a wrong average or clipping norm moves the losses.
-    task = CausalLMTask("debug-qwen2" if layout == "pp_tied" else "debug", dropout=0.0,
-                        optim=OptimConfig(lr=2.0, eps=1.0, weight_decay=0.0, scheduler="constant"))
+    cls = type("ManualCausalLM", (ManualClip, CausalLMTask), {}) if manual else CausalLMTask
+    task = cls("debug-qwen2" if layout == "pp_tied" else "debug", dropout=0.0,
+               optim=OptimConfig(lr=2.0, eps=1.0, weight_decay=0.0, scheduler="constant"))
     dm = TextDataModule(block_size=32, batch_size=batch, cache_dir=str(out / "cache"), generated_docs=100)
     probe, counter = _Probe(), CollectiveCounter()
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=0, num_sanity_val_steps=0, accumulate_grad_batches=ACC,
-                         gradient_clip_val=0.05, callbacks=[probe, counter], default_root_dir=str(out))
+                         limit_val_batches=0, num_sanity_val_steps=0, accumulate_grad_batches=1 if manual else ACC,
+                         gradient_clip_val=None if manual else 0.05, callbacks=[probe, counter],
+                         default_root_dir=str(out))
     trainer.fit(task, dm)
     row: dict[str, Any] = {"losses": probe.losses}
     if devices > 1:
         import torch.distributed as dist
 
         dp = ",".join(map(str, dist.get_process_group_ranks(trainer.strategy._dp_group)))
-        grad_ops = ("reduce",) if layout == "zero2" else ("all_reduce",)
+        grad_ops = ("reduce",) if layout.startswith("zero2") else ("all_reduce",)
         row.update(
             buckets=len(trainer.strategy.grad_reducer.buckets), launched=probe.launched, bytes=probe.bytes,
             tensors=sum(1 for p in task.parameters() if p.requires_grad),
@@ -231,7 +253,7 @@ def test_reducer_matches_the_mean_of_every_ranks_gradients(runs: dict[str, Any])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_bucketed_layout_matches_one_device(runs: dict[str, Any], layout: str) -> None:
     ref = runs["ref"][layout]["losses"]
-    assert len(ref) == STEPS * ACC and ref[0] - ref[-1] > 0.05  # it learns
+    assert len(ref) == STEPS * (1 if layout.endswith("_manual") else ACC) and ref[0] - ref[-1] > 0.05  # it learns
     for rank, r in enumerate(runs["got"][layout]):
         err = max_abs_err(r["losses"], ref)
         print(f"{layout} rank {rank}: max |train_loss - one device| over {len(ref)} micro-batches = {err:.2e}")
@@ -254,6 +276,8 @@ def test_one_collective_per_bucket_launched_during_backward(runs: dict[str, Any]
         assert all(0 < c <= max_casts for c in casts[ACC - 1::ACC]) if layout != "zero0" else sum(casts) == 0
         if layout == "zero2":  # each rank keeps the gradients of the parameters it owns: about half
             assert r["bytes"]["grads"] <= 0.55 * r["bytes"]["params"]
+    for r in runs["got"]["zero2_manual"]:  # manual optimization: every batch steps, one reduce per bucket
+        assert r["grad_calls"] == [r["buckets"]] * STEPS
 
 
 if __name__ == "__main__":
