@@ -31,6 +31,7 @@ import itertools
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -417,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [run_config(c, size=size, steps=a.steps, warmup=a.warmup, measure_step=a.measure_step,
                        profile_steps=a.profile_steps, work=a.work, timeout=a.timeout, retries=a.retries)
             for size in a.sizes for c in configs]
-    command = "python benchmarks/matrix.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "python benchmarks/matrix.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     table = to_markdown(rows, command=command, steps=a.steps, warmup=a.warmup, measure_step=a.measure_step,
                         profile_steps=a.profile_steps, load_before=load_before, load_after=os.getloadavg(), minutes=(time.perf_counter() - t0) / 60)
     print(table)

@@ -118,6 +118,15 @@ def _reducer_cases() -> dict[str, Any]:
         for h in hooks:
             h.remove()
 
+    late = nn.Parameter(torch.zeros(3))  # frozen at set-up, unfrozen later: its gradient would not be averaged
+    reducer = GradReducer(params, group=group, world=world, rank=rank, bucket_size_mb=0.002, frozen=[("late", late)])
+    late.grad = torch.ones(3)
+    try:
+        reducer.finish()
+        out["unfrozen_later"] = "accepted"
+    except RuntimeError as e:
+        out["unfrozen_later"] = str(e)
+
     owners = [i % world for i in range(len(params))]
     values = [torch.full((p.numel(),), float(10 * rank + i)) for i, p in enumerate(params)]
     broadcast_from_owners(values, owners, group=group, rank=rank, bucket_size_mb=0.002)
@@ -247,6 +256,7 @@ def test_reducer_matches_the_mean_of_every_ranks_gradients(runs: dict[str, Any])
             assert 0 < case["peak_in_flight"] <= case["two_largest_buckets"]  # at most two flat copies alive
             assert "received a second gradient before the optimizer step" in case["second_backward"]
         assert r["broadcast_ok"]
+        assert r["unfrozen_later"].startswith("late: frozen when training started")
 
 
 @pytest.mark.multiprocess

@@ -123,17 +123,20 @@ class GradReducer:
         bucket_size_mb: Bucket size in MiB.
         owner_of: ZeRO-2: the dp rank that keeps a parameter's gradient (``None``: all-reduce it).
         names: ``id(param) -> name`` for error messages.
+        frozen: ``(name, parameter)`` left out because they were frozen at set-up: one that has a gradient at
+            :meth:`finish` (unfrozen later) is refused, since no replica would average it.
     """
 
     def __init__(self, params: Sequence[nn.Parameter], *, group: Any, world: int, rank: int, bucket_size_mb: float,
                  owner_of: Callable[[nn.Parameter], int | None] | None = None,
-                 names: dict[int, str] | None = None) -> None:
+                 names: dict[int, str] | None = None, frozen: Sequence[tuple[str, nn.Parameter]] = ()) -> None:
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb={bucket_size_mb}: must be > 0")
         self.group, self.world, self.rank = group, world, rank
         self.buckets = assign_buckets(params, bucket_bytes=int(bucket_size_mb * 2**20), owner_of=owner_of)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._names = names or {}
+        self._frozen = list(frozen)
         self._next = 0  # index of the next bucket to launch: buckets leave in order on every rank
         self._arrived: set[int] = set()
         self._in_flight: deque[Bucket] = deque()
@@ -246,6 +249,11 @@ class GradReducer:
         if self.world == 1:
             self._arrived.clear()
             return
+        late = [name for name, p in self._frozen if p.grad is not None]
+        if late:
+            raise RuntimeError(f"{', '.join(late[:4])}: frozen when training started (requires_grad=False), but now "
+                               "have gradients; the data-parallel reduction was set up without them, so the replicas "
+                               "would step with different gradients. Set requires_grad before fit()")
         while self._next < len(self.buckets):
             self._launch(self.buckets[self._next])
             self._next += 1
@@ -262,10 +270,11 @@ def reducer_for(module: nn.Module, *, group: Any, world: int, rank: int, bucket_
     """The one data-parallel gradient reduction of a task: every trainable parameter the replicas hold whole
     (FSDP2's units reduce-scatter themselves), reduced to its ZeRO-2 owner (``owners``: ``id(param) -> dp rank``) or
     all-reduced."""
-    names = {id(p): n for n, p in module.named_parameters()}
-    params = [p for p in module.parameters() if p.requires_grad and replicated_over_dp(p)]
-    return GradReducer(params, group=group, world=world, rank=rank, bucket_size_mb=bucket_size_mb, names=names,
-                       owner_of=(lambda p: owners.get(id(p))) if owners else None)
+    named = [(n, p) for n, p in module.named_parameters() if replicated_over_dp(p)]
+    return GradReducer([p for _, p in named if p.requires_grad], group=group, world=world, rank=rank,
+                       bucket_size_mb=bucket_size_mb, names={id(p): n for n, p in named},
+                       owner_of=(lambda p: owners.get(id(p))) if owners else None,
+                       frozen=[(n, p) for n, p in named if not p.requires_grad])
 
 
 def broadcast_from_owners(params: Sequence[Tensor], owners: Sequence[int], *, group: Any, rank: int,
