@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_llm.strategies.engine import ParallelEngine
+from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,7 @@ class ZeroStrategy(_EngineChoice, ParallelEngine):
         config: str | dict[str, Any] | None = None,
         save_distributed_checkpoint: bool = True,
         activation_checkpointing: bool = False,
+        bucket_size_mb: float = DEFAULT_BUCKET_MB,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -113,6 +115,8 @@ class ZeroStrategy(_EngineChoice, ParallelEngine):
             save_distributed_checkpoint: Sharded layout-free checkpoints (``True``) or one file of full weights from
                 rank 0 (for export/inference).
             activation_checkpointing: Recompute each transformer block in backward.
+            bucket_size_mb: Data-parallel gradient buckets in MiB (DDP's default): each bucket's reduction starts
+                during backward as soon as its gradients are ready.
             process_group_backend: ``nccl``/``gloo``; default from the device.
             timeout: Collective timeout.
         """
@@ -123,7 +127,7 @@ class ZeroStrategy(_EngineChoice, ParallelEngine):
                              "engine='deepspeed' (the native engine uses the task's configure_optimizers)")
         super().__init__(data_parallel_size=-1, zero_stage=stage, offload_optimizer=offload_optimizer,
                          offload_params=offload_params, save_distributed_checkpoint=save_distributed_checkpoint,
-                         activation_checkpointing=activation_checkpointing,
+                         activation_checkpointing=activation_checkpointing, bucket_size_mb=bucket_size_mb,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.stage = stage
         self.engine = engine
