@@ -173,6 +173,8 @@ def _user_error(e: BaseException) -> BaseException:
     """The error to show: jsonargparse wraps errors raised while instantiating ``--model``/``--data`` in a
     multi-line "Does not validate against any of the Union subtypes" ValueError; show the original instead."""
     while isinstance(e.__cause__, _USER_ERRORS) and e.__traceback__ is not None:
+        if (branch := _union_branch_error(e)) is not e:
+            return branch
         tb = e.__traceback__
         while tb.tb_next is not None:
             tb = tb.tb_next
@@ -180,6 +182,26 @@ def _user_error(e: BaseException) -> BaseException:
             break
         e = e.__cause__
     return e
+
+
+_UNION_ERROR = "Does not validate against any of the Union subtypes"
+
+
+def _union_branch_error(e: BaseException) -> BaseException:
+    """A class given for a ``str | Class`` argument (``--trainer.strategy=zero2 --trainer.strategy.bucket_size_mb=0``)
+    whose constructor refused a value fails in jsonargparse as a union error listing one error per branch, the
+    constructor's among "Expected a <class 'str'>" lines, and chains only the last branch's error: show the
+    constructor's error, naming the class, when it is the only one that is not a type mismatch."""
+    text = str(e)
+    if not text.startswith(_UNION_ERROR) or "\nErrors:\n" not in text:
+        return e
+    listed = text.split("\nErrors:\n", 1)[1].split("\nGiven value", 1)[0]
+    branches = [ln.strip()[2:] for ln in listed.splitlines() if ln.strip().startswith("- ")]
+    real = [b for b in branches if not b.startswith("Expected a ")]
+    if len(real) != 1:
+        return e
+    cls = text.split("class_path='", 1)[1].split("'", 1)[0] if "class_path='" in text else ""
+    return ValueError(f"{cls}: {real[0]}" if cls else real[0])
 
 
 def _drop_process_group() -> bool:

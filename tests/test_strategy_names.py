@@ -96,6 +96,19 @@ def test_misspelt_option_is_one_line_through_the_cli(capsys: pytest.CaptureFixtu
                     "HybridParallelStrategy) has no option 'tensor_paralel_size'; did you mean 'tensor_parallel_size'?")
 
 
+@pytest.mark.parametrize(("args", "expected"), [
+    (("--trainer.strategy=zero2", "--trainer.strategy.bucket_size_mb=0"),
+     "lightning_llm.strategies.zero.ZeroStrategy: bucket_size_mb=0.0: must be > 0"),
+    (("--trainer.strategy=3d", "--trainer.strategy.zero_stage=7"),
+     "lightning_llm.strategies.hybrid.HybridParallelStrategy: zero_stage=7: must be 0, 1, 2 or 3"),
+])
+def test_a_value_the_strategy_refuses_is_its_own_line(capsys: pytest.CaptureFixture[str], args: tuple[str, ...],
+                                                      expected: str) -> None:
+    """The constructor's error, not jsonargparse's union dump ("Expected a <class 'str'>. Got value: Namespace(...")."""
+    line = _error(capsys, *args)
+    assert line.startswith(PREFIX + expected), line
+
+
 def test_option_overrides_the_preset_and_space_separated_values() -> None:
     s = _strategy("--trainer.strategy", "zero3_offload", "--trainer.strategy.offload_params", "false",
                   "--trainer.strategy.offload_optimizer", "false")
