@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_llm.data.base import LLMDataModule, tokenizer_or_bytes, tokenizer_vocab_size
-from lightning_llm.data.io import DataError, atomic_open, read_records
+from lightning_llm.data.io import DataError, atomic_open, read_records, read_text
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +47,7 @@ def read_documents(path: str | Path, *, text_field: str = "text") -> list[str]:
     docs: list[str] = []
     for f in files:
         if f.suffix == ".txt":
-            try:
-                text = f.read_text(encoding="utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{f}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+            text = read_text(f)
             if text.strip():
                 docs.append(text)
         else:
