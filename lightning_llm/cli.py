@@ -31,6 +31,7 @@ TOOLS: dict[str, str] = {
     "estimate": "lightning_llm.estimate:main",
     "plot": "lightning_llm.plot:main",  # loss / throughput curves of a CSVLogger run to a PNG
     "export": "lightning_llm.export:main",  # any checkpoint layout -> Hugging Face directory (LoRA merged/adapter)
+    "prepare": "lightning_llm.data.prepare_tool:main",  # tokenize a pretraining corpus into its token store
 }
 
 
