@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
 TASK_BYTES = 8 << 20
 """Input bytes per task: what one worker reads, tokenizes and writes as one shard (its memory is a batch, not this)."""
-BATCH_CHARS = 1 << 20
-"""Characters tokenized per call: bounds a worker's memory (the tokenizer's encodings of one batch)."""
+BATCH_CHARS = 1 << 18
+"""Characters tokenized per call: bounds a worker's memory (the tokenizer's encodings of one batch, ~100 bytes a
+token in the Rust encodings)."""
 BATCH_DOCS = 1024
 
 
