@@ -266,7 +266,7 @@ def _med(rows: list[dict[str, Any]], key: str) -> float:
 
 
 def report(res: dict[str, Any], args: argparse.Namespace) -> str:
-    lines = [f"# Preparing pretraining corpora (CPU)", "",
+    lines = ["# Preparing pretraining corpora (CPU)", "",
              f"{datetime.now(timezone.utc):%Y-%m-%d}, {platform.node()}, {os.cpu_count()} cores shared with other "
              f"jobs (load average at the end: {os.getloadavg()[0]:.1f}), Python {platform.python_version()}.",
              f"Command: `python benchmarks/prepare.py {' '.join(sys.argv[1:])}`", "",
