@@ -3,7 +3,9 @@
 
 Run (CPU; about an hour on 2 shared cores, 8 GB of disk under --work)::
 
-    python benchmarks/prepare.py --out benchmarks/results/prepare-cpu.md
+    python benchmarks/prepare.py --alternatives --out benchmarks/results/prepare-cpu.md
+
+(the shared data is read from ``../shared/data`` beside the repository, or ``$LIGHTNING_LLM_SHARED_DATA``).
 
 Corpora of about 50 MiB, 200 MiB and 1 GiB of real Chinese text are generated at run time under ``--work`` (never
 committed): documents of 1-3 CSL abstracts (with their titles) and 5-30 AFQMC sentences joined, drawn with a seeded
@@ -41,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED = REPO.parent / "shared" / "data"
+SHARED = Path(os.environ.get("LIGHTNING_LLM_SHARED_DATA", REPO.parent / "shared" / "data"))
 BERT = SHARED / "tokenizers" / "bert-base-chinese"
 MIB = 1 << 20
 
