@@ -279,7 +279,22 @@ def test_bad_paths_are_refused_at_construction(tmp_path: Path) -> None:
         TextDataModule([0, str(tmp_path / "x.csv")])
 
 
+def test_globs_and_lists_of_paths_form_one_corpus(tmp_path: Path) -> None:
+    (tmp_path / "x").mkdir()
+    for name, text in [("2.jsonl", "two"), ("1.jsonl", "one"), ("skip.parquet.bak", "no")]:
+        (tmp_path / "x" / name).write_text(json.dumps({"text": text}) + "\n")
+    (tmp_path / "y.txt").write_text("three")
+    dm = TextDataModule([str(tmp_path / "x" / "*.jsonl"), str(tmp_path / "y.txt")], block_size=2, val_fraction=0,
+                        cache_dir=str(tmp_path / "cache"))
+    dm.setup("fit")
+    eos = ByteTokenizer.eos_token_id
+    assert dm.stores[0].tokens.tolist() == [*b"one", eos, *b"two", eos, *b"three", eos]
+    assert len(dm.sources) == 1 and dm.weights == [1.0]
+
+
 def _letters_corpus(path: Path, letters: str, n_docs: int, *, seed: int) -> Path:
+    if path.exists():  # rewriting it would change its mtime: the store would be prepared again
+        return path
     rng = random.Random(seed)
     path.write_text("".join(json.dumps({"text": "".join(rng.choice(letters) for _ in range(60))}) + "\n"
                             for _ in range(n_docs)))
@@ -331,11 +346,13 @@ def test_mixture_subsamples_and_repeats_evenly() -> None:
     assert [mix[k] for k in range(16)] == [0, 2, 5, 7, 100, 101, 102, 103, 100, 101, 102, 103, 100, 101, 102, 103]
 
 
-def test_resume_on_other_data_is_refused(tmp_path: Path) -> None:
+def test_resume_on_other_data_is_refused(tmp_path: Path, bpe_dir: Path) -> None:
     """The checkpoint's datamodule state records the data; other weights, block size or tokens are refused."""
     dm = _mixture(tmp_path)
     state = {"epoch": 0, "batches": 3, "samples": 24, "data": dm.data_identity()}
     _mixture(tmp_path).load_state_dict(state)  # the same data: accepted
+    with pytest.raises(DataError, match=r"other data \(corpora .*sha256 [0-9a-f]{12}\) -> .*sha256"):
+        _mixture(tmp_path, tokenizer_dir=str(bpe_dir)).load_state_dict(state)  # the tokenizer changed
     with pytest.raises(DataError, match=r"^--ckpt_path: the checkpoint was trained on other data \(corpora .*weight "
                                         r"0\.3.* -> .*weight 0\.5"):
         _mixture(tmp_path, weights=(0.5, 0.5)).load_state_dict(state)
