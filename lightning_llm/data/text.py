@@ -165,13 +165,17 @@ class TextDataModule(LLMDataModule):
     def _log_data(self, train: Sequence[BlockDataset]) -> None:
         if not getattr(self.trainer, "is_global_zero", True):
             return
-        fit = self.datasets["fit"]
-        counts = fit.counts if isinstance(fit, MixtureDataset) else [len(fit)]
-        for source, store, blocks, w, n in zip(self.sources, self.stores, train, self.weights, counts, strict=True):
-            log.info("data: %.1f%% of %s training samples per epoch (%s, %.2f passes over its %s blocks of %d tokens) "
-                     "from %s (%s)", 100 * w, f"{len(fit):,}", f"{n:,}", n / len(blocks), f"{len(blocks):,}",
-                     self.block_size, source.label, store.path)
-        log.info("data: %s validation blocks", f"{len(self.datasets['validate']):,}")
+        fit, n_val = self.datasets["fit"], len(self.datasets["validate"])
+        if not isinstance(fit, MixtureDataset):
+            log.info("data: %s training and %s validation blocks of %d tokens from %s (%s)", f"{len(fit):,}",
+                     f"{n_val:,}", self.block_size, self.sources[0].label, self.stores[0].path)
+            return
+        log.info("data: a mixture of %d corpora, %s training samples of %d tokens per epoch, %s validation blocks",
+                 len(train), f"{len(fit):,}", self.block_size, f"{n_val:,}")
+        for source, store, blocks, w, n in zip(self.sources, self.stores, train, self.weights, fit.counts,
+                                               strict=True):
+            log.info("data: %.1f%% = %s samples (%.2f passes over its %s blocks) from %s (%s)", 100 * w, f"{n:,}",
+                     n / len(blocks), f"{len(blocks):,}", source.label, store.path)
 
     # ------------------------------------------------------------------ what a checkpoint records of the data
     def data_identity(self) -> dict[str, Any]:
