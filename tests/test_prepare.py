@@ -279,6 +279,27 @@ def test_bad_paths_are_refused_at_construction(tmp_path: Path) -> None:
         TextDataModule([0, str(tmp_path / "x.csv")])
 
 
+def test_a_large_txt_document_spans_tasks_and_stays_one_document(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A .txt file without a newline, 9x a task and 20x a batch: cut between characters (never inside one), into
+    tasks of 2 workers; the byte tokenizer's stream is the file's bytes, then one EOS: one document, and an empty
+    .txt adds nothing."""
+    _small_tasks(monkeypatch)
+    text = "".join(random.Random(0).choice(CHARS + "ab") for _ in range(12_000))  # 3-byte and 1-byte characters
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "big.txt").write_text(text, encoding="utf-8")
+    (tmp_path / "d" / "empty.txt").write_text("", encoding="utf-8")
+    with pytest.raises(DataError, match=r"empty\.txt: file is empty"):
+        TextDataModule(str(tmp_path / "d"), cache_dir=str(tmp_path / "cache"), num_proc=2).prepare_data()
+    (tmp_path / "d" / "empty.txt").write_text(" \n", encoding="utf-8")
+    dm = TextDataModule(str(tmp_path / "d"), block_size=16, cache_dir=str(tmp_path / "cache"), num_proc=2)
+    dm.setup("fit")
+    store = dm.stores[0]
+    assert store.tokens.tolist() == [*text.encode(), ByteTokenizer.eos_token_id]
+    assert store.documents().tolist() == [len(text.encode()) + 1] and store.manifest["empty_documents"] == 1
+    assert store.manifest["workers"] == 2
+
+
 def test_globs_and_lists_of_paths_form_one_corpus(tmp_path: Path) -> None:
     (tmp_path / "x").mkdir()
     for name, text in [("2.jsonl", "two"), ("1.jsonl", "one"), ("skip.parquet.bak", "no")]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import glob as globlib
 import json
 import logging
-import os
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -91,30 +90,34 @@ class Task:
     start: int
     stop: int
     ends_document: bool = True
-
-    @property
-    def size(self) -> int:
-        """Input bytes (for progress); generated documents count 1 each."""
-        return self.stop - self.start if self.kind in ("jsonl", "txt", "generated") else os.path.getsize(self.path)
+    size: int = 0
+    """Input bytes (for progress; a Parquet row group's uncompressed size, a generated document counts 1)."""
 
 
-def _cut_after_newline(f: Any, offset: int, size: int) -> int:
-    """The offset just after the first ``\\n`` at or after ``offset`` (``size`` if none)."""
+def _after_newline(f: Any, offset: int, size: int, *, within: int | None = None) -> int | None:
+    """The offset just after the first ``\\n`` at or after ``offset`` (``size`` if none), scanning in 1 MiB reads;
+    ``None`` when ``within`` bytes hold none."""
     f.seek(offset)
-    f.readline()
-    return min(f.tell(), size)
+    pos = offset
+    while pos < size and (within is None or pos - offset < within):
+        chunk = f.read(1 << 20)
+        i = chunk.find(b"\n")
+        if i >= 0:
+            return pos + i + 1
+        pos += len(chunk)
+    return size if within is None or pos >= size else None
 
 
 def _byte_ranges(path: Path, size: int, task_bytes: int, *, utf8_safe: bool) -> list[tuple[int, int]]:
-    """``[start, stop)`` ranges of about ``task_bytes`` that end after a newline (or, for a text document without
-    one, before a UTF-8 lead byte, so no character is split)."""
+    """``[start, stop)`` ranges of about ``task_bytes`` that end after a newline (a text document without one within
+    ``task_bytes``: before a UTF-8 lead byte, so no character is split)."""
     ranges, start = [], 0
     with open(path, "rb") as f:
         while start < size:
             stop = min(size, start + task_bytes)
             if stop < size:
-                cut = _cut_after_newline(f, stop, size)
-                if utf8_safe and cut - stop > task_bytes:  # no newline near: cut before a lead byte instead
+                cut = _after_newline(f, stop, size, within=task_bytes if utf8_safe else None)
+                if cut is None:
                     f.seek(stop)
                     cut = stop + next((i for i, b in enumerate(f.read(4)) if b & 0xC0 != 0x80), 0)
                 stop = cut
@@ -141,16 +144,18 @@ def plan_tasks(files: list[Path], *, text_field: str, task_bytes: int = TASK_BYT
             tasks.extend(_parquet_tasks(f, text_field=text_field, task_bytes=task_bytes))
         elif f.suffix == ".txt":
             ranges = _byte_ranges(f, size, task_bytes, utf8_safe=True)
-            tasks.extend(Task("txt", str(f), a, b, ends_document=b == size) for a, b in ranges)
+            tasks.extend(Task("txt", str(f), a, b, ends_document=b == size, size=b - a) for a, b in ranges)
         elif f.suffix == ".json" and _json_kind(f) == "array":
-            tasks.append(Task("array", str(f), 0, size))
+            tasks.append(Task("array", str(f), 0, size, size=size))
         else:
-            tasks.extend(Task("jsonl", str(f), a, b) for a, b in _byte_ranges(f, size, task_bytes, utf8_safe=False))
+            tasks.extend(Task("jsonl", str(f), a, b, size=b - a)
+                         for a, b in _byte_ranges(f, size, task_bytes, utf8_safe=False))
     return tasks
 
 
 def generated_tasks(n_docs: int, *, per_task: int = 2000) -> list[Task]:
-    return [Task("generated", str(n_docs), a, min(n_docs, a + per_task)) for a in range(0, n_docs, per_task)]
+    return [Task("generated", str(n_docs), a, min(n_docs, a + per_task), size=min(n_docs, a + per_task) - a)
+            for a in range(0, n_docs, per_task)]
 
 
 def _parquet_tasks(path: Path, *, text_field: str, task_bytes: int) -> list[Task]:
@@ -169,7 +174,7 @@ def _parquet_tasks(path: Path, *, text_field: str, task_bytes: int) -> list[Task
     for g in range(meta.num_row_groups):
         acc += meta.row_group(g).total_byte_size
         if acc >= task_bytes or g == meta.num_row_groups - 1:
-            tasks.append(Task("parquet", str(path), start, g + 1))
+            tasks.append(Task("parquet", str(path), start, g + 1, size=acc))
             start, acc = g + 1, 0
     return tasks
 

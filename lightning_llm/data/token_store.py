@@ -99,7 +99,8 @@ class Shard:
 def tokenize_task(index: int, task: Task, *, spec: TokenizerSpec, encode: Any, text_field: str, out_dir: str
                   ) -> Shard:
     """Tokenize one task in batches of about :data:`BATCH_CHARS` characters; write its tokens (EOS after each
-    document) to ``out_dir/shard-<index>.bin``. Memory: one batch of texts and ids."""
+    document; a blank document or one without tokens adds nothing) to ``out_dir/shard-<index>.bin``. Memory: one
+    batch of texts and ids."""
     path = os.path.join(out_dir, f"shard-{index:07d}.bin")
     ends: list[int] = []
     n_tokens = n_empty = chars = 0
@@ -131,7 +132,12 @@ def tokenize_task(index: int, task: Task, *, spec: TokenizerSpec, encode: Any, t
             n_tokens += len(arr)
             batch.clear()
 
+        doc_open = doc_start is None  # text of the current document was read (a large .txt continued)
         for text, ends_doc in read_task(task, text_field=text_field):
+            if ends_doc and not doc_open and not text.strip():  # an empty or blank document adds nothing
+                n_empty += 1
+                continue
+            doc_open = not ends_doc
             batch.append((text, ends_doc))
             chars += len(text)
             if chars >= BATCH_CHARS or len(batch) >= BATCH_DOCS:
