@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from filelock import FileLock, Timeout
+
 from lightning_llm.data.corpus import Task, generated_tasks, plan_tasks, resolve_inputs
 from lightning_llm.data.io import DataError, atomic_open
 from lightning_llm.data.token_store import (
@@ -113,8 +115,6 @@ def current_store(source: CorpusSource, *, spec: TokenizerSpec, text_field: str,
 
 @contextmanager
 def _locked(path: Path) -> Iterator[None]:
-    from filelock import FileLock, Timeout
-
     lock = FileLock(str(path.with_name(path.name + ".lock")))
     try:
         lock.acquire(timeout=0)

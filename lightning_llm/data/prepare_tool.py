@@ -12,16 +12,18 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+from jsonargparse import ArgumentParser
+
 from lightning_llm.data.io import DataError
 from lightning_llm.data.text import TextDataModule
+from lightning_llm.vocab import default_tokenizer_dir
 
 log = logging.getLogger(__name__)
 
 
 def _config_defaults(path: str) -> tuple[dict[str, Any], Any]:
     """``(data init args, model backbone)`` of a fit config file (a ``data:`` of another datamodule is refused)."""
-    import yaml
-
     try:
         cfg = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
     except (OSError, yaml.YAMLError) as e:
@@ -46,9 +48,7 @@ def _config_arg(argv: list[str]) -> str | None:
     return None
 
 
-def _parser() -> Any:
-    from jsonargparse import ArgumentParser
-
+def _parser() -> ArgumentParser:
     parser = ArgumentParser(prog="lightning_llm prepare", description=__doc__.split("\n\n")[0], exit_on_error=False)
     parser.add_argument("--config", type=str, default=None,
                         help="a fit config (YAML): its data: section and model.backbone give the defaults")
@@ -59,8 +59,6 @@ def _parser() -> Any:
 def main(argv: list[str]) -> int:
     """``lightning_llm prepare [--config FIT.yaml] --data.data_path PATH --data.tokenizer_dir DIR [--data.num_proc N]``.
     Prints each store's path and counts; exit code 2 with one line on bad input."""
-    from lightning_llm.vocab import default_tokenizer_dir
-
     parser = _parser()
     try:
         config, backbone = _config_arg(argv), None

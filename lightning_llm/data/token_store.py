@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from tokenizers import Tokenizer
 
 from lightning_llm.data.corpus import BATCH_CHARS, BATCH_DOCS, Task, read_task
 from lightning_llm.data.io import DataError
@@ -51,8 +52,6 @@ class TokenizerSpec:
             eos = getattr(tokenizer, "sep_token_id", None)
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if backend is not None:
-            from tokenizers import Tokenizer
-
             backend = Tokenizer.from_str(backend.to_str())  # a copy: the state the tokenizer's calls may have left
             backend.no_truncation()
             backend.no_padding()
@@ -74,8 +73,6 @@ class TokenizerSpec:
     def encoder(self) -> Any:
         """``texts -> list of id lists`` (in a worker: built once per process)."""
         if self.backend_json is not None:
-            from tokenizers import Tokenizer
-
             tok = Tokenizer.from_str(self.backend_json)
             tok.encode_special_tokens = self.split_special_tokens
             return lambda texts: [e.ids for e in tok.encode_batch_fast(texts, add_special_tokens=False)]
