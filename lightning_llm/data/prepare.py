@@ -147,8 +147,12 @@ def prepare_corpus(source: CorpusSource, *, spec: TokenizerSpec, text_field: str
             return store, False
         log.info("preparing %s into %s: %s", source.label, target, reason)
         _build(source, target, inputs=inputs, spec=spec, text_field=text_field,
-               num_proc=num_proc or len(os.sched_getaffinity(0)))
+               num_proc=num_proc or _cpus())
     return TokenStore.open(target), True
+
+
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _tasks(source: CorpusSource, *, text_field: str, num_proc: int) -> list[Task]:
