@@ -321,13 +321,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="alternating runs per tool where both run")
     ap.add_argument("--alternatives", action="store_true",
                     help="also run litdata optimize and a tuned datasets.map once on the smallest compared corpus")
+    ap.add_argument("--fit-only", action="store_true",
+                    help="keep the preparation results and stores of an earlier run under --work; run the fits again")
     ap.add_argument("--work", type=Path, default=Path("/tmp/lightning_llm-bench-prepare"))
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "prepare-cpu.md")
     args = ap.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"prepare": {}, "fit": []}
     corpora = {s: make_corpus(args.work / f"corpus-{s}mib.jsonl", s) for s in args.sizes}
-    for size, corpus in corpora.items():
+    if args.fit_only:  # the preparation results and stores of an earlier run under --work
+        res["prepare"] = {int(k): v for k, v in json.loads((args.work / "results.json").read_text())["prepare"].items()}
+    for size, corpus in ({} if args.fit_only else corpora).items():
         rounds = args.rounds if size in args.compare else 1
         rows: dict[str, list[dict[str, Any]]] = {"ours": [], "datasets": []}
         for i in range(rounds):
