@@ -238,11 +238,12 @@ def _datasets_tuned_main(corpus: str, cache: str, result: str) -> None:
 
 
 def fit_rss(store_corpus: Path, cache: Path, *, ddp: bool, log: Path, steps: int = 5) -> dict[str, Any]:
-    """``lightning_llm fit`` (pretrain_debug, bert-base-chinese tokenizer) for ``steps`` steps from ``cache``."""
+    """``lightning_llm fit`` (pretrain_debug, bert-base-chinese tokenizer) for ``steps`` steps from ``cache``, then 2
+validation batches (the loaders of the whole training and validation sets are built)."""
     args = ["fit", f"--config={REPO / 'configs' / 'pretrain_debug.yaml'}", f"--data.data_path={store_corpus}",
             f"--data.tokenizer_dir={BERT}", f"--data.cache_dir={cache}", "--data.num_proc=2",
             f"--trainer.max_steps={steps}", "--trainer.logger=false", "--trainer.enable_checkpointing=false",
-            "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+            f"--trainer.val_check_interval={steps}", "--trainer.limit_val_batches=2", "--trainer.enable_progress_bar=false",
             f"--trainer.default_root_dir={cache.parent / 'runs'}"]
     if ddp:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "-m", "lightning_llm", *args,
@@ -304,11 +305,12 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> str:
             lines.append(f"Throughput, ours / {tool} at {size} MiB (same {o[0]['text_tokens']:,} text tokens): "
                          f"{_med(d, 'wall_s') / _med(o, 'wall_s'):.2f}x (wall), "
                          f"{_med(d, 'work_s') / _med(o, 'work_s'):.2f}x (work).")
-    lines += ["", "## Training from the prepared stores (pretrain_debug, 5 steps)", "",
-              "| corpus | layout | prepared in this run | 'prepared' log lines | peak RSS per rank GiB | wall s |",
+    lines += ["", "## Training from the prepared stores (pretrain_debug, 5 steps and 2 validation batches)", "",
+              "| corpus | layout | prepared in this run | 'prepared' log lines | peak RSS per rank MiB | wall s |",
               "|---|---|---|---|---|---|"]
     for row in res["fit"]:
-        ranks = " / ".join(_gib(v) for _, v in sorted(row["ranks_rss"].items())) or _gib(row["peak_rss"])
+        ranks = " / ".join(f"{v / MIB:.0f}" for _, v in sorted(row["ranks_rss"].items())) or \
+            f"{row['peak_rss'] / MIB:.0f}"
         lines.append(f"| {row['size']} MiB | {row['layout']} | {row['fresh']} | {row['prepare_lines']} | {ranks} | "
                      f"{row['wall_s']:.1f} |")
     return "\n".join(lines) + "\n"

@@ -122,8 +122,8 @@ def test_jsonl_lines_break_at_newline_only(tmp_path) -> None:
     assert [r["_line"] for r in got] == [1, 2]
 
 
-@pytest.mark.parametrize("drop_last", [False, True])
-def test_resumable_sampler_gives_torchs_indices(drop_last: bool) -> None:
+@pytest.mark.parametrize(("drop_last", "shuffle"), [(False, True), (True, True), (False, False)])
+def test_resumable_sampler_gives_torchs_indices(drop_last: bool, shuffle: bool) -> None:
     """The sampler keeps its epoch as a tensor (4 bytes a sample, not Python lists) but yields exactly torch's
     DistributedSampler indices (order, padding, striding by rank), and skips the first samples on a resume."""
     from torch.utils.data import DistributedSampler
@@ -132,8 +132,8 @@ def test_resumable_sampler_gives_torchs_indices(drop_last: bool) -> None:
 
     for n, replicas in [(1, 1), (3, 2), (7, 4), (100_003, 3), (70_000, 8)]:
         for rank in range(replicas):
-            ours = ResumableDistributedSampler(range(n), num_replicas=replicas, rank=rank, seed=5, drop_last=drop_last)
-            torchs = DistributedSampler(range(n), num_replicas=replicas, rank=rank, seed=5, drop_last=drop_last)
+            kw = {"num_replicas": replicas, "rank": rank, "seed": 5, "drop_last": drop_last, "shuffle": shuffle}
+            ours, torchs = ResumableDistributedSampler(range(n), **kw), DistributedSampler(range(n), **kw)
             for epoch in (0, 2):
                 ours.set_epoch(epoch)
                 torchs.set_epoch(epoch)

@@ -190,7 +190,11 @@ class LLMDataModule(pl.LightningDataModule):
             self._resume = {"epoch": int(state_dict["epoch"]), "batches": int(state_dict["batches"]),
                             "samples": int(state_dict.get("samples", -1))}
 
-    def make_loader(self, dataset: Dataset, *, train: bool, collate_fn: Callable | None = None) -> DataLoader:
+    def make_loader(self, dataset: Dataset, *, train: bool, collate_fn: Callable | None = None,
+                    shard_eval: bool = False) -> DataLoader:
+        """The training loader (seeded, data-parallel-rank-keyed, resumable) or an evaluation loader. ``shard_eval``
+        (validation/test of large datasets, never predict): shard it here as Lightning would (a padded
+        DistributedSampler without shuffling), with the tensor-backed sampler instead of Lightning's Python lists."""
         if train:
             num_replicas, rank = self._replicas()
             sampler = ResumableDistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True,
@@ -203,6 +207,10 @@ class LLMDataModule(pl.LightningDataModule):
                     sampler.skip_samples = self._resume["samples"] // num_replicas
                 self._resume = None
                 _silence_not_resumable_warning()
+        elif shard_eval and self._replicas()[0] > 1:
+            num_replicas, rank = self._replicas()
+            sampler = ResumableDistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
+            batch_size = self.eval_batch_size
         else:
             # Lightning shards evaluation loaders itself (padded for val/test, unrepeated for predict).
             sampler, batch_size = SequentialSampler(dataset), self.eval_batch_size

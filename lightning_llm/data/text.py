@@ -217,7 +217,7 @@ class TextDataModule(LLMDataModule):
         return self.make_loader(self.datasets["fit"], train=True, collate_fn=self._collate)
 
     def val_dataloader(self) -> DataLoader:
-        return self.make_loader(self.datasets["validate"], train=False, collate_fn=self._collate)
+        return self.make_loader(self.datasets["validate"], train=False, collate_fn=self._collate, shard_eval=True)
 
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()
