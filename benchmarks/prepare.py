@@ -288,7 +288,7 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> str:
                          f"{toks / _med(rows, 'wall_s') / 1e6:.2f} M | {toks / _med(rows, 'work_s') / 1e6:.2f} M |")
     lines += ["", "Medians over the runs (alternating ours / datasets where both ran). Per-run values:", ""]
     for size, by_tool in res["prepare"].items():
-        for tool, rows in by_tool.items():
+        for tool, rows in filter(lambda item: item[1], by_tool.items()):
             lines.append(f"- {size} MiB, {tool}: wall " + ", ".join(f"{r['wall_s']:.1f}" for r in rows) +
                          " s; peak RSS " + ", ".join(_gib(r["peak_rss"]) for r in rows) + " GiB")
     sizes = list(res["prepare"])

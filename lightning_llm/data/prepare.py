@@ -11,6 +11,7 @@ interrupted preparation never leaves a store that looks finished (its leftovers 
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
@@ -185,9 +186,15 @@ def _shards(tasks: list[Task], *, spec: TokenizerSpec, text_field: str, out_dir:
         for i, task in enumerate(tasks):
             yield tokenize_task(i, task, spec=spec, encode=encode, text_field=text_field, out_dir=str(out_dir))
         return
-    ctx = mp.get_context("fork")
-    with ctx.Pool(min(num_proc, len(tasks)), initializer=_init_worker, initargs=(spec, text_field, str(out_dir))
-                  ) as pool:
+    # Frozen while forking: the workers' garbage collections then never write to the objects they inherit, whose
+    # pages stay shared instead of being copied into each worker over a long preparation.
+    gc.freeze()
+    try:
+        pool = mp.get_context("fork").Pool(min(num_proc, len(tasks)), initializer=_init_worker,
+                                           initargs=(spec, text_field, str(out_dir)))
+    finally:
+        gc.unfreeze()
+    with pool:
         yield from pool.imap(_worker_task, enumerate(tasks))
 
 
