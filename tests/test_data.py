@@ -130,7 +130,7 @@ def test_resumable_sampler_gives_torchs_indices(drop_last: bool, shuffle: bool) 
 
     from lightning_llm.data.base import ResumableDistributedSampler
 
-    for n, replicas in [(1, 1), (3, 2), (7, 4), (100_003, 3), (70_000, 8)]:
+    for n, replicas in [(1, 1), (3, 2), (7, 4), (1_003, 3), (700, 8)]:
         for rank in range(replicas):
             kw = {"num_replicas": replicas, "rank": rank, "seed": 5, "drop_last": drop_last, "shuffle": shuffle}
             ours, torchs = ResumableDistributedSampler(range(n), **kw), DistributedSampler(range(n), **kw)
