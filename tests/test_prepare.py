@@ -382,6 +382,11 @@ def test_resume_on_other_data_is_refused(tmp_path: Path, bpe_dir: Path) -> None:
     other.load_state_dict(state)  # before setup: checked once the stores are mapped
     with pytest.raises(DataError, match="block_size 16 -> 32"):
         other.setup("fit")
+    # Opted in (a new training phase on another mixture): accepted, from the start of the new data.
+    phase2 = _mixture(tmp_path, weights=(0.5, 0.5), resume_on_other_data=True)
+    phase2.load_state_dict(state)
+    assert phase2._resume is None and next(iter(phase2.train_dataloader().sampler)) == \
+        next(iter(_mixture(tmp_path, weights=(0.5, 0.5)).train_dataloader().sampler))
 
 
 def test_prepare_tool_with_a_fit_config_and_a_mixture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

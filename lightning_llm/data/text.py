@@ -74,6 +74,7 @@ class TextDataModule(LLMDataModule):
         cache_dir: str = ".lightning_llm_cache/tokens",
         generated_docs: int = 400,
         num_proc: int | None = None,
+        resume_on_other_data: bool = False,
         batch_size: int = 8,
         eval_batch_size: int | None = None,
         num_workers: int = 0,
@@ -93,6 +94,9 @@ class TextDataModule(LLMDataModule):
             cache_dir: Where prepared token stores are kept (one per corpus and tokenizer).
             generated_docs: Documents in the generated corpus (when ``data_path`` is None).
             num_proc: Tokenizer worker processes when preparing a corpus (default: the CPU count).
+            resume_on_other_data: Resume a checkpoint trained on other data (corpora, weights, tokenizer, block size)
+                from the start of this data instead of refusing it: the model, optimizer and step count continue,
+                the checkpoint's position in its data does not (e.g. a second training phase on a new mixture).
             batch_size: Per-device training batch size.
             eval_batch_size: Per-device evaluation batch size.
             num_workers: DataLoader worker processes.
@@ -115,6 +119,7 @@ class TextDataModule(LLMDataModule):
         self.tokenizer_dir = tokenizer_dir
         self.block_size, self.val_fraction = block_size, val_fraction
         self.cache_dir, self.generated_docs, self.num_proc = cache_dir, generated_docs, num_proc
+        self.resume_on_other_data = resume_on_other_data
         self._spec: TokenizerSpec | None = None
         self.stores: list[TokenStore] = []
         self.prepared: bool | None = None  # whether this process tokenized a corpus (None: it prepared nothing)
@@ -191,11 +196,11 @@ class TextDataModule(LLMDataModule):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
         if "data" in state_dict:
             self._resumed_data = state_dict["data"]
             if self.stores:
                 self._check_same_data(self._resumed_data)
-        super().load_state_dict(state_dict)
 
     def _check_same_data(self, saved: dict[str, Any]) -> None:
         """Refuse a resume whose data differs from the checkpoint's: its sample positions would mean other samples."""
@@ -204,11 +209,16 @@ class TextDataModule(LLMDataModule):
         diffs = [f"{k} {saved[k]} -> {now[k]}" for k in ("block_size", "val_fraction") if saved.get(k) != now[k]]
         if key(saved) != key(now):
             diffs.append(f"corpora {_corpora(saved)} -> {_corpora(now)}")
-        if diffs:
-            raise DataError("--ckpt_path: the checkpoint was trained on other data (" + "; ".join(diffs) + "): a "
-                            "resume would not continue its samples; resume with the checkpoint's --data settings, "
-                            "or start a new run")
         self._resumed_data = None
+        if not diffs:
+            return
+        what = "the checkpoint was trained on other data (" + "; ".join(diffs) + ")"
+        if not self.resume_on_other_data:
+            raise DataError(f"--ckpt_path: {what}: a resume would not continue its samples; resume with the "
+                            "checkpoint's --data settings, pass --data.resume_on_other_data=true to train on this "
+                            "data from its start, or start a new run")
+        log.warning("%s: training continues on this data from its start (--data.resume_on_other_data)", what)
+        self._resume = None  # no position to skip to in other data
 
     def _collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         return {k: torch.stack([e[k] for e in examples]) for k in examples[0]}
