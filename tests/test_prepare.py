@@ -409,3 +409,26 @@ def test_prepare_tool_with_a_fit_config_and_a_mixture(tmp_path: Path, capsys: py
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("lightning_llm prepare: error: ") and "bad.jsonl:2: malformed JSON" in \
         err[0]
+
+
+def test_validation_loader_is_sharded_as_lightning_would(tmp_path: Path) -> None:
+    """Under 2 data-parallel ranks the validation loader carries the tensor-backed sampler, with the indices of the
+    DistributedSampler(shuffle=False) Lightning would have injected (padded), so Lightning leaves it as it is."""
+    from types import SimpleNamespace
+
+    from torch.utils.data import DistributedSampler, SequentialSampler
+
+    dm = TextDataModule(block_size=8, val_fraction=0.1, cache_dir=str(tmp_path / "cache"), generated_docs=30)
+    dm.prepare_data()
+    assert isinstance(_loader(dm, None).sampler, SequentialSampler)  # one device: Lightning's own handling
+    for rank in range(2):
+        sampler = _loader(dm, SimpleNamespace(distributed_sampler_kwargs={"num_replicas": 2, "rank": rank},
+                                              is_global_zero=rank == 0)).sampler
+        want = DistributedSampler(dm.datasets["validate"], num_replicas=2, rank=rank, shuffle=False)
+        assert isinstance(sampler, DistributedSampler) and list(sampler) == list(want)
+
+
+def _loader(dm: TextDataModule, trainer: Any) -> Any:
+    dm.trainer, dm.datasets = trainer, {}
+    dm.setup("fit")
+    return dm.val_dataloader()
