@@ -4,6 +4,8 @@
   ``parallelize_module`` in ``configure_model`` (what a Lightning user writes without our ``tp`` strategy). The plan
   is the one ``lightning_llm.strategies.plans.decoder_tp_plan(sequence_parallel=False, loss_parallel=False)``
   produces, written out by hand.
+* :class:`FSDP2PeerTask` - Lightning's ``ModelParallelStrategy`` with FSDP2 ``fully_shard`` per block, the peer of
+  ``zero3`` (Lightning's ``FSDPStrategy`` wraps torch's FSDP1, which needs an accelerator).
 * ``python benchmarks/peers.py deepspeed --stage N ...`` (under torchrun) - the DeepSpeed engine used directly: a plain
   torch loop around ``deepspeed.initialize`` on the CPU accelerator with gloo, no Lightning.
 
@@ -68,6 +70,24 @@ class TPPeerTask(CausalLMTask):
         parallelize_module(self.model, self.device_mesh["tensor_parallel"], peer_tp_plan())
 
 
+class FSDP2PeerTask(CausalLMTask):
+    """CausalLMTask for Lightning's ``ModelParallelStrategy(data_parallel_size=N, tensor_parallel_size=1)`` with FSDP2
+    applied in ``configure_model`` as Lightning documents it: ``fully_shard`` on each transformer block, then on the
+    model. (Lightning's ``FSDPStrategy`` wraps torch's FSDP1, which refuses to run without an accelerator.)"""
+
+    @override
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        super().configure_model()
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.layers.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # DeepSpeed engine used directly
 # ------------------------------------------------------------------------------------------------------------------
@@ -80,6 +100,7 @@ def deepspeed_main(argv: list[str]) -> int:
     p.add_argument("--size", default="debug")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--measure-step", type=int, default=2)
+    p.add_argument("--profile-steps", type=int, default=0, help="the last steps, under torch.profiler (not timed)")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--block", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.003)
@@ -91,7 +112,7 @@ def deepspeed_main(argv: list[str]) -> int:
     import lightning.pytorch as pl
     import torch.distributed as dist
     import torch.nn.functional as F
-    from matrix import gather_and_write, memory_kib
+    from matrix import StepProfiler, gather_and_write, memory_kib
     from torch.utils.data import DataLoader, DistributedSampler
 
     from lightning_llm.data import TextDataModule
@@ -122,9 +143,12 @@ def deepspeed_main(argv: list[str]) -> int:
     ends: list[float] = [time.perf_counter()]
     losses: list[float] = []
     state: dict[str, int] = {}
+    profiler, comm = StepProfiler(), {}
     step = 0
     while step < a.steps:
         for batch in loader:
+            if a.profile_steps and step == a.steps - a.profile_steps:
+                profiler.start()
             logits = engine(batch["input_ids"])
             loss = F.cross_entropy(logits.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100)
             engine.backward(loss)
@@ -132,12 +156,15 @@ def deepspeed_main(argv: list[str]) -> int:
                 state = deepspeed_model_state_bytes(engine)
             engine.step()
             losses.append(float(loss.detach()))
-            ends.append(time.perf_counter())
             step += 1
+            if step <= a.steps - a.profile_steps:
+                ends.append(time.perf_counter())
+            elif step == a.steps:
+                comm = profiler.stop(a.profile_steps)
             if step >= a.steps:
                 break
     record = {"step_ends": ends[1:], "losses": losses, "state": state, "tokens_per_step": a.batch * a.block * world,
-              **memory_kib()}
+              "comm": comm, **memory_kib()}
     gather_and_write(record, a.output, rank=rank, world=world)
     dist.destroy_process_group()
     return 0

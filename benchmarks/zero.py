@@ -76,9 +76,11 @@ def measure(strategy: str, precision: str, work: Path, steps: int = 4) -> dict[s
                          default_root_dir=str(work))
     trainer.fit(task, datamodule=data)
     numel = sum(p.numel() for p in task.model.parameters()) if strategy == "ddp" else 0
+    reducer = getattr(trainer.strategy, "grad_reducer", None)
     gathered: list[Any] = [None, None]
-    torch.distributed.all_gather_object(gathered, meter.bytes)
-    return {"bytes": gathered, "numel": numel, "step_s": sorted(meter.times[1:])[len(meter.times[1:]) // 2]}
+    torch.distributed.all_gather_object(gathered, (meter.bytes, reducer.peak_in_flight_bytes if reducer else None))
+    return {"bytes": [g[0] for g in gathered], "in_flight": [g[1] for g in gathered], "numel": numel,
+            "step_s": sorted(meter.times[1:])[len(meter.times[1:]) // 2]}
 
 
 def main() -> None:
@@ -117,23 +119,28 @@ def main() -> None:
         "model_state_theory` (what `lightning_llm estimate` prints): native fp32 4/4/8 bytes per parameter "
         "(stage 1 = 4Ψ+4Ψ+8Ψ/N, stage 2 = 4Ψ+12Ψ/N, stage 3 = 16Ψ/N); DeepSpeed fp32 4/4/12 (its optimizer steps an fp32 "
         "partition copy), DeepSpeed mixed 2/2/12 (the ZeRO paper's form; DeepSpeed's stage 1 already partitions gradients like its stage 2, so its stage 1/2 = 2Ψ+14Ψ/N in mixed and 4Ψ+16Ψ/N in fp32). Native `bf16-mixed` is autocast over fp32 parameters (FSDP2 keeps fp32 shards and gathers bf16 copies transiently), so its model states are the fp32 ones. Offload rows: on a CPU-only machine 'offloaded' states stay in the "
-        "same memory, so they are shown for completeness (theory on the device = 0 for offloaded parts).",
+        "same memory, so they are shown for completeness (theory on the device = 0 for offloaded parts). Bucket copies: "
+        "the native engine's gradient buckets are flat copies alive only while their collective is in flight "
+        "(at most two buckets, `grad_buckets.MAX_IN_FLIGHT`); the column is the most bytes alive at once during the "
+        "run (`GradReducer.peak_in_flight_bytes`, default `bucket_size_mb=25`: the debug model is one bucket, two "
+        "under ZeRO-2, one per owner), transient and not part of the model states.",
         "",
         "| config | precision | params B (r0/r1) | grads B (r0/r1) | optim B (r0/r1) | total r0 | theory | rel. err r0 / r1 "
-        "| median step s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| bucket copies peak B (r0/r1) | median step s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, precision, r, theory, error in rows:
         if r is None:
-            lines.append(f"| {name} | {precision} | - | - | - | - | - | did not run: {error} | - |")
+            lines.append(f"| {name} | {precision} | - | - | - | - | - | did not run: {error} | - | - |")
             continue
         b0, b1 = r["bytes"]
         t = sum(theory.values())
         offload = "offload" in name
+        copies = " / ".join(f"{x:,}" for x in r["in_flight"]) if None not in r["in_flight"] else "-"
         rel = " / ".join(f"{sum(b.values()) / t - 1:+.2%}" for b in (b0, b1)) if not offload else "n/a (CPU)"
         lines.append(f"| {name} | {precision} | {b0['params']:,} / {b1['params']:,} | {b0['grads']:,} / "
                      f"{b1['grads']:,} | {b0['optim']:,} / {b1['optim']:,} | {sum(b0.values()):,} | {t:,} | {rel} | "
-                     f"{r['step_s']:.3f} |")
+                     f"{copies} | {r['step_s']:.3f} |")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -1,7 +1,8 @@
 """``lightning_llm`` command line: a LightningCLI (fit/validate/test/predict) plus a few tool subcommands.
 
 Tasks (``--model``) and datamodules (``--data``) are chosen by class path in subclass mode; strategies by
-their registered name (``--trainer.strategy=tp``) or class path.
+their registered name (``--trainer.strategy=tp``, which then takes the class's options:
+:mod:`lightning_llm.cli_args`) or class path.
 """
 
 from __future__ import annotations
@@ -10,16 +11,20 @@ import logging
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule
-from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lightning_llm.checkpoint_errors import CheckpointError
-from lightning_llm.data.io import DataError
+from lightning_llm.cli_args import expand_config, prepare_argv, register_parser_mode
+from lightning_llm.data.io import DataError, read_json
+from lightning_llm.logs import RankZeroFilter, is_global_zero
 from lightning_llm.reliability import leave_process, shutdown_process_group
 from lightning_llm.tasks.base import LLMTask, NonFiniteLossError
 
@@ -47,25 +52,34 @@ class LLMCLI(LightningCLI):
             subclass_mode_model=True,
             subclass_mode_data=True,
             save_config_kwargs={"overwrite": True},
-            parser_kwargs={"parser_mode": "omegaconf"} if _has_omegaconf() else None,
+            parser_kwargs={"parser_mode": register_parser_mode("omegaconf" if _has_omegaconf() else "yaml")},
             args=args,
             run=run,
             **kwargs,
         )
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        # Registered strategy names become their class + preset (so they take options), strategy options and config
+        # files are checked: one line each before jsonargparse's usage dump (lightning_llm.cli_args).
+        if isinstance(args, dict):
+            args = expand_config(dict(args))
+        elif not isinstance(args, Namespace):
+            args = prepare_argv(list(sys.argv[1:] if args is None else args))
+        self.config = parser.parse_object(args) if isinstance(args, (dict, Namespace)) else parser.parse_args(args)
+
     def before_instantiate_classes(self) -> None:
         # Lightning rejects an unknown strategy name only once the model and data are built, with a list of a few
         # of its own names: name ours too, before anything is built.
-        from lightning_llm.strategies import check_strategy_name
+        from lightning_llm.strategies import check_strategy_name, strategy_class
 
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         strategy = cfg.get("trainer.strategy")
         if isinstance(strategy, str):
             check_strategy_name(strategy)
-            if "." in strategy:  # a bare class path stays a string (Trainer would refuse it): instantiate it
-                from jsonargparse import Namespace
-
-                cfg["trainer.strategy"] = Namespace(class_path=strategy, init_args=Namespace())
+            cls = strategy_class(strategy)
+            if cls is not None:  # a bare class path or name stays a string (Trainer would refuse it): instantiate it
+                cfg["trainer.strategy"] = Namespace(class_path=f"{cls.__module__}.{cls.__qualname__}",
+                                                    init_args=Namespace())
         _default_tokenizer(cfg)
 
     def _parse_ckpt_path(self) -> None:
@@ -87,15 +101,19 @@ class LLMCLI(LightningCLI):
 def _default_tokenizer(cfg: Any) -> None:
     """An HF ``--model.backbone`` directory's own tokenizer is the datamodule's default ``--data.tokenizer_dir``
     (:func:`lightning_llm.vocab.default_tokenizer_dir`): set here, where the parsed model and data arguments meet
-    before either is built, so the saved config.yaml names it. Datamodules without ``tokenizer_dir`` are left alone."""
+    before either is built, so the saved config.yaml names it. Datamodules without ``tokenizer_dir`` are left alone.
+    The backbone's ``config.json`` is parsed here first (one line naming file and line if it is malformed)."""
     from lightning_llm.vocab import default_tokenizer_dir
 
     model, data = cfg.get("model"), cfg.get("data")
     model_args = getattr(model, "init_args", None)
     data_args = getattr(data, "init_args", None)
+    backbone = model_args.get("backbone") if model_args is not None else None
+    if isinstance(backbone, str) and (Path(backbone).expanduser() / "config.json").is_file():
+        # Read first: the tokenizer (loaded before the model) reads it too, and its error would name the tokenizer.
+        read_json(Path(backbone).expanduser() / "config.json")
     if model_args is None or data_args is None or "tokenizer_dir" not in data_args:
         return
-    backbone = model_args.get("backbone")
     data_args["tokenizer_dir"] = default_tokenizer_dir(backbone, data_args.get("tokenizer_dir"))
 
 
@@ -107,9 +125,21 @@ def _has_omegaconf() -> bool:
     return True
 
 
+LIGHTNING_PYTREE_WARNING = r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+"""Raised by Lightning 2.6's own ``utilities/_pytree.py`` under torch 2.13, once per process and run: nothing a user
+can act on, so the command line hides it."""
+
+
 def _setup_logging() -> None:
+    warnings.filterwarnings("ignore", message=LIGHTNING_PYTREE_WARNING)
     level = os.environ.get("LIGHTNING_LLM_LOG", "INFO").upper()
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    root = logging.getLogger()
+    if not root.handlers:  # as logging.basicConfig, plus: facts about the whole run printed by global rank 0 only
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        handler.addFilter(RankZeroFilter())
+        root.addHandler(handler)
+        root.setLevel(logging.WARNING)
     logging.getLogger("lightning_llm").setLevel(level)
 
 
@@ -124,14 +154,6 @@ _USER_ERRORS = (CheckpointError, DataError, FileNotFoundError, ValueError, NonFi
                 MisconfigurationException)
 
 
-def _is_global_zero() -> bool:
-    """Rank 0 of a torchrun job (``RANK``) or of Lightning's own launcher (``NODE_RANK``/``LOCAL_RANK`` in the
-    processes it starts); True in a plain process."""
-    if "RANK" in os.environ:
-        return int(os.environ["RANK"]) == 0
-    return os.environ.get("NODE_RANK", "0") == "0" and os.environ.get("LOCAL_RANK", "0") == "0"
-
-
 PEER_EXIT_DELAY_S = 3.0
 """How long a rank other than 0 waits before leaving after a user error: the first rank to exit makes torchrun
 terminate the others, which could kill rank 0 before it printed the line (ranks reach the same check together)."""
@@ -140,7 +162,7 @@ terminate the others, which could kill rank 0 before it printed the line (ranks 
 def _report(e: BaseException) -> int:
     """Print the one-line error on global rank 0 only (every rank of a job hits the same bad input; N copies of the
     line bury it) and return the exit code every rank exits with."""
-    if _is_global_zero():
+    if is_global_zero():
         print(f"lightning_llm: error: {_user_error(e)}\n(set LIGHTNING_LLM_DEBUG=1 to see the traceback)",
               file=sys.stderr, flush=True)
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -152,6 +174,8 @@ def _user_error(e: BaseException) -> BaseException:
     """The error to show: jsonargparse wraps errors raised while instantiating ``--model``/``--data`` in a
     multi-line "Does not validate against any of the Union subtypes" ValueError; show the original instead."""
     while isinstance(e.__cause__, _USER_ERRORS) and e.__traceback__ is not None:
+        if (branch := _union_branch_error(e)) is not e:
+            return branch
         tb = e.__traceback__
         while tb.tb_next is not None:
             tb = tb.tb_next
@@ -159,6 +183,26 @@ def _user_error(e: BaseException) -> BaseException:
             break
         e = e.__cause__
     return e
+
+
+_UNION_ERROR = "Does not validate against any of the Union subtypes"
+
+
+def _union_branch_error(e: BaseException) -> BaseException:
+    """A class given for a ``str | Class`` argument (``--trainer.strategy=zero2 --trainer.strategy.bucket_size_mb=0``)
+    whose constructor refused a value fails in jsonargparse as a union error listing one error per branch, the
+    constructor's among "Expected a <class 'str'>" lines, and chains only the last branch's error: show the
+    constructor's error, naming the class, when it is the only one that is not a type mismatch."""
+    text = str(e)
+    if not text.startswith(_UNION_ERROR) or "\nErrors:\n" not in text:
+        return e
+    listed = text.split("\nErrors:\n", 1)[1].split("\nGiven value", 1)[0]
+    branches = [ln.strip()[2:] for ln in listed.splitlines() if ln.strip().startswith("- ")]
+    real = [b for b in branches if not b.startswith("Expected a ")]
+    if len(real) != 1:
+        return e
+    cls = text.split("class_path='", 1)[1].split("'", 1)[0] if "class_path='" in text else ""
+    return ValueError(f"{cls}: {real[0]}" if cls else real[0])
 
 
 def _drop_process_group() -> bool:

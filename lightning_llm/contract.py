@@ -37,6 +37,8 @@ __all__ = [
     "capabilities_of",
     "task_accepts_sharded_logits",
     "check_pipelinable",
+    "declared_inputs",
+    "PACKED_INPUTS",
 ]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -53,6 +55,12 @@ def accepts_sharded_logits(fn: _F) -> _F:
 
 def _resolved(task: Any, name: str) -> Callable[..., Any] | None:
     return getattr(type(task), name, None)
+
+
+def user_task(task: Any) -> bool:
+    """Whether ``task`` is a user's class rather than one of the library's own tasks: messages about the contract
+    (what an override costs) speak to user subclasses only."""
+    return not type(task).__module__.startswith("lightning_llm.")
 
 
 def task_accepts_sharded_logits(task: Any) -> bool:
@@ -92,6 +100,22 @@ def check_pipelinable(task: Any, *, strategy: str) -> None:
             "whose ranks hold the whole model (ddp, tp, zero1/2/3, deepspeed_*)")
 
 
+PACKED_INPUTS = ("position_ids", "segment_ids")
+"""Batch keys of packed rows (:func:`lightning_llm.data.packing.pack_examples`) the model must receive: each packed
+example's positions and its segment, from which the model builds a block-diagonal attention mask."""
+
+
+def declared_inputs(task: Any, batch: Any, stage: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``task.model_inputs(batch, stage)``, refused when the batch holds packed rows (``segment_ids``) that the
+    inputs do not pass on: the model would attend across the packed examples (one causal mask over the row)."""
+    args, kwargs = task.model_inputs(batch, stage)
+    if isinstance(batch, dict) and "segment_ids" in batch and kwargs.get("segment_ids") is None:
+        raise ValueError(f"{type(task).__name__}.model_inputs() drops the batch's segment_ids (packed rows): the "
+                         "model would attend across the examples packed into a row. Pass segment_ids= and "
+                         "position_ids= to the model, or train with --data.packing=false")
+    return args, kwargs
+
+
 _BUILD_HOOKS = ("configure_model", "build_model", "build_policy", "build_decoder", "build_backbone")
 
 
@@ -104,7 +128,9 @@ def builds_lazily(task: Any) -> bool:
     declared = getattr(task, "deferred_init", None)
     if declared is not None:
         return bool(declared)
-    own = [n for n in _BUILD_HOOKS if not getattr(_resolved(task, n), "__module__", "").startswith("lightning_llm.")]
+    # A hook the task's classes do not have at all (ClassificationTask has no build_policy) is no override.
+    own = [n for n in _BUILD_HOOKS if _resolved(task, n) is not None
+           and not getattr(_resolved(task, n), "__module__", "").startswith("lightning_llm.")]
     if own:
         log.info("%s overrides %s: its model is built whole on every rank (set deferred_init = True on the class "
                  "if its own modules are real or belong to a model family)", type(task).__name__, ", ".join(own))

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from lightning_llm.estimate_layout import layout_share, setup_peak_bytes
+from lightning_llm.data.io import read_json
+from lightning_llm.estimate_layout import LayoutShare, layout_share, setup_peak_bytes
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +163,20 @@ def _loss_bytes(config: Any, *, tokens: int, precision: str, fused: bool, tp: in
                            fused=fused, tp=tp)
 
 
+def estimate_layout(config: Any, *, tp: int, pp: int, dp: int, stage: int, engine: str, batch_size: int,
+                    seq_len: int, precision: str, fused_loss: bool, offload_optimizer: bool = False,
+                    offload_params: bool = False) -> tuple[Estimate, LayoutShare]:
+    """Per-rank memory of ``config`` under a ``tp x pp x dp`` layout with ZeRO ``stage`` (``engine``: native,
+    deepspeed or ddp): what the ``estimate`` tool prints and the run summary logs at the start of fit. Model states
+    follow what a rank of the fullest stage holds after tp/pp (ZeRO then divides over dp)."""
+    share = layout_share(config, tp=tp, pp=pp, dp=dp, zero3=stage == 3)
+    local = share.numel * dp if stage == 3 else share.numel
+    est = estimate(config, numel=local, batch_size=batch_size, seq_len=seq_len, precision=precision, devices=dp,
+                   stage=stage, engine=engine, offload_optimizer=offload_optimizer, offload_params=offload_params,
+                   fused_loss=fused_loss, tp=tp)
+    return est, share
+
+
 def max_batch_size(est: Estimate, *, memory_bytes: float, reserve_bytes: float,
                    loss: Callable[[int], int] = lambda batch: 0) -> int:
     """Largest per-device batch whose model states + activations + the loss's transient (``loss(batch)``, bytes)
@@ -187,7 +202,7 @@ def load_config(model: str, family: str) -> Any:
         cfg = p / "config.json"
         if not cfg.is_file():
             raise FileNotFoundError(f"--model={model}: no config.json in that directory")
-        return config_from_hf(json.loads(cfg.read_text()))
+        return config_from_hf(read_json(cfg))
     known = sorted(n for f, n in NAMED_SIZES if f == family)
     raise ValueError(f"--model={model}: neither a named {family} size ({', '.join(known)}) nor a local HF directory")
 
@@ -276,12 +291,9 @@ def main(argv: list[str] | None = None) -> int:
         if a.zero_stage is not None:
             sargs["stage"] = a.zero_stage
         numel = count_parameters(config)
-        share = layout_share(config, tp=tp, pp=pp, dp=dp, zero3=sargs["stage"] == 3)
-        # Model states follow what a rank holds after tp/pp (ZeRO then divides over dp).
-        local = share.numel * dp if sargs["stage"] == 3 else share.numel
         fused = a.fused_loss == "on"  # tp: the vocab-parallel fused loss on V/tp shards; pp: on the last stage
-        est = estimate(config, numel=local, batch_size=a.batch_size, seq_len=seq, precision=a.precision,
-                       devices=dp, fused_loss=fused, tp=tp, **sargs)
+        est, share = estimate_layout(config, tp=tp, pp=pp, dp=dp, batch_size=a.batch_size, seq_len=seq,
+                                     precision=a.precision, fused_loss=fused, **sargs)
         loss_paths = {k: _loss_bytes(config, tokens=a.batch_size * seq, precision=a.precision, fused=k == "fused",
                                      tp=tp) for k in ("fused", "eager")}
         setup = setup_peak_bytes(share, param_bytes=_bytes_per_param(sargs["engine"], a.precision)[0],

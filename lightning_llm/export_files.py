@@ -23,6 +23,8 @@ from typing import Any
 
 from torch import nn
 
+from lightning_llm.data.io import read_json
+
 log = logging.getLogger(__name__)
 
 __all__ = ["ExportSources", "has_tokenizer", "staged_directory", "write_generation_config", "write_model_directory",
@@ -154,7 +156,7 @@ def write_generation_config(model: nn.Module, directory: Path, sources: ExportSo
         return
     gen = sources.generation_config
     if gen is None and sources.backbone_dir is not None and (sources.backbone_dir / "generation_config.json").is_file():
-        gen = json.loads((sources.backbone_dir / "generation_config.json").read_text())
+        gen = read_json(sources.backbone_dir / "generation_config.json")
     if gen is None:
         from transformers import GenerationConfig
 

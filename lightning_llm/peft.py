@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from lightning_llm.data.io import read_json
 from lightning_llm.peft_prompt import (
     PROMPT_METHODS,
     PrefixTuningLM,
@@ -381,7 +381,7 @@ def load_adapter(model: nn.Module, directory: str | Path) -> tuple[nn.Module, Pe
     from lightning_llm.vocab import grow_base, trained_vocab_size
 
     directory = Path(directory)
-    raw = json.loads((directory / "adapter_config.json").read_text())
+    raw = read_json(directory / "adapter_config.json")
     if raw.get("peft_type") != "LORA":
         kind = raw.get("peft_type")
         why = (" (a prompt-learning adapter holds no weights to merge: load it with peft.PeftModel.from_pretrained "

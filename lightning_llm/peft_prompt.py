@@ -101,6 +101,13 @@ class PromptLearningLM(nn.Module):
     def config(self) -> Any:
         return self.base.config
 
+    def _refuse_packing(self, segment_ids: Tensor | None) -> None:
+        """Packed rows are refused: peft prepends one prompt per row and numbers the real tokens after it, so every
+        packed example would need its own virtual tokens (or prefix) and positions; one per row is not that."""
+        if segment_ids is not None:
+            raise ValueError(f"peft.method={self.method} cannot train on packed rows (segment_ids): the virtual "
+                             "tokens are prepended once per row, not per example; use --data.packing=false")
+
     @staticmethod
     def _inputs(x: Tensor, past_real: int, attention_mask: Tensor | None,
                 position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -129,7 +136,9 @@ class _VirtualTokensLM(PromptLearningLM):
         position_ids: Tensor | None = None,  # [B, S] positions of real tokens (without the virtual offset)
         inputs_embeds: Tensor | None = None,
         kv_cache: KVCache | None = None,
+        segment_ids: Tensor | None = None,  # packed rows: refused
     ) -> Tensor:  # logits [B, S, V]
+        self._refuse_packing(segment_ids)
         n = self.num_virtual_tokens
         x = self.base.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [B, S, H]
         b = x.shape[0]
@@ -233,7 +242,9 @@ class PrefixTuningLM(PromptLearningLM):
         position_ids: Tensor | None = None,  # [B, S] positions of real tokens (peft adds n, as here)
         inputs_embeds: Tensor | None = None,
         kv_cache: KVCache | None = None,
+        segment_ids: Tensor | None = None,  # packed rows: refused
     ) -> Tensor:  # logits [B, S, V]
+        self._refuse_packing(segment_ids)
         n = self.num_virtual_tokens
         x = input_ids if inputs_embeds is None else inputs_embeds
         assert x is not None, "PrefixTuningLM.forward needs input_ids or inputs_embeds"

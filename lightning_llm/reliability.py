@@ -22,6 +22,8 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
+from lightning_llm.logs import PER_RANK
+
 log = logging.getLogger(__name__)
 
 FAULT_ENV = "LIGHTNING_LLM_FAULT"
@@ -145,7 +147,8 @@ class RNGState(pl.Callback):
         states = state_dict.get("per_rank") or []
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         if rank >= len(states):
-            log.warning("checkpoint holds RNG states for %d ranks; rank %d keeps its own", len(states), rank)
+            log.warning("checkpoint holds RNG states for %d ranks; rank %d keeps its own", len(states), rank,
+                        extra=PER_RANK)
             return
         self._pending = states[rank]
 

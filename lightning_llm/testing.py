@@ -193,6 +193,77 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor", "all_to_all_single", "barrier", "all_gather_object", "broadcast_object_list")
+"""The ``torch.distributed`` functions :class:`CollectiveCounter` counts."""
+
+
+class CollectiveCounter(pl.Callback):
+    """Calls of ``torch.distributed``'s collectives in each training step (forward, backward, optimizer step):
+    ``steps[i]`` lists ``(function, group ranks, elements)`` per call of batch ``i``.
+
+    A wrapper around each function of :data:`COLLECTIVES`, installed from ``on_train_start`` to the end of ``fit``.
+    It sees every call made through Python (the native engine, Lightning's logging, ``deepspeed.comm``), not DDP's
+    C++ reducer nor DTensor's functional collectives (tensor-parallel communication inside the model)."""
+
+    def __init__(self) -> None:
+        self.steps: list[list[tuple[str, str, int]]] = []
+        self._current: list[tuple[str, str, int]] | None = None
+        self._saved: dict[str, Any] = {}
+
+    def count(self, step: int, fn: str, *, group: str | None = None, min_elements: int = 0) -> int:
+        """Calls of ``fn`` in batch ``step`` (over ``group``: its ranks joined by commas), each moving at least
+        ``min_elements`` elements (e.g. gradient buckets, not the logged loss)."""
+        return sum(1 for f, g, n in self.steps[step] if f == fn and group in (None, g) and n >= min_elements)
+
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        import inspect
+
+        import torch.distributed as dist
+
+        sig = inspect.signature(fn)
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self._current is not None:
+                bound = sig.bind_partial(*args, **kwargs).arguments
+                group = bound.get("group")
+                ranks = dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+                tensors = [t for v in bound.values() for t in (v if isinstance(v, list) else [v])
+                           if isinstance(t, torch.Tensor)]
+                self._current.append((name, ",".join(map(str, ranks)), max((t.numel() for t in tensors), default=0)))
+            return fn(*args, **kwargs)
+
+        return counted
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        import torch.distributed as dist
+
+        for name in COLLECTIVES:
+            self._saved[name] = getattr(dist, name)
+            setattr(dist, name, self._wrap(name, self._saved[name]))
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._current = []
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._current is not None:
+            self.steps.append(self._current)
+        self._current = None
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        import torch.distributed as dist
+
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        self._saved = {}
+
+
 def run_cli(args: list[str], *, nproc: int = 1, nnodes: int = 1, timeout: float = 600, cwd: str | Path | None = None,
             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run ``lightning_llm ARGS`` in fresh processes: one process, or ``nproc`` per node under torchrun.

@@ -25,6 +25,38 @@ def pair_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return generate_pair_dataset(tmp_path_factory.mktemp("pairs"), n_train=64, n_val=32, n_test=24, seed=0)
 
 
+def tiny_hf_llama(out: Path, *, tie_word_embeddings: bool = False, max_new_tokens: int | None = None) -> Path:
+    """Write a tiny random ``LlamaForCausalLM`` (GQA, 2 layers, vocabulary 304) and a BPE tokenizer trained with
+    ``tokenizers`` on the generated corpus to ``out``, as ``save_pretrained`` writes them; ``max_new_tokens``: a
+    value only the backbone's ``generation_config.json`` has."""
+    import warnings
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from lightning_llm.data.text import generated_corpus
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(generated_corpus(50), trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+                            ).save_pretrained(str(out))
+    config = LlamaConfig(vocab_size=304, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=tie_word_embeddings, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    if max_new_tokens is not None:
+        model.generation_config.max_new_tokens = max_new_tokens
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(str(out))
+    return out
+
+
 @pytest.fixture(autouse=True)
 def _restore_environment():  # noqa: ANN202 - a generator fixture
     """Undo what a test's in-process run left in ``os.environ``: Lightning and DeepSpeed set ``MASTER_PORT`` (and

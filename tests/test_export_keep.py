@@ -87,27 +87,9 @@ def _encoder_dir(root: Path, arch: str) -> Path:
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tied-embedding LlamaForCausalLM with a ``tokenizers`` BPE tokenizer and a generation config."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from conftest import tiny_hf_llama
 
-    from lightning_llm.data.text import generated_corpus
-
-    out = tmp_path_factory.mktemp("llama") / "base"
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(generated_corpus(50), trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-                            ).save_pretrained(str(out))
-    config = LlamaConfig(vocab_size=304, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         tie_word_embeddings=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    model.generation_config.max_new_tokens = 17  # a value only the backbone's file has
-    _quiet(model.save_pretrained, str(out))
-    return out
+    return tiny_hf_llama(tmp_path_factory.mktemp("llama") / "base", tie_word_embeddings=True, max_new_tokens=17)
 
 
 def _same_tokenizer(exported: Path, source: Path) -> None:

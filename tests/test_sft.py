@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_llm.cli import main
-from lightning_llm.data import ByteTokenizer, InstructionDataModule
+from lightning_llm.data import ByteTokenizer, InstructionDataModule, pack_examples
 from lightning_llm.data.instruction import infer_seqlen
 from lightning_llm.generation import GenerationConfig, generate, left_pad, strip_after_eos
 from lightning_llm.models import build_model, save_hf
@@ -80,15 +80,26 @@ def test_cutoff_len_truncates_source_but_keeps_template_tail(tmp_path: Path) -> 
     assert infer_seqlen(30, 30, 20) == (10, 10)
 
 
-def test_packing_concatenates_rows_without_cross_targets(sft_file: Path) -> None:
+def test_packing_keeps_each_row_whole_in_its_own_segment(sft_file: Path) -> None:
     plain = InstructionDataModule(str(sft_file), template="{instruction}{input}\n", cutoff_len=128)
     packed = InstructionDataModule(str(sft_file), template="{instruction}{input}\n", cutoff_len=128, packing=True)
     plain.setup("fit")
     packed.setup("fit")
     rows, packs = plain.datasets["fit"].examples, packed.datasets["fit"].examples
     assert len(packs) < len(rows) and all(len(p["input_ids"]) <= 128 for p in packs)
-    assert [t for p in packs for t in p["input_ids"]] == [t for r in rows for t in r["input_ids"]]
-    assert [t for p in packs for t in p["labels"]] == [t for r in rows for t in r["labels"]]
+    # every packed row splits, by segment, into whole training rows with positions 0..n-1: each row exactly once
+    found = []
+    for p in packs:
+        for seg in sorted(set(p["segment_ids"])):
+            at = [i for i, s in enumerate(p["segment_ids"]) if s == seg]
+            assert [p["position_ids"][i] for i in at] == list(range(len(at)))
+            found.append((tuple(p["input_ids"][i] for i in at), tuple(p["labels"][i] for i in at)))
+    assert sorted(found) == sorted((tuple(r["input_ids"]), tuple(r["labels"])) for r in rows)
+    shortest = pack_examples(rows[:1], 128)[0]  # one example: shorter than the full rows
+    batch = packed.collate([packs[0], shortest])  # the collate pads positions and segments with 0
+    pad = batch["attention_mask"][1] == 0
+    assert pad.any() and (batch["segment_ids"][1][pad] == 0).all() and (batch["position_ids"][1][pad] == 0).all()
+    assert batch["segment_ids"][1][~pad].tolist() == shortest["segment_ids"]
 
 
 # ------------------------------------------------------------------------------------------------ generation

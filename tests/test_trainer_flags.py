@@ -146,12 +146,13 @@ def _cli_args(out: Path, batch: int, extra: list[str]) -> list[str]:
 
 @pytest.mark.multiprocess
 def test_two_nodes_match_one_process(tmp_path: Path) -> None:
-    """2 "nodes" x 2 processes on loopback (dp2 x tp2 over 4 ranks, per-rank batch 4) vs 1 process (batch 8)."""
+    """2 "nodes" x 2 processes on loopback (dp2 x tp2 over 4 ranks, per-rank batch 4) vs 1 process (batch 8), with
+    the README's multi-node command (``--trainer.strategy=3d --trainer.strategy.tensor_parallel_size=2``). Node 0's
+    log states each fact about the run once (the run summary included); node 1 prints none of them."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     port = free_port()
     multi = tmp_path / "nodes"
-    args = _cli_args(multi, 4, ["--trainer.devices=2", "--trainer.num_nodes=2",
-                                "--trainer.strategy=lightning_llm.strategies.hybrid.HybridParallelStrategy",
+    args = _cli_args(multi, 4, ["--trainer.devices=2", "--trainer.num_nodes=2", "--trainer.strategy=3d",
                                 "--trainer.strategy.tensor_parallel_size=2"])
     nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=2",
                                f"--node_rank={r}", "--master_addr=127.0.0.1", f"--master_port={port}",
@@ -161,8 +162,7 @@ def test_two_nodes_match_one_process(tmp_path: Path) -> None:
     ref_proc = subprocess.Popen([sys.executable, "-m", "lightning_llm", *_cli_args(single, 8, ["--trainer.devices=1"])],
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        for p in (*nodes, ref_proc):
-            wait(p)
+        logs = [wait(p) for p in (*nodes, ref_proc)]
     finally:
         for p in (*nodes, ref_proc):
             if p.poll() is None:
@@ -174,6 +174,15 @@ def test_two_nodes_match_one_process(tmp_path: Path) -> None:
     err = max_err(global_losses(ranks), ref)
     print(f"2 nodes x 2 procs (dp2 x tp2) vs 1 process: max |loss err| {err:.2e} over {len(ref)} steps; {ref}")
     assert err <= TOL and ref[0] != ref[-1]
+    facts = [ln for ln in logs[0].splitlines() if ln.startswith(("INFO lightning_llm", "WARNING lightning_llm"))]
+    print("\n".join(facts))
+    assert facts and len(facts) == len(set(facts)), "a fact logged more than once on node 0"
+    summary = logs[0][logs[0].index("run summary"):]
+    assert "layout: 4 rank(s) = pp 1 x dp 2 x tp 2, ZeRO stage 0 (HybridParallelStrategy); 2 nodes x 2: tp inside " \
+           "a node; dp across nodes" in summary
+    assert "batch: 4 samples per replica x 2 replica(s) x 1 accumulation = global batch 8; 256 tokens per " \
+           "optimizer step (32 per sample)" in summary
+    assert not [ln for ln in logs[1].splitlines() if ln.startswith("INFO lightning_llm")]
 
 
 if __name__ == "__main__":

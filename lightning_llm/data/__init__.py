@@ -3,6 +3,7 @@
 from lightning_llm.data.base import LLMDataModule, load_tokenizer
 from lightning_llm.data.instruction import InstructionDataModule
 from lightning_llm.data.io import DataError, atomic_open, read_records, write_jsonl_atomic
+from lightning_llm.data.packing import pack_examples
 from lightning_llm.data.pairs import SentencePairDataModule
 from lightning_llm.data.preference import PreferenceDataModule, make_preference_pairs
 from lightning_llm.data.prompts import PromptDataModule
@@ -12,5 +13,5 @@ from lightning_llm.data.synthetic import SyntheticPairDataModule, generate_pair_
 
 __all__ = [
     "ByteTokenizer", "InstructionDataModule", "DataError", "TextDataModule", "generated_corpus", "LLMDataModule", "PreferenceDataModule", "PromptDataModule", "SentencePairDataModule", "SyntheticPairDataModule", "atomic_open",
-    "generate_pair_dataset", "make_preference_pairs", "load_tokenizer", "read_records", "write_jsonl_atomic",
+    "generate_pair_dataset", "make_preference_pairs", "load_tokenizer", "pack_examples", "read_records", "write_jsonl_atomic",
 ]

@@ -13,6 +13,9 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, SequentialSampler
 
+from lightning_llm.checkpoint_errors import first_line
+from lightning_llm.data.io import DataError, read_json, read_text
+
 log = logging.getLogger(__name__)
 
 
@@ -27,15 +30,34 @@ def load_tokenizer(tokenizer_dir: str | None, *, param: str = "--data.tokenizer_
         raise FileNotFoundError(f"{param}={tokenizer_dir}: directory not found")
     files = {p.name for p in path.iterdir()}
     try:
+        check_tokenizer_files(path)
         if "tokenizer_config.json" in files or "tokenizer.json" in files:
             return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         if "vocab.txt" in files:  # a bare WordPiece vocabulary (Chinese BERT/RoBERTa/Erlangshen)
             return BertTokenizer.from_pretrained(str(path), local_files_only=True)
+    except DataError as e:
+        raise DataError(f"{param}={tokenizer_dir}: cannot load tokenizer: {e}") from None
     except Exception as e:  # noqa: BLE001 - re-raised with the parameter named
-        raise ValueError(f"{param}={tokenizer_dir}: cannot load tokenizer: {e}") from e
+        raise ValueError(f"{param}={tokenizer_dir}: cannot load tokenizer: {first_line(e)}") from e
     raise FileNotFoundError(
         f"{param}={tokenizer_dir}: no tokenizer.json, tokenizer_config.json or vocab.txt in that directory"
     )
+
+
+TOKENIZER_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                        "config.json")
+"""JSON files ``AutoTokenizer`` may read (``config.json``: for the model type when ``tokenizer_config.json`` names
+no tokenizer class)."""
+
+
+def check_tokenizer_files(path: Path) -> None:
+    """Read a tokenizer directory's JSON files and ``vocab.txt`` before transformers does: :class:`DataError` naming
+    the file and line that cannot be read or parsed (transformers' own errors name neither)."""
+    for name in TOKENIZER_JSON_FILES:
+        if (path / name).is_file():
+            read_json(path / name)
+    if (path / "vocab.txt").is_file():
+        read_text(path / "vocab.txt")
 
 
 BYTE_TOKENIZER = "byte"

@@ -137,20 +137,25 @@ def plan_tasks(files: list[Path], *, text_field: str, task_bytes: int = TASK_BYT
     ``text_field`` column are refused here."""
     tasks: list[Task] = []
     for f in files:
-        size = f.stat().st_size
-        if size == 0:
-            raise DataError(f"{f}: file is empty")
-        if f.suffix == ".parquet":
-            tasks.extend(_parquet_tasks(f, text_field=text_field, task_bytes=task_bytes))
-        elif f.suffix == ".txt":
-            ranges = _byte_ranges(f, size, task_bytes, utf8_safe=True)
-            tasks.extend(Task("txt", str(f), a, b, ends_document=b == size, size=b - a) for a, b in ranges)
-        elif f.suffix == ".json" and _json_kind(f) == "array":
-            tasks.append(Task("array", str(f), 0, size, size=size))
-        else:
-            tasks.extend(Task("jsonl", str(f), a, b, size=b - a)
-                         for a, b in _byte_ranges(f, size, task_bytes, utf8_safe=False))
+        try:
+            tasks.extend(_file_tasks(f, text_field=text_field, task_bytes=task_bytes))
+        except OSError as e:
+            raise DataError(f"{f}: cannot read the file ({e.strerror})") from None
     return tasks
+
+
+def _file_tasks(f: Path, *, text_field: str, task_bytes: int) -> list[Task]:
+    size = f.stat().st_size
+    if size == 0:
+        raise DataError(f"{f}: file is empty")
+    if f.suffix == ".parquet":
+        return _parquet_tasks(f, text_field=text_field, task_bytes=task_bytes)
+    if f.suffix == ".txt":
+        ranges = _byte_ranges(f, size, task_bytes, utf8_safe=True)
+        return [Task("txt", str(f), a, b, ends_document=b == size, size=b - a) for a, b in ranges]
+    if f.suffix == ".json" and _json_kind(f) == "array":
+        return [Task("array", str(f), 0, size, size=size)]
+    return [Task("jsonl", str(f), a, b, size=b - a) for a, b in _byte_ranges(f, size, task_bytes, utf8_safe=False)]
 
 
 def generated_tasks(n_docs: int, *, per_task: int = 2000) -> list[Task]:

@@ -7,7 +7,9 @@ for generation), the reference text and the record index.
 
 ``cutoff_len`` bounds prompt + response like LLaMA-Factory's ``infer_seqlen`` (long sources shrink first); a
 truncated prompt loses tokens from the end of its instruction/input part while the template's tail (e.g.
-``### Response:``) is kept. ``packing`` concatenates training rows greedily into ``cutoff_len`` sequences.
+``### Response:``) is kept. ``packing`` packs whole training rows into ``cutoff_len`` sequences
+(:func:`~lightning_llm.data.packing.pack_examples`: per-example ``segment_ids`` and ``position_ids``, so attention
+and positions stay within each example).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from lightning_llm.data.base import (
     tokenizer_vocab_size,
 )
 from lightning_llm.data.io import DataError, read_records
+from lightning_llm.data.packing import pack_examples
 from lightning_llm.generation import left_pad
 
 log = logging.getLogger(__name__)
@@ -121,7 +124,9 @@ class InstructionDataModule(LLMDataModule):
             template: ``alpaca`` (default), ``plain``, or a format string with ``{instruction}`` and ``{input}``.
             cutoff_len: Most tokens of prompt + response in a training row (and of a packed sequence).
             max_prompt_len: Most prompt tokens given to generation (default ``cutoff_len``).
-            packing: Concatenate training rows into ``cutoff_len``-token sequences (rows are never split).
+            packing: Pack whole training rows into ``cutoff_len``-token sequences (best-fit decreasing); each
+                example keeps its own positions and attends only to itself (``segment_ids``), so losses and
+                gradients are those of the examples unpacked.
             limit_examples: Use only the first N records of every file (quick runs).
             batch_size: Per-device training batch size.
             eval_batch_size: Per-device evaluation/generation batch size.
@@ -186,19 +191,6 @@ class InstructionDataModule(LLMDataModule):
         recs = read_records(path, required=required, types={"instruction": str, "input": str, "output": str})
         return recs[: self.limit_examples] if self.limit_examples else recs
 
-    def _pack(self, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        packed: list[dict[str, Any]] = []
-        cur: dict[str, list[int]] = {"input_ids": [], "labels": []}
-        for row in rows:
-            if cur["input_ids"] and len(cur["input_ids"]) + len(row["input_ids"]) > self.cutoff_len:
-                packed.append(cur)
-                cur = {"input_ids": [], "labels": []}
-            cur["input_ids"] = cur["input_ids"] + row["input_ids"]
-            cur["labels"] = cur["labels"] + row["labels"]  # each row ends with -100: no cross-row target
-        if cur["input_ids"]:
-            packed.append(cur)
-        return packed
-
     def setup(self, stage: str) -> None:
         if stage in ("fit", "validate") and "fit" not in self.datasets and "validate" not in self.datasets:
             train = self._read(self.paths["fit"], need_output=True) if self.paths["fit"] else []
@@ -216,7 +208,7 @@ class InstructionDataModule(LLMDataModule):
             if stage == "fit" and not train:
                 raise DataError("--data.train_path is required for fit")
             rows = [self.encode_record(r, i, with_eval=False) for i, r in enumerate(train)]
-            self.datasets["fit"] = EncodedDataset(self._pack(rows) if self.packing else rows)
+            self.datasets["fit"] = EncodedDataset(pack_examples(rows, self.cutoff_len) if self.packing else rows)
             self.datasets["validate"] = EncodedDataset(
                 [self.encode_record(r, i, with_eval=True) for i, r in enumerate(val)])
             log.info("%d training rows (%d records, packing=%s), %d validation records",
@@ -231,17 +223,21 @@ class InstructionDataModule(LLMDataModule):
 
     # ------------------------------------------------------------------------------------------ batches
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        """Right-padded ``input_ids``/``labels``/``attention_mask`` [B, S]; plus generation fields for eval rows."""
+        """Right-padded ``input_ids``/``labels``/``attention_mask`` [B, S] (packed rows: also ``position_ids`` and
+        ``segment_ids``, padded with 0); plus generation fields for eval rows."""
         longest = max(len(r["input_ids"]) for r in rows)
-        ids = torch.full((len(rows), longest), self.pad_token_id, dtype=torch.long)
-        labels = torch.full((len(rows), longest), -100, dtype=torch.long)
-        mask = torch.zeros((len(rows), longest), dtype=torch.long)
+        pads = {"input_ids": self.pad_token_id, "labels": -100, "position_ids": 0, "segment_ids": 0}
+        batch: dict[str, Any] = {}
+        for key, pad in pads.items():
+            if key in rows[0]:
+                batch[key] = torch.full((len(rows), longest), pad, dtype=torch.long)
+        batch["attention_mask"] = torch.zeros((len(rows), longest), dtype=torch.long)
         for i, r in enumerate(rows):
             n = len(r["input_ids"])
-            ids[i, :n] = torch.tensor(r["input_ids"])
-            labels[i, :n] = torch.tensor(r["labels"])
-            mask[i, :n] = 1
-        batch: dict[str, Any] = {"input_ids": ids, "labels": labels, "attention_mask": mask}
+            for key in pads:
+                if key in batch:
+                    batch[key][i, :n] = torch.tensor(r[key])
+            batch["attention_mask"][i, :n] = 1
         if "prompt_ids" in rows[0]:
             batch["gen_input_ids"], batch["gen_attention_mask"] = left_pad([r["prompt_ids"] for r in rows],
                                                                            self.pad_token_id)

@@ -23,14 +23,7 @@ def read_records(path: str | os.PathLike, *, required: Sequence[str] = (), types
     malformed JSON, a non-object record, a missing ``required`` field, or a field of the wrong type.
     """
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: file not found")
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = raw[: e.start].count(b"\n") + 1
-        raise DataError(f"{path}:{line}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    text = read_text(path)
     if not text.strip():
         raise DataError(f"{path}: file is empty")
     records: list[tuple[int, Any]]
@@ -78,6 +71,36 @@ def check_record(path: str | os.PathLike, lineno: int, rec: Any, *, required: Se
         if key in rec and not isinstance(rec[key], typ):
             want = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
             raise DataError(f"{path}:{lineno}: field {key!r} must be {want}, got {type(rec[key]).__name__}")
+
+
+def read_text(path: str | os.PathLike, *, name: str | None = None) -> str:
+    """A UTF-8 text file (a BOM is dropped); :class:`DataError` naming the file (``name``, default the path) and the
+    line of an undecodable byte, or why it cannot be read."""
+    label = name or str(path)
+    try:
+        raw = Path(path).read_bytes()
+    except FileNotFoundError:
+        raise DataError(f"{label}: file not found") from None
+    except IsADirectoryError:
+        raise DataError(f"{label}: a directory, not a file") from None
+    except OSError as e:
+        raise DataError(f"{label}: cannot read the file ({e.strerror})") from None
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = raw[: e.start].count(b"\n") + 1
+        raise DataError(f"{label}:{line}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def read_json(path: str | os.PathLike, *, name: str | None = None) -> Any:
+    """A JSON file's value (a model's ``config.json``, a tokenizer's files, an index); :class:`DataError` naming the
+    file (``name``, default the path) and the line when it cannot be read or parsed."""
+    label = name or str(path)
+    text = read_text(path, name=label)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{label}:{e.lineno}: malformed JSON: {e.msg} (column {e.colno})") from None
 
 
 @contextmanager

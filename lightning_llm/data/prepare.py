@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 from filelock import FileLock, Timeout
 
 from lightning_llm.data.corpus import Task, generated_tasks, plan_tasks, resolve_inputs
@@ -39,6 +40,7 @@ from lightning_llm.data.token_store import (
     TokenStore,
     tokenize_task,
 )
+from lightning_llm.logs import PER_RANK
 from lightning_llm.reliability import publish, remove_path, staging_path
 
 log = logging.getLogger(__name__)
@@ -114,13 +116,22 @@ def current_store(source: CorpusSource, *, spec: TokenizerSpec, text_field: str,
     return store if stale_reason(store, source.inputs(), spec) is None else None
 
 
+def _rank() -> str:
+    """`` (rank N)`` in a multi-process job: the process preparing is local rank 0 of its node, whose lines the
+    command line's rank-zero filter would otherwise drop on every node but the first."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return f" (rank {dist.get_rank()})"
+    return ""
+
+
 @contextmanager
 def _locked(path: Path) -> Iterator[None]:
     lock = FileLock(str(path.with_name(path.name + ".lock")))
     try:
         lock.acquire(timeout=0)
     except Timeout:
-        log.info("waiting for another process preparing %s (lock %s)", path, lock.lock_file)
+        log.info("waiting for another process preparing %s (lock %s)%s", path, lock.lock_file, _rank(),
+                 extra=PER_RANK)
         lock.acquire()
     try:
         yield
@@ -146,7 +157,7 @@ def prepare_corpus(source: CorpusSource, *, spec: TokenizerSpec, text_field: str
         reason = stale_reason(store, inputs, spec)
         if reason is None:
             return store, False
-        log.info("preparing %s into %s: %s", source.label, target, reason)
+        log.info("preparing %s into %s: %s%s", source.label, target, reason, _rank(), extra=PER_RANK)
         _build(source, target, inputs=inputs, spec=spec, text_field=text_field,
                num_proc=num_proc or _cpus())
     return TokenStore.open(target), True
@@ -216,8 +227,9 @@ class _Progress:
             el = now - self.t0
             left = el * (self.total - self.done) / max(self.done, 1)
             log.info("preparing %s: %d%% of %.1f MiB, %s documents, %.2f M tokens (%.0f documents/s, %.2f M tokens/s, "
-                     "%d workers), about %.0f s left", self.label, 100 * self.done // self.total, self.total / 2**20,
-                     f"{self.docs:,}", self.tokens / 1e6, self.docs / el, self.tokens / el / 1e6, self.workers, left)
+                     "%d workers), about %.0f s left%s", self.label, 100 * self.done // self.total, self.total / 2**20,
+                     f"{self.docs:,}", self.tokens / 1e6, self.docs / el, self.tokens / el / 1e6, self.workers, left,
+                     _rank(), extra=PER_RANK)
 
     def seconds(self) -> float:
         return time.perf_counter() - self.t0
@@ -262,5 +274,6 @@ def _build(source: CorpusSource, target: Path, *, inputs: list[dict[str, Any]], 
     except BaseException:
         remove_path(staging)
         raise
-    log.info("prepared %s: %s documents, %s tokens in %.1f s (%.2f M tokens/s, %d workers) -> %s", source.label,
-             f"{n_docs:,}", f"{n_tokens:,}", seconds, n_tokens / max(seconds, 1e-9) / 1e6, workers, target)
+    log.info("prepared %s: %s documents, %s tokens in %.1f s (%.2f M tokens/s, %d workers) -> %s%s", source.label,
+             f"{n_docs:,}", f"{n_tokens:,}", seconds, n_tokens / max(seconds, 1e-9) / 1e6, workers, target, _rank(),
+             extra=PER_RANK)

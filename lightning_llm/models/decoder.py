@@ -35,6 +35,7 @@ from .layers import (
     build_norm,
     causal_mask,
     causal_padding_mask,
+    segment_positions,
     use_fused_kernel,
 )
 from .rope import precompute_rope, rope_from_positions, rope_type
@@ -134,7 +135,8 @@ class DecoderLM(nn.Module):
         input_ids: Tensor | None = None,  # [B, S] token ids, or hidden [B, S, H] when embed_tokens is None
         *,
         attention_mask: Tensor | None = None,  # [B, S], 1 = token, 0 = padding
-        position_ids: Tensor | None = None,  # [B, S] or [S]; default arange(S)
+        position_ids: Tensor | None = None,  # [B, S] or [S]; default arange(S) (per segment with segment_ids)
+        segment_ids: Tensor | None = None,  # [B, S] packed rows: 1..k per example, 0 padding; attention per example
         inputs_embeds: Tensor | None = None,  # [B, S, H] instead of input_ids
         kv_cache: KVCache | None = None,  # incremental decoding: attention_mask then covers past + new tokens
         labels: Tensor | None = None,  # [B, S] next-token ids (-100 ignored): return the loss instead of logits
@@ -157,7 +159,12 @@ class DecoderLM(nn.Module):
         if past and attention_mask is None:
             # SDPA's is_causal aligns the mask top-left, which is wrong for S < T: build an explicit mask.
             attention_mask = torch.ones(b, total, dtype=torch.bool, device=x.device)
-        if position_ids is None:
+        if segment_ids is not None and (past or (attention_mask is not None and attention_mask.dim() != 2)):
+            raise ValueError("DecoderLM.forward: segment_ids (packed rows) take a [B, S] attention_mask and no KV "
+                             "cache")
+        if position_ids is None and segment_ids is not None:
+            position_ids = segment_positions(segment_ids)  # each example's own positions
+        elif position_ids is None:
             position_ids = torch.arange(past, total, device=x.device).unsqueeze(0).expand(b, s)  # [B, S]
         elif position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0).expand(b, s)
@@ -172,7 +179,7 @@ class DecoderLM(nn.Module):
             x = self.dropout(x)
 
         rope = self._rope(position_ids, total)  # cos, sin [B, S, D] each, or None
-        full, sliding = self._masks(attention_mask, s, total, x.device)
+        full, sliding = self._masks(attention_mask, segment_ids, s, total, x.device)
         windowed = set(self.config.sliding_layers)
 
         cache_kw = {} if kv_cache is None else {"kv_cache": kv_cache}  # absent unless decoding
@@ -207,12 +214,18 @@ class DecoderLM(nn.Module):
         return rope_from_positions(position_ids, c.head_dim, c.max_position_embeddings, c.rope_theta,
                                    c.rope_scaling, seq_len=seq_len)
 
-    def _masks(self, attention_mask: Tensor | None, s: int, total: int, device: torch.device) -> tuple[
-            tuple[Tensor | None, bool], tuple[Tensor | None, bool]]:
+    def _masks(self, attention_mask: Tensor | None, segment_ids: Tensor | None, s: int, total: int,
+               device: torch.device) -> tuple[tuple[Tensor | None, bool], tuple[Tensor | None, bool]]:
         """``(attn_mask, is_causal)`` of the full-attention layers and of the sliding-window layers."""
         window = self.config.sliding_window if self.config.sliding_layers else None
         if window is not None and total <= window:
             window = None  # the window covers every key: plain causal attention
+        if segment_ids is not None:  # packed rows: block-diagonal, padding (segment 0) sees no real token
+            keep = segment_ids > 0 if attention_mask is None else attention_mask.bool() & (segment_ids > 0)
+            full = (causal_padding_mask(keep, s, segment_ids=segment_ids), False)  # [B, 1, S, S]
+            if window is None:
+                return full, full
+            return full, (causal_padding_mask(keep, s, window, segment_ids=segment_ids), False)
         if attention_mask is None:
             full: tuple[Tensor | None, bool] = (None, True)
             if window is None:

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_llm.data.io import read_json
+
 from .config import ModelConfig
 from .decoder import DecoderLM
 from .encoder import EncoderModel
@@ -322,7 +324,7 @@ def load_hf(
     cfg_file = d / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"load_hf: {str(cfg_file)!r} not found")
-    hf = json.loads(cfg_file.read_text())
+    hf = read_json(cfg_file)
     arch = _architecture_name(hf, where=str(cfg_file))
     config = config_from_hf(hf)
     if config_overrides.get("num_labels", 0) > 0 and "pooler" not in config_overrides:

@@ -15,7 +15,6 @@ or Baichuan's ``W_pack`` row order; those are read whole, one tensor at a time, 
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,6 +23,9 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from lightning_llm.checkpoint_errors import check_torch_file, first_line, loading
+from lightning_llm.data.io import DataError, read_json
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +68,8 @@ class CheckpointFiles:
         self._bin: dict[str, Tensor] = {}  # .bin checkpoints: key -> (memory-mapped) tensor
         self._meta: dict[str, Tensor] = {}
         if self.format == "safetensors":
-            from safetensors import safe_open
-
             for f in sorted(set(self.file_of.values())):
-                with safe_open(str(f), framework="pt") as handle:
+                with _safetensors(f) as handle:
                     for key in handle.keys():
                         if self.file_of.get(key) == f:
                             sl = handle.get_slice(key)
@@ -77,11 +77,7 @@ class CheckpointFiles:
                                                           device="meta")
         else:
             for f in sorted(set(self.file_of.values())) or [directory / "pytorch_model.bin"]:
-                try:
-                    sd = torch.load(str(f), map_location="cpu", weights_only=True, mmap=True)
-                except RuntimeError:  # legacy (non-zip) format cannot be memory-mapped
-                    sd = torch.load(str(f), map_location="cpu", weights_only=True)
-                self._bin.update(sd)
+                self._bin.update(_torch_weights(f))
             self.file_of = {k: self.file_of.get(k, directory / "pytorch_model.bin") for k in self._bin}
             self._meta = {k: torch.empty(v.shape, dtype=v.dtype, device="meta") for k, v in self._bin.items()}
 
@@ -126,14 +122,35 @@ class CheckpointFiles:
 
 
 def _keys_of_safetensors(path: Path) -> dict[str, Path]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as handle:
+    with _safetensors(path) as handle:
         return {k: path for k in handle.keys()}
 
 
+def _safetensors(path: Path) -> Any:
+    """``safe_open(path)``; a file whose header cannot be read (cut, not safetensors) raises :class:`DataError`
+    naming it (safetensors' own error does not). Opening checks that the file covers every tensor it indexes."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as e:  # noqa: BLE001 - SafetensorError and OSError alike mean the file is unreadable
+        raise DataError(f"{path}: not a readable safetensors file ({first_line(e)})") from None
+
+
+def _torch_weights(path: Path) -> dict[str, Tensor]:
+    """A ``pytorch_model.bin`` state dict (memory-mapped when possible); a cut or corrupt file raises one error
+    naming it."""
+    name = str(path)
+    check_torch_file(path, name=name)
+    with loading(name):
+        try:
+            return torch.load(name, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # legacy (non-zip) format cannot be memory-mapped
+            return torch.load(name, map_location="cpu", weights_only=True)
+
+
 def _sharded(directory: Path, index: Path) -> dict[str, Path]:
-    weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    weight_map: dict[str, str] = read_json(index)["weight_map"]
     out: dict[str, Path] = {}
     for key, shard in weight_map.items():
         sp = directory / shard

@@ -41,6 +41,7 @@ __all__ = [
     "init_embedding",
     "causal_padding_mask",
     "causal_mask",
+    "segment_positions",
     "NormHead",
     "key_padding_mask",
 ]
@@ -384,27 +385,46 @@ class TransformerBlock(nn.Module):
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def causal_padding_mask(attention_mask: Tensor, seq_len: int, sliding_window: int | None = None) -> Tensor:
-    """Boolean attend-mask [B, 1, S, T] = causal AND key-not-padding (AND within the sliding window), from a padding
-    mask [B, T] (1/True = token).
+def causal_padding_mask(attention_mask: Tensor, seq_len: int, sliding_window: int | None = None, *,
+                        segment_ids: Tensor | None = None) -> Tensor:
+    """Boolean attend-mask [B, 1, S, T] = causal AND key-not-padding (AND within the sliding window) (AND same
+    segment), from a padding mask [B, T] (1/True = token).
 
     ``T`` may exceed ``S`` when decoding with a KV cache: the S queries are then the last S of the T positions.
     ``sliding_window``: a query at column i attends to columns j with ``i - j < sliding_window`` (HF's
-    ``kv_idx > q_idx - sliding_window``; columns, not position ids, as transformers' masks).
-    Query rows that would attend to nothing (left-padded positions) are allowed to attend to themselves, so SDPA
-    never produces NaN; their outputs are meaningless and should be ignored by the loss.
+    ``kv_idx > q_idx - sliding_window``; columns, not position ids, as transformers' masks; within one segment of a
+    packed row columns and positions differ by the same offset).
+    ``segment_ids`` [B, S] (packed rows, ``T == S``): a query attends only to keys of its own segment, so the mask is
+    block-diagonal (one causal block per example).
+    Query rows that would attend to nothing (left-padded positions, padding of a packed row) are allowed to attend
+    to themselves, so SDPA never produces NaN; their outputs are meaningless and should be ignored by the loss.
     """
     device = attention_mask.device
     total = attention_mask.shape[-1]
     offset = total - seq_len  # cached positions before the first query
     keep = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, T]
     mask = causal_mask(seq_len, total, sliding_window, device=device)[None, None] & keep  # [B, 1, S, T]
+    if segment_ids is not None:
+        if offset:
+            raise ValueError("segment_ids (packed rows) cannot be combined with cached keys (a KV cache)")
+        mask = mask & (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])  # [B, 1, S, S]
     empty = ~mask.any(dim=-1, keepdim=True)  # [B, 1, S, 1]
     rows = torch.arange(seq_len, device=device)
     eye = torch.zeros(seq_len, total, dtype=torch.bool, device=device)
     eye[rows, rows + offset] = True  # each query's own position
     eye = eye[None, None]  # [1, 1, S, T]
     return mask | (empty & eye)
+
+
+def segment_positions(segment_ids: Tensor) -> Tensor:
+    """Position ids [B, S] restarting at 0 where ``segment_ids`` [B, S] changes (each packed example's own
+    positions; a padding run counts from its start)."""
+    s = segment_ids.shape[-1]
+    cols = torch.arange(s, device=segment_ids.device).expand_as(segment_ids)  # [B, S]
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    first = torch.where(starts, cols, torch.zeros_like(cols)).cummax(dim=-1).values  # column of the segment's start
+    return cols - first
 
 
 def causal_mask(seq_len: int, total: int, sliding_window: int | None = None, *,

@@ -27,20 +27,26 @@ for _name, (_cls, _description) in _PRESETS.items():
 ZeroStrategy.register_presets(_StrategyRegistry)  # zero1/2/3(_offload), deepspeed_zero1/2/3(_offload); idempotent
 
 
-def _is_strategy_class_path(name: str) -> bool:
-    """``package.module.Class`` naming a ``Strategy`` subclass (LightningCLI instantiates it with no arguments)."""
+def strategy_class(name: str) -> type | None:
+    """The ``Strategy`` subclass a ``package.module.Class`` path names, or a bare class name as jsonargparse resolves
+    it (unique among the imported subclasses); ``None`` otherwise."""
     import importlib
 
     from lightning.pytorch.strategies import Strategy
 
     module, _, cls = name.rpartition(".")
     if not module:
-        return False
+        found = {c for c in _subclasses(Strategy) if c.__name__ == name}
+        return found.pop() if len(found) == 1 else None
     try:
         obj = getattr(importlib.import_module(module), cls, None)
     except ImportError:
-        return False
-    return isinstance(obj, type) and issubclass(obj, Strategy)
+        return None
+    return obj if isinstance(obj, type) and issubclass(obj, Strategy) else None
+
+
+def _subclasses(cls: type) -> list[type]:
+    return [c for sub in cls.__subclasses__() for c in (sub, *_subclasses(sub))]
 
 
 def check_strategy_name(name: str) -> None:
@@ -49,7 +55,7 @@ def check_strategy_name(name: str) -> None:
     import difflib
 
     known = _StrategyRegistry.available_strategies()
-    if name.lower() == "auto" or name.lower() in known or _is_strategy_class_path(name):
+    if name.lower() == "auto" or name.lower() in known or strategy_class(name) is not None:
         return
     modules = {n: _StrategyRegistry[n]["strategy"].__module__ for n in known}
     ours = [n for n in known if modules[n].startswith("lightning_llm.")]

@@ -18,8 +18,9 @@ shards it: ``capabilities.deferred_init``):
 5. materialization of meta-device tensors: each rank allocates and fills only its shards, from the checkpoint of a
    lazily loaded model or the family's init plan (:mod:`.materialize`), the same values a one-device build has.
 
-Written once here: process-group set-up, precision checks, data-parallel gradient averaging (once per optimizer
-step: :func:`.parallelize.average_replicated_grads`), global-norm clipping over every shard, stage and replica, and
+Written once here: process-group set-up, precision checks, data-parallel gradient averaging (bucketed and
+overlapping backward, awaited once per optimizer step: :class:`.grad_buckets.GradReducer`), global-norm clipping
+over every shard, stage and replica, and
 checkpoint IO: every layout saves the layout-free DCP format of :mod:`.hybrid_checkpoint` (keyed by global names,
 optimizer included), so any layout resumes from any other.
 """
@@ -62,11 +63,11 @@ from lightning_llm.models.init import is_meta
 from lightning_llm.reliability import SaveFault
 from lightning_llm.strategies import hybrid_checkpoint as hckpt
 from lightning_llm.strategies.engine_layout import LayoutArgs, PipelineStages
+from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB, GradReducer, reducer_for
 from lightning_llm.strategies.materialize import materialize_shards
 from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coordinate
 from lightning_llm.strategies.parallelize import (
     apply_tensor_parallel,
-    average_replicated_grads,
     clip_grads_by_global_norm,
     local_loss,
     reduce_partial_grads,
@@ -80,7 +81,6 @@ from lightning_llm.strategies.zero_native import (
     apply_fsdp,
     fsdp_units,
     gradient_sync_paused,
-    register_grad_hooks,
 )
 
 log = logging.getLogger(__name__)
@@ -114,6 +114,7 @@ class ParallelEngine(ParallelStrategy):
         log_pipeline_stats: bool = False,
         measure_activations: bool = False,
         save_distributed_checkpoint: bool = True,
+        bucket_size_mb: float = DEFAULT_BUCKET_MB,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -146,6 +147,9 @@ class ParallelEngine(ParallelStrategy):
             measure_activations: Count peak live saved-activation bytes per pipeline step (slower; benchmarks).
             save_distributed_checkpoint: ``False``: checkpoints are one consolidated file of full weights written by
                 rank 0 (for export and inference; no optimizer state, so not for resuming; ``pp=1`` only).
+            bucket_size_mb: Data-parallel gradient buckets (MiB; DDP's default): each bucket's all-reduce (ZeRO-2:
+                reduce to the owners) starts during backward as soon as its gradients are ready; also the bucket of
+                the ZeRO-1/2 parameter broadcast.
             process_group_backend: ``nccl``/``gloo``; default from the device.
             timeout: Collective timeout.
         """
@@ -156,7 +160,7 @@ class ParallelEngine(ParallelStrategy):
             dims=ParallelDims(dp=data_parallel_size, tp=tensor_parallel_size, pp=pipeline_parallel_size),
             zero_stage=zero_stage, offload_optimizer=offload_optimizer, offload_params=offload_params,
             n_microbatches=n_microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
-            save_distributed_checkpoint=save_distributed_checkpoint,
+            save_distributed_checkpoint=save_distributed_checkpoint, bucket_size_mb=bucket_size_mb,
         )
         self.zero_stage, self.offload_optimizer, self.offload_params = zero_stage, offload_optimizer, offload_params
         self.sequence_parallel, self.loss_parallel, self.plan = sequence_parallel, loss_parallel, plan
@@ -177,6 +181,7 @@ class ParallelEngine(ParallelStrategy):
         self._pp_model: nn.Module | None = None  # the task's parallelized model (set-up runs again for validate)
         self._params: list[nn.Parameter] = []  # every parameter of the task
         self._grad_hooks: list[Any] = []
+        self._reducer: GradReducer | None = None  # data-parallel gradient reduction (set up with the optimizers)
         self._batch_idx = 0
         self._save_fault = SaveFault()  # fault injection for tests (LIGHTNING_LLM_FAULT=kill:save=N)
         self.stages: PipelineStages | None = None  # the pipeline component (pp > 1)
@@ -209,6 +214,11 @@ class ParallelEngine(ParallelStrategy):
     @property
     def device_mesh(self) -> Any:
         return self._mesh
+
+    @property
+    def grad_reducer(self) -> GradReducer | None:
+        """The data-parallel gradient reduction (set up with the optimizers when fitting), else ``None``."""
+        return self._reducer
 
     @property
     def pipeline_runner(self) -> Any:
@@ -267,8 +277,6 @@ class ParallelEngine(ParallelStrategy):
         self._pp_group, self._dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = mesh
-        log.info("%s: mesh pp=%d dp=%d tp=%d, zero_stage=%d", type(self).__name__, self.dims.pp, self.dims.dp,
-                 self.dims.tp, self.zero_stage)
 
     # ------------------------------------------------------------------------------------------ setup
     @override
@@ -354,23 +362,25 @@ class ParallelEngine(ParallelStrategy):
         super().setup_optimizers(trainer)
         for h in self._grad_hooks:
             h.remove()
-        self._grad_hooks = []
-        if self.zero_stage not in (1, 2):
-            return
-        wrapped = []
-        for opt in self.optimizers:
-            opt = getattr(opt, "_optimizer", opt)
-            zero = PartitionedOptimizer(opt, dp_mesh=self._mesh["dp"], stage=self.zero_stage,
-                                        offload=self.offload_optimizer)
-            for cfg in self.lr_scheduler_configs:  # schedulers keep working: same param-group dicts
-                if getattr(cfg.scheduler, "optimizer", None) is opt:
-                    cfg.scheduler.optimizer = zero
-            if self.pipelined:
-                zero.sync_grads = False  # the pipeline's backward averages gradients over dp
-            else:
-                self._grad_hooks += register_grad_hooks(self.lightning_module, zero)
-            wrapped.append(zero)
-        self.optimizers = wrapped
+        owners: dict[int, int] = {}  # ZeRO-2: id(param) -> the dp rank that keeps its gradient
+        if self.zero_stage in (1, 2):
+            wrapped = []
+            for opt in self.optimizers:
+                opt = getattr(opt, "_optimizer", opt)
+                zero = PartitionedOptimizer(opt, dp_mesh=self._mesh["dp"], stage=self.zero_stage,
+                                            offload=self.offload_optimizer, bucket_size_mb=self.args.bucket_size_mb)
+                for cfg in self.lr_scheduler_configs:  # schedulers keep working: same param-group dicts
+                    if getattr(cfg.scheduler, "optimizer", None) is opt:
+                        cfg.scheduler.optimizer = zero
+                if self.zero_stage == 2:
+                    owners.update({id(p): zero.owner(p) for g in zero.param_groups for p in g["params"]})
+                wrapped.append(zero)
+            self.optimizers = wrapped
+        assert self.dims is not None
+        self._reducer = reducer_for(self.lightning_module, group=self._dp_group, world=self.dims.dp, rank=self.dp_rank,
+                                    bucket_size_mb=self.args.bucket_size_mb, owners=owners)
+        # A pipeline's backward runs inside its schedule: it reduces after the schedule (PipelineStages), no hooks.
+        self._grad_hooks = [] if self.pipelined else self._reducer.register_hooks()
 
     # ------------------------------------------------------------------------------------------ steps
     @contextlib.contextmanager
@@ -411,9 +421,11 @@ class ParallelEngine(ParallelStrategy):
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         accum = module.trainer.accumulate_grad_batches
-        self.stages.restore_grads(self._params, dp_group=self._dp_group, dp=self.dims.dp, accumulate=accum,
-                                  first=self._batch_idx % accum == 0)
+        self.stages.restore_grads(self._params, accumulate=accum, first=self._batch_idx % accum == 0)
         reduce_partial_grads(self._params)
+        if self._reducer is not None and not self._reducer.paused:  # the last micro-batch of the window
+            self._reducer.finish()
+            self.stages.sum_tied()
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -432,27 +444,26 @@ class ParallelEngine(ParallelStrategy):
 
     @torch.no_grad()
     def _finalize_gradients(self) -> None:
-        """pp == 1, once per optimizer step: reduce TP ``Partial`` grads, then average over ``dp`` what no ZeRO
-        mechanism reduced: every gradient under ZeRO-0, the task's own plain parameters under ZeRO-3 (FSDP2
-        reduce-scatters its units; ZeRO-1/2 reduce in their gradient hooks). Runs before clipping: Lightning clips
-        after the closure in automatic optimization, while a manual-optimization task (PPO, GRPO) clips before
-        ``opt.step()``, where the clip itself finalizes first; the second call of the step is then a no-op."""
-        assert self.dims is not None
+        """pp == 1, once per optimizer step: wait for the data-parallel reduction backward started (every gradient
+        the replicas hold whole; FSDP2 reduce-scatters its units), then reduce TP ``Partial`` grads. Runs before
+        clipping: Lightning clips after the closure in automatic optimization, while a manual-optimization task
+        (PPO, GRPO) clips before ``opt.step()``, where the clip itself finalizes first; the second call of the step
+        is then a no-op."""
         if self._grads_finalized:
             return
+        if self._reducer is not None:
+            self._reducer.finish()
         reduce_partial_grads(self._params)
-        if self.zero_stage in (0, 3):
-            average_replicated_grads(self._params, dp_group=self._dp_group, dp=self.dims.dp)
         self._grads_finalized = True
 
     @contextlib.contextmanager
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip gradient communication on accumulation micro-batches (ZeRO-1/2 hooks, FSDP2 reduce-scatter)."""
-        if self.dims is None or self.pipelined:
+        """Skip gradient communication on accumulation micro-batches (bucketed reduction, FSDP2 reduce-scatter)."""
+        if self.dims is None:
             yield
             return
-        with gradient_sync_paused(self.lightning_module, self.optimizers):
+        with gradient_sync_paused(self.lightning_module, self._reducer):
             yield
 
     def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float) -> None:

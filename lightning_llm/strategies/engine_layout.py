@@ -22,8 +22,10 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_llm.logs import PER_RANK
+from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB
 from lightning_llm.strategies.mesh import ParallelDims
-from lightning_llm.strategies.parallelize import average_replicated_grads, reduce_partial_grads
+from lightning_llm.strategies.parallelize import reduce_partial_grads
 from lightning_llm.strategies.pipeline_engine import PipelineRunner
 from lightning_llm.strategies.pipeline_runtime import SCHEDULES, check_microbatches
 from lightning_llm.strategies.pipeline_split import (
@@ -56,10 +58,13 @@ class LayoutArgs:
     schedule: str = "1f1b"
     stages_per_rank: int = 1
     save_distributed_checkpoint: bool = True
+    bucket_size_mb: float = DEFAULT_BUCKET_MB
 
     def __post_init__(self) -> None:
         d = self.dims
         d.resolved(abs(d.dp * d.tp * d.pp))  # degree syntax: positive or one -1
+        if not self.bucket_size_mb > 0:
+            raise ValueError(f"bucket_size_mb={self.bucket_size_mb!r}: must be > 0 (MiB per gradient bucket)")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"zero_stage={self.zero_stage!r}: must be 0, 1, 2 or 3")
         if self.zero_stage >= 2 and d.pp != 1:
@@ -167,8 +172,8 @@ class PipelineStages:
                 if global_rank in (ranks[owners[0]], ranks[owners[-1]]):
                     tie_group = group
         prune_model(model, specs)
-        log.info("pipeline rank %d/%d runs stages %s (blocks %s)", pp_rank, dims.pp, [s.index for s in specs],
-                 [list(s.layers) for s in specs])
+        log.info("rank %d (pipeline rank %d/%d) runs stages %s (blocks %s)", global_rank, pp_rank, dims.pp,
+                 [s.index for s in specs], [list(s.layers) for s in specs], extra=PER_RANK)
         return cls(specs=specs, args=args, pp_size=dims.pp, pp_group=mesh["pp"].get_group(),
                    last_stage_rank=pp_ranks[owners[-1]], last_stage_pp_rank=owners[-1], tie_group=tie_group,
                    tied_names=tied_names if tie_group is not None else None)
@@ -206,22 +211,21 @@ class PipelineStages:
         return param if is_copy else None
 
     @torch.no_grad()
-    def restore_grads(self, params: list[nn.Parameter], *, dp_group: Any, dp: int, accumulate: int,
-                      first: bool) -> None:
-        """Put the schedule's gradients back: averaged over data-parallel replicas, scaled for accumulation, added
-        to earlier accumulation, and summed across the two stages that use a tied weight."""
+    def restore_grads(self, params: list[nn.Parameter], *, accumulate: int, first: bool) -> None:
+        """Put the schedule's gradients back, scaled for accumulation and added to earlier accumulation (the
+        data-parallel reduction and :meth:`sum_tied` follow on the last micro-batch of the window only)."""
         assert self.runner is not None
         prev, new = self.runner.take_grads()
-        for p, g in zip(params, new, strict=True):
-            p.grad = g
-        average_replicated_grads(params, dp_group=dp_group, dp=dp)
-        for p, g_prev in zip(params, prev, strict=True):
-            g = p.grad
+        for p, g_prev, g in zip(params, prev, new, strict=True):
             if g is not None and accumulate > 1:
                 g = g / accumulate
             if not first and g_prev is not None:  # Lightning zeroed (set aside) the earlier gradients otherwise
                 g = g_prev if g is None else g_prev + g
             p.grad = g
+
+    @torch.no_grad()
+    def sum_tied(self) -> None:
+        """Sum the gradients of a weight used on two stages (the tied LM head), once per optimizer step."""
         tied, _ = self._tied_local()
         if tied is not None and tied.grad is not None:
             # Under pp x tp both uses hold the vocab shard of one tp coordinate (the tie group pairs those ranks); the

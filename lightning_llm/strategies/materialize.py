@@ -49,5 +49,6 @@ def materialize_shards(module: nn.Module, device: torch.device) -> int:
     """Allocate and fill this rank's shards of every meta-device family model inside ``module``."""
     n = materialize(module, device, shard_view=shard_view)
     if n:
-        log.info("materialized %d parameters from the meta device (this rank's shards only)", n)
+        log.info("materialized %d parameter tensors from the meta device (each rank allocates and fills its own "
+                 "shards only)", n)
     return n

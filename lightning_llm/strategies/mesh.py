@@ -64,7 +64,7 @@ class ParallelDims:
         """A 3-D mesh named ``("pp", "dp", "tp")``; size-1 dims are kept so callers can always index by name."""
         shape = (self.pp, self.dp, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-        log.info("device mesh pp=%d dp=%d tp=%d on %s", *shape, device_type)
+        log.debug("device mesh pp=%d dp=%d tp=%d on %s", *shape, device_type)  # the run summary states the layout
         return mesh
 
 

@@ -23,8 +23,8 @@ from lightning_llm.strategies.plans import TPPlan, tp_plan, validate_tp_for
 
 log = logging.getLogger(__name__)
 
-__all__ = ["apply_tensor_parallel", "average_replicated_grads", "clip_grads_by_global_norm", "global_grad_norm",
-           "reduce_partial_grads", "sharded_logits_for"]
+__all__ = ["apply_tensor_parallel", "clip_grads_by_global_norm", "global_grad_norm", "reduce_partial_grads",
+           "sharded_logits_for"]
 
 
 def local_loss(out: Any) -> Any:
@@ -41,12 +41,14 @@ def sharded_logits_for(task: Any, *, requested: bool, tp: int) -> bool:
     """Whether the LM head keeps vocab-sharded logits for ``task``: asked for (``loss_parallel``), tensor parallel,
     and the task's loss declares it handles DTensor shards (:func:`~lightning_llm.contract.accepts_sharded_logits`).
     Otherwise the task's code receives full plain logits (one all-gather per step), logged once."""
-    from lightning_llm.contract import task_accepts_sharded_logits
+    from lightning_llm.contract import task_accepts_sharded_logits, user_task
 
     if not requested or tp == 1:
         return False
     if task_accepts_sharded_logits(task):
         return True
+    if not user_task(task):  # the library's own unmarked losses (classification heads) need no word
+        return False
     log.info("%s's loss is not marked @accepts_sharded_logits: the model's outputs reach it as full plain tensors "
              "(vocab-parallel logits are all-gathered over tp=%d every step)", type(task).__name__, tp)
     return False
@@ -120,22 +122,6 @@ def reduce_partial_grads(params: Iterable[nn.Parameter]) -> None:
         if (isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements
                 and g.device_mesh == p.device_mesh):
             p.grad = g.redistribute(placements=p.placements)
-
-
-@torch.no_grad()
-def average_replicated_grads(params: Iterable[nn.Parameter], *, dp_group: Any, dp: int) -> None:
-    """Average over the data-parallel replicas every gradient they hold whole: plain tensors and DTensors not
-    sharded over ``dp`` (TP shards, replicated LoRA factors, a task's own small modules). Gradients FSDP2 already
-    reduce-scattered over ``dp`` are left alone. The one place data-parallel gradient averaging is written."""
-    if dp == 1:
-        return
-    for p in params:
-        g = p.grad
-        if g is None or (isinstance(g, DTensor) and "dp" in (g.device_mesh.mesh_dim_names or ())):
-            continue
-        local = g.to_local() if isinstance(g, DTensor) else g
-        dist.all_reduce(local, group=dp_group)  # SUM then divide: gloo has no AVG
-        local.div_(dp)
 
 
 def _copies(g: Tensor, *, world: int, pp: int, dp: int, grads_sharded_over_dp: bool) -> int:

@@ -4,7 +4,7 @@ A pipelined strategy (``pp``, or ``3d`` with ``pipeline_parallel_size > 1``) own
 set-up and exposes it as ``strategy.pipeline_runner``; :meth:`LLMTask.step_loss` and :meth:`LLMTask.run_model`
 call it (the contract of :mod:`lightning_llm.contract`). Nothing of the task is replaced or captured:
 
-* inputs come from ``task.model_inputs(batch, stage)``; the first positional input feeds the first stage, keyword
+* inputs come from ``task.model_inputs(batch, stage)`` (``contract.declared_inputs``); the first positional input feeds the first stage, keyword
   inputs are split into micro-batches for every stage;
 * the loss of micro-batch ``i`` is ``task.loss_from_output(output_i, batch_i, stage)`` on the last stage;
 * training runs forward and backward of every micro-batch; the gradients are kept aside (:meth:`take_grads`) until
@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_llm.contract import declared_inputs
 from lightning_llm.strategies.pipeline_runtime import (
     build_schedule,
     microbatch_count,
@@ -143,7 +144,7 @@ class PipelineRunner:
 
     def loss(self, task: Any, batch: Any, stage: str) -> tuple[Tensor, dict[str, Any]]:
         """The batch's loss (and, in evaluation, the metric outputs) from the task's declared hooks."""
-        args, kwargs = split_inputs(*task.model_inputs(batch, stage))
+        args, kwargs = split_inputs(*declared_inputs(task, batch, stage))
         if stage == "train":
             return self._train(task, batch, args, kwargs)
         sched, _ = self._schedule_for(args, kwargs, train=False)

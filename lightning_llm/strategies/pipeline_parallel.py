@@ -34,6 +34,7 @@ from typing import Literal
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 
 from lightning_llm.strategies.engine import ParallelEngine
+from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB
 from lightning_llm.strategies.pipeline_checkpoint import CHECKPOINT_FILE, consolidate_checkpoint
 from lightning_llm.strategies.pipeline_runtime import SCHEDULES, ScheduleName
 
@@ -57,6 +58,7 @@ class PipelineParallelStrategy(ParallelEngine):
         activation_checkpointing: bool = False,
         log_pipeline_stats: bool = True,
         measure_activations: bool = False,
+        bucket_size_mb: float = DEFAULT_BUCKET_MB,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -72,6 +74,8 @@ class PipelineParallelStrategy(ParallelEngine):
             activation_checkpointing: Recompute each transformer block in backward.
             log_pipeline_stats: Log per-rank busy/idle time (and activation bytes) every training step.
             measure_activations: Count peak live saved-activation bytes per step (slower; for benchmarks).
+            bucket_size_mb: Data-parallel gradient buckets in MiB (DDP's default): each bucket's reduction starts
+                during backward as soon as its gradients are ready.
             process_group_backend: ``nccl``/``gloo``; default from the device.
             timeout: Collective timeout.
         """
@@ -82,4 +86,5 @@ class PipelineParallelStrategy(ParallelEngine):
                          schedule=schedule, stages_per_rank=stages_per_rank, split_points=split_points,
                          balance=balance, activation_checkpointing=activation_checkpointing,
                          log_pipeline_stats=log_pipeline_stats, measure_activations=measure_activations,
-                         process_group_backend=process_group_backend, timeout=timeout)
+                         bucket_size_mb=bucket_size_mb, process_group_backend=process_group_backend,
+                         timeout=timeout)

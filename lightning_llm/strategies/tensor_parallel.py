@@ -16,6 +16,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from torch import nn
 
 from lightning_llm.strategies.engine import ParallelEngine
+from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB
 from lightning_llm.strategies.plans import TPPlan
 
 __all__ = ["TensorParallelStrategy"]
@@ -36,6 +37,7 @@ class TensorParallelStrategy(ParallelEngine):
         plan: PlanArg = None,
         save_distributed_checkpoint: bool = True,
         activation_checkpointing: bool = False,
+        bucket_size_mb: float = DEFAULT_BUCKET_MB,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -53,6 +55,8 @@ class TensorParallelStrategy(ParallelEngine):
             save_distributed_checkpoint: Sharded layout-free checkpoints (``True``) or one file of full weights from
                 rank 0 (for export/inference).
             activation_checkpointing: Recompute each transformer block in backward.
+            bucket_size_mb: Data-parallel gradient buckets in MiB (DDP's default): each bucket's reduction starts
+                during backward as soon as its gradients are ready.
             process_group_backend: ``nccl``/``gloo``; default from the device.
             timeout: Collective timeout.
         """
@@ -60,5 +64,5 @@ class TensorParallelStrategy(ParallelEngine):
                          tensor_parallel_size=tensor_parallel_size, sequence_parallel=sequence_parallel,
                          loss_parallel=loss_parallel, plan=plan,
                          save_distributed_checkpoint=save_distributed_checkpoint,
-                         activation_checkpointing=activation_checkpointing,
+                         activation_checkpointing=activation_checkpointing, bucket_size_mb=bucket_size_mb,
                          process_group_backend=process_group_backend, timeout=timeout)

@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
 
 from lightning_llm.strategies.engine import ParallelEngine
+from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +66,10 @@ def validate_zero_args(*, stage: int, offload_optimizer: bool, offload_params: b
                          "states together")
 
 
-class ZeroStrategy(ParallelEngine):
-    """ZeRO data parallelism (stage 1, 2 or 3) over the ``dp`` dim: a preset of the one parallel engine.
-
-    With ``engine="deepspeed"`` the constructor returns a ``DeepSpeedZeroStrategy`` configured from the same args.
-    """
+class _EngineChoice:
+    """``ZeroStrategy(engine="deepspeed", ...)`` constructs a ``DeepSpeedZeroStrategy`` instead. A base class rather
+    than ``ZeroStrategy.__new__``: jsonargparse reads a class's own ``__new__`` as its signature, which would hide
+    ``__init__``'s arguments (``activation_checkpointing``, ...) from ``--trainer.strategy.OPTION``."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         if cls is ZeroStrategy and kwargs.get("engine", "native") == "deepspeed":
@@ -80,6 +80,13 @@ class ZeroStrategy(ParallelEngine):
                 kwargs["stage"] = args[0]
             return DeepSpeedZeroStrategy(**kwargs)
         return super().__new__(cls)
+
+
+class ZeroStrategy(_EngineChoice, ParallelEngine):
+    """ZeRO data parallelism (stage 1, 2 or 3) over the ``dp`` dim: a preset of the one parallel engine.
+
+    With ``engine="deepspeed"`` the constructor returns a ``DeepSpeedZeroStrategy`` configured from the same args.
+    """
 
     def __init__(
         self,
@@ -92,6 +99,7 @@ class ZeroStrategy(ParallelEngine):
         config: str | dict[str, Any] | None = None,
         save_distributed_checkpoint: bool = True,
         activation_checkpointing: bool = False,
+        bucket_size_mb: float = DEFAULT_BUCKET_MB,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -107,6 +115,8 @@ class ZeroStrategy(ParallelEngine):
             save_distributed_checkpoint: Sharded layout-free checkpoints (``True``) or one file of full weights from
                 rank 0 (for export/inference).
             activation_checkpointing: Recompute each transformer block in backward.
+            bucket_size_mb: Data-parallel gradient buckets in MiB (DDP's default): each bucket's reduction starts
+                during backward as soon as its gradients are ready.
             process_group_backend: ``nccl``/``gloo``; default from the device.
             timeout: Collective timeout.
         """
@@ -117,7 +127,7 @@ class ZeroStrategy(ParallelEngine):
                              "engine='deepspeed' (the native engine uses the task's configure_optimizers)")
         super().__init__(data_parallel_size=-1, zero_stage=stage, offload_optimizer=offload_optimizer,
                          offload_params=offload_params, save_distributed_checkpoint=save_distributed_checkpoint,
-                         activation_checkpointing=activation_checkpointing,
+                         activation_checkpointing=activation_checkpointing, bucket_size_mb=bucket_size_mb,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.stage = stage
         self.engine = engine

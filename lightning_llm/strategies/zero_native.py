@@ -5,9 +5,10 @@ the same pieces shard over a sub-group when tensor/pipeline parallel dims are ad
 
 * Stages 1 and 2: :class:`PartitionedOptimizer`. Parameters stay whole on every rank (like DDP); each trainable
   parameter is *owned* by one data-parallel rank (greedy balance by size) and only the owner keeps its optimizer
-  state. Stage 1 all-reduces every gradient (all ranks keep full gradients, 4Ψ); stage 2 reduces each gradient to its
-  owner as soon as autograd has accumulated it and drops it on the other ranks (4Ψ/N). After the owner's local step
-  the updated parameters are broadcast from their owners. This holds exactly ZeRO's model states per rank:
+  state. Gradients are reduced by :class:`~.grad_buckets.GradReducer` in buckets during backward: stage 1
+  all-reduces them (all ranks keep full gradients, 4Ψ); stage 2 reduces each bucket to its owner and drops it on the
+  other ranks (4Ψ/N). After the owner's local step the updated parameters are broadcast from their owners in
+  buckets (:func:`~.grad_buckets.broadcast_from_owners`). This holds exactly ZeRO's model states per rank:
   stage 1 = 4Ψ + 4Ψ + 8Ψ/N, stage 2 = 4Ψ + 12Ψ/N in fp32 (see ``benchmarks/results/zero-cpu.md``).
   FSDP2 with ``reshard_after_forward=False`` was not used for stage 2: it keeps its own parameter shard next to the
   all-gathered whole parameters (4Ψ + 16Ψ/N when parameters are whole at the step), or - with its default resharding
@@ -25,10 +26,12 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
+
+from lightning_llm.logs import PER_RANK
+from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB, GradReducer, broadcast_from_owners
 
 log = logging.getLogger(__name__)
 
@@ -126,19 +129,21 @@ class PartitionedOptimizer(Optimizer):
     """ZeRO stage 1/2 around an already-built optimizer: same param groups and hyperparameters (so LR schedulers keep
     working on ``param_groups``), but the inner optimizer only holds this rank's owned parameters.
 
-    Gradient reduction is driven by :meth:`grad_hook` (registered on every trainable parameter by the strategy); the
-    optimizer ``step`` runs the closure (forward + backward), averages, steps the owned parameters and broadcasts them.
+    Gradients are reduced by the strategy's :class:`~.grad_buckets.GradReducer` (to their :meth:`owner` under stage
+    2); the optimizer ``step`` runs the closure (forward + backward, gradients reduced), steps the owned parameters and
+    broadcasts them from their owners in buckets of ``bucket_size_mb``.
     """
 
-    def __init__(self, optimizer: Optimizer, *, dp_mesh: DeviceMesh, stage: int, offload: bool = False) -> None:
+    def __init__(self, optimizer: Optimizer, *, dp_mesh: DeviceMesh, stage: int, offload: bool = False,
+                 bucket_size_mb: float = DEFAULT_BUCKET_MB) -> None:
         if stage not in (1, 2):
             raise ValueError(f"PartitionedOptimizer: stage={stage}, must be 1 or 2 (stage 3 is FSDP2)")
         self.stage = stage
         self.offload = offload
+        self.bucket_size_mb = bucket_size_mb
         self.group = dp_mesh.get_group()
         self.world = dp_mesh.size()
         self.rank = dp_mesh.get_local_rank()
-        self.sync_grads = True  # False while Lightning accumulates gradients (block_backward_sync)
         groups = optimizer.param_groups
         params = [p for g in groups for p in g["params"]]
         self._owner_of = dict(zip(map(id, params), partition_parameters(params, self.world)))
@@ -159,7 +164,7 @@ class PartitionedOptimizer(Optimizer):
         self.local_optimizer = type(optimizer)(inner_groups) if inner_groups else None
         log.info("ZeRO-%d: rank %d owns %d/%d tensors (%s of %s elements)%s", stage, self.rank, len(self.owned),
                  len(params), f"{sum(p.numel() for p in self.owned):,}", f"{sum(p.numel() for p in params):,}",
-                 ", optimizer offloaded to CPU" if offload else "")
+                 ", optimizer offloaded to CPU" if offload else "", extra=PER_RANK)
 
     @property
     def masters(self) -> dict[int, nn.Parameter]:
@@ -178,30 +183,13 @@ class PartitionedOptimizer(Optimizer):
     def owner(self, p: Tensor) -> int:
         return self._owner_of[id(p)]
 
-    # ------------------------------------------------------------------------------------------ gradients
-    def grad_hook(self, p: Tensor) -> None:
-        """Called once autograd has accumulated ``p.grad`` (``register_post_accumulate_grad_hook``)."""
-        if not self.sync_grads or p.grad is None or self.world == 1:
-            return
-        g = _local(p.grad)
-        if self.stage == 1:
-            dist.all_reduce(g, group=self.group)
-            g.div_(self.world)
-            return
-        owner = self.owner(p)
-        dist.reduce(g, dst=dist.get_global_rank(self.group, owner), group=self.group)
-        if owner == self.rank:
-            g.div_(self.world)
-        else:
-            p.grad = None  # stage 2: only the owner keeps this gradient
-
     # ------------------------------------------------------------------------------------------ optimizer API
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         loss = None
         if closure is not None:
             with torch.enable_grad():
-                loss = closure()  # forward + backward: grad hooks reduce gradients as they become ready
+                loss = closure()  # forward + backward; the strategy's reducer has reduced the gradients
         if self.local_optimizer is not None:
             for mine, full in zip(self.local_optimizer.param_groups, self.param_groups):
                 mine.update({k: v for k, v in full.items() if k != "params"})  # lr from the scheduler, etc.
@@ -220,15 +208,8 @@ class PartitionedOptimizer(Optimizer):
         if self.world == 1:
             return
         params = [p for g in self.param_groups for p in g["params"]]
-        for r in range(self.world):
-            mine = [_local(p) for p in params if self._owner_of[id(p)] == r]
-            if not mine:
-                continue
-            flat = torch._utils._flatten_dense_tensors([t.detach() for t in mine])
-            dist.broadcast(flat, src=dist.get_global_rank(self.group, r), group=self.group)
-            if r != self.rank:
-                for t, new in zip(mine, torch._utils._unflatten_dense_tensors(flat, mine)):
-                    t.copy_(new)
+        broadcast_from_owners([_local(p) for p in params], [self._owner_of[id(p)] for p in params], group=self.group,
+                              rank=self.rank, bucket_size_mb=self.bucket_size_mb)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
@@ -261,29 +242,21 @@ class PartitionedOptimizer(Optimizer):
 
 
 @contextmanager
-def gradient_sync_paused(module: nn.Module, optimizers: Iterable[Any]) -> Iterator[None]:
-    """Skip gradient communication on accumulation micro-batches: ZeRO-1/2 gradient hooks and FSDP2 reduce-scatter
+def gradient_sync_paused(module: nn.Module, reducer: GradReducer | None) -> Iterator[None]:
+    """Skip gradient communication on accumulation micro-batches: the bucketed reduction and FSDP2's reduce-scatter
     wait for the last micro-batch of the accumulation window."""
-    partitioned = [o for o in (getattr(x, "_optimizer", x) for x in optimizers) if isinstance(o, PartitionedOptimizer)]
     fsdp = [m for m in module.modules() if hasattr(m, "set_requires_gradient_sync")]
-    for o in partitioned:
-        o.sync_grads = False
     for m in fsdp:
         m.set_requires_gradient_sync(False, recurse=False)
     try:
-        yield
+        if reducer is None:
+            yield
+        else:
+            with reducer.pause():
+                yield
     finally:
-        for o in partitioned:
-            o.sync_grads = True
         for m in fsdp:
             m.set_requires_gradient_sync(True, recurse=False)
-
-
-def register_grad_hooks(module: nn.Module, optimizer: PartitionedOptimizer) -> list[Any]:
-    """Hook every trainable parameter of ``module`` that the optimizer manages; returns the handles."""
-    managed = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    return [p.register_post_accumulate_grad_hook(optimizer.grad_hook)
-            for p in module.parameters() if p.requires_grad and id(p) in managed]
 
 
 # ------------------------------------------------------------------------------------------------ measurement

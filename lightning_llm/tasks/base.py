@@ -24,9 +24,11 @@ from lightning_llm.contract import (
     accepts_sharded_logits,
     builds_lazily,
     capabilities_of,
+    declared_inputs,
     pipeline_runner,
     replica_loss,
 )
+from lightning_llm.run_summary import RunSummary, replace_model_summary
 from lightning_llm.tasks.guard import NonFiniteGuard, NonFiniteLossError
 
 log = logging.getLogger(__name__)
@@ -110,6 +112,12 @@ class LLMTask(pl.LightningModule):
         self.nonfinite_loss = nonfinite_loss
         self.guard = NonFiniteGuard(policy=nonfinite_loss, max_consecutive_skips=self.optim.max_consecutive_skips)
         self.model: nn.Module | None = None
+        self.parameter_counts: tuple[int, int] | None = None
+        """``(total, trainable)`` parameters of the model as built (before any strategy shards or splits it)."""
+        self.flops_per_batch: int | None = None
+        """FLOPs of one training batch's forward and backward on one replica (counted by :class:`RunSummary` at the
+        first batch; ``None`` when not counted): tasks log FLOP/s and MFU from it."""
+        self._run_summary: RunSummary | None = None
 
     # ------------------------------------------------------------------------------------------ to implement
     def build_model(self) -> nn.Module:
@@ -133,7 +141,7 @@ class LLMTask(pl.LightningModule):
         """Return the mean loss of the batch and anything the metric hooks need: by default the model called once
         on :meth:`model_inputs`, then :meth:`loss_from_output`. Override it for losses that call the model more than
         once (then the task cannot be pipelined)."""
-        args, kwargs = self.model_inputs(batch, stage)
+        args, kwargs = declared_inputs(self, batch, stage)
         return self.loss_from_output(self.run_model(*args, **kwargs), batch, stage)
 
     def loss_weight(self, batch: dict[str, torch.Tensor]) -> float:
@@ -212,7 +220,8 @@ class LLMTask(pl.LightningModule):
 
         # ExportMetadata: what `lightning_llm export` needs besides the weights (model config, tokenizer), stored by a
         # callback so that tasks overriding on_save_checkpoint without super() store it too.
-        return [RNGState(), FaultInjector(), self.guard, ExportMetadata()]
+        self._run_summary = RunSummary()
+        return [RNGState(), FaultInjector(), self.guard, ExportMetadata(), self._run_summary]
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -233,6 +242,7 @@ class LLMTask(pl.LightningModule):
         strategy = self.trainer.strategy
         if type(strategy.checkpoint_io) is TorchCheckpointIO:
             strategy.checkpoint_io = AtomicCheckpointIO()
+        replace_model_summary(self.trainer)  # Lightning's summary without its FLOPs column of zeros
 
     @override
     def configure_model(self) -> None:
@@ -243,7 +253,9 @@ class LLMTask(pl.LightningModule):
             self.model = self.build_model()
             total = sum(p.numel() for p in self.model.parameters())
             trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-            log.info("model built: %s parameters, %s trainable", f"{total:,}", f"{trainable:,}")
+            self.parameter_counts = (total, trainable)  # the run summary states them once, before step 1
+            if self._run_summary is not None:
+                self._run_summary.capture(self.model)  # a meta twin for counting FLOPs, before any sharding
 
     @property
     def capabilities(self) -> Capabilities:
@@ -320,7 +332,9 @@ class LLMTask(pl.LightningModule):
 
     def _log_epoch_metrics(self, stage: str) -> None:
         for name, metric in self.metric_collection(stage).items():
-            self.log(name, metric.compute(), prog_bar=name.startswith("val"), sync_dist=False)
+            # compute() is the global value on every rank (torchmetrics syncs its states), so the mean over ranks
+            # that sync_dist takes is that value; it also tells Lightning the value is global (no "use sync_dist" hint)
+            self.log(name, metric.compute(), prog_bar=name.startswith("val"), sync_dist=True)
             metric.reset()
 
     @override

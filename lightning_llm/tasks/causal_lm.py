@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 from typing_extensions import override
 
-from lightning_llm.contract import accepts_sharded_logits
+from lightning_llm.contract import PACKED_INPUTS, accepts_sharded_logits
+from lightning_llm.run_summary import throughput
 from lightning_llm.tasks.decoder import DecoderTask
 
 log = logging.getLogger(__name__)
@@ -20,7 +21,8 @@ log = logging.getLogger(__name__)
 
 class CausalLMTask(DecoderTask):
     """Next-token prediction. Batches hold ``input_ids`` [B, S] and already-shifted ``labels`` [B, S]
-    (-100 = ignored). Logs ``train_loss``, ``train_tokens_per_s``, ``val_loss`` and ``val_ppl``.
+    (-100 = ignored); packed rows also ``position_ids`` and ``segment_ids`` [B, S] (attention stays within each
+    example). Logs ``train_loss``, ``train_tokens_per_s``, ``val_loss`` and ``val_ppl``.
 
     The backbone and PEFT arguments are :class:`DecoderTask`'s (``--model.backbone``, ``--model.lora``, ...).
     """
@@ -36,6 +38,8 @@ class CausalLMTask(DecoderTask):
     @override
     def model_inputs(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
         kwargs: dict[str, Any] = {"attention_mask": batch.get("attention_mask")}
+        # packed rows: keyword inputs, so under a pipeline they reach every stage (each builds its attention mask)
+        kwargs.update({key: batch[key] for key in PACKED_INPUTS if key in batch})
         if self.uses_fused_loss():  # the model returns the mean token loss (no logits)
             kwargs["labels"] = batch["labels"]
             if self.capabilities.pipelined:  # per-token losses [b, S]: a pipeline concatenates micro-batch outputs
@@ -73,6 +77,8 @@ class CausalLMTask(DecoderTask):
         # (tensor- and pipeline-parallel ranks of one replica share its batch and must not be counted again).
         tokens = batch["input_ids"].numel() * self.data_parallel_size
         self.log("train_tokens_per_s", tokens / elapsed, on_step=True, on_epoch=False, prog_bar=False)
+        for name, value in throughput(self.trainer, self, elapsed).items():  # FLOP/s and MFU from counted FLOPs
+            self.log(name, value, on_step=True, on_epoch=False, prog_bar=False)
 
     @override
     def on_validation_epoch_end(self) -> None:

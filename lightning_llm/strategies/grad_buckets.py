@@ -1,0 +1,317 @@
+"""Data-parallel gradient communication, written once: bucketed, asynchronous, overlapping backward.
+
+:class:`GradReducer` reduces every gradient the data-parallel replicas hold whole (plain tensors and the local
+shards of DTensors not sharded over ``dp``: TP shards, ``Partial`` TP gradients, LoRA factors, a task's own modules)
+over the ``dp`` group, the way DDP's reducer does:
+
+* **Buckets** (:func:`assign_buckets`): parameters in reverse registration order (the order backward produces
+  their gradients), grouped by dtype, device and destination into buckets of ``bucket_size_mb`` (DDP's 25 MiB
+  default; the first bucket of each group 1 MiB, as DDP's, so communication starts early). The assignment is
+  computed once from shapes and is the same on every rank.
+* **Asynchronous**: a post-accumulate-grad hook counts the parameters of each bucket; a full bucket is copied into a
+  flat buffer and its collective launched with ``async_op=True`` while backward goes on. Buckets are launched in
+  bucket order on every rank (a bucket that is full early waits for the ones before it, as in DDP), so the ranks'
+  collectives always pair up. :meth:`GradReducer.finish` launches what is left (gradients that never arrived),
+  waits for every handle and writes the averages back: once per optimizer step, before the non-finite guard,
+  clipping and the step.
+* **Destination**: ``all_reduce`` (ZeRO 0/1, replicated modules under ZeRO-3, pipelines) or, for ZeRO-2,
+  ``reduce`` to the parameter's owner (``owner_of``): buckets then hold one owner's parameters, and the other ranks
+  drop their gradients as soon as the bucket is launched (ZeRO-2 keeps 4Ψ/N gradient bytes).
+* **Missing gradients**: every bucket carries one count per parameter (1 where this rank holds a gradient, summed
+  by the same collective): a gradient some rank lacks counts as zero there, as in DDP's ``find_unused_parameters``,
+  and a parameter no rank has a gradient for keeps ``grad = None`` (so the optimizer skips it as on one device).
+* **Once per step**: a second gradient for a parameter before :meth:`finish` (two backward passes without
+  ``accumulate_grad_batches``) raises instead of reducing half of it.
+
+Flat buffers live only while their collective is in flight (completed buckets are written back as later ones
+launch, and at most :data:`MAX_IN_FLIGHT` are in flight), so the model-state bytes are those of the unbucketed
+reduction, with at most two buckets' flat copies on top during backward (``peak_in_flight_bytes``).
+:func:`broadcast_from_owners` is the post-step parameter broadcast of ZeRO-1/2, bucketed the same way.
+
+Why not torch's own machinery: DDP (and its comm hooks) wraps the module and keeps a persistent flat copy of every
+gradient, which ZeRO-2 must not hold on non-owners; the composable ``replicate`` of torch 2.13 is built on FSDP2 and
+turns every parameter into a DTensor replicated over ``dp`` (tasks and checkpoints would see DTensors) and has no
+ZeRO-1/2; FSDP2 without resharding holds 4Ψ + 16Ψ/N at stage 2 (see :mod:`.zero_native`). ZeRO-2 reduces owner
+buckets rather than reduce-scattering flat partitions: parameters are owned whole (the optimizer keeps per-parameter
+state), and on gloo reducing each half of a 23 MiB buffer to its owner took 45-91 ms against 47-114 ms for
+``reduce_scatter_tensor`` (``benchmarks/collectives.py --primitives``, ``benchmarks/results/collectives-cpu.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightning_llm.strategies.parallelize import reduce_partial_grads
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_BUCKET_MB", "GradReducer", "assign_buckets", "broadcast_from_owners", "reducer_for",
+           "replicated_over_dp"]
+
+DEFAULT_BUCKET_MB = 25.0
+"""DDP's ``bucket_cap_mb``."""
+FIRST_BUCKET_BYTES = 1024 * 1024
+"""DDP's first bucket (``dist._DEFAULT_FIRST_BUCKET_BYTES``): the last layers' gradients leave early."""
+MAX_IN_FLIGHT = 2
+"""Buckets in flight at once (each a flat copy of its gradients or parameters): launching one more first waits for the
+oldest, so the transient copies stay within two buckets however slow the network (DeepSpeed's double buffer)."""
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def replicated_over_dp(p: nn.Parameter) -> bool:
+    """Whether the data-parallel replicas each hold ``p`` whole (its gradient is theirs to average): anything but
+    an FSDP2 parameter, which is sharded over ``dp`` and reduce-scattered by FSDP2 itself."""
+    return not (isinstance(p, DTensor) and "dp" in (p.device_mesh.mesh_dim_names or ()))
+
+
+@dataclass(eq=False)
+class Bucket:
+    """Parameters whose gradients travel in one collective; ``owner`` is the dp rank receiving them (ZeRO-2) or
+    ``None`` (all-reduce)."""
+
+    params: list[nn.Parameter]
+    owner: int | None
+    nbytes: int = 0
+    ready: int = 0  # parameters whose gradient arrived in this round
+    flat: Tensor | None = None  # in flight: the gradients, then one count per parameter
+    work: Any = None
+    local_missing: bool = False  # some parameter had no gradient on this rank when the bucket was launched
+
+
+def assign_buckets(params: Sequence[nn.Parameter], *, bucket_bytes: int,
+                   owner_of: Callable[[nn.Parameter], int | None] | None = None,
+                   first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> list[Bucket]:
+    """Buckets of ``params`` (given in registration order) in the order backward fills them: parameters reversed,
+    grouped by (dtype, device, owner), each group cut at ``bucket_bytes`` (its first bucket at
+    ``first_bucket_bytes``); buckets sorted by the position of their last parameter, i.e. by when they fill up."""
+    open_: dict[tuple[Any, ...], tuple[int, Bucket]] = {}  # group -> (position of its last parameter, bucket)
+    done: list[tuple[int, Bucket]] = []
+    started: set[tuple[Any, ...]] = set()
+    for i, p in enumerate(reversed(params)):
+        local = _local(p)
+        key = (local.dtype, local.device, owner_of(p) if owner_of is not None else None)
+        b = open_.get(key, (0, Bucket([], key[2])))[1]
+        b.params.append(p)
+        b.nbytes += local.numel() * local.element_size()
+        open_[key] = (i, b)
+        if b.nbytes >= (bucket_bytes if key in started else min(first_bucket_bytes, bucket_bytes)):
+            done.append(open_.pop(key))
+            started.add(key)
+    done += list(open_.values())
+    return [b for _, b in sorted(done, key=lambda x: x[0])]
+
+
+class GradReducer:
+    """Averages gradients over the data-parallel group in buckets, overlapping backward (see the module doc).
+
+    Args:
+        params: The parameters to reduce, in registration order (trainable, whole on every replica).
+        group: The data-parallel process group; ``world``/``rank``: its size and this rank's index in it.
+        bucket_size_mb: Bucket size in MiB.
+        owner_of: ZeRO-2: the dp rank that keeps a parameter's gradient (``None``: all-reduce it).
+        names: ``id(param) -> name`` for error messages.
+        frozen: ``(name, parameter)`` left out because they were frozen at set-up: one that has a gradient at
+            :meth:`finish` (unfrozen later) is refused, since no replica would average it.
+    """
+
+    def __init__(self, params: Sequence[nn.Parameter], *, group: Any, world: int, rank: int, bucket_size_mb: float,
+                 owner_of: Callable[[nn.Parameter], int | None] | None = None,
+                 names: dict[int, str] | None = None, frozen: Sequence[tuple[str, nn.Parameter]] = ()) -> None:
+        if bucket_size_mb <= 0:
+            raise ValueError(f"bucket_size_mb={bucket_size_mb}: must be > 0")
+        self.group, self.world, self.rank = group, world, rank
+        self.buckets = assign_buckets(params, bucket_bytes=int(bucket_size_mb * 2**20), owner_of=owner_of)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._names = names or {}
+        self._frozen = list(frozen)
+        self._next = 0  # index of the next bucket to launch: buckets leave in order on every rank
+        self._arrived: set[int] = set()
+        self._in_flight: deque[Bucket] = deque()
+        self.peak_in_flight_bytes = 0
+        """The most bytes of flat bucket copies alive at once so far (transient, on top of the gradients)."""
+        self.paused = False
+        """Set while Lightning accumulates gradients (``block_backward_sync``): hooks do nothing."""
+        log.info("gradient reduction over dp=%d: %d tensors in %d buckets of <= %.1f MiB (%s)", world, len(params),
+                 len(self.buckets), bucket_size_mb, "reduce to owners" if owner_of is not None else "all-reduce")
+
+    def _name(self, p: Tensor) -> str:
+        return self._names.get(id(p), f"a parameter of shape {tuple(p.shape)}")
+
+    # ------------------------------------------------------------------------------------------ hooks
+    def register_hooks(self) -> list[Any]:
+        """A post-accumulate-grad hook on every parameter: backward launches the buckets. Returns the handles."""
+        if self.world == 1:
+            return []
+        return [p.register_post_accumulate_grad_hook(self._on_grad) for b in self.buckets for p in b.params]
+
+    @contextmanager
+    def pause(self) -> Generator[None, None, None]:
+        """No communication inside (accumulation micro-batches): the last micro-batch reduces the sum."""
+        before, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = before
+
+    def _on_grad(self, p: Tensor) -> None:
+        if self.paused:
+            return
+        if id(p) in self._arrived:
+            raise RuntimeError(
+                f"{self._name(p)} received a second gradient before the optimizer step, after its data-parallel reduction "
+                "was started: run one backward per optimizer step (accumulate with --trainer.accumulate_grad_batches, "
+                "or wrap all but the last manual backward in `with optimizer.toggle_model(sync_grad=False):`)")
+        self._arrived.add(id(p))
+        if isinstance(p.grad, DTensor) and isinstance(p, DTensor) and p.grad.placements != p.placements:
+            # A TP gradient left Partial (or replicated for a sharded parameter): give it the parameter's placement
+            # first (tensor-parallel peers run the same backward, so this pairs up), so its local shard has the
+            # parameter's shape in the bucket.
+            reduce_partial_grads([p])
+        self._bucket_of[id(p)].ready += 1
+        while self._next < len(self.buckets) and self.buckets[self._next].ready == len(self.buckets[self._next].params):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+        self._complete_finished()
+
+    # ------------------------------------------------------------------------------------------ collectives
+    def _launch(self, b: Bucket) -> None:
+        while len(self._in_flight) >= MAX_IN_FLIGHT:
+            self._complete(self._in_flight.popleft())
+        parts, missing = [], False
+        for p in b.params:
+            if p.grad is None:
+                missing = True
+                parts.append(torch.zeros(_local(p).numel(), dtype=_local(p).dtype, device=_local(p).device))
+            else:
+                g = _local(p.grad)
+                if g.shape != _local(p).shape:  # the ranks' buckets would not line up
+                    raise RuntimeError(f"{self._name(p)}: its gradient's local shape {tuple(g.shape)} differs from "
+                                       f"the parameter's {tuple(_local(p).shape)}; cannot reduce it over dp")
+                parts.append(g.reshape(-1))
+        counts = [0.0 if p.grad is None else 1.0 for p in b.params]
+        parts.append(torch.tensor(counts, dtype=parts[0].dtype, device=parts[0].device))
+        b.flat, b.local_missing = torch.cat(parts), missing
+        if b.owner is None:
+            b.work = dist.all_reduce(b.flat, group=self.group, async_op=True)  # SUM, then / world: gloo has no AVG
+        else:
+            b.work = dist.reduce(b.flat, dst=dist.get_global_rank(self.group, b.owner), group=self.group,
+                                 async_op=True)
+            if b.owner != self.rank:
+                for p in b.params:  # ZeRO-2: only the owner keeps this gradient
+                    p.grad = None
+        self._in_flight.append(b)
+        live = sum(x.flat.numel() * x.flat.element_size() for x in self._in_flight if x.flat is not None)
+        self.peak_in_flight_bytes = max(self.peak_in_flight_bytes, live)
+
+    def _complete_finished(self) -> None:
+        """Write back buckets whose collective has finished, so their flat buffers are freed during backward."""
+        for b in [b for b in self._in_flight if b.work.is_completed()]:
+            self._in_flight.remove(b)
+            self._complete(b)
+
+    @torch.no_grad()
+    def _complete(self, b: Bucket) -> None:
+        b.work.wait()
+        flat, b.flat, b.work = b.flat, None, None
+        assert flat is not None
+        if b.owner is not None and b.owner != self.rank:
+            return
+        flat.div_(self.world)
+        n = len(b.params)
+        # Only a parameter this rank had no gradient for needs the counts (one read, only then).
+        counts = flat[-n:].tolist() if b.local_missing else [1.0] * n
+        offset = 0
+        for p, count in zip(b.params, counts):
+            numel = _local(p).numel()
+            if count > 0:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                g = _local(p.grad)
+                g.copy_(flat[offset:offset + numel].view(g.shape))
+            offset += numel
+
+    def finish(self) -> None:
+        """Launch the buckets still waiting (in order), wait for every collective and write the averaged gradients
+        back. Once per optimizer step, before gradients are read (guard, clipping, step)."""
+        if self.world == 1:
+            self._arrived.clear()
+            return
+        late = [name for name, p in self._frozen if p.grad is not None]
+        if late:
+            raise RuntimeError(f"{', '.join(late[:4])}: frozen when training started (requires_grad=False), but now "
+                               "have gradients; the data-parallel reduction was set up without them, so the replicas "
+                               "would step with different gradients. Set requires_grad before fit()")
+        while self._next < len(self.buckets):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+        while self._in_flight:
+            self._complete(self._in_flight.popleft())
+        for b in self.buckets:
+            b.ready = 0
+        self._next = 0
+        self._arrived.clear()
+
+
+def reducer_for(module: nn.Module, *, group: Any, world: int, rank: int, bucket_size_mb: float,
+                owners: dict[int, int]) -> GradReducer:
+    """The one data-parallel gradient reduction of a task: every trainable parameter the replicas hold whole
+    (FSDP2's units reduce-scatter themselves), reduced to its ZeRO-2 owner (``owners``: ``id(param) -> dp rank``) or
+    all-reduced."""
+    named = [(n, p) for n, p in module.named_parameters() if replicated_over_dp(p)]
+    return GradReducer([p for _, p in named if p.requires_grad], group=group, world=world, rank=rank,
+                       bucket_size_mb=bucket_size_mb, names={id(p): n for n, p in named},
+                       owner_of=(lambda p: owners.get(id(p))) if owners else None,
+                       frozen=[(n, p) for n, p in named if not p.requires_grad])
+
+
+def broadcast_from_owners(params: Sequence[Tensor], owners: Sequence[int], *, group: Any, rank: int,
+                          bucket_size_mb: float) -> None:
+    """Every rank gets the owners' values of ``params`` (local tensors; the same list on every rank): each owner's
+    parameters in flat buckets of ``bucket_size_mb``, broadcast asynchronously, at most
+    :data:`MAX_IN_FLIGHT` buckets (each a flat copy) in flight."""
+    cap = int(bucket_size_mb * 2**20)
+    buckets: list[tuple[int, list[Tensor]]] = []
+    for owner in sorted(set(owners)):
+        cur: list[Tensor] = []
+        size = 0
+        for t, o in zip(params, owners):
+            if o != owner:
+                continue
+            cur.append(t)
+            size += t.numel() * t.element_size()
+            if size >= cap:
+                buckets.append((owner, cur))
+                cur, size = [], 0
+        if cur:
+            buckets.append((owner, cur))
+    in_flight: deque[tuple[int, list[Tensor], Tensor, Any]] = deque()
+
+    def land() -> None:
+        owner, ts, flat, work = in_flight.popleft()
+        work.wait()
+        if owner != rank:
+            for t, new in zip(ts, torch._utils._unflatten_dense_tensors(flat, ts)):
+                t.copy_(new)
+
+    with torch.no_grad():
+        for owner, ts in buckets:
+            if len(in_flight) >= MAX_IN_FLIGHT:
+                land()
+            flat = torch._utils._flatten_dense_tensors([t.detach() for t in ts])
+            work = dist.broadcast(flat, src=dist.get_global_rank(group, owner), group=group, async_op=True)
+            in_flight.append((owner, ts, flat, work))
+        while in_flight:
+            land()
