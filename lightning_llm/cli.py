@@ -36,6 +36,7 @@ TOOLS: dict[str, str] = {
     "estimate": "lightning_llm.estimate:main",
     "plot": "lightning_llm.plot:main",  # loss / throughput curves of a CSVLogger run to a PNG
     "export": "lightning_llm.export:main",  # any checkpoint layout -> Hugging Face directory (LoRA merged/adapter)
+    "prepare": "lightning_llm.data.prepare_tool:main",  # tokenize a pretraining corpus into its token store
 }
 
 
@@ -191,7 +192,8 @@ def _union_branch_error(e: BaseException) -> BaseException:
     """A class given for a ``str | Class`` argument (``--trainer.strategy=zero2 --trainer.strategy.bucket_size_mb=0``)
     whose constructor refused a value fails in jsonargparse as a union error listing one error per branch, the
     constructor's among "Expected a <class 'str'>" lines, and chains only the last branch's error: show the
-    constructor's error, naming the class, when it is the only one that is not a type mismatch."""
+    constructor's error when it is the only one that is not a type mismatch, naming the class unless it already
+    names its parameter (``--data.eval_batch_size must be ...``)."""
     text = str(e)
     if not text.startswith(_UNION_ERROR) or "\nErrors:\n" not in text:
         return e
@@ -201,7 +203,7 @@ def _union_branch_error(e: BaseException) -> BaseException:
     if len(real) != 1:
         return e
     cls = text.split("class_path='", 1)[1].split("'", 1)[0] if "class_path='" in text else ""
-    return ValueError(f"{cls}: {real[0]}" if cls else real[0])
+    return ValueError(f"{cls}: {real[0]}" if cls and not real[0].startswith("--") else real[0])
 
 
 def _drop_process_group() -> bool:

@@ -1,4 +1,5 @@
-"""Causal-LM pretraining: block grouping, on-disk token cache, logged metrics, DDP (with LoRA) vs one device."""
+"""Causal-LM pretraining: block grouping, logged metrics, DDP (with LoRA) vs one device (the token store:
+tests/test_prepare.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ def test_block_grouping_on_hand_made_corpus(tmp_path: Path) -> None:
     dm.setup("fit")
     eos = ByteTokenizer.eos_token_id
     stream = [*b"abc", eos, *b"defg", eos, *b"hi", eos]  # 12 tokens, files in sorted order
-    assert dm.tokens().tolist() == stream
+    assert dm.stores[0].tokens.tolist() == stream
+    assert dm.stores[0].documents().tolist() == [4, 9, 12]  # the document boundaries
     blocks = [dm.datasets["fit"][i] for i in range(len(dm.datasets["fit"]))]
     assert len(blocks) == (len(stream) - 1) // 3 == 3  # the last token only serves as a label
     for i, b in enumerate(blocks):
@@ -34,31 +36,9 @@ def test_block_grouping_on_hand_made_corpus(tmp_path: Path) -> None:
     # Validation takes the last blocks.
     dm2 = TextDataModule(str(data), block_size=2, val_fraction=0.2, cache_dir=str(tmp_path / "cache"))
     dm2.setup("fit")
+    assert dm2.prepared is False  # the same corpus and tokenizer: the store is reused
     assert len(dm2.datasets["fit"]) == 4 and len(dm2.datasets["validate"]) == 1
     assert dm2.datasets["validate"][0]["input_ids"].tolist() == stream[8:10]
-
-
-def test_second_run_reads_the_cache_without_tokenizing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    corpus = tmp_path / "corpus.jsonl"
-    corpus.write_text("".join(json.dumps({"text": f"document number {i}."}) + "\n" for i in range(20)))
-    first = TextDataModule(str(corpus), block_size=8, cache_dir=str(tmp_path / "cache"))
-    first.setup("fit")
-    assert first.cache_hit is False
-    tokens = first.tokens().tolist()
-
-    def boom(*_a, **_k):
-        raise AssertionError("tokenizer called although the cache is valid")
-
-    monkeypatch.setattr(ByteTokenizer, "__call__", boom)
-    second = TextDataModule(str(corpus), block_size=8, cache_dir=str(tmp_path / "cache"))
-    second.setup("fit")
-    assert second.cache_hit is True and second.tokens().tolist() == tokens
-    assert type(second.tokens()).__name__ == "memmap"
-    monkeypatch.undo()
-    corpus.write_text(corpus.read_text() + json.dumps({"text": "one more"}) + "\n")  # changed input: re-tokenize
-    third = TextDataModule(str(corpus), block_size=8, cache_dir=str(tmp_path / "cache"))
-    third.setup("fit")
-    assert third.cache_hit is False and len(third.tokens()) > len(tokens)
 
 
 def test_pretrain_debug_config_logs_loss_ppl_and_throughput(tmp_path: Path) -> None:

@@ -120,3 +120,23 @@ def test_jsonl_lines_break_at_newline_only(tmp_path) -> None:
     got = read_records(path, required=("sentence1", "sentence2"))
     assert [{k: v for k, v in r.items() if k != "_line"} for r in got] == rows
     assert [r["_line"] for r in got] == [1, 2]
+
+
+@pytest.mark.parametrize(("drop_last", "shuffle"), [(False, True), (True, True), (False, False)])
+def test_resumable_sampler_gives_torchs_indices(drop_last: bool, shuffle: bool) -> None:
+    """The sampler keeps its epoch as a tensor (4 bytes a sample, not Python lists) but yields exactly torch's
+    DistributedSampler indices (order, padding, striding by rank), and skips the first samples on a resume."""
+    from torch.utils.data import DistributedSampler
+
+    from lightning_llm.data.base import ResumableDistributedSampler
+
+    for n, replicas in [(1, 1), (3, 2), (7, 4), (1_003, 3), (700, 8)]:
+        for rank in range(replicas):
+            kw = {"num_replicas": replicas, "rank": rank, "seed": 5, "drop_last": drop_last, "shuffle": shuffle}
+            ours, torchs = ResumableDistributedSampler(range(n), **kw), DistributedSampler(range(n), **kw)
+            for epoch in (0, 2):
+                ours.set_epoch(epoch)
+                torchs.set_epoch(epoch)
+                assert list(ours) == list(torchs) and len(list(ours)) == len(ours)
+            ours.skip_epoch, ours.skip_samples = 2, 1
+            assert list(ours) == list(torchs)[1:] and list(ours) == list(torchs)  # the skip applies once

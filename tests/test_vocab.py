@@ -22,6 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 from lightning_llm.cli import main  # noqa: E402
 from lightning_llm.data.text import generated_corpus  # noqa: E402
+from lightning_llm.data.token_store import TokenStore  # noqa: E402
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 FILLER = 300  # tokens before the corpus words: the words' ids lie above the byte tokenizer's 0-258
@@ -64,6 +65,12 @@ def fit_args(tmp: Path, backbone: Path, *extra: str, data: tuple[str, ...] = ())
             f"--trainer.default_root_dir={tmp / 'run'}"]
 
 
+def _prepared_tokens(cache: Path) -> np.ndarray:
+    """The token stream of the one corpus prepared under ``cache``."""
+    (store,) = [TokenStore.open(p) for p in cache.iterdir() if p.is_dir()]
+    return np.asarray(store.tokens)
+
+
 # ------------------------------------------------------------------------------------------------ tokenizer default
 
 
@@ -74,8 +81,7 @@ def test_backbone_tokenizer_is_the_default(tmp_path: Path, caplog: pytest.LogCap
     with caplog.at_level(logging.INFO, logger="lightning_llm"):
         assert main(fit_args(tmp_path, hf)) == 0
     assert "using the tokenizer of --model.backbone" in caplog.text
-    (cached,) = (tmp_path / "cache").glob("*.npy")
-    stream = np.load(cached)
+    stream = _prepared_tokens(tmp_path / "cache")
     tok = transformers.AutoTokenizer.from_pretrained(str(hf))
     want = [i for d in generated_corpus(40) for i in [*tok(d, add_special_tokens=False)["input_ids"],
                                                        tok.eos_token_id]]
@@ -89,8 +95,7 @@ def test_backbone_without_tokenizer_is_refused_and_byte_is_opt_in(tmp_path: Path
     err = capsys.readouterr().err
     assert "--model.backbone" in err and "--data.tokenizer_dir" in err and "byte" in err
     assert main(fit_args(tmp_path, bare, data=("--data.tokenizer_dir=byte",))) == 0
-    (cached,) = (tmp_path / "cache").glob("*.npy")
-    assert int(np.load(cached).max()) <= 258
+    assert int(_prepared_tokens(tmp_path / "cache").max()) <= 258
 
 
 def test_python_api_refuses_an_implicit_byte_tokenizer(tmp_path: Path) -> None:

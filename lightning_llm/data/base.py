@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import math
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, SequentialSampler
 
 from lightning_llm.checkpoint_errors import first_line
@@ -103,11 +105,16 @@ class EncodedDataset(Dataset):
         return self.examples[i]
 
 
+_CHUNK = 1 << 16  # indices turned into Python ints at a time
+
+
 class ResumableDistributedSampler(DistributedSampler):
     """A seeded DistributedSampler that can skip the first samples of one epoch (a mid-epoch resume).
 
     ``len()`` stays the full epoch length so Lightning's batch counters, restored from the checkpoint, line up
-    with the shorter iteration that follows.
+    with the shorter iteration that follows. The indices are torch's DistributedSampler's, kept in one int32 tensor
+    (4 bytes a sample) instead of its Python lists (~70 bytes a sample: 200 MB per rank for 3 M blocks of a 1 GiB
+    pretraining corpus).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -115,12 +122,27 @@ class ResumableDistributedSampler(DistributedSampler):
         self.skip_epoch: int | None = None
         self.skip_samples = 0
 
+    def epoch_indices(self) -> torch.Tensor:
+        """This rank's indices of the current epoch: ``DistributedSampler.__iter__``'s order, as a tensor."""
+        n = len(self.dataset)
+        dtype = torch.int32 if self.total_size < 2**31 else torch.int64
+        if self.shuffle:
+            g = torch.Generator()
+            g.manual_seed(self.seed + self.epoch)
+            indices = torch.randperm(n, generator=g, dtype=dtype)  # the same values as the int64 default
+        else:
+            indices = torch.arange(n, dtype=dtype)
+        padding = self.total_size - n
+        if padding > 0:  # not drop_last: repeat the first indices to make the total divisible by the replicas
+            indices = torch.cat([indices, indices.repeat(math.ceil(padding / n))[:padding]])
+        return indices[:self.total_size][self.rank::self.num_replicas]
+
     def __iter__(self):  # noqa: ANN204 - Iterator[int]
-        indices = list(super().__iter__())
+        indices = self.epoch_indices()
         if self.skip_epoch == self.epoch and self.skip_samples:
             indices = indices[self.skip_samples:]
             self.skip_epoch, self.skip_samples = None, 0  # only once
-        return iter(indices)
+        return (i for start in range(0, len(indices), _CHUNK) for i in indices[start:start + _CHUNK].tolist())
 
 
 def check_batch_sizes(batch_size: int, eval_batch_size: int | None) -> None:
@@ -190,7 +212,11 @@ class LLMDataModule(pl.LightningDataModule):
             self._resume = {"epoch": int(state_dict["epoch"]), "batches": int(state_dict["batches"]),
                             "samples": int(state_dict.get("samples", -1))}
 
-    def make_loader(self, dataset: Dataset, *, train: bool, collate_fn: Callable | None = None) -> DataLoader:
+    def make_loader(self, dataset: Dataset, *, train: bool, collate_fn: Callable | None = None,
+                    shard_eval: bool = False) -> DataLoader:
+        """The training loader (seeded, data-parallel-rank-keyed, resumable) or an evaluation loader. ``shard_eval``
+        (validation/test of large datasets, never predict): shard it here as Lightning would (a padded
+        DistributedSampler without shuffling), with the tensor-backed sampler instead of Lightning's Python lists."""
         if train:
             num_replicas, rank = self._replicas()
             sampler = ResumableDistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=True,
@@ -203,6 +229,10 @@ class LLMDataModule(pl.LightningDataModule):
                     sampler.skip_samples = self._resume["samples"] // num_replicas
                 self._resume = None
                 _silence_not_resumable_warning()
+        elif shard_eval and self._replicas()[0] > 1:
+            num_replicas, rank = self._replicas()
+            sampler = ResumableDistributedSampler(dataset, num_replicas=num_replicas, rank=rank, shuffle=False)
+            batch_size = self.eval_batch_size
         else:
             # Lightning shards evaluation loaders itself (padded for val/test, unrepeated for predict).
             sampler, batch_size = SequentialSampler(dataset), self.eval_batch_size

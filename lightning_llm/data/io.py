@@ -38,28 +38,39 @@ def read_records(path: str | os.PathLike, *, required: Sequence[str] = (), types
         # JSON Lines breaks at "\n" only ("\r\n" too): str.splitlines() would also break inside strings at U+2028,
         # U+2029 and U+0085, which JSON allows unescaped (they occur in scraped Chinese text).
         for lineno, line in enumerate(text.split("\n"), start=1):
-            if not line.strip():
-                continue
-            try:
-                records.append((lineno, json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: malformed JSON: {e.msg} (column {e.colno})") from None
+            if line.strip():
+                records.append((lineno, parse_json_line(path, lineno, line)))
     out: list[dict[str, Any]] = []
     for lineno, rec in records:
-        if not isinstance(rec, dict):
-            raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
-        for key in required:
-            if key not in rec:
-                raise DataError(f"{path}:{lineno}: missing field {key!r} (fields present: {sorted(rec)})")
-        for key, typ in (types or {}).items():
-            if key in rec and not isinstance(rec[key], typ):
-                want = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
-                raise DataError(f"{path}:{lineno}: field {key!r} must be {want}, got {type(rec[key]).__name__}")
+        check_record(path, lineno, rec, required=required, types=types)
         rec["_line"] = lineno
         out.append(rec)
     if not out:
         raise DataError(f"{path}: no records")
     return out
+
+
+def parse_json_line(path: str | os.PathLike, lineno: int, line: str) -> Any:
+    """One JSON Lines record; :class:`DataError` naming ``path:lineno`` when it is not valid JSON."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{lineno}: malformed JSON: {e.msg} (column {e.colno})") from None
+
+
+def check_record(path: str | os.PathLike, lineno: int, rec: Any, *, required: Sequence[str] = (),
+                 types: dict[str, type | tuple] | None = None) -> None:
+    """:class:`DataError` naming ``path:lineno`` unless ``rec`` is a JSON object with every ``required`` field and
+    ``types`` holding for the fields present."""
+    if not isinstance(rec, dict):
+        raise DataError(f"{path}:{lineno}: expected a JSON object, got {type(rec).__name__}")
+    for key in required:
+        if key not in rec:
+            raise DataError(f"{path}:{lineno}: missing field {key!r} (fields present: {sorted(rec)})")
+    for key, typ in (types or {}).items():
+        if key in rec and not isinstance(rec[key], typ):
+            want = typ.__name__ if isinstance(typ, type) else "/".join(t.__name__ for t in typ)
+            raise DataError(f"{path}:{lineno}: field {key!r} must be {want}, got {type(rec[key]).__name__}")
 
 
 def read_text(path: str | os.PathLike, *, name: str | None = None) -> str:
