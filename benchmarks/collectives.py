@@ -40,7 +40,7 @@ from lightning_llm.testing import CollectiveCounter, run_worker
 
 
 def _strategy(layout: str) -> Any:
-    from lightning_llm.strategies.hybrid import HybridParallelStrategy
+    from lightning_llm.strategies import HybridParallelStrategy
 
     if layout == "dp2_tp2":
         return HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2)

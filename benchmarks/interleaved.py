@@ -41,7 +41,7 @@ class _Steps(pl.Callback):
 
 def _strategy(layout: str) -> Any:
     import lightning_llm.strategies  # noqa: F401 - registers zero*, deepspeed_zero*
-    from lightning_llm.strategies.hybrid import HybridParallelStrategy
+    from lightning_llm.strategies import HybridParallelStrategy
 
     return HybridParallelStrategy(data_parallel_size=2) if layout == "3d_dp2" else layout
 

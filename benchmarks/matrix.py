@@ -46,10 +46,10 @@ from typing_extensions import override
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
-TP_CLS = "lightning_llm.strategies.tensor_parallel.TensorParallelStrategy"
-PP_CLS = "lightning_llm.strategies.pipeline_parallel.PipelineParallelStrategy"
+TP_CLS = "lightning_llm.strategies.presets.TensorParallelStrategy"
+PP_CLS = "lightning_llm.strategies.presets.PipelineParallelStrategy"
 MP_CLS = "lightning.pytorch.strategies.ModelParallelStrategy"
-HYB_CLS = "lightning_llm.strategies.hybrid.HybridParallelStrategy"
+HYB_CLS = "lightning_llm.strategies.presets.HybridParallelStrategy"
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -150,8 +150,8 @@ class BenchMeter(pl.Callback):
         self.tokens_per_step = 0
 
     def _state_bytes(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, int]:
-        from lightning_llm.strategies.zero_deepspeed import deepspeed_model_state_bytes
-        from lightning_llm.strategies.zero_native import model_state_bytes
+        from lightning_llm.strategies.zero.deepspeed import deepspeed_model_state_bytes
+        from lightning_llm.strategies.zero.native import model_state_bytes
 
         engine = getattr(trainer.strategy, "deepspeed_engine", None)
         return deepspeed_model_state_bytes(engine) if engine is not None else model_state_bytes(

@@ -50,10 +50,12 @@ def _status(field: str) -> int:
 
 
 def _strategy(name: str) -> Any:
-    from lightning_llm.strategies.hybrid import HybridParallelStrategy
-    from lightning_llm.strategies.pipeline_parallel import PipelineParallelStrategy
-    from lightning_llm.strategies.tensor_parallel import TensorParallelStrategy
-    from lightning_llm.strategies.zero import ZeroStrategy
+    from lightning_llm.strategies import (
+        HybridParallelStrategy,
+        PipelineParallelStrategy,
+        TensorParallelStrategy,
+        ZeroStrategy,
+    )
 
     return {"auto": lambda: "auto", "zero3": lambda: ZeroStrategy(stage=3), "tp": lambda: TensorParallelStrategy(),
             "zero3-whole": lambda: ZeroStrategy(stage=3),

@@ -117,7 +117,7 @@ def deepspeed_main(argv: list[str]) -> int:
 
     from lightning_llm.data import TextDataModule
     from lightning_llm.models import build_model
-    from lightning_llm.strategies.zero_deepspeed import (
+    from lightning_llm.strategies.zero.deepspeed import (
         deepspeed_config,
         deepspeed_model_state_bytes,
     )

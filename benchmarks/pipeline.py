@@ -28,7 +28,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_llm.data import TextDataModule
-from lightning_llm.strategies.pipeline_parallel import PipelineParallelStrategy
+from lightning_llm.strategies import PipelineParallelStrategy
 from lightning_llm.tasks import CausalLMTask
 from lightning_llm.tasks.base import OptimConfig
 

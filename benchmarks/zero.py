@@ -7,8 +7,8 @@ Run (2 CPU processes, gloo)::
 
 For every configuration a fresh Trainer trains the ``debug`` decoder for 4 steps (batch 4 x 32 tokens per rank); after
 backward of step 3 (optimizer states exist, gradients are reduced/partitioned) each rank sums the bytes of the
-parameters, gradients and optimizer states it holds (``zero_native.model_state_bytes`` /
-``zero_deepspeed.deepspeed_model_state_bytes``; storages counted once). Step times are wall-clock on a shared 2-core
+parameters, gradients and optimizer states it holds (``zero.native.model_state_bytes`` /
+``zero.deepspeed.deepspeed_model_state_bytes``; storages counted once). Step times are wall-clock on a shared 2-core
 box and only indicative.
 """
 
@@ -44,8 +44,8 @@ def measure(strategy: str, precision: str, work: Path, steps: int = 4) -> dict[s
     import torch
 
     from lightning_llm.data import TextDataModule
-    from lightning_llm.strategies.zero_deepspeed import deepspeed_model_state_bytes
-    from lightning_llm.strategies.zero_native import model_state_bytes
+    from lightning_llm.strategies.zero.deepspeed import deepspeed_model_state_bytes
+    from lightning_llm.strategies.zero.native import model_state_bytes
     from lightning_llm.tasks import CausalLMTask
 
     class Meter(pl.Callback):

@@ -38,11 +38,13 @@ __all__ = [
     "task_accepts_sharded_logits",
     "check_pipelinable",
     "declared_inputs",
+    "declared_loss",
     "PACKED_INPUTS",
 ]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _SHARDED_OK = "_lightning_llm_accepts_sharded_logits"
+_DECLARED_LOSS = "_lightning_llm_declared_loss"
 
 
 def accepts_sharded_logits(fn: _F) -> _F:
@@ -50,6 +52,14 @@ def accepts_sharded_logits(fn: _F) -> _F:
     uses ops with a DTensor rule inside ``loss_parallel``, e.g. ``F.cross_entropy``). An unmarked method, including
     any override of a marked one, receives full plain logits."""
     setattr(fn, _SHARDED_OK, True)
+    return fn
+
+
+def declared_loss(fn: _F) -> _F:
+    """Mark the base ``compute_loss`` that only composes the declared hooks (``model_inputs`` -> one model call ->
+    ``loss_from_output``): the one a pipeline can run. ``LLMTask.compute_loss`` carries it; any override does not,
+    so this module decides without importing the tasks above it."""
+    setattr(fn, _DECLARED_LOSS, True)
     return fn
 
 
@@ -69,18 +79,15 @@ def task_accepts_sharded_logits(task: Any) -> bool:
 
 
 def overrides_compute_loss(task: Any) -> bool:
-    """Whether the task's class replaces the base ``compute_loss`` (model inputs -> one call -> loss)."""
-    from lightning_llm.tasks.base import LLMTask
-
-    return _resolved(task, "compute_loss") is not LLMTask.compute_loss
+    """Whether the task's class replaces the base ``compute_loss`` (model inputs -> one call -> loss), marked
+    :func:`declared_loss`."""
+    return not getattr(_resolved(task, "compute_loss"), _DECLARED_LOSS, False)
 
 
 def check_pipelinable(task: Any, *, strategy: str) -> None:
     """Raise before training when a pipeline cannot run ``task`` exactly as one device would."""
-    from lightning_llm.tasks.base import LLMTask
-
     name = type(task).__name__
-    if not isinstance(task, LLMTask):
+    if not all(callable(_resolved(task, n)) for n in ("model_inputs", "loss_from_output", "compute_loss")):
         raise ValueError(f"--trainer.strategy={strategy}: pipeline parallelism runs an LLMTask through its "
                          f"model_inputs()/loss_from_output() hooks; {name} is not an LLMTask")
     extras = [n for n, p in task.named_parameters() if p.requires_grad and not n.startswith("model.")]

@@ -221,7 +221,7 @@ def count_parameters(config: Any) -> int:
 def strategy_args(strategy: str) -> dict[str, Any]:
     """``ddp``, ``tp``, ``pp``, ``3d`` or a registered ZeRO preset name -> ``stage``/``engine``/offload args (the
     tensor/pipeline degrees come from ``--tp``/``--pp``)."""
-    from lightning_llm.strategies.zero import PRESETS
+    from lightning_llm.strategies.presets import ZERO_PRESETS as PRESETS
 
     if strategy == "ddp":
         return {"stage": 0, "engine": "ddp", "offload_optimizer": False, "offload_params": False}

@@ -2,7 +2,7 @@
 
 Used by ``lightning_llm estimate`` (:mod:`lightning_llm.estimate`). The local element count of every parameter is
 derived from the family's own declarations, as the engine applies them: the pipeline split
-(:func:`~lightning_llm.strategies.pipeline_split.split_layers`: the first stage keeps the embeddings, the last the
+(:func:`~lightning_llm.strategies.pipeline.split.split_layers`: the first stage keeps the embeddings, the last the
 final norm and head, a tied head is a copy there), the tensor-parallel plan (column-parallel: dim 0 sharded,
 row-parallel linears: dim 1, vocab-parallel embedding: dim 0, everything else replicated) and FSDP2's dim-0 shards
 under ZeRO-3 (``ceil`` chunks, as ``torch.chunk``).
@@ -56,7 +56,7 @@ def _tp_dim(style: Any, module: nn.Module, attr: str) -> int | None:
 def _stage_prefixes(model: nn.Module, pp: int) -> list[tuple[str, ...]]:
     """Module-path prefixes each pipeline stage keeps."""
     from lightning_llm.models import parallel_spec_of
-    from lightning_llm.strategies.pipeline_split import split_layers
+    from lightning_llm.strategies.pipeline.split import split_layers
 
     spec = parallel_spec_of(model)[2]  # type: ignore[index]
     layers = split_layers(model, pp) if pp > 1 else [tuple(getattr(model, spec.layers).keys())]
@@ -67,7 +67,7 @@ def _stage_prefixes(model: nn.Module, pp: int) -> list[tuple[str, ...]]:
 def layout_share(config: Any, *, tp: int = 1, pp: int = 1, dp: int = 1, zero3: bool = False) -> LayoutShare:
     """:class:`LayoutShare` of the fullest stage of ``config``'s model under the layout (see the module docstring)."""
     from lightning_llm.models import model_from_config, parallel_spec_of
-    from lightning_llm.strategies.zero_native import module_path_matches
+    from lightning_llm.strategies.zero.native import module_path_matches
 
     with torch.device("meta"):
         model = model_from_config(config)

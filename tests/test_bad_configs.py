@@ -16,8 +16,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "pretrain_debug.yaml"
-TP = "lightning_llm.strategies.tensor_parallel.TensorParallelStrategy"
-PP = "lightning_llm.strategies.pipeline_parallel.PipelineParallelStrategy"
+TP = "lightning_llm.strategies.presets.TensorParallelStrategy"
+PP = "lightning_llm.strategies.presets.PipelineParallelStrategy"
 
 
 def _fit(tmp_path: Path, *args: str, timeout: float = 150) -> subprocess.CompletedProcess:

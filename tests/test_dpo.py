@@ -105,7 +105,7 @@ def test_preference_file_errors_name_file_and_line(tmp_path: Path) -> None:
 # ------------------------------------------------------------------------------------------------ layouts
 def _strategy(layout: str) -> tuple[Any, int]:
     """(strategy, per-rank pairs) for 2 processes and a global batch of 8 pairs."""
-    from lightning_llm.strategies.hybrid import HybridParallelStrategy
+    from lightning_llm.strategies import HybridParallelStrategy
 
     if layout in ("tp", "pp"):
         return layout, 8

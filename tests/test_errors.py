@@ -194,10 +194,10 @@ def test_strategy_class_path_runs_and_a_wrong_one_is_one_line(tmp_path: Path,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """A bare class path (no init args) is instantiated (it stayed a string, which Trainer refused); a path that names
     no Strategy class is one line."""
-    assert main(_fit_args(tmp_path, "--trainer.strategy=lightning_llm.strategies.zero.ZeroStrategy")) == 0
-    line = _run_main(capsys, _fit_args(tmp_path, "--trainer.strategy=lightning_llm.strategies.zero.NoSuchStrategy"))
-    assert "--trainer.strategy='lightning_llm.strategies.zero.NoSuchStrategy': unknown strategy (a class path must " \
-           "name a Strategy subclass)" in line, line
+    assert main(_fit_args(tmp_path, "--trainer.strategy=lightning_llm.strategies.presets.ZeroStrategy")) == 0
+    line = _run_main(capsys, _fit_args(tmp_path, "--trainer.strategy=lightning_llm.strategies.presets.NoSuchStrategy"))
+    assert "--trainer.strategy='lightning_llm.strategies.presets.NoSuchStrategy': unknown strategy (a class path " \
+           "must name a Strategy subclass)" in line, line
 
 
 # ------------------------------------------------------------------------------------------------ 5. batch sizes

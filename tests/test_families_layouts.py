@@ -37,10 +37,12 @@ LAYOUTS = ["tp", "tp_sp", "pp", "zero3"]
 
 def _layout(name: str) -> tuple[Any, int]:
     """(strategy, per-rank batch size) of a 2-process layout."""
-    from lightning_llm.strategies.hybrid import HybridParallelStrategy
-    from lightning_llm.strategies.pipeline_parallel import PipelineParallelStrategy
-    from lightning_llm.strategies.tensor_parallel import TensorParallelStrategy
-    from lightning_llm.strategies.zero import ZeroStrategy
+    from lightning_llm.strategies import (
+        HybridParallelStrategy,
+        PipelineParallelStrategy,
+        TensorParallelStrategy,
+        ZeroStrategy,
+    )
 
     return {"tp": (TensorParallelStrategy(), GLOBAL_BATCH),
             "tp_sp": (HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, sequence_parallel=True),

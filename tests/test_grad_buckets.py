@@ -153,9 +153,7 @@ class ManualClip:
 
 
 def _strategy(layout: str) -> tuple[Any, int]:
-    from lightning_llm.strategies.hybrid import HybridParallelStrategy
-    from lightning_llm.strategies.pipeline_parallel import PipelineParallelStrategy
-    from lightning_llm.strategies.zero import ZeroStrategy
+    from lightning_llm.strategies import HybridParallelStrategy, PipelineParallelStrategy, ZeroStrategy
 
     if layout == "zero0":
         return HybridParallelStrategy(data_parallel_size=2, bucket_size_mb=BUCKET_MB), GLOBAL_BATCH // 2
@@ -182,7 +180,7 @@ class _Probe(LoggedLoss):
             self.launched.append(reducer._next)
 
     def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-        from lightning_llm.strategies.zero_native import model_state_bytes
+        from lightning_llm.strategies.zero.native import model_state_bytes
 
         self.bytes = model_state_bytes(pl_module, trainer.optimizers)
 

@@ -90,7 +90,7 @@ def fit(out: Path, strategy: Any, devices: int, *, tag: str, batch_size: int, st
 
 
 def _worker(mode: str, out: Path, only: str | None = None) -> None:
-    from lightning_llm.strategies.hybrid import HybridParallelStrategy
+    from lightning_llm.strategies import HybridParallelStrategy
     from lightning_llm.tasks.base import OptimConfig
 
     # eps=1: AdamW's update ~ lr x gradient for these tiny gradients, so a wrong global clipping norm changes the
@@ -149,7 +149,7 @@ def test_layout_matches_single_device(runs: Path, tag: str) -> None:
 def test_configuration_errors() -> None:
     import lightning.pytorch as pl
 
-    from lightning_llm.strategies.hybrid import HybridParallelStrategy
+    from lightning_llm.strategies import HybridParallelStrategy
 
     with pytest.raises(ValueError, match="zero_stage=5"):
         HybridParallelStrategy(zero_stage=5)

@@ -183,8 +183,7 @@ BACKBONES = ["named", "hf"]
 
 
 def _strategy(name: str) -> Any:
-    from lightning_llm.strategies.hybrid import HybridParallelStrategy
-    from lightning_llm.strategies.zero import ZeroStrategy
+    from lightning_llm.strategies import HybridParallelStrategy, ZeroStrategy
 
     return {
         "zero3": lambda: ZeroStrategy(stage=3),

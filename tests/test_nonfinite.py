@@ -52,7 +52,7 @@ class NaNGradAt(CausalLMTask):
 
 def _strategy(layout: str) -> tuple[Any, int]:
     """(strategy, per-rank batch) for 2 processes and a global batch of 8."""
-    from lightning_llm.strategies.hybrid import HybridParallelStrategy
+    from lightning_llm.strategies import HybridParallelStrategy
 
     if layout in ("tp", "pp"):
         return layout, 8

@@ -32,10 +32,12 @@ LAYOUTS = ["tp", "tp_sp", "pp", "zero3"]
 
 def _layout(name: str) -> tuple[Any, int]:
     """(strategy, per-rank batch size) of a 2-process layout: the 4 packed rows per step."""
-    from lightning_llm.strategies.hybrid import HybridParallelStrategy
-    from lightning_llm.strategies.pipeline_parallel import PipelineParallelStrategy
-    from lightning_llm.strategies.tensor_parallel import TensorParallelStrategy
-    from lightning_llm.strategies.zero import ZeroStrategy
+    from lightning_llm.strategies import (
+        HybridParallelStrategy,
+        PipelineParallelStrategy,
+        TensorParallelStrategy,
+        ZeroStrategy,
+    )
 
     return {"tp": (TensorParallelStrategy(), 4),
             "tp_sp": (HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, sequence_parallel=True), 4),

@@ -275,7 +275,7 @@ def test_checkpoint_rebuilds_the_trained_model(method: str, base_dir: Path) -> N
 @pytest.mark.parametrize("method", ["prefix_tuning", "p_tuning"])
 def test_zero3_run_is_refused_before_training(method: str, tmp_path: Path) -> None:
     """A real ZeRO-3 run (one CPU process: the engine still shards and builds lazily) stops before its first step."""
-    from lightning_llm.strategies.zero import ZeroStrategy
+    from lightning_llm.strategies import ZeroStrategy
 
     task = CausalLMTask("debug", peft=PeftConfig(method=method), model_overrides={"vocab_size": 264})
     dm = TextDataModule(generated_docs=20, block_size=16, batch_size=2, val_fraction=0.1,

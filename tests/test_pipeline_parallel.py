@@ -23,8 +23,8 @@ import torch
 
 from lightning_llm.models import build_model
 from lightning_llm.strategies.mesh import ParallelDims
-from lightning_llm.strategies.pipeline_parallel import PipelineParallelStrategy
-from lightning_llm.strategies.pipeline_split import (
+from lightning_llm.strategies import PipelineParallelStrategy
+from lightning_llm.strategies.pipeline.split import (
     prune_model, split_layers, stage_module, stage_ranks, stage_specs,
 )
 from lightning_llm.testing import launch, run_reference_meanwhile, run_worker

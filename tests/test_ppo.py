@@ -273,7 +273,7 @@ def test_two_processes_match_one_device(single: tuple[Path, Path], tmp_path: Pat
 
 
 def test_deepspeed_takes_the_clip_norm_from_the_task_and_refuses_a_conflicting_config() -> None:
-    from lightning_llm.strategies.zero_deepspeed import DeepSpeedZeroStrategy
+    from lightning_llm.strategies.zero.deepspeed import DeepSpeedZeroStrategy
 
     task = _task(ppo=PPOConfig(max_grad_norm=0.7))
     task.automatic_optimization = False
@@ -290,7 +290,7 @@ def test_clip_gradients_under_deepspeed_refuses_a_norm_the_engine_would_not_appl
     """A user's manual-optimization task calling clip_gradients(x) under DeepSpeed trained unclipped, silently."""
     from lightning.pytorch.plugins.precision.deepspeed import DeepSpeedPrecision
 
-    from lightning_llm.strategies.zero_deepspeed import CheckedClipPrecision, DeepSpeedZeroStrategy
+    from lightning_llm.strategies.zero.deepspeed import CheckedClipPrecision, DeepSpeedZeroStrategy
 
     strategy = DeepSpeedZeroStrategy(stage=2)
     strategy.precision_plugin = DeepSpeedPrecision("32-true")  # what Lightning's connector hands the strategy

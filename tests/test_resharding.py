@@ -68,7 +68,7 @@ def _chain(out: Path, first: int, last: int) -> None:
 
 
 def _strategy(args: dict[str, Any]) -> Any:
-    from lightning_llm.strategies.hybrid import HybridParallelStrategy
+    from lightning_llm.strategies import HybridParallelStrategy
 
     return HybridParallelStrategy(**args)
 

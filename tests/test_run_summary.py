@@ -107,7 +107,7 @@ def test_rank_zero_filter(monkeypatch: pytest.MonkeyPatch) -> None:
     for rank, whole_run in (("0", True), ("1", False)):
         monkeypatch.setenv("RANK", rank)
         assert f.filter(record("lightning_llm.data.text")) is whole_run
-        assert f.filter(record("lightning_llm.strategies.zero_native", per_rank=True))
+        assert f.filter(record("lightning_llm.strategies.zero.native", per_rank=True))
         assert f.filter(record("lightning.pytorch"))
     monkeypatch.delenv("RANK")
     monkeypatch.setenv("LOCAL_RANK", "1")  # Lightning's own launcher

@@ -42,7 +42,7 @@ def _fit(layout: str, devices: int, out: Path, *, fault: str | None = None, resu
     import lightning.pytorch as pl
 
     from lightning_llm.data import TextDataModule
-    from lightning_llm.strategies.hybrid import HybridParallelStrategy
+    from lightning_llm.strategies import HybridParallelStrategy
     from lightning_llm.tasks import CausalLMTask
     from lightning_llm.tasks.base import OptimConfig
 

@@ -92,15 +92,15 @@ def test_name_takes_an_option_and_keeps_its_preset(name: str) -> None:
 
 def test_misspelt_option_is_one_line_through_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
     line = _error(capsys, "--trainer.strategy=3d", "--trainer.strategy.tensor_paralel_size=2")
-    assert line == (f"{PREFIX}--trainer.strategy.tensor_paralel_size: strategy '3d' (lightning_llm.strategies.hybrid."
+    assert line == (f"{PREFIX}--trainer.strategy.tensor_paralel_size: strategy '3d' (lightning_llm.strategies.presets."
                     "HybridParallelStrategy) has no option 'tensor_paralel_size'; did you mean 'tensor_parallel_size'?")
 
 
 @pytest.mark.parametrize(("args", "expected"), [
     (("--trainer.strategy=zero2", "--trainer.strategy.bucket_size_mb=0"),
-     "lightning_llm.strategies.zero.ZeroStrategy: bucket_size_mb=0.0: must be > 0"),
+     "lightning_llm.strategies.presets.ZeroStrategy: bucket_size_mb=0.0: must be > 0"),
     (("--trainer.strategy=3d", "--trainer.strategy.zero_stage=7"),
-     "lightning_llm.strategies.hybrid.HybridParallelStrategy: zero_stage=7: must be 0, 1, 2 or 3"),
+     "lightning_llm.strategies.presets.HybridParallelStrategy: zero_stage=7: must be 0, 1, 2 or 3"),
 ])
 def test_a_value_the_strategy_refuses_is_its_own_line(capsys: pytest.CaptureFixture[str], args: tuple[str, ...],
                                                       expected: str) -> None:
@@ -142,7 +142,7 @@ def test_yaml_names_with_init_args(tmp_path: Path, capsys: pytest.CaptureFixture
     cfg.write_text("trainer:\n  strategy:\n    class_path: 3d\n    init_args: {tensor_paralel_size: 2}\n")
     line = _error(capsys, "--config", str(cfg))
     assert line == (f"{PREFIX}--config={cfg}: trainer.strategy.init_args.tensor_paralel_size: strategy '3d' "
-                    "(lightning_llm.strategies.hybrid.HybridParallelStrategy) has no option 'tensor_paralel_size'; "
+                    "(lightning_llm.strategies.presets.HybridParallelStrategy) has no option 'tensor_paralel_size'; "
                     "did you mean 'tensor_parallel_size'?")
 
 
@@ -152,7 +152,7 @@ def test_print_config_shows_the_class_and_the_preset(capsys: pytest.CaptureFixtu
               "--trainer.strategy.activation_checkpointing=true", "--print_config"])
     assert done.value.code == 0
     strategy = yaml.safe_load(capsys.readouterr().out)["trainer"]["strategy"]
-    assert strategy["class_path"] == "lightning_llm.strategies.zero.ZeroStrategy"
+    assert strategy["class_path"] == "lightning_llm.strategies.presets.ZeroStrategy"
     args = strategy["init_args"]
     assert (args["stage"], args["offload_optimizer"], args["offload_params"], args["activation_checkpointing"]) == \
         (3, True, True, True)

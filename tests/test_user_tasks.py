@@ -95,10 +95,12 @@ SUBCLASSES = {"SmoothedZLoss": SmoothedZLoss, "TwoViews": TwoViews, "LogitProbe"
 
 def _layouts() -> dict[str, tuple[Any, int]]:
     """name -> (strategy, per-rank batch size) for 2 processes."""
-    from lightning_llm.strategies.hybrid import HybridParallelStrategy
-    from lightning_llm.strategies.pipeline_parallel import PipelineParallelStrategy
-    from lightning_llm.strategies.tensor_parallel import TensorParallelStrategy
-    from lightning_llm.strategies.zero import ZeroStrategy
+    from lightning_llm.strategies import (
+        HybridParallelStrategy,
+        PipelineParallelStrategy,
+        TensorParallelStrategy,
+        ZeroStrategy,
+    )
 
     half = GLOBAL_BATCH // 2
     return {

@@ -124,7 +124,7 @@ def _worker(mode: str, out: Path) -> None:
     if mode == "reference":
         (out / "reference.json").write_text(json.dumps(_fit(out, "auto", 1, 8)))
         return
-    from lightning_llm.strategies.zero import ZeroStrategy
+    from lightning_llm.strategies import ZeroStrategy
 
     write_json_on_rank0(out / "layouts.json", {"zero3": gathered(_fit(out, ZeroStrategy(stage=3), 2, 4))})
 

@@ -109,10 +109,10 @@ def _fit(strategy: Any, out: Path, *, task_cls: type | None = None, max_steps: i
 
 
 def _measure(trainer: Any, pl_module: Any) -> dict[str, int]:
-    from lightning_llm.strategies.zero_native import model_state_bytes
+    from lightning_llm.strategies.zero.native import model_state_bytes
 
     if hasattr(trainer.strategy, "deepspeed_engine"):
-        from lightning_llm.strategies.zero_deepspeed import deepspeed_model_state_bytes
+        from lightning_llm.strategies.zero.deepspeed import deepspeed_model_state_bytes
 
         return deepspeed_model_state_bytes(trainer.strategy.deepspeed_engine)
     return model_state_bytes(pl_module, trainer.optimizers)

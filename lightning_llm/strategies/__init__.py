@@ -1,30 +1,27 @@
 """Parallel strategies, registered in Lightning's StrategyRegistry on import.
 
-``tp``, ``pp``, ``zero1/2/3(_offload)`` and ``3d`` are presets of the one native engine (:class:`ParallelEngine`);
-``deepspeed_zero*`` run DeepSpeed's engine.
+``tp``, ``pp``, ``zero1/2/3(_offload)`` and ``3d`` are presets (:mod:`.presets`) of the one native engine
+(:class:`ParallelEngine`, :mod:`.engine` with the pieces beside it: :mod:`.mesh`, :mod:`.plans`, :mod:`.parallelize`,
+:mod:`.grad_buckets`, :mod:`.materialize`, layout-free checkpoints in :mod:`.hybrid_checkpoint`); its pipeline runtime
+is :mod:`.pipeline`, its ZeRO pieces and DeepSpeed's engine (``deepspeed_zero*``) are :mod:`.zero`.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 
 from lightning_llm.strategies.engine import ParallelEngine
-from lightning_llm.strategies.hybrid import HybridParallelStrategy
-from lightning_llm.strategies.pipeline_parallel import PipelineParallelStrategy
-from lightning_llm.strategies.tensor_parallel import TensorParallelStrategy
-from lightning_llm.strategies.zero import ZeroStrategy
-from lightning_llm.strategies.zero_deepspeed import DeepSpeedZeroStrategy
+from lightning_llm.strategies.presets import (
+    HybridParallelStrategy,
+    PipelineParallelStrategy,
+    TensorParallelStrategy,
+    ZeroStrategy,
+    register_presets,
+)
+from lightning_llm.strategies.zero.deepspeed import DeepSpeedZeroStrategy
 
 __all__ = ["DeepSpeedZeroStrategy", "HybridParallelStrategy", "ParallelEngine", "PipelineParallelStrategy",
-           "TensorParallelStrategy", "ZeroStrategy"]
+           "TensorParallelStrategy", "ZeroStrategy", "check_strategy_name", "strategy_class"]
 
-_PRESETS = {
-    "tp": (TensorParallelStrategy, "Megatron-style tensor parallelism (DTensor)"),
-    "pp": (PipelineParallelStrategy, "Pipeline parallelism (GPipe/1F1B/interleaved)"),
-    "3d": (HybridParallelStrategy, "3-D parallelism: DP x TP x PP with ZeRO"),
-}
-for _name, (_cls, _description) in _PRESETS.items():
-    if _name not in _StrategyRegistry:
-        _StrategyRegistry.register(_name, _cls, description=_description)
-ZeroStrategy.register_presets(_StrategyRegistry)  # zero1/2/3(_offload), deepspeed_zero1/2/3(_offload); idempotent
+register_presets(_StrategyRegistry)  # tp, pp, 3d, zero1/2/3(_offload), deepspeed_zero1/2/3(_offload); idempotent
 
 
 def strategy_class(name: str) -> type | None:

@@ -1,20 +1,20 @@
 """The one native parallel engine: data x tensor x pipeline parallel with ZeRO 0-3 on the data-parallel dim.
 
-Every native layout is a preset of :class:`ParallelEngine`: ``tp`` (:class:`.TensorParallelStrategy`), ``pp``
-(:class:`.PipelineParallelStrategy`), ``zero1/2/3`` and ``zero*_offload`` (:class:`.ZeroStrategy`) and ``3d``
-(:class:`.HybridParallelStrategy`). DeepSpeed is its own engine (it owns its loop) under the same task contract.
+Every native layout is a preset of :class:`ParallelEngine` (:mod:`.presets`): ``tp`` (``TensorParallelStrategy``),
+``pp`` (``PipelineParallelStrategy``), ``zero1/2/3`` and ``zero*_offload`` (``ZeroStrategy``) and ``3d``
+(``HybridParallelStrategy``). DeepSpeed is its own engine (it owns its loop) under the same task contract.
 
 One :class:`~lightning_llm.strategies.mesh.ParallelDims` validates the degrees (product = devices x nodes, one may be
 ``-1``) and builds the named mesh ``("pp", "dp", "tp")``; every group below is a dim of that mesh. Set-up applies,
 for whichever degrees are > 1 (the task has built its model in ``configure_model``, on the meta device when the layout
 shards it: ``capabilities.deferred_init``):
 
-1. pipeline split (``pp > 1``): keep this rank's stages, names stay global (:mod:`.pipeline_split`), and a
-   :class:`~.pipeline_engine.PipelineRunner` component runs the task's declared hooks through the schedule;
+1. pipeline split (``pp > 1``): keep this rank's stages, names stay global (:mod:`.pipeline.split`), and a
+   :class:`~.pipeline.runner.PipelineRunner` component runs the task's declared hooks through the schedule;
 2. tensor parallelism on the ``tp`` dim with the family's plan (:func:`.parallelize.apply_tensor_parallel`);
 3. activation checkpointing of the local blocks;
 4. ZeRO on the ``dp`` dim: stage 1/2 partition the optimizer (and gradients) with
-   :class:`~.zero_native.PartitionedOptimizer`, stage 3 is FSDP2 over ``dp`` (2-D with TP shards);
+   :class:`~.zero.native.PartitionedOptimizer`, stage 3 is FSDP2 over ``dp`` (2-D with TP shards);
 5. materialization of meta-device tensors: each rank allocates and fills only its shards, from the checkpoint of a
    lazily loaded model or the family's init plan (:mod:`.materialize`), the same values a one-device build has.
 
@@ -73,10 +73,10 @@ from lightning_llm.strategies.parallelize import (
     reduce_partial_grads,
     sharded_logits_for,
 )
-from lightning_llm.strategies.pipeline_runtime import ScheduleName, checkpoint_blocks
-from lightning_llm.strategies.pipeline_split import StageSpec, layout_of
+from lightning_llm.strategies.pipeline.runtime import ScheduleName, checkpoint_blocks
+from lightning_llm.strategies.pipeline.split import StageSpec, layout_of
 from lightning_llm.strategies.plans import TPPlan
-from lightning_llm.strategies.zero_native import (
+from lightning_llm.strategies.zero.native import (
     PartitionedOptimizer,
     apply_fsdp,
     fsdp_units,

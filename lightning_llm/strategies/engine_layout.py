@@ -3,7 +3,7 @@
 * :class:`LayoutArgs`: the layout's arguments and every check on them, run before any process starts or any step
   (degrees, ZeRO/offload combinations, pipeline schedule, precision, batch size).
 * :class:`PipelineStages`: the pipeline component for ``pp > 1``: this rank's stages of the split, the process group
-  that sums a weight tied across stages, the :class:`~.pipeline_engine.PipelineRunner`, and putting the schedule's
+  that sums a weight tied across stages, the :class:`~.pipeline.runner.PipelineRunner`, and putting the schedule's
   gradients back where Lightning expects them.
 """
 
@@ -26,9 +26,9 @@ from lightning_llm.logs import PER_RANK
 from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB
 from lightning_llm.strategies.mesh import ParallelDims
 from lightning_llm.strategies.parallelize import reduce_partial_grads
-from lightning_llm.strategies.pipeline_engine import PipelineRunner
-from lightning_llm.strategies.pipeline_runtime import SCHEDULES, check_microbatches
-from lightning_llm.strategies.pipeline_split import (
+from lightning_llm.strategies.pipeline.runner import PipelineRunner
+from lightning_llm.strategies.pipeline.runtime import SCHEDULES, check_microbatches
+from lightning_llm.strategies.pipeline.split import (
     StageSpec,
     prune_model,
     split_layers,

@@ -31,7 +31,7 @@ reduction, with at most two buckets' flat copies on top during backward (``peak_
 Why not torch's own machinery: DDP (and its comm hooks) wraps the module and keeps a persistent flat copy of every
 gradient, which ZeRO-2 must not hold on non-owners; the composable ``replicate`` of torch 2.13 is built on FSDP2 and
 turns every parameter into a DTensor replicated over ``dp`` (tasks and checkpoints would see DTensors) and has no
-ZeRO-1/2; FSDP2 without resharding holds 4Ψ + 16Ψ/N at stage 2 (see :mod:`.zero_native`). ZeRO-2 reduces owner
+ZeRO-1/2; FSDP2 without resharding holds 4Ψ + 16Ψ/N at stage 2 (see :mod:`.zero.native`). ZeRO-2 reduces owner
 buckets rather than reduce-scattering flat partitions: parameters are owned whole (the optimizer keeps per-parameter
 state), and on gloo reducing each half of a 23 MiB buffer to its owner took 45-91 ms against 47-114 ms for
 ``reduce_scatter_tensor`` (``benchmarks/collectives.py --primitives``, ``benchmarks/results/collectives-cpu.md``).

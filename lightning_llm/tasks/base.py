@@ -25,6 +25,7 @@ from lightning_llm.contract import (
     builds_lazily,
     capabilities_of,
     declared_inputs,
+    declared_loss,
     pipeline_runner,
     replica_loss,
 )
@@ -136,6 +137,7 @@ class LLMTask(pl.LightningModule):
         raise NotImplementedError(f"{type(self).__name__} must implement model_inputs() and loss_from_output() "
                                   "(or override compute_loss())")
 
+    @declared_loss  # pipelines run exactly this composition (contract.check_pipelinable)
     @accepts_sharded_logits  # transparent: hands the output to loss_from_output, which decides
     def compute_loss(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[torch.Tensor, dict[str, Any]]:
         """Return the mean loss of the batch and anything the metric hooks need: by default the model called once

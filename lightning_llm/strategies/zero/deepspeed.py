@@ -21,6 +21,7 @@ import argparse
 import copy
 import json
 import logging
+import tempfile
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -38,7 +39,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_llm.reliability import SaveFault
+from lightning_llm.checkpoint_errors import check_deepspeed_dir
+from lightning_llm.reliability import SaveFault, publish, remove_path, staging_path
+from lightning_llm.strategies.zero.common import check_adapter, validate_zero_args, write_export
 
 log = logging.getLogger(__name__)
 
@@ -193,8 +196,6 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
                 without it DeepSpeed partitions the (CPU-built) model in ``deepspeed.initialize``.
             deepspeed_kwargs: Further ``lightning.pytorch.strategies.DeepSpeedStrategy`` arguments.
         """
-        from lightning_llm.strategies.zero import validate_zero_args
-
         validate_zero_args(stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params,
                            engine="deepspeed")
         check_optimizer(optimizer, on_cuda=torch.cuda.is_available())
@@ -315,8 +316,6 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
         """DeepSpeed writes its tag directory into a staging directory beside ``filepath``; once every rank is done,
         rank 0 swaps it in (:func:`~lightning_llm.reliability.publish`), so a crash at any moment leaves the previous
         checkpoint whole (DeepSpeed itself overwrites ``<dir>/checkpoint/`` file by file)."""
-        from lightning_llm.reliability import publish, remove_path, staging_path
-
         path = Path(self.broadcast(str(filepath)))
         staged = staging_path(path)
         if self.is_global_zero:
@@ -336,8 +335,6 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if not self.load_full_weights and not self.config.get("checkpoint", {}).get("load_universal"):
-            from lightning_llm.checkpoint_errors import check_deepspeed_dir
-
             # Every rank checks every file before DeepSpeed reads its own, so all ranks stop with the same error
             # (a rank failing alone left its peers to die in a gloo error). Only a resume loads the per-rank
             # optimizer partitions, which DeepSpeed cannot repartition: weights load at any world size.
@@ -347,9 +344,7 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
             # DeepSpeed cannot load a ZeRO-3 checkpoint into an optimizer-less (validate/test/predict) engine
             # ("'DeepSpeedZeRoOffload' object has no attribute '_restore_from_bit16_weights'"): consolidate the
             # shards and load the full weights through Lightning's gather-and-assign path for ZeRO-3 instead.
-            from lightning_llm.export import read_checkpoint
-
-            return read_checkpoint(checkpoint_path)
+            return consolidated_checkpoint(checkpoint_path)
         return super().load_checkpoint(checkpoint_path, weights_only)
 
     @override
@@ -378,8 +373,6 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
         """Write the backbone's full ``state_dict`` (or only ``lora_*`` tensors) to one file on rank 0 (a collective
         under stage 3: partitions are gathered). Tensors are in the training dtype of the module (fp32 under
         ``32-true``; for fp32 masters of a 16-bit run use DeepSpeed's ``zero_to_fp32`` on a saved checkpoint)."""
-        from lightning_llm.strategies.zero import _write_export, check_adapter
-
         engine = self.deepspeed_engine
         check_adapter(engine.module, adapter_only)
         if self.stage == 3:
@@ -389,7 +382,23 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
             sd = engine.module.state_dict()
         prefix = "model."
         sd = {k[len(prefix):] if k.startswith(prefix) else k: v.detach().cpu() for k, v in sd.items()}
-        return _write_export(sd, path, adapter_only=adapter_only, rank0=self.is_global_zero, barrier=self.barrier)
+        return write_export(sd, path, adapter_only=adapter_only, rank0=self.is_global_zero, barrier=self.barrier)
+
+
+def is_deepspeed_checkpoint(path: Path) -> bool:
+    """A DeepSpeed checkpoint directory (its ``latest`` tag file, or a tag directory of model-state files)."""
+    return (path / "latest").is_file() or any(path.glob("*/mp_rank_*_model_states.pt"))
+
+
+def consolidated_checkpoint(path: _PATH) -> dict[str, Any]:
+    """A DeepSpeed checkpoint directory as one Lightning checkpoint dict with full fp32 weights (Lightning's
+    ``convert_zero_checkpoint_to_fp32_state_dict``, through a temporary file; no process group needed)."""
+    from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "consolidated.ckpt"
+        convert_zero_checkpoint_to_fp32_state_dict(str(path), str(out))
+        return torch.load(out, map_location="cpu", weights_only=False)
 
 
 def deepspeed_model_state_bytes(engine: Any) -> dict[str, int]:

@@ -26,15 +26,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_llm.contract import declared_inputs
-from lightning_llm.strategies.pipeline_runtime import (
+from lightning_llm.strategies.pipeline.runtime import (
     build_schedule,
     microbatch_count,
     run_schedule,
     schedule_key,
     select_microbatch,
 )
-from lightning_llm.strategies.pipeline_split import StageSpec
-from lightning_llm.strategies.pipeline_stats import (
+from lightning_llm.strategies.pipeline.split import StageSpec
+from lightning_llm.strategies.pipeline.stats import (
     ActivationMeter,
     BusyTimer,
     gather_step_stats,

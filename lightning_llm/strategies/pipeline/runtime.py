@@ -1,4 +1,4 @@
-"""Pipeline building blocks used by :class:`~lightning_llm.strategies.pipeline_engine.PipelineRunner`.
+"""Pipeline building blocks used by :class:`~lightning_llm.strategies.pipeline.runner.PipelineRunner`.
 
 * The schedule table (:data:`SCHEDULES`) and :func:`build_schedule`, which wraps this rank's stage views in
   ``PipelineStage`` objects and picks the schedule class (forward-only for evaluation).
@@ -25,7 +25,7 @@ from torch.distributed.pipelining import (
 )
 from torch.utils.checkpoint import checkpoint
 
-from lightning_llm.strategies.pipeline_split import StageSpec, layout_of
+from lightning_llm.strategies.pipeline.split import StageSpec, layout_of
 
 log = logging.getLogger(__name__)
 

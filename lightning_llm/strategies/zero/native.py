@@ -1,14 +1,14 @@
-"""Torch-native ZeRO engine pieces, used by :class:`~lightning_llm.strategies.zero.ZeroStrategy` (``engine="native"``).
+"""Torch-native ZeRO engine pieces, applied by :class:`~lightning_llm.strategies.engine.ParallelEngine` (``zero*``).
 
 Every function takes the data-parallel :class:`DeviceMesh` (the ``dp`` dim of ``ParallelDims``' mesh) explicitly, so
 the same pieces shard over a sub-group when tensor/pipeline parallel dims are added later.
 
 * Stages 1 and 2: :class:`PartitionedOptimizer`. Parameters stay whole on every rank (like DDP); each trainable
   parameter is *owned* by one data-parallel rank (greedy balance by size) and only the owner keeps its optimizer
-  state. Gradients are reduced by :class:`~.grad_buckets.GradReducer` in buckets during backward: stage 1
+  state. Gradients are reduced by :class:`~..grad_buckets.GradReducer` in buckets during backward: stage 1
   all-reduces them (all ranks keep full gradients, 4Ψ); stage 2 reduces each bucket to its owner and drops it on the
   other ranks (4Ψ/N). After the owner's local step the updated parameters are broadcast from their owners in
-  buckets (:func:`~.grad_buckets.broadcast_from_owners`). This holds exactly ZeRO's model states per rank:
+  buckets (:func:`~..grad_buckets.broadcast_from_owners`). This holds exactly ZeRO's model states per rank:
   stage 1 = 4Ψ + 4Ψ + 8Ψ/N, stage 2 = 4Ψ + 12Ψ/N in fp32 (see ``benchmarks/results/zero-cpu.md``).
   FSDP2 with ``reshard_after_forward=False`` was not used for stage 2: it keeps its own parameter shard next to the
   all-gathered whole parameters (4Ψ + 16Ψ/N when parameters are whole at the step), or - with its default resharding
@@ -129,7 +129,7 @@ class PartitionedOptimizer(Optimizer):
     """ZeRO stage 1/2 around an already-built optimizer: same param groups and hyperparameters (so LR schedulers keep
     working on ``param_groups``), but the inner optimizer only holds this rank's owned parameters.
 
-    Gradients are reduced by the strategy's :class:`~.grad_buckets.GradReducer` (to their :meth:`owner` under stage
+    Gradients are reduced by the strategy's :class:`~..grad_buckets.GradReducer` (to their :meth:`owner` under stage
     2); the optimizer ``step`` runs the closure (forward + backward, gradients reduced), steps the owned parameters and
     broadcasts them from their owners in buckets of ``bucket_size_mb``.
     """
