@@ -1,4 +1,5 @@
-"""Fault tolerance: exact resume state (RNG per rank), atomic checkpoint files, fault injection for tests.
+"""Fault tolerance: exact resume state (RNG per rank), atomic checkpoint files and output directories
+(:func:`staged_directory`), fault injection for tests.
 
 Data order on resume is handled by :class:`lightning_llm.data.base.LLMDataModule` (its state_dict records how
 many batches of the current epoch were consumed); optimizer, LR-schedule and loop state are Lightning's own.
@@ -6,6 +7,7 @@ many batches of the current epoch were consumed); optimizer, LR-schedule and loo
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
@@ -13,6 +15,8 @@ import random
 import shutil
 import signal
 import sys
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -273,3 +277,47 @@ def publish(staged: str | os.PathLike, path: str | os.PathLike) -> None:
         remove_path(old)
     _fsync_dir(path.parent)
 
+
+def _is_model_directory(p: Path) -> bool:
+    return (p / "config.json").is_file() or (p / "adapter_config.json").is_file()
+
+
+@contextlib.contextmanager
+def staged_directory(target: str | os.PathLike[str], *, flag: str) -> Iterator[Path]:
+    """Yield an empty staging directory; on a clean exit it replaces ``target`` atomically, on an error it is removed
+    (with any parent directories this call created). An existing ``target`` is replaced only if it is empty or a
+    model directory (a previous export), never another directory: ``flag`` names the option in that error."""
+    target = Path(target).absolute()
+    if target.exists() or target.is_symlink():
+        if not target.is_dir() or target.is_symlink():
+            raise ValueError(f"{flag}={target}: exists and is not a directory")
+        if any(target.iterdir()) and not _is_model_directory(target):
+            raise ValueError(f"{flag}={target}: an existing directory that holds no model (no config.json or "
+                             "adapter_config.json): it would be replaced as a whole; choose a new path")
+    created: list[Path] = []
+    parent = target.parent
+    while not parent.exists():
+        created.append(parent)
+        parent = parent.parent
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+    except OSError as e:
+        _remove_created(created)
+        raise ValueError(f"{flag}={target}: cannot create the output directory ({e.strerror or e})") from e
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the export should be as readable as a mkdir's
+        yield tmp
+        publish(tmp, target)
+    except BaseException:
+        remove_path(tmp)
+        _remove_created(created)
+        raise
+
+
+def _remove_created(created: list[Path]) -> None:
+    for p in created:  # deepest first; only directories that stayed empty
+        with contextlib.suppress(OSError):
+            p.rmdir()

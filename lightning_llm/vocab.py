@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_llm.data.tokenizer_files import has_tokenizer
+
 log = logging.getLogger(__name__)
 
 __all__ = ["added_rows", "check_backbone_tokenizer", "check_new_rows_trained", "default_tokenizer_dir",
@@ -47,8 +49,6 @@ def default_tokenizer_dir(backbone: Any, tokenizer_dir: str | None) -> str | Non
     """The ``--data.tokenizer_dir`` to use: the given one; else, for an HF backbone directory, the backbone itself
     (it must hold tokenizer files); else ``None`` (the byte tokenizer of named sizes). ``ValueError`` naming both
     parameters for an HF backbone without tokenizer files."""
-    from lightning_llm.export_files import has_tokenizer
-
     if tokenizer_dir is not None or not _is_hf_dir(backbone):
         return tokenizer_dir
     if not has_tokenizer(Path(backbone).expanduser()):

@@ -91,8 +91,7 @@ def test_other_layouts_export_the_same_weights(plain: tuple[Path, Any], tmp_path
     exactly."""
     from safetensors.torch import load_file
 
-    from lightning_llm.strategies.checkpoint import save_sharded
-    from lightning_llm.strategies.pipeline_checkpoint import stage_checkpoint_file
+    from lightning_llm.export.legacy import save_sharded, stage_checkpoint_file
 
     ckpt, _ = plain
     full = torch.load(ckpt, weights_only=False)

@@ -26,8 +26,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_llm.export import main as export_main
-from lightning_llm.peft import LoraArgs, merge_main
+from lightning_llm.export.merge import main as merge_main
+from lightning_llm.export.to_hf import main as export_main
+from lightning_llm.peft import LoraArgs
 from lightning_llm.tasks import CausalLMTask, ClassificationTask, OptimConfig
 
 LABELS = ["different", "same"]
@@ -284,7 +285,7 @@ def test_decoder_full_finetune_exports_without_backbone(llama: Path, tmp_path: P
 
 def test_failed_export_leaves_nothing(tied_run: Any, llama: Path, tmp_path: Path,
                                       monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    import lightning_llm.export_files as files
+    import lightning_llm.export.files as files
 
     _, ckpt, _, _ = tied_run
     def fail(*_: Any, **__: Any) -> None:

@@ -374,7 +374,8 @@ def test_cli_lora_target_w_pack_trains_and_merges(tmp_path: Path, caplog: pytest
     the end of ``fit`` (lora_B in Baichuan's row order), and ``lightning_llm merge --ckpt`` / ``--adapter`` write
     merged Baichuan weights equal to base + adapter."""
     from lightning_llm.cli import main
-    from lightning_llm.peft import LoraArgs, PeftConfig, apply_peft, merge_main
+    from lightning_llm.export.merge import main as merge_main
+    from lightning_llm.peft import LoraArgs, PeftConfig, apply_peft
 
     src = write_baichuan(tmp_path / "src", vocab=264)  # the byte tokenizer's vocabulary
     assert main([

@@ -240,7 +240,7 @@ def test_padding_segment_is_finite_and_positions_follow_segments() -> None:
 
 
 def test_prompt_learning_refuses_packed_rows() -> None:
-    from lightning_llm.peft_prompt import build_prompt_model
+    from lightning_llm.peft.prompt import build_prompt_model
 
     base = build_model("debug", family="decoder", dropout=0.0)
     batch = _collate(pack_examples(_examples([5, 4], vocab=256), 16))

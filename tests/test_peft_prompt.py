@@ -26,7 +26,7 @@ from lightning_llm.peft import (
     load_adapter,
     merge_peft,
 )
-from lightning_llm.peft_prompt import check_prompt_layout
+from lightning_llm.peft.prompt import check_prompt_layout
 from lightning_llm.tasks import CausalLMTask, OptimConfig
 
 N = 3  # virtual tokens
@@ -258,7 +258,7 @@ def test_bad_configs_are_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize("method", ["prefix_tuning", "p_tuning"])
 def test_checkpoint_rebuilds_the_trained_model(method: str, base_dir: Path) -> None:
     """A PEFT run's checkpoint (trainable weights only) rebuilds the same model (what `lightning_llm export` reads)."""
-    from lightning_llm.export_model import rebuild_model
+    from lightning_llm.export.model import rebuild_model
 
     cfg = PeftConfig(method=method, num_virtual_tokens=N, options={"encoder_hidden_size": 8})
     model = apply_peft(load_hf(base_dir, family="decoder")[0], cfg).eval()

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_llm.peft_prompt import PromptLearningLM
+from lightning_llm.peft.prompt import PromptLearningLM
 from lightning_llm.rl.core import logprobs_from_logits
 from lightning_llm.rl.policy import adapters_disabled, has_adapters
 

@@ -217,7 +217,7 @@ class LLMTask(pl.LightningModule):
     # ------------------------------------------------------------------------------------------ lifecycle
     @override
     def configure_callbacks(self) -> list[pl.Callback]:
-        from lightning_llm.export_meta import ExportMetadata
+        from lightning_llm.export.meta import ExportMetadata
         from lightning_llm.reliability import FaultInjector, RNGState
 
         # ExportMetadata: what `lightning_llm export` needs besides the weights (model config, tokenizer), stored by a
@@ -228,7 +228,7 @@ class LLMTask(pl.LightningModule):
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Lightning skips the callbacks' hook for save_weights_only checkpoints: store the export metadata here too.
-        from lightning_llm.export_meta import CHECKPOINT_KEY, export_metadata
+        from lightning_llm.export.meta import CHECKPOINT_KEY, export_metadata
 
         meta = export_metadata(self)
         if meta is not None:

@@ -17,7 +17,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_llm.contract import builds_lazily
-from lightning_llm.export_meta import _tokenizer_source, chat_template_source
+from lightning_llm.export.meta import _tokenizer_source, chat_template_source
 from lightning_llm.peft import (
     LoraArgs,
     PeftConfig,
@@ -28,7 +28,7 @@ from lightning_llm.peft import (
     initialises_without_base,
     peft_state_dict,
 )
-from lightning_llm.peft_prompt import check_prompt_layout
+from lightning_llm.peft.prompt import check_prompt_layout
 from lightning_llm.tasks.base import LLMTask, OptimConfig
 from lightning_llm.vocab import added_rows, check_new_rows_trained
 

@@ -10,7 +10,13 @@ import argparse
 import logging
 from pathlib import Path
 
+from lightning_llm.data.tokenizer_files import has_tokenizer
+from lightning_llm.export.checkpoint import read_checkpoint
+from lightning_llm.export.files import ExportSources, export_sources, write_model_directory
+from lightning_llm.models import load_hf
 from lightning_llm.peft import PeftConfig, apply_peft, load_adapter, merge_peft
+from lightning_llm.reliability import staged_directory
+from lightning_llm.vocab import grow_base, trained_vocab_size
 
 log = logging.getLogger(__name__)
 
@@ -37,16 +43,6 @@ def main(argv: list[str]) -> int:
 
 
 def _merge(base: str, *, adapter: str | None, ckpt: str | None, output: str) -> None:
-    from lightning_llm.export import export_sources, read_checkpoint
-    from lightning_llm.export_files import (
-        ExportSources,
-        has_tokenizer,
-        staged_directory,
-        write_model_directory,
-    )
-    from lightning_llm.models import load_hf
-    from lightning_llm.vocab import grow_base, trained_vocab_size
-
     if not Path(base).is_dir():
         raise FileNotFoundError(f"--base={base}: no such directory")
     model, _ = load_hf(base, family="decoder")

@@ -1,6 +1,7 @@
-"""Rebuild the trained model from a consolidated checkpoint dict (``export.read_checkpoint``), exactly as trained.
+"""Rebuild the trained model from a consolidated checkpoint dict (:func:`.checkpoint.read_checkpoint`), exactly as
+trained.
 
-New checkpoints store the model config (``checkpoint["export"]["model_config"]``, :mod:`lightning_llm.export_meta`):
+New checkpoints store the model config (``checkpoint["export"]["model_config"]``, :mod:`lightning_llm.export.meta`):
 the model is built from it on the meta device and takes its weights from the checkpoint; only a PEFT checkpoint that
 holds just the adapter needs the frozen base weights from a directory (``--base``, else the run's ``backbone``).
 Older checkpoints are rebuilt from the backbone, as the run built it (with the classifier sized from the weights).
@@ -16,6 +17,7 @@ What must never happen silently, and is refused or handled here:
 
 from __future__ import annotations
 
+import copy
 import logging
 from pathlib import Path
 from typing import Any
@@ -23,7 +25,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_llm.export_meta import CHECKPOINT_KEY
+from lightning_llm.export.meta import CHECKPOINT_KEY
+from lightning_llm.models import ModelConfig, build_model, load_hf, model_from_config
+from lightning_llm.peft import PROMPT_METHODS, LoraArgs, PeftConfig, PromptLearningLM, apply_peft
+from lightning_llm.vocab import resize_embeddings
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +54,6 @@ def _plain_name(key: str, prompt_tuning: bool) -> str:
 
 
 def _peft_config(checkpoint: dict[str, Any], hp: dict[str, Any]) -> Any:
-    from lightning_llm.peft import LoraArgs, PeftConfig
-
     if checkpoint.get("peft") is not None:
         return PeftConfig(**checkpoint["peft"])
     if hp.get("peft") is None and hp.get("lora") is None:
@@ -84,8 +87,6 @@ def _base_weights(directory: str | None, config: Any, shapes: dict[str, torch.Si
                   peft: bool) -> dict[str, Tensor]:
     """The weights ``need`` (names of the base model, ``shapes`` as the run's config has them) from the HF directory
     the run started from."""
-    from lightning_llm.models import load_hf
-
     why = "a PEFT run's checkpoint holds only the adapter" if peft else "the checkpoint lacks base-model weights"
     if not directory or not Path(str(directory)).is_dir():
         raise ValueError(f"{why} (e.g. {need[:3]}) and backbone={directory!r} is not a directory: pass --base HF_DIR "
@@ -95,8 +96,6 @@ def _base_weights(directory: str | None, config: Any, shapes: dict[str, torch.Si
     if peft and config.family == "decoder" and config.vocab_size > base_config.vocab_size:
         # The run grew the vocabulary (--model.resize_embeddings): grow the frozen base the same way; its new rows
         # are replaced by the adapter's modules_to_save, which the run had to train (vocab.check_new_rows_trained).
-        from lightning_llm.vocab import resize_embeddings
-
         resize_embeddings(base, config.vocab_size)
     have = base.state_dict()
     diffs = [f"{f}: run={getattr(config, f)!r}, there={getattr(base_config, f)!r}" for f in _SHAPELESS_FIELDS
@@ -111,8 +110,6 @@ def _base_weights(directory: str | None, config: Any, shapes: dict[str, torch.Si
 
 def _from_config(config: Any, plain: dict[str, Tensor], *, base_dir: str | None, peft: bool) -> nn.Module:
     """The base model built from the stored config, weights from the checkpoint, the rest from ``base_dir``."""
-    from lightning_llm.models import model_from_config
-
     with torch.device("meta"):
         model = model_from_config(config)
     shapes = {k: v.shape for k, v in model.state_dict().items()}
@@ -142,8 +139,6 @@ def _from_config(config: Any, plain: dict[str, Tensor], *, base_dir: str | None,
 def _from_backbone(hp: dict[str, Any], plain: dict[str, Tensor], *, base: str | None, peft: bool) -> nn.Module:
     """Older checkpoints (no stored config): the base model as the run built it from its backbone, then the
     checkpoint's weights over it."""
-    from lightning_llm.models import build_model
-
     family = _family(plain)
     backbone = str(base or hp.get("backbone", "debug"))
     is_dir = Path(backbone).is_dir()
@@ -182,10 +177,6 @@ def rebuild_model(checkpoint: dict[str, Any], *, base: str | None = None) -> tup
     ``base``: a HF directory with the frozen base weights, for PEFT checkpoints that hold only the adapter (it
     replaces the run's ``backbone`` path, e.g. after the base moved).
     """
-    from lightning_llm.models import ModelConfig
-    from lightning_llm.peft import apply_peft
-    from lightning_llm.peft_prompt import PROMPT_METHODS
-
     hp = dict(checkpoint.get("hyper_parameters") or {})
     state = {k[len("model."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
     if not state:
@@ -229,12 +220,8 @@ def _name_labels(model: nn.Module, label_names: list[str] | None) -> None:
 def base_model(model: nn.Module) -> nn.Module:
     """A plain copy of a PEFT model without its adapters: base-layer weights (not merged), the original modules of
     ``modules_to_save`` and the frozen decoder of prompt tuning / P-tuning / prefix tuning."""
-    import copy
-
     from peft.tuners.tuners_utils import BaseTunerLayer
     from peft.utils import ModulesToSaveWrapper
-
-    from lightning_llm.peft_prompt import PromptLearningLM
 
     plain = copy.deepcopy(model.base if isinstance(model, PromptLearningLM) else model)  # deepcopy keeps ties
     wrapped = [(n, m) for n, m in plain.named_modules() if isinstance(m, (BaseTunerLayer, ModulesToSaveWrapper))]
