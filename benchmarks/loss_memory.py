@@ -11,7 +11,7 @@ labels with 10% ignored): the eager path is what ``--model.fused_loss=false`` ru
 the inputs (``/proc/self/status`` VmHWM after resetting it through ``/proc/self/clear_refs``), the wall time of
 loss + backward (best of ``--repeats``), and, in the eager process after its peak is taken, the loss and gradient
 (``dhidden``, ``dW``) errors against the fused process's (saved to a temporary file). ``lightning_llm estimate``'s
-loss term (:func:`lightning_llm.estimate.loss_peak_bytes`) is compared with each measured peak.
+loss term (:func:`lightning_llm.memory.loss_peak_bytes`) is compared with each measured peak.
 
 ``--objective rl`` measures what a PPO/GRPO update asks of the head instead: token log-probs of ``logits / T``
 weighted per token, and the entropies (no gradient) that they log; eager = the logits path, fused =
@@ -143,7 +143,7 @@ def main() -> None:
     if a.worker:
         print(json.dumps(worker(a.worker, a.objective, a.tokens, a.vocab, a.hidden, a.repeats, a.shared)))
         return
-    from lightning_llm.estimate import loss_peak_bytes
+    from lightning_llm.memory import loss_peak_bytes
 
     with tempfile.TemporaryDirectory() as tmp:
         shared = Path(tmp) / "fused.pt"

@@ -87,7 +87,8 @@ def main() -> None:
     import torch
 
     import lightning_llm.strategies  # noqa: F401 - registers the presets
-    from lightning_llm.estimate import model_state_theory, strategy_args
+    from lightning_llm.memory import model_state_theory
+    from lightning_llm.tools.estimate import strategy_args
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/zero-cpu.md"))
@@ -115,7 +116,7 @@ def main() -> None:
         "--out benchmarks/results/zero-cpu.md`",
         "",
         f"Model: `debug` decoder, Ψ = {numel:,} parameters (vocabulary padded to 264), N = 2 ranks. Measured after "
-        "backward of step 3 from live tensors (storages counted once). Theory = `lightning_llm.estimate."
+        "backward of step 3 from live tensors (storages counted once). Theory = `lightning_llm.memory."
         "model_state_theory` (what `lightning_llm estimate` prints): native fp32 4/4/8 bytes per parameter "
         "(stage 1 = 4Ψ+4Ψ+8Ψ/N, stage 2 = 4Ψ+12Ψ/N, stage 3 = 16Ψ/N); DeepSpeed fp32 4/4/12 (its optimizer steps an fp32 "
         "partition copy), DeepSpeed mixed 2/2/12 (the ZeRO paper's form; DeepSpeed's stage 1 already partitions gradients like its stage 2, so its stage 1/2 = 2Ψ+14Ψ/N in mixed and 4Ψ+16Ψ/N in fp32). Native `bf16-mixed` is autocast over fp32 parameters (FSDP2 keeps fp32 shards and gathers bf16 copies transiently), so its model states are the fp32 ones. Offload rows: on a CPU-only machine 'offloaded' states stay in the "

@@ -33,8 +33,8 @@ log = logging.getLogger("lightning_llm")
 # Tool subcommands outside Lightning's four; each maps to "module:function(argv) -> int".
 TOOLS: dict[str, str] = {
     "merge": "lightning_llm.export.merge:main",  # fold a PEFT adapter into full HF weights
-    "estimate": "lightning_llm.estimate:main",
-    "plot": "lightning_llm.plot:main",  # loss / throughput curves of a CSVLogger run to a PNG
+    "estimate": "lightning_llm.tools.estimate:main",
+    "plot": "lightning_llm.tools.plot:main",  # loss / throughput curves of a CSVLogger run to a PNG
     "export": "lightning_llm.export.to_hf:main",  # any checkpoint layout -> HF directory (LoRA merged/adapter)
     "prepare": "lightning_llm.data.prepare_tool:main",  # tokenize a pretraining corpus into its token store
 }

@@ -8,7 +8,7 @@ arrives (its shape is the run's):
 * batch: per data-parallel replica (and pipeline micro-batches), replicas, gradient accumulation, the global batch and,
   for token tasks, tokens per optimizer step;
 * parameters (counted when the model was built, before any sharding) and the estimated memory per rank, from the
-  same function as ``lightning_llm estimate`` (:func:`lightning_llm.estimate.estimate_layout`);
+  same function as ``lightning_llm estimate`` (:func:`lightning_llm.memory.estimate_layout`);
 * FLOPs per optimizer step: one forward and backward of a replica's batch counted by ``torch.utils.flop_counter`` on
   a meta-device twin of the model (copied before sharding, so the count is the whole model's under any layout),
   times replicas and accumulation. Tasks log achieved FLOP/s and MFU from it (:func:`throughput`).
@@ -33,7 +33,7 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_llm.contract import declared_inputs, overrides_compute_loss
-from lightning_llm.estimate import PRECISIONS, estimate_layout
+from lightning_llm.memory import PRECISIONS, estimate_layout
 from lightning_llm.models import ModelConfig
 from lightning_llm.strategies import DeepSpeedZeroStrategy, ParallelEngine
 

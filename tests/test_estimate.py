@@ -12,7 +12,7 @@ import json
 import pytest
 
 from lightning_llm.cli import main
-from lightning_llm.estimate import model_state_theory
+from lightning_llm.memory import model_state_theory
 
 
 def _run(*args: str) -> tuple[int, str, str]:
@@ -50,7 +50,8 @@ def test_cli_json_split_and_largest_batch() -> None:
     r = json.loads(out)
     fit = r["max_batch_size"]
     room = 79 * 1024**3 - r["bytes"]["model_states"]
-    from lightning_llm.estimate import load_config, loss_peak_bytes
+    from lightning_llm.memory import loss_peak_bytes
+    from lightning_llm.tools.estimate import load_config
 
     cfg = load_config("small", "decoder")
 

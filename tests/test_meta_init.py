@@ -219,7 +219,7 @@ class _Capture(pl.Callback):
 
 def _estimated_numel(ref: Any, layout: str) -> int:
     """What ``lightning_llm estimate`` says the fullest rank of ``layout`` holds (elements)."""
-    from lightning_llm.estimate_layout import layout_share
+    from lightning_llm.memory import layout_share
 
     degrees = {"zero3": dict(dp=4, zero3=True), "3d_dp2_tp2_zero3": dict(dp=2, tp=2, zero3=True),
                "pp2_tp2": dict(pp=2, tp=2), "pp2_dp2": dict(pp=2, dp=2)}[layout]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_llm.plot import find_metrics, main, read_metrics
+from lightning_llm.tools.plot import find_metrics, main, read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

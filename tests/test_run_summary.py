@@ -45,7 +45,7 @@ def _reference_flops(hf_dir: Path, batch: int, seq: int) -> int:
 
 def test_summary_states_batch_memory_and_flops(llama_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                                 capsys: pytest.CaptureFixture[str]) -> None:
-    from lightning_llm.estimate import main as estimate
+    from lightning_llm.tools.estimate import main as estimate
 
     args = ["fit", "--config", str(REPO / "configs" / "pretrain_debug.yaml"), f"--model.backbone={llama_dir}",
             "--trainer.strategy=zero2", "--trainer.max_steps=2", "--trainer.accumulate_grad_batches=2",

@@ -242,7 +242,7 @@ def test_native_zero_matches_ddp_and_memory_theory(tmp_path: Path) -> None:
     res = _launch("native", tmp_path)
     _check_parity(res, ["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"])
     numel = res["ddp"]["numel"]
-    from lightning_llm.estimate import model_state_theory
+    from lightning_llm.memory import model_state_theory
 
     for stage in (1, 2, 3):
         theory = model_state_theory(numel=numel, stage=stage, dp=2, precision="32-true", engine="native")
@@ -262,7 +262,7 @@ def test_deepspeed_zero_matches_ddp(tmp_path: Path) -> None:
     res = _launch("deepspeed", tmp_path)
     _check_parity(res, ["deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3", "deepspeed_zero3_offload"])
     numel = res["ddp"]["numel"]
-    from lightning_llm.estimate import model_state_theory
+    from lightning_llm.memory import model_state_theory
 
     for stage in (1, 2, 3):
         theory = model_state_theory(numel=numel, stage=stage, dp=2, precision="32-true", engine="deepspeed")

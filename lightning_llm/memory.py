@@ -1,0 +1,282 @@
+"""The memory model of a training layout: per-device bytes of a model under DDP / ZeRO stages and tp x pp x dp
+layouts, the largest batch that fits a given accelerator memory, and a rank's peak while the model is set up. What
+``lightning_llm estimate`` prints (:mod:`lightning_llm.tools.estimate`) and the run summary logs at the start of fit
+(:mod:`lightning_llm.run_summary`).
+
+Model states per device (Ψ = parameter count, N = data-parallel devices), bytes per parameter by engine/precision:
+
+================  ======  =====  ===============================================================
+engine/precision  params  grads  optimizer (Adam)
+================  ======  =====  ===============================================================
+native, fp32/AMP  4       4      8  (m, v; the fp32 parameters are the master weights)
+native, *-true16  2       2      4  (m, v in the parameter dtype)
+deepspeed, fp32   4       4      12 (fp32 partition copy the optimizer updates + m + v)
+deepspeed, AMP    2       2      12 (fp32 master 4 + m 4 + v 4; + a transient fp32 gradient partition in step)
+================  ======  =====  ===============================================================
+
+Stage 1 divides the optimizer column by N, stage 2 also gradients, stage 3 also parameters (DeepSpeed's stage 1
+already partitions gradients like its stage 2). E.g. native fp32:
+stage 1 = 4Ψ + 4Ψ + 8Ψ/N, stage 2 = 4Ψ + 12Ψ/N, stage 3 = 16Ψ/N; the ZeRO paper's mixed form is 2Ψ + 2Ψ + 12Ψ/N).
+Offloaded states are counted in host memory, not on the device. Activations are counted per transformer layer from
+the tensors autograd saves (flash/memory-efficient attention: no S x S term), plus embeddings and the LM head/loss.
+
+What one rank holds under a tp x pp x dp layout (:func:`layout_share`): the local element count of every parameter is
+derived from the family's own declarations, as the engine applies them: the pipeline split
+(:func:`~lightning_llm.strategies.pipeline.split.split_layers`: the first stage keeps the embeddings, the last the
+final norm and head, a tied head is a copy there), the tensor-parallel plan (column-parallel: dim 0 sharded,
+row-parallel linears: dim 1, vocab-parallel embedding: dim 0, everything else replicated) and FSDP2's dim-0 shards
+under ZeRO-3 (``ceil`` chunks, as ``torch.chunk``).
+
+Set-up peak of a rank (sharded construction, :mod:`lightning_llm.models.init`): its parameters are allocated at
+once but become resident as they are filled, in order; the peak is the parameters plus the init generator's
+scratch, or, when loading a checkpoint, the most of (parameters filled so far + the slice being copied in from the
+file), plus a fixed base (process group, Lightning, data: measured on CPU with the debug model). Measured against
+``benchmarks/memory.py`` (``benchmarks/results/memory-cpu.md``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from lightning_llm.kernels.cross_entropy import default_chunk_size
+from lightning_llm.models import model_from_config, parallel_spec_of
+from lightning_llm.models.init import FILL_SCRATCH_BYTES
+from lightning_llm.strategies.pipeline.split import split_layers
+from lightning_llm.strategies.zero.native import module_path_matches
+
+FUSED_CHUNK_FP32_COPIES = 2
+"""fp32 ``[chunk, V]`` buffers alive at once in the fused loss's torch path: the chunk's logits (overwritten by their
+gradient) and their shifted exponentials (``benchmarks/loss_memory.py``)."""
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+__all__ = ["Estimate", "LayoutShare", "PRECISIONS", "activation_bytes_per_sample", "bytes_per_param", "estimate",
+           "estimate_layout", "layout_share", "loss_bytes", "loss_peak_bytes", "max_batch_size", "model_state_theory",
+           "setup_peak_bytes"]
+
+
+def bytes_per_param(engine: str, precision: str) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes per parameter before sharding."""
+    half_true = precision in ("bf16-true", "16-true")
+    mixed = precision in ("bf16-mixed", "16-mixed")
+    if engine == "native" or engine == "ddp":
+        return (2, 2, 4) if half_true else (4, 4, 8)
+    if engine == "deepspeed":
+        return (2, 2, 12) if (mixed or half_true) else (4, 4, 12)
+    raise ValueError(f"engine={engine!r}: must be 'native', 'deepspeed' or 'ddp'")
+
+
+def model_state_theory(*, numel: int, stage: int, dp: int, precision: str = "32-true", engine: str = "native",
+                       offload_optimizer: bool = False, offload_params: bool = False) -> dict[str, int]:
+    """Device bytes of ``params``, ``grads`` and ``optim`` per rank for ZeRO ``stage`` (0 = plain DDP) over ``dp``
+    ranks. Offloaded parts are 0 here (see :func:`host_state_theory`)."""
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage={stage}: must be 0 (DDP), 1, 2 or 3")
+    if dp < 1:
+        raise ValueError(f"dp={dp}: must be >= 1")
+    p, g, o = bytes_per_param(engine, precision)
+    out = {
+        "params": p * numel / (dp if stage >= 3 else 1),
+        # DeepSpeed's stage 1 shares stage 2's code path: gradients are reduce-scattered into the fp32 partition and
+        # the full ones released, so at the optimizer step it holds stage 2's gradient bytes (measured: 4Ψ/N).
+        "grads": g * numel / (dp if stage >= 2 or (engine == "deepspeed" and stage == 1) else 1),
+        "optim": o * numel / (dp if stage >= 1 else 1),
+    }
+    if offload_optimizer:
+        out["optim"] = 0
+    if offload_params:
+        out["params"] = out["grads"] = 0
+    return {k: int(round(v)) for k, v in out.items()}
+
+
+@dataclass
+class Estimate:
+    numel: int
+    params: int
+    grads: int
+    optim: int
+    activations: int
+    activations_per_sample: int
+    host: int
+    loss: int = 0
+    """Transient bytes of the LM-head loss and its backward for one micro-batch (:func:`loss_peak_bytes`)."""
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optim
+
+    @property
+    def total(self) -> int:
+        return self.model_states + self.activations + self.loss
+
+
+def _act_bytes(precision: str) -> int:
+    return 4 if precision == "32-true" else 2
+
+
+def activation_bytes_per_sample(config: Any, *, seq_len: int, precision: str, fused_loss: bool = False
+                                ) -> tuple[int, int]:
+    """(per transformer layer, whole model) activation bytes autograd keeps for one sample of ``seq_len`` tokens;
+    with ``fused_loss`` no logits are kept (:func:`loss_peak_bytes` counts what the loss needs instead)."""
+    b = _act_bytes(precision)
+    h, i = config.hidden_size, config.intermediate_size
+    kv = config.num_kv_heads * config.head_dim
+    q = config.num_heads * config.head_dim
+    # Per token and layer: norm input + output (2H), q/k/v (q + 2kv), rotated q/k (q + kv), attention output (q),
+    # MLP norm input + output (2H), MLP: gate/up (+ activation and product for gated MLPs) or up + activation.
+    mlp = 4 * i if config.gated else 2 * i
+    per_token_layer = b * (4 * h + 3 * q + 3 * kv + mlp)
+    if config.dropout > 0:
+        per_token_layer += 3 * h  # 1-byte dropout masks on attention/residual paths (probabilities not counted)
+    per_layer = per_token_layer * seq_len
+    vocab = config.vocab_size
+    # Embedding output, final norm (2H), logits in the compute dtype + their fp32 copy for the loss.
+    head = seq_len * (b * 3 * h + (0 if fused_loss else (b + 4) * vocab))
+    return per_layer, per_layer * config.num_layers + head
+
+
+def loss_peak_bytes(*, tokens: int, vocab: int, hidden: int, precision: str, fused: bool, tp: int = 1) -> int:
+    """Peak transient memory of the LM-head loss and its backward for ``tokens`` tokens, above the hidden states, the
+    head's weight and its gradient buffer (as ``benchmarks/loss_memory.py`` measures it).
+
+    Full logits: the peak is in the backward of the log-softmax, where its fp32 output (saved), the NLL gradient and
+    the log-softmax gradient ``[N, V/tp]`` coexist (bf16 logits add their own copy and the gradient cast back); the
+    weight's and hidden states' gradients come after those are freed. Fused: ``dW [V, H]`` fp32 and ``dhidden
+    [N, H]`` are allocated in the forward and live until the backward, beside one token chunk's logits (which
+    become its gradient in place) and their shifted exponentials (:func:`~lightning_llm.kernels.cross_entropy.
+    default_chunk_size` tokens)."""
+    b = _act_bytes(precision)
+    v = -(-vocab // tp)
+    if fused:
+        chunk = default_chunk_size(tokens, v, hidden)
+        return 4 * v * hidden + b * tokens * hidden + FUSED_CHUNK_FP32_COPIES * 4 * chunk * v
+    return (3 * 4 + (2 * b if b != 4 else 0)) * tokens * v
+
+
+def estimate(config: Any, *, numel: int, batch_size: int, seq_len: int, precision: str, devices: int, stage: int,
+             engine: str, offload_optimizer: bool = False, offload_params: bool = False, fused_loss: bool = False,
+             tp: int = 1) -> Estimate:
+    """Per-device memory; ``fused_loss``: the loss path the run takes (the fused LM-head loss keeps no logits)."""
+    states = model_state_theory(numel=numel, stage=stage, dp=devices, precision=precision, engine=engine,
+                                offload_optimizer=offload_optimizer, offload_params=offload_params)
+    full = model_state_theory(numel=numel, stage=stage, dp=devices, precision=precision, engine=engine)
+    host = sum(full.values()) - sum(states.values())
+    _, per_sample = activation_bytes_per_sample(config, seq_len=seq_len, precision=precision, fused_loss=fused_loss)
+    loss = loss_bytes(config, tokens=batch_size * seq_len, precision=precision, fused=fused_loss, tp=tp)
+    return Estimate(numel=numel, activations=per_sample * batch_size, activations_per_sample=per_sample, host=host,
+                    loss=loss, **states)
+
+
+def loss_bytes(config: Any, *, tokens: int, precision: str, fused: bool, tp: int) -> int:
+    """:func:`loss_peak_bytes` of ``config``'s LM head for ``tokens`` tokens (0 for an encoder's classifier)."""
+    if getattr(config, "family", "decoder") != "decoder":
+        return 0  # classification heads: [B, num_labels] logits
+    return loss_peak_bytes(tokens=tokens, vocab=config.vocab_size, hidden=config.hidden_size, precision=precision,
+                           fused=fused, tp=tp)
+
+
+SETUP_BASE_BYTES = 20 * 2**20
+"""Set-up memory besides the model (gloo process group, Lightning, the data module): 18-22 MB measured on CPU for
+the debug model at 1 and 2 ranks (``benchmarks/memory.py``)."""
+
+
+@dataclass(frozen=True)
+class LayoutShare:
+    """The parameters one rank of the fullest pipeline stage holds: ``numel`` elements, and ``read_peak``: the most
+    elements resident while they are filled from a checkpoint in order (those filled so far plus the slice being
+    copied in; untouched allocations are not resident yet)."""
+
+    numel: int
+    read_peak: int
+
+
+def _tp_dim(style: Any, module: nn.Module, attr: str) -> int | None:
+    """The dim a tensor-parallel style shards parameter ``attr`` of ``module`` on (None: replicated)."""
+    if isinstance(style, ColwiseParallel):
+        return 0
+    if isinstance(style, RowwiseParallel):
+        if isinstance(module, nn.Embedding):
+            return 0
+        return 1 if attr == "weight" else None
+    return None
+
+
+def _stage_prefixes(model: nn.Module, pp: int) -> list[tuple[str, ...]]:
+    """Module-path prefixes each pipeline stage keeps."""
+    spec = parallel_spec_of(model)[2]  # type: ignore[index]
+    layers = split_layers(model, pp) if pp > 1 else [tuple(getattr(model, spec.layers).keys())]
+    return [(*(f"{spec.layers}.{k}." for k in keys), *(f"{m}." for m in spec.first if s == 0),
+             *(f"{m}." for m in spec.last if s == len(layers) - 1)) for s, keys in enumerate(layers)]
+
+
+def layout_share(config: Any, *, tp: int = 1, pp: int = 1, dp: int = 1, zero3: bool = False) -> LayoutShare:
+    """:class:`LayoutShare` of the fullest stage of ``config``'s model under the layout (see the module docstring)."""
+    with torch.device("meta"):
+        model = model_from_config(config)
+    spec = parallel_spec_of(model)[2]  # type: ignore[index]
+    plan = spec.tp_plan(model, sequence_parallel=False, loss_parallel=True) if tp > 1 else {}
+    modules = dict(model.named_modules())
+    styles = {path: style for pattern, style in plan.items() for path in modules
+              if module_path_matches(path, pattern)}
+    best = LayoutShare(0, 0)
+    for prefixes in _stage_prefixes(model, pp):
+        numel = read_peak = 0
+        seen: set[int] = set()
+        for name, p in model.named_parameters(remove_duplicate=False):  # the order materialize fills them in
+            if id(p) in seen or not name.startswith(prefixes):
+                continue
+            seen.add(id(p))  # a tied head is a second use here only when the stage lacks the embedding
+            mod_name, _, attr = name.rpartition(".")
+            shape = list(p.shape)
+            d = _tp_dim(styles.get(mod_name), modules[mod_name], attr)
+            if d is not None:
+                shape[d] = math.ceil(shape[d] / tp)
+            if zero3 and dp > 1 and shape:
+                shape[0] = math.ceil(shape[0] / dp)
+            n = math.prod(shape)
+            read_peak = max(read_peak, numel + 2 * n)  # filled so far + this one + its slice read from the file
+            numel += n
+        if numel > best.numel:
+            best = LayoutShare(numel, read_peak)
+    return best
+
+
+def setup_peak_bytes(share: LayoutShare, *, param_bytes: int, from_checkpoint: bool) -> int:
+    """Peak memory of a rank while its model is set up (before the first step): see the module docstring."""
+    if from_checkpoint:
+        return max(share.read_peak * param_bytes, share.numel * param_bytes) + SETUP_BASE_BYTES
+    return share.numel * param_bytes + FILL_SCRATCH_BYTES + SETUP_BASE_BYTES
+
+
+def estimate_layout(config: Any, *, tp: int, pp: int, dp: int, stage: int, engine: str, batch_size: int,
+                    seq_len: int, precision: str, fused_loss: bool, offload_optimizer: bool = False,
+                    offload_params: bool = False) -> tuple[Estimate, LayoutShare]:
+    """Per-rank memory of ``config`` under a ``tp x pp x dp`` layout with ZeRO ``stage`` (``engine``: native,
+    deepspeed or ddp): what the ``estimate`` tool prints and the run summary logs at the start of fit. Model states
+    follow what a rank of the fullest stage holds after tp/pp (ZeRO then divides over dp)."""
+    share = layout_share(config, tp=tp, pp=pp, dp=dp, zero3=stage == 3)
+    local = share.numel * dp if stage == 3 else share.numel
+    est = estimate(config, numel=local, batch_size=batch_size, seq_len=seq_len, precision=precision, devices=dp,
+                   stage=stage, engine=engine, offload_optimizer=offload_optimizer, offload_params=offload_params,
+                   fused_loss=fused_loss, tp=tp)
+    return est, share
+
+
+def max_batch_size(est: Estimate, *, memory_bytes: float, reserve_bytes: float,
+                   loss: Callable[[int], int] = lambda batch: 0) -> int:
+    """Largest per-device batch whose model states + activations + the loss's transient (``loss(batch)``, bytes)
+    fit ``memory_bytes - reserve_bytes`` (0: none)."""
+    free = memory_bytes - reserve_bytes - est.model_states
+    if not est.activations_per_sample:
+        return 0
+    lo, hi = 0, max(0, int(free // est.activations_per_sample))  # the loss only adds: hi is an upper bound
+    while lo < hi:  # largest batch that fits (the need grows with the batch)
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if mid * est.activations_per_sample + loss(mid) <= free else (lo, mid - 1)
+    return lo

@@ -1,0 +1,175 @@
+"""``lightning_llm estimate``: per-device training memory of a model under a layout (DDP, ZeRO stages, tp x pp x dp),
+and the largest batch that fits a given accelerator memory. The numbers are :mod:`lightning_llm.memory`'s (the same
+the run summary logs at the start of fit); this module reads the command line and prints them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_llm.data.io import read_json
+from lightning_llm.memory import (
+    PRECISIONS,
+    bytes_per_param,
+    estimate_layout,
+    loss_bytes,
+    max_batch_size,
+    setup_peak_bytes,
+)
+from lightning_llm.models import NAMED_SIZES, config_from_hf, model_from_config, named_config
+from lightning_llm.strategies.presets import ZERO_PRESETS
+
+__all__ = ["count_parameters", "load_config", "main", "strategy_args"]
+
+GIB = 1024**3
+
+
+def load_config(model: str, family: str) -> Any:
+    """ModelConfig of a named size or of a local HF directory's ``config.json``."""
+    if (family, model) in NAMED_SIZES:
+        return named_config(model, family=family)
+    p = Path(model).expanduser()
+    if p.is_dir():
+        cfg = p / "config.json"
+        if not cfg.is_file():
+            raise FileNotFoundError(f"--model={model}: no config.json in that directory")
+        return config_from_hf(read_json(cfg))
+    known = sorted(n for f, n in NAMED_SIZES if f == family)
+    raise ValueError(f"--model={model}: neither a named {family} size ({', '.join(known)}) nor a local HF directory")
+
+
+def count_parameters(config: Any) -> int:
+    """Exact parameter count (tied weights once), from a model built on the meta device."""
+    with torch.device("meta"):
+        model = model_from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def strategy_args(strategy: str) -> dict[str, Any]:
+    """``ddp``, ``tp``, ``pp``, ``3d`` or a registered ZeRO preset name -> ``stage``/``engine``/offload args (the
+    tensor/pipeline degrees come from ``--tp``/``--pp``)."""
+    if strategy == "ddp":
+        return {"stage": 0, "engine": "ddp", "offload_optimizer": False, "offload_params": False}
+    if strategy in ("tp", "pp", "3d"):
+        return {"stage": 0, "engine": "native", "offload_optimizer": False, "offload_params": False}
+    if strategy not in ZERO_PRESETS:
+        raise ValueError(f"--strategy={strategy}: choose ddp, tp, pp, 3d or one of {', '.join(ZERO_PRESETS)}")
+    args = {"engine": "native", "offload_optimizer": False, "offload_params": False, **ZERO_PRESETS[strategy]}
+    return args
+
+
+def _degrees(a: argparse.Namespace) -> tuple[int, int, int]:
+    """(tp, pp, dp) from ``--strategy``, ``--devices``, ``--tp``, ``--pp``."""
+    tp = a.tp if a.tp is not None else (a.devices if a.strategy == "tp" else 1)
+    pp = a.pp if a.pp is not None else (a.devices if a.strategy == "pp" else 1)
+    if tp < 1 or pp < 1 or a.devices % (tp * pp):
+        raise ValueError(f"--devices={a.devices} must be a multiple of --tp={tp} x --pp={pp}")
+    if a.strategy not in ("tp", "pp", "3d") and tp * pp > 1:
+        raise ValueError(f"--strategy={a.strategy} is data parallel: --tp/--pp need --strategy=tp, pp or 3d")
+    return tp, pp, a.devices // (tp * pp)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:9.3f} GiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="lightning_llm estimate",
+        description="Per-device memory (parameters, gradients, optimizer states, activations) for a model, batch, "
+                    "sequence length, precision, device count and strategy; and the largest batch that fits.")
+    parser.add_argument("--model", default="debug", help="named size (debug, small, gpt2, llama-1b, llama2-7b, "
+                        "bert-base, ...) or a local HF directory")
+    parser.add_argument("--family", default="decoder", choices=["decoder", "encoder"])
+    parser.add_argument("--batch-size", type=int, default=1, help="per-device micro-batch")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sample (default: max positions)")
+    parser.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
+    parser.add_argument("--devices", type=int, default=1, help="all devices; data-parallel = devices / (tp x pp) "
+                        "(ZeRO shards over those)")
+    parser.add_argument("--strategy", default="zero2", help="ddp, tp, pp, 3d, zero1, zero2, zero3, zero2_offload, "
+                        "zero3_offload, deepspeed_zero1/2/3, deepspeed_zero3_offload")
+    parser.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: all devices for "
+                        "--strategy=tp, else 1)")
+    parser.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree (default: all devices for "
+                        "--strategy=pp, else 1)")
+    parser.add_argument("--init", choices=["random", "checkpoint"], default=None, help="whether set-up initialises "
+                        "randomly or reads a checkpoint (default: checkpoint when --model is a directory)")
+    parser.add_argument("--zero-stage", type=int, default=None, help="ZeRO stage over the data-parallel devices of "
+                        "--strategy=3d (0-3)")
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="device memory for the max-batch search")
+    parser.add_argument("--reserve-gib", type=float, default=1.0, help="memory kept aside (CUDA context, buffers)")
+    parser.add_argument("--fused-loss", choices=["on", "off"], default="on", help="the causal-LM loss path "
+                        "(--model.fused_loss): on computes it from the hidden states in chunks, without logits "
+                        "(tensor/pipeline layouts compute logits either way)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    a = parser.parse_args(argv)
+    try:
+        for name in ("batch_size", "devices"):
+            if getattr(a, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')}={getattr(a, name)}: must be >= 1")
+        config = load_config(a.model, a.family)
+        seq = a.seq_len or config.max_position_embeddings
+        if seq < 1:
+            raise ValueError(f"--seq-len={seq}: must be >= 1")
+        sargs = strategy_args(a.strategy)
+        tp, pp, dp = _degrees(a)
+        if a.zero_stage is not None:
+            sargs["stage"] = a.zero_stage
+        numel = count_parameters(config)
+        fused = a.fused_loss == "on"  # tp: the vocab-parallel fused loss on V/tp shards; pp: on the last stage
+        est, share = estimate_layout(config, tp=tp, pp=pp, dp=dp, batch_size=a.batch_size, seq_len=seq,
+                                     precision=a.precision, fused_loss=fused, **sargs)
+        loss_paths = {k: loss_bytes(config, tokens=a.batch_size * seq, precision=a.precision, fused=k == "fused",
+                                     tp=tp) for k in ("fused", "eager")}
+        setup = setup_peak_bytes(share, param_bytes=bytes_per_param(sargs["engine"], a.precision)[0],
+                                 from_checkpoint=(a.init or ("checkpoint" if Path(a.model).expanduser().is_dir()
+                                                           else "random")) == "checkpoint")
+    except (ValueError, FileNotFoundError) as e:
+        print(f"lightning_llm estimate: error: {e}", file=sys.stderr)
+        return 2
+    fit = max_batch_size(est, memory_bytes=a.gpu_memory_gib * GIB, reserve_bytes=a.reserve_gib * GIB,
+                         loss=lambda batch: loss_bytes(config, tokens=batch * seq, precision=a.precision,
+                                                        fused=fused, tp=tp))
+    report = {
+        "model": a.model, "parameters": numel, "strategy": a.strategy, "stage": sargs["stage"],
+        "engine": sargs["engine"], "precision": a.precision, "devices": a.devices, "tp": tp, "pp": pp, "dp": dp,
+        "batch_size": a.batch_size, "setup_peak_bytes": setup,
+        "seq_len": seq, "bytes": {"params": est.params, "grads": est.grads, "optim": est.optim,
+                                  "activations": est.activations, "loss": est.loss,
+                                  "model_states": est.model_states,
+                                  "total": est.total, "host_offloaded": est.host},
+        "activations_per_sample": est.activations_per_sample, "gpu_memory_gib": a.gpu_memory_gib,
+        "fused_loss": fused, "loss_bytes": loss_paths,
+        "max_batch_size": fit,
+    }
+    if a.json:
+        print(json.dumps(report))
+        return 0
+    print(f"{a.model}: {numel:,} parameters | {a.strategy} (stage {sargs['stage']}, {sargs['engine']}) | "
+          f"{a.precision} | {a.devices} device(s): tp {tp} x pp {pp} x dp {dp} | batch {a.batch_size} x {seq} tokens")
+    print(f"set-up peak (sharded construction, before the first step): {_gib(setup).strip()}")
+    print("per-device memory:")
+    for label, v in (("parameters", est.params), ("gradients", est.grads), ("optimizer states", est.optim),
+                     ("activations", est.activations), ("loss + backward", est.loss), ("total", est.total)):
+        print(f"  {label:18s}{_gib(v)}  ({v:,} B)")
+    if est.host:
+        print(f"  {'host (offloaded)':18s}{_gib(est.host)}")
+    print(f"  loss path: {'fused LM-head loss' if fused else 'full logits'} (fused {_gib(loss_paths['fused']).strip()}"
+          f", full logits {_gib(loss_paths['eager']).strip()})")
+    verdict = "fits" if est.total + a.reserve_gib * GIB <= a.gpu_memory_gib * GIB else "does NOT fit"
+    print(f"largest batch in {a.gpu_memory_gib:g} GiB (reserve {a.reserve_gib:g} GiB): {fit}  "
+          f"(batch {a.batch_size} {verdict}; {_gib(est.activations_per_sample).strip()} activations per sample)")
+    if fit == 0 and math.isfinite(a.gpu_memory_gib):
+        print("  model states alone exceed the memory: use a higher ZeRO stage, more devices or offload")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
