@@ -1,5 +1,5 @@
 import sys
 
-from lightning_llm.cli import main
+from lightning_llm.cli.app import main
 
 sys.exit(main())

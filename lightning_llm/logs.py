@@ -3,7 +3,7 @@ differs per rank is logged with ``extra=PER_RANK`` and says its rank.
 
 Every rank runs the same code and reaches the same ``log.info`` (data prepared, plan applied, checkpoint saved), so
 N processes printed each line N times. :class:`RankZeroFilter` (installed on the command line's log handler by
-:func:`lightning_llm.cli.main`; add it to your own handler when you drive a ``Trainer`` from Python) drops the
+:func:`lightning_llm.cli.app.main`; add it to your own handler when you drive a ``Trainer`` from Python) drops the
 ``lightning_llm`` records of the other ranks unless they are marked per rank.
 """
 

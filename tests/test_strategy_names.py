@@ -1,6 +1,6 @@
 """Registered strategy names take their class's options: ``--trainer.strategy=NAME --trainer.strategy.OPTION=VALUE``
 and YAML ``strategy: {class_path: NAME, init_args: {...}}`` build the class with the name's preset unless overridden;
-a misspelt option is one line naming it and the strategy (``lightning_llm.cli_args``)."""
+a misspelt option is one line naming it and the strategy (``lightning_llm.cli.args``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from lightning_llm.cli import LLMCLI, main
-from lightning_llm.cli_args import prepare_argv
+from lightning_llm.cli.args import prepare_argv
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / "configs" / "pretrain_debug.yaml")

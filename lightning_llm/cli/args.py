@@ -41,7 +41,7 @@ __all__ = ["PARSER_MODE", "StrategyChoice", "expand_config", "prepare_argv", "re
            "strategy_options"]
 
 PARSER_MODE = "lightning_llm"
-"""jsonargparse parser mode of :class:`~lightning_llm.cli.LLMCLI`: its loader expands registered strategy names."""
+"""jsonargparse parser mode of :class:`~lightning_llm.cli.app.LLMCLI`: its loader expands registered strategy names."""
 
 STRATEGY = "--trainer.strategy"
 SUBCOMMANDS = ("fit", "validate", "test", "predict")

@@ -2,7 +2,7 @@
 
 Tasks (``--model``) and datamodules (``--data``) are chosen by class path in subclass mode; strategies by
 their registered name (``--trainer.strategy=tp``, which then takes the class's options:
-:mod:`lightning_llm.cli_args`) or class path.
+:mod:`lightning_llm.cli.args`) or class path.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lightning_llm.checkpoint_errors import CheckpointError
-from lightning_llm.cli_args import expand_config, prepare_argv, register_parser_mode
+from lightning_llm.cli.args import expand_config, prepare_argv, register_parser_mode
 from lightning_llm.data.io import DataError, read_json
 from lightning_llm.logs import RankZeroFilter, is_global_zero
 from lightning_llm.reliability import leave_process, shutdown_process_group
@@ -60,7 +60,7 @@ class LLMCLI(LightningCLI):
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         # Registered strategy names become their class + preset (so they take options), strategy options and config
-        # files are checked: one line each before jsonargparse's usage dump (lightning_llm.cli_args).
+        # files are checked: one line each before jsonargparse's usage dump (lightning_llm.cli.args).
         if isinstance(args, dict):
             args = expand_config(dict(args))
         elif not isinstance(args, Namespace):

@@ -1,0 +1,5 @@
+import sys
+
+from lightning_llm.cli.app import main
+
+sys.exit(main())
