@@ -28,7 +28,7 @@ from lightning_llm.models.layers import KVCache
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GenerationConfig", "for_datamodule", "generate", "left_pad", "strip_after_eos"]
+__all__ = ["GenerationConfig", "for_datamodule", "generate", "strip_after_eos"]
 
 
 @dataclass
@@ -91,18 +91,6 @@ def for_datamodule(config: GenerationConfig, datamodule: Any) -> GenerationConfi
     if getattr(datamodule, "pad_token_id", None) is not None:
         changes["pad_token_id"] = datamodule.pad_token_id
     return GenerationConfig(**{**config.__dict__, **changes})
-
-
-def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Tensor, Tensor]:
-    """Token lists -> (input_ids [B, S], attention_mask [B, S]) padded on the left."""
-    longest = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), longest), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), longest), dtype=torch.long)
-    for i, s in enumerate(sequences):
-        if len(s):
-            ids[i, longest - len(s):] = torch.as_tensor(list(s), dtype=torch.long)
-            mask[i, longest - len(s):] = 1
-    return ids, mask
 
 
 def strip_after_eos(tokens: Tensor, eos_ids: Sequence[int]) -> list[list[int]]:

@@ -16,7 +16,8 @@ import torch
 from lightning_llm.cli import main
 from lightning_llm.data import ByteTokenizer, InstructionDataModule, pack_examples
 from lightning_llm.data.instruction import infer_seqlen
-from lightning_llm.generation import GenerationConfig, generate, left_pad, strip_after_eos
+from lightning_llm.data.base import left_pad
+from lightning_llm.generation import GenerationConfig, generate, strip_after_eos
 from lightning_llm.models import build_model, save_hf
 from lightning_llm.tasks import OptimConfig, SFTTask
 from lightning_llm.testing import run_cli

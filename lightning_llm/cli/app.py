@@ -36,7 +36,7 @@ TOOLS: dict[str, str] = {
     "estimate": "lightning_llm.tools.estimate:main",
     "plot": "lightning_llm.tools.plot:main",  # loss / throughput curves of a CSVLogger run to a PNG
     "export": "lightning_llm.export.to_hf:main",  # any checkpoint layout -> HF directory (LoRA merged/adapter)
-    "prepare": "lightning_llm.data.prepare_tool:main",  # tokenize a pretraining corpus into its token store
+    "prepare": "lightning_llm.tools.prepare:main",  # tokenize a pretraining corpus into its token store
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +90,18 @@ def eos_and_pad_ids(tokenizer: Any, tokenizer_dir: str | None) -> tuple[int, int
 def tokenizer_vocab_size(tokenizer: Any) -> int:
     """Rows an embedding needs for this tokenizer (largest id + 1; vocab files can hold duplicate lines)."""
     return max(tokenizer.get_vocab().values()) + 1
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists -> (input_ids [B, S], attention_mask [B, S]) padded on the left."""
+    longest = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), longest), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), longest), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        if len(s):
+            ids[i, longest - len(s):] = torch.as_tensor(list(s), dtype=torch.long)
+            mask[i, longest - len(s):] = 1
+    return ids, mask
 
 
 class EncodedDataset(Dataset):

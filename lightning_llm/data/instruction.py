@@ -30,6 +30,7 @@ from lightning_llm.data.base import (
     EncodedDataset,
     LLMDataModule,
     eos_and_pad_ids,
+    left_pad,
     tokenizer_or_bytes,
     tokenizer_vocab_size,
 )
@@ -38,7 +39,6 @@ from lightning_llm.data.chat_encode import ChatEncoder, infer_seqlen, labels_for
 from lightning_llm.data.chat_template import resolve_template
 from lightning_llm.data.io import DataError, read_records
 from lightning_llm.data.packing import pack_examples
-from lightning_llm.generation import left_pad
 
 log = logging.getLogger(__name__)
 

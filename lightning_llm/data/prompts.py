@@ -26,6 +26,7 @@ from lightning_llm.data.base import (
     EncodedDataset,
     LLMDataModule,
     eos_and_pad_ids,
+    left_pad,
     tokenizer_or_bytes,
     tokenizer_vocab_size,
 )
@@ -33,7 +34,6 @@ from lightning_llm.data.chat import ChatColumns, Conversation, prompt_conversati
 from lightning_llm.data.chat_encode import ChatEncoder
 from lightning_llm.data.chat_template import resolve_template
 from lightning_llm.data.io import DataError, read_records
-from lightning_llm.generation import left_pad
 
 log = logging.getLogger(__name__)
 
