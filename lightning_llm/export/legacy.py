@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_llm.strategies.hybrid_checkpoint import dcp_contents
+
 __all__ = ["CHECKPOINT_FILE", "METADATA_FILENAME", "consolidate_checkpoint", "is_pipeline_checkpoint",
            "is_sharded_checkpoint", "read_sharded", "save_sharded", "stage_checkpoint_file"]
 
@@ -58,15 +60,8 @@ def save_sharded(
 def read_sharded(path: Path) -> dict[str, Any]:
     """A directory in the ``tp`` / ZeRO-3 layout as one checkpoint dict (every tensor loaded whole on this process, no
     process group; optimizer states dropped)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
     meta = torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=False)
-    out: dict[str, Any] = {}
-    _load_state_dict(out, storage_reader=dcp.FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(),
-                     no_dist=True)
-    return {**meta, "state_dict": dict(out.get("state_dict", {})), "optimizer_states": []}
+    return {**meta, "state_dict": dict(dcp_contents(path).get("state_dict", {})), "optimizer_states": []}
 
 
 CHECKPOINT_FILE = "pp-stage-rank-{:02d}.ckpt"

@@ -38,6 +38,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "META_FILE",
     "consolidated_state_dict",
+    "dcp_contents",
     "from_lightning_checkpoint",
     "is_hybrid_checkpoint",
     "load_hybrid",
@@ -251,16 +252,22 @@ def load_full_weights(module: nn.Module, state_dict: Mapping[str, Tensor], *, st
                          options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
-def consolidated_state_dict(path: str | Path) -> dict[str, Any]:
-    """Offline (no process group): the full weights of a :func:`save_hybrid` directory, as a plain Lightning
-    checkpoint dict (``state_dict`` with full tensors + the metadata; no optimizer states)."""
+def dcp_contents(path: str | Path) -> dict[str, Any]:
+    """Offline (no process group): every tensor and object of a DCP directory, loaded whole on this process."""
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    p = Path(path)
-    sd: dict[str, Any] = {}
-    _load_state_dict(sd, storage_reader=dcp.FileSystemReader(str(p)), planner=_EmptyStateDictLoadPlanner(),
+    out: dict[str, Any] = {}
+    _load_state_dict(out, storage_reader=dcp.FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(),
                      no_dist=True)
+    return out
+
+
+def consolidated_state_dict(path: str | Path) -> dict[str, Any]:
+    """Offline (no process group): the full weights of a :func:`save_hybrid` directory, as a plain Lightning
+    checkpoint dict (``state_dict`` with full tensors + the metadata; no optimizer states)."""
+    p = Path(path)
+    sd = dcp_contents(p)
     meta = torch.load(p / META_FILE, map_location="cpu", weights_only=False)
     meta.pop("optimizer_meta", None)
     return {**meta, "state_dict": dict(sd.get("model", {})), "optimizer_states": []}
