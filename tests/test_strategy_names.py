@@ -99,6 +99,10 @@ def test_misspelt_option_is_one_line_through_the_cli(capsys: pytest.CaptureFixtu
 @pytest.mark.parametrize(("args", "expected"), [
     (("--trainer.strategy=zero2", "--trainer.strategy.bucket_size_mb=0"),
      "lightning_llm.strategies.presets.ZeroStrategy: bucket_size_mb=0.0: must be > 0"),
+    (("--trainer.strategy=lightning_llm.strategies.ZeroStrategy", "--trainer.strategy.engine=deepspeed",
+      "--trainer.strategy.bucket_size_mb=50"),
+     "lightning_llm.strategies.ZeroStrategy: ZeroStrategy(engine='deepspeed'): bucket_size_mb is an option of the "
+     "native engine"),
     (("--trainer.strategy=3d", "--trainer.strategy.zero_stage=7"),
      "lightning_llm.strategies.presets.HybridParallelStrategy: zero_stage=7: must be 0, 1, 2 or 3"),
 ])

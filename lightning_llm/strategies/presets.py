@@ -135,6 +135,11 @@ class PipelineParallelStrategy(ParallelEngine):
                          timeout=timeout)
 
 
+NATIVE_ONLY: dict[str, Any] = {"save_distributed_checkpoint": True, "activation_checkpointing": False,
+                               "bucket_size_mb": DEFAULT_BUCKET_MB}
+"""``ZeroStrategy`` options the DeepSpeed engine has no argument for, with their defaults (only those pass)."""
+
+
 class _EngineChoice:
     """``ZeroStrategy(engine="deepspeed", ...)`` constructs a ``DeepSpeedZeroStrategy`` instead. A base class rather
     than ``ZeroStrategy.__new__``: jsonargparse reads a class's own ``__new__`` as its signature, which would hide
@@ -145,6 +150,11 @@ class _EngineChoice:
             kwargs.pop("engine")
             if args:
                 kwargs["stage"] = args[0]
+            for name, default in NATIVE_ONLY.items():  # the CLI passes every option, at its default when not given
+                if name in kwargs and kwargs.pop(name) != default:
+                    raise ValueError(f"ZeroStrategy(engine='deepspeed'): {name} is an option of the native engine; "
+                                     "DeepSpeed takes its equivalent from --trainer.strategy.config (a DeepSpeed "
+                                     "JSON)")
             return DeepSpeedZeroStrategy(**kwargs)
         return super().__new__(cls)
 
