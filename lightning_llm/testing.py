@@ -20,6 +20,7 @@ import torch
 from typing_extensions import override
 
 from lightning_llm.data.io import atomic_open
+from lightning_llm.reliability import leave_process, shutdown_process_group
 
 
 class StepRecorder(pl.Callback):
@@ -81,8 +82,6 @@ def run_worker(fn: Callable[..., Any], *args: Any) -> NoReturn:
     A process that built several Trainers (each with its device meshes, FSDP or DeepSpeed state) can otherwise abort
     in interpreter shutdown after all its work is done; an exception still exits non-zero with its traceback.
     """
-    from lightning_llm.reliability import leave_process, shutdown_process_group
-
     fn(*args)
     shutdown_process_group()
     leave_process(0)

@@ -27,7 +27,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_llm.data.base import BYTE_TOKENIZER
 from lightning_llm.data.tokenizer_files import has_tokenizer
+from lightning_llm.data.tokenizers import ByteTokenizer
+from lightning_llm.models.init import name_seed
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +65,6 @@ def default_tokenizer_dir(backbone: Any, tokenizer_dir: str | None) -> str | Non
 def check_backbone_tokenizer(backbone: Any, datamodule: Any) -> None:
     """Refuse an HF backbone with the byte tokenizer the datamodule fell back to (``tokenizer_dir=None``): only an
     explicit ``tokenizer_dir="byte"`` trains a real checkpoint on byte ids."""
-    from lightning_llm.data.base import BYTE_TOKENIZER
-    from lightning_llm.data.tokenizers import ByteTokenizer
-
     tok = getattr(datamodule, "tokenizer", None)
     if not (_is_hf_dir(backbone) and isinstance(tok, ByteTokenizer)):
         return
@@ -102,8 +102,6 @@ def _grow(module: nn.Module, new_rows: Tensor, *, attr: str) -> None:
 
 
 def _generator(model: nn.Module, what: str) -> torch.Generator:
-    from lightning_llm.models.init import name_seed
-
     seed = int(getattr(model, "init_seed", 0))
     return torch.Generator().manual_seed(name_seed(seed, f"resize:{what}") % 2**63)
 

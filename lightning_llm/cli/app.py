@@ -21,12 +21,15 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from lightning_llm.checkpoint_errors import CheckpointError
+import lightning_llm.strategies  # noqa: F401 - registers our strategies in StrategyRegistry
+from lightning_llm.checkpoint_errors import CheckpointError, check_torch_file, loading
 from lightning_llm.cli.args import expand_config, prepare_argv, register_parser_mode
 from lightning_llm.data.io import DataError, read_json
 from lightning_llm.logs import RankZeroFilter, is_global_zero
 from lightning_llm.reliability import leave_process, shutdown_process_group
+from lightning_llm.strategies import check_strategy_name, strategy_class
 from lightning_llm.tasks.base import LLMTask, NonFiniteLossError
+from lightning_llm.vocab import default_tokenizer_dir
 
 log = logging.getLogger("lightning_llm")
 
@@ -44,8 +47,6 @@ class LLMCLI(LightningCLI):
     """LightningCLI with our tasks/datamodules in subclass mode and our strategies registered."""
 
     def __init__(self, args: list[str] | None = None, run: bool = True, **kwargs) -> None:
-        import lightning_llm.strategies  # noqa: F401 - registers our strategies in StrategyRegistry
-
         super().__init__(
             LLMTask,
             LightningDataModule,
@@ -70,7 +71,6 @@ class LLMCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         # Lightning rejects an unknown strategy name only once the model and data are built, with a list of a few
         # of its own names: name ours too, before anything is built.
-        from lightning_llm.strategies import check_strategy_name, strategy_class
 
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         strategy = cfg.get("trainer.strategy")
@@ -86,7 +86,6 @@ class LLMCLI(LightningCLI):
         # LightningCLI torch.loads a --ckpt_path file here (for its hyperparameters), before anything else reads it:
         # a cut or corrupt file must fail here with one line naming it. (A private hook of LightningCLI; the test
         # of a truncated --ckpt_path notices if it stops being called.)
-        from lightning_llm.checkpoint_errors import check_torch_file, loading
 
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
@@ -103,8 +102,6 @@ def _default_tokenizer(cfg: Any) -> None:
     (:func:`lightning_llm.vocab.default_tokenizer_dir`): set here, where the parsed model and data arguments meet
     before either is built, so the saved config.yaml names it. Datamodules without ``tokenizer_dir`` are left alone.
     The backbone's ``config.json`` is parsed here first (one line naming file and line if it is malformed)."""
-    from lightning_llm.vocab import default_tokenizer_dir
-
     model, data = cfg.get("model"), cfg.get("data")
     model_args = getattr(model, "init_args", None)
     data_args = getattr(data, "init_args", None)

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sequential
 
 from lightning_llm.checkpoint_errors import first_line
 from lightning_llm.data.io import DataError, read_json, read_text
+from lightning_llm.data.tokenizers import ByteTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +69,6 @@ def tokenizer_or_bytes(tokenizer_dir: str | None, *, param: str = "--data.tokeni
     """:func:`load_tokenizer`, or the built-in byte tokenizer for ``"byte"`` / ``None``. On the command line ``None``
     means the backbone's own tokenizer (:func:`lightning_llm.vocab.default_tokenizer_dir` fills it in); a task on an
     HF backbone refuses an implicit byte tokenizer (:func:`lightning_llm.vocab.check_backbone_tokenizer`)."""
-    from lightning_llm.data.tokenizers import ByteTokenizer
-
     if tokenizer_dir is None or tokenizer_dir == BYTE_TOKENIZER:
         return ByteTokenizer()
     return load_tokenizer(tokenizer_dir, param=param)

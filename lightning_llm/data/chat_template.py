@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lightning_llm.data.tokenizers import ByteTokenizer
+
 __all__ = ["NAMED_TEMPLATES", "ChatTemplate", "chat_tokenizer", "format_string_template", "resolve_template"]
 
 _ALPACA_INPUT = ("Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -172,8 +174,6 @@ def chat_tokenizer(tokenizer: Any, template: ChatTemplate, *, param: str = "--da
     """The tokenizer to render ``template`` with: the byte tokenizer with the template's control tokens added and
     special tokens read from text (as a Hugging Face tokenizer reads them); a Hugging Face tokenizer as it is, after
     checking that it holds each control token as one token (``ValueError`` naming the missing ones)."""
-    from lightning_llm.data.tokenizers import ByteTokenizer
-
     if isinstance(tokenizer, ByteTokenizer):
         return ByteTokenizer(template.control_tokens, split_special_tokens=False)
     missing = [t for t in template.control_tokens

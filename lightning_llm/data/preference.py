@@ -41,7 +41,7 @@ from lightning_llm.data.base import (
 from lightning_llm.data.chat import ChatColumns, Conversation, preference_conversation
 from lightning_llm.data.chat_encode import ChatEncoder, labels_for
 from lightning_llm.data.chat_template import resolve_template
-from lightning_llm.data.io import DataError, read_records
+from lightning_llm.data.io import DataError, read_records, write_jsonl_atomic
 from lightning_llm.data.prompts import make_prompts
 
 log = logging.getLogger(__name__)
@@ -91,8 +91,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m lightning_llm.data.preference --csl DIR --out DIR``: write ``train.jsonl`` / ``val.jsonl``
     preference pairs from the CSL title set's ``dev.json`` / ``test.json``."""
     import argparse
-
-    from lightning_llm.data.io import write_jsonl_atomic
 
     parser = argparse.ArgumentParser(prog="python -m lightning_llm.data.preference", description=main.__doc__)
     parser.add_argument("--csl", required=True, help="directory with the CSL dev.json and test.json (alpaca format)")

@@ -27,6 +27,8 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from lightning_llm.models import ModelConfig
+
 log = logging.getLogger(__name__)
 
 __all__ = ["CHECKPOINT_KEY", "ExportMetadata", "chat_template_source", "export_metadata"]
@@ -73,8 +75,6 @@ def _generation_config(backbone: Any) -> dict[str, Any] | None:
 
 def export_metadata(pl_module: pl.LightningModule) -> dict[str, Any] | None:
     """The ``checkpoint["export"]`` entry for ``pl_module`` (``None`` before its model is built)."""
-    from lightning_llm.models import ModelConfig
-
     model = getattr(pl_module, "model", None)
     config = getattr(model, "config", None)
     if not isinstance(config, ModelConfig):

@@ -31,6 +31,8 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from .layers import LayerNorm, RMSNorm
+
 log = logging.getLogger(__name__)
 
 __all__ = ["Init", "InitPlan", "WeightsSource", "canonical_name", "draw_init_seed", "fill_", "init_plan_of",
@@ -160,8 +162,6 @@ def plan_for_modules(model: nn.Module, *, std: float, tied: dict[str, str] | Non
     """The conventional transformer init of ``model``'s parameters by module type: linear and embedding weights
     ``normal(std)``, biases zero, norm weights one (``RMSNorm``/``LayerNorm``), norm biases zero. ``tied`` maps a
     parameter that shares another's storage to that one (it draws from the same stream)."""
-    from .layers import LayerNorm, RMSNorm
-
     plan: InitPlan = {}
     for mod_name, mod in model.named_modules():
         prefix = f"{mod_name}." if mod_name else ""

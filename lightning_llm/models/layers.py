@@ -17,6 +17,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_llm import kernels as fused
+from lightning_llm.kernels import resolve_backend
+
 from .config import ModelConfig
 from .rope import apply_rotary, precompute_rope, rope_inv_freq, rotate_half
 
@@ -60,7 +63,6 @@ def use_fused_kernel(kernels: str, x: Tensor) -> bool:
     """
     if kernels == "torch" or isinstance(x, DTensor):
         return False
-    from lightning_llm.kernels import resolve_backend
 
     return resolve_backend(kernels, x) == "triton"
 
@@ -126,9 +128,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # [..., H] -> [..., H]
         if use_fused_kernel(self.kernels, x):
-            from lightning_llm import kernels
-
-            return kernels.rms_norm(x, self.weight, self.eps, backend="triton")
+            return fused.rms_norm(x, self.weight, self.eps, backend="triton")
         return rms_norm(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
@@ -152,9 +152,7 @@ class LayerNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # [..., H] -> [..., H]
         if use_fused_kernel(self.kernels, x):
-            from lightning_llm import kernels
-
-            return kernels.layer_norm(x, self.weight, self.bias, self.eps, backend="triton")
+            return fused.layer_norm(x, self.weight, self.bias, self.eps, backend="triton")
         return layer_norm(x, self.weight, self.bias, self.eps)
 
     def extra_repr(self) -> str:
@@ -270,9 +268,7 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         q, k, v = self._qkv(x)  # [B, S, N|K, D]
         if rope is not None and use_fused_kernel(self.kernels, q):
-            from lightning_llm import kernels
-
-            q, k = kernels.apply_rotary(q, k, rope[0].to(q.dtype), rope[1].to(q.dtype), backend="triton")
+            q, k = fused.apply_rotary(q, k, rope[0].to(q.dtype), rope[1].to(q.dtype), backend="triton")
         elif rope is not None:
             q, k = apply_rotary(q, k, rope[0], rope[1])
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, N|K, S, D]
@@ -311,14 +307,12 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # [B, S, H] -> [B, S, H]
         if self.gate_proj is not None and use_fused_kernel(self.kernels, x):
-            from lightning_llm import kernels
-
             gate, up = self.gate_proj(x), self.up_proj(x)
             if self.act == "swiglu":
-                h = kernels.swiglu(gate, up, backend="triton")  # [B, S, I]
+                h = fused.swiglu(gate, up, backend="triton")  # [B, S, I]
             else:
                 approximate = "tanh" if self.act == "geglu_tanh" else "none"
-                h = kernels.geglu(gate, up, approximate=approximate, backend="triton")
+                h = fused.geglu(gate, up, approximate=approximate, backend="triton")
         elif self.gate_proj is not None:
             h = activation(self.act, self.gate_proj(x)) * self.up_proj(x)  # [B, S, I]
         else:

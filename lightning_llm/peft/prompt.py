@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_llm.models.init import name_seed
 from lightning_llm.models.layers import KVCache
 
 log = logging.getLogger(__name__)
@@ -278,8 +279,6 @@ class _seeded:
     """Run a peft module's default init from a generator seeded by the backbone's ``init_seed`` and ``name``."""
 
     def __init__(self, base: nn.Module, name: str) -> None:
-        from lightning_llm.models.init import name_seed
-
         seed = int(getattr(base, "init_seed", 0))
         self._seed = name_seed(seed, name) % 2**63
         self._fork = torch.random.fork_rng(devices=[])

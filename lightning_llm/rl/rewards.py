@@ -24,6 +24,9 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from lightning_llm.data.base import load_tokenizer
+from lightning_llm.models import NAMED_SIZES, build_model, load_hf
+
 log = logging.getLogger(__name__)
 
 __all__ = ["CharShareReward", "RewardConfig", "RewardModel", "build_reward", "load_callable"]
@@ -114,8 +117,6 @@ def load_callable(path: str, kwargs: dict[str, Any] | None = None, *, param: str
 
 def _load_classification_checkpoint(path: Path) -> tuple[nn.Module, dict[str, Any]]:
     """Rebuild a ClassificationTask's encoder from its checkpoint (shapes taken from the weights)."""
-    from lightning_llm.models import build_model
-
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     hp = dict(ckpt.get("hyper_parameters") or {})
     state = {k[len("model."):]: v for k, v in ckpt.get("state_dict", {}).items() if k.startswith("model.")}
@@ -125,7 +126,6 @@ def _load_classification_checkpoint(path: Path) -> tuple[nn.Module, dict[str, An
     overrides = dict(hp.get("model_overrides") or {})
     overrides.update(num_labels=int(state["classifier.weight"].shape[0]), dropout=0.0)
     backbone = str(hp["backbone"])
-    from lightning_llm.models import NAMED_SIZES
 
     if ("encoder", backbone) in NAMED_SIZES:
         overrides["vocab_size"] = int(state["embed_tokens.weight"].shape[0])
@@ -140,8 +140,6 @@ class RewardModel:
 
     def __init__(self, cfg: RewardConfig) -> None:
         assert cfg.model is not None
-        from lightning_llm.data.base import load_tokenizer
-        from lightning_llm.models import load_hf
 
         path = Path(cfg.model)
         if path.is_file():

@@ -48,7 +48,9 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.subprocess_script import (
+    _SubprocessScriptLauncher,
+)
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -58,12 +60,17 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as _loss_parallel_ctx
 from typing_extensions import override
 
+from lightning_llm.checkpoint_errors import check_engine_dir, check_torch_file, loading
 from lightning_llm.contract import Capabilities, check_pipelinable
 from lightning_llm.models.init import is_meta
 from lightning_llm.reliability import SaveFault
 from lightning_llm.strategies import hybrid_checkpoint as hckpt
 from lightning_llm.strategies.engine_layout import LayoutArgs, PipelineStages
-from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB, GradReducer, reducer_for
+from lightning_llm.strategies.grad_buckets import (
+    DEFAULT_BUCKET_MB,
+    GradReducer,
+    reducer_for,
+)
 from lightning_llm.strategies.materialize import materialize_shards
 from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coordinate
 from lightning_llm.strategies.parallelize import (
@@ -546,7 +553,6 @@ class ParallelEngine(ParallelStrategy):
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         if path.is_file() and not fitting:
             return self._load_full_weights(path)
-        from lightning_llm.checkpoint_errors import check_engine_dir
 
         # A missing or cut shard fails in DCP on some ranks only: check the files first, the same on every rank.
         check_engine_dir(path, name=f"--ckpt_path={path}", meta_file=hckpt.META_FILE)
@@ -561,8 +567,6 @@ class ParallelEngine(ParallelStrategy):
 
     def _load_full_weights(self, path: Path) -> dict[str, Any]:
         """Evaluation from a consolidated file: full tensors into the (sharded, split) module."""
-        from lightning_llm.checkpoint_errors import check_torch_file, loading
-
         check_torch_file(path, name=f"--ckpt_path={path}")
         with loading(f"--ckpt_path={path}"):
             checkpoint = self.checkpoint_io.load_checkpoint(path)

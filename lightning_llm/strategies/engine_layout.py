@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_llm.logs import PER_RANK
+from lightning_llm.models.init import canonical_name
 from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB
 from lightning_llm.strategies.mesh import ParallelDims
 from lightning_llm.strategies.parallelize import reduce_partial_grads
@@ -243,8 +244,6 @@ def _tied_param(params: Mapping[str, nn.Parameter], name: str) -> nn.Parameter |
     """The parameter a family's tied name denotes on this rank, through PEFT wrappers: the frozen original a
     ``modules_to_save`` wrapper keeps (its trained copies are separate parameters, no longer tied), or a LoRA
     ``base_layer``'s. None when this rank holds neither."""
-    from lightning_llm.models.init import canonical_name
-
     if name in params:
         return params[name]
     hits = [p for n, p in params.items() if ".modules_to_save." not in n and canonical_name(n) == name]

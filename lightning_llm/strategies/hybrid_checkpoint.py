@@ -31,7 +31,9 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_llm.checkpoint_errors import CheckpointError, first_line
 from lightning_llm.data.io import atomic_open
+from lightning_llm.reliability import publish, staging_path
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +126,6 @@ def save_hybrid(
 
     Atomic: every rank writes into a staging directory beside ``path``; once all are done (barrier), rank 0 swaps it
     in (:func:`~lightning_llm.reliability.publish`). A crash at any moment leaves the previous checkpoint whole."""
-    from lightning_llm.reliability import publish, staging_path
-
     p = Path(path)
     staged = staging_path(p)
     if is_global_zero and (staged.exists() or staged.is_symlink()):  # left by a crashed save
@@ -226,8 +226,6 @@ def _read_shards(wanted: dict[str, Any], path: Path) -> None:
     rank stops here with the same error."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from lightning_llm.checkpoint_errors import CheckpointError, first_line
-
     try:
         dcp.load(wanted, checkpoint_id=path)
     except CheckpointException as e:
@@ -238,14 +236,20 @@ def _read_shards(wanted: dict[str, Any], path: Path) -> None:
 
 def full_weights(module: nn.Module) -> dict[str, Tensor]:
     """The module's full (unsharded) weights on CPU on rank 0, ``{}`` elsewhere (a collective over DTensor shards)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def load_full_weights(module: nn.Module, state_dict: Mapping[str, Tensor], *, strict: bool) -> None:
     """Full tensors into a (sharded, possibly pipeline-split) module; keys this rank does not hold are skipped."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+    )
 
     local = set(module.state_dict())
     set_model_state_dict(module, {k: v for k, v in state_dict.items() if k in local},

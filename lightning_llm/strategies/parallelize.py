@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
+from lightning_llm.contract import task_accepts_sharded_logits, user_task
 from lightning_llm.strategies.plans import TPPlan, tp_plan, validate_tp_for
 
 log = logging.getLogger(__name__)
@@ -41,8 +42,6 @@ def sharded_logits_for(task: Any, *, requested: bool, tp: int) -> bool:
     """Whether the LM head keeps vocab-sharded logits for ``task``: asked for (``loss_parallel``), tensor parallel,
     and the task's loss declares it handles DTensor shards (:func:`~lightning_llm.contract.accepts_sharded_logits`).
     Otherwise the task's code receives full plain logits (one all-gather per step), logged once."""
-    from lightning_llm.contract import task_accepts_sharded_logits, user_task
-
     if not requested or tp == 1:
         return False
     if task_accepts_sharded_logits(task):

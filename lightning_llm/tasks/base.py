@@ -29,8 +29,12 @@ from lightning_llm.contract import (
     pipeline_runner,
     replica_loss,
 )
+from lightning_llm.export.meta import CHECKPOINT_KEY, ExportMetadata, export_metadata
+from lightning_llm.models import NAMED_SIZES, build_model
+from lightning_llm.reliability import AtomicCheckpointIO, FaultInjector, RNGState
 from lightning_llm.run_summary import RunSummary, replace_model_summary
 from lightning_llm.tasks.guard import NonFiniteGuard, NonFiniteLossError
+from lightning_llm.vocab import check_backbone_tokenizer, resize_embeddings
 
 log = logging.getLogger(__name__)
 
@@ -188,9 +192,6 @@ class LLMTask(pl.LightningModule):
 
         ``lazy`` (default: the strategy's ``capabilities.deferred_init``): build on the meta device / index the
         checkpoint only, for a strategy that materializes each rank's shards after sharding."""
-        from lightning_llm.models import NAMED_SIZES, build_model
-        from lightning_llm.vocab import check_backbone_tokenizer, resize_embeddings
-
         if self._trainer is not None:
             check_backbone_tokenizer(backbone, self.trainer.datamodule)
         need = self.datamodule_vocab_size()
@@ -217,9 +218,6 @@ class LLMTask(pl.LightningModule):
     # ------------------------------------------------------------------------------------------ lifecycle
     @override
     def configure_callbacks(self) -> list[pl.Callback]:
-        from lightning_llm.export.meta import ExportMetadata
-        from lightning_llm.reliability import FaultInjector, RNGState
-
         # ExportMetadata: what `lightning_llm export` needs besides the weights (model config, tokenizer), stored by a
         # callback so that tasks overriding on_save_checkpoint without super() store it too.
         self._run_summary = RunSummary()
@@ -228,7 +226,6 @@ class LLMTask(pl.LightningModule):
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # Lightning skips the callbacks' hook for save_weights_only checkpoints: store the export metadata here too.
-        from lightning_llm.export.meta import CHECKPOINT_KEY, export_metadata
 
         meta = export_metadata(self)
         if meta is not None:
@@ -237,8 +234,6 @@ class LLMTask(pl.LightningModule):
     @override
     def setup(self, stage: str) -> None:
         from lightning.pytorch.plugins.io import TorchCheckpointIO
-
-        from lightning_llm.reliability import AtomicCheckpointIO
 
         # Plain torch.save checkpoints become temp-file + fsync + rename (sharded strategies bring their own IO).
         strategy = self.trainer.strategy

@@ -31,7 +31,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from lightning_llm.logs import PER_RANK
-from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB, GradReducer, broadcast_from_owners
+from lightning_llm.models import parallel_spec_of
+from lightning_llm.strategies.grad_buckets import (
+    DEFAULT_BUCKET_MB,
+    GradReducer,
+    broadcast_from_owners,
+)
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +46,6 @@ def fsdp_units(task: nn.Module) -> tuple[str, ...]:
     all-gather/reduce-scatter unit; the backbone root takes the embeddings, final norm and head, and keeps tied
     embedding/head weights in one unit) under ``task.model``, or ``task.model`` whole for a model of no registered
     family. A task's own modules outside ``task.model`` stay replicated (their gradients are averaged over ``dp``)."""
-    from lightning_llm.models import parallel_spec_of
-
     model = getattr(task, "model", None)
     found = parallel_spec_of(model) if isinstance(model, nn.Module) else None
     if found is None:
