@@ -48,9 +48,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.strategies.launchers.subprocess_script import (
-    _SubprocessScriptLauncher,
-)
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -66,11 +64,7 @@ from lightning_llm.models.init import is_meta
 from lightning_llm.reliability import SaveFault
 from lightning_llm.strategies import hybrid_checkpoint as hckpt
 from lightning_llm.strategies.engine_layout import LayoutArgs, PipelineStages
-from lightning_llm.strategies.grad_buckets import (
-    DEFAULT_BUCKET_MB,
-    GradReducer,
-    reducer_for,
-)
+from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB, GradReducer, reducer_for
 from lightning_llm.strategies.materialize import materialize_shards
 from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coordinate
 from lightning_llm.strategies.parallelize import (
@@ -83,12 +77,7 @@ from lightning_llm.strategies.parallelize import (
 from lightning_llm.strategies.pipeline.runtime import ScheduleName, checkpoint_blocks
 from lightning_llm.strategies.pipeline.split import StageSpec, layout_of
 from lightning_llm.strategies.plans import TPPlan
-from lightning_llm.strategies.zero.native import (
-    PartitionedOptimizer,
-    apply_fsdp,
-    fsdp_units,
-    gradient_sync_paused,
-)
+from lightning_llm.strategies.zero.native import PartitionedOptimizer, apply_fsdp, fsdp_units, gradient_sync_paused
 
 log = logging.getLogger(__name__)
 
