@@ -217,7 +217,9 @@ def _stage_prefixes(model: nn.Module, pp: int) -> list[tuple[str, ...]]:
 
 def layout_share(config: Any, *, tp: int = 1, pp: int = 1, dp: int = 1, zero3: bool = False) -> LayoutShare:
     """:class:`LayoutShare` of the fullest stage of ``config``'s model under the layout (see the module docstring)."""
-    with torch.device("meta"):
+    # A model built for its shapes only: its init_seed draw must leave torch's generator as it was (the run summary
+    # calls this on rank 0 alone before step 1; a resumed run's dropout then differed from the uninterrupted one's).
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
         model = model_from_config(config)
     spec = parallel_spec_of(model)[2]  # type: ignore[index]
     plan = spec.tp_plan(model, sequence_parallel=False, loss_parallel=True) if tp > 1 else {}

@@ -164,16 +164,12 @@ class RunSummary(pl.Callback):
         if self._done:
             return
         self._done = True
-        # The summary is a report: whatever it runs (the FLOP count, the memory estimate) must leave the random
-        # streams as they were, or a resumed run's dropout would differ from the uninterrupted one's.
-        devices = [trainer.strategy.root_device] if trainer.strategy.root_device.type != "cpu" else []
-        with torch.random.fork_rng(devices=devices, device_type=trainer.strategy.root_device.type):
-            flops, why = self._flops(pl_module, batch)
-            pl_module.flops_per_batch = flops  # type: ignore[attr-defined] - read by throughput()
-            self._twin = None
-            if trainer.is_global_zero:
-                log.info("run summary\n%s", "\n".join(f"  {line}" for line in summary_lines(
-                    trainer, pl_module, batch, flops=flops, flops_note=why)))
+        flops, why = self._flops(pl_module, batch)
+        pl_module.flops_per_batch = flops  # type: ignore[attr-defined] - read by throughput()
+        self._twin = None
+        if trainer.is_global_zero:
+            log.info("run summary\n%s", "\n".join(f"  {line}" for line in summary_lines(
+                trainer, pl_module, batch, flops=flops, flops_note=why)))
 
     def _flops(self, task: Any, batch: Any) -> tuple[int | None, str]:
         if self._twin is None:
