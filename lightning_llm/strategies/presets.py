@@ -19,6 +19,7 @@ Everything else (process group, gradient averaging, global-norm clipping, layout
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -135,9 +136,17 @@ class PipelineParallelStrategy(ParallelEngine):
                          timeout=timeout)
 
 
-NATIVE_ONLY: dict[str, Any] = {"save_distributed_checkpoint": True, "activation_checkpointing": False,
-                               "bucket_size_mb": DEFAULT_BUCKET_MB}
-"""``ZeroStrategy`` options the DeepSpeed engine has no argument for, with their defaults (only those pass)."""
+def _drop_native_only(kwargs: dict[str, Any]) -> None:
+    """Remove from ``kwargs`` the ``ZeroStrategy`` options ``DeepSpeedZeroStrategy`` has no argument for (read from
+    both signatures, so a new native option is covered): the CLI passes every option, at its default when not given;
+    one set to anything else is refused (it would otherwise reach DeepSpeed's ``**kwargs``, or be lost)."""
+    deepspeed = inspect.signature(DeepSpeedZeroStrategy.__init__).parameters
+    for name, p in inspect.signature(ZeroStrategy.__init__).parameters.items():
+        if name in ("self", "engine") or name in deepspeed or name not in kwargs:
+            continue
+        if kwargs.pop(name) != p.default:
+            raise ValueError(f"ZeroStrategy(engine='deepspeed'): {name} is an option of the native engine; DeepSpeed "
+                             "takes its equivalent from --trainer.strategy.config (a DeepSpeed JSON)")
 
 
 class _EngineChoice:
@@ -150,11 +159,7 @@ class _EngineChoice:
             kwargs.pop("engine")
             if args:
                 kwargs["stage"] = args[0]
-            for name, default in NATIVE_ONLY.items():  # the CLI passes every option, at its default when not given
-                if name in kwargs and kwargs.pop(name) != default:
-                    raise ValueError(f"ZeroStrategy(engine='deepspeed'): {name} is an option of the native engine; "
-                                     "DeepSpeed takes its equivalent from --trainer.strategy.config (a DeepSpeed "
-                                     "JSON)")
+            _drop_native_only(kwargs)
             return DeepSpeedZeroStrategy(**kwargs)
         return super().__new__(cls)
 
