@@ -39,12 +39,14 @@ __all__ = [
     "check_pipelinable",
     "declared_inputs",
     "declared_loss",
+    "declared_step",
     "PACKED_INPUTS",
 ]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 _SHARDED_OK = "_lightning_llm_accepts_sharded_logits"
 _DECLARED_LOSS = "_lightning_llm_declared_loss"
+_DECLARED_STEP = "_lightning_llm_declared_step"
 
 
 def accepts_sharded_logits(fn: _F) -> _F:
@@ -61,6 +63,18 @@ def declared_loss(fn: _F) -> _F:
     so this module decides without importing the tasks above it."""
     setattr(fn, _DECLARED_LOSS, True)
     return fn
+
+
+def declared_step(fn: _F) -> _F:
+    """Mark the base ``training_step`` that runs ``compute_loss`` on the batch as the dataloader gave it. An override
+    (DPO adds reference log-probs to the batch first) does not carry it: what one step computes is then the task's."""
+    setattr(fn, _DECLARED_STEP, True)
+    return fn
+
+
+def overrides_training_step(task: Any) -> bool:
+    """Whether the task's class replaces the base ``training_step`` marked :func:`declared_step`."""
+    return not getattr(_resolved(task, "training_step"), _DECLARED_STEP, False)
 
 
 def _resolved(task: Any, name: str) -> Callable[..., Any] | None:

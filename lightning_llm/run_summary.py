@@ -32,7 +32,7 @@ from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torch import nn
 from typing_extensions import override
 
-from lightning_llm.contract import declared_inputs, overrides_compute_loss
+from lightning_llm.contract import declared_inputs, overrides_compute_loss, overrides_training_step
 from lightning_llm.memory import PRECISIONS, estimate_layout
 from lightning_llm.models import ModelConfig
 from lightning_llm.strategies import DeepSpeedZeroStrategy, ParallelEngine
@@ -174,7 +174,7 @@ class RunSummary(pl.Callback):
     def _flops(self, task: Any, batch: Any) -> tuple[int | None, str]:
         if self._twin is None:
             return None, "the model could not be copied to the meta device"
-        if not one_call_step(task) or not isinstance(batch, dict):
+        if not one_call_step(task) or overrides_training_step(task) or not isinstance(batch, dict):
             return None, NOT_ONE_CALL
         try:
             return count_step_flops(task, self._twin, batch), ""
@@ -182,7 +182,8 @@ class RunSummary(pl.Callback):
             return None, f"counting failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
-NOT_ONE_CALL = "the task's step is not one model call on the batch (its own compute_loss or optimization loop)"
+NOT_ONE_CALL = ("the task's step is not one model call on the batch (its own training_step, compute_loss or "
+                "optimization loop)")
 
 
 def one_call_step(task: Any) -> bool:

@@ -146,3 +146,26 @@ def test_the_memory_estimate_leaves_the_random_generator_as_it_was(family: str) 
                     seq_len=16, precision="32-true", fused_loss=False)
     assert torch.equal(before, torch.get_rng_state())
 
+
+
+def test_flops_of_a_step_that_changes_its_batch_are_not_counted_rather_than_failing() -> None:
+    """DPO adds the reference log-probs to the batch in its own training_step (and, on the fly, runs the reference
+    model): the count on the dataloader's batch would fail (KeyError 'ref_logps') or leave the reference forward out,
+    so the summary says why there is no count. The base step and a subclass that keeps it are counted."""
+    from lightning_llm.run_summary import NOT_ONE_CALL, RunSummary
+    from lightning_llm.tasks import CausalLMTask, DPOTask
+
+    class Logged(CausalLMTask):
+        def on_train_batch_end(self, *args: object) -> None:
+            pass
+
+    ids = torch.randint(0, 200, (2, 16))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    for task, counted in ((CausalLMTask("debug"), True), (Logged("debug"), True), (DPOTask("debug"), False)):
+        summary = RunSummary()
+        task.configure_model()
+        summary.capture(task.model)
+        flops, why = summary._flops(task, batch)
+        assert (flops is not None and flops > 0 and why == "") if counted else (flops is None and why == NOT_ONE_CALL), \
+            (type(task).__name__, flops, why)
+        assert "training_step" in NOT_ONE_CALL

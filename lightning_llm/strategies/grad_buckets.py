@@ -229,7 +229,6 @@ class GradReducer:
         assert flat is not None
         if b.owner is not None and b.owner != self.rank:
             return
-        flat.div_(self.world)
         n = len(b.params)
         # Only a parameter this rank had no gradient for needs the counts (one read, only then).
         counts = flat[-n:].tolist() if b.local_missing else [1.0] * n
@@ -240,7 +239,8 @@ class GradReducer:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 g = _local(p.grad)
-                g.copy_(flat[offset:offset + numel].view(g.shape))
+                # the sum's average written in one pass (no separate div_ over the whole bucket)
+                torch.div(flat[offset:offset + numel].view(g.shape), self.world, out=g)
             offset += numel
 
     def finish(self) -> None:

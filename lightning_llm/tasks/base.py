@@ -26,6 +26,7 @@ from lightning_llm.contract import (
     capabilities_of,
     declared_inputs,
     declared_loss,
+    declared_step,
     pipeline_runner,
     replica_loss,
 )
@@ -285,6 +286,7 @@ class LLMTask(pl.LightningModule):
         return int(batch["input_ids"].shape[0])
 
     @override
+    @declared_step  # the run summary counts this step's FLOPs on the batch as given (run_summary.one_call_step)
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         loss, outputs = self.step_loss(batch, "train")
         if not self._loss_is_finite(loss):
