@@ -5,6 +5,7 @@ records, and ``lightning_llm prepare``. Corpora and tokenizers are written by th
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -137,6 +138,15 @@ def test_unchanged_corpus_is_reused_and_a_change_is_prepared_again(tmp_path: Pat
     touched.setup("fit")
     assert touched.prepared is True and touched.stores[0].content == first.stores[0].content
 
+    # Replaced by a file of the same size with the old mtime kept (cp -p, rsync -t): still prepared again.
+    st = corpus_file.stat()
+    corpus_file.write_text(corpus_file.read_text().replace("document number 1.", "document number 9."))
+    os.utime(corpus_file, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert corpus_file.stat().st_size == st.st_size and corpus_file.stat().st_mtime_ns == st.st_mtime_ns
+    replaced = TextDataModule(str(corpus_file), block_size=8, cache_dir=cache)
+    replaced.setup("fit")
+    assert replaced.prepared is True and replaced.stores[0].content != first.stores[0].content
+
     corpus_file.write_text(corpus_file.read_text() + json.dumps({"text": "one more"}) + "\n")
     third = TextDataModule(str(corpus_file), block_size=8, cache_dir=cache)
     third.setup("fit")
@@ -152,6 +162,27 @@ def test_unchanged_corpus_is_reused_and_a_change_is_prepared_again(tmp_path: Pat
     spec = TokenizerSpec.of(tok, vocab_size=other.vocab_size)
     assert prepare.stale_reason(third.stores[0], CorpusSource((str(corpus_file),)).inputs(), spec) == \
         "it was prepared with another tokenizer"
+
+
+def test_content_sample_reads_windows_of_a_large_input(tmp_path: Path) -> None:
+    """Past 4 MiB an input is hashed by its ends and 16 windows: a change in a window (or the ends) changes the
+    digest, a file of another size is another file anyway, and the read stays about 3 MiB."""
+    size = 12 << 20
+    data = bytearray(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes())
+    f = tmp_path / "big.txt"
+    f.write_bytes(data)
+    digest = prepare.content_sample(f, size)
+    step = (size - prepare.END_BYTES - prepare.SAMPLE_BYTES) // (prepare.SAMPLE_WINDOWS + 1)
+    for offset in (0, size - 1, prepare.END_BYTES + 7 * step + 5):  # first MiB, last byte, inside window 7
+        changed = bytearray(data)
+        changed[offset] ^= 0xFF
+        f.write_bytes(changed)
+        assert prepare.content_sample(f, size) != digest, offset
+    f.write_bytes(data)
+    assert prepare.content_sample(f, size) == digest
+    small = tmp_path / "small.txt"
+    small.write_bytes(data[:1000])
+    assert prepare.content_sample(small, 1000) == hashlib.sha256(bytes(data[:1000])).hexdigest()  # whole file
 
 
 def _slow_encoder(self: TokenizerSpec) -> Any:

@@ -3,7 +3,9 @@ its inputs and tokenizer are unchanged.
 
 :func:`prepare_corpus` is what ``TextDataModule.prepare_data`` and ``lightning_llm prepare`` run. The store's
 directory name is a key of the corpus (its paths, text field) and of the tokenizer's fingerprint, so another tokenizer
-never reads it; its manifest records every input file's size and mtime, so a changed input is prepared again. One
+never reads it; its manifest records every input file's size, mtime and a digest of sampled content
+(:func:`content_sample`), so a changed input is prepared again, also one replaced by a file of the same size whose
+mtime was kept (``cp -p``, ``rsync -t``, an archive extracted again). One
 process prepares while others wait on a file lock beside the store (ranks of a node, nodes sharing a filesystem); it
 writes into ``.<name>.partial`` and renames the finished directory into place with its manifest in it, so an
 interrupted preparation never leaves a store that looks finished (its leftovers are removed by the next one).
@@ -48,6 +50,29 @@ log = logging.getLogger(__name__)
 PROGRESS_EVERY_S = 10.0
 MIN_TASK_BYTES, MAX_TASK_BYTES = 1 << 20, 8 << 20
 COPY_CHUNK = 16 << 20
+WHOLE_FILE_DIGEST = 4 << 20
+"""Inputs up to this size are hashed whole; larger ones by :func:`content_sample`'s windows."""
+SAMPLE_WINDOWS, SAMPLE_BYTES, END_BYTES = 16, 64 << 10, 1 << 20
+
+
+def content_sample(path: Path, size: int) -> str:
+    """SHA-256 of an input's bytes: all of them up to :data:`WHOLE_FILE_DIGEST`, else its first and last MiB and
+    16 evenly spaced 64 KiB windows (about 3 MiB read per file, whatever its size, so checking a many-GB corpus
+    for reuse stays quick). With the size and mtime it tells a replaced file from the prepared one; an edit of a
+    large file that keeps both its size and mtime and touches no sampled window is the one change it cannot see
+    (delete the store under ``--data.cache_dir`` to force a preparation)."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        if size <= WHOLE_FILE_DIGEST:
+            h.update(f.read())
+            return h.hexdigest()
+        step = (size - END_BYTES - SAMPLE_BYTES) // (SAMPLE_WINDOWS + 1)
+        windows = [(0, END_BYTES), *((END_BYTES + k * step, SAMPLE_BYTES) for k in range(1, SAMPLE_WINDOWS + 1)),
+                   (size - END_BYTES, END_BYTES)]
+        for offset, n in windows:
+            f.seek(offset)
+            h.update(f.read(n))
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -73,7 +98,8 @@ class CorpusSource:
         out = []
         for f in self.files():
             st = f.stat()
-            out.append({"path": str(f), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns})
+            out.append({"path": str(f), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns,
+                        "sample_sha256": content_sample(f, st.st_size)})
         return out
 
     def key(self) -> str:
