@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import shutil
 from collections.abc import Callable, Generator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -49,7 +47,6 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -58,11 +55,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as _loss_parallel_ctx
 from typing_extensions import override
 
-from lightning_llm.checkpoint_errors import check_engine_dir, check_torch_file, loading
 from lightning_llm.contract import Capabilities, check_pipelinable
 from lightning_llm.models.init import is_meta
 from lightning_llm.reliability import SaveFault
-from lightning_llm.strategies import hybrid_checkpoint as hckpt
+from lightning_llm.strategies.engine_checkpoint import LayoutFreeCheckpointing
 from lightning_llm.strategies.engine_layout import LayoutArgs, PipelineStages
 from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB, GradReducer, reducer_for
 from lightning_llm.strategies.materialize import materialize_shards
@@ -84,7 +80,7 @@ log = logging.getLogger(__name__)
 __all__ = ["ParallelEngine"]
 
 
-class ParallelEngine(ParallelStrategy):
+class ParallelEngine(LayoutFreeCheckpointing):
     """DP x TP x PP with ZeRO stage 0-3 on the data-parallel dim; the presets ``tp``, ``pp``, ``zero*`` and ``3d``."""
 
     strategy_name = "3d"
@@ -309,9 +305,6 @@ class ParallelEngine(ParallelStrategy):
         # Lightning clips with the local norm; shards, stages and ZeRO-2 owners need the global one.
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
 
-    def _name(self) -> str:
-        return getattr(self, "strategy_name", type(self).__name__)
-
     def _target(self) -> nn.Module:
         """``task.model`` (what a plan, a split and FSDP units are relative to); the LightningModule itself only for a
         tensor-parallel plan on a module that has no ``model``."""
@@ -493,88 +486,9 @@ class ParallelEngine(ParallelStrategy):
         return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
 
     # ------------------------------------------------------------------------------------------ checkpoints
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return False  # optimizer states are loaded by parameter name in load_checkpoint
-
     def layout(self) -> dict[str, Any]:
         assert self.dims is not None
         return {"dp": self.dims.dp, "tp": self.dims.tp, "pp": self.dims.pp, "zero_stage": self.zero_stage}
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {}  # the DCP writer takes the module's (sharded) state dict itself
-
-    @override
-    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        return {}
-
-    def full_state_dict(self) -> dict[str, Tensor]:
-        """Consolidated (unsharded) weights of the LightningModule on rank 0, ``{}`` elsewhere (a collective;
-        ``pp == 1``)."""
-        if self.pipelined:
-            raise ValueError("full_state_dict(): a pipeline rank holds only its stages; read the saved checkpoint "
-                             "with lightning_llm export instead")
-        return hckpt.full_weights(self.lightning_module)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"strategy={self._name()}: save_checkpoint(..., storage_options=...) is not supported")
-        path = Path(self.broadcast(str(filepath)))
-        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        if not self.save_distributed_checkpoint:
-            weights = self.full_state_dict()
-            if self.is_global_zero:
-                self.checkpoint_io.save_checkpoint({**meta, "state_dict": weights, "optimizer_states": []}, path)
-            self.barrier()
-            return
-        self._save_fault.begin(path)
-        hckpt.save_hybrid(path, module=self.lightning_module, optimizers=self.optimizers, metadata=meta,
-                          layout=self.layout(), is_global_zero=self.is_global_zero, barrier=self.barrier,
-                          on_shards_written=self._save_fault.shards_written)
-        self._save_fault.published(path)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        if path.is_file() and not fitting:
-            return self._load_full_weights(path)
-
-        # A missing or cut shard fails in DCP on some ranks only: check the files first, the same on every rank.
-        check_engine_dir(path, name=f"--ckpt_path={path}", meta_file=hckpt.META_FILE)
-        if not hckpt.is_hybrid_checkpoint(path):
-            raise FileNotFoundError(
-                f"--ckpt_path={path}: not a checkpoint directory of the parallel engine (tp, pp, zero1/2/3, 3d). "
-                "A plain Lightning .ckpt resumes with strategy=auto/ddp; convert it with "
-                "lightning_llm.strategies.hybrid_checkpoint.from_lightning_checkpoint (weights and loop state, fresh "
-                "optimizer state) to resume it here")
-        return hckpt.load_hybrid(path, module=self.lightning_module, optimizers=self.optimizers if fitting else [],
-                                 strict=self.lightning_module.strict_loading)
-
-    def _load_full_weights(self, path: Path) -> dict[str, Any]:
-        """Evaluation from a consolidated file: full tensors into the (sharded, split) module."""
-        check_torch_file(path, name=f"--ckpt_path={path}")
-        with loading(f"--ckpt_path={path}"):
-            checkpoint = self.checkpoint_io.load_checkpoint(path)
-        hckpt.load_full_weights(self.lightning_module, checkpoint["state_dict"], strict=not self.pipelined)
-        return checkpoint
-
-    @override
-    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
-        pass  # loaded in load_checkpoint
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        pass
-
-    @override
-    def remove_checkpoint(self, filepath: Any) -> None:
-        if self.is_global_zero:
-            path = Path(filepath)
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
 
     @override
     def teardown(self) -> None:
