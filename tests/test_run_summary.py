@@ -18,7 +18,8 @@ from lightning_llm.cli import main
 from lightning_llm.logs import PER_RANK, RankZeroFilter
 from lightning_llm.memory import estimate_layout
 from lightning_llm.models import named_config
-from lightning_llm.run_summary import Layout, placement
+from lightning_llm.run_summary import NOT_ONE_CALL, Layout, RunSummary, placement
+from lightning_llm.tasks import CausalLMTask, DPOTask
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -152,9 +153,6 @@ def test_flops_of_a_step_that_changes_its_batch_are_not_counted_rather_than_fail
     """DPO adds the reference log-probs to the batch in its own training_step (and, on the fly, runs the reference
     model): the count on the dataloader's batch would fail (KeyError 'ref_logps') or leave the reference forward out,
     so the summary says why there is no count. The base step and a subclass that keeps it are counted."""
-    from lightning_llm.run_summary import NOT_ONE_CALL, RunSummary
-    from lightning_llm.tasks import CausalLMTask, DPOTask
-
     class Logged(CausalLMTask):
         def on_train_batch_end(self, *args: object) -> None:
             pass
@@ -166,6 +164,6 @@ def test_flops_of_a_step_that_changes_its_batch_are_not_counted_rather_than_fail
         task.configure_model()
         summary.capture(task.model)
         flops, why = summary._flops(task, batch)
-        assert (flops is not None and flops > 0 and why == "") if counted else (flops is None and why == NOT_ONE_CALL), \
-            (type(task).__name__, flops, why)
-        assert "training_step" in NOT_ONE_CALL
+        expected = (flops is not None and flops > 0 and why == "") if counted else (flops is None and why == NOT_ONE_CALL)
+        assert expected, (type(task).__name__, flops, why)
+    assert "training_step" in NOT_ONE_CALL

@@ -6,7 +6,8 @@ A store is a directory (written elsewhere, then renamed into place with its mani
 
     tokens.bin      every document's tokens followed by EOS, concatenated (uint16, or uint32 past 65,536 ids)
     documents.bin   int64 end offset of each document in tokens.bin (the document boundaries)
-    manifest.json   inputs (path, bytes, mtime, sampled-content SHA-256), tokenizer fingerprint, counts, dtype, SHA-256 of tokens.bin
+    manifest.json   inputs (path, bytes, mtime, SHA-256 of sampled content), tokenizer fingerprint, counts, dtype,
+                    SHA-256 of tokens.bin
 """
 
 from __future__ import annotations
