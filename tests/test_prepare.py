@@ -165,8 +165,8 @@ def test_unchanged_corpus_is_reused_and_a_change_is_prepared_again(tmp_path: Pat
 
 
 def test_content_sample_reads_windows_of_a_large_input(tmp_path: Path) -> None:
-    """Past 4 MiB an input is hashed by its ends and 16 windows: a change in a window (or the ends) changes the
-    digest, a file of another size is another file anyway, and the read stays about 3 MiB."""
+    """Past 256 KiB an input is hashed by its ends and 16 windows: a change in a window (or the ends) changes the
+    digest (a file of another size is another file anyway), and 192 KiB is read whatever the size."""
     size = 12 << 20
     data = bytearray(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes())
     f = tmp_path / "big.txt"
@@ -183,6 +183,19 @@ def test_content_sample_reads_windows_of_a_large_input(tmp_path: Path) -> None:
     small = tmp_path / "small.txt"
     small.write_bytes(data[:1000])
     assert prepare.content_sample(small, 1000) == hashlib.sha256(bytes(data[:1000])).hexdigest()  # whole file
+    reads: list[int] = []
+    real_open = Path.open
+
+    def counting_open(self: Path, *args: Any, **kwargs: Any) -> Any:
+        handle = real_open(self, *args, **kwargs)
+        read = handle.read
+        handle.read = lambda n=-1: reads.append(len(chunk := read(n))) or chunk  # type: ignore[method-assign]
+        return handle
+
+    with pytest.MonkeyPatch.context() as mp_:
+        mp_.setattr(Path, "open", counting_open)
+        prepare.content_sample(f, size)
+    assert sum(reads) == 2 * prepare.END_BYTES + prepare.SAMPLE_WINDOWS * prepare.SAMPLE_BYTES == 192 << 10
 
 
 def _slow_encoder(self: TokenizerSpec) -> Any:

@@ -50,17 +50,18 @@ log = logging.getLogger(__name__)
 PROGRESS_EVERY_S = 10.0
 MIN_TASK_BYTES, MAX_TASK_BYTES = 1 << 20, 8 << 20
 COPY_CHUNK = 16 << 20
-WHOLE_FILE_DIGEST = 4 << 20
+WHOLE_FILE_DIGEST = 256 << 10
 """Inputs up to this size are hashed whole; larger ones by :func:`content_sample`'s windows."""
-SAMPLE_WINDOWS, SAMPLE_BYTES, END_BYTES = 16, 64 << 10, 1 << 20
+SAMPLE_WINDOWS, SAMPLE_BYTES, END_BYTES = 16, 4 << 10, 64 << 10
 
 
 def content_sample(path: Path, size: int) -> str:
-    """SHA-256 of an input's bytes: all of them up to :data:`WHOLE_FILE_DIGEST`, else its first and last MiB and
-    16 evenly spaced 64 KiB windows (about 3 MiB read per file, whatever its size, so checking a many-GB corpus
-    for reuse stays quick). With the size and mtime it tells a replaced file from the prepared one; an edit of a
-    large file that keeps both its size and mtime and touches no sampled window is the one change it cannot see
-    (delete the store under ``--data.cache_dir`` to force a preparation)."""
+    """SHA-256 of an input's bytes: all of them up to :data:`WHOLE_FILE_DIGEST`, else its first and last 64 KiB and
+    16 evenly spaced 4 KiB windows (192 KiB read per file whatever its size: every rank checks the store at every
+    launch, and a corpus may be 10,000 files of many GB). With the size and mtime it tells a replaced file from the
+    prepared one (another version of a file differs in its first bytes); an edit of a large file that keeps both its
+    size and mtime and touches no sampled byte is the one change it cannot see (delete the store under
+    ``--data.cache_dir`` to force a preparation)."""
     h = hashlib.sha256()
     with path.open("rb") as f:
         if size <= WHOLE_FILE_DIGEST:
