@@ -57,7 +57,6 @@ from typing_extensions import override
 
 from lightning_llm.contract import Capabilities, check_pipelinable
 from lightning_llm.models.init import is_meta
-from lightning_llm.reliability import SaveFault
 from lightning_llm.strategies.engine_checkpoint import LayoutFreeCheckpointing
 from lightning_llm.strategies.engine_layout import LayoutArgs, PipelineStages
 from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB, GradReducer, reducer_for
@@ -175,7 +174,6 @@ class ParallelEngine(LayoutFreeCheckpointing):
         self._grad_hooks: list[Any] = []
         self._reducer: GradReducer | None = None  # data-parallel gradient reduction (set up with the optimizers)
         self._batch_idx = 0
-        self._save_fault = SaveFault()  # fault injection for tests (LIGHTNING_LLM_FAULT=kill:save=N)
         self.stages: PipelineStages | None = None  # the pipeline component (pp > 1)
         self.materialized_params = 0
         """Parameters this rank allocated from the meta device at set-up (its shards only; 0: built whole)."""

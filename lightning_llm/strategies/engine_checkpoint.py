@@ -30,7 +30,10 @@ class LayoutFreeCheckpointing(ParallelStrategy):
     :meth:`layout`, :attr:`pipelined` and ``save_distributed_checkpoint`` (``ParallelEngine``)."""
 
     save_distributed_checkpoint: bool = True
-    _save_fault: SaveFault
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._save_fault = SaveFault()  # fault injection for tests (LIGHTNING_LLM_FAULT=kill:save=N)
 
     @property
     def pipelined(self) -> bool:
