@@ -52,7 +52,7 @@ def _reducer_cases() -> dict[str, Any]:
     import torch.distributed as dist
     from torch import nn
 
-    from lightning_llm.strategies.grad_buckets import GradReducer, broadcast_from_owners
+    from lightning_llm.strategies.grad_buckets import GradReducer
 
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
@@ -127,11 +127,33 @@ def _reducer_cases() -> dict[str, Any]:
     except RuntimeError as e:
         out["unfrozen_later"] = str(e)
 
-    owners = [i % world for i in range(len(params))]
-    values = [torch.full((p.numel(),), float(10 * rank + i)) for i, p in enumerate(params)]
-    broadcast_from_owners(values, owners, group=group, rank=rank, bucket_size_mb=0.002)
-    out["broadcast_ok"] = all(bool((v == 10 * o + i).all()) for i, (v, o) in enumerate(zip(values, owners)))
     return out
+
+
+def _broadcast_cases() -> dict[str, Any]:
+    """The ZeRO-1/2 parameter broadcast: packed parameters become views of their bucket's buffer and receive the
+    owner's values in place; a parameter whose storage is aliased on one rank stays unpacked on every rank."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from lightning_llm.strategies.grad_buckets import OwnerBroadcast
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    params = [nn.Parameter(torch.full((n,), float(i))) for i, n in enumerate((300, 70, 500, 11, 200))]
+    before = [(id(p), p.shape) for p in params]
+    alias = params[2].data if rank == 1 else None  # a `.data` alias held on one rank only: it must not go stale
+    owners = [i % world for i in range(len(params))]
+    broadcast = OwnerBroadcast(params, owners, group=dist.group.WORLD, rank=rank, bucket_size_mb=0.001)
+    flats = [b.flat.untyped_storage().data_ptr() for b in broadcast.buckets if b.flat is not None]
+    packed = [p.untyped_storage().data_ptr() in flats for p in params]
+    kept = all(bool((p == i).all()) for i, p in enumerate(params)) and [(id(p), p.shape) for p in params] == before
+    with torch.no_grad():
+        for i, p in enumerate(params):  # each rank's "step": only the owners' values may survive
+            p.fill_(100 * rank + i)
+    broadcast()
+    return {"packed": packed, "values_kept": kept, "owners_of_buckets": [b.owner for b in broadcast.buckets],
+            "received": all(bool((p == 100 * o + i).all()) for i, (p, o) in enumerate(zip(params, owners))),
+            "alias_follows": alias is None or bool((alias == params[2]).all())}
 
 
 # ---------------------------------------------------------------------------------------------------- fits
@@ -231,6 +253,7 @@ def _worker(mode: str, out: Path) -> None:
         return
     results: dict[str, Any] = {layout: gathered(_fit(layout, 2, out)) for layout in LAYOUTS}
     results["reducer"] = gathered(_reducer_cases())  # on the process group the fits set up
+    results["broadcast"] = gathered(_broadcast_cases())
     write_json_on_rank0(out / "layouts.json", results)
 
 
@@ -253,8 +276,17 @@ def test_reducer_matches_the_mean_of_every_ranks_gradients(runs: dict[str, Any])
             assert case["max_err"] <= 1e-6 and case["none_where_expected"]
             assert 0 < case["peak_in_flight"] <= case["two_largest_buckets"]  # at most two flat copies alive
             assert "received a second gradient before the optimizer step" in case["second_backward"]
-        assert r["broadcast_ok"]
         assert r["unfrozen_later"].startswith("late: frozen when training started")
+
+
+@pytest.mark.multiprocess
+def test_owner_broadcast_moves_packed_parameters_in_place(runs: dict[str, Any]) -> None:
+    got = runs["got"]["broadcast"]
+    for rank, r in enumerate(got):
+        print(f"rank {rank}: {r}")
+        assert r["packed"] == [True, True, False, True, True]  # parameter 2 is aliased on rank 1 only
+        assert r["values_kept"] and r["received"] and r["alias_follows"]
+    assert got[0]["owners_of_buckets"] == got[1]["owners_of_buckets"]
 
 
 @pytest.mark.multiprocess

@@ -26,7 +26,8 @@ over the ``dp`` group, the way DDP's reducer does:
 Flat buffers live only while their collective is in flight (completed buckets are written back as later ones
 launch, and at most :data:`MAX_IN_FLIGHT` are in flight), so the model-state bytes are those of the unbucketed
 reduction, with at most two buckets' flat copies on top during backward (``peak_in_flight_bytes``).
-:func:`broadcast_from_owners` is the post-step parameter broadcast of ZeRO-1/2, bucketed the same way.
+:class:`OwnerBroadcast` is the post-step parameter broadcast of ZeRO-1/2, bucketed the same way, its parameters
+packed into the buckets' buffers so it sends and receives in place.
 
 Why not torch's own machinery: DDP (and its comm hooks) wraps the module and keeps a persistent flat copy of every
 gradient, which ZeRO-2 must not hold on non-owners; the composable ``replicate`` of torch 2.13 is built on FSDP2 and
@@ -55,7 +56,7 @@ from lightning_llm.strategies.parallelize import reduce_partial_grads
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_BUCKET_MB", "GradReducer", "assign_buckets", "broadcast_from_owners", "reducer_for",
+__all__ = ["DEFAULT_BUCKET_MB", "GradReducer", "OwnerBroadcast", "assign_buckets", "reducer_for",
            "replicated_over_dp"]
 
 DEFAULT_BUCKET_MB = 25.0
@@ -277,41 +278,102 @@ def reducer_for(module: nn.Module, *, group: Any, world: int, rank: int, bucket_
                        frozen=[(n, p) for n, p in named if not p.requires_grad])
 
 
-def broadcast_from_owners(params: Sequence[Tensor], owners: Sequence[int], *, group: Any, rank: int,
-                          bucket_size_mb: float) -> None:
-    """Every rank gets the owners' values of ``params`` (local tensors; the same list on every rank): each owner's
-    parameters in flat buckets of ``bucket_size_mb``, broadcast asynchronously, at most
-    :data:`MAX_IN_FLIGHT` buckets (each a flat copy) in flight."""
-    cap = int(bucket_size_mb * 2**20)
-    buckets: list[tuple[int, list[Tensor]]] = []
-    for owner in sorted(set(owners)):
-        cur: list[Tensor] = []
-        size = 0
-        for t, o in zip(params, owners):
-            if o != owner:
-                continue
-            cur.append(t)
-            size += t.numel() * t.element_size()
-            if size >= cap:
-                buckets.append((owner, cur))
-                cur, size = [], 0
-        if cur:
-            buckets.append((owner, cur))
-    in_flight: deque[tuple[int, list[Tensor], Tensor, Any]] = deque()
+def _storage_use_count(t: Tensor) -> int:
+    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
-    def land() -> None:
-        owner, ts, flat, work = in_flight.popleft()
-        work.wait()
-        if owner != rank:
-            for t, new in zip(ts, torch._utils._unflatten_dense_tensors(flat, ts)):
-                t.copy_(new)
 
-    with torch.no_grad():
-        for owner, ts in buckets:
-            if len(in_flight) >= MAX_IN_FLIGHT:
-                land()
-            flat = torch._utils._flatten_dense_tensors([t.detach() for t in ts])
-            work = dist.broadcast(flat, src=dist.get_global_rank(group, owner), group=group, async_op=True)
-            in_flight.append((owner, ts, flat, work))
+def _owns_its_storage(p: Tensor, *, alone: int) -> bool:
+    """Whether ``p`` is a plain contiguous tensor that is the only user of its whole storage (``alone``: the use count
+    of such a tensor's storage), so moving its data into a bucket's buffer changes nothing anyone else can see: a
+    ``.data`` alias, a view, or another Parameter tied by sharing storage would keep the old storage and go stale."""
+    return (type(p) in (Tensor, nn.Parameter) and p.is_contiguous() and p.storage_offset() == 0
+            and p.untyped_storage().nbytes() == p.numel() * p.element_size() and _storage_use_count(p) == alone)
+
+
+@dataclass(eq=False)
+class OwnerBucket:
+    """Parameters broadcast from ``owner`` in one collective; ``flat`` is set when they are views of it (packed)."""
+
+    owner: int
+    params: list[Tensor]
+    flat: Tensor | None = None
+
+
+class OwnerBroadcast:
+    """The post-step parameter broadcast of ZeRO-1/2: every rank gets the owners' values of ``params`` (the same list
+    on every rank; ``owners``: each one's dp rank), each owner's parameters in buckets of ``bucket_size_mb``,
+    broadcast asynchronously.
+
+    Packed storage (Megatron-LM's distributed optimizer and FSDP1's flat parameters keep the same layout): at
+    construction each bucket of plain parameters gets one flat buffer and its parameters become views of it (values
+    unchanged), so the owner sends and the others receive in place: no flat copy and no copy back each step
+    (``small``, 2 gloo ranks: 21-23 ms -> 11-13 ms per broadcast). A parameter that cannot move unseen
+    (:func:`_owns_its_storage`: DTensor shards, aliased or tied-by-storage tensors) goes in an unpacked bucket,
+    flattened per step and copied back, at most :data:`MAX_IN_FLIGHT` such copies alive. The ranks agree on what is
+    packed (one all-reduce at construction), so their buckets pair up.
+    """
+
+    def __init__(self, params: Sequence[Tensor], owners: Sequence[int], *, group: Any, rank: int,
+                 bucket_size_mb: float, pack: bool = True) -> None:
+        self.group, self.rank = group, rank
+        alone = _storage_use_count(nn.Parameter(torch.empty(1)))
+        flags = torch.tensor([pack and _owns_its_storage(p, alone=alone) for p in params], dtype=torch.uint8,
+                             device=_local(params[0]).device if params else None)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)  # packed only where every rank can pack
+        groups: dict[tuple[Any, ...], list[Tensor]] = {}
+        for p, owner, packed in zip(params, owners, flags.tolist()):
+            local = _local(p)
+            groups.setdefault((owner, local.dtype, local.device, bool(packed)), []).append(local)
+        cap = int(bucket_size_mb * 2**20)
+        self.buckets: list[OwnerBucket] = []
+        for (owner, _, _, packed), ts in sorted(groups.items(), key=lambda kv: kv[0][0]):  # stable: same on all ranks
+            for chunk in _cut(ts, cap):
+                self.buckets.append(OwnerBucket(owner, chunk, _pack(chunk) if packed else None))
+        log.debug("parameter broadcast: %d buckets, %d of %d tensors packed", len(self.buckets),
+                  sum(len(b.params) for b in self.buckets if b.flat is not None), len(params))
+
+    @torch.no_grad()
+    def __call__(self) -> None:
+        in_flight: deque[tuple[OwnerBucket, Tensor, Any]] = deque()
+
+        def land() -> None:
+            b, flat, work = in_flight.popleft()
+            work.wait()
+            if b.flat is None and b.owner != self.rank:
+                for t, new in zip(b.params, torch._utils._unflatten_dense_tensors(flat, b.params)):
+                    t.copy_(new)
+
+        for b in self.buckets:
+            while b.flat is None and sum(x.flat is None for x, _, _ in in_flight) >= MAX_IN_FLIGHT:
+                land()  # flat copies: at most MAX_IN_FLIGHT alive
+            flat = b.flat if b.flat is not None else torch._utils._flatten_dense_tensors([t.detach() for t in b.params])
+            work = dist.broadcast(flat, src=dist.get_global_rank(self.group, b.owner), group=self.group, async_op=True)
+            in_flight.append((b, flat, work))
         while in_flight:
             land()
+
+
+def _cut(ts: list[Tensor], cap: int) -> list[list[Tensor]]:
+    """``ts`` in order, cut into runs of >= ``cap`` bytes (the last one shorter)."""
+    out: list[list[Tensor]] = [[]]
+    size = 0
+    for t in ts:
+        if size >= cap:
+            out.append([])
+            size = 0
+        out[-1].append(t)
+        size += t.numel() * t.element_size()
+    return [c for c in out if c]
+
+
+@torch.no_grad()
+def _pack(ts: list[Tensor]) -> Tensor:
+    """One flat buffer holding ``ts``' values; each tensor's data becomes its view (shapes and values unchanged)."""
+    flat = torch.empty(sum(t.numel() for t in ts), dtype=ts[0].dtype, device=ts[0].device)
+    offset = 0
+    for t in ts:
+        view = flat[offset:offset + t.numel()].view_as(t)
+        view.copy_(t)
+        t.data = view
+        offset += t.numel()
+    return flat

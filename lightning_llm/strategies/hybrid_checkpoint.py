@@ -241,7 +241,11 @@ def full_weights(module: nn.Module) -> dict[str, Tensor]:
         get_model_state_dict,
     )
 
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    # A view of a larger storage (ZeRO-1/2 pack parameters into their broadcast bucket's buffer) is cloned:
+    # torch.save writes whole storages, so a file of a few tensors would otherwise hold whole buckets.
+    return {k: v.clone() if isinstance(v, Tensor) and v.untyped_storage().nbytes() != v.nbytes else v
+            for k, v in full.items()}
 
 
 def load_full_weights(module: nn.Module, state_dict: Mapping[str, Tensor], *, strict: bool) -> None:

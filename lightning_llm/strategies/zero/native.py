@@ -8,8 +8,8 @@ the same pieces shard over a sub-group when tensor/pipeline parallel dims are ad
   state. Gradients are reduced by :class:`~..grad_buckets.GradReducer` in buckets during backward: stage 1
   all-reduces them (all ranks keep full gradients, 4Ψ); stage 2 reduces each bucket to its owner and drops it on the
   other ranks (4Ψ/N). After the owner's local step the updated parameters are broadcast from their owners in
-  buckets (:func:`~..grad_buckets.broadcast_from_owners`). This holds exactly ZeRO's model states per rank:
-  stage 1 = 4Ψ + 4Ψ + 8Ψ/N, stage 2 = 4Ψ + 12Ψ/N in fp32 (see ``benchmarks/results/zero-cpu.md``).
+  buckets (:class:`~..grad_buckets.OwnerBroadcast`, each bucket's parameters packed into one buffer, so it moves
+  them in place). This holds exactly ZeRO's model states per rank: stage 1 = 4Ψ + 4Ψ + 8Ψ/N, stage 2 = 4Ψ + 12Ψ/N in fp32 (see ``benchmarks/results/zero-cpu.md``).
   FSDP2 with ``reshard_after_forward=False`` was not used for stage 2: it keeps its own parameter shard next to the
   all-gathered whole parameters (4Ψ + 16Ψ/N when parameters are whole at the step), or - with its default resharding
   after backward - only shards at the step, i.e. stage 3's memory.
@@ -35,7 +35,7 @@ from lightning_llm.models import parallel_spec_of
 from lightning_llm.strategies.grad_buckets import (
     DEFAULT_BUCKET_MB,
     GradReducer,
-    broadcast_from_owners,
+    OwnerBroadcast,
 )
 
 log = logging.getLogger(__name__)
@@ -165,6 +165,10 @@ class PartitionedOptimizer(Optimizer):
         # Every hyperparameter is in the group dicts, so the optimizer class needs no constructor defaults.
         inner_groups = [g for g in inner_groups if g["params"]]
         self.local_optimizer = type(optimizer)(inner_groups) if inner_groups else None
+        # Packs each broadcast bucket's parameters into one buffer (their storage moves; values, shapes, identity
+        # stay), so the broadcast after every step sends and receives in place.
+        self._broadcast = OwnerBroadcast(params, [self._owner_of[id(p)] for p in params], group=self.group,
+                                         rank=self.rank, bucket_size_mb=bucket_size_mb) if self.world > 1 else None
         log.info("ZeRO-%d: rank %d owns %d/%d tensors (%s of %s elements)%s", stage, self.rank, len(self.owned),
                  len(params), f"{sum(p.numel() for p in self.owned):,}", f"{sum(p.numel() for p in params):,}",
                  ", optimizer offloaded to CPU" if offload else "", extra=PER_RANK)
@@ -204,15 +208,9 @@ class PartitionedOptimizer(Optimizer):
             if self.offload:
                 for p in self.owned:
                     _local(p).copy_(self._master[id(p)])
-        self._broadcast_from_owners()
+        if self._broadcast is not None:
+            self._broadcast()
         return loss
-
-    def _broadcast_from_owners(self) -> None:
-        if self.world == 1:
-            return
-        params = [p for g in self.param_groups for p in g["params"]]
-        broadcast_from_owners([_local(p) for p in params], [self._owner_of[id(p)] for p in params], group=self.group,
-                              rank=self.rank, bucket_size_mb=self.bucket_size_mb)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
