@@ -137,6 +137,7 @@ def _broadcast_cases() -> dict[str, Any]:
     from torch import nn
 
     from lightning_llm.strategies.grad_buckets import OwnerBroadcast
+    from lightning_llm.strategies.hybrid_checkpoint import full_weights
 
     rank, world = dist.get_rank(), dist.get_world_size()
     params = [nn.Parameter(torch.full((n,), float(i))) for i, n in enumerate((300, 70, 500, 11, 200))]
@@ -151,9 +152,14 @@ def _broadcast_cases() -> dict[str, Any]:
         for i, p in enumerate(params):  # each rank's "step": only the owners' values may survive
             p.fill_(100 * rank + i)
     broadcast()
+    # Params 1 and 3 share a bucket's buffer: a full-weights export must not save the whole buffer for each.
+    full = full_weights(nn.ParameterList(params))
     return {"packed": packed, "values_kept": kept, "owners_of_buckets": [b.owner for b in broadcast.buckets],
             "received": all(bool((p == 100 * o + i).all()) for i, (p, o) in enumerate(zip(params, owners))),
-            "alias_follows": alias is None or bool((alias == params[2]).all())}
+            "alias_follows": alias is None or bool((alias == params[2]).all()),
+            "export_storage_bytes": [v.untyped_storage().nbytes() for v in full.values()],
+            "export_bytes": [v.nbytes for v in full.values()],
+            "export_equal": all(bool((v == p).all()) for v, p in zip(full.values(), params))}
 
 
 # ---------------------------------------------------------------------------------------------------- fits
@@ -286,6 +292,7 @@ def test_owner_broadcast_moves_packed_parameters_in_place(runs: dict[str, Any]) 
         print(f"rank {rank}: {r}")
         assert r["packed"] == [True, True, False, True, True]  # parameter 2 is aliased on rank 1 only
         assert r["values_kept"] and r["received"] and r["alias_follows"]
+        assert r["export_equal"] and r["export_storage_bytes"] == r["export_bytes"]  # torch.save writes no bucket
     assert got[0]["owners_of_buckets"] == got[1]["owners_of_buckets"]
 
 

@@ -22,6 +22,8 @@ BATCH = 4  # per rank
 BLOCK = 32
 VOCAB = 264  # byte tokenizer (259 ids) padded to a multiple of 8
 LORA_IDS: Any = None  # fixed input for the LoRA logits (set in the worker)
+LORA_RUNS = (("native", 3, "native"), ("deepspeed", 3, "deepspeed"), ("native-zero1", 1, "native"))
+"""(label, stage, engine) of the LoRA export fits."""
 
 
 def _lora_ids() -> Any:
@@ -142,10 +144,10 @@ def worker(group: str, out: Path) -> None:
     elif group == "lora":
         LORA_IDS = _lora_ids()
         task_cls = _lora_task_class()
-        for engine in ("native", "deepspeed"):
-            results[f"lora-{engine}"] = _fit(ZeroStrategy(stage=3, engine=engine), out / f"lora-{engine}",
-                                             task_cls=task_cls, max_steps=4, export=out / f"export-{engine}",
-                                             measure_step=None)
+        for label, stage, engine in LORA_RUNS:
+            results[f"lora-{label}"] = _fit(ZeroStrategy(stage=stage, engine=engine), out / f"lora-{label}",
+                                            task_cls=task_cls, max_steps=4, export=out / f"export-{label}",
+                                            measure_step=None)
     if torch.distributed.get_rank() == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))
 
@@ -277,15 +279,16 @@ def test_deepspeed_zero_matches_ddp(tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 def test_lora_adapter_saved_under_stage3_is_full_and_reproduces_outputs(tmp_path: Path) -> None:
-    """peft LoRA (q_proj, v_proj) on the debug decoder, 4 steps of ZeRO-3 (native FSDP2 and DeepSpeed): the exported
-    adapter holds full tensors, and base weights + adapter in a fresh model reproduce the trained model's logits."""
+    """peft LoRA (q_proj, v_proj) on the debug decoder, 4 steps of ZeRO-3 (native FSDP2 and DeepSpeed) and of native
+    ZeRO-1 (whose trainable parameters are packed into its broadcast buckets): the exported adapter holds full
+    tensors and nothing else, and base weights + adapter in a fresh model reproduce the trained model's logits."""
     import torch
     from peft import LoraConfig, inject_adapter_in_model
 
     from lightning_llm.models import build_model
 
     _launch("lora", tmp_path)
-    for engine in ("native", "deepspeed"):
+    for engine, _, _ in LORA_RUNS:
         d = tmp_path / f"export-{engine}"
         adapter, full, logits = (torch.load(d / f) for f in ("adapter.pt", "full.pt", "logits.pt"))
         fresh = build_model("debug", family="decoder", vocab_size=VOCAB, dropout=0.0)
@@ -301,7 +304,11 @@ def test_lora_adapter_saved_under_stage3_is_full_and_reproduces_outputs(tmp_path
         err = (out - logits).abs().max().item()
         print(f"{engine}: {len(adapter)} adapter tensors, max|lora_B| = {moved:.3e}, "
               f"max|fresh+adapter logits - trained logits| = {err:.2e}")
+        tensor_bytes = sum(v.numel() * v.element_size() for v in adapter.values())
+        file_bytes = (d / "adapter.pt").stat().st_size
+        print(f"{engine}: adapter.pt {file_bytes:,} bytes for {tensor_bytes:,} bytes of tensors")
         assert moved > 0 and err <= 1e-5
+        assert file_bytes < tensor_bytes + 8192  # torch.save's zip headers on top, nothing else
 
 
 @pytest.mark.multiprocess
