@@ -279,7 +279,9 @@ def reducer_for(module: nn.Module, *, group: Any, world: int, rank: int, bucket_
 
 
 def _storage_use_count(t: Tensor) -> int:
-    return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
+    """References to ``t``'s storage (tensors viewing it, its Python object); -1 where torch cannot tell."""
+    count = getattr(torch._C, "_storage_Use_Count", None)  # private: a torch without it packs nothing
+    return -1 if count is None else int(count(t.untyped_storage()._cdata))
 
 
 def _owns_its_storage(p: Tensor, *, alone: int) -> bool:
@@ -287,7 +289,8 @@ def _owns_its_storage(p: Tensor, *, alone: int) -> bool:
     of such a tensor's storage), so moving its data into a bucket's buffer changes nothing anyone else can see: a
     ``.data`` alias, a view, or another Parameter tied by sharing storage would keep the old storage and go stale."""
     return (type(p) in (Tensor, nn.Parameter) and p.is_contiguous() and p.storage_offset() == 0
-            and p.untyped_storage().nbytes() == p.numel() * p.element_size() and _storage_use_count(p) == alone)
+            and p.untyped_storage().nbytes() == p.numel() * p.element_size() and alone > 0
+            and _storage_use_count(p) == alone)
 
 
 @dataclass(eq=False)
@@ -319,7 +322,8 @@ class OwnerBroadcast:
         alone = _storage_use_count(nn.Parameter(torch.empty(1)))
         flags = torch.tensor([pack and _owns_its_storage(p, alone=alone) for p in params], dtype=torch.uint8,
                              device=_local(params[0]).device if params else None)
-        dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)  # packed only where every rank can pack
+        if params:
+            dist.all_reduce(flags, op=dist.ReduceOp.MIN, group=group)  # packed only where every rank can pack
         groups: dict[tuple[Any, ...], list[Tensor]] = {}
         for p, owner, packed in zip(params, owners, flags.tolist()):
             local = _local(p)
