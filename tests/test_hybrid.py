@@ -1,8 +1,8 @@
-"""3-D strategy (``strategy=3d``): per-step parity with one device at four 4-process layouts, and config errors.
+"""3-D strategy (``strategy=3d``): per-step parity with one device at six 4-process layouts, and config errors.
 
 One torchrun launch of this file (4 CPU processes, gloo) trains the debug decoder for 6 steps at each layout in
 turn, each with a fresh Trainer: dp2 x tp2, tp2 x pp2, dp2 x pp2 with ZeRO-1 on dp, dp2 x tp2 with ZeRO-3
-(FSDP2 over dp on top of the TP shards), and dp2 x tp2 with sequence parallelism and 0.02 MiB gradient buckets. Meanwhile the pytest process runs the same 6 steps on one device. The
+(FSDP2 over dp on top of the TP shards) and with ZeRO-2 (owners of TP shards), and dp2 x tp2 with sequence parallelism and 0.02 MiB gradient buckets. Meanwhile the pytest process runs the same 6 steps on one device. The
 global batch is 8 everywhere (per-rank batch 8 / dp); fp32, dropout 0, AdamW with eps=1 (update ~ lr x gradient),
 gradient clipping by global norm 0.05 (active at every step, so a wrong norm across shards/stages changes the losses).
 """
@@ -31,6 +31,8 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     "tp2_pp2": dict(data_parallel_size=1, tensor_parallel_size=2, pipeline_parallel_size=2, n_microbatches=2),
     "dp2_pp2_zero1": dict(data_parallel_size=2, pipeline_parallel_size=2, zero_stage=1, n_microbatches=2),
     "dp2_tp2_zero3": dict(data_parallel_size=2, tensor_parallel_size=2, zero_stage=3),
+    # owners over dp of TP shards: reduced to the owner, broadcast unpacked (a DTensor's shard cannot be packed)
+    "dp2_tp2_zero2": dict(data_parallel_size=2, tensor_parallel_size=2, zero_stage=2),
     # Partial (sequence-parallel norm) and vocab-sharded gradients through many small dp buckets
     "dp2_tp2_sp_buckets": dict(data_parallel_size=2, tensor_parallel_size=2, sequence_parallel=True,
                                bucket_size_mb=0.02),
