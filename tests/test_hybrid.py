@@ -2,7 +2,8 @@
 
 One torchrun launch of this file (4 CPU processes, gloo) trains the debug decoder for 6 steps at each layout in
 turn, each with a fresh Trainer: dp2 x tp2, tp2 x pp2, dp2 x pp2 with ZeRO-1 on dp, dp2 x tp2 with ZeRO-3
-(FSDP2 over dp on top of the TP shards) and with ZeRO-2 (owners of TP shards), and dp2 x tp2 with sequence parallelism and 0.02 MiB gradient buckets. Meanwhile the pytest process runs the same 6 steps on one device. The
+(FSDP2 over dp on top of the TP shards) and with ZeRO-2 (owners of TP shards), and dp2 x tp2 with sequence
+parallelism and 0.02 MiB gradient buckets. Meanwhile the pytest process runs the same 6 steps on one device. The
 global batch is 8 everywhere (per-rank batch 8 / dp); fp32, dropout 0, AdamW with eps=1 (update ~ lr x gradient),
 gradient clipping by global norm 0.05 (active at every step, so a wrong norm across shards/stages changes the losses).
 """

@@ -278,7 +278,7 @@ def test_deepspeed_zero_matches_ddp(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_lora_adapter_saved_under_stage3_is_full_and_reproduces_outputs(tmp_path: Path) -> None:
+def test_lora_adapter_saved_under_zero_is_full_and_reproduces_outputs(tmp_path: Path) -> None:
     """peft LoRA (q_proj, v_proj) on the debug decoder, 4 steps of ZeRO-3 (native FSDP2 and DeepSpeed) and of native
     ZeRO-1 (whose trainable parameters are packed into its broadcast buckets): the exported adapter holds full
     tensors and nothing else, and base weights + adapter in a fresh model reproduce the trained model's logits."""

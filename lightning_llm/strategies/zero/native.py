@@ -9,7 +9,8 @@ the same pieces shard over a sub-group when tensor/pipeline parallel dims are ad
   all-reduces them (all ranks keep full gradients, 4Ψ); stage 2 reduces each bucket to its owner and drops it on the
   other ranks (4Ψ/N). After the owner's local step the updated parameters are broadcast from their owners in
   buckets (:class:`~..grad_buckets.OwnerBroadcast`, each bucket's parameters packed into one buffer, so it moves
-  them in place). This holds exactly ZeRO's model states per rank: stage 1 = 4Ψ + 4Ψ + 8Ψ/N, stage 2 = 4Ψ + 12Ψ/N in fp32 (see ``benchmarks/results/zero-cpu.md``).
+  them in place). This holds exactly ZeRO's model states per rank: stage 1 = 4Ψ + 4Ψ + 8Ψ/N, stage 2 =
+  4Ψ + 12Ψ/N in fp32 (see ``benchmarks/results/zero-cpu.md``).
   FSDP2 with ``reshard_after_forward=False`` was not used for stage 2: it keeps its own parameter shard next to the
   all-gathered whole parameters (4Ψ + 16Ψ/N when parameters are whole at the step), or - with its default resharding
   after backward - only shards at the step, i.e. stage 3's memory.
@@ -143,7 +144,6 @@ class PartitionedOptimizer(Optimizer):
             raise ValueError(f"PartitionedOptimizer: stage={stage}, must be 1 or 2 (stage 3 is FSDP2)")
         self.stage = stage
         self.offload = offload
-        self.bucket_size_mb = bucket_size_mb
         self.group = dp_mesh.get_group()
         self.world = dp_mesh.size()
         self.rank = dp_mesh.get_local_rank()
