@@ -304,11 +304,11 @@ def test_lora_adapter_saved_under_zero_is_full_and_reproduces_outputs(tmp_path: 
         err = (out - logits).abs().max().item()
         print(f"{engine}: {len(adapter)} adapter tensors, max|lora_B| = {moved:.3e}, "
               f"max|fresh+adapter logits - trained logits| = {err:.2e}")
-        tensor_bytes = sum(v.numel() * v.element_size() for v in adapter.values())
-        file_bytes = (d / "adapter.pt").stat().st_size
-        print(f"{engine}: adapter.pt {file_bytes:,} bytes for {tensor_bytes:,} bytes of tensors")
+        # torch.save keeps shared storages: a tensor saved as a view of a packed ZeRO bucket loads as one
+        shared = [k for k, v in adapter.items() if v.untyped_storage().nbytes() != v.nbytes]
+        print(f"{engine}: adapter.pt {(d / 'adapter.pt').stat().st_size:,} bytes; tensors saved as views: {shared}")
         assert moved > 0 and err <= 1e-5
-        assert file_bytes < tensor_bytes + 8192  # torch.save's zip headers on top, nothing else
+        assert not shared
 
 
 @pytest.mark.multiprocess
