@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_llm.checkpoint_errors import CheckpointError, check_engine_dir
+from lightning_llm.checkpoint import CheckpointError, check_engine_dir
 from lightning_llm.cli import main
 from lightning_llm.testing import free_port, run_cli
 
@@ -165,7 +165,7 @@ def _deepspeed_dir(tmp_path: Path, *, ranks: int = 2) -> Path:
 def test_damaged_deepspeed_directory_names_what_is_missing(tmp_path: Path, damage: str, message: str) -> None:
     import shutil
 
-    from lightning_llm.checkpoint_errors import check_deepspeed_dir
+    from lightning_llm.checkpoint import check_deepspeed_dir
 
     d = _deepspeed_dir(tmp_path)
     assert check_deepspeed_dir(d, name="X", world_size=2) == 2  # whole, same world size: no error

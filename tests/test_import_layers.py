@@ -12,7 +12,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lightning_llm"
 
 # docs/architecture.md's layer table: module or package (longest prefix wins) -> layer, lowest first.
 LAYERS = {
-    "data.io": 0, "logs": 0, "checkpoint_errors": 0, "contract": 0, "kernels": 0, "metrics": 0,
+    "data.io": 0, "logs": 0, "checkpoint": 0, "contract": 0, "kernels": 0, "metrics": 0,
     "models": 1, "reliability": 1,
     "data": 2, "generation": 2, "strategies": 2,
     "vocab": 3, "memory": 3,

@@ -22,7 +22,7 @@ from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import lightning_llm.strategies  # noqa: F401 - registers our strategies in StrategyRegistry
-from lightning_llm.checkpoint_errors import CheckpointError, check_torch_file, loading
+from lightning_llm.checkpoint import CheckpointError, check_torch_file, loading, verify_checkpoint
 from lightning_llm.cli.args import expand_config, prepare_argv, register_parser_mode
 from lightning_llm.data.io import DataError, read_json
 from lightning_llm.logs import RankZeroFilter, is_global_zero
@@ -84,15 +84,18 @@ class LLMCLI(LightningCLI):
 
     def _parse_ckpt_path(self) -> None:
         # LightningCLI torch.loads a --ckpt_path file here (for its hyperparameters), before anything else reads it:
-        # a cut or corrupt file must fail here with one line naming it. (A private hook of LightningCLI; the test
-        # of a truncated --ckpt_path notices if it stops being called.)
+        # a cut or corrupt file must fail here with one line naming it, and a file or directory holding objects that
+        # would run code when unpickled is refused here, before anything is built (checkpoint.safe_load). (A private
+        # hook of LightningCLI; the tests of a truncated and of a crafted --ckpt_path notice if it stops being called.)
 
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
-        if not (ckpt_path and Path(ckpt_path).is_file()):
+        if not ckpt_path:
             return super()._parse_ckpt_path()
         name = f"--ckpt_path={ckpt_path}"
-        check_torch_file(ckpt_path, name=name)
+        if Path(ckpt_path).is_file():
+            check_torch_file(ckpt_path, name=name)
+        verify_checkpoint(ckpt_path, name=name)
         with loading(name):
             return super()._parse_ckpt_path()
 

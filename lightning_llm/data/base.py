@@ -13,7 +13,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, SequentialSampler
 
-from lightning_llm.checkpoint_errors import first_line
+from lightning_llm.checkpoint import first_line
 from lightning_llm.data.io import DataError, read_json, read_text
 from lightning_llm.data.tokenizers import ByteTokenizer
 

@@ -14,8 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from lightning_llm.checkpoint import load_file, verify_checkpoint
 from lightning_llm.export.legacy import consolidate_checkpoint, is_pipeline_checkpoint, read_sharded
 from lightning_llm.strategies import hybrid_checkpoint
 from lightning_llm.strategies.zero.deepspeed import consolidated_checkpoint, is_deepspeed_checkpoint
@@ -29,16 +28,17 @@ def read_checkpoint(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.exists():
         raise FileNotFoundError(f"CKPT={p}: no such file or directory")
+    verify_checkpoint(p, name=f"CKPT={p}")  # before anything is read: a crafted file never runs code
     if p.is_file():
-        return torch.load(p, map_location="cpu", weights_only=False)
+        return load_file(p, name=f"CKPT={p}")
     if hybrid_checkpoint.is_hybrid_checkpoint(p):
-        return hybrid_checkpoint.consolidated_state_dict(p)
+        return hybrid_checkpoint.consolidated_state_dict(p, name=f"CKPT={p}")
     if is_pipeline_checkpoint(p):
         return consolidate_checkpoint(p)
     if (p / "model.pt").is_file():  # native ZeRO-1/2: replicated weights written once
-        return torch.load(p / "model.pt", map_location="cpu", weights_only=False)
+        return load_file(p / "model.pt", name=f"CKPT={p}: model.pt")
     if (p / ".metadata").is_file() and (p / "meta.pt").is_file():  # TP / ZeRO-3 (ModelParallelStrategy layout)
-        return read_sharded(p)
+        return read_sharded(p, name=f"CKPT={p}")
     if is_deepspeed_checkpoint(p):
         return consolidated_checkpoint(p)
     raise ValueError(f"CKPT={p}: not a checkpoint directory written by one of our strategies (3d, tp, pp, zero, "

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_llm.checkpoint import load_file
 from lightning_llm.strategies.hybrid_checkpoint import dcp_contents
 
 __all__ = ["CHECKPOINT_FILE", "METADATA_FILENAME", "consolidate_checkpoint", "is_pipeline_checkpoint",
@@ -57,11 +58,11 @@ def save_sharded(
     return p
 
 
-def read_sharded(path: Path) -> dict[str, Any]:
+def read_sharded(path: Path, *, name: str | None = None) -> dict[str, Any]:
     """A directory in the ``tp`` / ZeRO-3 layout as one checkpoint dict (every tensor loaded whole on this process, no
     process group; optimizer states dropped)."""
-    meta = torch.load(path / METADATA_FILENAME, map_location="cpu", weights_only=False)
-    return {**meta, "state_dict": dict(dcp_contents(path).get("state_dict", {})), "optimizer_states": []}
+    meta = load_file(path / METADATA_FILENAME, name=f"{name or path}: {METADATA_FILENAME}")
+    return {**meta, "state_dict": dict(dcp_contents(path, name=name).get("state_dict", {})), "optimizer_states": []}
 
 
 CHECKPOINT_FILE = "pp-stage-rank-{:02d}.ckpt"
@@ -82,7 +83,7 @@ def consolidate_checkpoint(path: str | Path) -> dict[str, Any]:
     files = sorted(Path(path).glob(CHECKPOINT_FILE.replace("{:02d}", "*")))
     if not files:
         raise FileNotFoundError(f"{path}: no {CHECKPOINT_FILE.format(0)}-style files")
-    shards = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
+    shards = [load_file(f, name=f"{path}: {f.name}") for f in files]
     merged = {k: v for k, v in shards[0].items() if k not in ("state_dict", "optimizer_states", "pipeline_layout")}
     merged["state_dict"] = {k: v for s in shards for k, v in s["state_dict"].items()}
     merged["optimizer_states"] = []

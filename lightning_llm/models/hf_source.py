@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_llm.checkpoint_errors import check_torch_file, first_line, loading
+from lightning_llm.checkpoint import check_torch_file, first_line, loading
 from lightning_llm.data.io import DataError, read_json
 
 log = logging.getLogger(__name__)

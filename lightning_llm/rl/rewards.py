@@ -24,6 +24,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor, nn
 
+from lightning_llm.checkpoint import load_file
 from lightning_llm.data.base import load_tokenizer
 from lightning_llm.models import NAMED_SIZES, build_model, load_hf
 
@@ -117,7 +118,7 @@ def load_callable(path: str, kwargs: dict[str, Any] | None = None, *, param: str
 
 def _load_classification_checkpoint(path: Path) -> tuple[nn.Module, dict[str, Any]]:
     """Rebuild a ClassificationTask's encoder from its checkpoint (shapes taken from the weights)."""
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = load_file(path, name=f"--model.reward.model={path}")
     hp = dict(ckpt.get("hyper_parameters") or {})
     state = {k[len("model."):]: v for k, v in ckpt.get("state_dict", {}).items() if k.startswith("model.")}
     if "classifier.weight" not in state or "backbone" not in hp:

@@ -18,7 +18,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_llm.checkpoint_errors import check_engine_dir, check_torch_file, loading
+from lightning_llm.checkpoint import check_engine_dir, check_torch_file, loading, verify_checkpoint
 from lightning_llm.reliability import SaveFault
 from lightning_llm.strategies import hybrid_checkpoint as hckpt
 
@@ -89,6 +89,7 @@ class LayoutFreeCheckpointing(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        verify_checkpoint(path, name=f"--ckpt_path={path}")  # nothing is unpickled before this check
         if path.is_file() and not fitting:
             return self._load_full_weights(path)
 

@@ -31,7 +31,16 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_llm.checkpoint_errors import CheckpointError, first_line
+from lightning_llm.checkpoint import (
+    CheckpointError,
+    SafeEmptyLoadPlanner,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    dcp_refusals,
+    first_line,
+    load_file,
+    read_dcp_metadata,
+)
 from lightning_llm.data.io import atomic_open
 from lightning_llm.reliability import publish, staging_path
 
@@ -56,7 +65,12 @@ def is_hybrid_checkpoint(path: str | Path) -> bool:
     p = Path(path) / META_FILE
     if not p.is_file():
         return False
-    return torch.load(p, map_location="cpu", weights_only=False).get("format") == FORMAT
+    return _read_meta(Path(path)).get("format") == FORMAT
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    """``meta.pt``: plain data, read with the restricted unpickler (``lightning_llm.checkpoint.safe_load``)."""
+    return load_file(path / META_FILE, name=f"{path}: {META_FILE}")
 
 
 def _inner(opt: Optimizer) -> Optimizer:
@@ -179,11 +193,11 @@ def load_hybrid(
     """Load a :func:`save_hybrid` directory into the already-parallelized ``module`` and its optimizers (pass none
     to load weights only); returns the Lightning metadata. The saved layout may differ from the current one."""
     p = Path(path)
-    meta = torch.load(p / META_FILE, map_location="cpu", weights_only=False)
+    meta = _read_meta(p)
     if meta.get("format") != FORMAT:
         raise ValueError(f"--ckpt_path={p}: not a strategy=3d checkpoint directory")
     model_state = module.state_dict()
-    saved_keys = set(dcp.FileSystemReader(str(p)).read_metadata().state_dict_metadata)
+    saved_keys = set(read_dcp_metadata(p, name=f"--ckpt_path={p}: .metadata").state_dict_metadata)
     missing = [k for k in model_state if f"model.{k}" not in saved_keys]
     if missing and strict:
         raise KeyError(f"--ckpt_path={p}: the checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
@@ -226,8 +240,10 @@ def _read_shards(wanted: dict[str, Any], path: Path) -> None:
     rank stops here with the same error."""
     from torch.distributed.checkpoint.api import CheckpointException
 
+    name = f"--ckpt_path={path}"
     try:
-        dcp.load(wanted, checkpoint_id=path)
+        with dcp_refusals():
+            dcp.load(wanted, storage_reader=SafeFileSystemReader(path, name=name), planner=SafeLoadPlanner(name=name))
     except CheckpointException as e:
         rank, (exc, _) = next(iter(e.failures.items()))
         raise CheckpointError(f"--ckpt_path={path}: corrupt checkpoint directory: reading its shards failed on rank "
@@ -260,23 +276,24 @@ def load_full_weights(module: nn.Module, state_dict: Mapping[str, Tensor], *, st
                          options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
-def dcp_contents(path: str | Path) -> dict[str, Any]:
-    """Offline (no process group): every tensor and object of a DCP directory, loaded whole on this process."""
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+def dcp_contents(path: str | Path, *, name: str | None = None) -> dict[str, Any]:
+    """Offline (no process group): every tensor and object of a DCP directory, loaded whole on this process (the
+    index and stored objects through the restricted unpicklers; ``name`` starts their errors)."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     out: dict[str, Any] = {}
-    _load_state_dict(out, storage_reader=dcp.FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(),
-                     no_dist=True)
+    with dcp_refusals():
+        _load_state_dict(out, storage_reader=SafeFileSystemReader(path, name=name),
+                         planner=SafeEmptyLoadPlanner(name=name or str(path)), no_dist=True)
     return out
 
 
-def consolidated_state_dict(path: str | Path) -> dict[str, Any]:
+def consolidated_state_dict(path: str | Path, *, name: str | None = None) -> dict[str, Any]:
     """Offline (no process group): the full weights of a :func:`save_hybrid` directory, as a plain Lightning
     checkpoint dict (``state_dict`` with full tensors + the metadata; no optimizer states)."""
     p = Path(path)
-    sd = dcp_contents(p)
-    meta = torch.load(p / META_FILE, map_location="cpu", weights_only=False)
+    meta = _read_meta(p)
+    sd = dcp_contents(p, name=name)
     meta.pop("optimizer_meta", None)
     return {**meta, "state_dict": dict(sd.get("model", {})), "optimizer_states": []}
 
@@ -286,7 +303,7 @@ def from_lightning_checkpoint(ckpt: str | Path, output: str | Path) -> Path:
     weights and loop/scheduler/data state. Optimizer states are not converted (Lightning keys them by position in
     ``param_groups``, not by name): a run resumed from the result starts with fresh optimizer states. To carry them,
     resume the ``.ckpt`` once with ``strategy=3d`` on one device and save from there."""
-    src = torch.load(Path(ckpt), map_location="cpu", weights_only=False)
+    src = load_file(Path(ckpt), name=str(ckpt))
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     dcp.save({"model": dict(src["state_dict"])}, checkpoint_id=out, no_dist=True)

@@ -39,7 +39,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_llm.checkpoint_errors import check_deepspeed_dir
+from lightning_llm.checkpoint import check_deepspeed_dir, load_file, verify_checkpoint
+from lightning_llm.checkpoint.safe_load import DEEPSPEED_GLOBALS
 from lightning_llm.reliability import SaveFault, publish, remove_path, staging_path
 from lightning_llm.strategies.zero.common import check_adapter, validate_zero_args, write_export
 
@@ -257,6 +258,21 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
         return None
 
     @override
+    def teardown(self) -> None:
+        super().teardown()
+        # DeepSpeed caches clones of the world process group (deepspeed.utils.groups) and forgets them only when the
+        # world is destroyed through deepspeed.comm; Lightning and our CLI destroy it through torch. A second run in
+        # this process (a notebook, a test) would then broadcast over a destroyed group ("Group ... is not
+        # registered"): drop the references with the engine.
+        from deepspeed.utils import groups
+
+        release = getattr(groups, "_release_process_group_references", None)
+        if release is not None:
+            release()
+        else:  # older DeepSpeed: the one cache a data-parallel engine fills
+            groups._WORLD_GROUP = None
+
+    @override
     def _auto_select_batch_size(self) -> int:
         # Lightning sizes DeepSpeed's throughput log from the *train* loader, also for validate/test/predict, where a
         # datamodule has not set up its training split (and the value is unused): only ask it while fitting.
@@ -334,6 +350,8 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        # DeepSpeed unpickles its files in full (weights_only=False): every one is checked first, on every rank.
+        verify_checkpoint(checkpoint_path, name=f"--ckpt_path={checkpoint_path}")
         if not self.load_full_weights and not self.config.get("checkpoint", {}).get("load_universal"):
             # Every rank checks every file before DeepSpeed reads its own, so all ranks stop with the same error
             # (a rank failing alone left its peers to die in a gloo error). Only a resume loads the per-rank
@@ -395,10 +413,11 @@ def consolidated_checkpoint(path: _PATH) -> dict[str, Any]:
     ``convert_zero_checkpoint_to_fp32_state_dict``, through a temporary file; no process group needed)."""
     from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 
+    verify_checkpoint(path, name=str(path))  # Lightning's converter and DeepSpeed's reader unpickle in full
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "consolidated.ckpt"
         convert_zero_checkpoint_to_fp32_state_dict(str(path), str(out))
-        return torch.load(out, map_location="cpu", weights_only=False)
+        return load_file(out, name=str(path), allowed=DEEPSPEED_GLOBALS)
 
 
 def deepspeed_model_state_bytes(engine: Any) -> dict[str, int]:

@@ -1,85 +1,37 @@
-"""Checks that turn an unloadable checkpoint into one :class:`CheckpointError` naming the path and what is wrong.
+"""Checks that turn an unloadable checkpoint directory into one :class:`CheckpointError` naming the path and what is
+wrong.
 
-A cut or incomplete checkpoint otherwise fails deep inside ``torch.load``, DCP or DeepSpeed with a traceback that
-never names the file, and under several processes only some ranks fail, so the others hang in a collective or die
-of a gloo error. These checks read only indexes and sizes (a zip file's central directory, DCP's ``.metadata``,
-DeepSpeed's ``latest`` tag and file names), never the tensors, and reach the same verdict on every rank because all
-ranks look at the same files before any of them starts loading.
+A cut or incomplete checkpoint otherwise fails deep inside DCP or DeepSpeed with a traceback that never names the
+file, and under several processes only some ranks fail, so the others hang in a collective or die of a gloo error.
+These checks read only indexes and sizes (a zip file's central directory, DCP's ``.metadata``, DeepSpeed's ``latest``
+tag and file names), never the tensors, and reach the same verdict on every rank because all ranks look at the same
+files before any of them starts loading. Every index is read with :mod:`.safe_load`'s restricted unpicklers.
 """
 
 from __future__ import annotations
 
 import logging
-import pickle
-import re
-import zipfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from lightning_llm.checkpoint.errors import CheckpointError, UnsafeCheckpointError, check_torch_file, first_line
+from lightning_llm.checkpoint.safe_load import DEEPSPEED_GLOBALS, load_file, read_dcp_metadata, verify_file
+
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointError", "check_deepspeed_dir", "check_engine_dir", "check_torch_file", "first_line", "loading"]
-
-ZIP_MAGIC = b"PK\x03\x04"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the path and what is missing or corrupt."""
-
-
-def first_line(e: BaseException) -> str:
-    """``"<type>: <first sentence of the message>"``: low-level messages run to many lines of advice that does not
-    apply here (e.g. torch's "re-run with weights_only=False" for a corrupted shard)."""
-    line = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    line = re.sub(r"^\[enforce fail at [^\]]*\]\s*\.?\s*", "", line)  # torch's C++ location prefix
-    return f"{type(e).__name__}: {line.split('. ')[0]}" if line else type(e).__name__
-
-
-def check_torch_file(path: str | Path, *, name: str) -> None:
-    """Raise :class:`CheckpointError` if a ``torch.save`` file is empty or cut short. ``name`` starts the message
-    (e.g. ``--ckpt_path=<path>``).
-
-    ``torch.save`` writes a zip archive whose directory is at the very end, so any truncation removes it; reading the
-    directory costs a few kilobytes. Files in the pre-zip legacy format are left to the loader."""
-    p = Path(path)
-    size = p.stat().st_size
-    if size == 0:
-        raise CheckpointError(f"{name}: empty file (0 bytes), not a loadable checkpoint")
-    with p.open("rb") as f:
-        if f.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
-            return
-    try:
-        with zipfile.ZipFile(p) as z:
-            z.infolist()
-    except (zipfile.BadZipFile, OSError, ValueError) as e:
-        raise CheckpointError(f"{name}: truncated or corrupt file ({size} bytes, its zip directory is missing or "
-                              "damaged), not a loadable checkpoint") from e
-
-
-@contextmanager
-def loading(name: str) -> Iterator[None]:
-    """Re-raise what ``torch.load`` raises for an unreadable file as one :class:`CheckpointError` starting with
-    ``name``. Wrap the load call only: errors of the caller's own code must keep their type."""
-    try:
-        yield
-    except CheckpointError:
-        raise
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{name}: not a loadable checkpoint ({first_line(e)})") from e
+__all__ = ["check_deepspeed_dir", "check_engine_dir"]
 
 
 # ---------------------------------------------------------------------------------------------- engine (DCP) dirs
 def _check_dcp_index(path: Path, name: str) -> None:
     """``.metadata`` (DCP's index) is readable and every shard file it names exists with all the bytes it indexes."""
-    import torch.distributed.checkpoint as dcp
-
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"{name}: incomplete checkpoint directory: .metadata (the index of its shards) is "
                               "missing")
     try:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        metadata = read_dcp_metadata(path, name=f"{name}: .metadata")
+    except UnsafeCheckpointError:
+        raise
     except Exception as e:  # any unpickling failure means the same to the user
         raise CheckpointError(f"{name}: corrupt checkpoint directory: .metadata cannot be read "
                               f"({first_line(e)})") from e
@@ -110,6 +62,7 @@ def check_engine_dir(path: str | Path, *, name: str, meta_file: str = "meta.pt")
         raise CheckpointError(f"{name}: incomplete checkpoint directory: {meta_file} (loop, scheduler and optimizer "
                               "metadata) is missing")
     check_torch_file(meta, name=f"{name}: {meta_file}")
+    verify_file(meta, name=f"{name}: {meta_file}")
 
 
 # ---------------------------------------------------------------------------------------------- DeepSpeed dirs
@@ -121,10 +74,8 @@ def _deepspeed_rank_file(tag_dir: Path, rank: int, kind: str) -> Path:
 
 
 def _deepspeed_world_size(model_file: Path, name: str) -> int:
-    import torch
-
-    with loading(name):  # mmap: reads the pickled metadata, maps the tensors without reading them
-        state: dict[str, Any] = torch.load(model_file, map_location="cpu", weights_only=False, mmap=True)
+    # mmap: reads the pickled metadata, maps the tensors without reading them
+    state: dict[str, Any] = load_file(model_file, name=name, mmap=True, allowed=DEEPSPEED_GLOBALS)
     return int(state.get("dp_world_size", 1))
 
 
@@ -158,6 +109,7 @@ def check_deepspeed_dir(path: str | Path, *, name: str, world_size: int | None =
             raise CheckpointError(f"{name}: incomplete DeepSpeed checkpoint: {tag}/{f.name} is missing (it was "
                                   f"written by {_plural(saved, 'rank')})")
         check_torch_file(f, name=f"{name}: {tag}/{f.name}")
+        verify_file(f, name=f"{name}: {tag}/{f.name}", allowed=DEEPSPEED_GLOBALS)  # DeepSpeed unpickles it in full
     if world_size is not None and saved != world_size:
         raise CheckpointError(_world_size_message(name, p, tag, saved, world_size))
     return saved
