@@ -148,12 +148,13 @@ def _check_section(rows: list[Any], failures: list[str], skipped: list[str], smo
     for (kernel, shape, dtype), rs in groups.items():
         w64, wt = max(rs, key=lambda r: r.err_fp64), max(rs, key=lambda r: r.err_torch)
         out.append([kernel, shape, dtype, f"{w64.err_fp64:.2e} ({w64.tensor})", f"{wt.err_torch:.2e} ({wt.tensor})",
-                    f"{max(r.torch_err_fp64 for r in rs):.2e}", f"{rs[0].tol:.0e}",
+                    f"{max(r.torch_err_fp64 for r in rs):.2e}", f"{max(r.tolerance for r in rs):.1e}",
                     "ok" if all(r.ok for r in rs) else "**FAIL**"])
     how = "interpreted: --smoke" if smoke else "compiled"
     text = [f"## Kernel correctness (Triton {how}, vs float64 and vs the torch path in the same dtype)", "",
             "Max relative error `max|out - ref| / max|ref|` over the forward output and every input gradient (worst "
-            "tensor named); `torch vs fp64` is the plain-torch path's own error, for scale.", "",
+            "tensor named); `torch vs fp64` is the plain-torch path's own error, for scale. `tol`: 1e-4 in fp32; in bf16/fp16 "
+            "3e-2/1e-2, or 1.25x torch's own error where that is larger (vs torch: the sum of both).", "",
             table(["kernel", "shape", "dtype", "max err vs fp64", "max err vs torch", "torch vs fp64", "tol", "result"],
                   out)]
     if failures:
@@ -255,12 +256,12 @@ def _e2e_sections(report: Any, cfg: Any) -> list[str]:
         f"`--trainer.precision={cfg.precision}`, {cfg.steps} steps ({cfg.warmup} warm-up); decoder "
         f"`--model.backbone={cfg.decoder_backbone}` (CausalLMTask, `configs/pretrain_debug.yaml`, generated corpus) "
         f"at `--data.block_size={cfg.decoder_seq}`, batch {cfg.decoder_batch}, `--model.model_overrides` "
-        "`{kernels: torch}` vs `{kernels: triton}` (encoder rows: the default `auto`). Step = median interval between "
+        "`{kernels: torch}` vs `{kernels: triton}`, and `auto+compile`: `--model.compile=true` (each block compiled by "
+        "inductor, which then takes the torch path inside it; the fused loss stays Triton) (encoder rows: the default "
+        "`auto`). Step = median interval between "
         "train-batch ends after warm-up (CUDA synchronised); MFU = (6 N + 12 L H S) x tokens/s / peak "
         f"({fnum(cfg.peak_tflops, '.0f')} TFLOP/s dense bf16; N without embedding tables). Peak alloc/reserved = "
         "torch.cuda.max_memory_allocated/reserved of the run; RSS = the process's peak resident memory.", "",
-        "torch.compile: not measured end to end - lightning_llm has no flag for it (no compile option in ModelConfig, "
-        "the tasks or the CLI).", "",
         table(["model", "strategy", "kernels", "batch", "role", "status", "step ms", "tokens/s", "MFU",
                "peak alloc GiB", "peak reserved GiB", "peak RSS GiB", "wall s", "note"],
               [cells(r) for r in report.rows])]),

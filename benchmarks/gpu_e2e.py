@@ -5,7 +5,7 @@
   ``--data.max_length`` tokens, bf16-mixed, under 1 device, ``zero1``, ``zero2`` at batch 4 and at the largest batch
   that fits (doubling until CUDA OOM), and ``zero3_offload`` / ``deepspeed_zero3_offload`` at batch 1;
 * decoder: ``CausalLMTask`` (``configs/pretrain_debug.yaml``, generated corpus) with ``{kernels: torch}`` and
-  ``{kernels: triton}``.
+  ``{kernels: triton}``, and compiled blocks (``--model.compile=true``, row ``auto+compile``).
 
 Step time: median interval between consecutive ``on_train_batch_end`` calls (CUDA synchronised) after the warm-up
 steps. MFU: (6 N + 12 L H S) FLOPs per token (N parameters without embedding tables, L layers, H hidden size, S
@@ -189,7 +189,8 @@ def encoder_command(cfg: E2EConfig, data: Path, strategy: str, batch: int, steps
     return [sys.executable, "-m", "lightning_llm", *args]
 
 
-def decoder_command(cfg: E2EConfig, kernels: str, batch: int, steps: int, output: Path) -> list[str]:
+def decoder_command(cfg: E2EConfig, kernels: str, batch: int, steps: int, output: Path, *,
+                    compile: bool = False) -> list[str]:  # noqa: A002 - --model.compile
     from lightning_llm.data import ByteTokenizer
     from lightning_llm.data.base import tokenizer_vocab_size
 
@@ -200,6 +201,8 @@ def decoder_command(cfg: E2EConfig, kernels: str, batch: int, steps: int, output
             f"--model.backbone={cfg.decoder_backbone}", f"--model.model_overrides={json.dumps(overrides)}",
             f"--data.block_size={cfg.decoder_seq}", f"--data.generated_docs={docs}",
             f"--data.cache_dir={cfg.work / 'cache'}", *_common(cfg, steps, batch, output)]
+    if compile:
+        args.append("--model.compile=true")
     return [sys.executable, "-m", "lightning_llm", *args]
 
 
@@ -343,10 +346,16 @@ def run_offload(cfg: E2EConfig, run: Callable[..., RunResult]) -> None:
             cfg.offload_steps, cfg.offload_warmup, cfg.seq)
 
 
+DECODER_ROWS = (("torch", False), ("triton", False), ("auto", True))
+"""(kernels, --model.compile) of the decoder rows: compiled blocks take the torch path inside (inductor fuses it),
+the fused loss stays Triton; the row is labelled ``auto+compile``."""
+
+
 def run_decoder(cfg: E2EConfig, run: Callable[..., RunResult]) -> None:
-    for kernels in ("torch", "triton"):
-        run(f"decoder {cfg.decoder_backbone}", "1 device", kernels, cfg.decoder_batch, "kernels",
-            lambda b, steps, out, k=kernels: decoder_command(cfg, k, b, steps, out),
+    for kernels, compiled in DECODER_ROWS:
+        label = f"{kernels}+compile" if compiled else kernels
+        run(f"decoder {cfg.decoder_backbone}", "1 device", label, cfg.decoder_batch, "kernels",
+            lambda b, steps, out, k=kernels, c=compiled: decoder_command(cfg, k, b, steps, out, compile=c),
             cfg.steps, cfg.warmup, cfg.decoder_seq)
 
 

@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 
 DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOL: dict[str, float] = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 3e-2}
+TORCH_MARGIN = 1.25
+"""In bf16/fp16 a kernel passes when its error against float64 is within ``TOL`` or within this factor of the plain
+torch path's own error against float64 (at some shapes torch itself is further off than ``TOL``: fp16 fused linear
+CE at 4096 x 4096 x 128256 on the H200, 2.97e-2 against a 1e-2 tolerance); against torch, within the sum of both."""
 """Largest allowed relative error, vs the float64 reference and vs the torch path in the same dtype."""
 PROVIDERS = ("triton", "eager", "compile", "liger")
 Shape = dict[str, int]
@@ -108,12 +112,19 @@ class CheckRow:
     tol: float
 
     @property
+    def tolerance(self) -> float:
+        """``tol``, widened in low precision to what torch's own path reaches (:data:`TORCH_MARGIN`)."""
+        return self.tol if self.dtype == "fp32" else max(self.tol, TORCH_MARGIN * self.torch_err_fp64)
+
+    @property
     def ok(self) -> bool:
-        return self.err_fp64 <= self.tol and self.err_torch <= self.tol
+        both = self.tolerance + (self.torch_err_fp64 if self.dtype != "fp32" else 0.0)
+        return self.err_fp64 <= self.tolerance and self.err_torch <= max(self.tol, both)
 
     def describe(self) -> str:
         return (f"{self.kernel} {self.dtype} {self.tensor} (shape {self.shape}): error {self.err_fp64:.3e} vs float64, "
-                f"{self.err_torch:.3e} vs torch, tolerance {self.tol:.0e}")
+                f"{self.err_torch:.3e} vs torch, tolerance {self.tolerance:.2e} (torch's own error vs float64 "
+                f"{self.torch_err_fp64:.3e})")
 
 
 def fmt_shape(shape: Shape) -> str:
@@ -245,8 +256,8 @@ def _ce_cases(LF: Any) -> list[Case]:
         x = s["rows"] * s["vocab"] * e
         return x + 8 * s["rows"], 2 * x + 8 * s["rows"]  # read logits (+ targets); fwd+bwd also writes dlogits
 
-    ce = Case("cross_entropy", make, {
-        "triton": lambda x, t: K.cross_entropy(x, t, backend="triton"),
+    ce = Case("cross_entropy", make, {  # in place, like Liger's: the logits are not read again here
+        "triton": lambda x, t: K.cross_entropy(x, t, backend="triton", inplace_backward=True),
         "torch": K.cross_entropy_torch, "fp64": _ce64}, ("loss",), ("dlogits",), traffic)
     kw = dict(reduction="sum", label_smoothing=0.1, z_loss=1e-4)
     smooth = Case("cross_entropy[ls=0.1,z=1e-4,sum]", make, {
@@ -330,7 +341,7 @@ def forward_backward(fn: Callable[..., Any], leaves: list[Tensor], consts: list[
 
 
 def _fresh(leaves: list[Tensor], dtype: torch.dtype | None = None) -> list[Tensor]:
-    return [t.detach().to(dtype or t.dtype).requires_grad_(True) for t in leaves]
+    return [t.detach().to(dtype or t.dtype, copy=True).requires_grad_(True) for t in leaves]
 
 
 def generator(device: torch.device, seed: int) -> torch.Generator:
@@ -341,7 +352,8 @@ def check_case(case: Case, shape: Shape, dtype: str, device: torch.device, seed:
     """Run triton, torch (same dtype) and float64 forward+backward on the same inputs; one row per tensor."""
     gen = generator(device, seed)
     leaves, consts = case.make(shape, DTYPES[dtype], device, gen)
-    out_t, grad_t, ups = forward_backward(case.fns["triton"], leaves, consts, None, gen)
+    # Each provider gets its own copy: a kernel may write its gradient over its input (in-place cross-entropy).
+    out_t, grad_t, ups = forward_backward(case.fns["triton"], _fresh(leaves), consts, None, gen)
     out_r, grad_r, _ = forward_backward(case.fns["torch"], _fresh(leaves), consts, ups, gen)
     consts64 = [c.double() if torch.is_tensor(c) and c.is_floating_point() else c for c in consts]
     out_x, grad_x, _ = forward_backward(case.fns["fp64"], _fresh(leaves, torch.float64), consts64,

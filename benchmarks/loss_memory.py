@@ -13,6 +13,11 @@ loss + backward (best of ``--repeats``), and, in the eager process after its pea
 (``dhidden``, ``dW``) errors against the fused process's (saved to a temporary file). ``lightning_llm estimate``'s
 loss term (:func:`lightning_llm.memory.loss_peak_bytes`) is compared with each measured peak.
 
+``--precision bf16`` runs the hidden states and the head in bf16 (``bf16-true`` training); ``bf16-mixed`` keeps an
+fp32 head and hidden states and runs the loss under bf16 autocast (Lightning's ``bf16-mixed``)::
+
+    python benchmarks/loss_memory.py --precision bf16 --tokens 2048 --vocab 32000 --hidden 1024
+
 ``--objective rl`` measures what a PPO/GRPO update asks of the head instead: token log-probs of ``logits / T``
 weighted per token, and the entropies (no gradient) that they log; eager = the logits path, fused =
 :func:`lightning_llm.kernels.head_loss.head_token_scores`::
@@ -43,14 +48,16 @@ def _reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux >= 4.0)
 
 
-def _inputs(n: int, v: int, h: int) -> tuple[Any, Any, Any]:
+def _inputs(n: int, v: int, h: int, precision: str) -> tuple[Any, Any, Any]:
     import torch
 
     g = torch.Generator().manual_seed(0)
-    hidden = (torch.randn(n, h, generator=g)).requires_grad_(True)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    hidden = (torch.randn(n, h, generator=g)).to(dtype).requires_grad_(True)
     head = torch.nn.Linear(h, v, bias=False)
     with torch.no_grad():
         head.weight.normal_(0.0, 0.02, generator=g)
+    head.to(dtype)
     labels = torch.randint(0, v, (n,), generator=g)
     labels[torch.rand(n, generator=g) < 0.1] = -100
     return hidden, head, labels
@@ -59,7 +66,14 @@ def _inputs(n: int, v: int, h: int) -> tuple[Any, Any, Any]:
 TEMPERATURE = 0.7  # --objective rl: PPO/GRPO's log-probs are those of logits / the sampling temperature
 
 
-def _loss(path: str, objective: str, hidden: Any, head: Any, labels: Any) -> tuple[Any, Any]:
+def _loss(path: str, objective: str, hidden: Any, head: Any, labels: Any, precision: str = "fp32") -> tuple[Any, Any]:
+    import torch
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
+        return _objective(path, objective, hidden, head, labels)
+
+
+def _objective(path: str, objective: str, hidden: Any, head: Any, labels: Any) -> tuple[Any, Any]:
     """(loss, entropy sum or None). ``causal``: the mean token cross-entropy. ``rl``: what a PPO/GRPO update asks of
     the head, token log-probs at a temperature weighted per token (advantage-like weights) and the entropy
     (no gradient), as ``--model.fused_loss=false`` (logits) or the model's token scores (fused) compute them."""
@@ -85,10 +99,11 @@ def _loss(path: str, objective: str, hidden: Any, head: Any, labels: Any) -> tup
     return (scores.loss * weights).sum(), scores.entropy.sum()
 
 
-def worker(path: str, objective: str, n: int, v: int, h: int, repeats: int, shared: Path) -> dict[str, Any]:
+def worker(path: str, objective: str, n: int, v: int, h: int, repeats: int, shared: Path, precision: str
+           ) -> dict[str, Any]:
     import torch
 
-    hidden, head, labels = _inputs(n, v, h)
+    hidden, head, labels = _inputs(n, v, h, precision)
     head.weight.grad = torch.zeros_like(head.weight)  # the parameter's gradient exists in training either way
     hidden.grad = torch.zeros_like(hidden)
     times, peak = [], 0
@@ -98,15 +113,15 @@ def worker(path: str, objective: str, n: int, v: int, h: int, repeats: int, shar
         _reset_peak()
         base = _status("VmRSS")
         t0 = time.perf_counter()
-        loss, _ = _loss(path, objective, hidden, head, labels)
+        loss, _ = _loss(path, objective, hidden, head, labels, precision)
         loss.backward()
         times.append(time.perf_counter() - t0)
         peak = max(peak, _status("VmHWM") - base)
         del loss
     out = {"path": path, "peak_bytes": peak, "seconds": min(times), "all_seconds": times}
     with torch.no_grad():
-        loss, entropy = _loss(path, objective, hidden, head, labels)
-        result = {"dh": hidden.grad.clone(), "dw": head.weight.grad.clone(), "loss": loss}
+        loss, entropy = _loss(path, objective, hidden, head, labels, precision)
+        result = {"dh": hidden.grad.float(), "dw": head.weight.grad.float(), "loss": loss.float()}
         if entropy is not None:
             result["entropy"] = entropy
     if path == "fused":
@@ -118,7 +133,8 @@ def worker(path: str, objective: str, n: int, v: int, h: int, repeats: int, shar
 
 
 def _run(path: str, args: argparse.Namespace, shared: Path) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--worker", path, "--objective", args.objective, "--tokens", str(args.tokens),
+    cmd = [sys.executable, __file__, "--worker", path, "--objective", args.objective, "--precision", args.precision,
+           "--tokens", str(args.tokens),
            "--vocab", str(args.vocab),
            "--hidden", str(args.hidden), "--repeats", str(args.repeats), "--shared", str(shared)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -136,12 +152,15 @@ def main() -> None:
     p.add_argument("--objective", choices=["causal", "rl"], default="causal",
                    help="causal: the mean token cross-entropy; rl: PPO/GRPO token log-probs at a temperature and "
                         "their entropies")
+    p.add_argument("--precision", choices=["fp32", "bf16", "bf16-mixed"], default="fp32",
+                   help="bf16: hidden states and head in bf16; bf16-mixed: fp32 ones under bf16 autocast")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--worker", choices=["eager", "fused"], default=None)
     p.add_argument("--shared", type=Path, default=None)
     a = p.parse_args()
     if a.worker:
-        print(json.dumps(worker(a.worker, a.objective, a.tokens, a.vocab, a.hidden, a.repeats, a.shared)))
+        print(json.dumps(worker(a.worker, a.objective, a.tokens, a.vocab, a.hidden, a.repeats, a.shared,
+                                a.precision)))
         return
     from lightning_llm.memory import loss_peak_bytes
 
@@ -154,10 +173,10 @@ def main() -> None:
     gib = 2**30
     what = "Causal-LM loss" if a.objective == "causal" else f"PPO/GRPO token log-probs (T={TEMPERATURE}) + entropy"
     lines = [
-        f"# {what} + backward: {a.tokens} tokens, vocabulary {a.vocab:,}, hidden {a.hidden}, fp32, CPU",
+        f"# {what} + backward: {a.tokens} tokens, vocabulary {a.vocab:,}, hidden {a.hidden}, {a.precision}, CPU",
         "",
-        f"`python benchmarks/loss_memory.py --objective {a.objective} --tokens {a.tokens} --vocab {a.vocab} "
-        f"--hidden {a.hidden}` "
+        f"`python benchmarks/loss_memory.py --objective {a.objective} --precision {a.precision} --tokens {a.tokens} "
+        f"--vocab {a.vocab} --hidden {a.hidden}` "
         f"(best of {a.repeats}; peak = VmHWM above the inputs)",
         "",
         "| path | peak (GiB) | vs eager | time (s) | vs eager | estimate (GiB) | estimate err |",
@@ -166,7 +185,8 @@ def main() -> None:
     for r in (eager, fused):
         e = est[r["path"]]
         # The estimator models the causal loss; the RL objective's extra log-softmax/entropy buffers are not in it.
-        estimate = f"{e / gib:.3f} | {e / r['peak_bytes'] - 1:+.1%}" if a.objective == "causal" else "- | -"
+        modelled = a.objective == "causal" and a.precision == "fp32"
+        estimate = f"{e / gib:.3f} | {e / r['peak_bytes'] - 1:+.1%}" if modelled else "- | -"
         lines.append(f"| {r['path']} | {r['peak_bytes'] / gib:.3f} | {r['peak_bytes'] / eager['peak_bytes']:.3f} | "
                      f"{r['seconds']:.2f} | {r['seconds'] / eager['seconds']:.3f} | {estimate} |")
     errs = eager["errors"]

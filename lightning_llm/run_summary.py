@@ -212,7 +212,9 @@ def summary_lines(trainer: pl.Trainer, task: Any, batch: Any, *, flops: int | No
         lines.append(line)
     total, trainable = getattr(task, "parameter_counts", (None, None))
     if total is not None:
-        lines.append(f"parameters: {total:,} ({trainable:,} trainable)")
+        compiled = "; transformer blocks compiled (torch.compile, --model.compile)" if getattr(
+            task, "compile_blocks", False) else ""
+        lines.append(f"parameters: {total:,} ({trainable:,} trainable){compiled}")
     lines.append(_memory_line(trainer, task, layout, per_replica, ids))
     if flops is not None:
         step = flops * layout.dp * accum

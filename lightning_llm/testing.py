@@ -6,6 +6,7 @@ against a single-device run the same way our tests do.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import socket
@@ -17,6 +18,7 @@ from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import override
 
 from lightning_llm.data.io import atomic_open
@@ -261,6 +263,74 @@ class CollectiveCounter(pl.Callback):
         for name, fn in self._saved.items():
             setattr(dist, name, fn)
         self._saved = {}
+
+
+CLI_ERROR = "lightning_llm: error: "
+"""How the command line starts its one error line."""
+
+
+def torchrun_cli_fails(args: list[str], cwd: str | Path, *, nproc: int = 2, timeout: float = 300) -> str:
+    """Run ``lightning_llm ARGS`` on ``nproc`` processes under torchrun; it must fail. Returns the output of every
+    rank (stdout + stderr)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
+           f"--master_port={free_port()}", "-m", "lightning_llm", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("LIGHTNING_LLM_DEBUG", None)
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+    out = proc.stdout + proc.stderr
+    if proc.returncode == 0:
+        raise AssertionError(f"expected the run to fail:\n{out[-3000:]}")
+    return out
+
+
+def one_error_line_from_ranks(out: str) -> str:
+    """The single error line of a failed torchrun: printed once over all ranks, no worker traceback, and a worker
+    left with the CLI's exit code 2 (torchrun's own failure summary follows). Returns the line."""
+    lines = [ln for ln in out.splitlines() if CLI_ERROR in ln]
+    problems = [] if len(lines) == 1 else [f"{len(lines)} error lines"]
+    if [ln for ln in out.splitlines() if ln.startswith("[rank") and "Traceback" in ln]:
+        problems.append("a worker traceback")
+    if "exitcode  : 2" not in out:
+        problems.append("no worker exited with code 2")
+    if problems:
+        raise AssertionError(f"{', '.join(problems)}:\n{out[-4000:]}")
+    return lines[0]
+
+
+class _AtenCalls(TorchDispatchMode):
+    """Counts every aten call dispatched while it is active (by overload name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.calls[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class StepTailCounter(pl.Callback):
+    """The aten calls of each training step from the end of backward to the end of the step (gradient reduction,
+    the non-finite check, clipping, the optimizer and scheduler steps, zeroing): ``steps[i]`` is a ``Counter`` by
+    op. Per-step work that grows with the number of parameter tensors shows here as calls that grow with the model."""
+
+    def __init__(self) -> None:
+        self.steps: list[collections.Counter[str]] = []
+        self._mode: _AtenCalls | None = None
+
+    @override
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._mode is None:
+            self._mode = _AtenCalls()
+            self._mode.__enter__()
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self.steps.append(self._mode.calls)
+            self._mode = None
 
 
 def run_cli(args: list[str], *, nproc: int = 1, nnodes: int = 1, timeout: float = 600, cwd: str | Path | None = None,

@@ -6,9 +6,6 @@ checkpoints (native DCP and DeepSpeed) under torchrun, where every rank must sto
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -17,7 +14,7 @@ import torch
 
 from lightning_llm.checkpoint import CheckpointError, check_engine_dir
 from lightning_llm.cli import main
-from lightning_llm.testing import free_port, run_cli
+from lightning_llm.testing import one_error_line_from_ranks, run_cli, torchrun_cli_fails
 
 REPO = Path(__file__).resolve().parents[1]
 PREFIX = "lightning_llm: error: "
@@ -255,25 +252,13 @@ def test_exact_resume_does_not_warn_that_the_dataloader_is_not_resumable(tmp_pat
 
 # --------------------------------------------------------------------------- multi-process: sharded checkpoints
 def _torchrun_fails(args: list[str], cwd: Path) -> str:
-    """Run the CLI on 2 processes under torchrun; it must fail. Returns stdout + stderr of all ranks."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "lightning_llm", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("LIGHTNING_LLM_DEBUG", None)
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, cwd=cwd, env=env)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
-    return out
+    return torchrun_cli_fails(args, cwd, timeout=120)
 
 
 def _one_line_from_ranks(out: str) -> str:
-    """Exactly one error line over all ranks and no worker traceback (torchrun's own failure summary follows)."""
-    lines = [ln for ln in out.splitlines() if PREFIX in ln]
-    assert len(lines) == 1, out[-4000:]
-    assert not [ln for ln in out.splitlines() if ln.startswith("[rank") and "Traceback" in ln], out[-4000:]
-    assert "exitcode  : 2" in out, out[-4000:]  # a worker left with our exit code, not a crash
-    print(lines[0])
-    return lines[0]
+    line = one_error_line_from_ranks(out)
+    print(line)
+    return line[line.index(PREFIX):]
 
 
 @pytest.mark.multiprocess

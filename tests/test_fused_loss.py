@@ -242,3 +242,75 @@ def test_bf16_head_gradient_is_as_accurate_as_one_matmul() -> None:
     fused = rel_err(lambda hb, wb: fused_linear_cross_entropy(hb, wb, t, chunk_size=128))
     print(f"bf16 dW relative error vs float64: eager {eager:.2e}, fused (16 chunks) {fused:.2e}")
     assert fused <= 1.1 * eager
+
+
+# ------------------------------------------------------------------------------------------------ precision on GPUs
+_MATMULS = ("aten.mm.", "aten.addmm.", "aten.addmm_.", "aten.bmm.", "aten.baddbmm.", "aten.matmul.", "aten.linear.")
+
+
+def _matmul_operand_dtypes(device: str, weight_dtype: torch.dtype) -> list[tuple[str, tuple[torch.dtype, ...]]]:
+    """Every matmul a bf16 forward+backward of the fused loss dispatches, with the dtypes of its two multiplied
+    operands (an accumulator it adds into is not an operand of the product)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from lightning_llm.kernels.cross_entropy import fused_linear_cross_entropy
+
+    seen: list[tuple[str, tuple[torch.dtype, ...]]] = []
+
+    class Matmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+            name = str(func)
+            if name.startswith(_MATMULS):
+                mats = args[1:3] if "addmm" in name or "baddbmm" in name else args[:2]
+                seen.append((name, tuple(m.dtype for m in mats)))
+            return func(*args, **(kwargs or {}))
+
+    h = torch.randn(96, 32, device=device, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(200, 32, device=device, dtype=weight_dtype, requires_grad=True)
+    t = torch.randint(0, 200, (96,), device=device)
+    with Matmuls():
+        fused_linear_cross_entropy(h, w, t, chunk_size=32).backward()
+    assert w.grad.dtype == weight_dtype and h.grad.dtype == torch.bfloat16
+    return seen
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32])
+def test_bf16_fused_loss_multiplies_in_bf16_only(weight_dtype: torch.dtype) -> None:
+    """The GPU's code path (the meta device takes it: it has the fp32-output GEMM a CUDA device has, the CPU does
+    not): every matmul of a bf16 forward+backward multiplies bf16 operands - the chunk logits, dhidden, and the head's
+    gradient as a bf16 GEMM accumulating into its fp32 buffer (``addmm.dtype_out``) - also for an fp32 master weight
+    (cast once). Before, the head's gradient was an fp32 GEMM (``cutlass_80_simt_sgemm`` on the H200, no tensor
+    cores)."""
+    calls = _matmul_operand_dtypes("meta", weight_dtype)
+    print(sorted(set(calls)))
+    assert any("dtype_out" in name for name, _ in calls)  # the head's gradient: fp32 output of a bf16 product
+    assert len(calls) >= 3 * 3 and all(dtypes == (torch.bfloat16, torch.bfloat16) for _, dtypes in calls), calls
+
+
+def test_fp32_master_head_gradient_under_autocast() -> None:
+    """bf16 autocast with an fp32 head (Lightning's bf16-mixed): the fused loss takes the fp32 master itself (no
+    bf16 gradient cast back to fp32), its gradient an fp32 sum; against float64 it is at least as accurate as the
+    eager autocast path's, and the loss is the same within bf16 rounding."""
+    torch.manual_seed(0)
+    h, head = torch.randn(2, 512, 64), nn.Linear(64, 3000, bias=False)
+    head.weight.data.mul_(0.2)
+    labels = _labels(2, 512, 3000)
+    h64, w64 = h.double().requires_grad_(), head.weight.detach().double().requires_grad_()
+    ref64 = F.cross_entropy((h64 @ w64.t()).flatten(0, 1), labels.flatten(), ignore_index=-100)
+    ref64.backward()
+
+    def run(fn: Any) -> tuple[float, float]:
+        head.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = fn()
+        loss.backward()
+        assert head.weight.grad.dtype == torch.float32
+        err = ((head.weight.grad.double() - w64.grad).norm() / w64.grad.norm()).item()
+        return loss.item(), err
+
+    eager_loss, eager = run(lambda: F.cross_entropy(head(h).flatten(0, 1).float(), labels.flatten(),
+                                                    ignore_index=-100))
+    fused_loss, fused = run(lambda: head_cross_entropy(h, head, labels))
+    print(f"fp32 master dW relative error vs float64: eager autocast {eager:.2e}, fused {fused:.2e}")
+    assert abs(fused_loss - eager_loss) <= 1e-2 * abs(eager_loss) and abs(fused_loss - ref64.item()) <= 2e-2
+    assert fused <= 1.1 * eager

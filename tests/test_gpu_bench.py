@@ -22,7 +22,7 @@ BENCH = REPO / "benchmarks"
 E2E_ROWS = [("encoder debug", "1 device", "auto", "4"), ("encoder debug", "zero1", "auto", "4"),
             ("encoder debug", "zero2", "auto", "4"), ("encoder debug", "zero3_offload", "auto", "1"),
             ("encoder debug", "deepspeed_zero3_offload", "auto", "1"), ("decoder debug", "1 device", "torch", "1"),
-            ("decoder debug", "1 device", "triton", "1")]
+            ("decoder debug", "1 device", "triton", "1"), ("decoder debug", "1 device", "auto+compile", "1")]
 
 
 def bench_module(name: str) -> ModuleType:
@@ -87,7 +87,7 @@ def test_smoke_run_checks_every_kernel_and_runs_every_e2e_row(smoke: tuple) -> N
     for key in E2E_ROWS:
         assert key in e2e, f"missing end-to-end row {key}: {sorted(e2e)}"
         assert e2e[key][5] == "ok" and float(e2e[key][6]) > 0 and float(e2e[key][7].replace(",", "")) > 0
-    assert "no flag for it" in text  # torch.compile end to end: said, not invented
+    assert "`auto+compile`: `--model.compile=true`" in text  # the compiled row says what it is
     assert len(table_after(text, "### Largest encoder batch")) == 3
     assert len(table_after(text, "### ZeRO-3 offload")) == 2
     print(f"smoke run: {seconds:.1f} s")

@@ -222,6 +222,29 @@ def test_cross_entropy(ls, z, reduction, dtype, backend):
     assert (g.view(-1, V)[target.view(-1) == ignore_index] == 0).all()
 
 
+def test_cross_entropy_inplace_backward():
+    """``inplace_backward=True`` (Triton): the same loss and gradient as a separate buffer, written over the logits
+    (no [N, V] allocation); an op that saved the logits for its backward then fails loudly, never reads gradient
+    values."""
+    V = 131
+    base = torch.randn(6, V, dtype=torch.float64)
+    target = _targets((6,), V)
+    ref_x = base.float().requires_grad_(True)
+    ref = K.cross_entropy(ref_x, target, backend="triton")
+    ref.backward()
+    leaf_x = base.float().requires_grad_(True)
+    logits = leaf_x * 1.0  # a non-leaf whose producer (mul by a constant) saves nothing
+    out = K.cross_entropy(logits, target, backend="triton", inplace_backward=True)
+    assert torch.equal(out, ref)
+    assert not torch.equal(logits.detach(), base.float())  # now the (unscaled) gradient
+    out.backward()
+    assert torch.equal(leaf_x.grad, ref_x.grad)
+    saved = base.float().requires_grad_(True)
+    logits = saved.exp()  # exp saves its output for backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        K.cross_entropy(logits, target, backend="triton", inplace_backward=True).backward()
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cross_entropy_large_logits_and_all_ignored(backend):
     logits = torch.tensor([[1000.0, -1000.0, 999.0], [0.0, 0.0, 0.0]], requires_grad=True)
@@ -289,10 +312,12 @@ def test_fused_linear_cross_entropy(chunk_size, with_bias, reduction, dtype, bac
 def test_default_chunk_size():
     from lightning_llm.kernels.cross_entropy import default_chunk_size
 
-    assert default_chunk_size(8192, 128256, 4096) == 1024  # chunk logits ~ 4x hidden in size (1046 -> 1024)
-    assert default_chunk_size(8192, 128000, 2048) == 512  # 524 -> 512
+    assert default_chunk_size(32768, 128256, 4096) == 2048  # chunk logits ~ 2x hidden in size (2093 -> 2048)
+    assert default_chunk_size(8192, 128256, 4096) == 512  # 523 -> 512
+    assert default_chunk_size(8192, 128000, 2048) == 256  # 262 -> 256
+    assert default_chunk_size(8192, 128000, 64) == 256  # 8 -> at least MIN_CHUNK tokens
     assert default_chunk_size(3, 10, 100) == 3
-    assert default_chunk_size(5, 10**6, 8) == 1
+    assert default_chunk_size(5, 10**6, 8) == 5
 
 
 def test_zz_report_max_errors():

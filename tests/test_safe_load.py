@@ -11,8 +11,6 @@ strategies' own ``load_checkpoint`` refuse too when the CLI's check is bypassed 
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,9 +20,9 @@ import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
 import lightning_llm.cli.app as cli_app
-from lightning_llm.checkpoint import TRUST_ENV, UnsafeCheckpointError, verify_checkpoint
+from lightning_llm.checkpoint import TRUST_ENV, verify_checkpoint
 from lightning_llm.cli import main
-from lightning_llm.testing import free_port
+from lightning_llm.testing import one_error_line_from_ranks, torchrun_cli_fails
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from safe_load_fixtures import CRAFTED, craft, dcp_object_checkpoint, fit_args, legacy_layouts, saved_run  # noqa: E402
@@ -176,28 +174,15 @@ def test_trusted_opt_in_runs_the_payload(crafted: dict[str, Path], marker: Path,
         assert any("posix.system" in r.getMessage() and TRUST_ENV in r.getMessage() for r in caplog.records)
 
 
-def _torchrun_fails(args: list[str], cwd: Path) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "lightning_llm", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("LIGHTNING_LLM_DEBUG", None)
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, cwd=cwd, env=env)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "exitcode  : 2" in out, out[-3000:]
-    return out
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("strategy, name", [("zero3", "engine_meta"), ("ddp", "ckpt"),
                                             ("deepspeed_zero2", "deepspeed")])
 def test_refused_under_torchrun(crafted: dict[str, Path], marker: Path, tmp_path: Path, strategy: str,
                                 name: str) -> None:
     """2 processes: every rank refuses before loading, rank 0 prints the one line, every rank exits with 2."""
-    out = _torchrun_fails(fit_args(tmp_path, "--trainer.devices=2", f"--trainer.strategy={strategy}",
-                                   f"--ckpt_path={crafted[name]}"), tmp_path)
-    lines = [ln for ln in out.splitlines() if PREFIX in ln]
-    assert len(lines) == 1, out[-3000:]  # rank 0 alone prints; no worker traceback (torchrun's own summary follows)
-    assert not [ln for ln in out.splitlines() if ln.startswith("[rank") and "Traceback" in ln], out[-3000:]
-    print(lines[0])
-    assert lines[0].startswith(PREFIX + _refusal(name, crafted[name], "--ckpt_path")), lines[0]
+    out = torchrun_cli_fails(fit_args(tmp_path, "--trainer.devices=2", f"--trainer.strategy={strategy}",
+                                      f"--ckpt_path={crafted[name]}"), tmp_path)
+    line = one_error_line_from_ranks(out)  # rank 0 alone prints; every rank exits with 2
+    print(line)
+    assert line[line.index(PREFIX):].startswith(PREFIX + _refusal(name, crafted[name], "--ckpt_path")), line
     assert not marker.exists()

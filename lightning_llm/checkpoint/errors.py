@@ -11,7 +11,6 @@ import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
 log = logging.getLogger(__name__)
 

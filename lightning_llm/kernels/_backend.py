@@ -34,14 +34,17 @@ def triton_interpret_enabled() -> bool:
 def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
     """Map ``backend`` to ``"triton"`` or ``"torch"`` for an input ``tensor``.
 
-    ``auto``: triton when ``tensor`` is on CUDA and triton is importable, else torch.
+    ``auto``: triton when ``tensor`` is on CUDA and triton is importable, else torch; torch also inside a region
+    ``torch.compile`` traces (``--model.compile``): inductor generates its own fused kernels there (on the H200 the
+    compiled torch path of the 1B decoder's blocks ran 126 ms a step against 163 ms for compiled blocks around the
+    Triton kernels).
     ``triton``: raises ``RuntimeError`` when triton is missing, or when ``tensor`` is not on CUDA and
     ``TRITON_INTERPRET=1`` is not set (Triton only runs CPU tensors through its interpreter).
     """
     if backend == "torch":
         return "torch"
     if backend == "auto":
-        return "triton" if tensor.is_cuda and triton_available() else "torch"
+        return "triton" if tensor.is_cuda and triton_available() and not torch.compiler.is_compiling() else "torch"
     if backend != "triton":
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     if not triton_available():
@@ -59,9 +62,10 @@ def next_pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def num_programs(t: torch.Tensor, rows: int) -> int:
-    """Programs for a two-stage (per-program partial, then sum) reduction over ``rows`` rows."""
+def num_programs(t: torch.Tensor, rows: int, *, per_sm: int = 4) -> int:
+    """Programs for a two-stage (per-program partial, then sum) reduction over ``rows`` rows: ``per_sm`` per
+    streaming multiprocessor on CUDA."""
     if t.is_cuda:
         sms = torch.cuda.get_device_properties(t.device).multi_processor_count
-        return max(1, min(rows, 4 * sms))
+        return max(1, min(rows, per_sm * sms))
     return max(1, min(rows, 4))  # interpreter: each program is ~0.5 ms of Python, keep few

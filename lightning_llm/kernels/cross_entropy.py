@@ -11,16 +11,24 @@ the logits, so the softmax is never materialised twice; backward only scales it 
 place: backward through the same graph twice is refused). The fused linear CE chunks over tokens so the full
 ``[N, V]`` logits never exist: per chunk ``logits = h @ W.T (+ b)``, CE writes dlogits in place of the chunk's
 logits, then ``dh = dlogits @ W`` and ``dW += dlogits.T @ h`` are accumulated during the forward.
+
+Precision: every matmul runs in the hidden states' dtype (bf16/fp16 on tensor cores; a higher-precision weight, an
+fp32 master under autocast, is cast once), accumulating in fp32 inside the GEMM. The head's gradients sum over every
+chunk in an fp32 buffer, rounded once at the end (:func:`accumulate_mm`: on CUDA one GEMM with an fp32 output per
+chunk; an fp32 weight receives the buffer itself as its gradient).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
 
 from ._backend import Backend, resolve_backend
+
+log = logging.getLogger(__name__)
 
 Reduction = Literal["mean", "sum", "none"]
 
@@ -116,15 +124,23 @@ class _ScaledOnce:
 
 class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, ignore_index, reduction, label_smoothing, z_loss, backend, grad_enabled):
+    def forward(ctx, logits, target, ignore_index, reduction, label_smoothing, z_loss, backend, grad_enabled,
+                inplace=False):
         V = logits.shape[-1]
         x = logits.reshape(-1, V)
         x = x if x.stride(-1) == 1 else x.contiguous()
         t = target.reshape(-1).contiguous()
         n_valid, scale = _mean_scale(t, ignore_index, reduction)
-        grad = torch.empty_like(x) if (grad_enabled and ctx.needs_input_grad[0]) else None  # no sweep in eval
+        grad = None
+        if grad_enabled and ctx.needs_input_grad[0]:  # no sweep in eval
+            grad = x if inplace else torch.empty_like(x)
+            if grad.data_ptr() == logits.data_ptr():
+                # The logits now hold their gradient: anything that saved them for its own backward must fail
+                # loudly there (autograd's version check) instead of reading gradient values.
+                torch.autograd.graph.increment_version(logits)
         rows, _ = _ce_impl(backend)(x, t, ignore_index, label_smoothing, z_loss, scale, grad)
-        ctx.save_for_backward(grad)
+        # Kept as an attribute, not a saved tensor: in place it is a view of the input whose version was just bumped.
+        ctx.grad = grad
         ctx.reduction, ctx.shape = reduction, logits.shape
         if reduction == "mean":
             return (rows.sum() / n_valid[0]).to(logits.dtype)
@@ -133,10 +149,10 @@ class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         _ScaledOnce.check(ctx)
-        (grad,) = ctx.saved_tensors
+        grad, ctx.grad = ctx.grad, None
         g = grad_loss.reshape(-1, 1) if ctx.reduction == "none" else grad_loss
         grad.mul_(g.to(grad.dtype))
-        return grad.view(ctx.shape), None, None, None, None, None, None, None
+        return grad.view(ctx.shape), None, None, None, None, None, None, None, None
 
 
 def cross_entropy(
@@ -148,24 +164,33 @@ def cross_entropy(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     backend: Backend = "auto",
+    inplace_backward: bool = False,
 ) -> torch.Tensor:
-    """Cross-entropy of ``logits [..., V]`` against ``target [...]``; see the module docstring."""
+    """Cross-entropy of ``logits [..., V]`` against ``target [...]``; see the module docstring.
+
+    ``inplace_backward`` (Triton backend): the gradient is written over ``logits`` in the forward pass instead of
+    into a new ``[N, V]`` buffer (Liger's memory: nothing beyond the logits), for callers that do not read the logits
+    again. Their version counter is bumped, so an op that saved them for its backward fails loudly there."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if resolve_backend(backend, logits) == "torch":
         return cross_entropy_torch(logits, target, ignore_index=ignore_index, reduction=reduction,
                                    label_smoothing=label_smoothing, z_loss=z_loss)
     return CrossEntropyFunction.apply(logits, target, ignore_index, reduction, float(label_smoothing),
-                                      float(z_loss), "triton", torch.is_grad_enabled())
+                                      float(z_loss), "triton", torch.is_grad_enabled(), inplace_backward)
+
+
+MIN_CHUNK = 256
+"""Fewest tokens per chunk (unless there are fewer): smaller chunks spend their time in per-chunk overheads (measured
+on CPU: 64-token chunks of a 32k vocabulary took 1.3x the time of 1024-token ones)."""
 
 
 def default_chunk_size(n: int, vocab: int, hidden: int) -> int:
-    """Tokens per chunk so a chunk's logits ``[C, V]`` hold about 4x the elements of the hidden states ``[N, H]``
-    (a power of two, rounded down). Smaller chunks spend their time in per-chunk overheads (measured on CPU: 64-token
-    chunks of a 32k vocabulary took 1.3x the time of 1024-token ones); the fp32 work of a chunk is then about 20x
-    the hidden states' bytes, a small fraction of the full logits' ``[N, V]`` (``benchmarks/loss_memory.py``)."""
-    target = max(1, (4 * n * hidden) // max(vocab, 1))
-    return max(1, min(n, 1 << (target.bit_length() - 1)))
+    """Tokens per chunk so a chunk's logits ``[C, V]`` hold about 2x the elements of the hidden states ``[N, H]`` (a
+    power of two, rounded down; at least :data:`MIN_CHUNK`). At 32k tokens x 4096 x 128256 that is 2048 tokens: 512 MiB
+    of bf16 logits per chunk, 16 chunks (``benchmarks/loss_memory.py``)."""
+    target = max(1, (2 * n * hidden) // max(vocab, 1))
+    return max(1, min(n, max(MIN_CHUNK, 1 << (target.bit_length() - 1))))
 
 
 def _entropy(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -202,19 +227,89 @@ def chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def contract_chunk(dlogits, h, weight, grads, s: int, e: int) -> None:
-    """Accumulate a chunk's ``dlogits [C, V]`` into ``grads`` = (dh rows ``s:e``, dW, db), each optional."""
+    """Accumulate a chunk's ``dlogits [C, V]`` into ``grads`` = (dh rows ``s:e``, dW, db), each optional; ``weight``
+    is in the compute dtype (that of ``dlogits`` and ``h``)."""
     dh, dw, db = grads
     if dh is not None:
         torch.mm(dlogits, weight, out=dh[s:e])
     if dw is not None:
-        dw.addmm_(dlogits.t().to(dw.dtype), h.to(dw.dtype))
+        accumulate_mm(dw, dlogits.t(), h)
     if db is not None:
         db.add_(dlogits.sum(0, dtype=torch.float32))
 
 
+_FP32_OUT_GEMM: dict[str, bool] = {}
+"""Per CUDA device: whether ``torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)`` accumulates a bf16/fp16
+product into an fp32 buffer correctly there (probed once, :func:`_fp32_out_gemm`)."""
+
+FALLBACK_BLOCK_BYTES = 64 << 20
+"""Largest low-precision temporary of :func:`accumulate_mm`'s blocked fallback."""
+
+
+def _fp32_out_gemm(device: torch.device) -> bool:
+    """Whether this device runs a low-precision GEMM with an fp32 output in one call (``aten::addmm.dtype_out``):
+    CUDA, checked once on a small product against an fp32 reference; the meta device (shapes only), so code paths
+    can be inspected without a GPU; not the CPU, which has no such kernel."""
+    if device.type == "meta":
+        return True
+    if device.type != "cuda":
+        return False
+    key = str(device)
+    if key not in _FP32_OUT_GEMM:
+        g = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(64, 48, device=device, generator=g).bfloat16()
+        b = torch.randn(48, 80, device=device, generator=g).bfloat16()
+        acc = torch.randn(64, 80, device=device, generator=g)
+        ref = acc + a.float() @ b.float()
+        try:
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            ok = bool(torch.allclose(acc, ref, rtol=1e-4, atol=1e-4))
+        except (RuntimeError, TypeError) as e:
+            log.debug("fp32-output GEMM unavailable on %s: %s", key, e)
+            ok = False
+        _FP32_OUT_GEMM[key] = ok
+        log.debug("fused linear CE on %s: head gradient by %s", key,
+                  "fp32-output GEMM" if ok else "blocked low-precision products")
+    return _FP32_OUT_GEMM[key]
+
+
+def accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` fp32 and ``a``, ``b`` in the compute dtype. Low-precision operands stay low
+    precision (tensor cores, fp32 accumulation inside the GEMM): on CUDA one GEMM writing fp32 into ``acc``, or,
+    where that kernel is missing, the product in row blocks (each rounded once, then added in fp32). The CPU has no
+    fp32-output low-precision GEMM: there the operands are upcast, so the sum stays exact."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif _fp32_out_gemm(acc.device):
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    elif acc.device.type == "cuda":
+        rows = max(1, FALLBACK_BLOCK_BYTES // max(1, b.shape[1] * a.element_size()))
+        for r in range(0, a.shape[0], rows):
+            acc[r:r + rows].add_(a[r:r + rows] @ b)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
+def compute_operands(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The head's ``(weight, bias)`` in the hidden states' dtype, the compute dtype (a cast copy of an fp32 master
+    under autocast, else the tensors themselves). Refuses a weight of lower precision than the hidden states, or a
+    bias of another dtype than the weight."""
+    if bias is not None and bias.dtype != weight.dtype:
+        raise ValueError(f"the bias ({bias.dtype}) must have the weight's dtype ({weight.dtype})")
+    if weight.dtype != hidden.dtype and not (weight.dtype == torch.float32 and hidden.dtype in LOW_PRECISION):
+        raise ValueError(f"hidden states ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype, or the weight "
+                         "be an fp32 master of bf16/fp16 hidden states")
+    return weight.to(hidden.dtype), (bias.to(hidden.dtype) if bias is not None else None)
+
+
 def _grad_buffers(h2, weight, bias, need):
     """(dhidden in the hidden dtype, dW and db in fp32) as ``need`` asks: the head's gradients sum over every chunk,
-    and a bf16 running sum of 16 chunks would lose bits a single matmul (fp32 accumulation) keeps."""
+    and a bf16 running sum of 16 chunks would lose bits a single matmul (fp32 accumulation) keeps. ``weight`` and
+    ``bias`` are the caller's (their shapes; an fp32 master receives these buffers as its gradients)."""
     return (
         torch.empty_like(h2) if need[0] else None,
         torch.zeros_like(weight, dtype=torch.float32) if need[1] else None,
@@ -238,10 +333,11 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         else:
             grads = _grad_buffers(h2, weight, bias, need)
         ent = torch.empty(N, dtype=torch.float32, device=h2.device) if with_entropy else None
-        rows = _flce_chunks(h2, weight, bias, t, ignore_index, ls, z, chunk, backend, scale, grads, ent)
+        wc, bc = compute_operands(hidden, weight, bias)
+        rows = _flce_chunks(h2, wc, bc, t, ignore_index, ls, z, chunk, backend, scale, grads, ent)
         ctx.args = (ignore_index, reduction, ls, z, chunk, backend, hidden.shape, weight.dtype)
         if reduction == "none":
-            ctx.save_for_backward(h2, weight, bias, t)
+            ctx.save_for_backward(h2, wc, bc, t)
             if ent is None:
                 return rows.view(target.shape).to(loss_dtype)
             ent = ent.view(target.shape)
@@ -289,8 +385,9 @@ def fused_linear_cross_entropy(
     """``cross_entropy(hidden @ weight.T + bias, target)`` without materialising the ``[N, V]`` logits.
 
     ``hidden`` ``[..., H]``, ``weight`` ``[V, H]`` (the LM head), ``bias`` ``[V]`` or None, ``target`` ``[...]``.
-    ``chunk_size`` tokens per chunk (None: :func:`default_chunk_size`, about ``4 N H / V`` tokens). Each chunk's
-    logits are in ``hidden.dtype``; the gradients are accumulated in the parameter dtypes. For
+    ``chunk_size`` tokens per chunk (None: :func:`default_chunk_size`, about ``2 N H / V`` tokens). Each chunk's
+    logits are in ``hidden.dtype``, the compute dtype: ``weight``/``bias`` share it, or are fp32 masters of bf16/fp16
+    hidden states (cast once here, their gradients fp32 sums; see the module docstring). For
     ``reduction="none"`` the chunks are recomputed in backward.
     ``loss_dtype``: the returned loss's dtype (default ``hidden.dtype``; the math is fp32 either way).
     ``with_entropy`` (``reduction="none"`` only): also return each token's entropy of ``softmax(logits)``, fp32,
@@ -300,9 +397,6 @@ def fused_linear_cross_entropy(
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if with_entropy and reduction != "none":
         raise ValueError(f"with_entropy=True needs reduction='none' (per-token values), got {reduction!r}")
-    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
-        raise ValueError(f"hidden, weight and bias must share a dtype, got {hidden.dtype} / {weight.dtype}"
-                         f" / {None if bias is None else bias.dtype}")
     if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     resolved = resolve_backend(backend, hidden)

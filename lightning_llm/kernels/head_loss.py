@@ -124,11 +124,14 @@ def _vocab_parallel_loss(hidden: Tensor, weight: Tensor, bias: Tensor | None, la
 
 
 def _head_dtype(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The operands in the dtype ``head(hidden)`` would compute in: autocast's when it is on (the casts are
-    differentiable, so gradients reach fp32 masters), else the weight's."""
+    """The operands for the dtype ``head(hidden)`` would compute in: autocast's when it is on, else the weight's. The
+    hidden states are cast here; an fp32 weight (a master under autocast) is passed as it is, and the fused loss casts
+    it once and accumulates its gradient in fp32 itself (no bf16 gradient cast back to fp32)."""
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
+        if weight.dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16):
+            return hidden.to(dtype), weight, bias
         return hidden.to(dtype), weight.to(dtype), (bias.to(dtype) if bias is not None else None)
     return hidden.to(weight.dtype), weight, bias
 

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ._backend import Backend, resolve_backend
-from .cross_entropy import _grad_buffers, _mean_scale, chunk_logits, contract_chunk, default_chunk_size
+from .cross_entropy import _grad_buffers, _mean_scale, chunk_logits, compute_operands, contract_chunk, default_chunk_size
 
 
 def _stats_torch(x: torch.Tensor, target: torch.Tensor, vocab_start: int):
@@ -163,11 +163,11 @@ class VocabParallelFusedLinearCrossEntropyFunction(torch.autograd.Function):
         need = [grad_enabled and x for x in ctx.needs_input_grad]
         # reduction "none": per-row upstream gradients are unknown yet, the chunks are recomputed in backward
         grads = (None, None, None) if reduction == "none" else _grad_buffers(h2, weight, bias, need)
-        rows = _vocab_parallel_chunks(h2, weight, bias, t, vocab_start, group, ignore_index, chunk, backend, scale,
-                                      grads)
+        wc, bc = compute_operands(hidden, weight, bias)  # an fp32 master shard: cast once, gradients in fp32
+        rows = _vocab_parallel_chunks(h2, wc, bc, t, vocab_start, group, ignore_index, chunk, backend, scale, grads)
         ctx.args = (group, vocab_start, ignore_index, reduction, chunk, backend, hidden.shape, weight.dtype)
         if reduction == "none":
-            ctx.save_for_backward(h2, weight, bias, t)
+            ctx.save_for_backward(h2, wc, bc, t)
             return rows.view(target.shape)
         ctx.save_for_backward(*grads)
         return rows.sum() / n_valid[0] if reduction == "mean" else rows.sum()
@@ -213,8 +213,6 @@ def vocab_parallel_fused_linear_cross_entropy(
     shard's own. Returns the fp32 loss, identical on every rank."""
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    if hidden.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
-        raise ValueError(f"hidden, weight and bias must share a dtype, got {hidden.dtype} / {weight.dtype}")
     if chunk_size is None:
         # Every rank must loop over the same chunks (each one all-reduces): size them by the widest shard.
         width = torch.tensor([weight.shape[0]], device=hidden.device)

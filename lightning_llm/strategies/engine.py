@@ -278,6 +278,13 @@ class ParallelEngine(LayoutFreeCheckpointing):
         self.args.check_precision(precision, self.dims, fp16_scaler=isinstance(self.precision_plugin, MixedPrecision)
                                   and self.precision_plugin.scaler is not None)
         model = self._target()
+        if self.dims.tp > 1 and getattr(module, "compile_blocks", False):
+            raise ValueError(
+                f"--model.compile=true under tensor parallelism (tp={self.dims.tp}): torch {torch.__version__} "
+                "compiles transformer blocks around DTensor's tensor-parallel hooks wrongly (measured on CPU: without "
+                "sequence parallelism backward fails inside DTensor's redistribute; with it the loss departs from "
+                "eager by 8e-2 at the second step). Compile under ddp, pp, zero1/2/3 or deepspeed_*, or train tp "
+                "eagerly")
         if self.pipelined:
             check_pipelinable(module, strategy=self._name())
             self.args.check_batch_size(trainer)
@@ -349,8 +356,11 @@ class ParallelEngine(LayoutFreeCheckpointing):
         super().setup_optimizers(trainer)
         for h in self._grad_hooks:
             h.remove()
+        assert self.dims is not None
         owners: dict[int, int] = {}  # ZeRO-2: id(param) -> the dp rank that keeps its gradient
-        if self.zero_stage in (1, 2):
+        # Over one data-parallel rank a partition is the whole: the task's optimizer steps as it is (no wrapper, no
+        # per-step group copies), unless the states are offloaded to the CPU.
+        if self.zero_stage in (1, 2) and (self.dims.dp > 1 or self.offload_optimizer):
             wrapped = []
             for opt in self.optimizers:
                 opt = getattr(opt, "_optimizer", opt)
@@ -363,7 +373,6 @@ class ParallelEngine(LayoutFreeCheckpointing):
                     owners.update({id(p): zero.owner(p) for g in zero.param_groups for p in g["params"]})
                 wrapped.append(zero)
             self.optimizers = wrapped
-        assert self.dims is not None
         self._reducer = reducer_for(self.lightning_module, group=self._dp_group, world=self.dims.dp, rank=self.dp_rank,
                                     bucket_size_mb=self.args.bucket_size_mb, owners=owners)
         # A pipeline's backward runs inside its schedule: it reduces after the schedule (PipelineStages), no hooks.

@@ -142,6 +142,22 @@ def _copies(g: Tensor, *, world: int, pp: int, dp: int, grads_sharded_over_dp: b
     return max(n // dp if grads_sharded_over_dp else n, 1)
 
 
+def _local_grads(params: Iterable[nn.Parameter], skip: Iterable[nn.Parameter], **copies_kwargs: Any
+                 ) -> dict[tuple[torch.device, torch.dtype, int], list[Tensor]]:
+    """This rank's gradients (DTensor shards as local tensors), grouped by device, dtype and how many ranks hold the
+    same local gradient (:func:`_copies`): each group is one foreach call."""
+    skip_ids = {id(p) for p in skip}
+    groups: dict[tuple[torch.device, torch.dtype, int], list[Tensor]] = {}
+    for p in params:
+        if p.grad is None or id(p) in skip_ids:
+            continue
+        g = p.grad
+        local = g.to_local() if isinstance(g, DTensor) else g
+        if local.numel():
+            groups.setdefault((local.device, local.dtype, _copies(g, **copies_kwargs)), []).append(local)
+    return groups
+
+
 def global_grad_norm(
     params: Iterable[nn.Parameter],
     *,
@@ -153,17 +169,22 @@ def global_grad_norm(
 ) -> float:
     """The L2 norm of the full gradient of the whole model, across every TP shard, pipeline stage and ZeRO shard
     (a collective over the default group; every rank gets the same value). ``skip``: local copies that are not
-    separate parameters (a tied LM head on the last pipeline stage)."""
-    skip_ids = {id(p) for p in skip}
+    separate parameters (a tied LM head on the last pipeline stage).
+
+    A constant number of kernels whatever the number of parameters: one ``torch._foreach_norm`` per device, dtype and
+    replication count, the squared norms summed in fp64. A tensor norm that overflows fp32 (|g| ~ 1e19) is
+    recomputed from its elements in fp64, so a finite gradient never reads as an infinite norm."""
     world = dist.get_world_size() if dist.is_initialized() else 1
+    groups = _local_grads(params, skip, world=world, pp=pp, dp=dp, grads_sharded_over_dp=grads_sharded_over_dp)
     sq = torch.zeros((), dtype=torch.float64, device=device)
-    for p in params:
-        if p.grad is None or id(p) in skip_ids:
-            continue
-        g = p.grad
-        local = g.to_local() if isinstance(g, DTensor) else g
-        n = _copies(g, world=world, pp=pp, dp=dp, grads_sharded_over_dp=grads_sharded_over_dp)
-        sq += local.detach().double().pow(2).sum().to(sq.device) / n
+    for (_, _, n), grads in groups.items():
+        norms = torch.stack(torch._foreach_norm(grads, 2.0)).double()  # [len(grads)]
+        sq += norms.square().sum().to(sq.device) / n
+    if not bool(torch.isfinite(sq)):  # an fp32 overflow (or NaN/inf grads): the exact sum decides
+        sq = torch.zeros((), dtype=torch.float64, device=device)
+        for (_, _, n), grads in groups.items():
+            for g in grads:
+                sq += g.detach().double().pow(2).sum().to(sq.device) / n
     if world > 1:
         dist.all_reduce(sq)
     return math.sqrt(float(sq))
@@ -171,12 +192,17 @@ def global_grad_norm(
 
 @torch.no_grad()
 def clip_grads_by_global_norm(params: list[nn.Parameter], max_norm: float, **norm_kwargs: Any) -> float:
-    """Scale every local gradient by ``max_norm / global norm`` when the global norm exceeds it; returns the norm."""
+    """Scale every local gradient by ``max_norm / global norm`` when the global norm exceeds it (one
+    ``torch._foreach_mul_`` per device and dtype); returns the norm."""
+    params = list(params)
     total = global_grad_norm(params, **norm_kwargs)
     scale = max_norm / (total + 1e-6)
     if scale < 1.0:
-        for p in params:
+        by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        for p in {id(p): p for p in params}.values():  # a parameter listed twice is scaled once
             if p.grad is not None:
-                g = p.grad
-                (g.to_local() if isinstance(g, DTensor) else g).mul_(scale)
+                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                by_kind.setdefault((g.device, g.dtype), []).append(g)
+        for grads in by_kind.values():
+            torch._foreach_mul_(grads, scale)
     return total

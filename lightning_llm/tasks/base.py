@@ -17,6 +17,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from typing_extensions import override
 
 from lightning_llm.contract import (
@@ -32,6 +34,7 @@ from lightning_llm.contract import (
 )
 from lightning_llm.export.meta import CHECKPOINT_KEY, ExportMetadata, export_metadata
 from lightning_llm.models import NAMED_SIZES, build_model
+from lightning_llm.models.compile import compile_blocks
 from lightning_llm.reliability import AtomicCheckpointIO, FaultInjector, RNGState
 from lightning_llm.run_summary import RunSummary, replace_model_summary
 from lightning_llm.tasks.guard import NonFiniteGuard, NonFiniteLossError
@@ -61,6 +64,9 @@ class OptimConfig:
     max_consecutive_skips: int = 10
     """Stop the run when more optimizer steps than this in a row were skipped for a NaN/inf loss or gradients
     (``--model.nonfinite_loss=skip``, an fp16 loss scaler, DeepSpeed's overflow check)."""
+    fused: bool | None = None
+    """torch's fused AdamW (one kernel per device and dtype for every parameter, instead of a dozen per-tensor
+    launches): None = wherever torch has it for the parameters' devices and dtypes (CUDA, CPU, ...)."""
 
     def lr_lambda(self, total_steps: int):  # noqa: ANN201 - returns a closure for LambdaLR
         warmup = int(self.warmup_steps * total_steps) if 0 < self.warmup_steps < 1 else int(self.warmup_steps)
@@ -79,6 +85,27 @@ class OptimConfig:
 
 
 torch.serialization.add_safe_globals([OptimConfig])  # in checkpoints' hyper-parameters; resume loads weights_only
+
+
+def build_adamw(groups: list[dict[str, Any]], cfg: OptimConfig) -> torch.optim.AdamW:
+    """torch's AdamW over ``groups`` with ``cfg``'s hyper-parameters, fused where torch supports it (``cfg.fused``
+    None) or as ``cfg.fused`` says (a fused request torch cannot serve raises its own error)."""
+    params = [p for g in groups for p in g["params"]]
+    fused = cfg.fused
+    if fused is None:
+        supported = _get_fused_kernels_supported_devices()
+        # One fused call takes all of a device's parameters: DTensor shards and plain tensors cannot mix in it (a
+        # tensor-parallel plan that leaves some modules replicated); foreach then.
+        kinds = {isinstance(p, DTensor) for p in params}
+        fused = bool(params) and len(kinds) == 1 and all(
+            p.device.type in supported and p.is_floating_point() for p in params)
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused)
+    # A fused AdamW says it unscales fp16 gradients inside its step, and Lightning's mixed precision then refuses
+    # gradient clipping (bf16 too) and skips unscaling before clipping and the non-finite check. The kernel does not
+    # need to: with this off, the GradScaler unscales first as for any optimizer (one foreach kernel) and the fused
+    # step runs on the unscaled gradients.
+    optimizer._step_supports_amp_scaling = False
+    return optimizer
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -112,8 +139,23 @@ class LLMTask(pl.LightningModule):
     rank allocates only its shards. ``None``: when the task builds with the library's hooks only
     (:func:`~lightning_llm.contract.builds_lazily`); a subclass with its own ``build_model`` sets ``True`` to opt in."""
 
-    def __init__(self, *, optim: OptimConfig | None = None, nonfinite_loss: Literal["stop", "skip"] = "stop") -> None:
+    def __init__(self, *, optim: OptimConfig | None = None, nonfinite_loss: Literal["stop", "skip"] = "stop",
+                 compile: bool = False) -> None:  # noqa: A002 - the CLI flag is --model.compile
+        """
+        Args:
+            optim: Optimizer and LR schedule.
+            nonfinite_loss: On a NaN/inf training loss or gradients: ``stop`` the run (naming the step) or ``skip``.
+            compile: Compile each transformer block with ``torch.compile`` (regional compilation, as torchtitan):
+                inductor fuses norms, rotary embeddings and the MLP activation itself (the hand-written Triton
+                kernels then stay outside the blocks; the fused loss keeps its own). Traced at the first step
+                (minutes on a big model; inductor caches it); parameter names and checkpoints are unchanged. Under
+                one device, ddp, pp, zero1/2/3 and deepspeed_*; refused under tensor parallelism (torch compiles the
+                blocks around DTensor's hooks wrongly).
+        """
         super().__init__()
+        self.compile_blocks = compile
+        """Whether :meth:`configure_model` compiles the backbone's transformer blocks (``--model.compile``; not named
+        ``compile``, which is ``nn.Module.compile``)."""
         self.optim = optim or OptimConfig()
         self.nonfinite_loss = nonfinite_loss
         self.guard = NonFiniteGuard(policy=nonfinite_loss, max_consecutive_skips=self.optim.max_consecutive_skips)
@@ -249,6 +291,8 @@ class LLMTask(pl.LightningModule):
             # does not, so a module a subclass created in __init__ would otherwise shift the model's init there only.
             reset_seed()
             self.model = self.build_model()
+            if self.compile_blocks:
+                compile_blocks(self.model)  # lazily: the strategy's TP plan, recompute and FSDP units apply after
             total = sum(p.numel() for p in self.model.parameters())
             trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
             self.parameter_counts = (total, trainable)  # the run summary states them once, before step 1
@@ -350,8 +394,7 @@ class LLMTask(pl.LightningModule):
         assert self.model is not None, "configure_model() must run first"
         cfg = self.optim
         # Every trainable parameter of the task: its model and any module a subclass adds (e.g. an auxiliary head).
-        optimizer = torch.optim.AdamW(param_groups(self, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas,
-                                      eps=cfg.eps)
+        optimizer = build_adamw(param_groups(self, cfg.weight_decay), cfg)
         total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cfg.lr_lambda(total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -35,6 +35,7 @@ class ClassificationTask(LLMTask):
         predict_output: str | None = None,
         optim: OptimConfig | None = None,
         nonfinite_loss: Literal["stop", "skip"] = "stop",
+        compile: bool = False,  # noqa: A002 - the CLI flag is --model.compile
     ) -> None:
         """
         Args:
@@ -47,8 +48,10 @@ class ClassificationTask(LLMTask):
             optim: Optimizer and LR schedule.
             nonfinite_loss: On a NaN/inf training loss or gradients: ``stop`` the run (naming the step) or
                 ``skip`` the step.
+            compile: Compile each transformer block with ``torch.compile`` (regional, as torchtitan; parameter names
+                and checkpoints unchanged; refused under tensor parallelism): see ``LLMTask``.
         """
-        super().__init__(optim=optim, nonfinite_loss=nonfinite_loss)
+        super().__init__(optim=optim, nonfinite_loss=nonfinite_loss, compile=compile)
         # predict_output is a run-time choice: LightningCLI re-applies checkpoint hparams over the command line.
         self.save_hyperparameters(ignore=["predict_output"])
         self.backbone = backbone

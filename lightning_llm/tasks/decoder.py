@@ -74,6 +74,7 @@ class DecoderTask(LLMTask):
         optim: OptimConfig | None = None,
         nonfinite_loss: Literal["stop", "skip"] = "stop",
         fused_loss: bool = True,
+        compile: bool = False,  # noqa: A002 - the CLI flag is --model.compile
     ) -> None:
         """
         Args:
@@ -100,8 +101,10 @@ class DecoderTask(LLMTask):
                 ``[B, S, V]`` logits; same loss and gradients. Used when the task's loss hooks are the library's
                 own (causal LM, SFT and DPO losses, PPO and GRPO log-probs), under every layout (tensor parallel:
                 on the vocabulary shards; pipeline: on the last stage); ``false`` always computes full logits.
+            compile: Compile each transformer block with ``torch.compile`` (regional, as torchtitan; parameter names
+                and checkpoints unchanged; refused under tensor parallelism): see ``LLMTask``.
         """
-        super().__init__(optim=optim, nonfinite_loss=nonfinite_loss)
+        super().__init__(optim=optim, nonfinite_loss=nonfinite_loss, compile=compile)
         if lora is not None and peft is not None:
             raise ValueError("--model.lora and --model.peft are exclusive: use peft.method=lora with peft.lora")
         self.peft_config: PeftConfig | None = PeftConfig(method="lora", lora=lora) if lora is not None else peft
