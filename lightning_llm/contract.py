@@ -187,6 +187,10 @@ class PipelineRunner(Protocol):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """A forward-only pipeline pass; the last stage's output on every pipeline rank."""
 
+    def decoder(self) -> Any:
+        """The model protocol of :func:`lightning_llm.generation.generate` across the stages (token-by-token decoding
+        with a KV cache; last-position logits on every pipeline rank)."""
+
 
 def capabilities_of(strategy: Any) -> Capabilities:
     """The strategy's declared capabilities; Lightning's own strategies (single device, DDP, FSDP, DeepSpeed) are

@@ -294,6 +294,10 @@ def _grpo_args(out: Path, prompts: Path, *, batch: int, extra: list[str]) -> lis
         "--model=lightning_llm.tasks.GRPOTask", "--model.generation.do_sample=true",
         "--model.grpo.num_generations=4", "--model.grpo.epochs=2", "--model.grpo.num_mini_batches=1",
         "--model.grpo.loss_type=dapo", "--model.grpo.missing_eos_penalty=0.1",
+        # eps=1e-3: Adam divides by sqrt(v) + eps, so with a tiny eps the summation-order noise of another layout
+        # (tensor parallel's split matmuls) in near-zero gradients becomes lr-sized steps (GRPO under tp: a 3%
+        # loss difference at the third rollout with eps=1e-8, identical tokens; none with 1e-3).
+        "--model.optim.eps=0.001",
     ], out, prompts, batch=batch, extra=extra)
 
 
@@ -301,15 +305,33 @@ def _logged(out: Path) -> list[dict[str, float]]:
     return logged_rows(out, key="objective/kl")
 
 
-@pytest.mark.multiprocess
-def test_ddp_two_processes_match_one_device(tmp_path: Path) -> None:
-    """Sampled rollouts seeded per prompt (not per rank), groups kept on one rank, the dapo loss divided by the
-    global token count: 2 ranks x 4 prompts must reproduce one device x 8 prompts, parameters included."""
-    prompts = tmp_path / "prompts.jsonl"
+LAYOUT_FLAGS: dict[str, tuple[list[str], int, int]] = {  # strategy flags, per-rank prompts, processes (global 8)
+    "tp": (["--trainer.strategy=tp"], 8, 2),
+    "dp2_tp2": (["--trainer.strategy=3d", "--trainer.strategy.data_parallel_size=2",
+                 "--trainer.strategy.tensor_parallel_size=2"], 4, 4),
+}
+
+
+@pytest.fixture(scope="module")
+def grpo_single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(prompts file, the one-device run on 8 prompts per rollout)."""
+    out = tmp_path_factory.mktemp("grpo_single")
+    prompts = out / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Say {i:02d} digits:"}) + "\n" for i in range(64)))
-    single, ddp = tmp_path / "single", tmp_path / "ddp"
-    assert main(_grpo_args(single, prompts, batch=8, extra=["--trainer.devices=1"])) == 0
-    run_cli(_grpo_args(ddp, prompts, batch=4, extra=["--trainer.devices=2", "--trainer.strategy=ddp"]), nproc=2)
+    assert main(_grpo_args(out / "single", prompts, batch=8, extra=["--trainer.devices=1"])) == 0
+    return prompts, out / "single"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["ddp", "tp", "dp2_tp2"])
+def test_two_processes_match_one_device(grpo_single: tuple[Path, Path], tmp_path: Path, strategy: str) -> None:
+    """Sampled rollouts seeded per prompt (not per rank), groups kept on one rank, the dapo loss divided by the
+    global token count: 2 ranks x 4 prompts must reproduce one device x 8 prompts, parameters included. Tensor
+    parallel: both ranks hold one replica's 8 prompts and draw the same tokens."""
+    prompts, single = grpo_single
+    ddp = tmp_path / strategy
+    flags, batch, nproc = LAYOUT_FLAGS.get(strategy, ([f"--trainer.strategy={strategy}"], 4, 2))
+    run_cli(_grpo_args(ddp, prompts, batch=batch, extra=[f"--trainer.devices={nproc}", *flags]), nproc=nproc)
     one, two = _logged(single), _logged(ddp)
     assert len(one) == len(two) == 4  # 4 rollouts x 2 epochs = 8 optimizer steps
     errs = {k: max(abs(a[k] - b[k]) for a, b in zip(one, two)) for k in
@@ -317,7 +339,7 @@ def test_ddp_two_processes_match_one_device(tmp_path: Path) -> None:
              "policy/clipfrac_avg", "val/ratio", "episode")}
     p1, p2 = torch.load(single / "steps.json.pt"), torch.load(ddp / "steps.json.pt")
     perr = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
-    print(f"single vs ddp max abs err: {json.dumps({k: f'{v:.2e}' for k, v in errs.items()})}; params {perr:.2e}")
+    print(f"single vs {strategy} max abs err: {json.dumps({k: f'{v:.2e}' for k, v in errs.items()})}; params {perr:.2e}")
     print("scores per rollout:", [round(r["objective/scores"], 4) for r in two], "reward_std",
           [round(r["reward_std"], 4) for r in two], "episodes", two[-1]["episode"])
     assert two[-1]["episode"] == 4 * 8 * 4  # rollouts x global prompts x G
@@ -326,12 +348,12 @@ def test_ddp_two_processes_match_one_device(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_tensor_parallel_is_refused_before_training(tmp_path: Path) -> None:
+def test_pipeline_parallel_is_refused_before_training(tmp_path: Path) -> None:
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Say {i:02d} digits:"}) + "\n" for i in range(16)))
     with pytest.raises(RuntimeError) as e:
-        run_cli(_grpo_args(tmp_path / "tp", prompts, batch=2, extra=["--trainer.devices=2", "--trainer.strategy=tp"]),
+        run_cli(_grpo_args(tmp_path / "pp", prompts, batch=2, extra=["--trainer.devices=2", "--trainer.strategy=pp"]),
                 nproc=2)
-    assert ("lightning_llm: error: --trainer.strategy=TensorParallelStrategy: GRPOTask needs every rank to be a "
-            "data-parallel replica (2 ranks here, 1 replica(s))") in str(e.value)
-    assert not (tmp_path / "tp" / "steps.json").exists()
+    assert ("lightning_llm: error: --trainer.strategy=PipelineParallelStrategy: GRPOTask updates with manual "
+            "optimization, which pipeline parallelism does not run") in str(e.value)
+    assert not (tmp_path / "pp" / "steps.json").exists()

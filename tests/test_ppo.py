@@ -225,6 +225,10 @@ def _ppo_args(out: Path, prompts: Path, *, batch: int, extra: list[str]) -> list
         "--model.ppo.num_mini_batches=1", "--model.ppo.kl_coef=0.05", "--model.ppo.adaptive_kl=true",
         "--model.ppo.kl_target=0.5", "--model.ppo.kl_horizon=50", "--model.ppo.whiten_rewards=true",
         "--model.ppo.missing_eos_penalty=0.1",
+        # eps=1e-3: Adam divides by sqrt(v) + eps, so with a tiny eps the summation-order noise of another layout
+        # (tensor parallel's split matmuls) in near-zero gradients becomes lr-sized steps (GRPO under tp: a 3%
+        # loss difference at the third rollout with eps=1e-8, identical tokens; none with 1e-3).
+        "--model.optim.eps=0.001",
     ], out, prompts, batch=batch, extra=extra)
 
 
@@ -242,20 +246,30 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return prompts, out / "single"
 
 
+LAYOUT_FLAGS: dict[str, tuple[list[str], int, int]] = {  # strategy flags, per-rank prompts, processes (global 8)
+    "tp": (["--trainer.strategy=tp"], 8, 2),
+    "dp2_tp2": (["--trainer.strategy=3d", "--trainer.strategy.data_parallel_size=2",
+                 "--trainer.strategy.tensor_parallel_size=2"], 4, 4),
+}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("strategy", "fused"), [("ddp", True), ("zero3", True), ("zero3", False),
-                                                ("deepspeed_zero2", True)])
+                                                ("deepspeed_zero2", True), ("tp", True), ("tp", False),
+                                                ("dp2_tp2", True)])
 def test_two_processes_match_one_device(single: tuple[Path, Path], tmp_path: Path, strategy: str, fused: bool) -> None:
     """Greedy rollouts (deterministic), global whitening, adaptive KL fed the global KL, losses normalized by the
     global token count: 2 ranks x 4 prompts must reproduce one device x 8 prompts, parameters included; under
     ZeRO-3 too, with the fused token scores (the head gathered inside the model's forward) and without them. ZeRO-3
     once clipped before averaging the value head's gradients (a task's own plain parameters, outside FSDP2's units):
     the KL was 0.4 off after two rollouts. DeepSpeed clips only inside engine.step(): max_grad_norm reaches its
-    config (it was silently not applied)."""
+    config (it was silently not applied). Tensor parallel: the two ranks share one replica's 8 prompts, generate
+    the same tokens (full logits on both) and reduce their statistics over the one replica."""
     prompts, single = single
     ddp = tmp_path / strategy
-    run_cli(_ppo_args(ddp, prompts, batch=4, extra=["--trainer.devices=2", f"--trainer.strategy={strategy}",
-                                                    f"--model.fused_loss={str(fused).lower()}"]), nproc=2)
+    flags, batch, nproc = LAYOUT_FLAGS.get(strategy, ([f"--trainer.strategy={strategy}"], 4, 2))
+    run_cli(_ppo_args(ddp, prompts, batch=batch, extra=[f"--trainer.devices={nproc}", *flags,
+                                                        f"--model.fused_loss={str(fused).lower()}"]), nproc=nproc)
     one, two = _logged(single), _logged(ddp)
     assert len(one) == len(two) == 4  # 4 rollouts x 2 epochs = 8 optimizer steps
     errs = {k: max(abs(a[k] - b[k]) for a, b in zip(one, two)) for k in
@@ -304,13 +318,13 @@ def test_clip_gradients_under_deepspeed_refuses_a_norm_the_engine_would_not_appl
 
 
 @pytest.mark.multiprocess
-def test_tensor_parallel_is_refused_before_training(tmp_path: Path) -> None:
-    """Ranks that share a batch (tp) cannot roll out independently: one clear error line, before any step."""
+def test_pipeline_parallel_is_refused_before_training(tmp_path: Path) -> None:
+    """PPO updates with manual optimization, which a pipeline's schedule does not run: one line, before any step."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Say {i:02d} digits:"}) + "\n" for i in range(16)))
     with pytest.raises(RuntimeError) as e:
-        run_cli(_ppo_args(tmp_path / "tp", prompts, batch=4, extra=["--trainer.devices=2", "--trainer.strategy=tp"]),
+        run_cli(_ppo_args(tmp_path / "pp", prompts, batch=4, extra=["--trainer.devices=2", "--trainer.strategy=pp"]),
                 nproc=2)
-    assert ("lightning_llm: error: --trainer.strategy=TensorParallelStrategy: PPOTask needs every rank to be a "
-            "data-parallel replica (2 ranks here, 1 replica(s))") in str(e.value)
-    assert not (tmp_path / "tp" / "steps.json").exists()
+    assert ("lightning_llm: error: --trainer.strategy=PipelineParallelStrategy: PPOTask updates with manual "
+            "optimization, which pipeline parallelism does not run") in str(e.value)
+    assert not (tmp_path / "pp" / "steps.json").exists()

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from lightning_llm.rl.core import logprobs_from_logits
 
@@ -82,7 +83,10 @@ class ActorCritic(nn.Module):
                 logits = self.policy(input_ids, **kwargs)
             finally:
                 handle.remove()
-            hidden = captured[-1][:, -logits.shape[1]:]  # prompt tuning prepends virtual positions
+            hidden = captured[-1]
+            if isinstance(hidden, DTensor):  # a tensor-parallel head's input, made a DTensor by its input hook
+                hidden = hidden.full_tensor()
+            hidden = hidden[:, -logits.shape[1]:]  # prompt tuning prepends virtual positions
         else:
             logits = self.policy(input_ids, **kwargs)
             hidden = self.critic(input_ids, **kwargs)

@@ -231,7 +231,7 @@ class ParallelEngine(LayoutFreeCheckpointing):
         if self.dims is None:
             return Capabilities()
         return Capabilities(data_parallel_size=self.dims.dp, batch_shared=self.dims.tp * self.dims.pp > 1,
-                            pipelined=self.pipelined, generation=not self.pipelined,
+                            pipelined=self.pipelined, generation=True,
                             data_parallel_group=self._dp_group, deferred_init=self.shards_model)
 
     @property

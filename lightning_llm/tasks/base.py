@@ -319,6 +319,15 @@ class LLMTask(pl.LightningModule):
         assert self.model is not None, "configure_model() must run first"
         return self.model(*args, **kwargs)
 
+    def decoding_model(self) -> Any:
+        """What :func:`lightning_llm.generation.generate` calls to decode: ``self.model``, or under a pipeline the
+        stages run token by token (every pipeline rank gets the same logits, so all pick the same token)."""
+        runner = pipeline_runner(self.trainer.strategy) if self._trainer is not None else None
+        if runner is not None:
+            return runner.decoder()
+        assert self.model is not None, "configure_model() must run first"
+        return self.model
+
     def step_loss(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[torch.Tensor, dict[str, Any]]:
         """The loss of a train/val/test step: :meth:`compute_loss`, or the pipeline's run of the declared hooks."""
         runner = pipeline_runner(self.trainer.strategy) if self._trainer is not None else None

@@ -153,14 +153,13 @@ class OnlineRLTask(DecoderTask):
     @override
     def setup(self, stage: str) -> None:
         super().setup(stage)
-        if self.capabilities.batch_shared:
-            # Rollouts are sampled with a per-rank generator and every statistic is all-reduced over the world:
-            # ranks that share a batch (tensor/pipeline parallel) would feed one sharded forward different tokens.
+        if self.capabilities.pipelined:
+            # The update takes several optimizer steps per batch (manual optimization); a pipeline's schedule runs
+            # Lightning's automatic step only.
             raise ValueError(
-                f"--trainer.strategy={type(self.trainer.strategy).__name__}: {type(self).__name__} needs every rank "
-                f"to be a data-parallel replica ({self.trainer.world_size} ranks here, {self.data_parallel_size} "
-                "replica(s)); use ddp, zero1/2/3 or deepspeed_zero1/2/3 (tensor and pipeline parallelism are not "
-                "supported for on-policy RL)")
+                f"--trainer.strategy={type(self.trainer.strategy).__name__}: {type(self).__name__} updates with manual "
+                "optimization, which pipeline parallelism does not run; use ddp, tp, zero1/2/3, 3d without "
+                "pipeline_parallel_size, or deepspeed_zero1/2/3")
 
     @override
     def configure_model(self) -> None:
@@ -170,14 +169,16 @@ class OnlineRLTask(DecoderTask):
 
     # ------------------------------------------------------------------------------------------ distributed helpers
     def _world(self) -> int:
-        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        """Data-parallel replicas: the ranks of a tensor-parallel group hold one replica's batch, so statistics are
+        summed over replicas, not over the world."""
+        return self.data_parallel_size if self._trainer is not None else 1
 
     def _all_sum(self, x: Tensor) -> Tensor:
-        """Sum over data-parallel ranks (identity on one process)."""
+        """Sum over data-parallel replicas (identity on one replica)."""
         if self._world() == 1:
             return x
         x = x.detach().clone().float()
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=self.capabilities.data_parallel_group)
         return x
 
     def _global_mean(self, total: Tensor, count: Tensor | float) -> float:
@@ -204,7 +205,9 @@ class OnlineRLTask(DecoderTask):
     def _generator(self) -> torch.Generator:
         seed = self.generation_seed if self.generation_seed is not None else torch.initial_seed()
         g = torch.Generator(device=self.device)
-        rank = self.trainer.global_rank if self._trainer is not None else 0
+        # The data-parallel rank: the ranks of a tensor-parallel group must draw the same tokens for their one batch.
+        group = self.capabilities.data_parallel_group if self._trainer is not None else None
+        rank = (dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0)
         g.manual_seed((int(seed) + 1_000_003 * self.rollouts_done + rank) % (2**63))
         return g
 

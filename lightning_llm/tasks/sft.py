@@ -100,7 +100,7 @@ class SFTTask(CausalLMTask):
         cfg = self._gen_config()
         was_training = self.model.training
         self.model.eval()
-        tokens = generate(self.model, batch["gen_input_ids"], batch["gen_attention_mask"], config=cfg)
+        tokens = generate(self.decoding_model(), batch["gen_input_ids"], batch["gen_attention_mask"], config=cfg)
         self.model.train(was_training)
         return [self._decode(ids) for ids in strip_after_eos(tokens, cfg.eos_ids)]
 
@@ -166,14 +166,11 @@ class SFTTask(CausalLMTask):
     def setup(self, stage: str) -> None:
         super().setup(stage)
         generates = stage == "predict" or bool(self.generate_in)
-        if generates and not self.capabilities.generation:
-            # e.g. pipeline parallelism: token-by-token decoding with a KV cache would need one pipeline round trip
-            # per new token; the pipeline strategies run whole-batch schedules only.
+        if generates and not self.capabilities.generation:  # every strategy of the library generates
             raise ValueError(
-                f"SFTTask: generation (--model.generate_in={self.generate_in}, and predict) is not supported with "
-                f"pipeline parallelism (--trainer.strategy={type(self.trainer.strategy).__name__}); train with "
-                "--model.generate_in=[] (validation then logs val_loss/val_ppl only) and generate from the exported "
-                "checkpoint on another strategy")
+                f"SFTTask: generation (--model.generate_in={self.generate_in}, and predict) is not supported by "
+                f"--trainer.strategy={type(self.trainer.strategy).__name__}; train with --model.generate_in=[] "
+                "(validation then logs val_loss/val_ppl only) and generate from the exported checkpoint")
 
     @override
     def _log_epoch_metrics(self, stage: str) -> None:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_llm.contract import declared_inputs
+from lightning_llm.strategies.pipeline.decode import PipelineDecoder
 from lightning_llm.strategies.pipeline.runtime import (
     build_schedule,
     microbatch_count,
@@ -110,6 +111,7 @@ class PipelineRunner:
         self._weighted: dict[int, tuple[Tensor, float]] = {}  # first row -> (micro-batch loss, its loss weight)
         self._outputs: dict[int, dict[str, Any]] | None = None  # first row -> micro-batch outputs (when asked for)
         self._grads: tuple[list[Tensor | None], list[Tensor | None]] | None = None
+        self._decoder: PipelineDecoder | None = None
 
     @property
     def is_last_stage_rank(self) -> bool:
@@ -141,6 +143,14 @@ class PipelineRunner:
         sched, _ = self._schedule_for(args, kwargs, train=False)
         out = self._broadcast_from_last(run_schedule(sched, self.specs, args, kwargs))
         return out.to(self.device) if isinstance(out, Tensor) else out
+
+    def decoder(self) -> PipelineDecoder:
+        """The model for token-by-token generation through this rank's stages (:mod:`.decode`)."""
+        if self._decoder is None:
+            self._decoder = PipelineDecoder(stage_mods=self.stage_mods, specs=self.specs, pp_group=self.pp_group,
+                                            pp_size=self.pp_size, last_stage_rank=self.last_stage_rank,
+                                            device=self.device)
+        return self._decoder
 
     def loss(self, task: Any, batch: Any, stage: str) -> tuple[Tensor, dict[str, Any]]:
         """The batch's loss (and, in evaluation, the metric outputs) from the task's declared hooks."""

@@ -1,0 +1,123 @@
+"""Generation under every layout equals one device, token for token (issue 37).
+
+The debug decoder (the engine builds the same weights under every layout) continues one left-padded batch of prompts
+of different lengths, greedy with the KV cache and without, seeded sampling (the same U(0, 1) draws on every rank),
+and beam search (rows reordered between steps), through ``task.decoding_model()``: the model itself under tensor
+parallelism (full logits on every tensor-parallel rank), the stages run token by token under a pipeline
+(``strategies/pipeline/decode.py``). Two torchrun launches: 2 processes (tp x2, pp x2, pp x2 with two interleaved
+stages per rank) and 4 (3d dp2 x tp2, pp2 x tp2); the one-device reference runs in this process meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from lightning_llm.generation import GenerationConfig, generate
+from lightning_llm.testing import gathered, launch, run_reference_meanwhile, run_worker, table_trainer, wait
+
+NEW = 6
+CONFIGS = {
+    "greedy": GenerationConfig(max_new_tokens=NEW, eos_token_id=None),
+    "greedy_nocache": GenerationConfig(max_new_tokens=NEW, eos_token_id=None, use_cache=False),
+    "sampled": GenerationConfig(max_new_tokens=NEW, do_sample=True, temperature=0.8, top_k=50),
+    "beam": GenerationConfig(max_new_tokens=NEW, num_beams=2, eos_token_id=3),
+}
+LAYOUTS_2 = ["tp", "pp", "pp_interleaved"]
+LAYOUTS_4 = ["dp2_tp2", "pp2_tp2"]
+
+
+def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    """4 prompts of 3, 7, 5 and 9 tokens, left-padded to 9."""
+    g = torch.Generator().manual_seed(7)
+    ids = torch.zeros(4, 9, dtype=torch.long)
+    mask = torch.zeros(4, 9, dtype=torch.long)
+    for row, n in enumerate((3, 7, 5, 9)):
+        ids[row, 9 - n:] = torch.randint(4, 250, (n,), generator=g)
+        mask[row, 9 - n:] = 1
+    return ids, mask
+
+
+def _strategy(layout: str) -> Any:
+    from lightning_llm.strategies import HybridParallelStrategy
+
+    kw = {"tp": dict(tensor_parallel_size=2), "pp": dict(pipeline_parallel_size=2),
+          "pp_interleaved": dict(pipeline_parallel_size=2, stages_per_rank=2, schedule="interleaved_1f1b"),
+          "dp2_tp2": dict(data_parallel_size=2, tensor_parallel_size=2),
+          "pp2_tp2": dict(pipeline_parallel_size=2, tensor_parallel_size=2)}[layout]
+    return HybridParallelStrategy(**kw)
+
+
+class _Generate(pl.Callback):
+    """Generates every configuration once the strategy has set the model up (before validation runs)."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, list[list[int]]] = {}
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        ids, mask = (t.to(pl_module.device) for t in _prompts())
+        uniforms = torch.rand(4, NEW, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+        pl_module.eval()
+        model = pl_module.decoding_model()
+        for name, cfg in CONFIGS.items():
+            out = generate(model, ids, mask, config=cfg, uniforms=uniforms if cfg.do_sample else None)
+            self.tokens[name] = out.tolist()
+
+
+def _run(layout: str, devices: int, out: Path) -> dict[str, list[list[int]]]:
+    from lightning_llm.data import TextDataModule
+    from lightning_llm.tasks import CausalLMTask
+
+    pl.seed_everything(11)
+    task = CausalLMTask("debug", dropout=0.0)
+    dm = TextDataModule(block_size=16, batch_size=4, cache_dir=str(out / "cache"), generated_docs=40)
+    cb = _Generate()
+    trainer = table_trainer(out / layout, strategy=_strategy(layout) if devices > 1 else "auto", devices=devices,
+                            max_steps=1, callbacks=[cb])
+    trainer.limit_val_batches = 1
+    trainer.validate(task, dm, verbose=False)
+    return cb.tokens
+
+
+def _worker(mode: str, out: Path) -> None:
+    if mode == "reference":
+        (out / "reference.json").write_text(json.dumps(_run("1", 1, out)))
+        return
+    layouts = LAYOUTS_2 if mode == "2" else LAYOUTS_4
+    results = {layout: gathered(_run(layout, int(mode), out)) for layout in layouts}
+    if torch.distributed.get_rank() == 0:
+        (out / f"layouts-{mode}.json").write_text(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("generation")
+    four = launch(__file__, 4, "4", str(out))
+    two_out = run_reference_meanwhile(launch(__file__, 2, "2", str(out)), lambda: _worker("reference", out))
+    print(two_out[-2000:] if "Traceback" in two_out else "")
+    wait(four, 1200)
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", [*LAYOUTS_2, *LAYOUTS_4])
+def test_generation_equals_one_device(runs: Path, layout: str) -> None:
+    ref = json.loads((runs / "reference.json").read_text())
+    results = json.loads((runs / f"layouts-{2 if layout in LAYOUTS_2 else 4}.json").read_text())[layout]
+    for name in CONFIGS:
+        print(f"{layout} {name}: {results[0][name]}")
+        assert len(ref[name]) == 4 and len(ref[name][0]) >= 1
+        for rank, tokens in enumerate(results):
+            assert tokens[name] == ref[name], (layout, name, rank, tokens[name], ref[name])
+    assert ref["greedy"] == ref["greedy_nocache"]
+    assert ref["sampled"] != ref["greedy"]  # the draws matter, so equal samples across layouts mean something
+
+
+if __name__ == "__main__":
+    run_worker(_worker, sys.argv[1], Path(sys.argv[2]))
