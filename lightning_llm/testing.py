@@ -363,6 +363,15 @@ class MetricRows(pl.Callback):
         self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
+RL_LAYOUTS: dict[str, tuple[list[str], int, int]] = {
+    "tp": (["--trainer.strategy=tp"], 8, 2),
+    "dp2_tp2": (["--trainer.strategy=3d", "--trainer.strategy.data_parallel_size=2",
+                 "--trainer.strategy.tensor_parallel_size=2"], 4, 4),
+}
+"""The RL tests' layouts beyond a registered name: strategy flags, prompts per rank and processes for a global batch
+of 8 prompts (tensor-parallel ranks share their replica's prompts)."""
+
+
 def rl_cli_args(task: list[str], out: Path, prompts: Path, *, batch: int, extra: list[str]) -> list[str]:
     """``lightning_llm fit`` arguments of the on-policy RL parity tests: ``task`` (``--model=...`` and its settings),
     the digits reward, a constant LR, ``prompts`` in PromptDataModule, 8 CPU steps logged to CSV under ``out`` and

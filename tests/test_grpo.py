@@ -23,7 +23,7 @@ from lightning_llm.rl import GRPOConfig, RewardConfig, group_advantages, grpo_lo
 from lightning_llm.rl.core import logprobs_from_logits
 from lightning_llm.rl.policy import Rollout, pack_responses, response_logits
 from lightning_llm.tasks import GRPOTask, OptimConfig
-from lightning_llm.testing import MetricRows, logged_rows, rl_cli_args, run_cli
+from lightning_llm.testing import RL_LAYOUTS, MetricRows, logged_rows, rl_cli_args, run_cli
 
 DIGITS = RewardConfig(fn="lightning_llm.rl.rewards:CharShareReward", kwargs={"chars": "digits"})
 KEYS = ("objective/scores", "objective/kl", "reward_std", "frac_reward_zero_std", "response_length", "episode",
@@ -305,13 +305,6 @@ def _logged(out: Path) -> list[dict[str, float]]:
     return logged_rows(out, key="objective/kl")
 
 
-LAYOUT_FLAGS: dict[str, tuple[list[str], int, int]] = {  # strategy flags, per-rank prompts, processes (global 8)
-    "tp": (["--trainer.strategy=tp"], 8, 2),
-    "dp2_tp2": (["--trainer.strategy=3d", "--trainer.strategy.data_parallel_size=2",
-                 "--trainer.strategy.tensor_parallel_size=2"], 4, 4),
-}
-
-
 @pytest.fixture(scope="module")
 def grpo_single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(prompts file, the one-device run on 8 prompts per rollout)."""
@@ -330,7 +323,7 @@ def test_two_processes_match_one_device(grpo_single: tuple[Path, Path], tmp_path
     parallel: both ranks hold one replica's 8 prompts and draw the same tokens."""
     prompts, single = grpo_single
     ddp = tmp_path / strategy
-    flags, batch, nproc = LAYOUT_FLAGS.get(strategy, ([f"--trainer.strategy={strategy}"], 4, 2))
+    flags, batch, nproc = RL_LAYOUTS.get(strategy, ([f"--trainer.strategy={strategy}"], 4, 2))
     run_cli(_grpo_args(ddp, prompts, batch=batch, extra=[f"--trainer.devices={nproc}", *flags]), nproc=nproc)
     one, two = _logged(single), _logged(ddp)
     assert len(one) == len(two) == 4  # 4 rollouts x 2 epochs = 8 optimizer steps

@@ -20,7 +20,7 @@ from lightning_llm.peft import LoraArgs
 from lightning_llm.rl import CharShareReward, PPOConfig, RewardConfig, RewardModel
 from lightning_llm.rl.policy import adapters_disabled
 from lightning_llm.tasks import OptimConfig, PPOTask
-from lightning_llm.testing import MetricRows, logged_rows, rl_cli_args, run_cli
+from lightning_llm.testing import RL_LAYOUTS, MetricRows, logged_rows, rl_cli_args, run_cli
 
 DIGITS = RewardConfig(fn="lightning_llm.rl.rewards:CharShareReward", kwargs={"chars": "digits"})
 KEYS = ("objective/scores", "objective/kl", "objective/kl_coef", "objective/entropy", "objective/rlhf_reward",
@@ -246,13 +246,6 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return prompts, out / "single"
 
 
-LAYOUT_FLAGS: dict[str, tuple[list[str], int, int]] = {  # strategy flags, per-rank prompts, processes (global 8)
-    "tp": (["--trainer.strategy=tp"], 8, 2),
-    "dp2_tp2": (["--trainer.strategy=3d", "--trainer.strategy.data_parallel_size=2",
-                 "--trainer.strategy.tensor_parallel_size=2"], 4, 4),
-}
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("strategy", "fused"), [("ddp", True), ("zero3", True), ("zero3", False),
                                                 ("deepspeed_zero2", True), ("tp", True), ("tp", False),
@@ -267,7 +260,7 @@ def test_two_processes_match_one_device(single: tuple[Path, Path], tmp_path: Pat
     the same tokens (full logits on both) and reduce their statistics over the one replica."""
     prompts, single = single
     ddp = tmp_path / strategy
-    flags, batch, nproc = LAYOUT_FLAGS.get(strategy, ([f"--trainer.strategy={strategy}"], 4, 2))
+    flags, batch, nproc = RL_LAYOUTS.get(strategy, ([f"--trainer.strategy={strategy}"], 4, 2))
     run_cli(_ppo_args(ddp, prompts, batch=batch, extra=[f"--trainer.devices={nproc}", *flags,
                                                         f"--model.fused_loss={str(fused).lower()}"]), nproc=nproc)
     one, two = _logged(single), _logged(ddp)
