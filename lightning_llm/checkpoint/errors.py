@@ -14,7 +14,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointError", "UnsafeCheckpointError", "check_torch_file", "first_line", "loading", "refusal"]
+__all__ = ["CheckpointError", "UnsafeCheckpointError", "check_torch_file", "first_line", "is_zip_file", "loading",
+           "refusal"]
 
 ZIP_MAGIC = b"PK\x03\x04"
 
@@ -25,7 +26,7 @@ class CheckpointError(ValueError):
 
 class UnsafeCheckpointError(CheckpointError):
     """A checkpoint file that holds pickled objects other than tensors and plain data: loading it could run code
-    (:mod:`lightning_llm.checkpoint_safety`)."""
+    (:mod:`lightning_llm.checkpoint.safe_load`)."""
 
 
 TRUST_HINT = "LIGHTNING_LLM_TRUST_CHECKPOINT=1"
@@ -52,6 +53,12 @@ def first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {line.split('. ')[0]}" if line else type(e).__name__
 
 
+def is_zip_file(path: Path) -> bool:
+    """Whether ``path`` starts like a zip archive (what ``torch.save`` writes; the legacy format does not)."""
+    with path.open("rb") as f:
+        return f.read(len(ZIP_MAGIC)) == ZIP_MAGIC
+
+
 def check_torch_file(path: str | Path, *, name: str) -> None:
     """Raise :class:`CheckpointError` if a ``torch.save`` file is empty or cut short. ``name`` starts the message
     (e.g. ``--ckpt_path=<path>``).
@@ -62,9 +69,8 @@ def check_torch_file(path: str | Path, *, name: str) -> None:
     size = p.stat().st_size
     if size == 0:
         raise CheckpointError(f"{name}: empty file (0 bytes), not a loadable checkpoint")
-    with p.open("rb") as f:
-        if f.read(len(ZIP_MAGIC)) != ZIP_MAGIC:
-            return
+    if not is_zip_file(p):
+        return
     try:
         with zipfile.ZipFile(p) as z:
             z.infolist()
@@ -85,5 +91,5 @@ def loading(name: str) -> Iterator[None]:
         if "Weights only load failed" in str(e):
             raise UnsafeCheckpointError(refusal(name, _weights_only_global(e))) from e
         raise CheckpointError(f"{name}: not a loadable checkpoint ({first_line(e)})") from e
-    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, UnicodeDecodeError) as e:
+    except (RuntimeError, EOFError, zipfile.BadZipFile, UnicodeDecodeError) as e:
         raise CheckpointError(f"{name}: not a loadable checkpoint ({first_line(e)})") from e

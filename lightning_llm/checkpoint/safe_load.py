@@ -24,6 +24,8 @@ file and what it would import (and admits those names for the rest of the proces
 
 from __future__ import annotations
 
+import collections
+import functools
 import importlib
 import io
 import logging
@@ -41,7 +43,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
 
-from lightning_llm.checkpoint.errors import UnsafeCheckpointError, check_torch_file, loading, refusal
+from lightning_llm.checkpoint.errors import (
+    UnsafeCheckpointError,
+    check_torch_file,
+    is_zip_file,
+    loading,
+    refusal,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +68,6 @@ DEEPSPEED_GLOBALS = (
 """Plain classes DeepSpeed pickles into its optimizer files (a loss scaler's fields, an int enum, a named tuple):
 admitted for DeepSpeed checkpoint files only, by name, so DeepSpeed is imported only when one is read."""
 
-ZIP_MAGIC = b"PK\x03\x04"
-
-
 def trusted() -> bool:
     """Whether the user opted in to loading arbitrary pickled objects (:data:`TRUST_ENV`)."""
     return os.environ.get(TRUST_ENV, "").strip().lower() in ("1", "true", "yes")
@@ -77,15 +82,10 @@ def _resolve(names: Iterable[str]) -> list[Any]:
     return out
 
 
-def _is_zip(path: Path) -> bool:
-    with path.open("rb") as f:
-        return f.read(len(ZIP_MAGIC)) == ZIP_MAGIC
-
-
 def _trust(path: Path, name: str) -> None:
     """Opted in: warn, naming what the file imports, and admit those names for this process's later
     ``weights_only`` loads (Lightning's own reads of a ``--ckpt_path`` file among them)."""
-    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(path)) if _is_zip(path) else []
+    unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(str(path)) if is_zip_file(path) else []
     if unsafe:
         log.warning("%s: loading objects other than tensors and plain data (%s) because %s=1: this runs code from "
                     "the file", name, ", ".join(unsafe), TRUST_ENV)
@@ -101,7 +101,7 @@ def load_file(path: str | Path | io.BytesIO, *, name: str, mmap: bool = False, a
     if isinstance(path, (str, Path)):
         path = Path(path)
         check_torch_file(path, name=name)  # an empty or cut file: said as such, not as an unpickling failure
-        mmap = mmap and _is_zip(path)
+        mmap = mmap and is_zip_file(path)
         if trusted():
             _trust(path, name)
             with loading(name):
@@ -116,6 +116,7 @@ def verify_file(path: str | Path, *, name: str, allowed: Iterable[str] = ()) -> 
 
 
 # ------------------------------------------------------------------------------------------------------ DCP
+@functools.cache
 def _metadata_globals() -> dict[tuple[str, str], Any]:
     """What a DCP ``.metadata`` pickle may name: the metadata module's classes, the storage-info record, and the torch
     values inside them (dtypes, ``Size``, layouts by name, the checkpoint id as a path)."""
@@ -132,23 +133,19 @@ def _metadata_globals() -> dict[tuple[str, str], Any]:
     allowed[("torch.serialization", "_get_layout")] = torch.serialization._get_layout
     for cls in (Path, PurePosixPath, PureWindowsPath, type(Path())):
         allowed[(cls.__module__, cls.__name__)] = cls
-    allowed[("collections", "OrderedDict")] = __import__("collections").OrderedDict
+    allowed[("collections", "OrderedDict")] = collections.OrderedDict
     return allowed
 
 
 class _MetadataUnpickler(pickle.Unpickler):
     """``pickle.Unpickler`` that resolves only :func:`_metadata_globals` (Python's "restricting globals" recipe)."""
 
-    allowed: dict[tuple[str, str], Any] = {}
-
     def __init__(self, file: Any, *, name: str) -> None:
         super().__init__(file)
         self.name = name
 
     def find_class(self, module: str, name: str) -> Any:
-        if not self.allowed:
-            type(self).allowed = _metadata_globals()
-        value = self.allowed.get((module, name))
+        value = _metadata_globals().get((module, name))
         if value is None:
             raise UnsafeCheckpointError(refusal(self.name, f"{module}.{name}"))
         return value
@@ -171,9 +168,9 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         super().__init__(str(path))
         self.name = name or str(path)
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> dcp_metadata.Metadata:
-        if kwargs.get("rank") is not None:  # a per-rank metadata file: not a layout we write
-            raise UnsafeCheckpointError(f"{self.name}: per-rank DCP metadata files are not read here")
+    def read_metadata(self) -> dcp_metadata.Metadata:  # type: ignore[override]
+        # No ``**kwargs``: DCP then does not fall back to per-rank metadata files (a layout we never write) when the
+        # global index fails, e.g. is refused.
         metadata = read_dcp_metadata(self.path, name=f"{self.name}: .metadata")
         if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader.read_metadata
             metadata.storage_meta = dcp_metadata.StorageMeta()
