@@ -55,17 +55,27 @@ def _fit(strategy: Any, devices: int, out: Path, *, compile: bool, steps: int = 
     return rec.losses, task
 
 
+def _graphs() -> int:
+    """Graphs dynamo captured in this process so far: equal losses mean nothing if nothing was compiled."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def _worker(mode: str, out: Path) -> None:
     if mode == "reference":
         eager, _ = _fit("auto", 1, out / "ref-eager", compile=False)
+        graphs = _graphs()
         compiled, task = _fit("auto", 1, out / "ref-compiled", compile=True, save=True)
+        graphs = _graphs() - graphs
         keys = sorted(task.model.state_dict())
         _fit("auto", 1, out / "stopped", compile=True, steps=3, save=True)
         resumed, _ = _fit("auto", 1, out / "stopped", compile=True,
                           ckpt_path=str(out / "stopped" / "ckpt" / "last.ckpt"))
         saved = sorted(torch.load(out / "ref-compiled" / "ckpt" / "last.ckpt", weights_only=True)["state_dict"])
         (out / "reference.json").write_text(json.dumps({"eager": eager, "compiled": compiled, "resumed": resumed,
-                                                        "keys": keys, "saved_keys": saved}))
+                                                        "keys": keys, "saved_keys": saved,
+                                                        "graphs": graphs}))
         return
     results: dict[str, Any] = {}
     try:
@@ -74,8 +84,10 @@ def _worker(mode: str, out: Path) -> None:
         results["tp/refused"] = str(e)
     for layout in LAYOUTS:
         for compiled in (False, True):
+            before = _graphs()
             losses, _ = _fit(layout, 2, out / f"{layout}-{compiled}", compile=compiled)
             results[f"{layout}/{compiled}"] = gathered(losses)
+            results[f"{layout}/{compiled}/graphs"] = gathered(_graphs() - before)
     write_json_on_rank0(out / "layouts.json", results)
 
 
@@ -91,6 +103,7 @@ def test_one_device_compiled_equals_eager_and_resumes_exactly(runs: Path) -> Non
     err = max_abs_err(ref["compiled"], ref["eager"])
     print(f"1 device: compiled vs eager max |loss err| {err:.2e} over {STEPS} steps; losses {ref['compiled']}")
     assert len(ref["compiled"]) == STEPS and ref["eager"][0] - ref["eager"][-1] > 0.5 and err <= TOL
+    assert ref["graphs"] >= 1  # the blocks were compiled (the first block's forward, reused by the others)
     assert ref["resumed"] == ref["compiled"][3:], (ref["resumed"], ref["compiled"])
     assert ref["saved_keys"] == sorted(f"model.{k}" for k in ref["keys"])
     assert not [k for k in ref["saved_keys"] if "_orig_mod" in k]
@@ -101,6 +114,7 @@ def test_one_device_compiled_equals_eager_and_resumes_exactly(runs: Path) -> Non
 def test_compiled_equals_eager_under_each_layout(runs: Path, layout: str) -> None:
     results = json.loads((runs / "layouts.json").read_text())
     eager, compiled = results[f"{layout}/False"], results[f"{layout}/True"]
+    assert min(results[f"{layout}/True/graphs"]) >= 1 and max(results[f"{layout}/False/graphs"]) == 0
     ref = json.loads((runs / "reference.json").read_text())["eager"]
     for e, c in zip(eager, compiled):
         err = max_abs_err(c, e)

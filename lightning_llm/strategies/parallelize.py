@@ -176,18 +176,23 @@ def global_grad_norm(
     recomputed from its elements in fp64, so a finite gradient never reads as an infinite norm."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     groups = _local_grads(params, skip, world=world, pp=pp, dp=dp, grads_sharded_over_dp=grads_sharded_over_dp)
-    sq = torch.zeros((), dtype=torch.float64, device=device)
-    for (_, _, n), grads in groups.items():
-        norms = torch.stack(torch._foreach_norm(grads, 2.0)).double()  # [len(grads)]
-        sq += norms.square().sum().to(sq.device) / n
-    if not bool(torch.isfinite(sq)):  # an fp32 overflow (or NaN/inf grads): the exact sum decides
+
+    def summed(exact: bool) -> float:  # sum over every rank of the squared local norms / their copies (one sync)
         sq = torch.zeros((), dtype=torch.float64, device=device)
         for (_, _, n), grads in groups.items():
-            for g in grads:
-                sq += g.detach().double().pow(2).sum().to(sq.device) / n
-    if world > 1:
-        dist.all_reduce(sq)
-    return math.sqrt(float(sq))
+            if exact:
+                for g in grads:
+                    sq += g.detach().double().pow(2).sum().to(sq.device) / n
+            else:
+                sq += torch.stack(torch._foreach_norm(grads, 2.0)).double().square().sum().to(sq.device) / n
+        if world > 1:
+            dist.all_reduce(sq)
+        return float(sq)
+
+    total = summed(exact=False)
+    if not math.isfinite(total):  # an fp32 overflow somewhere (or NaN/inf grads): every rank recomputes exactly
+        total = summed(exact=True)
+    return math.sqrt(total)
 
 
 @torch.no_grad()

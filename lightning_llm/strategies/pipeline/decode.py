@@ -42,6 +42,7 @@ class PipelineDecoder:
         self.owners = stage_ranks(pp_size, self.num_stages // pp_size, style="loop")
         self.group, self.device, self.last_stage_rank = pp_group, device, last_stage_rank
         self.pp_rank = dist.get_rank(pp_group)
+        self._vocab: int | None = None  # the logits' width, sent once by the last stage
 
     def _peer(self, stage: int) -> int:
         return dist.get_global_rank(self.group, self.owners[stage])
@@ -86,9 +87,11 @@ class PipelineDecoder:
             last = (last.full_tensor() if isinstance(last, DTensor) else last).float().contiguous()
         else:
             last = torch.empty(0, device=self.device)
-        vocab = torch.tensor([last.shape[-1] if last.dim() == 2 else 0], device=self.device)
-        dist.broadcast(vocab, self.last_stage_rank, group=self.group)
+        if self._vocab is None:
+            vocab = torch.tensor([last.shape[-1] if last.dim() == 2 else 0], device=self.device)
+            dist.broadcast(vocab, self.last_stage_rank, group=self.group)
+            self._vocab = int(vocab)
         if last.dim() != 2:
-            last = torch.empty(b, int(vocab), dtype=torch.float32, device=self.device)
+            last = torch.empty(b, self._vocab, dtype=torch.float32, device=self.device)
         dist.broadcast(last, self.last_stage_rank, group=self.group)
         return last.unsqueeze(1)
