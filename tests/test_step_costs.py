@@ -45,10 +45,12 @@ def test_step_tail_does_not_grow_with_the_parameter_count(tmp_path: Path, strate
 
 
 def test_fused_adamw_steps_on_unscaled_gradients_with_a_grad_scaler() -> None:
-    """fp16 training: the GradScaler unscales the gradients before clipping and the step (a fused AdamW must not
-    claim to unscale inside its kernel, or Lightning skips ``unscale_`` and clips scaled gradients - and refuses to
-    clip at all under bf16): scaled, unscaled, clipped and stepped, the weights equal an unscaled foreach AdamW's."""
+    """fp16 training: the GradScaler unscales the gradients before clipping and the step. A fused AdamW must not
+    claim to unscale inside its kernel: Lightning's mixed precision asks ``_optimizer_handles_unscaling`` and then
+    skips ``unscale_`` (clipping scaled gradients) and refuses ``clip_gradients`` (bf16 too). Scaled, unscaled,
+    clipped and stepped, the weights equal an unscaled foreach AdamW's."""
     import torch
+    from lightning.fabric.plugins.precision.amp import _optimizer_handles_unscaling
 
     from lightning_llm.tasks.base import build_adamw
 
@@ -60,6 +62,7 @@ def test_fused_adamw_steps_on_unscaled_gradients_with_a_grad_scaler() -> None:
     fused, ref = build_adamw([{"params": [w]}], cfg), build_adamw([{"params": [w_ref]}], OptimConfig(lr=1e-2,
                                                                                                       fused=False))
     assert fused.param_groups[0]["fused"] and not ref.param_groups[0]["fused"]
+    assert not _optimizer_handles_unscaling(fused)  # so Lightning unscales before clipping, and lets it clip
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
     for _ in range(3):
         scaler.scale((x @ w.t()).pow(2).mean()).backward()
