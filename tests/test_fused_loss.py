@@ -288,9 +288,9 @@ def test_bf16_fused_loss_multiplies_in_bf16_only(weight_dtype: torch.dtype) -> N
 
 
 def test_fp32_master_head_gradient_under_autocast() -> None:
-    """bf16 autocast with an fp32 head (Lightning's bf16-mixed): the fused loss takes the fp32 master itself (no
-    bf16 gradient cast back to fp32), its gradient an fp32 sum; against float64 it is at least as accurate as the
-    eager autocast path's, and the loss is the same within bf16 rounding."""
+    """bf16 autocast with an fp32 head (Lightning's bf16-mixed): the fused loss takes the fp32 master itself, its
+    gradient an fp32 sum that is never rounded to bf16 (eager autocast's is a bf16 gradient cast back: every value
+    bf16-representable); against float64 it is at least as accurate as eager's, the loss the same within bf16."""
     torch.manual_seed(0)
     h, head = torch.randn(2, 512, 64), nn.Linear(64, 3000, bias=False)
     head.weight.data.mul_(0.2)
@@ -299,18 +299,20 @@ def test_fp32_master_head_gradient_under_autocast() -> None:
     ref64 = F.cross_entropy((h64 @ w64.t()).flatten(0, 1), labels.flatten(), ignore_index=-100)
     ref64.backward()
 
-    def run(fn: Any) -> tuple[float, float]:
+    def run(fn: Any) -> tuple[float, float, bool]:
         head.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = fn()
         loss.backward()
-        assert head.weight.grad.dtype == torch.float32
-        err = ((head.weight.grad.double() - w64.grad).norm() / w64.grad.norm()).item()
-        return loss.item(), err
+        grad = head.weight.grad
+        assert grad.dtype == torch.float32
+        err = ((grad.double() - w64.grad).norm() / w64.grad.norm()).item()
+        return loss.item(), err, torch.equal(grad, grad.bfloat16().float())
 
-    eager_loss, eager = run(lambda: F.cross_entropy(head(h).flatten(0, 1).float(), labels.flatten(),
-                                                    ignore_index=-100))
-    fused_loss, fused = run(lambda: head_cross_entropy(h, head, labels))
+    eager_loss, eager, eager_bf16 = run(lambda: F.cross_entropy(head(h).flatten(0, 1).float(), labels.flatten(),
+                                                                ignore_index=-100))
+    fused_loss, fused, fused_bf16 = run(lambda: head_cross_entropy(h, head, labels))
+    assert eager_bf16 and not fused_bf16
     print(f"fp32 master dW relative error vs float64: eager autocast {eager:.2e}, fused {fused:.2e}")
     assert abs(fused_loss - eager_loss) <= 1e-2 * abs(eager_loss) and abs(fused_loss - ref64.item()) <= 2e-2
     assert fused <= 1.1 * eager
