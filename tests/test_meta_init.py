@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from lightning_llm.models import build_model, load_hf
-from lightning_llm.models.init import Init, fill_, full_index, materialize, normal_values, splitmix64
+from lightning_llm.models.init import Init, fill_, full_index, is_meta, materialize, normal_values, splitmix64
 
 MASK = (1 << 64) - 1
 
@@ -155,6 +155,24 @@ def test_bf16_true_run_reads_the_bf16_checkpoint_as_is(tmp_path: Path) -> None:
     assert seen["embed_tokens.weight"].dtype == torch.bfloat16
     assert torch.equal(seen["layers.1.mlp.down_proj.weight"], stored["model.layers.1.mlp.down_proj.weight"])
     assert torch.equal(seen["lm_head.weight"], stored["lm_head.weight"])
+
+
+def test_materialize_leaves_the_task_s_other_state_alone() -> None:
+    """Only modules holding meta tensors are re-allocated: a task's torchmetrics state (no parameter, no buffer) keeps
+    its tensor and value, where a task-wide ``to_empty`` had replaced it with uninitialized memory (SFT under tp
+    logged ROUGE-L inf now and then)."""
+    from torchmetrics import SumMetric
+
+    from lightning_llm.tasks.base import LLMTask
+
+    task = LLMTask()
+    task.model = build_model("debug", family="decoder", lazy=True)
+    task.metric = SumMetric()
+    task.metric.update(torch.tensor(7.0))
+    state = task.metric.sum_value
+    assert materialize(task, "cpu") > 0
+    assert task.metric.sum_value is state and float(task.metric.sum_value) == 7.0
+    assert not any(is_meta(t) for t in (*task.parameters(), *task.buffers()))
 
 
 def test_lazy_named_size_with_lora_equals_eager() -> None:

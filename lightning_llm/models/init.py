@@ -266,8 +266,12 @@ def materialize(root: nn.Module, device: torch.device | str, *, shard_view: Shar
         return 0
     names = {id(t): (path, name) for path, _, name, t in todo}
     shared = _shared_names(root)
-    keep = {n: shard_view(t)[0].detach().clone() for n, t in _named_tensors(root) if not is_meta(t)}
-    root.to_empty(device=device)
+    targets = _holding_meta(root)
+    inside = tuple(f"{prefix}." if prefix else "" for prefix in targets)
+    keep = {n: shard_view(t)[0].detach().clone() for n, t in _named_tensors(root)
+            if not is_meta(t) and n.startswith(inside)}
+    for prefix in targets:
+        root.get_submodule(prefix).to_empty(device=device)
     _retie(root, shared)
     tensors = dict(_named_tensors(root))
     for n, saved in keep.items():
@@ -279,6 +283,19 @@ def materialize(root: nn.Module, device: torch.device | str, *, shard_view: Shar
         if init_buffers is not None:
             init_buffers()
     return len(todo)
+
+
+def _holding_meta(root: nn.Module) -> list[str]:
+    """The modules ``to_empty`` is applied to: ``root`` when it is a family model or holds meta tensors itself, else
+    each direct child that holds one (the task's ``model`` - whole FSDP2 units -, a reference copy). Only these: a
+    module-wide ``to_empty`` also empties what is no parameter or buffer, e.g. torchmetrics' metric states, which
+    then hold garbage (an SFT run under tensor parallelism logged ROUGE-L inf)."""
+    def has_meta(m: nn.Module, *, recurse: bool = True) -> bool:
+        return any(is_meta(t) for t in (*m.parameters(recurse=recurse), *m.buffers(recurse=recurse)))
+
+    if getattr(root, "init_plan", None) is not None or has_meta(root, recurse=False):
+        return [""]
+    return [name for name, child in root.named_children() if has_meta(child)]
 
 
 def _fill_family(fam: nn.Module, params: list[tuple[str, Tensor]], shard_view: ShardView) -> None:
