@@ -10,11 +10,13 @@ import argparse
 import logging
 from pathlib import Path
 
+from lightning_llm.data.io import read_json
 from lightning_llm.data.tokenizer_files import has_tokenizer
 from lightning_llm.export.checkpoint import read_checkpoint
 from lightning_llm.export.files import ExportSources, export_sources, write_model_directory
 from lightning_llm.models import load_hf
-from lightning_llm.peft import PeftConfig, apply_peft, load_adapter, merge_peft
+from lightning_llm.models.quantize import requantize_as_trained
+from lightning_llm.peft import QUANTIZATION_FILE, PeftConfig, apply_peft, load_adapter, merge_peft
 from lightning_llm.reliability import staged_directory
 from lightning_llm.vocab import grow_base, trained_vocab_size
 
@@ -48,6 +50,8 @@ def _merge(base: str, *, adapter: str | None, ckpt: str | None, output: str) -> 
     model, _ = load_hf(base, family="decoder")
     if adapter:
         base_vocab = int(model.config.vocab_size)
+        quant = Path(adapter) / QUANTIZATION_FILE  # trained on a quantized base: fold into the values it computed with
+        requantize_as_trained(model, read_json(quant) if quant.is_file() else None, where=f"--adapter={adapter}")
         model, _ = load_adapter(model, adapter)
         if model.config.vocab_size > base_vocab and not has_tokenizer(Path(adapter)):
             raise ValueError(f"--adapter={adapter}: trained with an extended vocabulary ({model.config.vocab_size} > "
@@ -66,6 +70,7 @@ def _merge(base: str, *, adapter: str | None, ckpt: str | None, output: str) -> 
         state = {k[len("model."):]: v for k, v in checkpoint["state_dict"].items() if k.startswith("model.")}
         peft_cfg = PeftConfig(**checkpoint["peft"])
         grow_base(model, trained_vocab_size(state), peft_cfg, where=f"--ckpt={ckpt}")
+        requantize_as_trained(model, checkpoint.get("quantization"), where=f"--ckpt={ckpt}")
         model = apply_peft(model, peft_cfg)
         names = set(model.state_dict())
         missing = [n for n, p in model.named_parameters() if p.requires_grad and n not in state]

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from lightning_llm.export.meta import CHECKPOINT_KEY
 from lightning_llm.models import ModelConfig, build_model, load_hf, model_from_config
+from lightning_llm.models.quantize import requantize_as_trained
 from lightning_llm.peft import PROMPT_METHODS, LoraArgs, PeftConfig, PromptLearningLM, apply_peft
 from lightning_llm.vocab import resize_embeddings
 
@@ -194,6 +195,8 @@ def rebuild_model(checkpoint: dict[str, Any], *, base: str | None = None) -> tup
     else:
         model = _from_backbone(hp, plain, base=base, peft=peft_cfg is not None)
     _name_labels(model, checkpoint.get("label_names"))
+    # A quantized (QLoRA) run trained its adapters against the dequantized base: fold them into those values.
+    requantize_as_trained(model, checkpoint.get("quantization"), where="export")
     if peft_cfg is not None:
         model = apply_peft(model, peft_cfg)
         names = set(model.state_dict())

@@ -36,7 +36,7 @@ from .layers import LayerNorm, RMSNorm
 log = logging.getLogger(__name__)
 
 __all__ = ["Init", "InitPlan", "WeightsSource", "canonical_name", "draw_init_seed", "fill_", "init_plan_of",
-           "init_whole", "is_meta", "materialize", "normal_values", "plan_for_modules"]
+           "init_whole", "is_meta", "materialize", "materialize_in_parts", "normal_values", "plan_for_modules"]
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -283,6 +283,32 @@ def materialize(root: nn.Module, device: torch.device | str, *, shard_view: Shar
         if init_buffers is not None:
             init_buffers()
     return len(todo)
+
+
+@torch.no_grad()
+def materialize_in_parts(fam: nn.Module, device: torch.device | str, *,
+                         each: Callable[[str, nn.Module], None]) -> None:
+    """Materialize a meta-device family model (whole tensors, from its ``weights_source`` or ``init_plan``) one part
+    at a time: each direct child, each entry of a child ``ModuleList`` (a block). ``each(path, part)`` runs right
+    after a part is filled (e.g. to quantize its weights), so only one part is ever held at full precision beside
+    what ``each`` leaves. The values equal :func:`materialize`'s; tied weights stay one tensor."""
+    shared = _shared_names(fam)
+    parts: list[tuple[str, nn.Module]] = []
+    for name, child in fam.named_children():
+        parts += ([(f"{name}.{i}", m) for i, m in child.named_children()] if isinstance(child, nn.ModuleList)
+                  else [(name, child)])
+    for path, part in parts:
+        if any(is_meta(t) for t in (*part.parameters(), *part.buffers())):
+            part.to_empty(device=device)
+            _retie(fam, shared)  # a tied head takes the embedding filled before it (or fills it first)
+            _fill_family(fam, [(f"{path}.{n}", p) for n, p in part.named_parameters()], _whole)
+        each(path, part)
+    for name, buf in list(fam.named_buffers(recurse=False)):  # the family's own (rotary tables): computed below
+        if buf.is_meta:
+            fam._buffers[name] = torch.empty_like(buf, device=device)
+    init_buffers = getattr(fam, "init_buffers", None)
+    if init_buffers is not None:
+        init_buffers()
 
 
 def _holding_meta(root: nn.Module) -> list[str]:

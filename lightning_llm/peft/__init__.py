@@ -10,7 +10,7 @@
 Inside this package ``import peft`` is Hugging Face's peft (absolute imports).
 """
 
-from lightning_llm.peft.adapters import export_adapter, hf_module_name, load_adapter, merge_peft, peft_state_dict
+from lightning_llm.peft.adapters import QUANTIZATION_FILE, export_adapter, hf_module_name, load_adapter, merge_peft, peft_state_dict
 from lightning_llm.peft.apply import (
     INJECTED_METHODS,
     LoraArgs,
@@ -31,7 +31,7 @@ from lightning_llm.peft.prompt import (
     check_prompt_layout,
 )
 
-__all__ = ["INJECTED_METHODS", "PROMPT_METHODS", "LoraArgs", "PTuningLM", "PeftConfig", "PeftMethod", "PrefixTuningLM",
+__all__ = ["INJECTED_METHODS", "PROMPT_METHODS", "QUANTIZATION_FILE", "LoraArgs", "PTuningLM", "PeftConfig", "PeftMethod", "PrefixTuningLM",
            "PromptLearningLM", "PromptTuningLM", "apply_peft", "build_prompt_model", "check_prompt_layout",
            "count_parameters", "enable_gradient_checkpointing", "export_adapter", "hf_module_name",
            "initialises_without_base", "load_adapter", "merge_peft", "peft_state_dict"]

@@ -11,6 +11,7 @@ layout with HF Llama module names (ours ``layers.N...`` / ``embed_tokens`` / ``n
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,10 @@ from lightning_llm.vocab import grow_base, trained_vocab_size
 
 log = logging.getLogger(__name__)
 
-__all__ = ["export_adapter", "hf_module_name", "load_adapter", "merge_peft", "peft_state_dict"]
+QUANTIZATION_FILE = "quantization.json"
+"""Beside an adapter trained on a quantized base: the quantization settings (``--model.quantize`` and its block)."""
+
+__all__ = ["QUANTIZATION_FILE", "export_adapter", "hf_module_name", "load_adapter", "merge_peft", "peft_state_dict"]
 
 
 def peft_state_dict(model: nn.Module, cfg: PeftConfig) -> dict[str, Tensor]:
@@ -93,7 +97,8 @@ def _check_llama_layout(model: nn.Module) -> None:
 
 def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,
                    base_model_name_or_path: str | None = None, tokenizer: str | Path | None = None,
-                   chat_template: str | None = None, state: dict[str, Tensor] | None = None) -> Path:
+                   chat_template: str | None = None, state: dict[str, Tensor] | None = None,
+                   quantization: dict[str, Any] | None = None) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (``modules_to_save`` weights included) loadable by
     ``PeftModel.from_pretrained`` on the HF export of the base model, plus the files of ``tokenizer`` (a directory)
     if given, with ``chat_template`` (the run's, when the tokenizer does not carry it). ``state``:
@@ -127,6 +132,8 @@ def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,
         peft_cfg.save_pretrained(str(tmp))
         save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"),
                   metadata={"format": "pt"})
+        if quantization is not None:
+            (tmp / QUANTIZATION_FILE).write_text(json.dumps(quantization, indent=1))
         if tokenizer is not None:  # a run with its own (e.g. extended) tokenizer: merge and PeftModel users need it
             write_tokenizer(Path(tokenizer), tmp, chat_template=chat_template)
     log.info("adapter (%d tensors) written to %s", len(tensors), directory)

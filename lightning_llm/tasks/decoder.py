@@ -18,7 +18,17 @@ from typing_extensions import override
 
 from lightning_llm.contract import builds_lazily
 from lightning_llm.export.meta import _tokenizer_source, chat_template_source
+from lightning_llm.models.quantize import (
+    QuantizationConfig,
+    QuantizeMode,
+    checkpoint_entry,
+    describe,
+    load_quantized,
+    require_torchao,
+    shard_problem,
+)
 from lightning_llm.peft import (
+    INJECTED_METHODS,
     LoraArgs,
     PeftConfig,
     apply_peft,
@@ -67,6 +77,8 @@ class DecoderTask(LLMTask):
         model_overrides: dict[str, Any] | None = None,
         lora: LoraArgs | None = None,
         peft: PeftConfig | None = None,
+        quantize: QuantizeMode | None = None,
+        quantization: QuantizationConfig | None = None,
         gradient_checkpointing: bool = False,
         checkpoint_reentrant: bool = False,
         adapter_dir: str | None = None,
@@ -84,6 +96,13 @@ class DecoderTask(LLMTask):
             lora: LoRA settings (shorthand for ``peft: {method: lora, lora: ...}``).
             peft: Any supported PEFT method (``lora``, ``ia3``, ``loha``, ``lokr``, ``prompt_tuning``, ``p_tuning``,
                 ``prefix_tuning``; the last two under data-parallel layouts only).
+            quantize: Hold the frozen base's block linears quantized (QLoRA): ``nf4`` (4-bit NormalFloat with
+                double quantization) or ``int8`` (weight-only, per row), by torchao (``pip install
+                'lightning_llm[quant]'``); quantized at load block by block. Needs an injected PEFT method (lora,
+                ia3, loha, lokr); one device, ddp, zero1/2 and zero3 (nf4 only); tp, pp and DeepSpeed are refused.
+                Checkpoints hold the adapters and these settings; export and merge fold the adapters into the
+                dequantized weights.
+            quantization: The quantization's details (block sizes, compute dtype) for ``quantize``.
             gradient_checkpointing: Recompute block activations in backward.
             checkpoint_reentrant: Use torch's reentrant checkpointing (then embedding outputs are made to
                 require grad so frozen-embedding adapters still get gradients).
@@ -108,6 +127,10 @@ class DecoderTask(LLMTask):
         if lora is not None and peft is not None:
             raise ValueError("--model.lora and --model.peft are exclusive: use peft.method=lora with peft.lora")
         self.peft_config: PeftConfig | None = PeftConfig(method="lora", lora=lora) if lora is not None else peft
+        self.quantize: QuantizeMode | None = quantize
+        self.quantization = quantization or QuantizationConfig()
+        if quantize is not None:
+            _check_quantize(quantize, self.peft_config)
         self.backbone = backbone
         self.dropout = dropout
         self.model_overrides = dict(model_overrides or {})
@@ -126,14 +149,26 @@ class DecoderTask(LLMTask):
         Built lazily (meta device / indexed checkpoint) when the strategy materializes shards and the PEFT method
         initialises without reading the base weights (prompt tuning samples vocabulary embeddings)."""
         lazy = self.capabilities.deferred_init and builds_lazily(self) and initialises_without_base(self.peft_config)
-        return self.build_backbone(backbone or self.backbone, family="decoder", lazy=lazy, dropout=self.dropout,
-                                   resize=self.resize_embeddings, **self.model_overrides)
+        lazy = lazy or self.quantize is not None  # quantized block by block at load, never whole in full precision
+        model = self.build_backbone(backbone or self.backbone, family="decoder", lazy=lazy, dropout=self.dropout,
+                                    resize=self.resize_embeddings, **self.model_overrides)
+        if self.quantize is not None:
+            model = load_quantized(model, self.quantize, self.quantization)
+            caps = self.capabilities
+            problem = shard_problem(model, caps.data_parallel_size) if caps.deferred_init else None
+            if problem:  # zero3: FSDP2 splits each weight's quantized pieces by rows
+                raise ValueError(f"--model.quantize={self.quantize} under zero3 x{caps.data_parallel_size}: {problem}")
+            rank_zero_info(f"frozen base: block linears quantized to {describe(self.quantize, self.quantization)}")
+        return model
 
     def build_policy(self) -> nn.Module:
         """The trained decoder: the backbone with the PEFT method applied (no activation checkpointing yet: a
         reference copy must be taken before :meth:`checkpointed` patches the blocks)."""
         if self.peft_config is not None:
             check_prompt_layout(self.peft_config.method, self.capabilities)  # before anything is built
+        if self.quantize is not None:
+            check_quantize_layout(self.quantize, self.quantization, self.trainer.strategy if self._trainer else None,
+                                  self.capabilities)
         model = self.build_decoder()
         if added_rows(model):
             check_new_rows_trained(self.peft_config)
@@ -182,12 +217,19 @@ class DecoderTask(LLMTask):
         keep = self._trainable_keys()
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
         checkpoint["peft"] = self.peft_config.to_dict()
+        if self.quantize is not None:  # what export/merge re-quantize the base with (never the weights themselves)
+            checkpoint["quantization"] = checkpoint_entry(self.quantize, self.quantization)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
         if self.peft_config is None or self.model is None:
             return
+        saved = checkpoint.get("quantization")
+        ours = checkpoint_entry(self.quantize, self.quantization) if self.quantize is not None else None
+        if saved != ours:  # the adapters were trained against other base weights
+            raise ValueError(f"--ckpt_path: the checkpoint was trained with quantization {saved or 'none'}, this run "
+                             f"has --model.quantize={self.quantize} {ours or ''}: resume with the same settings")
         missing = sorted(self._trainable_keys() - set(checkpoint["state_dict"]))
         if missing:
             raise ValueError(f"checkpoint lacks {len(missing)} trainable weights (e.g. {missing[:3]}): it was not "
@@ -212,9 +254,33 @@ class DecoderTask(LLMTask):
             tokenizer = _tokenizer_source(self.trainer.datamodule)
             export_adapter(self.policy, self.peft_config, directory, base_model_name_or_path=backbone,
                            tokenizer=tokenizer if tokenizer not in (None, "byte") else None,
-                           chat_template=chat_template_source(self.trainer.datamodule), state=state)
+                           chat_template=chat_template_source(self.trainer.datamodule), state=state,
+                           quantization=checkpoint_entry(self.quantize, self.quantization) if self.quantize else None)
         except ValueError as e:  # e.g. a GPT-2 layout: no HF-named adapter; the checkpoint still has the weights
             log.warning("adapter not exported: %s", e)
+
+
+def _check_quantize(mode: str, peft: PeftConfig | None) -> None:
+    """A quantized base needs an adapter that trains beside frozen linears, and torchao."""
+    if peft is None or peft.method not in INJECTED_METHODS:
+        got = "no --model.lora/--model.peft" if peft is None else f"peft.method={peft.method}"
+        raise ValueError(f"--model.quantize={mode} quantizes the frozen base of a PEFT run: it needs an injected "
+                         f"method ({', '.join(INJECTED_METHODS)}), got {got}")
+    require_torchao(mode)
+
+
+def check_quantize_layout(mode: str, cfg: QuantizationConfig, strategy: Any, caps: Any) -> None:
+    """Refuse, before anything is built, the layouts that cannot hold torchao's quantized weights."""
+    if caps.batch_shared:  # tensor or pipeline parallel
+        raise ValueError(f"--model.quantize={mode} is not supported under tensor or pipeline parallelism: torchao's "
+                         "quantized weights cannot be DTensor-sharded by a tensor-parallel plan, and pipeline stages "
+                         "with them are untested; use one device, ddp, zero1/2 or zero3")
+    if strategy is not None and getattr(type(strategy), "deepspeed_engine", None) is not None:
+        raise ValueError(f"--model.quantize={mode} is not supported under DeepSpeed (its ZeRO flattens parameters "
+                         "into fp buffers, losing torchao's quantized tensors): use zero1/2/3 (native) or ddp")
+    if caps.deferred_init and mode == "int8":
+        raise ValueError("--model.quantize=int8 is not supported under zero3: torchao's Int8Tensor has no FSDP2 "
+                         "all-gather hooks (NF4Tensor has); use ddp/zero1/zero2 or --model.quantize=nf4")
 
 
 def _full_tensors(state: dict[str, Any]) -> dict[str, Any]:

@@ -29,6 +29,8 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_llm.models.quantize import is_quantized
+
 log = logging.getLogger(__name__)
 
 Policy = Literal["stop", "skip"]
@@ -52,7 +54,7 @@ def all_finite(tensors: Iterable[Tensor | None]) -> bool:
     with the number of tensors and one host sync: per device and dtype one ``torch._foreach_norm`` for the infinity
     norm (max |x|: an inf is its own maximum, and a finite tensor's never overflows, as an L2 norm could) and one for
     the L1 norm (a sum: NaN propagates through it whatever the device's max reduction does with NaN), then one
-    ``isfinite`` over them all."""
+    ``isfinite`` over them all. Quantized (frozen) weights are not read."""
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     seen: set[int] = set()
     for t in tensors:
@@ -60,7 +62,8 @@ def all_finite(tensors: Iterable[Tensor | None]) -> bool:
             continue
         seen.add(id(t))
         local = _local(t)
-        if local.numel() and local.is_floating_point():
+        # torchao's quantized weights (frozen, never saved) take no foreach kernels: their plain parts are checked
+        if local.numel() and local.is_floating_point() and not is_quantized(local):
             groups.setdefault((local.device, local.dtype), []).append(local)
     if not groups:
         return True
