@@ -48,6 +48,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from lightning_llm.kernels.cross_entropy import default_chunk_size
 from lightning_llm.models import model_from_config, parallel_spec_of
 from lightning_llm.models.init import FILL_SCRATCH_BYTES
+from lightning_llm.models.quantize import QuantizationConfig, QuantizeMode, bytes_per_weight, quantized_linears
 from lightning_llm.strategies.pipeline.split import split_layers
 from lightning_llm.strategies.zero.native import module_path_matches
 
@@ -56,7 +57,7 @@ FUSED_CHUNK_FP32_COPIES = 2
 gradient) and their shifted exponentials (``benchmarks/loss_memory.py``)."""
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
-__all__ = ["Estimate", "LayoutShare", "PRECISIONS", "activation_bytes_per_sample", "bytes_per_param", "estimate",
+__all__ = ["Estimate", "LayoutShare", "PRECISIONS", "Quantized", "quantized_numel", "activation_bytes_per_sample", "bytes_per_param", "estimate",
            "estimate_layout", "layout_share", "loss_bytes", "loss_peak_bytes", "max_batch_size", "model_state_theory",
            "setup_peak_bytes"]
 
@@ -161,16 +162,39 @@ def loss_peak_bytes(*, tokens: int, vocab: int, hidden: int, precision: str, fus
 
 def estimate(config: Any, *, numel: int, batch_size: int, seq_len: int, precision: str, devices: int, stage: int,
              engine: str, offload_optimizer: bool = False, offload_params: bool = False, fused_loss: bool = False,
-             tp: int = 1) -> Estimate:
-    """Per-device memory; ``fused_loss``: the loss path the run takes (the fused LM-head loss keeps no logits)."""
-    states = model_state_theory(numel=numel, stage=stage, dp=devices, precision=precision, engine=engine,
+             tp: int = 1, quantized: Quantized | None = None) -> Estimate:
+    """Per-device memory; ``fused_loss``: the loss path the run takes (the fused LM-head loss keeps no logits).
+    ``quantized``: the frozen block linears held quantized (``--model.quantize``): their bytes as stored, no gradients
+    or optimizer states (the rest still counts as trained: full fine-tuning figures)."""
+    q = quantized_numel(config) if quantized is not None else 0
+    states = model_state_theory(numel=numel - q, stage=stage, dp=devices, precision=precision, engine=engine,
                                 offload_optimizer=offload_optimizer, offload_params=offload_params)
+    if quantized is not None:
+        p_bytes = bytes_per_param(engine, precision)[0]
+        per_weight = bytes_per_weight(quantized.mode, quantized.config, dtype_bytes=p_bytes,
+                                      row=config.hidden_size)
+        states["params"] += int(round(per_weight * q / (devices if stage >= 3 else 1)))
     full = model_state_theory(numel=numel, stage=stage, dp=devices, precision=precision, engine=engine)
     host = sum(full.values()) - sum(states.values())
     _, per_sample = activation_bytes_per_sample(config, seq_len=seq_len, precision=precision, fused_loss=fused_loss)
     loss = loss_bytes(config, tokens=batch_size * seq_len, precision=precision, fused=fused_loss, tp=tp)
     return Estimate(numel=numel, activations=per_sample * batch_size, activations_per_sample=per_sample, host=host,
                     loss=loss, **states)
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """``--model.quantize`` of a run, for the estimate."""
+
+    mode: QuantizeMode
+    config: QuantizationConfig
+
+
+def quantized_numel(config: Any) -> int:
+    """Weights of ``config``'s model that ``--model.quantize`` holds quantized (the transformer blocks' linears)."""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):  # shapes only; the generator stays as it was
+        model = model_from_config(config)
+    return sum(lin.weight.numel() for _, lin in quantized_linears(model))
 
 
 def loss_bytes(config: Any, *, tokens: int, precision: str, fused: bool, tp: int) -> int:
@@ -258,7 +282,7 @@ def setup_peak_bytes(share: LayoutShare, *, param_bytes: int, from_checkpoint: b
 
 def estimate_layout(config: Any, *, tp: int, pp: int, dp: int, stage: int, engine: str, batch_size: int,
                     seq_len: int, precision: str, fused_loss: bool, offload_optimizer: bool = False,
-                    offload_params: bool = False) -> tuple[Estimate, LayoutShare]:
+                    offload_params: bool = False, quantized: Quantized | None = None) -> tuple[Estimate, LayoutShare]:
     """Per-rank memory of ``config`` under a ``tp x pp x dp`` layout with ZeRO ``stage`` (``engine``: native,
     deepspeed or ddp): what the ``estimate`` tool prints and the run summary logs at the start of fit. Model states
     follow what a rank of the fullest stage holds after tp/pp (ZeRO then divides over dp)."""
@@ -266,7 +290,7 @@ def estimate_layout(config: Any, *, tp: int, pp: int, dp: int, stage: int, engin
     local = share.numel * dp if stage == 3 else share.numel
     est = estimate(config, numel=local, batch_size=batch_size, seq_len=seq_len, precision=precision, devices=dp,
                    stage=stage, engine=engine, offload_optimizer=offload_optimizer, offload_params=offload_params,
-                   fused_loss=fused_loss, tp=tp)
+                   fused_loss=fused_loss, tp=tp, quantized=quantized)
     return est, share
 
 

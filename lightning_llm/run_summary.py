@@ -33,8 +33,9 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_llm.contract import declared_inputs, overrides_compute_loss, overrides_training_step
-from lightning_llm.memory import PRECISIONS, estimate_layout
+from lightning_llm.memory import PRECISIONS, Quantized, estimate_layout
 from lightning_llm.models import ModelConfig
+from lightning_llm.models.quantize import describe, is_quantized, quantized_bytes
 from lightning_llm.strategies import DeepSpeedZeroStrategy, ParallelEngine
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,10 @@ def meta_twin(model: nn.Module) -> nn.Module | None:
     FLOPs; ``None`` if the model cannot be copied."""
     memo: dict[int, Any] = {}
     for p in model.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+        # a quantized weight's twin is a plain tensor of its shape and compute dtype: the same matmuls
+        like = torch.empty(p.shape, dtype=p.dtype, device="meta") if is_quantized(p) else torch.empty_like(
+            p, device="meta")
+        memo[id(p)] = nn.Parameter(like, requires_grad=p.requires_grad)
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     try:
@@ -242,18 +246,25 @@ def _memory_line(trainer: pl.Trainer, task: Any, layout: Layout, batch: int | No
     if why:
         return f"estimated memory per rank: none ({why})"
     fused = bool(getattr(task, "uses_fused_loss", lambda: False)())
+    mode = getattr(task, "quantize", None)
+    quantized = Quantized(mode, task.quantization) if mode else None
     est, _ = estimate_layout(config, tp=layout.tp, pp=layout.pp, dp=layout.dp, stage=layout.zero_stage,
                              engine=layout.engine, batch_size=batch, seq_len=int(ids.shape[-1]), precision=precision,
                              fused_loss=fused, offload_optimizer=layout.offload_optimizer,
-                             offload_params=layout.offload_params)
+                             offload_params=layout.offload_params, quantized=quantized)
     parts = ", ".join(f"{name} {v / MIB:.1f}" for name, v in (
         ("parameters", est.params), ("gradients", est.grads), ("optimizer", est.optim),
         ("activations", est.activations), ("loss", est.loss)))
     host = f"; {est.host / MIB:.1f} MiB offloaded to host" if est.host else ""
     note = "; full fine-tuning figures: frozen weights need less" if getattr(task, "parameter_counts", (0, 0))[1] \
         != getattr(task, "parameter_counts", (0, 0))[0] else ""
+    held = ""
+    if quantized is not None:  # what this rank holds (its FSDP2 shards under zero3), measured
+        nbytes, numel = quantized_bytes(task.model)
+        held = (f"; quantized frozen weights ({describe(mode, task.quantization)}): {numel:,} held in "
+                f"{nbytes / MIB:.2f} MiB on this rank = {nbytes / max(2 * numel, 1):.3f}x their bf16 bytes")
     return (f"estimated memory per rank (lightning_llm estimate, {precision}): {est.total / MIB:.1f} MiB = {parts} "
-            f"MiB{host}{note}")
+            f"MiB{host}{note}{held}")
 
 
 # ----------------------------------------------------------------------------------------------------- model summary

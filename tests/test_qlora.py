@@ -172,3 +172,31 @@ def test_frozen_base_bytes_against_bf16() -> None:
     print(f"small: block linears {numel:,} weights: NF4 {nbytes:,} B vs bf16 {2 * numel:,} B = {ratio:.3f}x; "
           f"whole frozen base with embeddings/head/norms in bf16: {whole:.3f}x")
     assert 0.25 < ratio < 0.27  # 4 bits + an int8 scale per 64 weights + an fp32 factor per scale block
+
+
+def test_refusals_name_the_flag(base_dir: Path, tmp_path: Path) -> None:
+    """One line each: torchao missing (a torchao that fails to import shadows the installed one), no PEFT method, a
+    prompt-learning method, double_quant=false."""
+    import os
+    import subprocess
+    import sys
+
+    fake = tmp_path / "fake" / "torchao"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('torchao is not installed (test)')\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(fake.parent), *sys.path])}
+    args = [sys.executable, "-m", "lightning_llm", "fit", "--model=CausalLMTask", f"--model.backbone={base_dir}",
+            "--model.lora.r=4", "--model.quantize=nf4", "--data=TextDataModule", "--data.tokenizer_dir=byte",
+            "--trainer.max_steps=1", "--trainer.accelerator=cpu", f"--trainer.default_root_dir={tmp_path}"]
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300, check=False)
+    err = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "error:" in ln]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert len(err) == 1 and "--model.quantize=nf4 needs torchao" in err[0] and "[quant]" in err[0], err
+    with pytest.raises(ValueError, match="needs an injected method"):
+        CausalLMTask("debug", quantize="nf4")
+    with pytest.raises(ValueError, match="got peft.method=prompt_tuning"):
+        from lightning_llm.peft import PeftConfig
+
+        CausalLMTask("debug", quantize="nf4", peft=PeftConfig(method="prompt_tuning"))
+    with pytest.raises(ValueError, match="double_quant=false"):
+        QuantizationConfig(double_quant=False)

@@ -82,11 +82,12 @@ torch.serialization.add_safe_globals([QuantizationConfig])  # in checkpoints' hy
 
 
 def require_torchao(mode: str) -> None:
-    """Import torchao, or one line naming the flag and the install command."""
+    """Import torchao, or one line naming the flag and the install command (a ValueError: the CLI prints it as a
+    configuration error, without a traceback)."""
     try:
         import torchao  # noqa: F401
     except ImportError:
-        raise ImportError(f"--model.quantize={mode} needs torchao, which is not installed: pip install "
+        raise ValueError(f"--model.quantize={mode} needs torchao, which is not installed: pip install "
                           "'lightning_llm[quant]' (or: pip install torchao \"torch==<your torch>\")") from None
 
 
@@ -256,12 +257,16 @@ def bytes_per_weight(mode: QuantizeMode, cfg: QuantizationConfig, *, dtype_bytes
     return 0.5 + 1 / cfg.block_size + dtype_bytes / (cfg.block_size * cfg.scaler_block_size)
 
 
+def _compute(cfg: QuantizationConfig) -> str:
+    return "the weights' own dtype" if cfg.compute_dtype == "auto" else cfg.compute_dtype
+
+
 def describe(mode: QuantizeMode, cfg: QuantizationConfig) -> str:
     """One line for logs and the run summary."""
     if mode == "int8":
-        return f"int8 weight-only (per row, dequantized to {cfg.compute_dtype})"
+        return f"int8 weight-only (per row, dequantized to {_compute(cfg)})"
     return (f"nf4 (block {cfg.block_size}, double quantization per {cfg.scaler_block_size} scales, dequantized "
-            f"to {cfg.compute_dtype})")
+            f"to {_compute(cfg)})")
 
 
 def ratio(nbytes: int, numel: int, *, of_bytes: int = 2) -> float:

@@ -17,6 +17,7 @@ import torch
 from lightning_llm.data.io import read_json
 from lightning_llm.memory import (
     PRECISIONS,
+    Quantized,
     bytes_per_param,
     estimate_layout,
     loss_bytes,
@@ -24,6 +25,7 @@ from lightning_llm.memory import (
     setup_peak_bytes,
 )
 from lightning_llm.models import NAMED_SIZES, config_from_hf, model_from_config, named_config
+from lightning_llm.models.quantize import QUANTIZE_MODES, QuantizationConfig
 from lightning_llm.strategies.presets import ZERO_PRESETS
 
 __all__ = ["count_parameters", "load_config", "main", "strategy_args"]
@@ -108,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fused-loss", choices=["on", "off"], default="on", help="the causal-LM loss path "
                         "(--model.fused_loss): on computes it from the hidden states in chunks, without logits "
                         "(tensor/pipeline layouts compute logits either way)")
+    parser.add_argument("--quantize", choices=QUANTIZE_MODES, default=None, help="the frozen block linears held "
+                        "quantized (--model.quantize, default settings): their stored bytes, no gradients or "
+                        "optimizer states for them")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     a = parser.parse_args(argv)
     try:
@@ -125,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
         numel = count_parameters(config)
         fused = a.fused_loss == "on"  # tp: the vocab-parallel fused loss on V/tp shards; pp: on the last stage
         est, share = estimate_layout(config, tp=tp, pp=pp, dp=dp, batch_size=a.batch_size, seq_len=seq,
-                                     precision=a.precision, fused_loss=fused, **sargs)
+                                     precision=a.precision, fused_loss=fused,
+                                     quantized=Quantized(a.quantize, QuantizationConfig()) if a.quantize else None,
+                                     **sargs)
         loss_paths = {k: loss_bytes(config, tokens=a.batch_size * seq, precision=a.precision, fused=k == "fused",
                                      tp=tp) for k in ("fused", "eager")}
         setup = setup_peak_bytes(share, param_bytes=bytes_per_param(sargs["engine"], a.precision)[0],
@@ -138,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                          loss=lambda batch: loss_bytes(config, tokens=batch * seq, precision=a.precision,
                                                         fused=fused, tp=tp))
     report = {
-        "model": a.model, "parameters": numel, "strategy": a.strategy, "stage": sargs["stage"],
+        "model": a.model, "parameters": numel, "quantize": a.quantize, "strategy": a.strategy, "stage": sargs["stage"],
         "engine": sargs["engine"], "precision": a.precision, "devices": a.devices, "tp": tp, "pp": pp, "dp": dp,
         "batch_size": a.batch_size, "setup_peak_bytes": setup,
         "seq_len": seq, "bytes": {"params": est.params, "grads": est.grads, "optim": est.optim,

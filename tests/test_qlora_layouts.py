@@ -1,0 +1,75 @@
+"""QLoRA (``--model.quantize=nf4``) under ddp x2 and zero3 x2 (FSDP2 shards torchao's NF4Tensor: packed data, block
+scales and double-quantization factors by rows) equals one device: ``train_loss`` over 6 fp32 steps within 1e-5.
+tp and pp are refused before anything is built, with one line.
+
+One device: the same global batch (4 rows) in one process; the 2-rank layouts: 2 rows per rank. Compared: the
+logged ``train_loss`` (the global batch's loss at every layout).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_llm.models import build_model, save_hf
+from lightning_llm.testing import logged_rows, max_abs_err, one_error_line_from_ranks, run_cli, torchrun_cli_fails
+
+pytest.importorskip("torchao", reason="--model.quantize needs torchao (the [quant] extra)")
+
+STEPS = 6
+ALL_PROJ = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(0)
+    return save_hf(build_model("debug", family="decoder", vocab_size=264), tmp_path_factory.mktemp("base") / "hf")
+
+
+def _args(base: Path, out: Path, *, batch: int, extra: list[str]) -> list[str]:
+    return ["fit", "--seed_everything=0", "--model=CausalLMTask", f"--model.backbone={base}", "--model.lora.r=4",
+            "--model.lora.alpha=8", "--model.lora.dropout=0", f"--model.lora.target_modules={ALL_PROJ}",
+            "--model.optim.lr=0.02", "--model.optim.weight_decay=0", "--model.quantize=nf4",
+            # 16 scales per double-quantization block: every weight's pieces split over 2 ranks
+            "--model.quantization.scaler_block_size=16", f"--model.adapter_dir={out / 'adapter'}",
+            "--data=TextDataModule", "--data.tokenizer_dir=byte", "--data.generated_docs=40", "--data.block_size=32",
+            "--data.val_fraction=0.1", f"--data.batch_size={batch}", f"--data.cache_dir={out / 'cache'}",
+            "--trainer.accelerator=cpu", f"--trainer.max_steps={STEPS}", "--trainer.logger=CSVLogger",
+            f"--trainer.logger.save_dir={out}", "--trainer.log_every_n_steps=1",
+            "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
+            "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={out}",
+            *extra]
+
+
+def _losses(out: Path) -> list[float]:
+    return [r["train_loss"] for r in logged_rows(out, key="train_loss")]
+
+
+@pytest.mark.multiprocess
+def test_ddp_and_zero3_equal_one_device(base_dir: Path, tmp_path: Path) -> None:
+    one = tmp_path / "one"
+    run_cli(_args(base_dir, one, batch=4, extra=[]))
+    reference = _losses(one)
+    for strategy in ("ddp", "zero3"):
+        out = tmp_path / strategy
+        proc = run_cli(_args(base_dir, out, batch=2, extra=[f"--trainer.strategy={strategy}", "--trainer.devices=2"]),
+                       nproc=2)
+        got = _losses(out)
+        err = max_abs_err(got, reference)
+        print(f"{strategy} x2 vs one device: max |train_loss diff| over {STEPS} steps = {err:.2e}")
+        assert len(got) == STEPS and err <= 1e-5, (got, reference)
+        held = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "quantized frozen weights" in ln]
+        assert held, "the run summary states the quantized bytes"
+        print(held[0].split("; quantized")[-1])
+    assert (tmp_path / "zero3" / "adapter" / "quantization.json").is_file()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["tp", "pp"])
+def test_tensor_and_pipeline_parallel_refused_with_one_line(base_dir: Path, tmp_path: Path, strategy: str) -> None:
+    out = torchrun_cli_fails(_args(base_dir, tmp_path, batch=2, extra=[f"--trainer.strategy={strategy}",
+                                                                        "--trainer.devices=2"]), tmp_path)
+    line = one_error_line_from_ranks(out)
+    assert "--model.quantize=nf4 is not supported under tensor or pipeline parallelism" in line, line
