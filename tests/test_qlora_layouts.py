@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from safetensors.torch import load_file
+
+from lightning_llm.cli import main
 from lightning_llm.models import build_model, save_hf
 from lightning_llm.testing import logged_rows, max_abs_err, one_error_line_from_ranks, run_cli, torchrun_cli_fails
 
@@ -38,7 +41,8 @@ def _args(base: Path, out: Path, *, batch: int, extra: list[str]) -> list[str]:
             "--data.val_fraction=0.1", f"--data.batch_size={batch}", f"--data.cache_dir={out / 'cache'}",
             "--trainer.accelerator=cpu", f"--trainer.max_steps={STEPS}", "--trainer.logger=CSVLogger",
             f"--trainer.logger.save_dir={out}", "--trainer.log_every_n_steps=1",
-            "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",
+            "--trainer.enable_progress_bar=false", "--trainer.callbacks+=ModelCheckpoint",
+            f"--trainer.callbacks.dirpath={out / 'ckpt'}", "--trainer.callbacks.save_last=true",
             "--trainer.limit_val_batches=0", "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={out}",
             *extra]
 
@@ -64,6 +68,21 @@ def test_ddp_and_zero3_equal_one_device(base_dir: Path, tmp_path: Path) -> None:
         assert held, "the run summary states the quantized bytes"
         print(held[0].split("; quantized")[-1])
     assert (tmp_path / "zero3" / "adapter" / "quantization.json").is_file()
+    # The zero3 checkpoint (DCP shards) holds the adapters and the settings, not the NF4 weights (the engine keeps
+    # the plain frozen ones, embeddings and norms, as for any PEFT run); it exports to the same merged weights as the
+    # one-device checkpoint.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    saved = FileSystemReader(str(tmp_path / "zero3" / "ckpt" / "last.ckpt")).read_metadata().state_dict_metadata
+    model_keys = [k for k in saved if k.startswith("model.")]
+    assert any("lora_A" in k for k in model_keys) and not [k for k in model_keys if "base_layer" in k]
+    merged = {}
+    for name in ("one", "zero3"):
+        assert main(["export", str(tmp_path / name / "ckpt" / "last.ckpt"), "--to", str(tmp_path / f"hf_{name}")]) == 0
+        merged[name] = load_file(str(tmp_path / f"hf_{name}" / "model.safetensors"))
+    worst = max((merged["one"][k] - merged["zero3"][k]).abs().max().item() for k in merged["one"])
+    print(f"merged export of the zero3 checkpoint vs one device: max |weight diff| = {worst:.1e}")
+    assert merged["one"].keys() == merged["zero3"].keys() and worst <= 1e-5
 
 
 @pytest.mark.multiprocess

@@ -42,6 +42,7 @@ from lightning_llm.checkpoint import (
     read_dcp_metadata,
 )
 from lightning_llm.data.io import atomic_open
+from lightning_llm.models.quantize import is_quantized
 from lightning_llm.reliability import publish, staging_path
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,7 @@ def save_hybrid(
         shutil.rmtree(staged) if staged.is_dir() else staged.unlink()
     barrier()
     staged.mkdir(parents=True, exist_ok=True)
-    state: dict[str, Any] = {"model": dict(module.state_dict())}
+    state: dict[str, Any] = {"model": saved_model_state(module)}
     opt_meta = []
     for i, opt in enumerate(optimizers):
         flat, meta = optimizer_flat_state(module, opt)
@@ -165,6 +166,13 @@ def save_hybrid(
     barrier()
     log.info("saved 3-D checkpoint to %s (layout %s)", p, dict(layout))
     return p
+
+
+def saved_model_state(module: nn.Module) -> dict[str, Any]:
+    """What a checkpoint holds of ``module``: its state dict without quantized frozen weights (torchao's tensors of
+    a ``--model.quantize`` run, plain or as a DTensor's shards): they are rebuilt from the backbone, and a checkpoint
+    keeps the quantization settings instead (their pickled subclass would not load with ``weights_only`` either)."""
+    return {k: v for k, v in module.state_dict().items() if not is_quantized(getattr(v, "_local_tensor", v))}
 
 
 def _template(module: nn.Module, opt: Optimizer, kinds: Mapping[str, tuple[str, torch.dtype]]) -> dict[str, Any]:
@@ -196,7 +204,7 @@ def load_hybrid(
     meta = _read_meta(p)
     if meta.get("format") != FORMAT:
         raise ValueError(f"--ckpt_path={p}: not a strategy=3d checkpoint directory")
-    model_state = module.state_dict()
+    model_state = saved_model_state(module)
     saved_keys = set(read_dcp_metadata(p, name=f"--ckpt_path={p}: .metadata").state_dict_metadata)
     missing = [k for k in model_state if f"model.{k}" not in saved_keys]
     if missing and strict:
@@ -257,7 +265,9 @@ def full_weights(module: nn.Module) -> dict[str, Tensor]:
         get_model_state_dict,
     )
 
-    full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    frozen_quantized = set(module.state_dict()) - set(saved_model_state(module))
+    full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                 ignore_frozen_params=bool(frozen_quantized)))
     # A view of a larger storage (ZeRO-1/2 pack parameters into their broadcast bucket's buffer) is cloned:
     # torch.save writes whole storages, so a file of a few tensors would otherwise hold whole buckets.
     return {k: v.clone() if isinstance(v, Tensor) and v.untyped_storage().nbytes() != v.nbytes else v
