@@ -200,3 +200,68 @@ def test_refusals_name_the_flag(base_dir: Path, tmp_path: Path) -> None:
         CausalLMTask("debug", quantize="nf4", peft=PeftConfig(method="prompt_tuning"))
     with pytest.raises(ValueError, match="double_quant=false"):
         QuantizationConfig(double_quant=False)
+
+
+def test_int8_trains_like_lora_on_its_dequantized_weights_and_exports(base_dir: Path, tmp_path: Path) -> None:
+    """``--model.quantize=int8`` (torchao's weight-only ``Int8Tensor``, one scale per row): 6 steps equal plain LoRA
+    on torchao's own dequantization of the same weights; each layer equals ``F.linear`` on torchao's int8 tensor
+    built independently; the merged export reloads in transformers with the run's logits."""
+    from torchao.quantization.granularity import PerRow
+    from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
+    from transformers import LlamaForCausalLM
+
+    model, _ = load_hf(base_dir, family="decoder")
+    refs = {name: Int8Tensor.from_hp(lin.weight.detach(), granularity=PerRow()) for name, lin in
+            quantized_linears(model)}
+    with torch.no_grad():
+        for name, lin in quantized_linears(model):
+            lin.weight.copy_(refs[name].dequantize())
+    reference_dir = save_hf(model, tmp_path / "deq_int8")
+    quantized, task = _fit(tmp_path / "int8", base_dir, quantize="int8")
+    reference, _ = _fit(tmp_path / "ref", reference_dir)
+    err = max_abs_err(quantized, reference)
+    x = torch.randn(3, 5, 128, generator=torch.Generator().manual_seed(3))
+    ours = dict(quantized_linears(task.model))
+    with torch.no_grad():
+        layer_err = max((ours[f"{n}.base_layer"](x[..., :ref.shape[1]])
+                         - torch.nn.functional.linear(x[..., :ref.shape[1]], ref)).abs().max().item()
+                        for n, ref in refs.items())
+    print(f"int8: QLoRA vs LoRA on the dequantized weights: max |train_loss diff| = {err:.2e}; layers vs torchao: "
+          f"{layer_err:.1e}")
+    assert err <= 1e-5 and layer_err == 0.0
+    assert all(isinstance(lin.weight, Int8Tensor) for lin in ours.values())
+    assert main(["export", str(tmp_path / "int8" / "ckpt" / "last.ckpt"), "--to", str(tmp_path / "merged")]) == 0
+    ids = torch.randint(0, 259, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logit_err = (LlamaForCausalLM.from_pretrained(str(tmp_path / "merged")).eval()(input_ids=ids).logits
+                     - task.model.eval()(ids)).abs().max().item()
+    print(f"int8 merged export (transformers) vs the run: max |logit diff| = {logit_err:.2e}")
+    assert logit_err <= 1e-5
+
+
+def test_hf_checkpoint_is_quantized_block_by_block(base_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Loading an HF checkpoint quantized: at every point at most one block's linears exist in full precision (the
+    others are still on the meta device or already NF4), and the result equals quantizing the whole loaded model."""
+    from lightning_llm.models import quantize as q
+    from lightning_llm.models.init import is_meta
+
+    lazy, _ = load_hf(base_dir, family="decoder", lazy=True)
+    plain_at_once: list[int] = []
+    real_quantize = q.quantize_
+
+    def counting(part: torch.nn.Module, mode: str, cfg: QuantizationConfig) -> int:
+        plain_at_once.append(sum(1 for _, lin in quantized_linears(lazy)
+                                 if not is_meta(lin.weight) and not isinstance(lin.weight, NF4Tensor)))
+        return real_quantize(part, mode, cfg)
+
+    monkeypatch.setattr(q, "quantize_", counting)
+    q.load_quantized(lazy, "nf4", QCFG)
+    whole, _ = load_hf(base_dir, family="decoder")
+    real_quantize(whole, "nf4", QCFG)
+    print(f"full-precision block linears held at each part: {plain_at_once}")
+    assert max(plain_at_once) == 7 and len(plain_at_once) >= 4  # one block's seven projections
+    for (name, a), (_, b) in zip(quantized_linears(lazy), quantized_linears(whole), strict=True):
+        assert torch.equal(a.weight.quantized_data, b.weight.quantized_data), name
+    ids = torch.randint(0, 259, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(lazy.eval()(ids), whole.eval()(ids))

@@ -289,14 +289,14 @@ def materialize(root: nn.Module, device: torch.device | str, *, shard_view: Shar
 def materialize_in_parts(fam: nn.Module, device: torch.device | str, *,
                          each: Callable[[str, nn.Module], None]) -> None:
     """Materialize a meta-device family model (whole tensors, from its ``weights_source`` or ``init_plan``) one part
-    at a time: each direct child, each entry of a child ``ModuleList`` (a block). ``each(path, part)`` runs right
+    at a time: each direct child, each entry of a child ``ModuleList``/``ModuleDict`` (a block). ``each(path, part)`` runs right
     after a part is filled (e.g. to quantize its weights), so only one part is ever held at full precision beside
     what ``each`` leaves. The values equal :func:`materialize`'s; tied weights stay one tensor."""
     shared = _shared_names(fam)
     parts: list[tuple[str, nn.Module]] = []
     for name, child in fam.named_children():
-        parts += ([(f"{name}.{i}", m) for i, m in child.named_children()] if isinstance(child, nn.ModuleList)
-                  else [(name, child)])
+        parts += ([(f"{name}.{i}", m) for i, m in child.named_children()]
+                  if isinstance(child, (nn.ModuleList, nn.ModuleDict)) else [(name, child)])
     for path, part in parts:
         if any(is_meta(t) for t in (*part.parameters(), *part.buffers())):
             part.to_empty(device=device)
