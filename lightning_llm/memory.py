@@ -57,7 +57,7 @@ FUSED_CHUNK_FP32_COPIES = 2
 gradient) and their shifted exponentials (``benchmarks/loss_memory.py``)."""
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
-__all__ = ["Estimate", "LayoutShare", "PRECISIONS", "Quantized", "quantized_numel", "activation_bytes_per_sample", "bytes_per_param", "estimate",
+__all__ = ["Estimate", "LayoutShare", "PRECISIONS", "Quantized", "quantized_numel", "quantized_setup_peak_bytes", "activation_bytes_per_sample", "bytes_per_param", "estimate",
            "estimate_layout", "layout_share", "loss_bytes", "loss_peak_bytes", "max_batch_size", "model_state_theory",
            "setup_peak_bytes"]
 
@@ -169,13 +169,13 @@ def estimate(config: Any, *, numel: int, batch_size: int, seq_len: int, precisio
     q = quantized_numel(config) if quantized is not None else 0
     states = model_state_theory(numel=numel - q, stage=stage, dp=devices, precision=precision, engine=engine,
                                 offload_optimizer=offload_optimizer, offload_params=offload_params)
-    if quantized is not None:
+    full = model_state_theory(numel=numel - q, stage=stage, dp=devices, precision=precision, engine=engine)
+    host = sum(full.values()) - sum(states.values())
+    if quantized is not None:  # on the device (no layout that offloads parameters takes quantized weights)
         p_bytes = bytes_per_param(engine, precision)[0]
         per_weight = bytes_per_weight(quantized.mode, quantized.config, dtype_bytes=p_bytes,
                                       row=config.hidden_size)
         states["params"] += int(round(per_weight * q / (devices if stage >= 3 else 1)))
-    full = model_state_theory(numel=numel, stage=stage, dp=devices, precision=precision, engine=engine)
-    host = sum(full.values()) - sum(states.values())
     _, per_sample = activation_bytes_per_sample(config, seq_len=seq_len, precision=precision, fused_loss=fused_loss)
     loss = loss_bytes(config, tokens=batch_size * seq_len, precision=precision, fused=fused_loss, tp=tp)
     return Estimate(numel=numel, activations=per_sample * batch_size, activations_per_sample=per_sample, host=host,
@@ -278,6 +278,17 @@ def setup_peak_bytes(share: LayoutShare, *, param_bytes: int, from_checkpoint: b
     if from_checkpoint:
         return max(share.read_peak * param_bytes, share.numel * param_bytes) + SETUP_BASE_BYTES
     return share.numel * param_bytes + FILL_SCRATCH_BYTES + SETUP_BASE_BYTES
+
+
+def quantized_setup_peak_bytes(config: Any, *, numel: int, quantized: Quantized, param_bytes: int) -> int:
+    """Set-up peak of a rank of a ``--model.quantize`` run: every rank loads the whole model, block by block
+    (``models.quantize.load_quantized``), so it holds the plain weights, the quantized ones as stored and one
+    block's linears in full precision (plus torchao's transients while quantizing one weight, about its size
+    again) before ZeRO-3 shards anything."""
+    q = quantized_numel(config)
+    per_weight = bytes_per_weight(quantized.mode, quantized.config, dtype_bytes=param_bytes, row=config.hidden_size)
+    block = q // max(int(getattr(config, "num_layers", 1)), 1)
+    return int((numel - q) * param_bytes + q * per_weight + 2 * block * param_bytes) + SETUP_BASE_BYTES
 
 
 def estimate_layout(config: Any, *, tp: int, pp: int, dp: int, stage: int, engine: str, batch_size: int,

@@ -265,3 +265,36 @@ def test_hf_checkpoint_is_quantized_block_by_block(base_dir: Path, monkeypatch: 
     ids = torch.randint(0, 259, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(lazy.eval()(ids), whole.eval()(ids))
+
+
+def test_estimate_counts_quantized_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    """``lightning_llm estimate --quantize nf4``: the parameters' bytes are the quantized block linears as stored
+    (measured on the built model) plus the rest in fp32; the quantized weights get no gradients or Adam states."""
+    from lightning_llm.models.quantize import quantize_
+
+    assert main(["estimate", "--model", "small", "--strategy", "ddp", "--devices", "1", "--precision", "32-true",
+                 "--seq-len", "64", "--quantize", "nf4", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["bytes"]
+    model = build_model("small", family="decoder")
+    quantize_(model, "nf4", QuantizationConfig())
+    qbytes, qnumel = quantized_bytes(model)
+    plain = sum(p.numel() for p in model.parameters() if not isinstance(p, NF4Tensor))
+    print(f"estimate: parameters {got['params']:,} B; measured {qbytes + 4 * plain:,} B (NF4 {qbytes:,} B)")
+    assert abs(got["params"] - (qbytes + 4 * plain)) <= 0.01 * qbytes  # small's MLP uses 172-scale blocks, not 256
+    assert got["grads"] == 4 * plain and got["optim"] == 8 * plain
+
+
+def test_qlora_sft_csl_config_runs_on_cpu(tmp_path: Path) -> None:
+    """``configs/qlora_sft_csl.yaml`` on the shared CSL data: two steps, then the adapter with its quantization."""
+    from conftest import SHARED_DATA
+
+    data, tok = SHARED_DATA / "csl_title", SHARED_DATA / "tokenizers" / "bert-base-chinese"
+    if not (data / "dev.json").is_file() or not (tok / "vocab.txt").is_file():
+        pytest.skip(f"CSL data not found under {SHARED_DATA} (the repository runs without it)")
+    repo = Path(__file__).resolve().parents[1]
+    assert main(["fit", "--config", str(repo / "configs" / "qlora_sft_csl.yaml"), f"--data.train_path={data / 'dev.json'}",
+                 f"--data.test_path={data / 'test.json'}", f"--data.tokenizer_dir={tok}", "--trainer.max_steps=2",
+                 "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={tmp_path}"]) == 0
+    adapter = next(tmp_path.rglob("adapter"))
+    assert json.loads((adapter / "quantization.json").read_text())["quantize"] == "nf4"
+    assert next(tmp_path.rglob("last.ckpt")).is_file()

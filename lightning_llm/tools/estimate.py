@@ -22,6 +22,7 @@ from lightning_llm.memory import (
     estimate_layout,
     loss_bytes,
     max_batch_size,
+    quantized_setup_peak_bytes,
     setup_peak_bytes,
 )
 from lightning_llm.models import NAMED_SIZES, config_from_hf, model_from_config, named_config
@@ -127,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
         tp, pp, dp = _degrees(a)
         if a.zero_stage is not None:
             sargs["stage"] = a.zero_stage
+        if a.quantize and (tp > 1 or pp > 1):
+            raise ValueError(f"--quantize={a.quantize}: quantized weights are refused under tensor and pipeline "
+                             "parallelism (--model.quantize); estimate ddp, zero1/2 or zero3")
         numel = count_parameters(config)
         fused = a.fused_loss == "on"  # tp: the vocab-parallel fused loss on V/tp shards; pp: on the last stage
         est, share = estimate_layout(config, tp=tp, pp=pp, dp=dp, batch_size=a.batch_size, seq_len=seq,
@@ -138,6 +142,10 @@ def main(argv: list[str] | None = None) -> int:
         setup = setup_peak_bytes(share, param_bytes=bytes_per_param(sargs["engine"], a.precision)[0],
                                  from_checkpoint=(a.init or ("checkpoint" if Path(a.model).expanduser().is_dir()
                                                            else "random")) == "checkpoint")
+        if a.quantize:  # loaded whole (quantized) on every rank, block by block
+            setup = quantized_setup_peak_bytes(config, numel=numel, quantized=Quantized(a.quantize,
+                                               QuantizationConfig()), param_bytes=bytes_per_param(
+                                               sargs["engine"], a.precision)[0])
     except (ValueError, FileNotFoundError) as e:
         print(f"lightning_llm estimate: error: {e}", file=sys.stderr)
         return 2
