@@ -298,3 +298,19 @@ def test_qlora_sft_csl_config_runs_on_cpu(tmp_path: Path) -> None:
     adapter = next(tmp_path.rglob("adapter"))
     assert json.loads((adapter / "quantization.json").read_text())["quantize"] == "nf4"
     assert next(tmp_path.rglob("last.ckpt")).is_file()
+
+
+def test_bfloat16_compute_dtype_quantizes_the_bf16_weights() -> None:
+    """``compute_dtype=bfloat16``: the NF4 tensor is torchao's ``to_nf4`` of the bf16 weight (bf16 scales), and the
+    layer's output in bf16 equals ``linear_nf4`` on it."""
+    from lightning_llm.models.quantize import quantize_
+
+    torch.manual_seed(0)
+    model = build_model("debug", family="decoder")
+    original = {n: lin.weight.detach().clone() for n, lin in quantized_linears(model)}
+    quantize_(model, "nf4", QuantizationConfig(scaler_block_size=16, compute_dtype="bfloat16"))
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    name, lin = quantized_linears(model)[0]
+    ref = to_nf4(original[name].bfloat16(), 64, 16)
+    assert lin.weight.dtype == torch.bfloat16 and torch.equal(lin.weight.quantized_data, ref.quantized_data)
+    assert torch.equal(lin(x), linear_nf4(x, ref))

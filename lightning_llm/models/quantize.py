@@ -60,8 +60,9 @@ class QuantizationConfig:
     whole blocks) uses the largest divisor of that count below it (logged); under zero3 every weight's count of
     these blocks must split evenly over the data-parallel ranks."""
     compute_dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """The dtype the weights dequantize to in every matmul (and the dtype of their scales): ``auto`` = the weight's
-    own dtype as built (float32 for named sizes and ``--model.model_overrides`` without ``dtype``)."""
+    """The dtype the weights are quantized from and dequantize to (and of their scales); each matmul then runs in
+    its input's dtype (bf16 under ``bf16-mixed``). ``auto``: the weight's own dtype as built (float32 for named
+    sizes and HF directories without ``--model.model_overrides`` ``dtype``); ``bfloat16`` as QLoRA's recipe."""
 
     def __post_init__(self) -> None:
         if not self.double_quant:
