@@ -26,11 +26,13 @@ from __future__ import annotations
 import logging
 import math
 import sys
+import types
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from .init import is_meta, materialize_in_parts
 from .layers import TransformerBlock
@@ -148,8 +150,33 @@ def quantize_weight(weight: Tensor, mode: QuantizeMode, cfg: QuantizationConfig,
 
 
 def dequantize_weight(t: Tensor) -> Tensor:
-    """The plain values a quantized tensor computes with (its own dtype)."""
+    """The plain values a quantized tensor computes with (its own dtype); a plain tensor as it is."""
+    if not is_quantized(t):
+        return t
     return t.get_original_weight() if hasattr(t, "get_original_weight") else t.dequantize()
+
+
+class _FrozenQuantizedLinear(torch.autograd.Function):
+    """``x @ W^T`` with a frozen quantized ``W`` that backward dequantizes again, so autograd keeps only the quantized
+    weight: torchao's per-row int8 linear casts the whole int8 matrix to the input's dtype inside an ``mm`` that
+    autograd records, which saved a full-precision copy of every weight until backward (a QLoRA int8 step of 4
+    llama-1b blocks peaked above plain LoRA's: ``benchmarks/qlora_memory.py``). torchao's NF4 does this itself."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        (weight,) = ctx.saved_tensors
+        return grad @ dequantize_weight(weight).to(grad.dtype), None
+
+
+def _int8_linear_forward(self: nn.Linear, x: Tensor) -> Tensor:
+    """``nn.Linear.forward`` of an int8-weight linear (installed per instance by :func:`quantize_`)."""
+    y = _FrozenQuantizedLinear.apply(x, self.weight)
+    return y if self.bias is None else y + self.bias
 
 
 @torch.no_grad()
@@ -162,6 +189,8 @@ def quantize_(model: nn.Module, mode: QuantizeMode, cfg: QuantizationConfig) -> 
         if is_quantized(lin.weight):
             continue
         lin.weight = nn.Parameter(quantize_weight(lin.weight, mode, cfg, name=f"{path}.weight"), requires_grad=False)
+        if mode == "int8":
+            lin.forward = types.MethodType(_int8_linear_forward, lin)  # type: ignore[method-assign]
         count += 1
     return count
 
@@ -188,6 +217,7 @@ def dequantize_(model: nn.Module) -> int:
         for name, p in list(module.named_parameters(recurse=False)):
             if is_quantized(p):
                 setattr(module, name, nn.Parameter(dequantize_weight(p), requires_grad=False))
+                module.__dict__.pop("forward", None)  # a plain nn.Linear again (int8's own forward)
                 count += 1
     return count
 
