@@ -200,6 +200,10 @@ def test_refusals_name_the_flag(base_dir: Path, tmp_path: Path) -> None:
         CausalLMTask("debug", quantize="nf4", peft=PeftConfig(method="prompt_tuning"))
     with pytest.raises(ValueError, match="double_quant=false"):
         QuantizationConfig(double_quant=False)
+    task = CausalLMTask("debug", quantize="nf4", quantization=QCFG,
+                        lora=LoraArgs(target_modules=["v_proj"], modules_to_save=["q_proj", "lm_head"]))
+    with pytest.raises(ValueError, match=r"\['q_proj'\] are quantized by --model.quantize"):
+        task.build_policy()
 
 
 def test_int8_trains_like_lora_on_its_dequantized_weights_and_exports(base_dir: Path, tmp_path: Path) -> None:

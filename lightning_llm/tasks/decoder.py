@@ -25,6 +25,7 @@ from lightning_llm.models.quantize import (
     describe,
     is_quantized,
     load_quantized,
+    quantized_linears,
     require_torchao,
     shard_problem,
 )
@@ -168,9 +169,10 @@ class DecoderTask(LLMTask):
         if self.peft_config is not None:
             check_prompt_layout(self.peft_config.method, self.capabilities)  # before anything is built
         if self.quantize is not None:
-            check_quantize_layout(self.quantize, self.quantization, self.trainer.strategy if self._trainer else None,
-                                  self.capabilities)
+            check_quantize_layout(self.quantize, self.trainer.strategy if self._trainer else None, self.capabilities)
         model = self.build_decoder()
+        if self.quantize is not None:
+            _check_trained_copies(model, self.peft_config)
         if added_rows(model):
             check_new_rows_trained(self.peft_config)
         return apply_peft(model, self.peft_config) if self.peft_config is not None else model
@@ -279,7 +281,17 @@ def _check_quantize(mode: str, peft: PeftConfig | None) -> None:
     require_torchao(mode)
 
 
-def check_quantize_layout(mode: str, cfg: QuantizationConfig, strategy: Any, caps: Any) -> None:
+def _check_trained_copies(model: nn.Module, peft: PeftConfig | None) -> None:
+    """``modules_to_save`` trains a full copy of a module: refused for the quantized linears (the copy would be a
+    quantized tensor that cannot take a gradient step)."""
+    saved = set((peft.lora.modules_to_save or []) if peft is not None and peft.method == "lora" else [])
+    quantized = {path.rsplit(".", 1)[-1] for path, _ in quantized_linears(model)}
+    if saved & quantized:
+        raise ValueError(f"--model.lora.modules_to_save={sorted(saved)}: {sorted(saved & quantized)} are quantized by "
+                         "--model.quantize and cannot be trained in full; adapt them with LoRA (target_modules)")
+
+
+def check_quantize_layout(mode: str, strategy: Any, caps: Any) -> None:
     """Refuse, before anything is built, the layouts that cannot hold torchao's quantized weights."""
     if caps.batch_shared:  # tensor or pipeline parallel
         raise ValueError(f"--model.quantize={mode} is not supported under tensor or pipeline parallelism: torchao's "
