@@ -17,7 +17,8 @@ weight as
 and each variant, in a fresh process, reports: the block linears' weight bytes against bf16, the forward's largest
 difference from ``F.linear`` on the library's own dequantized weight (exactness of the layer), whether the LoRA
 step gives the adapters and the input a gradient, the median time of a LoRA step (forward + backward + AdamW on
-4 x 128 tokens, fp32 compute) and the process's peak resident memory (VmHWM) after 5 steps.
+4 x 128 tokens, fp32 compute) and the process's peak resident memory (VmHWM) after 5 steps; then, on 2 ranks,
+whether FSDP2's ``fully_shard`` trains a block holding the quantized linear and an adapter (:func:`fsdp2_check`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import subprocess
 import sys
@@ -125,11 +127,75 @@ def worker(variant: str) -> dict[str, Any]:
             "step_s": statistics.median(times[1:]), "peak_rss": _vm_hwm() - bare}
 
 
+def fsdp2_check(variant: str) -> str:
+    """Under torchrun (2 CPU ranks, gloo): a block of a frozen LayerNorm, the quantized linear (256 x 128) and a
+    rank-4 adapter, wrapped by FSDP2's ``fully_shard``: its output and the adapter's gradient against the same block
+    unsharded."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    lin = nn.Linear(128, 256, bias=False)
+    nn.init.normal_(lin.weight, std=0.02)
+    if variant == "torchao-nf4":  # 8 scales per double-quantization block: 512 blocks -> factors split over 2 ranks
+        from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+        lin.weight = nn.Parameter(to_nf4(lin.weight.detach(), 64, 8), requires_grad=False)
+    else:
+        lin = _quantize(lin, variant)[0]
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm, self.lin = nn.LayerNorm(128).requires_grad_(False), lin
+            self.a, self.b = nn.Linear(128, 4, bias=False), nn.Linear(4, 256, bias=False)
+            nn.init.normal_(self.b.weight, std=0.1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.norm(x)
+            return self.lin(h) + self.b(self.a(h))
+
+    block, x = Block(), torch.randn(4, 128)
+    held = "scales sharded too" if hasattr(lin.weight, "fsdp_pre_all_gather") else "quant state replicated"
+    ref = block(x)
+    ref.square().sum().backward()
+    ref_grad = block.a.weight.grad.clone()
+    block.zero_grad()
+    try:
+        fully_shard(block, mesh=mesh)
+        out = block(x)
+        out.square().sum().backward()
+        grad = block.a.weight.grad.full_tensor()
+        msg = (f"trains: output diff {(out - ref).abs().max().item():.0e}, adapter gradient diff "
+               f"{(grad - ref_grad).abs().max().item():.0e} ({held})")
+    except Exception as e:  # noqa: BLE001 - what fails is the finding
+        msg = f"fails: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    dist.destroy_process_group()
+    return msg
+
+
+def _fsdp2(variant: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                           "--master_addr=127.0.0.1", "--master_port=29731", __file__, "--fsdp2", variant],
+                          capture_output=True, text=True, check=False, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("FSDP2 ")]
+    return lines[0].removeprefix("FSDP2 ") if lines else f"fails: {proc.stderr.strip().splitlines()[-1][:160]}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--worker", choices=VARIANTS, default=None)
+    p.add_argument("--fsdp2", choices=VARIANTS[1:], default=None)
     args = p.parse_args()
+    if args.fsdp2:
+        msg = fsdp2_check(args.fsdp2)
+        if os.environ.get("RANK") == "0":
+            print(f"FSDP2 {msg}")
+        return
     if args.worker:
         torch.set_num_threads(1)
         print(json.dumps(worker(args.worker)))
@@ -141,16 +207,18 @@ def main() -> None:
             rows.append({"variant": v, "error": proc.stderr.strip().splitlines()[-1]})
         else:
             rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        rows[-1]["fsdp2"] = _fsdp2(v) if v != "fp32" else "(plain)"
         print(rows[-1], flush=True)
     lines = ["| weights of the block linears | bytes vs bf16 | forward vs the library's dequantized weight (max abs) "
-             "| adapters get gradients | LoRA step (s, 1 thread) | peak RSS after 5 steps (MB) |", "|---|---|---|---|---|---|"]
+             "| adapters get gradients | LoRA step (s, 1 thread) | peak RSS after 5 steps (MB) | FSDP2 x2 (fully_shard, "
+             "a LoRA'd block) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['variant']} | failed: {r['error']} | | | | |")
+            lines.append(f"| {r['variant']} | failed: {r['error']} | | | | | |")
             continue
         ratio = f"{r['base_bytes'] / r['bf16_bytes']:.3f}" if r["bf16_bytes"] else "1 (fp32: 2.0)"
         lines.append(f"| {r['variant']} | {ratio} | {r['forward_err']:.2e} | {r['adapters_get_gradients']} | "
-                     f"{r['step_s']:.3f} | {r['peak_rss'] / 2**20:.0f} |")
+                     f"{r['step_s']:.3f} | {r['peak_rss'] / 2**20:.0f} | {r['fsdp2']} |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
