@@ -247,7 +247,8 @@ def _memory_line(trainer: pl.Trainer, task: Any, layout: Layout, batch: int | No
         return f"estimated memory per rank: none ({why})"
     fused = bool(getattr(task, "uses_fused_loss", lambda: False)())
     mode = getattr(task, "quantize", None)
-    quantized = Quantized(mode, task.quantization) if mode else None
+    # the estimate models quantized weights over the whole model (ddp, zero); a pipeline stage's share is not
+    quantized = Quantized(mode, task.quantization) if mode and layout.pp == 1 else None
     est, _ = estimate_layout(config, tp=layout.tp, pp=layout.pp, dp=layout.dp, stage=layout.zero_stage,
                              engine=layout.engine, batch_size=batch, seq_len=int(ids.shape[-1]), precision=precision,
                              fused_loss=fused, offload_optimizer=layout.offload_optimizer,
@@ -258,10 +259,10 @@ def _memory_line(trainer: pl.Trainer, task: Any, layout: Layout, batch: int | No
     host = f"; {est.host / MIB:.1f} MiB offloaded to host" if est.host else ""
     note = "; full fine-tuning figures: frozen weights need less" if getattr(task, "parameter_counts", (0, 0))[1] \
         != getattr(task, "parameter_counts", (0, 0))[0] else ""
-    held = ""
-    if quantized is not None:  # what this rank holds (its FSDP2 shards under zero3), measured
+    held = "; the estimate counts the quantized weights at full precision (pipeline)" if mode and not quantized else ""
+    if mode:  # what this rank holds (its FSDP2 shards under zero3, its stages under pp), measured
         nbytes, numel = quantized_bytes(task.model)
-        held = (f"; quantized frozen weights ({describe(mode, task.quantization)}): {numel:,} held in "
+        held += (f"; quantized frozen weights ({describe(mode, task.quantization)}): {numel:,} held in "
                 f"{nbytes / MIB:.2f} MiB on this rank = {nbytes / max(2 * numel, 1):.3f}x their bf16 bytes")
     return (f"estimated memory per rank (lightning_llm estimate, {precision}): {est.total / MIB:.1f} MiB = {parts} "
             f"MiB{host}{note}{held}")

@@ -101,7 +101,7 @@ class DecoderTask(LLMTask):
             quantize: Hold the frozen base's block linears quantized (QLoRA): ``nf4`` (4-bit NormalFloat with
                 double quantization) or ``int8`` (weight-only, per row), by torchao (``pip install
                 'lightning_llm[quant]'``); quantized at load block by block. Needs an injected PEFT method (lora,
-                ia3, loha, lokr); one device, ddp, zero1/2 and zero3 (nf4 only); tp, pp and DeepSpeed are refused.
+                ia3, loha, lokr); one device, ddp, zero1/2, zero3 (nf4 only) and pp; tp and DeepSpeed are refused.
                 Checkpoints hold the adapters and these settings; export and merge fold the adapters into the
                 dequantized weights.
             quantization: The quantization's details (block sizes, compute dtype) for ``quantize``.
@@ -157,7 +157,8 @@ class DecoderTask(LLMTask):
         if self.quantize is not None:
             model = load_quantized(model, self.quantize, self.quantization)
             caps = self.capabilities
-            problem = shard_problem(model, caps.data_parallel_size) if caps.deferred_init else None
+            zero3 = self._trainer is not None and _zero3(self.trainer.strategy)
+            problem = shard_problem(model, caps.data_parallel_size) if zero3 else None
             if problem:  # zero3: FSDP2 splits each weight's quantized pieces by rows
                 raise ValueError(f"--model.quantize={self.quantize} under zero3 x{caps.data_parallel_size}: {problem}")
             rank_zero_info(f"frozen base: block linears quantized to {describe(self.quantize, self.quantization)}")
@@ -291,16 +292,22 @@ def _check_trained_copies(model: nn.Module, peft: PeftConfig | None) -> None:
                          "--model.quantize and cannot be trained in full; adapt them with LoRA (target_modules)")
 
 
+def _zero3(strategy: Any) -> bool:
+    """Whether the native engine shards parameters with FSDP2 (ZeRO-3)."""
+    return getattr(strategy, "zero_stage", 0) == 3
+
+
 def check_quantize_layout(mode: str, strategy: Any, caps: Any) -> None:
     """Refuse, before anything is built, the layouts that cannot hold torchao's quantized weights."""
-    if caps.batch_shared:  # tensor or pipeline parallel
-        raise ValueError(f"--model.quantize={mode} is not supported under tensor or pipeline parallelism: torchao's "
-                         "quantized weights cannot be DTensor-sharded by a tensor-parallel plan, and pipeline stages "
-                         "with them are untested; use one device, ddp, zero1/2 or zero3")
+    tp = int(getattr(getattr(strategy, "dims", None), "tp", 1) or 1)
+    if tp > 1 or (caps.batch_shared and not caps.pipelined):
+        raise ValueError(f"--model.quantize={mode} is not supported under tensor parallelism: a tensor-parallel plan "
+                         "makes DTensors of the linears' weights, and torchao's quantized tensors cannot be split that "
+                         "way; use one device, ddp, zero1/2/3 or pp")
     if strategy is not None and getattr(type(strategy), "deepspeed_engine", None) is not None:
         raise ValueError(f"--model.quantize={mode} is not supported under DeepSpeed (its ZeRO flattens parameters "
                          "into fp buffers, losing torchao's quantized tensors): use zero1/2/3 (native) or ddp")
-    if caps.deferred_init and mode == "int8":
+    if _zero3(strategy) and caps.data_parallel_size > 1 and mode == "int8":
         raise ValueError("--model.quantize=int8 is not supported under zero3: torchao's Int8Tensor has no FSDP2 "
                          "all-gather hooks (NF4Tensor has); use ddp/zero1/zero2 or --model.quantize=nf4")
 

@@ -129,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         if a.zero_stage is not None:
             sargs["stage"] = a.zero_stage
         if a.quantize and (tp > 1 or pp > 1):
-            raise ValueError(f"--quantize={a.quantize}: quantized weights are refused under tensor and pipeline "
-                             "parallelism (--model.quantize); estimate ddp, zero1/2 or zero3")
+            raise ValueError(f"--quantize={a.quantize}: modelled for ddp, zero1/2 and zero3 only (tensor parallelism "
+                             "refuses quantized weights; a pipeline stage's share of them is not modelled)")
         numel = count_parameters(config)
         fused = a.fused_loss == "on"  # tp: the vocab-parallel fused loss on V/tp shards; pp: on the last stage
         est, share = estimate_layout(config, tp=tp, pp=pp, dp=dp, batch_size=a.batch_size, seq_len=seq,
