@@ -191,6 +191,12 @@ class PipelineRunner(Protocol):
         """The model protocol of :func:`lightning_llm.generation.generate` across the stages (token-by-token decoding
         with a KV cache; last-position logits on every pipeline rank)."""
 
+    def train_additive(self, loss_fn: Callable[[Any, Tensor], tuple[Tensor, dict[str, Tensor]]], *args: Any,
+                       **kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        """Forward and backward of ``model(*args, **kwargs)`` with ``loss_fn(output, rows) -> (loss, stats)`` per
+        micro-batch (losses and statistics that add up over micro-batches); the summed (loss, stats) on every
+        pipeline rank, the gradients kept for the strategy's backward (a manual-optimization step)."""
+
 
 def capabilities_of(strategy: Any) -> Capabilities:
     """The strategy's declared capabilities; Lightning's own strategies (single device, DDP, FSDP, DeepSpeed) are

@@ -70,7 +70,7 @@ from lightning_llm.strategies.parallelize import (
     sharded_logits_for,
 )
 from lightning_llm.strategies.pipeline.runtime import ScheduleName, checkpoint_blocks
-from lightning_llm.strategies.pipeline.split import StageSpec, layout_of
+from lightning_llm.strategies.pipeline.split import StageSpec, layout_of, module_at
 from lightning_llm.strategies.plans import TPPlan
 from lightning_llm.strategies.zero.native import PartitionedOptimizer, apply_fsdp, fsdp_units, gradient_sync_paused
 
@@ -332,7 +332,7 @@ class ParallelEngine(LayoutFreeCheckpointing):
                                                global_rank=self.global_rank)
             specs = self.stages.specs
         else:
-            specs = [StageSpec(0, 1, tuple(getattr(model, layout_of(model).layers).keys()))] \
+            specs = [StageSpec(0, 1, tuple(module_at(model, layout_of(model).layers).keys()))] \
                 if self.activation_checkpointing else []
         # Vocab-sharded logits only reach a loss that declares it handles them (and never a pipeline's stage output).
         self._sharded_logits = sharded_logits_for(module, requested=self.loss_parallel and not self.pipelined,
