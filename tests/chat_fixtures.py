@@ -84,14 +84,15 @@ def conversation() -> list[dict[str, str]]:
     ]
 
 
-def build_tokenizer(out: Path, family: str, *, chat_template: str | None = "default") -> Path:
+def build_tokenizer(out: Path, family: str, *, chat_template: str | None = "default",
+                    spec: dict[str, Any] | None = None) -> Path:
     """Train a small BPE tokenizer of ``family``'s kind with ``tokenizers``, wrap it in transformers'
     ``PreTrainedTokenizerFast`` with the family's special tokens and chat template (``None``: no template), save it
-    to ``out`` and return ``out``."""
+    to ``out`` and return ``out``. ``spec``: a family not in :data:`FAMILIES` (same keys)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    spec = FAMILIES[family]
+    spec = FAMILIES[family] if spec is None else spec
     if spec["kind"] == "bytelevel":
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

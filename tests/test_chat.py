@@ -178,8 +178,8 @@ def test_bad_conversations_name_file_and_line(record: dict[str, Any], message: s
 
 def test_templates_that_cannot_render_a_conversation_right_are_refused(tokenizers: dict[str, Path],
                                                                        tmp_path: Path) -> None:
-    """A role the template drops, tools it ignores, a template that rewrites earlier turns (not prefix-stable: only
-    the last reply can be learned), its own errors, and a named template whose tokens the tokenizer lacks."""
+    """A role the template drops, tools it ignores, a template that rewrites earlier turns so that a reply cannot be
+    located, its own errors, and a named template whose tokens the tokenizer lacks."""
     tool_chat = {"messages": [{"role": "user", "content": "weather?"},
                               {"role": "assistant", "content": "", "tool_calls": [
                                   {"type": "function", "function": {"name": "get_weather", "arguments": {}}}]},
@@ -199,8 +199,18 @@ def test_templates_that_cannot_render_a_conversation_right_are_refused(tokenizer
     think = _write(tmp_path / "think.jsonl", [{"messages": [
         {"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>t</think>b"},
         {"role": "user", "content": "c"}, {"role": "assistant", "content": "<think>u</think>d"}]}])
-    with pytest.raises(DataError, match=rf"^{think}:1: .* not prefix-stable at message 2"):
-        InstructionDataModule(str(think), str(tokenizers["qwen2"]), template=rewriting).setup("fit")
+    # Every reply is learned as the whole conversation renders it (tests/test_chat_rewriting.py: Qwen3, DeepSeek-R1);
+    # a template that also rewrites the user's text (here: reversed) leaves a reply that cannot be located.
+    every = InstructionDataModule(str(think), str(tokenizers["qwen2"]), template=rewriting)
+    every.setup("fit")
+    row = every.datasets["fit"][0]
+    assert every.tokenizer.decode([row["input_ids"][t] for t in _learned(row)]) == (
+        "b<|im_end|><think>u</think>d<|im_end|>")
+    reversing = rewriting.replace("{% else %}{{ m['content'] }}", "{% elif m['role'] == 'user' %}{{ m['content'][::-1] }}"
+                                  "{% else %}{{ m['content'] }}")
+    with pytest.raises(DataError, match=rf"^{think}:1: .* not prefix-stable at message 2 .* cannot be located in the "
+                                        r"whole conversation: the template does not render a message's text as given"):
+        InstructionDataModule(str(think), str(tokenizers["qwen2"]), template=reversing).setup("fit")
     last = InstructionDataModule(str(think), str(tokenizers["qwen2"]), template=rewriting, assistant_turns="last")
     last.setup("fit")
     row = last.datasets["fit"][0]
