@@ -229,10 +229,10 @@ class ChatEncoder:
         """The replies' spans from the template's ``{% generation %}`` blocks, rendered by transformers' renderer (the
         one ``return_assistant_tokens_mask`` uses) with the tokenizer's special tokens; ``None`` without blocks, or
         when this rendering is not ``text``."""
-        from transformers.utils.chat_template_utils import render_jinja_template  # heavy: only templates with blocks
-
         if not has_generation_blocks(self.template.source):
             return None
+        from transformers.utils.chat_template_utils import render_jinja_template  # loaded lazily, as tokenizers.py does
+
         rendered, blocks = render_jinja_template(
             conversations=[conv.messages], tools=conv.tools, chat_template=self.template.source,
             return_assistant_tokens_mask=True, **{**self.tokenizer.special_tokens_map, **self._kwargs})
