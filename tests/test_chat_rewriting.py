@@ -217,3 +217,12 @@ def test_generation_blocks_locate_replies_where_nothing_else_can(tokenizers: dic
     assert _learned(dm.datasets["fit"][0]) == [t for t, m in enumerate(ref["assistant_masks"]) if m]
     with pytest.raises(DataError, match=rf"^{think}:1: .* not prefix-stable at message 2 .* cannot be located"):
         InstructionDataModule(str(think), str(tokenizers["qwen3"]), template=plain).setup("fit")
+
+
+def test_a_template_failing_on_a_record_names_file_and_line(tokenizers: dict[str, Path], tmp_path: Path) -> None:
+    """DeepSeek-R1's template concatenates tool-call arguments as strings: arguments given as an object are refused
+    with the record's file and line, not a traceback from inside Jinja."""
+    data = _write(tmp_path / "tools.jsonl", [tool_conversation()])
+    with pytest.raises(DataError, match=rf"^{data}:1: the chat template \(tokenizer\) cannot render this conversation: "
+                                        "can only concatenate str"):
+        InstructionDataModule(str(data), str(tokenizers["deepseek_r1"])).setup("fit")

@@ -120,7 +120,7 @@ class ChatEncoder:
             return self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=template,
                                                       add_generation_prompt=generation_prompt, tokenize=False,
                                                       **self._kwargs)
-        except TemplateError as e:
+        except (TemplateError, TypeError) as e:  # TypeError: the template's own operations on the record's values
             raise DataError(f"{where or self.param}: the chat template ({self.template.name}) cannot render this "
                             f"conversation: {e}") from None
 
