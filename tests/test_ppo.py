@@ -313,19 +313,6 @@ def test_clip_gradients_under_deepspeed_refuses_a_norm_the_engine_would_not_appl
 
 
 @pytest.mark.multiprocess
-def test_pipeline_parallel_is_refused_before_training(tmp_path: Path) -> None:
-    """PPO updates with manual optimization, which a pipeline's schedule does not run: one line, before any step."""
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"Say {i:02d} digits:"}) + "\n" for i in range(16)))
-    with pytest.raises(RuntimeError) as e:
-        run_cli(_ppo_args(tmp_path / "pp", prompts, batch=4, extra=["--trainer.devices=2", "--trainer.strategy=pp"]),
-                nproc=2)
-    assert ("lightning_llm: error: --trainer.strategy=PipelineParallelStrategy: PPOTask updates with manual "
-            "optimization, which pipeline parallelism does not run") in str(e.value)
-    assert not (tmp_path / "pp" / "steps.json").exists()
-
-
-@pytest.mark.multiprocess
 def test_lora_policy_under_pipeline_matches_one_device(single: tuple[Path, Path], tmp_path: Path) -> None:
     """A LoRA policy under pp x2: the reference is the policy with its adapters off, run through the pipeline (the
     actor-critic asked for the policy's output alone); rollouts, KL and parameters equal one device's LoRA run."""
