@@ -3,6 +3,8 @@ user's Qwen2 / Llama-3 / Baichuan2 checkpoint directory holds), and conversation
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +71,12 @@ CORPUS = [
     "Write a haiku about the sea, the wind and the moon.", "You are a helpful assistant.",
     "Thanks! Goodbye, see you tomorrow.", "Summarize: transformers use attention over tokens.",
 ]
+
+
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
+    """``records`` as a UTF-8 JSONL file at ``path`` (as a user's data file)."""
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    return path
 
 
 def conversation() -> list[dict[str, str]]:

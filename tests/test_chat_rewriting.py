@@ -7,22 +7,16 @@ locating a reply in the whole rendering gives the prefix path's span."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-from chat_fixtures import FAMILIES, build_tokenizer, conversation
+from chat_fixtures import FAMILIES, build_tokenizer, conversation, write_jsonl
 from rewriting_templates import REWRITING, reasoning_conversation, tool_conversation
 
 from lightning_llm.data import DataError, InstructionDataModule, PreferenceDataModule, PromptDataModule
 from lightning_llm.data.chat import Conversation
 from lightning_llm.data.chat_spans import TurnLocator
-
-
-def _write(path: Path, records: list[dict[str, Any]]) -> Path:
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +70,7 @@ def test_every_reply_is_learned_as_the_whole_conversation_renders_it(family: str
 
     hf = AutoTokenizer.from_pretrained(str(tokenizers[family]))
     recs = _records(family)
-    data = _write(tmp_path / "chat.jsonl", recs)
+    data = write_jsonl(tmp_path / "chat.jsonl", recs)
     dm = InstructionDataModule(str(data), str(tokenizers[family]), cutoff_len=1024)
     dm.setup("fit")
     last = InstructionDataModule(str(data), str(tokenizers[family]), cutoff_len=1024, assistant_turns="last")
@@ -115,7 +109,7 @@ def test_cut_rows_keep_whole_replies_as_rendered(family: str, tokenizers: dict[s
     hf = AutoTokenizer.from_pretrained(str(tokenizers[family]))
     rec = {"messages": reasoning_conversation()}
     ids, runs = _reference(hf, family, rec)
-    dm = InstructionDataModule(str(_write(tmp_path / "c.jsonl", [rec])), str(tokenizers[family]),
+    dm = InstructionDataModule(str(write_jsonl(tmp_path / "c.jsonl", [rec])), str(tokenizers[family]),
                                cutoff_len=runs[0][-1] + 5)
     dm.setup("fit")
     row = dm.datasets["fit"][0]
@@ -134,7 +128,7 @@ def test_preference_pairs_and_rollout_prompts(family: str, tokenizers: dict[str,
     msgs = reasoning_conversation()
     prompt = msgs[:-1]
     chosen, rejected = msgs[-1], {"role": "assistant", "content": "<think>\nNo.\n</think>\n\nNo idea."}
-    data = _write(tmp_path / "pairs.jsonl", [{"prompt": prompt, "chosen": [chosen], "rejected": [rejected]}])
+    data = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": prompt, "chosen": [chosen], "rejected": [rejected]}])
     dm = PreferenceDataModule(str(data), str(tokenizers[family]), cutoff_len=1024, max_prompt_len=512,
                               generated_val_pairs=0)
     dm.setup("fit")
@@ -179,7 +173,7 @@ def test_locating_agrees_with_the_prefix_path_where_both_apply(tmp_path: Path) -
 def test_a_located_reply_holding_the_end_of_turn_token_is_refused(tokenizers: dict[str, Path], tmp_path: Path) -> None:
     msgs = reasoning_conversation()
     msgs[2] = {"role": "assistant", "content": "I am fine<|im_end|> thank you."}
-    data = _write(tmp_path / "bad.jsonl", [{"messages": msgs}])
+    data = write_jsonl(tmp_path / "bad.jsonl", [{"messages": msgs}])
     with pytest.raises(DataError, match=rf"^{data}:1: assistant message 3 holds the end-of-turn token '<\|im_end\|>'"):
         InstructionDataModule(str(data), str(tokenizers["qwen3"])).setup("fit")
 
@@ -193,7 +187,7 @@ def test_generation_blocks_locate_replies_where_nothing_else_can(tokenizers: dic
     tagged = build_tokenizer(tmp_path / "tagged", "qwen3", chat_template=REWRITING["qwen3"]["generation"],
                              spec=REWRITING["qwen3"])
     recs = _records("qwen3")
-    data = _write(tmp_path / "chat.jsonl", recs)
+    data = write_jsonl(tmp_path / "chat.jsonl", recs)
     rows = []
     for tok in (tagged, tokenizers["qwen3"]):
         dm = InstructionDataModule(str(data), str(tok), cutoff_len=1024)
@@ -209,7 +203,7 @@ def test_generation_blocks_locate_replies_where_nothing_else_can(tokenizers: dic
     plain = blocks.replace("{% generation %}", "").replace("{% endgeneration %}", "")
     msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>t</think>b"},
             {"role": "user", "content": "c"}, {"role": "assistant", "content": "<think>u</think>d"}]
-    think = _write(tmp_path / "think.jsonl", [{"messages": msgs}])
+    think = write_jsonl(tmp_path / "think.jsonl", [{"messages": msgs}])
     dm = InstructionDataModule(str(think), str(tokenizers["qwen3"]), template=blocks)
     dm.setup("fit")
     ref = hf.apply_chat_template(msgs, chat_template=blocks, return_assistant_tokens_mask=True, return_dict=True)
@@ -222,7 +216,7 @@ def test_generation_blocks_locate_replies_where_nothing_else_can(tokenizers: dic
 def test_a_template_failing_on_a_record_names_file_and_line(tokenizers: dict[str, Path], tmp_path: Path) -> None:
     """DeepSeek-R1's template concatenates tool-call arguments as strings: arguments given as an object are refused
     with the record's file and line, not a traceback from inside Jinja."""
-    data = _write(tmp_path / "tools.jsonl", [tool_conversation()])
+    data = write_jsonl(tmp_path / "tools.jsonl", [tool_conversation()])
     with pytest.raises(DataError, match=rf"^{data}:1: the chat template \(tokenizer\) cannot render this conversation: "
                                         "can only concatenate str"):
         InstructionDataModule(str(data), str(tokenizers["deepseek_r1"])).setup("fit")
