@@ -7,18 +7,33 @@ import sys
 from pathlib import Path
 
 import pytest
+from lightning.pytorch.cli import LightningCLI
 
-from lightning_llm.cli import LLMCLI, main
+from lightning_llm.cli import LLMCLI, SUBCOMMAND_HELP, TOOLS, main
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 
-def test_help_lists_subcommands() -> None:
-    out = subprocess.run([sys.executable, "-m", "lightning_llm", "--help"], capture_output=True, text=True,
-                         check=True).stdout
-    for sub in ("fit", "validate", "test", "predict"):
-        assert sub in out
+def test_help_lists_every_subcommand_with_one_line(capsys) -> None:
+    """``lightning_llm --help`` names Lightning's four subcommands and every tool, one line each with its help."""
+    assert main(["--help"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    names = [*LightningCLI.subcommands(), *TOOLS]
+    assert len(names) == 9 and set(SUBCOMMAND_HELP) == set(names)
+    for name in names:
+        [line] = [ln for ln in lines if ln.split()[:1] == [name]]
+        assert SUBCOMMAND_HELP[name] in line
+    assert main([]) == 2  # no subcommand: the same help on stderr, a usage error
+    assert "tools:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tool", sorted(TOOLS))
+def test_every_tool_has_help(tool: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([tool, "--help"])
+    assert exit_.value.code == 0
+    assert f"usage: lightning_llm {tool}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
