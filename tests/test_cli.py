@@ -48,6 +48,32 @@ def test_every_config_parses(config: Path, tmp_path: Path) -> None:
     assert cfg.trainer.log_every_n_steps is not None
 
 
+# Configs on files the user brings: the flags their header names; without them the run stops with one line.
+NEEDS_FILES = {
+    "afqmc.yaml": (["--data.data_dir", "--data.tokenizer_dir"], "--data.data_dir is required"),
+    "sft_summary.yaml": (["--data.train_path", "--data.test_path", "--data.tokenizer_dir"],
+                         "--data.train_path (or --data.generated_conversations) is required for fit"),
+}
+
+
+def test_no_config_reads_shared_data() -> None:
+    """A user has no ``../shared``: no config may point there (tests pass those paths on the command line)."""
+    for config in CONFIGS:
+        assert "shared/" not in config.read_text(encoding="utf-8"), config.name
+
+
+@pytest.mark.parametrize("name", sorted(NEEDS_FILES))
+def test_config_on_your_files_names_its_flags(name: str, tmp_path: Path, capsys) -> None:
+    flags, error = NEEDS_FILES[name]
+    text = (REPO / "configs" / name).read_text(encoding="utf-8")
+    header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
+    assert all(flag in header for flag in flags)
+    rc = main(["fit", "--config", str(REPO / "configs" / name), "--trainer.logger=false",
+               f"--trainer.default_root_dir={tmp_path}"])
+    assert rc == 2
+    assert f"lightning_llm: error: {error}" in capsys.readouterr().err
+
+
 def test_unknown_model_size_fails_before_training(pair_data: Path, tmp_path: Path, capsys) -> None:
     rc = main(["fit", "--model=lightning_llm.tasks.ClassificationTask", "--model.backbone=nope",
                "--data=lightning_llm.data.SentencePairDataModule", f"--data.data_dir={pair_data}",
