@@ -207,5 +207,5 @@ def test_the_checks_catch_what_they_are_for() -> None:
     block = "```bash\nlightning_llm fit --config configs/dpo.yaml \\\n    --model.no_such_option=1\n```\n"
     [argv] = command_lines(block)
     assert "no_such_option" in command_error(argv)
-    assert command_error(["export", "x.ckpt", "--to", "d", "--no-such-flag"]) == "export has no option ['--no-such-flag']"
+    assert command_error(["export", "x.ckpt", "--to", "d", "--no-such"]) == "export has no option ['--no-such']"
     assert command_error(["fit", "--config", "configs/dpo.yaml"]) is None
