@@ -24,7 +24,7 @@ ROOTS = ("lightning_llm/", "tests/", "configs/", "docs/", "benchmarks/", ".ci/")
 TEST_REF = re.compile(r"(tests/[\w/]+\.py)::(\w+)")
 PATH_REF = re.compile(r"`([^`\s]+)`")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
-FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.DOTALL | re.MULTILINE)
 LIGHTNING_SUBCOMMANDS = ("fit", "validate", "test", "predict")
 
 
@@ -72,7 +72,7 @@ def _slug(heading: str) -> str:
 
 def _anchors(page: Path) -> set[str]:
     text = FENCE.sub("", page.read_text(encoding="utf-8"))
-    return {_slug(m) for m in re.findall(r"^#+ (.+)$", text, re.M)}
+    return {_slug(m) for m in re.findall(r"^#+ (.+)$", text, re.MULTILINE)}
 
 
 def broken_links(page: Path, text: str) -> list[str]:
@@ -130,7 +130,7 @@ class _ParserOnly(LLMCLI):
 
     built: _ParserOnly | None = None
 
-    def parse_arguments(self, parser, args) -> None:  # noqa: ANN001 - LightningCLI's signature
+    def parse_arguments(self, parser, args) -> None:
         self.kept = parser
         type(self).built = self
         raise _Built

@@ -7,6 +7,6 @@
   options checked against the class, config files read and checked first.
 """
 
-from lightning_llm.cli.app import SUBCOMMAND_HELP, TOOLS, LLMCLI, main, usage
+from lightning_llm.cli.app import LLMCLI, SUBCOMMAND_HELP, TOOLS, main, usage
 
 __all__ = ["LLMCLI", "SUBCOMMAND_HELP", "TOOLS", "main", "usage"]
