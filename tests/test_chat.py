@@ -15,7 +15,7 @@ import torch
 from chat_fixtures import BAICHUAN2_VLLM, FAMILIES, build_tokenizer, conversation, write_jsonl
 
 from lightning_llm.data import DataError, InstructionDataModule, PreferenceDataModule, PromptDataModule
-from lightning_llm.data.chat import ChatColumns
+from lightning_llm.data.chat.messages import ChatColumns
 from lightning_llm.generation import GenerationConfig, for_datamodule
 
 
@@ -413,7 +413,7 @@ def test_export_carries_the_template_and_stop_ids_and_generates_as_the_run(tmp_p
     transformers' greedy generate on it writes the run's predictions."""
     from transformers import AutoTokenizer
 
-    from lightning_llm.data.chat import make_conversations
+    from lightning_llm.data.chat.messages import make_conversations
     from lightning_llm.export import export_checkpoint
 
     tok = build_tokenizer(tmp_path / "tok", "qwen2", chat_template=None)
@@ -439,7 +439,7 @@ def test_export_carries_the_template_and_stop_ids_and_generates_as_the_run(tmp_p
     assert stopped >= 3  # transformers stops where the run stopped: at <|im_end|>
 
 
-NAMED_CHATML = __import__("lightning_llm.data.chat_template", fromlist=["x"]).NAMED_TEMPLATES["chatml"][0]
+NAMED_CHATML = __import__("lightning_llm.data.chat.template", fromlist=["x"]).NAMED_TEMPLATES["chatml"][0]
 
 
 def _csl_tokenizer(out: Path) -> Path:

@@ -15,8 +15,8 @@ from chat_fixtures import FAMILIES, build_tokenizer, conversation, write_jsonl
 from rewriting_templates import REWRITING, reasoning_conversation, tool_conversation
 
 from lightning_llm.data import DataError, InstructionDataModule, PreferenceDataModule, PromptDataModule
-from lightning_llm.data.chat import Conversation
-from lightning_llm.data.chat_spans import TurnLocator
+from lightning_llm.data.chat.messages import Conversation
+from lightning_llm.data.chat.spans import TurnLocator
 
 
 @pytest.fixture(scope="module")

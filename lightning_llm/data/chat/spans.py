@@ -32,7 +32,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lightning_llm.data.chat import text_pieces
+from lightning_llm.data.chat.messages import text_pieces
 from lightning_llm.data.io import DataError
 
 __all__ = ["TurnLocator", "common_prefix", "generation_spans", "has_generation_blocks", "token_at"]

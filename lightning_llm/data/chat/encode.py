@@ -8,7 +8,7 @@ stops at; what follows it, e.g. ChatML's newline, is not learned), with whatever
 markers) is not. Where the template is prefix-stable at reply ``i`` (the tokens of ``messages[:i]`` rendered with the
 generation prompt, and of ``messages[:i + 1]``, are prefixes of the whole conversation's tokens), the reply is the
 tokens in between: the prompt it is trained on is the prompt it is served. Where it is not (a template that rewrites
-earlier turns: Qwen3, DeepSeek-R1), the reply is located in the whole rendering (:mod:`.chat_spans`). Refused with
+earlier turns: Qwen3, DeepSeek-R1), the reply is located in the whole rendering (:mod:`.spans`). Refused with
 the record's file and line: a reply that neither way can locate, a tokenization that merges across the start of a
 reply, a reply that holds the end-of-turn token in its text, a template that drops a message, a field, a reply's
 answer (its reasoning, up to ``</think>``, may be dropped) or the tools (a role it does not know), and the
@@ -32,9 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lightning_llm.data.chat import Conversation, text_pieces
-from lightning_llm.data.chat_spans import TurnLocator, common_prefix, generation_spans, has_generation_blocks
-from lightning_llm.data.chat_template import ChatTemplate, chat_tokenizer
+from lightning_llm.data.chat.messages import Conversation, text_pieces
+from lightning_llm.data.chat.spans import TurnLocator, common_prefix, generation_spans, has_generation_blocks
+from lightning_llm.data.chat.template import ChatTemplate, chat_tokenizer
 from lightning_llm.data.io import DataError
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ class ChatEncoder:
         prompt, whole = self.render(user, generation_prompt=True), self.render([*user, reply])
         name = f"{self.param}={self.template.name}"
         # The header: the generation prompt as far as the rendered turn has it (DeepSeek-R1's turn lacks the
-        # "<think>\n" its generation prompt adds; see chat_spans).
+        # "<think>\n" its generation prompt adds; see spans.py).
         header = common_prefix(prompt, whole)
         if header < len(self.render(user)):
             raise ValueError(f"{name}: the template is not prefix-stable: a conversation rendered with the generation "
@@ -194,7 +194,7 @@ class ChatEncoder:
     def encode(self, conv: Conversation, *, turns: Literal["all", "last"] = "all") -> Encoded:
         """The conversation's token ids and the spans of its replies (every assistant message, or the last): by
         prefixes where the template is prefix-stable at a reply, else located in the whole rendering
-        (:class:`~lightning_llm.data.chat_spans.TurnLocator`)."""
+        (:class:`~lightning_llm.data.chat.spans.TurnLocator`)."""
         msgs, tools, where = conv.messages, conv.tools, conv.where
         text = self.render(msgs, tools, where=where)
         ids = self.tokenize(text)
@@ -214,7 +214,7 @@ class ChatEncoder:
     def _located_span(self, conv: Conversation, i: int, text: str, ids: list[int], cache: dict[str, Any]
                       ) -> tuple[int, int]:
         """Reply ``i``'s span in the whole rendering where the template is not prefix-stable at it: from the
-        template's ``{% generation %}`` blocks, else located by :class:`~lightning_llm.data.chat_spans.TurnLocator`."""
+        template's ``{% generation %}`` blocks, else located by :class:`~lightning_llm.data.chat.spans.TurnLocator`."""
         if "blocks" not in cache:
             cache["blocks"] = self._generation_spans(conv, text, ids)
         if cache["blocks"] is not None:
