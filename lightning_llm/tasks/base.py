@@ -134,6 +134,11 @@ class LLMTask(pl.LightningModule):
     model with :meth:`run_model`. Ask :attr:`capabilities` what the strategy offers.
     """
 
+    context_parallel: bool = False
+    """Whether the task trains under context parallelism (``context_parallel_size > 1``: its batches hold a slice of
+    each row's tokens): its loss is a mean over the tokens :meth:`loss_weight` counts, each token's term computed from
+    its own output (checked by :func:`~lightning_llm.contract.check_context_parallel`)."""
+
     deferred_init: bool | None = None
     """Build the backbone on the meta device under layouts that shard it (``capabilities.deferred_init``), so each
     rank allocates only its shards. ``None``: when the task builds with the library's hooks only
