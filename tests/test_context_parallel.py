@@ -26,17 +26,25 @@ import torch
 
 SEQ = 4096
 STEPS = 6
+HALF = 3  # the resume tests save after this many steps
 TOL = 1e-5
 PACKED_LENGTHS = (1000, 777, 1500, 300, 519)  # examples of a packed row, repeated: crossing the slices' boundaries
 LAYOUTS2 = ["cp2", "cp2_packed"]  # 2 processes
-LAYOUTS4 = ["cp4"]  # 4 processes
+LAYOUTS4 = ["cp4", "cp2_dp2_zero3", "cp2_tp2", "pp2_cp2"]  # 4 processes
 
 
-def _strategy(name: str) -> Any:
-    from lightning_llm.strategies import HybridParallelStrategy
+def _strategy(name: str) -> tuple[Any, int]:
+    """(strategy, per-rank batch size) of a layout: 2 rows per step in all."""
+    from lightning_llm.strategies import ContextParallelStrategy, HybridParallelStrategy
 
-    cp = int(name.split("_")[0][2:])
-    return HybridParallelStrategy(data_parallel_size=1, context_parallel_size=cp)
+    return {"cp2": (ContextParallelStrategy(), 2),
+            "cp2_packed": (ContextParallelStrategy(), 2),
+            "cp4": (ContextParallelStrategy(), 2),
+            "cp2_dp2_zero3": (HybridParallelStrategy(data_parallel_size=2, context_parallel_size=2, zero_stage=3), 1),
+            "cp2_tp2": (HybridParallelStrategy(data_parallel_size=1, context_parallel_size=2,
+                                               tensor_parallel_size=2), 2),
+            "pp2_cp2": (HybridParallelStrategy(data_parallel_size=1, context_parallel_size=2,
+                                               pipeline_parallel_size=2, n_microbatches=2), 2)}[name]
 
 
 def pack_rows(batch: dict[str, torch.Tensor], lengths: tuple[int, ...]) -> dict[str, torch.Tensor]:
@@ -59,6 +67,7 @@ class Probe(pl.Callback):
 
     def __init__(self) -> None:
         self.token_losses: torch.Tensor | None = None
+        self.rows = 0
         self.grads: dict[str, torch.Tensor] = {}
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -74,11 +83,13 @@ class Probe(pl.Callback):
         kw = {k: local[k] for k in ("position_ids", "segment_ids") if k in local}
         with torch.no_grad():
             losses = pl_module.run_model(local["input_ids"], labels=local["labels"], reduction="none", **kw)
+        losses = losses.full_tensor() if hasattr(losses, "full_tensor") else losses
         if cp > 1:
             parts = [torch.empty_like(losses) for _ in range(cp)]
-            torch.distributed.all_gather(parts, losses.contiguous(), group=trainer.strategy._cp_group)
+            torch.distributed.all_gather(parts, losses.contiguous(), group=trainer.strategy.context_parallel_group)
             losses = order_gathered(parts, dim=1)
         self.token_losses = losses.detach().clone()
+        self.rows = getattr(trainer.strategy, "dp_rank", 0) * losses.shape[0]  # the first global row it holds
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
         if trainer.global_step:
@@ -89,7 +100,8 @@ class Probe(pl.Callback):
                 self.grads[name] = g.detach().clone()
 
 
-def _fit(strategy: Any, devices: int, out: Path, *, packed: bool) -> dict[str, Any]:
+def _fit(strategy: Any, devices: int, out: Path, *, packed: bool, batch_size: int = 2, steps: int = STEPS,
+         save: bool = False, ckpt_path: Path | None = None) -> dict[str, Any]:
     from lightning_llm.data import TextDataModule
     from lightning_llm.tasks import CausalLMTask, OptimConfig
     from lightning_llm.testing import LoggedLoss, table_trainer
@@ -99,27 +111,52 @@ def _fit(strategy: Any, devices: int, out: Path, *, packed: bool) -> dict[str, A
         def _collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
             return pack_rows(super()._collate(examples), PACKED_LENGTHS)
 
-    dm = (PackedText if packed else TextDataModule)(block_size=SEQ, batch_size=2, cache_dir=str(out / "cache"),
+    dm = (PackedText if packed else TextDataModule)(block_size=SEQ, batch_size=batch_size, cache_dir=str(out / "cache"),
                                                     generated_docs=400, val_fraction=0.0)
     task = CausalLMTask("debug", dropout=0.0, optim=OptimConfig(lr=1e-2, scheduler="constant", eps=1e-6))
     rec, probe = LoggedLoss(), Probe()
-    table_trainer(out, strategy=strategy, devices=devices, max_steps=STEPS, callbacks=[rec, probe]).fit(task, dm)
-    return {"losses": rec.losses, "tokens": probe.token_losses, "grads": probe.grads}
+    trainer = table_trainer(out, strategy=strategy, devices=devices, max_steps=steps, callbacks=[rec, probe],
+                            save_every_step=save)
+    trainer.fit(task, dm, ckpt_path=ckpt_path)
+    return {"losses": rec.losses, "tokens": (probe.rows, probe.token_losses), "grads": probe.grads,
+            "start": rec.start}
+
+
+def _resume(mode: str, out: Path) -> None:
+    """``resume``: 3 steps at cp=2 saving a checkpoint, then 3 more from it at tp=2 (2 processes); ``resume_single``:
+    the same 3 more on one process (``3d`` with every degree 1)."""
+    from lightning_llm.strategies import ContextParallelStrategy, HybridParallelStrategy
+    from lightning_llm.testing import write_json_on_rank0
+
+    saved = out / "cp2_save"
+    if mode == "resume":
+        _fit(ContextParallelStrategy(), 2, saved, packed=False, steps=HALF, save=True)
+        tp2 = _fit(HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2), 2, out / "tp2_resume",
+                   packed=False, ckpt_path=saved / "ckpt" / "last.ckpt")
+        write_json_on_rank0(out / "resume_tp2.json", {"start": tp2["start"], "losses": tp2["losses"]})
+    else:
+        one = _fit(HybridParallelStrategy(data_parallel_size=1), 1, out / "single_resume", packed=False,
+                   ckpt_path=saved / "ckpt" / "last.ckpt")
+        write_json_on_rank0(out / "resume_single.json", {"start": one["start"], "losses": one["losses"]})
 
 
 def _worker(mode: str, out: Path) -> None:
     from lightning_llm.testing import gathered
 
+    if mode.startswith("resume"):
+        _resume(mode, out)
+        return
     if mode == "reference":
         torch.save({"plain": _fit("auto", 1, out, packed=False), "packed": _fit("auto", 1, out, packed=True)},
                    out / "reference.pt")
         return
     results = {}
     for layout in LAYOUTS2 if mode == "layouts" else LAYOUTS4:
-        every = gathered(_fit(_strategy(layout), int(os.environ["WORLD_SIZE"]), out,
-                              packed=layout.endswith("packed")))
+        strategy, batch_size = _strategy(layout)
+        every = gathered(_fit(strategy, int(os.environ["WORLD_SIZE"]), out, packed=layout.endswith("packed"),
+                              batch_size=batch_size))
         results[layout] = {"losses": [r["losses"] for r in every], "tokens": [r["tokens"] for r in every],
-                           "grads": every[0]["grads"]}
+                           "grads": {n: g for r in every for n, g in r["grads"].items()}}  # pp: stages differ
     if torch.distributed.get_rank() == 0:
         torch.save(results, out / f"{mode}.pt")
 
@@ -132,11 +169,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     two = launch(__file__, 2, "layouts", str(out))
     run_reference_meanwhile(two, lambda: _worker("reference", out), timeout=1200)
     wait(launch(__file__, 4, "layouts4", str(out)), timeout=1200)
+    wait(launch(__file__, 2, "resume", str(out)), timeout=1200)
+    wait(launch(__file__, 1, "resume_single", str(out)), timeout=1200)
     return out
 
 
 def _errors(run: dict[str, Any], ref: dict[str, Any]) -> tuple[float, float, float]:
-    tokens = max((t - ref["tokens"]).abs().max().item() for t in run["tokens"])
+    whole = ref["tokens"][1]
+    assert sorted({(r, len(t)) for r, t in run["tokens"]}) in ([(0, 2)], [(0, 1), (1, 1)])  # every row compared
+    tokens = max((t - whole[r:r + len(t)]).abs().max().item() for r, t in run["tokens"])
     assert set(run["grads"]) == set(ref["grads"])
     grad = max((run["grads"][n] - g).abs().max().item() for n, g in ref["grads"].items())
     loss = max(abs(a - b) for curve in run["losses"] for a, b in zip(curve, ref["losses"], strict=True))
@@ -149,7 +190,7 @@ def test_context_parallel_equals_one_device(runs: Path, layout: str) -> None:
     refs = torch.load(runs / "reference.pt")
     ref = refs["packed" if layout.endswith("packed") else "plain"]
     assert len(ref["losses"]) == STEPS and ref["losses"][0] - ref["losses"][-1] > 0.05  # it trains
-    assert ref["tokens"].shape == (2, SEQ)
+    assert ref["tokens"][1].shape == (2, SEQ)
     run = torch.load(runs / ("layouts4.pt" if layout in LAYOUTS4 else "layouts.pt"))[layout]
     tokens, grad, loss = _errors(run, ref)
     print(f"{layout} vs one device at {SEQ} tokens: per-token losses {tokens:.2e}, first-step gradients {grad:.2e}, "
@@ -161,3 +202,17 @@ if __name__ == "__main__":
     from lightning_llm.testing import run_worker
 
     run_worker(_worker, sys.argv[1], Path(sys.argv[2]))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("target", ["tp2", "single"])
+def test_cp2_checkpoint_resumes_at_other_layouts(runs: Path, target: str) -> None:
+    """cp shards no parameter: a run saved at cp=2 resumes at tp=2 and on one process on the uninterrupted curve."""
+    import json
+
+    ref = torch.load(runs / "reference.pt")["plain"]["losses"]
+    got = json.loads((runs / f"resume_{target}.json").read_text())
+    assert got["start"] == HALF and len(got["losses"]) == STEPS - HALF
+    err = max(abs(a - b) for a, b in zip(got["losses"], ref[HALF:], strict=True))
+    print(f"cp2 -> {target}: steps {HALF + 1}-{STEPS} vs one device uninterrupted: {err:.2e}")
+    assert err <= TOL

@@ -177,6 +177,7 @@ class ParallelEngine(LayoutFreeCheckpointing):
         self._pp_group: Any = None
         self._dp_group: Any = None  # the ranks holding the same parameters: dp, or dp x cp under context parallelism
         self._cp_group: Any = None
+        self._replica_mesh: Any = None  # the 1-D mesh of _dp_group
         self._sharded_logits = False  # whether the task's loss receives vocab-sharded DTensor logits
         self._pp_model: nn.Module | None = None  # the task's parallelized model (set-up runs again for validate)
         self._params: list[nn.Parameter] = []  # every parameter of the task
@@ -213,6 +214,11 @@ class ParallelEngine(LayoutFreeCheckpointing):
     @property
     def device_mesh(self) -> Any:
         return self._mesh
+
+    @property
+    def context_parallel_group(self) -> Any:
+        """The process group of this rank's context-parallel group (the ranks sharing its sequences)."""
+        return self._cp_group
 
     @property
     def grad_reducer(self) -> GradReducer | None:
@@ -277,7 +283,7 @@ class ParallelEngine(LayoutFreeCheckpointing):
         self.dp_rank, _ = mesh_coordinate(mesh, "dp")
         self.tp_rank, _ = mesh_coordinate(mesh, "tp")
         self.cp_rank, _ = mesh_coordinate(mesh, "cp")
-        replicas = replica_mesh(mesh)
+        self._replica_mesh = replicas = replica_mesh(mesh)
         self.replica_rank = replicas.get_local_rank()
         self._pp_group, self._dp_group, self._cp_group = (mesh["pp"].get_group(), replicas.get_group(),
                                                           mesh["cp"].get_group())
@@ -362,7 +368,7 @@ class ParallelEngine(LayoutFreeCheckpointing):
         if self.activation_checkpointing:
             checkpoint_blocks(model, specs)
         if self.zero_stage == 3:
-            apply_fsdp(module, dp_mesh=replica_mesh(self._mesh), units=fsdp_units(module), reshard_after_forward=True,
+            apply_fsdp(module, dp_mesh=self._replica_mesh, units=fsdp_units(module), reshard_after_forward=True,
                        precision=precision, offload=self.offload_params)
 
     @override
@@ -384,7 +390,7 @@ class ParallelEngine(LayoutFreeCheckpointing):
             wrapped = []
             for opt in self.optimizers:
                 opt = getattr(opt, "_optimizer", opt)
-                zero = PartitionedOptimizer(opt, dp_mesh=replica_mesh(self._mesh), stage=self.zero_stage,
+                zero = PartitionedOptimizer(opt, dp_mesh=self._replica_mesh, stage=self.zero_stage,
                                             offload=self.offload_optimizer, bucket_size_mb=self.args.bucket_size_mb)
                 for cfg in self.lr_scheduler_configs:  # schedulers keep working: same param-group dicts
                     if getattr(cfg.scheduler, "optimizer", None) is opt:

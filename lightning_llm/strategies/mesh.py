@@ -76,19 +76,23 @@ class ParallelDims:
         return self.dp * self.cp
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """A 4-D mesh named ``("pp", "dp", "cp", "tp")``; size-1 dims are kept so callers can always index by name.
-        With ``cp > 1`` the flattened ``dp x cp`` dim (:data:`REPLICA_DIM`) is built too."""
+        """A 4-D mesh named ``("pp", "dp", "cp", "tp")``; size-1 dims are kept so callers can always index by name."""
         shape = (self.pp, self.dp, self.cp, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-        if self.cp > 1:
-            mesh["dp", "cp"]._flatten(REPLICA_DIM)  # torch's way to name a product of dims (torchtitan does the same)
         log.debug("device mesh pp=%d dp=%d cp=%d tp=%d on %s", *shape, device_type)  # the run summary states it
         return mesh
 
 
+def over_replicas(mesh: DeviceMesh) -> bool:
+    """Whether a DTensor on ``mesh`` is sharded over the replicas (an FSDP2 parameter: its mesh holds ``dp``, or the
+    flattened ``dp x cp``)."""
+    return bool({"dp", REPLICA_DIM} & set(mesh.mesh_dim_names or ()))
+
+
 def replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The 1-D mesh of the ranks holding the same parameters: ``dp``, or ``dp x cp`` flattened when ``cp > 1``."""
-    return mesh[REPLICA_DIM] if mesh.size(MESH_DIMS.index("cp")) > 1 else mesh["dp"]
+    """The 1-D mesh of the ranks holding the same parameters: ``dp``, or ``dp x cp`` flattened when ``cp > 1``
+    (torch's ``_flatten``, as torchtitan names its ``dp_shard_cp``; build it once and keep it)."""
+    return mesh["dp", "cp"]._flatten(REPLICA_DIM) if mesh.size(MESH_DIMS.index("cp")) > 1 else mesh["dp"]
 
 
 def mesh_coordinate(mesh: DeviceMesh, dim: str) -> tuple[int, int]:

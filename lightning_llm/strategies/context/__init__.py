@@ -12,7 +12,6 @@ their count over ``dp x cp`` (``contract.replica_loss``), and gradients are aver
 
 from __future__ import annotations
 
-import fnmatch
 import logging
 from typing import Any
 
@@ -21,6 +20,7 @@ from torch import nn
 from lightning_llm.models.parallel_spec import ParallelSpec, parallel_spec_of
 from lightning_llm.strategies.context.attention import ContextParallelAttention
 from lightning_llm.strategies.context.sharding import chunk_size, local_columns, order_gathered, shard_batch
+from lightning_llm.strategies.zero.native import module_path_matches
 
 log = logging.getLogger(__name__)
 
@@ -43,11 +43,6 @@ def family_spec(model: nn.Module) -> ParallelSpec:
     return spec
 
 
-def _matches(name: str, pattern: str) -> bool:
-    atoms, want = name.split("."), pattern.split(".")
-    return len(atoms) == len(want) and all(fnmatch.fnmatchcase(a, w) for a, w in zip(atoms, want, strict=True))
-
-
 def apply_context_parallel(model: nn.Module, *, group: Any, cp: int, rank: int) -> int:
     """Replace the family's attention cores inside ``model`` by :class:`ContextParallelAttention` over ``group``
     (this rank is ``rank`` of ``cp``); returns how many. The cores hold no parameters: names, shapes and
@@ -55,7 +50,7 @@ def apply_context_parallel(model: nn.Module, *, group: Any, cp: int, rank: int) 
     spec = family_spec(model)
     prefix, backbone, _ = parallel_spec_of(model)  # type: ignore[misc]
     assert spec.attention_cores is not None
-    targets = [n for n, _ in backbone.named_modules() if n and _matches(n, spec.attention_cores)]
+    targets = [n for n, _ in backbone.named_modules() if n and module_path_matches(n, spec.attention_cores)]
     for name in targets:
         parent_name, _, leaf = name.rpartition(".")
         parent = backbone.get_submodule(parent_name) if parent_name else backbone

@@ -3,9 +3,10 @@
 Each rank holds the queries, keys and values of its own tokens (:mod:`.sharding`). Every attention layer all-gathers
 the keys and values of the group (``[B, K, S/cp, D]`` per rank: the kv heads only, so grouped-query attention moves
 ``K/N`` of what the query heads would) and attends its local queries to the whole sequence. The gather is
-``torch.distributed.nn.functional.all_gather``, differentiable: its backward sums every rank's gradient of a chunk's
-keys/values onto the rank that owns the chunk (a reduce-scatter), so the parameters' gradients on each rank are those
-of its own tokens and their sum over cp is the whole sequence's. This is Llama 3's choice (Dubey et al. 2024, 3.3.2):
+differentiable (:class:`_GatherSequence`): its backward sums every rank's gradient of a chunk's keys/values onto the
+rank that owns the chunk (a reduce-scatter), so the parameters' gradients on each rank are those of its own tokens and
+their sum over cp is the whole sequence's. (``torch.distributed.nn.functional.all_gather`` emulates that backward on
+gloo by scatters addressed with group ranks as global ranks: it fails on any cp group but the whole world.) This is Llama 3's choice (Dubey et al. 2024, 3.3.2):
 exact for any mask, one collective per layer and direction, the gathered K/V ``2 S K D`` per layer the only extra
 memory; a ring with online softmax would overlap its ``cp - 1`` steps with compute but needs the softmax merge in
 backward too, and on 2 CPU cores there is no communication to hide.
@@ -32,7 +33,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -51,6 +51,24 @@ def _merge(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> tuple[Tensor, 
     lse = torch.logaddexp(lse1, lse2)
     w1, w2 = (lse1 - lse).exp().unsqueeze(-1), (lse2 - lse).exp().unsqueeze(-1)
     return (o1.float() * w1 + o2.float() * w2).to(o1.dtype), lse
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather of this rank's tensor over the cp group -> ``[cp, *shape]`` (rank order); backward: the
+    reduce-scatter (sum) of the gathered gradient, each rank receiving its own tensor's."""
+
+    @staticmethod
+    def forward(ctx: Any, t: Tensor, group: Any, cp: int) -> Tensor:
+        ctx.group = group
+        out = t.new_empty((cp * t.shape[0], *t.shape[1:]))  # gloo wants the ranks' tensors stacked on dim 0
+        dist.all_gather_single(out, t.contiguous(), group=group)
+        return out.view(cp, *t.shape)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        out = grad.new_empty(grad.shape[1:])
+        dist.reduce_scatter_single(out, grad.contiguous().flatten(0, 1), group=ctx.group)
+        return out, None, None
 
 
 class _CausalChunks(torch.autograd.Function):
@@ -114,7 +132,7 @@ class ContextParallelAttention(nn.Module):
         dim = 2 if t.dim() == 4 else 1
         t = t.contiguous()
         if differentiable:
-            parts = dist_fn.all_gather(t, group=self.group)
+            parts = _GatherSequence.apply(t, self.group, self.cp).unbind(0)
         else:
             parts = [torch.empty_like(t) for _ in range(self.cp)]
             dist.all_gather(parts, t, group=self.group)
