@@ -1,16 +1,19 @@
 """Context parallelism (``context_parallel_size``) equals one device on rows of 4096 tokens.
 
 The ``debug`` decoder (GQA: 4 query heads, 2 kv heads; rotary positions) trains ``CausalLMTask`` on 2 rows of
-``SEQ`` = 4096 byte tokens per step, fp32, dropout 0, for ``STEPS`` steps, under each layout of :data:`LAYOUTS`
-(torchrun, CPU, gloo), while the pytest process trains the same batches on one device. Compared (bound 1e-5):
+``SEQ`` = 4096 byte tokens per step, fp32, dropout 0, for ``STEPS`` steps, under each layout (torchrun, CPU, gloo):
+cp2, cp2 on packed rows (``segment_ids`` and per-example ``position_ids``, examples crossing the slices' boundaries),
+cp2 with activation checkpointing on 2 processes; cp4, cp2 x dp2 with ZeRO-3, cp2 x tp2 and pp2 x cp2 on 4; while the pytest process trains the same
+batches on one device. Compared (bound 1e-5):
 
 * every token's loss before training (the model's fused per-token losses of each rank's slice, put back in column
   order) against one device's;
 * every gradient of the first step (after the ``dp x cp`` reduction; gathered full) against one device's;
 * ``train_loss`` at each step, on every rank.
 
-Packed rows (``segment_ids`` and per-example ``position_ids``, examples crossing the slices' boundaries) are the same
-comparison with the block-diagonal mask rebuilt across slices.
+Then a cp2 run saves after 3 steps and resumes at tp2 (2 processes) and on one process: steps 4-6 must be the
+uninterrupted one-device curve's. One-process tests check the slicing, the block attention against float64 and the
+task declaration; 2-process CLI runs check the one-line refusals.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ STEPS = 6
 HALF = 3  # the resume tests save after this many steps
 TOL = 1e-5
 PACKED_LENGTHS = (1000, 777, 1500, 300, 519)  # examples of a packed row, repeated: crossing the slices' boundaries
-LAYOUTS2 = ["cp2", "cp2_packed"]  # 2 processes
+LAYOUTS2 = ["cp2", "cp2_packed", "cp2_recompute"]  # 2 processes
 LAYOUTS4 = ["cp4", "cp2_dp2_zero3", "cp2_tp2", "pp2_cp2"]  # 4 processes
 
 
@@ -39,6 +42,7 @@ def _strategy(name: str) -> tuple[Any, int]:
 
     return {"cp2": (ContextParallelStrategy(), 2),
             "cp2_packed": (ContextParallelStrategy(), 2),
+            "cp2_recompute": (ContextParallelStrategy(activation_checkpointing=True), 2),  # the gather runs again
             "cp4": (ContextParallelStrategy(), 2),
             "cp2_dp2_zero3": (HybridParallelStrategy(data_parallel_size=2, context_parallel_size=2, zero_stage=3), 1),
             "cp2_tp2": (HybridParallelStrategy(data_parallel_size=1, context_parallel_size=2,
@@ -198,11 +202,6 @@ def test_context_parallel_equals_one_device(runs: Path, layout: str) -> None:
     assert tokens <= TOL and grad <= TOL and loss <= TOL
 
 
-if __name__ == "__main__":
-    from lightning_llm.testing import run_worker
-
-    run_worker(_worker, sys.argv[1], Path(sys.argv[2]))
-
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("target", ["tp2", "single"])
@@ -216,3 +215,103 @@ def test_cp2_checkpoint_resumes_at_other_layouts(runs: Path, target: str) -> Non
     err = max(abs(a - b) for a, b in zip(got["losses"], ref[HALF:], strict=True))
     print(f"cp2 -> {target}: steps {HALF + 1}-{STEPS} vs one device uninterrupted: {err:.2e}")
     assert err <= TOL
+
+
+# ------------------------------------------------------------------------------------------- one process, no launch
+def test_slices_and_their_order() -> None:
+    """Rank r holds chunks r and 2cp-1-r; the ranks' slices put back in order are the row; positions are global."""
+    from lightning_llm.strategies.context import local_columns, order_gathered, shard_batch
+
+    for cp in (1, 2, 4):
+        cols = [local_columns(16, cp, r) for r in range(cp)]
+        c = 16 // (2 * cp)
+        assert cols[0][:c].tolist() == list(range(c)) and cols[-1][c:].tolist() == list(range(cp * c, (cp + 1) * c))
+        assert torch.equal(order_gathered([x[None] for x in cols], dim=1)[0], torch.arange(16))
+    batch = {"input_ids": torch.arange(32).view(2, 16), "labels": torch.arange(32).view(2, 16) + 1,
+             "reference_logps": torch.tensor([1.0, 2.0])}
+    part = shard_batch(batch, cp=2, rank=1, positions=None)
+    assert part["input_ids"][0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]  # chunks 1 and 2 of 4
+    assert part["position_ids"][0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert torch.equal(part["labels"], part["input_ids"] + 1) and torch.equal(part["reference_logps"],
+                                                                              batch["reference_logps"])
+    with pytest.raises(ValueError, match="must be divisible by 2 x context_parallel_size = 8"):
+        shard_batch({"input_ids": torch.zeros(1, 12, dtype=torch.long)}, cp=4, rank=0, positions=None)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_block_attention_equals_causal_attention_in_float64(cp: int) -> None:
+    """The causal path (CPU flash blocks merged by log-sum-exp, GQA heads repeated per block; backward per block
+    from the merged output) against float64 SDPA on the whole row: every rank's output and the summed gradients."""
+    from lightning_llm.strategies.context.attention import _CausalChunks
+    from lightning_llm.strategies.context.sharding import local_columns
+
+    torch.manual_seed(0)
+    b, n, k, s, d = 2, 4, 2, 64, 16
+    q, key, v = (torch.randn(b, h, s, d, requires_grad=True) for h in (n, k, k))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), key.double().repeat_interleave(n // k, 1), v.double().repeat_interleave(n // k, 1),
+        is_causal=True)
+    go = torch.randn_like(ref)
+    want = torch.autograd.grad(ref, (q, key, v), go)
+    got = [torch.zeros_like(t) for t in (q, key, v)]
+    for r in range(cp):
+        cols = local_columns(s, cp, r)
+        out = _CausalChunks.apply(q[:, :, cols], key, v, (r, 2 * cp - 1 - r), s // (2 * cp))
+        assert (out.double() - ref[:, :, cols]).abs().max() < 1e-6
+        for acc, g in zip(got, torch.autograd.grad(out, (q, key, v), go[:, :, cols].float()), strict=True):
+            acc += g
+    assert max((g.double() - w).abs().max().item() for g, w in zip(got, want, strict=True)) < 2e-6
+
+
+def test_tasks_declare_context_parallel() -> None:
+    """A library token-mean task passes; one without the declaration, and a subclass overriding a loss hook without
+    declaring it again, are refused naming the class."""
+    from lightning_llm.contract import check_context_parallel
+    from lightning_llm.tasks import CausalLMTask, DPOTask
+
+    class OwnLoss(CausalLMTask):
+        def loss_from_output(self, output: Any, batch: Any, stage: str) -> Any:
+            return super().loss_from_output(output, batch, stage)
+
+    class Declared(OwnLoss):
+        context_parallel = True
+
+    check_context_parallel(CausalLMTask.__new__(CausalLMTask), cp=2)
+    check_context_parallel(Declared.__new__(Declared), cp=2)
+    with pytest.raises(ValueError, match="DPOTask does not declare context_parallel = True"):
+        check_context_parallel(DPOTask.__new__(DPOTask), cp=2)
+    with pytest.raises(ValueError, match="OwnLoss overrides loss_from_output after CausalLMTask declared"):
+        check_context_parallel(OwnLoss.__new__(OwnLoss), cp=2)
+
+
+# ------------------------------------------------------------------------------------------- refusals (2 processes)
+REPO = Path(__file__).resolve().parents[1]
+REFUSALS = {
+    "odd_length": (["--config", "configs/pretrain_debug.yaml", "--data.block_size=30",
+                    "--trainer.enable_checkpointing=false"],
+                   "the sequence length 30 must be divisible by 2 x context_parallel_size = 4"),
+    "sliding_window": (["--config", "configs/pretrain_debug.yaml", "--model.backbone=debug-mistral",
+                        "--trainer.enable_checkpointing=false"],
+                       "sliding-window attention (sliding_window=8 on layers [0, 1, 2, 3]) is not supported"),
+    "dpo": (["--config", "configs/dpo.yaml"], "DPOTask does not declare context_parallel = True"),
+    "ppo": (["--config", "configs/ppo.yaml"], "PPOTask does not declare context_parallel = True"),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_unsupported_combination_refused_in_one_line(tmp_path: Path, case: str) -> None:
+    from lightning_llm.testing import one_error_line_from_ranks, torchrun_cli_fails
+
+    args, expected = REFUSALS[case]
+    out = torchrun_cli_fails(["fit", *args, "--trainer.strategy=cp", "--trainer.devices=2", "--trainer.max_steps=1",
+                              "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"], REPO, timeout=300)
+    line = one_error_line_from_ranks(out)
+    print(line)
+    assert expected in line
+
+
+if __name__ == "__main__":
+    from lightning_llm.testing import run_worker
+
+    run_worker(_worker, sys.argv[1], Path(sys.argv[2]))

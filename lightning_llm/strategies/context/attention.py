@@ -73,31 +73,34 @@ class _GatherSequence(torch.autograd.Function):
 
 class _CausalChunks(torch.autograd.Function):
     """Causal attention of two local query chunks (global chunk ids ``chunks``, ``c`` rows each) on the whole
-    sequence's keys/values, block by block with the CPU flash kernel (no mask, no score matrix kept)."""
+    sequence's keys/values, block by block with the CPU flash kernel (no mask, no score matrix kept). Keys/values
+    stay at their kv heads (saved for backward as gathered); each block repeats them for its grouped query heads."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, chunks: tuple[int, int], c: int) -> Tensor:
-        # q [B, N, 2c, D]; k, v [B, N, S, D] in column order
+        # q [B, N, 2c, D]; k, v [B, K, S, D] in column order
+        rep = q.shape[1] // k.shape[1]
         outs, lses = [], []
         for i, j in enumerate(chunks):
             qj = q[:, :, i * c:(i + 1) * c]
-            o, lse = _flash(qj, k[:, :, j * c:(j + 1) * c], v[:, :, j * c:(j + 1) * c], 0.0, True)
+            o, lse = _flash(qj, *_heads(k, v, slice(j * c, (j + 1) * c), rep), 0.0, True)
             if j:  # the chunks before: every key visible
-                o_prev, lse_prev = _flash(qj, k[:, :, :j * c], v[:, :, :j * c], 0.0, False)
+                o_prev, lse_prev = _flash(qj, *_heads(k, v, slice(0, j * c), rep), 0.0, False)
                 o, lse = _merge(o, lse, o_prev, lse_prev)
             outs.append(o)
             lses.append(lse)
         out = torch.cat(outs, dim=2)
         ctx.save_for_backward(q, k, v, out, *lses)
-        ctx.chunks, ctx.c = chunks, c
+        ctx.chunks, ctx.c, ctx.rep = chunks, c, rep
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, *lses = ctx.saved_tensors
-        c = ctx.c
+        c, rep = ctx.c, ctx.rep
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         grad = grad.contiguous()
+        b, kv_heads, _, d = k.shape
         for i, j in enumerate(ctx.chunks):
             rows = slice(i * c, (i + 1) * c)
             g, qj, oj, lse = grad[:, :, rows], q[:, :, rows], out[:, :, rows].contiguous(), lses[i]
@@ -105,11 +108,20 @@ class _CausalChunks(torch.autograd.Function):
             # global softmax restricted to the block, rowsum(dO * O) the global one.
             blocks = [(slice(j * c, (j + 1) * c), True)] + ([(slice(0, j * c), False)] if j else [])
             for cols, causal in blocks:
-                a, b, d = _flash_backward(g, qj, k[:, :, cols], v[:, :, cols], oj, lse, 0.0, causal)
+                a, gk, gv = _flash_backward(g, qj, *_heads(k, v, cols, rep), oj, lse, 0.0, causal)
                 dq[:, :, rows] += a
-                dk[:, :, cols] += b
-                dv[:, :, cols] += d
+                # a kv head's gradient: the sum over the query heads it serves ([B, K, rep, L, D])
+                dk[:, :, cols] += gk.view(b, kv_heads, rep, -1, d).sum(2)
+                dv[:, :, cols] += gv.view(b, kv_heads, rep, -1, d).sum(2)
         return dq, dk, dv, None, None
+
+
+def _heads(k: Tensor, v: Tensor, cols: slice, rep: int) -> tuple[Tensor, Tensor]:
+    """Keys/values of columns ``cols`` repeated for the query heads (GQA: kv head j serves heads j*rep..)."""
+    kb, vb = k[:, :, cols], v[:, :, cols]
+    if rep > 1:
+        kb, vb = kb.repeat_interleave(rep, dim=1), vb.repeat_interleave(rep, dim=1)
+    return kb, vb
 
 
 class ContextParallelAttention(nn.Module):
@@ -148,18 +160,15 @@ class ContextParallelAttention(nn.Module):
                              "pattern of a slice would differ from one device's)")
         s_local = q.shape[2]
         seq = s_local * self.cp
-        k_all = self._gather(k, differentiable=True)  # [B, K, S, D]
+        k_all = self._gather(k, differentiable=True)  # [B, K, S, D]: only the kv heads travel
         v_all = self._gather(v, differentiable=True)
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:  # GQA after the gather: only the kv heads travel
-            k_all = k_all.repeat_interleave(n_rep, dim=1)  # [B, N, S, D]
-            v_all = v_all.repeat_interleave(n_rep, dim=1)
         plain = token_mask.keep is None and token_mask.segment_ids is None
         if plain and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
             c = s_local // 2
             return _CausalChunks.apply(q, k_all, v_all, (self.rank, 2 * self.cp - 1 - self.rank), c)
         mask = self._mask(token_mask, seq=seq, batch=q.shape[0], device=q.device)  # [B, 1, S/cp, S]
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+        rep = q.shape[1] // k.shape[1]
+        return F.scaled_dot_product_attention(q, *_heads(k_all, v_all, slice(None), rep), attn_mask=mask)
 
     def _mask(self, token_mask: Any, *, seq: int, batch: int, device: torch.device) -> Tensor:
         """Boolean [B, 1, S/cp, S]: causal by global column, a real key of the query's segment; an empty row attends
