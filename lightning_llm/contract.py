@@ -197,6 +197,8 @@ class Capabilities:
     context_parallel_size: int = 1
     """Ranks sharing each sequence (context parallelism): the task's batch holds this rank's slice of every row's
     tokens (``data_parallel_size`` counts them as replicas); generation is refused."""
+    context_parallel_group: Any = None
+    """Process group of the ranks sharing this rank's rows (``None`` without context parallelism)."""
     deferred_init: bool = False
     """The strategy shards the model and materializes meta-device family models after sharding
     (:func:`lightning_llm.models.init.materialize` on each rank's shards): a task builds its backbone on the meta

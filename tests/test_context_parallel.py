@@ -9,7 +9,7 @@ batches on one device. Compared (bound 1e-5):
 * every token's loss before training (the model's fused per-token losses of each rank's slice, put back in column
   order) against one device's;
 * every gradient of the first step (after the ``dp x cp`` reduction; gathered full) against one device's;
-* ``train_loss`` at each step, on every rank.
+* ``train_loss`` at each step, on every rank, and (dp = 1) the evaluation loss of the first batch.
 
 Then a cp2 run saves after 3 steps and resumes at tp2 (2 processes) and on one process: steps 4-6 must be the
 uninterrupted one-device curve's. One-process tests check the slicing, the block attention against float64 and the
@@ -32,6 +32,7 @@ STEPS = 6
 HALF = 3  # the resume tests save after this many steps
 TOL = 1e-5
 PACKED_LENGTHS = (1000, 777, 1500, 300, 519)  # examples of a packed row, repeated: crossing the slices' boundaries
+PROMPT = 400  # the first tokens of each packed example are not learned (SFT's prompt)
 LAYOUTS2 = ["cp2", "cp2_packed", "cp2_recompute"]  # 2 processes
 LAYOUTS4 = ["cp4", "cp2_dp2_zero3", "cp2_tp2", "pp2_cp2"]  # 4 processes
 
@@ -60,6 +61,7 @@ def pack_rows(batch: dict[str, torch.Tensor], lengths: tuple[int, ...]) -> dict[
         n = min(lengths[k % len(lengths)], s - start)
         seg[start:start + n] = k + 1
         pos[start:start + n] = torch.arange(n)
+        labels[:, start:start + min(n, PROMPT)] = -100  # a prompt: the slices hold very different label counts
         labels[:, start + n - 1] = -100  # an example's last token predicts nothing of it
         start, k = start + n, k + 1
     return {**batch, "labels": labels, "segment_ids": seg.expand(b, s).clone(), "position_ids": pos.expand(b, s).clone()}
@@ -72,6 +74,7 @@ class Probe(pl.Callback):
     def __init__(self) -> None:
         self.token_losses: torch.Tensor | None = None
         self.rows = 0
+        self.eval_loss = float("nan")
         self.grads: dict[str, torch.Tensor] = {}
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
@@ -87,6 +90,8 @@ class Probe(pl.Callback):
         kw = {k: local[k] for k in ("position_ids", "segment_ids") if k in local}
         with torch.no_grad():
             losses = pl_module.run_model(local["input_ids"], labels=local["labels"], reduction="none", **kw)
+        with torch.no_grad():  # the evaluation loss of the rows (under cp: the slices weighted by their tokens)
+            self.eval_loss = float(pl_module._eval_step(local, "val"))
         losses = losses.full_tensor() if hasattr(losses, "full_tensor") else losses
         if cp > 1:
             parts = [torch.empty_like(losses) for _ in range(cp)]
@@ -123,7 +128,7 @@ def _fit(strategy: Any, devices: int, out: Path, *, packed: bool, batch_size: in
                             save_every_step=save)
     trainer.fit(task, dm, ckpt_path=ckpt_path)
     return {"losses": rec.losses, "tokens": (probe.rows, probe.token_losses), "grads": probe.grads,
-            "start": rec.start}
+            "start": rec.start, "eval": probe.eval_loss}
 
 
 def _resume(mode: str, out: Path) -> None:
@@ -160,6 +165,7 @@ def _worker(mode: str, out: Path) -> None:
         every = gathered(_fit(strategy, int(os.environ["WORLD_SIZE"]), out, packed=layout.endswith("packed"),
                               batch_size=batch_size))
         results[layout] = {"losses": [r["losses"] for r in every], "tokens": [r["tokens"] for r in every],
+                           "eval": [r["eval"] for r in every],
                            "grads": {n: g for r in every for n, g in r["grads"].items()}}  # pp: stages differ
     if torch.distributed.get_rank() == 0:
         torch.save(results, out / f"{mode}.pt")
@@ -185,6 +191,8 @@ def _errors(run: dict[str, Any], ref: dict[str, Any]) -> tuple[float, float, flo
     assert set(run["grads"]) == set(ref["grads"])
     grad = max((run["grads"][n] - g).abs().max().item() for n, g in ref["grads"].items())
     loss = max(abs(a - b) for curve in run["losses"] for a, b in zip(curve, ref["losses"], strict=True))
+    if all(r == 0 for r, _ in run["tokens"]):  # every rank holds both rows (dp = 1): the rows' evaluation loss
+        loss = max(loss, *(abs(e - ref["eval"]) for e in run["eval"]))
     return tokens, grad, loss
 
 

@@ -57,7 +57,7 @@ from typing_extensions import override
 
 from lightning_llm.contract import Capabilities, check_context_parallel, check_pipelinable
 from lightning_llm.models.init import is_meta
-from lightning_llm.strategies.context import apply_context_parallel, family_spec, shard_batch
+from lightning_llm.strategies.context import apply_context_parallel, slice_step
 from lightning_llm.strategies.engine_checkpoint import LayoutFreeCheckpointing
 from lightning_llm.strategies.engine_layout import LayoutArgs, PipelineStages
 from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB, GradReducer, reducer_for
@@ -124,9 +124,8 @@ class ParallelEngine(LayoutFreeCheckpointing):
             zero_stage: 0 (plain gradient averaging), 1 (partitioned optimizer states), 2 (+ gradients; ``pp=1``
                 only), 3 (FSDP2 parameter sharding over ``dp``; ``pp=1`` only). With ``context_parallel_size > 1``
                 over ``dp x cp`` (cp ranks hold the same parameters).
-            context_parallel_size: Ranks sharing each sequence (context parallelism; ranks inside a node with tp):
-                each holds ``1/cp`` of every row's tokens (load-balanced causal chunks) and attends to the whole row
-                by all-gathering keys/values; the sequence length must be divisible by ``2 x cp``.
+            context_parallel_size: Ranks sharing each sequence (:mod:`.context`; inside a node with tp), each
+                holding ``1/cp`` of every row's tokens; the sequence length must be divisible by ``2 x cp``.
             offload_optimizer: Keep optimizer states (fp32 masters) in CPU memory (ZeRO 1-3).
             offload_params: Keep parameter shards in CPU memory (ZeRO-3; then also ``offload_optimizer``).
             sequence_parallel: Shard the residual stream on the sequence dim inside each TP group.
@@ -249,7 +248,8 @@ class ParallelEngine(LayoutFreeCheckpointing):
         # weighted by token count and their gradients averaged over dp x cp).
         return Capabilities(data_parallel_size=self.dims.replicas, batch_shared=self.dims.tp * self.dims.pp > 1,
                             pipelined=self.pipelined, generation=self.dims.cp == 1,
-                            context_parallel_size=self.dims.cp, data_parallel_group=self._dp_group,
+                            context_parallel_size=self.dims.cp, context_parallel_group=self._cp_group,
+                            data_parallel_group=self._dp_group,
                             deferred_init=self.shards_model)
 
     @property
@@ -412,24 +412,10 @@ class ParallelEngine(LayoutFreeCheckpointing):
             yield
 
     def _step(self, hook: str, context: Any, *args: Any, **kwargs: Any) -> Any:
-        if self.dims is not None and self.dims.cp > 1:
-            args, kwargs = self._context_slice(hook, args, kwargs)
+        if self.dims is not None and self.dims.cp > 1:  # the task's step gets this rank's slice of the batch
+            args, kwargs = slice_step(hook, args, kwargs, cp=self.dims.cp, rank=self.cp_rank, model=self._target())
         with context(), self._loss_context():
             return local_loss(getattr(self.lightning_module, hook)(*args, **kwargs))
-
-    def _context_slice(self, hook: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-                       ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """Context parallelism: the task's step gets this rank's slice of the batch every cp rank received."""
-        assert self.dims is not None
-        if hook == "predict_step":
-            raise ValueError(f"context_parallel_size={self.dims.cp}: predict is not supported under context "
-                             "parallelism (it generates or returns whole-row outputs); predict with "
-                             "context_parallel_size=1")
-        spec = family_spec(self._target())
-        cut = dict(cp=self.dims.cp, rank=self.cp_rank, positions=spec.segment_positions)
-        if args:
-            return (shard_batch(args[0], **cut), *args[1:]), kwargs
-        return args, {**kwargs, "batch": shard_batch(kwargs["batch"], **cut)}
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -374,6 +374,10 @@ class LLMTask(pl.LightningModule):
 
     def _eval_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         loss, outputs = self.step_loss(batch, stage)
+        caps = self.capabilities
+        if caps.context_parallel_size > 1:  # the rows' loss: the slices of the cp group weighted by their tokens
+            loss, _ = replica_loss(caps.context_parallel_group, loss, self.loss_weight(batch),
+                                   dp=caps.context_parallel_size)
         self.log(f"{stage}_loss", loss, prog_bar=stage == "val", on_epoch=True, sync_dist=True,
                  batch_size=self._batch_size(batch))
         self.update_metrics(stage, outputs, batch)

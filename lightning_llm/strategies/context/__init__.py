@@ -25,7 +25,7 @@ from lightning_llm.strategies.zero.native import module_path_matches
 log = logging.getLogger(__name__)
 
 __all__ = ["ContextParallelAttention", "apply_context_parallel", "family_spec", "chunk_size", "local_columns",
-           "order_gathered", "shard_batch"]
+           "order_gathered", "shard_batch", "slice_step"]
 
 
 def family_spec(model: nn.Module) -> ParallelSpec:
@@ -61,3 +61,16 @@ def apply_context_parallel(model: nn.Module, *, group: Any, cp: int, rank: int) 
     log.debug("context parallelism: %d attention cores of %s%s replaced (cp rank %d/%d)", len(targets), prefix,
               type(backbone).__name__, rank, cp)
     return len(targets)
+
+
+def slice_step(hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, cp: int, rank: int, model: nn.Module
+               ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments of a task's ``training/validation/test_step`` with this rank's slice of the batch every rank
+    of the cp group received (``model``'s family gives packed rows their positions); predict is refused."""
+    if hook == "predict_step":
+        raise ValueError(f"context_parallel_size={cp}: predict is not supported under context parallelism (it "
+                         "generates or returns whole-row outputs); predict with context_parallel_size=1")
+    cut = dict(cp=cp, rank=rank, positions=family_spec(model).segment_positions)
+    if args:
+        return (shard_batch(args[0], **cut), *args[1:]), kwargs
+    return args, {**kwargs, "batch": shard_batch(kwargs["batch"], **cut)}
