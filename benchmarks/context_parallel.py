@@ -91,18 +91,18 @@ def _worker(seq: int, out: Path) -> None:
         (out / f"cp{cp}.json").write_text(json.dumps({"ranks": rows, "estimate": est.activations}))
 
 
-def _table(results: dict[int, dict[str, Any]], seq: int) -> str:
-    gib = 2**20
+def _table(results: dict[int, dict[str, Any]]) -> str:
+    mib = 2**20
     base = max(r["saved"] for r in results[1]["ranks"])
     base_est = results[1]["estimate"]
-    lines = [f"| cp | saved activations per rank, max (MiB) | / cp=1 | estimate (MiB) | / cp=1 | peak RSS growth "
-             f"over the step, max (MiB) | step (s) |", "|---|---|---|---|---|---|---|"]
+    lines = [("| cp | saved activations per rank, max (MiB) | / cp=1 | estimate (MiB) | / cp=1 | peak RSS growth "
+              "over the step, max (MiB) | step (s) |"), "|---|---|---|---|---|---|---|"]
     for cp, r in sorted(results.items()):
         saved = max(x["saved"] for x in r["ranks"])
         rss = max(x["rss_step"] for x in r["ranks"])
         wall = max(x["wall_s"] for x in r["ranks"])
-        lines.append(f"| {cp} | {saved / gib:.0f} | {saved / base:.2f} | {r['estimate'] / gib:.0f} | "
-                     f"{r['estimate'] / base_est:.2f} | {rss / gib:.0f} | {wall:.1f} |")
+        lines.append(f"| {cp} | {saved / mib:.0f} | {saved / base:.2f} | {r['estimate'] / mib:.0f} | "
+                     f"{r['estimate'] / base_est:.2f} | {rss / mib:.0f} | {wall:.1f} |")
     return "\n".join(lines)
 
 
@@ -126,7 +126,7 @@ def main() -> None:
                    "--worker", tmp]
             subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
             results[cp] = json.loads((Path(tmp) / f"cp{cp}.json").read_text())
-    table = _table(results, args.seq)
+    table = _table(results)
     print(table)
     if args.out is not None:
         when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")

@@ -3,7 +3,7 @@
 The ``debug`` decoder (GQA: 4 query heads, 2 kv heads; rotary positions) trains ``CausalLMTask`` on 2 rows of
 ``SEQ`` = 4096 byte tokens per step, fp32, dropout 0, for ``STEPS`` steps, under each layout (torchrun, CPU, gloo):
 cp2, cp2 on packed rows (``segment_ids`` and per-example ``position_ids``, examples crossing the slices' boundaries),
-cp2 with activation checkpointing on 2 processes; cp4, cp2 x dp2 with ZeRO-3, cp2 x tp2 and pp2 x cp2 on 4; while the pytest process trains the same
+cp2 with activation checkpointing, cp2 with ZeRO-1 and ZeRO-2 on 2 processes; cp4, cp2 x dp2 with ZeRO-3, cp2 x tp2 and pp2 x cp2 on 4; while the pytest process trains the same
 batches on one device. Compared (bound 1e-5):
 
 * every token's loss before training (the model's fused per-token losses of each rank's slice, put back in column
@@ -33,7 +33,7 @@ HALF = 3  # the resume tests save after this many steps
 TOL = 1e-5
 PACKED_LENGTHS = (1000, 777, 1500, 300, 519)  # examples of a packed row, repeated: crossing the slices' boundaries
 PROMPT = 400  # the first tokens of each packed example are not learned (SFT's prompt)
-LAYOUTS2 = ["cp2", "cp2_packed", "cp2_recompute"]  # 2 processes
+LAYOUTS2 = ["cp2", "cp2_packed", "cp2_recompute", "cp2_zero1", "cp2_zero2"]  # 2 processes
 LAYOUTS4 = ["cp4", "cp2_dp2_zero3", "cp2_tp2", "pp2_cp2"]  # 4 processes
 
 
@@ -44,6 +44,8 @@ def _strategy(name: str) -> tuple[Any, int]:
     return {"cp2": (ContextParallelStrategy(), 2),
             "cp2_packed": (ContextParallelStrategy(), 2),
             "cp2_recompute": (ContextParallelStrategy(activation_checkpointing=True), 2),  # the gather runs again
+            "cp2_zero1": (ContextParallelStrategy(zero_stage=1), 2),  # optimizer states partitioned over dp x cp
+            "cp2_zero2": (ContextParallelStrategy(zero_stage=2), 2),  # gradients reduced to their owner
             "cp4": (ContextParallelStrategy(), 2),
             "cp2_dp2_zero3": (HybridParallelStrategy(data_parallel_size=2, context_parallel_size=2, zero_stage=3), 1),
             "cp2_tp2": (HybridParallelStrategy(data_parallel_size=1, context_parallel_size=2,

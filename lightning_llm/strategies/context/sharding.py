@@ -49,7 +49,6 @@ def order_gathered(parts: list[Tensor] | tuple[Tensor, ...], *, dim: int) -> Ten
     """The whole sequence in column order from every rank's local tensor (``parts[r]``: rank r's ``[..., 2c, ...]``
     along ``dim``, as :func:`local_columns` orders them): chunks ``0..cp-1`` are the ranks' heads, ``cp..2cp-1`` their
     tails in reverse rank order."""
-    cp = len(parts)
     c = parts[0].shape[dim] // 2
     heads = [p.narrow(dim, 0, c) for p in parts]
     tails = [p.narrow(dim, c, c) for p in reversed(parts)]
