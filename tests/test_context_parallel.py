@@ -294,6 +294,30 @@ def test_tasks_declare_context_parallel() -> None:
         check_context_parallel(OwnLoss.__new__(OwnLoss), cp=2)
 
 
+def test_a_slice_without_labelled_tokens_weighs_nothing() -> None:
+    """A context-parallel slice holding only prompt tokens: its loss is 0 with weight 0 (the rows' mean is the other
+    slices'), not NaN; on one device a batch without labels stays NaN (the non-finite guard sees it)."""
+    from lightning_llm.contract import Capabilities
+    from lightning_llm.tasks import CausalLMTask
+
+    class Sliced(CausalLMTask):
+        cp = 2
+
+        @property
+        def capabilities(self) -> Capabilities:
+            return Capabilities(context_parallel_size=self.cp)
+
+    task = Sliced("debug", dropout=0.0)
+    batch = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "labels": torch.full((1, 8), -100)}
+    for fused, output in ((True, torch.zeros(1, 8)), (False, torch.zeros(1, 8, 256))):  # per-token losses, logits
+        task.uses_fused_loss = lambda fused=fused: fused  # type: ignore[method-assign]
+        task.cp = 2
+        loss, _ = task.loss_from_output(output, batch, "train")
+        assert loss.item() == 0.0 and task.loss_weight(batch) == 0.0
+        task.cp = 1
+        assert torch.isnan(task.loss_from_output(output, batch, "train")[0])
+
+
 # ------------------------------------------------------------------------------------------- refusals (2 processes)
 REPO = Path(__file__).resolve().parents[1]
 REFUSALS = {
