@@ -178,7 +178,7 @@ def alternative(tool: str, corpus: Path, out: Path, log: Path) -> dict[str, Any]
 def _encoder() -> Any:
     from lightning_llm.data import load_tokenizer
     from lightning_llm.data.base import tokenizer_vocab_size
-    from lightning_llm.data.token_store import TokenizerSpec
+    from lightning_llm.data.corpus.token_store import TokenizerSpec
 
     tok = load_tokenizer(str(BERT))
     spec = TokenizerSpec.of(tok, vocab_size=tokenizer_vocab_size(tok))
@@ -194,7 +194,7 @@ def _litdata_fn(task: Any) -> Any:
     import numpy as np
     import torch
 
-    from lightning_llm.data.corpus import read_task
+    from lightning_llm.data.corpus.documents import read_task
 
     if not _ENCODER:
         _ENCODER.extend(_encoder())
@@ -209,7 +209,7 @@ def _litdata_main(corpus: str, out: str, result: str) -> None:
     from litdata import optimize
     from litdata.streaming.item_loader import TokensLoader
 
-    from lightning_llm.data.corpus import plan_tasks
+    from lightning_llm.data.corpus.documents import plan_tasks
 
     t0 = time.perf_counter()
     tasks = plan_tasks([Path(corpus)], text_field="text", task_bytes=8 * MIB)
@@ -254,7 +254,7 @@ validation batches (the loaders of the whole training and validation sets are bu
     if r["rc"]:
         raise RuntimeError(f"fit failed, see {log}")
     text = log.read_text()
-    r["prepare_lines"] = text.count("lightning_llm.data.prepare: prepared ")
+    r["prepare_lines"] = text.count("lightning_llm.data.corpus.prepare: prepared ")
     r["ranks_rss"] = {k: v for k, v in r["per_process_rss"].items() if k.startswith("rank") and "worker" not in k}
     return r
 

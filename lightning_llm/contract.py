@@ -121,6 +121,28 @@ def check_pipelinable(task: Any, *, strategy: str) -> None:
             "whose ranks hold the whole model (ddp, tp, zero1/2/3, deepspeed_*)")
 
 
+_TOKEN_LOSS_HOOKS = ("model_inputs", "loss_from_output", "compute_loss", "loss_weight", "training_step")
+
+
+def check_context_parallel(task: Any, *, cp: int) -> None:
+    """Raise before training when context parallelism (``cp`` ranks per sequence, each holding a slice of its
+    tokens) cannot run ``task`` exactly: the task must declare ``context_parallel = True`` (its loss is a mean over
+    the tokens ``loss_weight`` counts, each token's term from its own output) in a class that also defines every loss
+    hook it overrides - a user override of a declared library task could compute a sequence-level loss."""
+    name = type(task).__name__
+    declared = [c for c in type(task).__mro__ if "context_parallel" in vars(c)]
+    if not declared or not getattr(task, "context_parallel", False):
+        raise ValueError(f"context_parallel_size={cp}: {name} does not declare context_parallel = True (a per-token "
+                         "loss averaged over the tokens it weighs); train it with context_parallel_size=1")
+    owner = declared[0]
+    mro = type(task).__mro__
+    later = [n for n in _TOKEN_LOSS_HOOKS for c in mro[:mro.index(owner)] if n in vars(c)]
+    if later:
+        raise ValueError(f"context_parallel_size={cp}: {name} overrides {', '.join(sorted(set(later)))} after "
+                         f"{owner.__name__} declared context_parallel; set context_parallel = True on {name} if its "
+                         "loss is still a per-token mean over the tokens loss_weight counts")
+
+
 PACKED_INPUTS = ("position_ids", "segment_ids")
 """Batch keys of packed rows (:func:`lightning_llm.data.packing.pack_examples`) the model must receive: each packed
 example's positions and its segment, from which the model builds a block-diagonal attention mask."""
@@ -172,6 +194,11 @@ class Capabilities:
     """Token-by-token generation (KV cache) is supported."""
     data_parallel_group: Any = None
     """Process group of this rank's data-parallel replicas (``None``: the default group, or no group)."""
+    context_parallel_size: int = 1
+    """Ranks sharing each sequence (context parallelism): the task's batch holds this rank's slice of every row's
+    tokens (``data_parallel_size`` counts them as replicas); generation is refused."""
+    context_parallel_group: Any = None
+    """Process group of the ranks sharing this rank's rows (``None`` without context parallelism)."""
     deferred_init: bool = False
     """The strategy shards the model and materializes meta-device family models after sharding
     (:func:`lightning_llm.models.init.materialize` on each rank's shards): a task builds its backbone on the meta
@@ -190,6 +217,12 @@ class PipelineRunner(Protocol):
     def decoder(self) -> Any:
         """The model protocol of :func:`lightning_llm.generation.generate` across the stages (token-by-token decoding
         with a KV cache; last-position logits on every pipeline rank)."""
+
+    def train_additive(self, loss_fn: Callable[[Any, Tensor], tuple[Tensor, dict[str, Tensor]]], *args: Any,
+                       **kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        """Forward and backward of ``model(*args, **kwargs)`` with ``loss_fn(output, rows) -> (loss, stats)`` per
+        micro-batch (losses and statistics that add up over micro-batches); the summed (loss, stats) on every
+        pipeline rank, the gradients kept for the strategy's backward (a manual-optimization step)."""
 
 
 def capabilities_of(strategy: Any) -> Capabilities:

@@ -121,10 +121,12 @@ def _act_bytes(precision: str) -> int:
     return 4 if precision == "32-true" else 2
 
 
-def activation_bytes_per_sample(config: Any, *, seq_len: int, precision: str, fused_loss: bool = False
+def activation_bytes_per_sample(config: Any, *, seq_len: int, precision: str, fused_loss: bool = False, cp: int = 1
                                 ) -> tuple[int, int]:
-    """(per transformer layer, whole model) activation bytes autograd keeps for one sample of ``seq_len`` tokens;
-    with ``fused_loss`` no logits are kept (:func:`loss_peak_bytes` counts what the loss needs instead)."""
+    """(per transformer layer, whole model) activation bytes autograd keeps on one rank for one sample of ``seq_len``
+    tokens; with ``fused_loss`` no logits are kept (:func:`loss_peak_bytes` counts what the loss needs instead).
+    Under context parallelism (``cp > 1``) a rank keeps ``seq_len / cp`` tokens' activations plus, per layer, the
+    keys and values of the whole sequence its attention gathered (kv heads: ``2 S K D``)."""
     b = _act_bytes(precision)
     h, i = config.hidden_size, config.intermediate_size
     kv = config.num_kv_heads * config.head_dim
@@ -135,10 +137,11 @@ def activation_bytes_per_sample(config: Any, *, seq_len: int, precision: str, fu
     per_token_layer = b * (4 * h + 3 * q + 3 * kv + mlp)
     if config.dropout > 0:
         per_token_layer += 3 * h  # 1-byte dropout masks on attention/residual paths (probabilities not counted)
-    per_layer = per_token_layer * seq_len
+    local = seq_len // cp
+    per_layer = per_token_layer * local + (2 * b * kv * seq_len if cp > 1 else 0)
     vocab = config.vocab_size
     # Embedding output, final norm (2H), logits in the compute dtype + their fp32 copy for the loss.
-    head = seq_len * (b * 3 * h + (0 if fused_loss else (b + 4) * vocab))
+    head = local * (b * 3 * h + (0 if fused_loss else (b + 4) * vocab))
     return per_layer, per_layer * config.num_layers + head
 
 
@@ -162,10 +165,11 @@ def loss_peak_bytes(*, tokens: int, vocab: int, hidden: int, precision: str, fus
 
 def estimate(config: Any, *, numel: int, batch_size: int, seq_len: int, precision: str, devices: int, stage: int,
              engine: str, offload_optimizer: bool = False, offload_params: bool = False, fused_loss: bool = False,
-             tp: int = 1, quantized: Quantized | None = None) -> Estimate:
-    """Per-device memory; ``fused_loss``: the loss path the run takes (the fused LM-head loss keeps no logits).
-    ``quantized``: the frozen block linears held quantized (``--model.quantize``): their bytes as stored, no gradients
-    or optimizer states (the rest still counts as trained: full fine-tuning figures)."""
+             tp: int = 1, cp: int = 1, quantized: Quantized | None = None) -> Estimate:
+    """Per-device memory; ``fused_loss``: the loss path the run takes (the fused LM-head loss keeps no logits);
+    ``cp``: ranks sharing each sequence (each holds ``seq_len / cp`` of its tokens). ``quantized``: the frozen block
+    linears held quantized (``--model.quantize``): their bytes as stored, no gradients or optimizer states (the rest
+    still counts as trained: full fine-tuning figures)."""
     q = quantized_numel(config) if quantized is not None else 0
     states = model_state_theory(numel=numel - q, stage=stage, dp=devices, precision=precision, engine=engine,
                                 offload_optimizer=offload_optimizer, offload_params=offload_params)
@@ -176,8 +180,9 @@ def estimate(config: Any, *, numel: int, batch_size: int, seq_len: int, precisio
         per_weight = bytes_per_weight(quantized.mode, quantized.config, dtype_bytes=p_bytes,
                                       row=config.hidden_size)
         states["params"] += int(round(per_weight * q / (devices if stage >= 3 else 1)))
-    _, per_sample = activation_bytes_per_sample(config, seq_len=seq_len, precision=precision, fused_loss=fused_loss)
-    loss = loss_bytes(config, tokens=batch_size * seq_len, precision=precision, fused=fused_loss, tp=tp)
+    _, per_sample = activation_bytes_per_sample(config, seq_len=seq_len, precision=precision, fused_loss=fused_loss,
+                                                cp=cp)
+    loss = loss_bytes(config, tokens=batch_size * seq_len // cp, precision=precision, fused=fused_loss, tp=tp)
     return Estimate(numel=numel, activations=per_sample * batch_size, activations_per_sample=per_sample, host=host,
                     loss=loss, **states)
 
@@ -293,15 +298,18 @@ def quantized_setup_peak_bytes(config: Any, *, numel: int, quantized: Quantized,
 
 def estimate_layout(config: Any, *, tp: int, pp: int, dp: int, stage: int, engine: str, batch_size: int,
                     seq_len: int, precision: str, fused_loss: bool, offload_optimizer: bool = False,
-                    offload_params: bool = False, quantized: Quantized | None = None) -> tuple[Estimate, LayoutShare]:
-    """Per-rank memory of ``config`` under a ``tp x pp x dp`` layout with ZeRO ``stage`` (``engine``: native,
+                    offload_params: bool = False, cp: int = 1, quantized: Quantized | None = None
+                    ) -> tuple[Estimate, LayoutShare]:
+    """Per-rank memory of ``config`` under a ``tp x pp x cp x dp`` layout with ZeRO ``stage`` (``engine``: native,
     deepspeed or ddp): what the ``estimate`` tool prints and the run summary logs at the start of fit. Model states
-    follow what a rank of the fullest stage holds after tp/pp (ZeRO then divides over dp)."""
-    share = layout_share(config, tp=tp, pp=pp, dp=dp, zero3=stage == 3)
-    local = share.numel * dp if stage == 3 else share.numel
-    est = estimate(config, numel=local, batch_size=batch_size, seq_len=seq_len, precision=precision, devices=dp,
+    follow what a rank of the fullest stage holds after tp/pp (ZeRO then divides over dp x cp, the ranks holding the
+    same parameters); activations follow the ``seq_len / cp`` tokens a rank holds."""
+    replicas = dp * cp
+    share = layout_share(config, tp=tp, pp=pp, dp=replicas, zero3=stage == 3)
+    local = share.numel * replicas if stage == 3 else share.numel
+    est = estimate(config, numel=local, batch_size=batch_size, seq_len=seq_len, precision=precision, devices=replicas,
                    stage=stage, engine=engine, offload_optimizer=offload_optimizer, offload_params=offload_params,
-                   fused_loss=fused_loss, tp=tp, quantized=quantized)
+                   fused_loss=fused_loss, tp=tp, cp=cp, quantized=quantized)
     return est, share
 
 

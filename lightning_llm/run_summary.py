@@ -53,6 +53,8 @@ class Layout:
     tp: int = 1
     pp: int = 1
     zero_stage: int = 0
+    cp: int = 1
+    """Context-parallel degree (ranks sharing each sequence; a replica's batch is theirs together)."""
     engine: str | None = "ddp"
     """``native`` (the parallel engine), ``deepspeed``, ``ddp`` (Lightning's DDP or one device), or ``None`` (a
     strategy the estimate does not model)."""
@@ -64,7 +66,8 @@ class Layout:
 def layout_of(trainer: pl.Trainer) -> Layout:
     s = trainer.strategy
     if isinstance(s, ParallelEngine) and s.dims is not None:
-        return Layout(dp=s.dims.dp, tp=s.dims.tp, pp=s.dims.pp, zero_stage=s.zero_stage, engine="native",
+        return Layout(dp=s.dims.dp, tp=s.dims.tp, pp=s.dims.pp, cp=s.dims.cp, zero_stage=s.zero_stage,
+                      engine="native",
                       offload_optimizer=s.offload_optimizer, offload_params=s.offload_params,
                       n_microbatches=s.n_microbatches if s.dims.pp > 1 else 1)
     if isinstance(s, DeepSpeedZeroStrategy):
@@ -76,14 +79,15 @@ def layout_of(trainer: pl.Trainer) -> Layout:
 
 def placement(layout: Layout, *, per_node: int, nodes: int) -> str:
     """Which parallel dimensions stay inside a node. Global ranks fill a node before the next
-    (``node_rank * devices + local_rank``) and the mesh ``("pp", "dp", "tp")`` is row-major, so a dimension's groups
-    are ``stride`` ranks apart: tp 1, dp tp, pp dp * tp."""
-    dims = [(n, d, s) for n, d, s in (("tp", layout.tp, 1), ("dp", layout.dp, layout.tp),
-                                      ("pp", layout.pp, layout.dp * layout.tp)) if d > 1]
+    (``node_rank * devices + local_rank``) and the mesh ``("pp", "dp", "cp", "tp")`` is row-major, so a dimension's
+    groups are ``stride`` ranks apart: tp 1, cp tp, dp cp * tp, pp dp * cp * tp."""
+    tp, cp, dp = layout.tp, layout.cp, layout.dp
+    dims = [(n, d, s) for n, d, s in (("tp", tp, 1), ("cp", cp, tp), ("dp", dp, cp * tp),
+                                      ("pp", layout.pp, dp * cp * tp)) if d > 1]
     if nodes <= 1:
         return "1 node" + (": every dimension inside it" if dims else "")
     inside, across = [], []
-    world = layout.dp * layout.tp * layout.pp
+    world = layout.dp * layout.cp * layout.tp * layout.pp
     for name, size, stride in dims:
         # Every group of this dimension: the ranks that differ only in its coordinate.
         starts = [r for r in range(world) if (r // stride) % size == 0]
@@ -141,7 +145,9 @@ def throughput(trainer: pl.Trainer, task: Any, elapsed_s: float) -> dict[str, fl
     flops = getattr(task, "flops_per_batch", None)
     if not flops:
         return {}
-    achieved = flops * task.data_parallel_size / max(elapsed_s, 1e-9)
+    # the FLOPs of a replica's whole batch: context-parallel ranks share one (they count as replicas to the task)
+    caps = task.capabilities
+    achieved = flops * (caps.data_parallel_size // caps.context_parallel_size) / max(elapsed_s, 1e-9)
     out = {"train_tflops_per_s": achieved / 1e12}
     peak = get_available_flops(trainer.strategy.root_device, _dtype(str(trainer.precision)))
     if peak:
@@ -202,7 +208,8 @@ def summary_lines(trainer: pl.Trainer, task: Any, batch: Any, *, flops: int | No
     ids = batch.get("input_ids") if isinstance(batch, dict) else None
     per_replica = int(ids.shape[0]) if isinstance(ids, torch.Tensor) else None
     where = placement(layout, per_node=trainer.num_devices, nodes=trainer.num_nodes)
-    lines = [(f"layout: {trainer.world_size} rank(s) = pp {layout.pp} x dp {layout.dp} x tp {layout.tp}, ZeRO stage "
+    cp = f" x cp {layout.cp}" if layout.cp > 1 else ""
+    lines = [(f"layout: {trainer.world_size} rank(s) = pp {layout.pp} x dp {layout.dp}{cp} x tp {layout.tp}, ZeRO stage "
               f"{layout.zero_stage} ({type(trainer.strategy).__name__}); {where}")]
     if per_replica is not None:
         micro = f" in {layout.n_microbatches} pipeline micro-batches" if layout.pp > 1 else ""
@@ -252,7 +259,7 @@ def _memory_line(trainer: pl.Trainer, task: Any, layout: Layout, batch: int | No
     est, _ = estimate_layout(config, tp=layout.tp, pp=layout.pp, dp=layout.dp, stage=layout.zero_stage,
                              engine=layout.engine, batch_size=batch, seq_len=int(ids.shape[-1]), precision=precision,
                              fused_loss=fused, offload_optimizer=layout.offload_optimizer,
-                             offload_params=layout.offload_params, quantized=quantized)
+                             offload_params=layout.offload_params, cp=layout.cp, quantized=quantized)
     parts = ", ".join(f"{name} {v / MIB:.1f}" for name, v in (
         ("parameters", est.params), ("gradients", est.grads), ("optimizer", est.optim),
         ("activations", est.activations), ("loss", est.loss)))

@@ -21,6 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import override
 
+from lightning_llm.contract import capabilities_of
 from lightning_llm.data.io import atomic_open
 from lightning_llm.reliability import leave_process, shutdown_process_group
 
@@ -30,7 +31,8 @@ class StepRecorder(pl.Callback):
 
     At the end of ``fit`` rank 0 writes ``{"losses": [[rank0 step losses], [rank1 ...], ...],
     "world_size": N}`` to ``output`` as JSON, and the full (unsharded) parameters to ``output + ".pt"`` when
-    ``save_params`` is set. Sharded parameters (DTensor) are gathered with ``full_tensor()``.
+    ``save_params`` is set. Sharded parameters (DTensor) are gathered with ``full_tensor()``; under pipeline
+    parallelism each rank's stages are gathered to rank 0.
     """
 
     def __init__(self, output: str, save_params: bool = False) -> None:
@@ -58,6 +60,10 @@ class StepRecorder(pl.Callback):
             gathered = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(gathered, self.losses)
         params = full_parameters(pl_module) if self.save_params else None
+        if params is not None and capabilities_of(trainer.strategy).pipelined:
+            parts: list[Any] = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(parts, params)
+            params = {k: v for part in parts for k, v in part.items()}
         if trainer.global_rank == 0:
             with atomic_open(self.output, "w") as f:
                 json.dump({"losses": gathered, "world_size": len(gathered)}, f)
@@ -367,9 +373,12 @@ RL_LAYOUTS: dict[str, tuple[list[str], int, int]] = {
     "tp": (["--trainer.strategy=tp"], 8, 2),
     "dp2_tp2": (["--trainer.strategy=3d", "--trainer.strategy.data_parallel_size=2",
                  "--trainer.strategy.tensor_parallel_size=2"], 4, 4),
+    "pp": (["--trainer.strategy=pp"], 8, 2),
+    "dp2_pp2": (["--trainer.strategy=3d", "--trainer.strategy.data_parallel_size=2",
+                 "--trainer.strategy.pipeline_parallel_size=2"], 4, 4),
 }
 """The RL tests' layouts beyond a registered name: strategy flags, prompts per rank and processes for a global batch
-of 8 prompts (tensor-parallel ranks share their replica's prompts)."""
+of 8 prompts (tensor- and pipeline-parallel ranks share their replica's prompts)."""
 
 
 def rl_cli_args(task: list[str], out: Path, prompts: Path, *, batch: int, extra: list[str]) -> list[str]:

@@ -3,6 +3,8 @@ user's Qwen2 / Llama-3 / Baichuan2 checkpoint directory holds), and conversation
 
 from __future__ import annotations
 
+import json
+
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +73,12 @@ CORPUS = [
 ]
 
 
+def write_jsonl(path: Path, records: list[dict[str, Any]]) -> Path:
+    """``records`` as a UTF-8 JSONL file at ``path`` (as a user's data file)."""
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
 def conversation() -> list[dict[str, str]]:
     """Multi-turn, with a system message, leading/trailing spaces and Chinese text."""
     return [
@@ -84,14 +92,15 @@ def conversation() -> list[dict[str, str]]:
     ]
 
 
-def build_tokenizer(out: Path, family: str, *, chat_template: str | None = "default") -> Path:
+def build_tokenizer(out: Path, family: str, *, chat_template: str | None = "default",
+                    spec: dict[str, Any] | None = None) -> Path:
     """Train a small BPE tokenizer of ``family``'s kind with ``tokenizers``, wrap it in transformers'
     ``PreTrainedTokenizerFast`` with the family's special tokens and chat template (``None``: no template), save it
-    to ``out`` and return ``out``."""
+    to ``out`` and return ``out``. ``spec``: a family not in :data:`FAMILIES` (same keys)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    spec = FAMILIES[family]
+    spec = FAMILIES[family] if spec is None else spec
     if spec["kind"] == "bytelevel":
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -12,17 +12,11 @@ from typing import Any
 
 import pytest
 import torch
-from chat_fixtures import BAICHUAN2_VLLM, FAMILIES, build_tokenizer, conversation
+from chat_fixtures import BAICHUAN2_VLLM, FAMILIES, build_tokenizer, conversation, write_jsonl
 
 from lightning_llm.data import DataError, InstructionDataModule, PreferenceDataModule, PromptDataModule
-from lightning_llm.data.chat import ChatColumns
-from lightning_llm.data.chat_template import NAMED_TEMPLATES
+from lightning_llm.data.chat.messages import ChatColumns
 from lightning_llm.generation import GenerationConfig, for_datamodule
-
-
-def _write(path: Path, records: list[dict[str, Any]]) -> Path:
-    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), encoding="utf-8")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +41,7 @@ def test_rendering_ids_and_learned_tokens_equal_transformers(family: str, tokeni
     from transformers import AutoTokenizer
 
     msgs = conversation()
-    data = _write(tmp_path / "chat.jsonl", [{"messages": msgs}])
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": msgs}])
     dm = InstructionDataModule(str(data), str(tokenizers[family]), val_path=str(data), cutoff_len=512)
     dm.setup("fit")
     row, val = dm.datasets["fit"][0], dm.datasets["validate"][0]
@@ -117,7 +111,7 @@ def test_openai_sharegpt_and_alpaca_records_give_the_same_rows(tokenizers: dict[
                             ("custom", custom, ChatColumns(messages="dialog", role_tag="speaker", content_tag="text",
                                                            roles={"sys": "system", "client": "user",
                                                                   "bot": "assistant"}))):
-        dm = InstructionDataModule(str(_write(tmp_path / f"{name}.jsonl", [rec])), str(tokenizers["qwen2"]),
+        dm = InstructionDataModule(str(write_jsonl(tmp_path / f"{name}.jsonl", [rec])), str(tokenizers["qwen2"]),
                                    columns=cols, cutoff_len=512)
         dm.setup("fit")
         rows.append(dm.datasets["fit"][0])
@@ -129,7 +123,7 @@ def test_alpaca_records_keep_the_legacy_templates(tmp_path: Path) -> None:
     preamble with and without an input, "### Input:" only with one); a system message replaces the preamble."""
     records = [{"instruction": "Sum:", "input": "abc", "output": "xy"}, {"instruction": "Say hi", "output": "hi"},
                {"instruction": "Say hi", "output": "hi", "system": "Be nice."}]
-    data, no_system = _write(tmp_path / "a.jsonl", records), _write(tmp_path / "b.jsonl", records[:2])
+    data, no_system = write_jsonl(tmp_path / "a.jsonl", records), write_jsonl(tmp_path / "b.jsonl", records[:2])
     texts = {}
     for template in ("alpaca", "plain", "<{instruction}|{input}>="):
         path = no_system if "{" in template else data
@@ -171,23 +165,23 @@ def test_alpaca_records_keep_the_legacy_templates(tmp_path: Path) -> None:
 def test_bad_conversations_name_file_and_line(record: dict[str, Any], message: str, tokenizers: dict[str, Path],
                                               tmp_path: Path) -> None:
     good = {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}
-    data = _write(tmp_path / "bad.jsonl", [good, record])
+    data = write_jsonl(tmp_path / "bad.jsonl", [good, record])
     with pytest.raises(DataError, match=f"^{data}:2: .*{message}".replace("|", r"\|").replace("(", r"\(")):
         InstructionDataModule(str(data), str(tokenizers["qwen2"])).setup("fit")
 
 
 def test_templates_that_cannot_render_a_conversation_right_are_refused(tokenizers: dict[str, Path],
                                                                        tmp_path: Path) -> None:
-    """A role the template drops, tools it ignores, a template that rewrites earlier turns (not prefix-stable: only
-    the last reply can be learned), its own errors, and a named template whose tokens the tokenizer lacks."""
+    """A role the template drops, tools it ignores, a template that rewrites earlier turns so that a reply cannot be
+    located, its own errors, and a named template whose tokens the tokenizer lacks."""
     tool_chat = {"messages": [{"role": "user", "content": "weather?"},
                               {"role": "assistant", "content": "", "tool_calls": [
                                   {"type": "function", "function": {"name": "get_weather", "arguments": {}}}]},
                               {"role": "tool", "content": "sunny"}, {"role": "assistant", "content": "Sunny."}]}
-    data = _write(tmp_path / "tool.jsonl", [tool_chat])
+    data = write_jsonl(tmp_path / "tool.jsonl", [tool_chat])
     with pytest.raises(DataError, match=rf"^{data}:1: the chat template \(tokenizer\) drops the assistant message 2"):
         InstructionDataModule(str(data), str(tokenizers["qwen2"])).setup("fit")  # Qwen2's renders no tool calls
-    tools = _write(tmp_path / "tools.jsonl", [{**conversation_record(), "tools": [{"type": "function", "function": {
+    tools = write_jsonl(tmp_path / "tools.jsonl", [{**conversation_record(), "tools": [{"type": "function", "function": {
         "name": "f", "description": "d", "parameters": {"type": "object", "properties": {}}}}]}])
     with pytest.raises(DataError, match=rf"^{tools}:1: the chat template \(tokenizer\) ignores the record's tools"):
         InstructionDataModule(str(tools), str(tokenizers["qwen2"])).setup("fit")
@@ -196,11 +190,21 @@ def test_templates_that_cannot_render_a_conversation_right_are_refused(tokenizer
                  "loop.last %}{{ m['content'].split('</think>')[-1] }}{% else %}{{ m['content'] }}{% endif %}"
                  "{{ '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
                  "{% endif %}")
-    think = _write(tmp_path / "think.jsonl", [{"messages": [
+    think = write_jsonl(tmp_path / "think.jsonl", [{"messages": [
         {"role": "user", "content": "a"}, {"role": "assistant", "content": "<think>t</think>b"},
         {"role": "user", "content": "c"}, {"role": "assistant", "content": "<think>u</think>d"}]}])
-    with pytest.raises(DataError, match=rf"^{think}:1: .* not prefix-stable at message 2"):
-        InstructionDataModule(str(think), str(tokenizers["qwen2"]), template=rewriting).setup("fit")
+    # Every reply is learned as the whole conversation renders it (tests/test_chat_rewriting.py: Qwen3, DeepSeek-R1);
+    # a template that also rewrites the user's text (here: reversed) leaves a reply that cannot be located.
+    every = InstructionDataModule(str(think), str(tokenizers["qwen2"]), template=rewriting)
+    every.setup("fit")
+    row = every.datasets["fit"][0]
+    assert every.tokenizer.decode([row["input_ids"][t] for t in _learned(row)]) == (
+        "b<|im_end|><think>u</think>d<|im_end|>")
+    reversing = rewriting.replace("{% else %}{{ m['content'] }}", "{% elif m['role'] == 'user' %}{{ m['content'][::-1] }}"
+                                  "{% else %}{{ m['content'] }}")
+    with pytest.raises(DataError, match=rf"^{think}:1: .* not prefix-stable at message 2 .* cannot be located in the "
+                                        r"whole conversation: the template does not render a message's text as given"):
+        InstructionDataModule(str(think), str(tokenizers["qwen2"]), template=reversing).setup("fit")
     last = InstructionDataModule(str(think), str(tokenizers["qwen2"]), template=rewriting, assistant_turns="last")
     last.setup("fit")
     row = last.datasets["fit"][0]
@@ -229,14 +233,14 @@ def test_long_conversations_keep_whole_replies_and_the_template_markers(tokenize
 
     hf = AutoTokenizer.from_pretrained(str(tokenizers["qwen2"]))
     msgs = conversation()
-    data = _write(tmp_path / "c.jsonl", [{"messages": msgs}])
+    data = write_jsonl(tmp_path / "c.jsonl", [{"messages": msgs}])
     full = hf.apply_chat_template(msgs)["input_ids"]
     first_end = len(hf.apply_chat_template(msgs[:3])["input_ids"]) - 1  # after the first reply's <|im_end|>
     dm = InstructionDataModule(str(data), str(tokenizers["qwen2"]), cutoff_len=first_end + 5)
     dm.setup("fit")
     row = dm.datasets["fit"][0]
     assert row["input_ids"] == full[:first_end] and len(_learned(row)) > 1  # the first exchange, whole
-    long = _write(tmp_path / "l.jsonl", [{"messages": [{"role": "user", "content": "word " * 200},
+    long = write_jsonl(tmp_path / "l.jsonl", [{"messages": [{"role": "user", "content": "word " * 200},
                                                        {"role": "assistant", "content": "short answer"}]}])
     base = len(hf.apply_chat_template([{"role": "user", "content": ""}], add_generation_prompt=True)["input_ids"])
     dm = InstructionDataModule(str(long), str(tokenizers["qwen2"]), cutoff_len=base + 30, val_path=str(long),
@@ -274,7 +278,7 @@ def test_preference_pairs_in_every_form_render_the_prompt_and_learn_the_reply(to
              {"system": prompt[0]["content"], "conversations": sharegpt, "chosen": {"from": "gpt", "value": chosen[
                  "content"]}, "rejected": {"from": "gpt", "value": rejected["content"]}},
              {"messages": prompt, "chosen": chosen["content"], "rejected": rejected["content"]}]
-    data = _write(tmp_path / "pairs.jsonl", forms)
+    data = write_jsonl(tmp_path / "pairs.jsonl", forms)
     dm = PreferenceDataModule(str(data), str(tokenizers["llama3"]), cutoff_len=512, max_prompt_len=256,
                               generated_val_pairs=0)
     dm.setup("fit")
@@ -288,7 +292,7 @@ def test_preference_pairs_in_every_form_render_the_prompt_and_learn_the_reply(to
         ids, labels = rows[0][key]
         assert ids == ref["input_ids"][: learned[-1] + 1] and ids[-1] == hf.convert_tokens_to_ids("<|eot_id|>")
         assert [t + 1 for t, x in enumerate(labels) if x != -100] == learned
-    raw = _write(tmp_path / "raw.jsonl", [{"prompt": "a", "chosen": [chosen], "rejected": "c"}])
+    raw = write_jsonl(tmp_path / "raw.jsonl", [{"prompt": "a", "chosen": [chosen], "rejected": "c"}])
     with pytest.raises(DataError, match=rf"^{raw}:1: field 'chosen' must be a string without a chat template"):
         PreferenceDataModule(str(raw), template="none").setup("fit")
 
@@ -301,7 +305,7 @@ def test_rl_prompts_render_with_the_generation_prompt_and_stop_at_the_end_of_tur
 
     hf = AutoTokenizer.from_pretrained(str(tokenizers["qwen2"]))
     msgs = conversation()
-    data = _write(tmp_path / "p.jsonl", [{"prompt": "Hello there!"}, {"prompt": msgs[:-1]}, {"messages": msgs}])
+    data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Hello there!"}, {"prompt": msgs[:-1]}, {"messages": msgs}])
     dm = PromptDataModule(str(data), str(tokenizers["qwen2"]), default_system="Be brief.", max_prompt_len=512)
     dm.setup("fit")
     rows = dm.datasets["fit"].examples
@@ -409,12 +413,12 @@ def test_export_carries_the_template_and_stop_ids_and_generates_as_the_run(tmp_p
     transformers' greedy generate on it writes the run's predictions."""
     from transformers import AutoTokenizer
 
-    from lightning_llm.data.chat import make_conversations
+    from lightning_llm.data.chat.messages import make_conversations
     from lightning_llm.export import export_checkpoint
 
     tok = build_tokenizer(tmp_path / "tok", "qwen2", chat_template=None)
-    data = _write(tmp_path / "chat.jsonl", make_conversations(32, seed=1))
-    val = _write(tmp_path / "val.jsonl", make_conversations(4, seed=1))  # the first 4 training conversations
+    data = write_jsonl(tmp_path / "chat.jsonl", make_conversations(32, seed=1))
+    val = write_jsonl(tmp_path / "val.jsonl", make_conversations(4, seed=1))  # the first 4 training conversations
     dm = InstructionDataModule(str(data), str(tok), template="chatml", val_path=str(val), cutoff_len=96,
                                batch_size=16, eval_batch_size=4)
     _fit_sft(dm, tmp_path / "run", steps=30)
@@ -435,7 +439,7 @@ def test_export_carries_the_template_and_stop_ids_and_generates_as_the_run(tmp_p
     assert stopped >= 3  # transformers stops where the run stopped: at <|im_end|>
 
 
-NAMED_CHATML = __import__("lightning_llm.data.chat_template", fromlist=["x"]).NAMED_TEMPLATES["chatml"][0]
+NAMED_CHATML = __import__("lightning_llm.data.chat.template", fromlist=["x"]).NAMED_TEMPLATES["chatml"][0]
 
 
 def _csl_tokenizer(out: Path) -> Path:
@@ -478,7 +482,7 @@ def test_csl_in_messages_form_trains_generates_and_scores_with_the_template(tmp_
     chats = [{"messages": [{"role": "system", "content": "你是论文标题助手。"},
                            {"role": "user", "content": r["instruction"] + r["input"][:40]},
                            {"role": "assistant", "content": r["output"]}]} for r in recs]
-    data = _write(tmp_path / "csl_messages.jsonl", chats)
+    data = write_jsonl(tmp_path / "csl_messages.jsonl", chats)
     tok = _csl_tokenizer(tmp_path / "tok")
     dm = InstructionDataModule(str(data), str(tok), val_path=str(data), cutoff_len=128, batch_size=16,
                                eval_batch_size=16)

@@ -30,7 +30,7 @@ TASKS = ["sft", "dpo"]
 
 def _write_data(out: Path) -> None:
     """The tokenizer and the two data files, written before the launch (every rank reads the same)."""
-    from lightning_llm.data.chat import make_conversations
+    from lightning_llm.data.chat.messages import make_conversations
 
     build_tokenizer(out / "tokenizer", "qwen2")
     convs = make_conversations(64, seed=3)

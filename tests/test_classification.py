@@ -82,8 +82,8 @@ def test_quickstart_config_learns_above_chance(tmp_path: Path, monkeypatch: pyte
     rows = list(csv.DictReader(next((tmp_path / "runs").rglob("metrics.csv")).open()))
     accs = [float(r["val_acc"]) for r in rows if r.get("val_acc")]
     print(f"quickstart val_acc per epoch: {accs}")
-    # Starts near chance, ends far above it (README: 0.485 after the first epoch, 0.9975 at the best; the thresholds
-    # leave room for other hardware and library versions)
+    # Starts near chance, ends far above it (benchmarks/README.md: 0.485 after the first epoch, 0.9975 at the best;
+    # the thresholds leave room for other hardware and library versions)
     assert accs[0] < 0.6 and max(accs) >= 0.95
 
 

@@ -7,18 +7,33 @@ import sys
 from pathlib import Path
 
 import pytest
+from lightning.pytorch.cli import LightningCLI
 
-from lightning_llm.cli import LLMCLI, main
+from lightning_llm.cli import LLMCLI, SUBCOMMAND_HELP, TOOLS, main
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 
-def test_help_lists_subcommands() -> None:
-    out = subprocess.run([sys.executable, "-m", "lightning_llm", "--help"], capture_output=True, text=True,
-                         check=True).stdout
-    for sub in ("fit", "validate", "test", "predict"):
-        assert sub in out
+def test_help_lists_every_subcommand_with_one_line(capsys) -> None:
+    """``lightning_llm --help`` names Lightning's four subcommands and every tool, one line each with its help."""
+    assert main(["--help"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    names = [*LightningCLI.subcommands(), *TOOLS]
+    assert len(names) == 9 and set(SUBCOMMAND_HELP) == set(names)
+    for name in names:
+        [line] = [ln for ln in lines if ln.split()[:1] == [name]]
+        assert SUBCOMMAND_HELP[name] in line
+    assert main([]) == 2  # no subcommand: the same help on stderr, a usage error
+    assert "tools:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("tool", sorted(TOOLS))
+def test_every_tool_has_help(tool: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main([tool, "--help"])
+    assert exit_.value.code == 0
+    assert f"usage: lightning_llm {tool}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
@@ -31,6 +46,32 @@ def test_every_config_parses(config: Path, tmp_path: Path) -> None:
     cfg = ParseOnly(args=["--config", str(config)], run=False).config
     assert cfg.model.class_path.startswith("lightning_llm.tasks.")
     assert cfg.trainer.log_every_n_steps is not None
+
+
+# Configs on files the user brings: the flags their header names; without them the run stops with one line.
+NEEDS_FILES = {
+    "afqmc.yaml": (["--data.data_dir", "--data.tokenizer_dir"], "--data.data_dir is required"),
+    "sft_summary.yaml": (["--data.train_path", "--data.test_path", "--data.tokenizer_dir"],
+                         "--data.train_path (or --data.generated_conversations) is required for fit"),
+}
+
+
+def test_no_config_reads_shared_data() -> None:
+    """A user has no ``../shared``: no config may point there (tests pass those paths on the command line)."""
+    for config in CONFIGS:
+        assert "shared/" not in config.read_text(encoding="utf-8"), config.name
+
+
+@pytest.mark.parametrize("name", sorted(NEEDS_FILES))
+def test_config_on_your_files_names_its_flags(name: str, tmp_path: Path, capsys) -> None:
+    flags, error = NEEDS_FILES[name]
+    text = (REPO / "configs" / name).read_text(encoding="utf-8")
+    header = "".join(line for line in text.splitlines(keepends=True) if line.startswith("#"))
+    assert all(flag in header for flag in flags)
+    rc = main(["fit", "--config", str(REPO / "configs" / name), "--trainer.logger=false",
+               f"--trainer.default_root_dir={tmp_path}"])
+    assert rc == 2
+    assert f"lightning_llm: error: {error}" in capsys.readouterr().err
 
 
 def test_unknown_model_size_fails_before_training(pair_data: Path, tmp_path: Path, capsys) -> None:

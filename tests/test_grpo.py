@@ -316,11 +316,12 @@ def grpo_single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["ddp", "tp", "dp2_tp2"])
+@pytest.mark.parametrize("strategy", ["ddp", "tp", "dp2_tp2", "pp"])
 def test_two_processes_match_one_device(grpo_single: tuple[Path, Path], tmp_path: Path, strategy: str) -> None:
     """Sampled rollouts seeded per prompt (not per rank), groups kept on one rank, the dapo loss divided by the
-    global token count: 2 ranks x 4 prompts must reproduce one device x 8 prompts, parameters included. Tensor
-    parallel: both ranks hold one replica's 8 prompts and draw the same tokens."""
+    global token count: 2 ranks x 4 prompts must reproduce one device x 8 prompts, parameters included. Tensor and
+    pipeline parallel: the ranks of a replica hold its prompts and draw the same tokens; under a pipeline rollouts
+    decode through the stages and each optimizer step runs micro-batch by micro-batch."""
     prompts, single = grpo_single
     ddp = tmp_path / strategy
     flags, batch, nproc = RL_LAYOUTS.get(strategy, ([f"--trainer.strategy={strategy}"], 4, 2))
@@ -341,12 +342,28 @@ def test_two_processes_match_one_device(grpo_single: tuple[Path, Path], tmp_path
 
 
 @pytest.mark.multiprocess
-def test_pipeline_parallel_is_refused_before_training(tmp_path: Path) -> None:
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"Say {i:02d} digits:"}) + "\n" for i in range(16)))
-    with pytest.raises(RuntimeError) as e:
-        run_cli(_grpo_args(tmp_path / "pp", prompts, batch=2, extra=["--trainer.devices=2", "--trainer.strategy=pp"]),
-                nproc=2)
-    assert ("lightning_llm: error: --trainer.strategy=PipelineParallelStrategy: GRPOTask updates with manual "
-            "optimization, which pipeline parallelism does not run") in str(e.value)
-    assert not (tmp_path / "pp" / "steps.json").exists()
+def test_pipeline_kill_and_resume_gives_the_uninterrupted_curve(grpo_single: tuple[Path, Path], tmp_path: Path) -> None:
+    """GRPO under pp x2, SIGKILLed before its third rollout (optimizer step 4) and resumed from last.ckpt: the
+    resumed rollouts (sampling seeds, reference, optimizer state and data order restored) log what the uninterrupted
+    one-device run logs, and end with its parameters."""
+    prompts, single = grpo_single
+    out = tmp_path / "pp"
+    flags, batch, nproc = RL_LAYOUTS["pp"]
+    ckpt = ["--trainer.enable_checkpointing=true", "--trainer.callbacks+=ModelCheckpoint",
+            f"--trainer.callbacks.dirpath={out / 'ckpt'}", "--trainer.callbacks.every_n_train_steps=1",
+            "--trainer.callbacks.save_last=true"]
+    args = _grpo_args(out, prompts, batch=batch, extra=[f"--trainer.devices={nproc}", *flags, *ckpt])
+    with pytest.raises(RuntimeError, match="command failed"):
+        run_cli(args, nproc=nproc, env={"LIGHTNING_LLM_FAULT": "kill:step=4"})
+    assert not (out / "steps.json").exists()  # it died before finishing
+    run_cli([*args, f"--ckpt_path={out / 'ckpt' / 'last.ckpt'}", f"--trainer.logger.save_dir={out / 'resumed'}"],
+            nproc=nproc)
+    one, resumed = _logged(single), _logged(out / "resumed")
+    assert len(one) == 4 and len(resumed) == 2
+    keys = ("objective/scores", "objective/kl", "reward_std", "loss/policy_avg", "policy/kl_avg", "episode")
+    err = max(abs(a[k] - b[k]) for a, b in zip(one[2:], resumed[-2:]) for k in keys)
+    p1, p2 = torch.load(single / "steps.json.pt"), torch.load(out / "steps.json.pt")
+    perr = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
+    print(f"pp x2 killed at step 4 and resumed: rollouts 3-4 max abs err {err:.2e}; final params {perr:.2e}")
+    assert sorted(p1) == sorted(p2) and resumed[-1]["episode"] == one[-1]["episode"]
+    assert err < 1e-4 and perr < 1e-4

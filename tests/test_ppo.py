@@ -249,7 +249,7 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("strategy", "fused"), [("ddp", True), ("zero3", True), ("zero3", False),
                                                 ("deepspeed_zero2", True), ("tp", True), ("tp", False),
-                                                ("dp2_tp2", True)])
+                                                ("dp2_tp2", True), ("pp", True), ("dp2_pp2", True)])
 def test_two_processes_match_one_device(single: tuple[Path, Path], tmp_path: Path, strategy: str, fused: bool) -> None:
     """Greedy rollouts (deterministic), global whitening, adaptive KL fed the global KL, losses normalized by the
     global token count: 2 ranks x 4 prompts must reproduce one device x 8 prompts, parameters included; under
@@ -257,7 +257,9 @@ def test_two_processes_match_one_device(single: tuple[Path, Path], tmp_path: Pat
     once clipped before averaging the value head's gradients (a task's own plain parameters, outside FSDP2's units):
     the KL was 0.4 off after two rollouts. DeepSpeed clips only inside engine.step(): max_grad_norm reaches its
     config (it was silently not applied). Tensor parallel: the two ranks share one replica's 8 prompts, generate
-    the same tokens (full logits on both) and reduce their statistics over the one replica."""
+    the same tokens (full logits on both) and reduce their statistics over the one replica. Pipeline parallel: the
+    actor-critic is split with its value head on the last stage, rollouts decode through the stages and each
+    optimizer step runs micro-batch by micro-batch (losses that are shares of global sums add up)."""
     prompts, single = single
     ddp = tmp_path / strategy
     flags, batch, nproc = RL_LAYOUTS.get(strategy, ([f"--trainer.strategy={strategy}"], 4, 2))
@@ -311,13 +313,33 @@ def test_clip_gradients_under_deepspeed_refuses_a_norm_the_engine_would_not_appl
 
 
 @pytest.mark.multiprocess
-def test_pipeline_parallel_is_refused_before_training(tmp_path: Path) -> None:
-    """PPO updates with manual optimization, which a pipeline's schedule does not run: one line, before any step."""
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"Say {i:02d} digits:"}) + "\n" for i in range(16)))
+def test_lora_policy_under_pipeline_matches_one_device(single: tuple[Path, Path], tmp_path: Path) -> None:
+    """A LoRA policy under pp x2: the reference is the policy with its adapters off, run through the pipeline (the
+    actor-critic asked for the policy's output alone); rollouts, KL and parameters equal one device's LoRA run."""
+    prompts, _ = single
+    lora = ["--model.lora.r=4", "--model.lora.alpha=8", "--model.lora.dropout=0.0"]
+    assert main(_ppo_args(tmp_path / "one", prompts, batch=8, extra=["--trainer.devices=1", *lora])) == 0
+    flags, batch, nproc = RL_LAYOUTS["pp"]
+    run_cli(_ppo_args(tmp_path / "pp", prompts, batch=batch, extra=[f"--trainer.devices={nproc}", *flags, *lora]),
+            nproc=nproc)
+    one, two = _logged(tmp_path / "one"), _logged(tmp_path / "pp")
+    keys = ("objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "val/ratio")
+    err = max(abs(a[k] - b[k]) for a, b in zip(one, two) for k in keys)
+    p1, p2 = torch.load(tmp_path / "one" / "steps.json.pt"), torch.load(tmp_path / "pp" / "steps.json.pt")
+    perr = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
+    print(f"LoRA PPO pp x2 vs one device: stats {err:.2e}, params {perr:.2e}; KL", [r["objective/kl"] for r in two])
+    assert len(one) == len(two) == 4 and sorted(p1) == sorted(p2)
+    assert two[-1]["objective/kl"] > 0.01  # the reference (adapters off) really differs from the trained policy
+    assert err < 1e-4 and perr < 1e-4
+
+
+@pytest.mark.multiprocess
+def test_separate_critic_is_refused_under_pipeline(single: tuple[Path, Path], tmp_path: Path) -> None:
+    prompts, _ = single
+    flags, batch, nproc = RL_LAYOUTS["pp"]
     with pytest.raises(RuntimeError) as e:
-        run_cli(_ppo_args(tmp_path / "pp", prompts, batch=4, extra=["--trainer.devices=2", "--trainer.strategy=pp"]),
-                nproc=2)
-    assert ("lightning_llm: error: --trainer.strategy=PipelineParallelStrategy: PPOTask updates with manual "
-            "optimization, which pipeline parallelism does not run") in str(e.value)
-    assert not (tmp_path / "pp" / "steps.json").exists()
+        run_cli(_ppo_args(tmp_path, prompts, batch=batch, extra=[f"--trainer.devices={nproc}", *flags,
+                                                                 "--model.critic_backbone=debug"]), nproc=nproc)
+    assert ("lightning_llm: error: --model.critic_backbone=debug: a separate critic trunk is not split into pipeline "
+            "stages") in str(e.value)
+    assert not (tmp_path / "steps.json").exists()

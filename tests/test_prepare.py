@@ -1,4 +1,4 @@
-"""Pretraining corpora prepared once into a token store (lightning_llm/data/prepare.py): the same ids as the
+"""Pretraining corpora prepared once into a token store (lightning_llm/data/corpus/prepare.py): the same ids as the
 tokenizer itself over every format and with worker processes, reuse and re-preparation, an interrupted (SIGKILLed)
 preparation, concurrent preparers, bad input named by file and line, mixtures at their weights, the data a checkpoint
 records, and ``lightning_llm prepare``. Corpora and tokenizers are written by the tests."""
@@ -18,9 +18,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from lightning_llm.data import ByteTokenizer, DataError, TextDataModule, corpus, load_tokenizer, prepare, token_store
-from lightning_llm.data.prepare import CorpusSource, prepare_corpus, store_path
-from lightning_llm.data.token_store import TokenizerSpec, TokenStore
+from lightning_llm.data import ByteTokenizer, DataError, TextDataModule, load_tokenizer
+from lightning_llm.data.corpus import documents as corpus
+from lightning_llm.data.corpus import prepare, token_store
+from lightning_llm.data.corpus.prepare import CorpusSource, prepare_corpus, store_path
+from lightning_llm.data.corpus.token_store import TokenizerSpec, TokenStore
 from lightning_llm.reliability import staging_path
 from lightning_llm.testing import write_bpe_tokenizer
 
@@ -404,7 +406,7 @@ def test_mixture_draws_each_corpus_at_its_weight(tmp_path: Path) -> None:
 
 
 def test_mixture_subsamples_and_repeats_evenly() -> None:
-    from lightning_llm.data.mixture import MixtureDataset
+    from lightning_llm.data.corpus.mixture import MixtureDataset
 
     mix = MixtureDataset([list(range(10)), list(range(100, 104))], [0.25, 0.75], total=16)
     assert mix.counts == [4, 12]

@@ -125,7 +125,7 @@ def test_layout_trains_from_the_store_as_one_device(runs: Path, layout: str) -> 
 def test_ddp_tokenizes_once(runs: Path) -> None:
     """Rank 0's prepare_data of the first run tokenized both corpora (2 workers for the JSONL file); rank 1 never
     tokenized (its setup only mapped the stores), and no later run tokenized again."""
-    from lightning_llm.data.token_store import TokenStore
+    from lightning_llm.data.corpus.token_store import TokenStore
 
     results = json.loads((runs / "layouts.json").read_text())
     first, *later = LAYOUTS

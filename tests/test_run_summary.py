@@ -92,6 +92,7 @@ def test_summary_states_batch_memory_and_flops(llama_dir: Path, tmp_path: Path, 
     (Layout(dp=1, tp=4), 2, 2, "2 nodes x 2: tp across nodes"),
     (Layout(dp=2, tp=2, pp=2), 4, 2, "2 nodes x 4: tp and dp inside a node; pp across nodes"),
     (Layout(dp=4), 4, 1, "1 node: every dimension inside it"),
+    (Layout(dp=2, cp=2, tp=2), 4, 2, "2 nodes x 4: tp and cp inside a node; dp across nodes"),
 ])
 def test_placement_names_what_stays_inside_a_node(layout: Layout, per_node: int, nodes: int, expected: str) -> None:
     assert placement(layout, per_node=per_node, nodes=nodes) == expected

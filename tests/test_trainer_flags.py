@@ -148,7 +148,7 @@ def _cli_args(out: Path, batch: int, extra: list[str]) -> list[str]:
 @pytest.mark.multiprocess
 def test_two_nodes_match_one_process(tmp_path: Path) -> None:
     """2 "nodes" x 2 processes on loopback (dp2 x tp2 over 4 ranks, per-rank batch 4) vs 1 process (batch 8), with
-    the README's multi-node command (``--trainer.strategy=3d --trainer.strategy.tensor_parallel_size=2``). Node 0's
+    docs/cli.md's multi-node command (``--trainer.strategy=3d --trainer.strategy.tensor_parallel_size=2``). Node 0's
     log states each fact about the run once (the run summary included); node 1 prints none of them."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     port = free_port()

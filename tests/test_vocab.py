@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 
 from lightning_llm.cli import main  # noqa: E402
 from lightning_llm.data.text import generated_corpus  # noqa: E402
-from lightning_llm.data.token_store import TokenStore  # noqa: E402
+from lightning_llm.data.corpus.token_store import TokenStore  # noqa: E402
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>"]
 FILLER = 300  # tokens before the corpus words: the words' ids lie above the byte tokenizer's 0-258

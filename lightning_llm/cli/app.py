@@ -35,12 +35,36 @@ log = logging.getLogger("lightning_llm")
 
 # Tool subcommands outside Lightning's four; each maps to "module:function(argv) -> int".
 TOOLS: dict[str, str] = {
-    "merge": "lightning_llm.export.merge:main",  # fold a PEFT adapter into full HF weights
+    "prepare": "lightning_llm.tools.prepare:main",
     "estimate": "lightning_llm.tools.estimate:main",
-    "plot": "lightning_llm.tools.plot:main",  # loss / throughput curves of a CSVLogger run to a PNG
-    "export": "lightning_llm.export.to_hf:main",  # any checkpoint layout -> HF directory (LoRA merged/adapter)
-    "prepare": "lightning_llm.tools.prepare:main",  # tokenize a pretraining corpus into its token store
+    "export": "lightning_llm.export.to_hf:main",
+    "merge": "lightning_llm.export.merge:main",
+    "plot": "lightning_llm.tools.plot:main",
 }
+
+# What `lightning_llm --help` says of each subcommand: Lightning's four (LightningCLI.subcommands()), then the tools.
+SUBCOMMAND_HELP: dict[str, str] = {
+    "fit": "train a task (--config FILE); the layout is --trainer.strategy=ddp|tp|pp|zero1|zero2|zero3|3d|...",
+    "validate": "one pass over the validation split (--ckpt_path CKPT: a checkpoint of any layout)",
+    "test": "one pass over the test split (--ckpt_path CKPT)",
+    "predict": "write the task's predictions (SFT generations, CLUE labels) from --ckpt_path CKPT",
+    "prepare": "tokenize a pretraining corpus once into the token store that fit reads",
+    "estimate": "memory per device of a model under a layout, and the largest batch that fits",
+    "export": "any checkpoint (any layout, LoRA merged or adapter-only) -> a Hugging Face directory",
+    "merge": "fold a LoRA/PEFT adapter into full Hugging Face weights",
+    "plot": "loss and throughput curves of a CSVLogger run to a PNG",
+}
+
+
+def usage() -> str:
+    """The top-level help: every subcommand with one line."""
+    width = max(map(len, SUBCOMMAND_HELP))
+    lines = ["usage: lightning_llm SUBCOMMAND [options]   (lightning_llm SUBCOMMAND --help: its options)", "",
+             "Train LLMs on PyTorch Lightning; the parallel layout is one flag (--trainer.strategy).", "",
+             "training (LightningCLI):"]
+    lines += [f"  {name:<{width}}  {text}" for name, text in SUBCOMMAND_HELP.items() if name not in TOOLS]
+    lines += ["", "tools:"] + [f"  {name:<{width}}  {SUBCOMMAND_HELP[name]}" for name in TOOLS]
+    return "\n".join(lines) + "\n"
 
 
 class LLMCLI(LightningCLI):
@@ -224,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     _setup_logging()
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(usage(), end="", file=sys.stdout if args else sys.stderr)
+        return 0 if args else 2
     if args and args[0] in TOOLS:
         return _tool(args[0])(args[1:])
     try:

@@ -1,8 +1,8 @@
 """Supervised fine-tuning data: conversations (OpenAI ``messages``, ShareGPT ``conversations``, alpaca records with
 ``system``/``history``), rendered with a chat template, learning exactly the assistant replies.
 
-Records are read by :mod:`lightning_llm.data.chat`, rendered and tokenized by :mod:`lightning_llm.data.chat_encode`
-with the template ``--data.template`` names (:mod:`lightning_llm.data.chat_template`: the tokenizer's own
+Records are read by :mod:`lightning_llm.data.chat.messages`, rendered and tokenized by :mod:`lightning_llm.data.chat.encode`
+with the template ``--data.template`` names (:mod:`lightning_llm.data.chat.template`: the tokenizer's own
 ``chat_template`` by default, else ``alpaca``; a named template; a Jinja string; a ``{instruction}``/``{input}``
 format string). A training row is the whole conversation's tokens (``apply_chat_template``'s) with labels pre-shifted
 by one token and -100 everywhere but the replies: every assistant message (``assistant_turns=all``) or the last, each
@@ -34,9 +34,9 @@ from lightning_llm.data.base import (
     tokenizer_or_bytes,
     tokenizer_vocab_size,
 )
-from lightning_llm.data.chat import ChatColumns, Conversation, load_conversation, make_conversations
-from lightning_llm.data.chat_encode import ChatEncoder, infer_seqlen, labels_for
-from lightning_llm.data.chat_template import resolve_template
+from lightning_llm.data.chat.messages import ChatColumns, Conversation, load_conversation, make_conversations
+from lightning_llm.data.chat.encode import ChatEncoder, infer_seqlen, labels_for
+from lightning_llm.data.chat.template import resolve_template
 from lightning_llm.data.io import DataError, read_records
 from lightning_llm.data.packing import pack_examples
 
@@ -97,7 +97,7 @@ class InstructionDataModule(LLMDataModule):
                 example keeps its own positions and attends only to itself (``segment_ids``), so losses and
                 gradients are those of the examples unpacked.
             generated_conversations: Without ``train_path``: this many generated two-turn conversations
-                (:func:`~lightning_llm.data.chat.make_conversations`), 1 in 16 held out for validation.
+                (:func:`~lightning_llm.data.chat.messages.make_conversations`), 1 in 16 held out for validation.
             limit_examples: Use only the first N records of every file (quick runs).
             batch_size: Per-device training batch size.
             eval_batch_size: Per-device evaluation/generation batch size.

@@ -11,10 +11,10 @@ Prompts longer than ``max_prompt_len`` keep their last tokens; responses are cut
 Every problem with a file raises :class:`~lightning_llm.data.io.DataError` naming the file and line.
 
 With a chat template (``--data.template``: the tokenizer's own by default, or a named one; see
-:mod:`lightning_llm.data.chat_template`) a pair is a conversation: the prompt (a string: one user message; messages;
+:mod:`lightning_llm.data.chat.template`) a pair is a conversation: the prompt (a string: one user message; messages;
 or the record's OpenAI ``messages`` / ShareGPT ``conversations``; a system message kept) rendered with the template's
 generation prompt, and each reply rendered as the assistant turn after it, scored up to and including the template's
-end-of-turn token (:mod:`lightning_llm.data.chat_encode`; ``chosen``/``rejected`` may be strings, messages, or whole
+end-of-turn token (:mod:`lightning_llm.data.chat.encode`; ``chosen``/``rejected`` may be strings, messages, or whole
 conversations sharing their beginning). Too-long prompts lose their oldest turns first, then the end of the last user
 message's text (the template's markers and generation prompt stay). Without a template (``auto`` on a tokenizer
 that has none, or ``none``) the strings are joined as they are (prompt + response + EOS).
@@ -38,9 +38,9 @@ from lightning_llm.data.base import (
     tokenizer_or_bytes,
     tokenizer_vocab_size,
 )
-from lightning_llm.data.chat import ChatColumns, Conversation, preference_conversation
-from lightning_llm.data.chat_encode import ChatEncoder, labels_for
-from lightning_llm.data.chat_template import resolve_template
+from lightning_llm.data.chat.messages import ChatColumns, Conversation, preference_conversation
+from lightning_llm.data.chat.encode import ChatEncoder, labels_for
+from lightning_llm.data.chat.template import resolve_template
 from lightning_llm.data.io import DataError, read_records, write_jsonl_atomic
 from lightning_llm.data.prompts import make_prompts
 

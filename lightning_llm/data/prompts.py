@@ -5,7 +5,7 @@ texts (``prompt``, for text-based rewards) and the record ``index``. Prompts lon
 their last tokens (the end of a prompt is what the response continues).
 
 With a chat template (``--data.template``: the tokenizer's own by default, or a named one; see
-:mod:`lightning_llm.data.chat_template`) a prompt is a conversation: the ``prompt`` field as one user message (or a
+:mod:`lightning_llm.data.chat.template`) a prompt is a conversation: the ``prompt`` field as one user message (or a
 list of messages), or the record's OpenAI ``messages`` / ShareGPT ``conversations`` without a trailing reply,
 rendered with the template's generation prompt; too-long prompts lose their oldest turns, then the end of the last
 user message's text (the template's markers stay). The ``prompt`` text handed to rewards is then the last user
@@ -30,9 +30,9 @@ from lightning_llm.data.base import (
     tokenizer_or_bytes,
     tokenizer_vocab_size,
 )
-from lightning_llm.data.chat import ChatColumns, Conversation, prompt_conversation
-from lightning_llm.data.chat_encode import ChatEncoder
-from lightning_llm.data.chat_template import resolve_template
+from lightning_llm.data.chat.messages import ChatColumns, Conversation, prompt_conversation
+from lightning_llm.data.chat.encode import ChatEncoder
+from lightning_llm.data.chat.template import resolve_template
 from lightning_llm.data.io import DataError, read_records
 
 log = logging.getLogger(__name__)

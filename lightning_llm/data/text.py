@@ -12,11 +12,11 @@ import torch
 from torch.utils.data import ConcatDataset, DataLoader, Dataset
 
 from lightning_llm.data.base import LLMDataModule, tokenizer_or_bytes, tokenizer_vocab_size
-from lightning_llm.data.corpus import generated_corpus
+from lightning_llm.data.corpus.documents import generated_corpus
 from lightning_llm.data.io import DataError
-from lightning_llm.data.mixture import MixtureDataset, parse_data_path
-from lightning_llm.data.prepare import CorpusSource, current_store, prepare_corpus
-from lightning_llm.data.token_store import TokenizerSpec, TokenStore
+from lightning_llm.data.corpus.mixture import MixtureDataset, parse_data_path
+from lightning_llm.data.corpus.prepare import CorpusSource, current_store, prepare_corpus
+from lightning_llm.data.corpus.token_store import TokenizerSpec, TokenStore
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +58,8 @@ class TextDataModule(LLMDataModule):
 
     ``prepare_data`` (local rank 0 of each node; a file lock makes nodes sharing a filesystem prepare once) tokenizes
     with ``num_proc`` worker processes in bounded memory, or reuses the store while its inputs and tokenizer are
-    unchanged (:mod:`lightning_llm.data.prepare`); ``setup`` on every rank only maps it. Several corpora with weights
-    form a mixture (:mod:`lightning_llm.data.mixture`); the checkpoint records the data (each store's SHA-256,
+    unchanged (:mod:`lightning_llm.data.corpus.prepare`); ``setup`` on every rank only maps it. Several corpora with weights
+    form a mixture (:mod:`lightning_llm.data.corpus.mixture`); the checkpoint records the data (each store's SHA-256,
     weights, block size), and a resume on other data is refused.
     """
 

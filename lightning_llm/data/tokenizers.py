@@ -14,7 +14,7 @@ class ByteTokenizer:
     (``__call__``/``encode``/``decode``/``get_vocab``/special token ids, ``apply_chat_template`` rendering text).
 
     ``added_tokens`` are a chat template's control tokens (e.g. ``<|im_start|>``, ``<|im_end|>``): a chat datamodule
-    adds them (:func:`lightning_llm.data.chat_template.resolve_template`). With ``split_special_tokens=False`` (set
+    adds them (:func:`lightning_llm.data.chat.template.resolve_template`). With ``split_special_tokens=False`` (set
     whenever tokens are added, as a chat template needs its ``<eos>`` read as the EOS id) the special tokens written
     in a text are read as their ids, like a Hugging Face tokenizer reads them; by default a text is bytes only.
     """

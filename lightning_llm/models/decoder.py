@@ -31,6 +31,7 @@ from .init import InitPlan, WeightsSource, draw_init_seed, init_whole, materiali
 from .layers import (
     KVCache,
     NormHead,
+    TokenMask,
     TransformerBlock,
     build_norm,
     causal_mask,
@@ -182,7 +183,9 @@ class DecoderLM(nn.Module):
         full, sliding = self._masks(attention_mask, segment_ids, s, total, x.device)
         windowed = set(self.config.sliding_layers)
 
-        cache_kw = {} if kv_cache is None else {"kv_cache": kv_cache}  # absent unless decoding
+        cache_kw: dict[str, object] = {} if kv_cache is None else {"kv_cache": kv_cache}  # absent unless decoding
+        if self._cores_need_token_mask():
+            cache_kw["token_mask"] = self._token_mask(attention_mask, segment_ids, kv_cache)
         for key, layer in self.layers.items():
             mask, is_causal = sliding if int(key) in windowed else full
             x = layer(x, rope=rope, attn_mask=mask, is_causal=is_causal, **cache_kw)
@@ -199,6 +202,21 @@ class DecoderLM(nn.Module):
             return head_cross_entropy(x, self.lm_head, labels, reduction=reduction, temperature=temperature,
                                       backend=backend)
         return self.lm_head(x)  # [B, S, V]
+
+    def _cores_need_token_mask(self) -> bool:
+        """Whether an attention core rebuilds its mask from the tokens' :class:`~.layers.TokenMask` (a core a layout
+        installed through the declared hook)."""
+        return any(getattr(m, "needs_token_mask", False) for m in self.modules())
+
+    def _token_mask(self, attention_mask: Tensor | None, segment_ids: Tensor | None,
+                    kv_cache: KVCache | None) -> TokenMask:
+        """The ingredients of this forward's mask; refused where they do not describe it (a cache, a 4-D mask,
+        sliding-window layers)."""
+        if kv_cache is not None or (attention_mask is not None and attention_mask.dim() != 2) \
+                or self.config.sliding_layers:
+            raise ValueError("DecoderLM: this attention core rebuilds the causal mask from the tokens (padding, "
+                             "segments); it takes no KV cache, no 4-D attention_mask and no sliding-window layers")
+        return TokenMask(keep=None if attention_mask is None else attention_mask.bool(), segment_ids=segment_ids)
 
     def _rope(self, position_ids: Tensor, total: int) -> tuple[Tensor, Tensor] | None:
         """cos, sin [B, S, D] for ``position_ids`` [B, S] of a forward spanning ``total`` columns."""

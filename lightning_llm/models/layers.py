@@ -11,6 +11,7 @@ Shape legend: B batch, S sequence, H hidden size, N query heads, K key/value hea
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,8 @@ __all__ = [
     "rotate_half",
     "apply_rotary",
     "Attention",
+    "DotProductAttention",
+    "TokenMask",
     "KVCache",
     "MLP",
     "TransformerBlock",
@@ -194,6 +197,48 @@ class KVCache:
         self._kv = {key: (k.index_select(0, index), v.index_select(0, index)) for key, (k, v) in self._kv.items()}
 
 
+@dataclass(frozen=True)
+class TokenMask:
+    """What a causal decoder's attention mask is made of, per token of this forward (a core that holds keys beyond
+    this forward's own tokens rebuilds its mask from it: context parallelism's attention across sequence slices).
+
+    Causal by column order, a key attends only if it is a real token (``keep``) of the query's segment
+    (``segment_ids``); a query with no such key attends to itself (as :func:`causal_padding_mask`)."""
+
+    keep: Tensor | None = None
+    """[B, S] bool, True = a real token; None: every token is."""
+    segment_ids: Tensor | None = None
+    """[B, S] packed rows (1..k per example, 0 padding); None: one sequence per row."""
+
+
+class DotProductAttention(nn.Module):
+    """The attention core of :class:`Attention` (no parameters): ``softmax(q k^T / sqrt(D)) v`` with grouped-query
+    heads repeated, by SDPA. A declared hook (``ParallelSpec.attention_cores``): a layout that splits the sequence
+    replaces this module by its attention across the slices, with the same call."""
+
+    needs_token_mask: bool = False
+    """Whether the model must pass ``token_mask``: a module that rebuilds the mask from it (in place of this core)
+    sets True."""
+
+    def forward(
+        self,
+        q: Tensor,  # [B, N, S, D]
+        k: Tensor,  # [B, K, T, D] (K divides N)
+        v: Tensor,  # [B, K, T, D]
+        *,
+        attn_mask: Tensor | None,  # bool, broadcastable to [B, N, S, T]; True = attend
+        is_causal: bool,
+        dropout_p: float,
+        token_mask: TokenMask | None = None,  # the mask's ingredients (unused here: attn_mask is built from them)
+    ) -> Tensor:  # [B, N, S, D]
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1:  # GQA: kv head j serves query heads j*n_rep .. (j+1)*n_rep-1 (HF repeat_kv)
+            k = k.repeat_interleave(n_rep, dim=1)  # [B, N, T, D]
+            v = v.repeat_interleave(n_rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal and attn_mask is None)
+
+
 class Attention(nn.Module):
     """Multi-head / grouped-query self-attention: q/k/v/o projections, or one fused ``W_pack`` for q, k, v.
 
@@ -233,6 +278,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(d, config.norm_eps, kernels=config.kernels) if config.qk_norm else None
         self.k_norm = RMSNorm(d, config.norm_eps, kernels=config.kernels) if config.qk_norm else None
         self.o_proj = nn.Linear(config.num_heads * d, h, bias=bool(config.o_bias))
+        self.core = DotProductAttention()
 
     def reset_parameters(self, std: float) -> None:
         for lin in (self.W_pack, self.q_proj, self.k_proj, self.v_proj, self.o_proj):
@@ -264,6 +310,7 @@ class Attention(nn.Module):
         attn_mask: Tensor | None = None,  # bool, broadcastable to [B, N, S, T]; True = attend (T = past + S)
         is_causal: bool = False,
         kv_cache: KVCache | None = None,  # incremental decoding: past keys/values, appended in place
+        token_mask: TokenMask | None = None,  # what attn_mask is made of (for a core replacing the mask)
     ) -> Tensor:  # [B, S, H]
         b, s, _ = x.shape
         q, k, v = self._qkv(x)  # [B, S, N|K, D]
@@ -274,16 +321,9 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, N|K, S, D]
         if kv_cache is not None:
             k, v = kv_cache.update(self, k, v)  # [B, K, T, D]
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:  # GQA: kv head j serves query heads j*n_rep .. (j+1)*n_rep-1 (HF repeat_kv)
-            k = k.repeat_interleave(n_rep, dim=1)  # [B, N, S, D]
-            v = v.repeat_interleave(n_rep, dim=1)
-        out = F.scaled_dot_product_attention(
-            q, k, v,
-            attn_mask=attn_mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=is_causal and attn_mask is None,
-        )  # [B, N, S, D]
+        core_kw = {} if token_mask is None else {"token_mask": token_mask}
+        out = self.core(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                        dropout_p=self.dropout if self.training else 0.0, **core_kw)  # [B, N, S, D]
         out = out.transpose(1, 2).reshape(b, s, -1)  # [B, S, N*D]
         return self.o_proj(out)
 
@@ -361,10 +401,13 @@ class TransformerBlock(nn.Module):
         attn_mask: Tensor | None = None,
         is_causal: bool = False,
         kv_cache: KVCache | None = None,
+        token_mask: TokenMask | None = None,
     ) -> Tensor:  # [B, S, H]
         attn = dict(rope=rope, attn_mask=attn_mask, is_causal=is_causal)
         if kv_cache is not None:  # only passed when decoding, so wrapped/patched attention modules keep working
             attn["kv_cache"] = kv_cache
+        if token_mask is not None:  # likewise: only a decoder forward with a declared mask passes it
+            attn["token_mask"] = token_mask
         if self.pre_norm:
             x = x + self.dropout(self.self_attn(self.attn_norm(x), **attn))
             x = x + self.dropout(self.mlp(self.mlp_norm(x)))

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -43,6 +43,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from .config import ModelConfig
 from .decoder import DecoderLM
 from .encoder import EncoderModel
+from .layers import segment_positions
 
 __all__ = ["ParallelSpec", "PARALLEL_SPECS", "TPPlan", "parallel_spec_of", "decoder_tp_plan", "encoder_tp_plan"]
 
@@ -69,6 +70,15 @@ class ParallelSpec:
     """``nn.ModuleDict`` of blocks keyed ``"0".."n-1"``: pipeline split units, FSDP units, recompute units."""
     fsdp_units: tuple[str, ...] = field(default=("layers.*", ""))
     """FSDP2 units relative to the backbone, innermost first (``""`` = the backbone: embeddings, norm, heads)."""
+    attention_cores: str | None = None
+    """Context parallelism: the attention cores (``layers.DotProductAttention``, path relative to the backbone, ``*``
+    per atom) a layout splitting the sequence replaces by its attention across the slices; ``None``: the family
+    cannot split its sequence."""
+    context_parallel_blocker: Callable[[nn.Module], str | None] = field(default=lambda model: None)
+    """``backbone -> why this model cannot split its sequence`` (``None``: it can)."""
+    segment_positions: Callable[[Tensor], Tensor] | None = None
+    """``segment_ids [B, S] -> position_ids [B, S]``: the positions the family gives packed rows without
+    ``position_ids`` (a context-parallel slice needs them from the whole row)."""
     # Initialisation is declared by the family model itself, not here: ``model.init_plan`` (parameter name -> its
     # init), ``model.init_seed``, ``model.weights_source`` (a lazily loaded checkpoint) and ``model.init_buffers()``,
     # which :func:`lightning_llm.models.init.materialize` reads to fill shards of a meta-device model.
@@ -209,12 +219,30 @@ def _tied_lm_head(model: nn.Module) -> tuple[tuple[str, str], ...]:
 
 _TP_DIVIDES = ("num_heads", "num_kv_heads", "hidden_size", "intermediate_size", "vocab_size")
 
+
+def _decoder_cp_blocker(model: nn.Module) -> str | None:
+    """Why a decoder's sequence cannot be split: what the attention across slices does not rebuild."""
+    config: ModelConfig = model.config  # type: ignore[assignment]
+    if config.sliding_layers:
+        return (f"sliding-window attention (sliding_window={config.sliding_window} on layers "
+                f"{list(config.sliding_layers)}) is not supported under context parallelism")
+    if config.dropout:
+        return f"dropout={config.dropout} is not supported under context parallelism (attention dropout)"
+    return None
+
+
+def _encoder_cp_blocker(model: nn.Module) -> str:
+    return "the encoder family (bidirectional attention, a pooler on token 0) cannot split its sequence"
+
 PARALLEL_SPECS: dict[type[nn.Module], ParallelSpec] = {
     DecoderLM: ParallelSpec(first=("embed_tokens", "embed_positions"), last=("norm", "lm_head"),
-                            tp_plan=decoder_tp_plan, tp_divides=_TP_DIVIDES, tied=_tied_lm_head),
+                            tp_plan=decoder_tp_plan, tp_divides=_TP_DIVIDES, tied=_tied_lm_head,
+                            attention_cores="layers.*.self_attn.core", context_parallel_blocker=_decoder_cp_blocker,
+                            segment_positions=segment_positions),
     EncoderModel: ParallelSpec(first=("embed_tokens", "embed_positions", "embed_token_types", "embed_norm"),
                                last=("final_norm", "pooler", "classifier"), tp_plan=encoder_tp_plan,
-                               tp_divides=_TP_DIVIDES, tied=lambda model: ()),
+                               tp_divides=_TP_DIVIDES, tied=lambda model: (),
+                               context_parallel_blocker=_encoder_cp_blocker),
 }
 """Model class -> its spec. A new family adds its entry here (and its module next to this file)."""
 

@@ -60,14 +60,23 @@ class ActorCritic(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     @property
+    def pipeline_last_modules(self) -> tuple[str, ...] | None:
+        """The pipeline split's contract (:mod:`lightning_llm.strategies.pipeline.split`): the value head joins the
+        policy's last stage, reading its last hidden state; a separate critic trunk cannot be split (None)."""
+        return ("value_head",) if self.critic is None else None
+
+    @property
     def computes_loss(self) -> bool:
         """The policy's own flag: ``forward(..., labels=)`` gives token scores instead of logits."""
         return bool(getattr(self.policy, "computes_loss", False))
 
-    def forward(self, input_ids: Tensor, *, attention_mask: Tensor, position_ids: Tensor,
-                **scoring: Any) -> tuple[Any, Tensor]:
-        """``scoring``: ``labels=``, ``temperature=``, ``token_scores=True`` for the policy's token scores."""
+    def forward(self, input_ids: Tensor, *, attention_mask: Tensor, position_ids: Tensor, values: bool = True,
+                **scoring: Any) -> tuple[Any, Tensor] | Any:
+        """``scoring``: ``labels=``, ``temperature=``, ``token_scores=True`` for the policy's token scores.
+        ``values=False``: the policy's output alone (how a pipeline runs the policy, e.g. as the reference)."""
         kwargs = {"attention_mask": attention_mask, "position_ids": position_ids}
+        if not values or self.value_head is None:  # value_head None: a pipeline stage before the last
+            return self.policy(input_ids, **scoring, **kwargs)
         if scoring:
             if not scoring.get("token_scores"):
                 raise ValueError("ActorCritic with labels needs token_scores=True (its value head reads the hidden "

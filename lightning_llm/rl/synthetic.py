@@ -6,7 +6,7 @@ the same preference :class:`~lightning_llm.rl.rewards.CharShareReward` scores, b
 examples. A WordPiece ``tokenizer/vocab.txt`` covering printable ASCII and Latin-1 (each character as a word start
 and as a ``##`` continuation) is written alongside, so byte-level policy outputs tokenize character by character.
 
-    python -m lightning_llm.rl.synthetic OUT_DIR        # then: lightning_llm fit --config configs/... (README)
+    python -m lightning_llm.rl.synthetic OUT_DIR        # then configs/ppo_reward_model.yaml's header
 """
 
 from __future__ import annotations

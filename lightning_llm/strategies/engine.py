@@ -55,13 +55,14 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as _loss_parallel_ctx
 from typing_extensions import override
 
-from lightning_llm.contract import Capabilities, check_pipelinable
+from lightning_llm.contract import Capabilities, check_context_parallel, check_pipelinable
 from lightning_llm.models.init import is_meta
+from lightning_llm.strategies.context import apply_context_parallel, slice_step
 from lightning_llm.strategies.engine_checkpoint import LayoutFreeCheckpointing
 from lightning_llm.strategies.engine_layout import LayoutArgs, PipelineStages
 from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB, GradReducer, reducer_for
 from lightning_llm.strategies.materialize import materialize_shards
-from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coordinate
+from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coordinate, replica_mesh
 from lightning_llm.strategies.parallelize import (
     apply_tensor_parallel,
     clip_grads_by_global_norm,
@@ -70,7 +71,7 @@ from lightning_llm.strategies.parallelize import (
     sharded_logits_for,
 )
 from lightning_llm.strategies.pipeline.runtime import ScheduleName, checkpoint_blocks
-from lightning_llm.strategies.pipeline.split import StageSpec, layout_of
+from lightning_llm.strategies.pipeline.split import StageSpec, layout_of, module_at
 from lightning_llm.strategies.plans import TPPlan
 from lightning_llm.strategies.zero.native import PartitionedOptimizer, apply_fsdp, fsdp_units, gradient_sync_paused
 
@@ -91,6 +92,7 @@ class ParallelEngine(LayoutFreeCheckpointing):
         pipeline_parallel_size: int = 1,
         zero_stage: int = 0,
         *,
+        context_parallel_size: int = 1,
         offload_optimizer: bool = False,
         offload_params: bool = False,
         sequence_parallel: bool = False,
@@ -120,7 +122,10 @@ class ParallelEngine(LayoutFreeCheckpointing):
             tensor_parallel_size: Ranks per tensor-parallel group (Megatron column/row split).
             pipeline_parallel_size: Pipeline ranks.
             zero_stage: 0 (plain gradient averaging), 1 (partitioned optimizer states), 2 (+ gradients; ``pp=1``
-                only), 3 (FSDP2 parameter sharding over ``dp``; ``pp=1`` only).
+                only), 3 (FSDP2 parameter sharding over ``dp``; ``pp=1`` only). With ``context_parallel_size > 1``
+                over ``dp x cp`` (cp ranks hold the same parameters).
+            context_parallel_size: Ranks sharing each sequence (:mod:`.context`; inside a node with tp), each
+                holding ``1/cp`` of every row's tokens; the sequence length must be divisible by ``2 x cp``.
             offload_optimizer: Keep optimizer states (fp32 masters) in CPU memory (ZeRO 1-3).
             offload_params: Keep parameter shards in CPU memory (ZeRO-3; then also ``offload_optimizer``).
             sequence_parallel: Shard the residual stream on the sequence dim inside each TP group.
@@ -148,7 +153,8 @@ class ParallelEngine(LayoutFreeCheckpointing):
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self.args = LayoutArgs(
-            dims=ParallelDims(dp=data_parallel_size, tp=tensor_parallel_size, pp=pipeline_parallel_size),
+            dims=ParallelDims(dp=data_parallel_size, tp=tensor_parallel_size, pp=pipeline_parallel_size,
+                              cp=context_parallel_size),
             zero_stage=zero_stage, offload_optimizer=offload_optimizer, offload_params=offload_params,
             n_microbatches=n_microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
             save_distributed_checkpoint=save_distributed_checkpoint, bucket_size_mb=bucket_size_mb,
@@ -164,10 +170,13 @@ class ParallelEngine(LayoutFreeCheckpointing):
         self._process_group_backend, self._timeout = process_group_backend, timeout
         self.num_nodes = 1
         self.dims: ParallelDims | None = None
-        self.pp_rank = self.dp_rank = self.tp_rank = 0
+        self.pp_rank = self.dp_rank = self.tp_rank = self.cp_rank = 0
+        self.replica_rank = 0  # rank among the dp x cp ranks holding the same parameters
         self._mesh: Any = None
         self._pp_group: Any = None
-        self._dp_group: Any = None
+        self._dp_group: Any = None  # the ranks holding the same parameters: dp, or dp x cp under context parallelism
+        self._cp_group: Any = None
+        self._replica_mesh: Any = None  # the 1-D mesh of _dp_group
         self._sharded_logits = False  # whether the task's loss receives vocab-sharded DTensor logits
         self._pp_model: nn.Module | None = None  # the task's parallelized model (set-up runs again for validate)
         self._params: list[nn.Parameter] = []  # every parameter of the task
@@ -206,6 +215,11 @@ class ParallelEngine(LayoutFreeCheckpointing):
         return self._mesh
 
     @property
+    def context_parallel_group(self) -> Any:
+        """The process group of this rank's context-parallel group (the ranks sharing its sequences)."""
+        return self._cp_group
+
+    @property
     def grad_reducer(self) -> GradReducer | None:
         """The data-parallel gradient reduction (set up with the optimizers when fitting), else ``None``."""
         return self._reducer
@@ -230,9 +244,13 @@ class ParallelEngine(LayoutFreeCheckpointing):
     def capabilities(self) -> Capabilities:
         if self.dims is None:
             return Capabilities()
-        return Capabilities(data_parallel_size=self.dims.dp, batch_shared=self.dims.tp * self.dims.pp > 1,
-                            pipelined=self.pipelined, generation=True,
-                            data_parallel_group=self._dp_group, deferred_init=self.shards_model)
+        # Context-parallel ranks see different slices of the rows: to the task they are replicas (their losses are
+        # weighted by token count and their gradients averaged over dp x cp).
+        return Capabilities(data_parallel_size=self.dims.replicas, batch_shared=self.dims.tp * self.dims.pp > 1,
+                            pipelined=self.pipelined, generation=self.dims.cp == 1,
+                            context_parallel_size=self.dims.cp, context_parallel_group=self._cp_group,
+                            data_parallel_group=self._dp_group,
+                            deferred_init=self.shards_model)
 
     @property
     def shards_model(self) -> bool:
@@ -264,7 +282,11 @@ class ParallelEngine(LayoutFreeCheckpointing):
         self.pp_rank, _ = mesh_coordinate(mesh, "pp")
         self.dp_rank, _ = mesh_coordinate(mesh, "dp")
         self.tp_rank, _ = mesh_coordinate(mesh, "tp")
-        self._pp_group, self._dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+        self.cp_rank, _ = mesh_coordinate(mesh, "cp")
+        self._replica_mesh = replicas = replica_mesh(mesh)
+        self.replica_rank = replicas.get_local_rank()
+        self._pp_group, self._dp_group, self._cp_group = (mesh["pp"].get_group(), replicas.get_group(),
+                                                          mesh["cp"].get_group())
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = mesh
 
@@ -288,6 +310,8 @@ class ParallelEngine(LayoutFreeCheckpointing):
         if self.pipelined:
             check_pipelinable(module, strategy=self._name())
             self.args.check_batch_size(trainer)
+        if self.dims.cp > 1:
+            check_context_parallel(module, cp=self.dims.cp)
         self.precision_plugin.convert_module(module)
         if model is not self._pp_model:  # else already parallelized (e.g. trainer.validate() after fit)
             self._parallelize(model, precision=precision)
@@ -300,7 +324,7 @@ class ParallelEngine(LayoutFreeCheckpointing):
             assert self.stages is not None
             self.stages.build_runner(model, params=self._params, device=self.root_device, step_stats=self.step_stats,
                                      log_stats=self.log_pipeline_stats, measure=self.measure_activations,
-                                     dp_group=self._dp_group, dp=self.dims.dp)
+                                     dp_group=self._dp_group, dp=self.dims.replicas)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
@@ -332,17 +356,19 @@ class ParallelEngine(LayoutFreeCheckpointing):
                                                global_rank=self.global_rank)
             specs = self.stages.specs
         else:
-            specs = [StageSpec(0, 1, tuple(getattr(model, layout_of(model).layers).keys()))] \
+            specs = [StageSpec(0, 1, tuple(module_at(model, layout_of(model).layers).keys()))] \
                 if self.activation_checkpointing else []
         # Vocab-sharded logits only reach a loss that declares it handles them (and never a pipeline's stage output).
         self._sharded_logits = sharded_logits_for(module, requested=self.loss_parallel and not self.pipelined,
                                                   tp=self.dims.tp)
         apply_tensor_parallel(model, self._mesh["tp"], sequence_parallel=self.sequence_parallel,
                               loss_parallel=self._sharded_logits, plan=self.args.resolve_plan(self.plan, model))
+        if self.dims.cp > 1:
+            apply_context_parallel(model, group=self._cp_group, cp=self.dims.cp, rank=self.cp_rank)
         if self.activation_checkpointing:
             checkpoint_blocks(model, specs)
         if self.zero_stage == 3:
-            apply_fsdp(module, dp_mesh=self._mesh["dp"], units=fsdp_units(module), reshard_after_forward=True,
+            apply_fsdp(module, dp_mesh=self._replica_mesh, units=fsdp_units(module), reshard_after_forward=True,
                        precision=precision, offload=self.offload_params)
 
     @override
@@ -360,11 +386,11 @@ class ParallelEngine(LayoutFreeCheckpointing):
         owners: dict[int, int] = {}  # ZeRO-2: id(param) -> the dp rank that keeps its gradient
         # Over one data-parallel rank a partition is the whole: the task's optimizer steps as it is (no wrapper, no
         # per-step group copies), unless the states are offloaded to the CPU.
-        if self.zero_stage in (1, 2) and (self.dims.dp > 1 or self.offload_optimizer):
+        if self.zero_stage in (1, 2) and (self.dims.replicas > 1 or self.offload_optimizer):
             wrapped = []
             for opt in self.optimizers:
                 opt = getattr(opt, "_optimizer", opt)
-                zero = PartitionedOptimizer(opt, dp_mesh=self._mesh["dp"], stage=self.zero_stage,
+                zero = PartitionedOptimizer(opt, dp_mesh=self._replica_mesh, stage=self.zero_stage,
                                             offload=self.offload_optimizer, bucket_size_mb=self.args.bucket_size_mb)
                 for cfg in self.lr_scheduler_configs:  # schedulers keep working: same param-group dicts
                     if getattr(cfg.scheduler, "optimizer", None) is opt:
@@ -373,7 +399,8 @@ class ParallelEngine(LayoutFreeCheckpointing):
                     owners.update({id(p): zero.owner(p) for g in zero.param_groups for p in g["params"]})
                 wrapped.append(zero)
             self.optimizers = wrapped
-        self._reducer = reducer_for(self.lightning_module, group=self._dp_group, world=self.dims.dp, rank=self.dp_rank,
+        self._reducer = reducer_for(self.lightning_module, group=self._dp_group, world=self.dims.replicas,
+                                    rank=self.replica_rank,
                                     bucket_size_mb=self.args.bucket_size_mb, owners=owners)
         # A pipeline's backward runs inside its schedule: it reduces after the schedule (PipelineStages), no hooks.
         self._grad_hooks = [] if self.pipelined else self._reducer.register_hooks()
@@ -385,6 +412,8 @@ class ParallelEngine(LayoutFreeCheckpointing):
             yield
 
     def _step(self, hook: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.dims is not None and self.dims.cp > 1:  # the task's step gets this rank's slice of the batch
+            args, kwargs = slice_step(hook, args, kwargs, cp=self.dims.cp, rank=self.cp_rank, model=self._target())
         with context(), self._loss_context():
             return local_loss(getattr(self.lightning_module, hook)(*args, **kwargs))
 
@@ -468,7 +497,7 @@ class ParallelEngine(LayoutFreeCheckpointing):
             self._finalize_gradients()  # the norm of the averaged gradients, not of this replica's own
         params = [p for g in optimizer.param_groups for p in g["params"]]
         copy = self.stages.tied_copy() if self.stages is not None else None
-        clip_grads_by_global_norm(params, clip_val, pp=self.dims.pp, dp=self.dims.dp,
+        clip_grads_by_global_norm(params, clip_val, pp=self.dims.pp, dp=self.dims.replicas,
                                   grads_sharded_over_dp=self.zero_stage == 2 and not self.pipelined,
                                   skip=[copy] if copy is not None else [], device=self.root_device)
 
@@ -495,7 +524,8 @@ class ParallelEngine(LayoutFreeCheckpointing):
     # ------------------------------------------------------------------------------------------ checkpoints
     def layout(self) -> dict[str, Any]:
         assert self.dims is not None
-        return {"dp": self.dims.dp, "tp": self.dims.tp, "pp": self.dims.pp, "zero_stage": self.zero_stage}
+        return {"dp": self.dims.dp, "tp": self.dims.tp, "pp": self.dims.pp, "cp": self.dims.cp,
+                "zero_stage": self.zero_stage}
 
     @override
     def teardown(self) -> None:

@@ -63,7 +63,7 @@ class LayoutArgs:
 
     def __post_init__(self) -> None:
         d = self.dims
-        d.resolved(abs(d.dp * d.tp * d.pp))  # degree syntax: positive or one -1
+        d.resolved(abs(d.dp * d.tp * d.pp * d.cp))  # degree syntax: positive or one -1
         if not self.bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb={self.bucket_size_mb!r}: must be > 0 (MiB per gradient bucket)")
         if self.zero_stage not in (0, 1, 2, 3):
@@ -167,7 +167,7 @@ class PipelineStages:
         tied_names, tie_group = tied_across_stages(model, n_stages), None
         if tied_names is not None and owners[0] != owners[-1]:
             # The LM head on the last stage keeps a copy of the token embedding; their gradients are summed.
-            all_pp = mesh.mesh.permute(1, 2, 0).reshape(-1, dims.pp).tolist()  # [dp*tp, pp] global ranks
+            all_pp = mesh.mesh.movedim(0, -1).reshape(-1, dims.pp).tolist()  # [dp*cp*tp, pp] global ranks
             for ranks in all_pp:
                 group = dist.new_group([ranks[owners[0]], ranks[owners[-1]]])
                 if global_rank in (ranks[owners[0]], ranks[owners[-1]]):

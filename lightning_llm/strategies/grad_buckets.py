@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_llm.strategies.mesh import over_replicas
 from lightning_llm.strategies.parallelize import reduce_partial_grads
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,7 @@ def _local(t: Tensor) -> Tensor:
 def replicated_over_dp(p: nn.Parameter) -> bool:
     """Whether the data-parallel replicas each hold ``p`` whole (its gradient is theirs to average): anything but
     an FSDP2 parameter, which is sharded over ``dp`` and reduce-scattered by FSDP2 itself."""
-    return not (isinstance(p, DTensor) and "dp" in (p.device_mesh.mesh_dim_names or ()))
+    return not (isinstance(p, DTensor) and over_replicas(p.device_mesh))
 
 
 @dataclass(eq=False)

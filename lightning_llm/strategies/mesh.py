@@ -15,13 +15,20 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 log = logging.getLogger(__name__)
 
-MESH_DIMS = ("pp", "dp", "tp")
-"""Mesh dimension order, outermost first: tensor-parallel ranks are adjacent (fastest links), pipeline outermost."""
+MESH_DIMS = ("pp", "dp", "cp", "tp")
+"""Mesh dimension order, outermost first: tensor-parallel ranks are adjacent (fastest links), context-parallel ranks
+next to them (inside a node with tp: every attention layer all-gathers keys/values over cp), then data parallel,
+pipeline outermost."""
+
+REPLICA_DIM = "dp_cp"
+"""The flattened ``dp x cp`` mesh dim (only built when ``cp > 1``): the ranks holding the same parameters. Gradients
+are averaged, ZeRO partitions and FSDP2 shards over it; the data sampler is keyed by ``dp`` alone."""
 
 
 @dataclass
 class ParallelDims:
-    """Data-, tensor- and pipeline-parallel degrees. One of them may be ``-1`` (inferred from the world size)."""
+    """Data-, context-, tensor- and pipeline-parallel degrees. One of them may be ``-1`` (inferred from the world
+    size)."""
 
     dp: int = -1
     """Data-parallel degree (replicas, or ZeRO/FSDP shards)."""
@@ -29,10 +36,13 @@ class ParallelDims:
     """Tensor-parallel degree."""
     pp: int = 1
     """Pipeline-parallel degree (number of pipeline ranks)."""
+    cp: int = 1
+    """Context-parallel degree: ranks sharing each sequence (every rank holds ``1/cp`` of its tokens)."""
 
     def resolved(self, world_size: int) -> ParallelDims:
         """Degrees with ``-1`` filled in; raises ``ValueError`` naming the degrees when they cannot fit."""
-        degrees = {"data_parallel_size": self.dp, "tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp}
+        degrees = {"data_parallel_size": self.dp, "tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,
+                   "context_parallel_size": self.cp}
         for name, d in degrees.items():
             if d == 0 or d < -1:
                 raise ValueError(f"{name}={d}: must be a positive integer or -1 (inferred)")
@@ -53,19 +63,36 @@ class ParallelDims:
             raise ValueError(f"parallel degrees {desc} multiply to {known}, but the world size is {world_size} "
                              "(devices x nodes); their product must equal it")
         return ParallelDims(dp=degrees["data_parallel_size"], tp=degrees["tensor_parallel_size"],
-                            pp=degrees["pipeline_parallel_size"])
+                            pp=degrees["pipeline_parallel_size"], cp=degrees["context_parallel_size"])
 
     @property
     def world_size(self) -> int:
-        assert -1 not in (self.dp, self.tp, self.pp), "call resolved() first"
-        return self.dp * self.tp * self.pp
+        assert -1 not in (self.dp, self.tp, self.pp, self.cp), "call resolved() first"
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same parameters and different tokens: ``dp x cp`` (what gradients are averaged over)."""
+        return self.dp * self.cp
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """A 3-D mesh named ``("pp", "dp", "tp")``; size-1 dims are kept so callers can always index by name."""
-        shape = (self.pp, self.dp, self.tp)
+        """A 4-D mesh named ``("pp", "dp", "cp", "tp")``; size-1 dims are kept so callers can always index by name."""
+        shape = (self.pp, self.dp, self.cp, self.tp)
         mesh = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS)
-        log.debug("device mesh pp=%d dp=%d tp=%d on %s", *shape, device_type)  # the run summary states the layout
+        log.debug("device mesh pp=%d dp=%d cp=%d tp=%d on %s", *shape, device_type)  # the run summary states it
         return mesh
+
+
+def over_replicas(mesh: DeviceMesh) -> bool:
+    """Whether a DTensor on ``mesh`` is sharded over the replicas (an FSDP2 parameter: its mesh holds ``dp``, or the
+    flattened ``dp x cp``)."""
+    return bool({"dp", REPLICA_DIM} & set(mesh.mesh_dim_names or ()))
+
+
+def replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh of the ranks holding the same parameters: ``dp``, or ``dp x cp`` flattened when ``cp > 1``
+    (torch's ``_flatten``, as torchtitan names its ``dp_shard_cp``; build it once and keep it)."""
+    return mesh["dp", "cp"]._flatten(REPLICA_DIM) if mesh.size(MESH_DIMS.index("cp")) > 1 else mesh["dp"]
 
 
 def mesh_coordinate(mesh: DeviceMesh, dim: str) -> tuple[int, int]:

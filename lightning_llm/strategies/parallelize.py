@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_llm.contract import task_accepts_sharded_logits, user_task
+from lightning_llm.strategies.mesh import over_replicas
 from lightning_llm.strategies.plans import TPPlan, tp_plan, validate_tp_for
 
 log = logging.getLogger(__name__)
@@ -135,7 +136,7 @@ def _copies(g: Tensor, *, world: int, pp: int, dp: int, grads_sharded_over_dp: b
         for i, pl in enumerate(g.placements):
             if pl.is_replicate():
                 n *= mesh.size(i)
-        if grads_sharded_over_dp and "dp" not in (mesh.mesh_dim_names or ()):
+        if grads_sharded_over_dp and not over_replicas(mesh):
             n //= dp
         return max(n, 1)
     n = world // pp

@@ -10,7 +10,11 @@ is an ``__init__`` that exposes one technique's arguments under its own name (th
   (:mod:`lightning_llm.strategies.zero`); ``deepspeed_zero1/2/3(_offload)``: the same arguments with
   ``engine="deepspeed"``, for which constructing ``ZeroStrategy`` returns a
   :class:`~lightning_llm.strategies.zero.deepspeed.DeepSpeedZeroStrategy`.
-* ``3d``: :class:`HybridParallelStrategy`, every degree of the engine exposed (dp x tp x pp, ZeRO 0-3 on dp).
+* ``cp``: :class:`ContextParallelStrategy`, context parallelism (:mod:`lightning_llm.strategies.context`): the ranks
+  of a cp group share each sequence, ``context_parallel_size=k`` of ``n`` devices leaving ``n/k`` data-parallel
+  replicas.
+* ``3d``: :class:`HybridParallelStrategy`, every degree of the engine exposed (dp x cp x tp x pp, ZeRO 0-3 on
+  dp x cp).
 
 Everything else (process group, gradient averaging, global-norm clipping, layout-free checkpoints:
 :mod:`.hybrid_checkpoint`) is the engine's. :func:`register_presets` adds every name to Lightning's
@@ -37,7 +41,7 @@ from lightning_llm.strategies.plans import TPPlan
 from lightning_llm.strategies.zero.common import Engine, check_adapter, validate_zero_args, write_export
 from lightning_llm.strategies.zero.deepspeed import DeepSpeedZeroStrategy
 
-__all__ = ["HybridParallelStrategy", "PipelineParallelStrategy", "TensorParallelStrategy", "ZeroStrategy",
+__all__ = ["ContextParallelStrategy", "HybridParallelStrategy", "PipelineParallelStrategy", "TensorParallelStrategy", "ZeroStrategy",
            "ZERO_PRESETS", "register_presets"]
 
 PlanArg = TPPlan | Callable[[nn.Module], TPPlan] | str | None
@@ -134,6 +138,41 @@ class PipelineParallelStrategy(ParallelEngine):
                          log_pipeline_stats=log_pipeline_stats, measure_activations=measure_activations,
                          bucket_size_mb=bucket_size_mb, process_group_backend=process_group_backend,
                          timeout=timeout)
+
+
+class ContextParallelStrategy(ParallelEngine):
+    """Context parallelism: each sequence is split over the ranks of a cp group (load-balanced causal chunks),
+    attention all-gathers keys and values across them; the rest of the world is data parallel."""
+
+    strategy_name = "cp"
+
+    def __init__(
+        self,
+        context_parallel_size: int = -1,
+        zero_stage: int = 0,
+        activation_checkpointing: bool = False,
+        save_distributed_checkpoint: bool = True,
+        bucket_size_mb: float = DEFAULT_BUCKET_MB,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        """
+        Args:
+            context_parallel_size: Ranks sharing each sequence; ``-1`` = all devices. Must divide devices x nodes
+                (the quotient is the data-parallel degree); the sequence length must be divisible by twice it.
+            zero_stage: ZeRO over the ``dp x cp`` ranks (they hold the same parameters): 0-3.
+            activation_checkpointing: Recompute each transformer block in backward.
+            save_distributed_checkpoint: Sharded layout-free checkpoints (``True``) or one file of full weights from
+                rank 0 (for export/inference).
+            bucket_size_mb: Gradient buckets in MiB (DDP's default) of the ``dp x cp`` reduction.
+            process_group_backend: ``nccl``/``gloo``; default from the device.
+            timeout: Collective timeout.
+        """
+        super().__init__(data_parallel_size=1 if context_parallel_size == -1 else -1,
+                         context_parallel_size=context_parallel_size, zero_stage=zero_stage,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         activation_checkpointing=activation_checkpointing, bucket_size_mb=bucket_size_mb,
+                         process_group_backend=process_group_backend, timeout=timeout)
 
 
 def _drop_native_only(kwargs: dict[str, Any]) -> None:
@@ -233,7 +272,8 @@ class ZeroStrategy(_EngineChoice, ParallelEngine):
 
 
 class HybridParallelStrategy(ParallelEngine):
-    """DP x TP x PP with ZeRO stage 0-3 on the data-parallel dim (all of :class:`ParallelEngine`'s arguments)."""
+    """DP x CP x TP x PP with ZeRO stage 0-3 on the data-parallel dim (all of :class:`ParallelEngine`'s
+    arguments)."""
 
     strategy_name = "3d"
 
@@ -254,7 +294,8 @@ ZERO_PRESETS: dict[str, dict[str, Any]] = {
 _PRESETS = {
     "tp": (TensorParallelStrategy, "Megatron-style tensor parallelism (DTensor)"),
     "pp": (PipelineParallelStrategy, "Pipeline parallelism (GPipe/1F1B/interleaved)"),
-    "3d": (HybridParallelStrategy, "3-D parallelism: DP x TP x PP with ZeRO"),
+    "cp": (ContextParallelStrategy, "Context parallelism: sequences split over ranks (all-gather attention)"),
+    "3d": (HybridParallelStrategy, "3-D parallelism: DP x CP x TP x PP with ZeRO"),
 }
 
 

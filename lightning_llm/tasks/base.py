@@ -134,6 +134,11 @@ class LLMTask(pl.LightningModule):
     model with :meth:`run_model`. Ask :attr:`capabilities` what the strategy offers.
     """
 
+    context_parallel: bool = False
+    """Whether the task trains under context parallelism (``context_parallel_size > 1``: its batches hold a slice of
+    each row's tokens): its loss is a mean over the tokens :meth:`loss_weight` counts, each token's term computed from
+    its own output (checked by :func:`~lightning_llm.contract.check_context_parallel`)."""
+
     deferred_init: bool | None = None
     """Build the backbone on the meta device under layouts that shard it (``capabilities.deferred_init``), so each
     rank allocates only its shards. ``None``: when the task builds with the library's hooks only
@@ -369,6 +374,10 @@ class LLMTask(pl.LightningModule):
 
     def _eval_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         loss, outputs = self.step_loss(batch, stage)
+        caps = self.capabilities
+        if caps.context_parallel_size > 1:  # the rows' loss: the slices of the cp group weighted by their tokens
+            loss, _ = replica_loss(caps.context_parallel_group, loss, self.loss_weight(batch),
+                                   dp=caps.context_parallel_size)
         self.log(f"{stage}_loss", loss, prog_bar=stage == "val", on_epoch=True, sync_dist=True,
                  batch_size=self._batch_size(batch))
         self.update_metrics(stage, outputs, batch)

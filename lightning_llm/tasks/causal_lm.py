@@ -27,6 +27,8 @@ class CausalLMTask(DecoderTask):
     The backbone and PEFT arguments are :class:`DecoderTask`'s (``--model.backbone``, ``--model.lora``, ...).
     """
 
+    context_parallel = True  # a token mean: under context parallelism each rank's slice averages its own tokens
+
     def __init__(self, backbone: str = "debug", **kwargs: Any) -> None:
         super().__init__(backbone, **kwargs)
         self.save_hyperparameters()
@@ -42,7 +44,10 @@ class CausalLMTask(DecoderTask):
         kwargs.update({key: batch[key] for key in PACKED_INPUTS if key in batch})
         if self.uses_fused_loss():  # the model returns the mean token loss (no logits)
             kwargs["labels"] = batch["labels"]
-            if self.capabilities.pipelined:  # per-token losses [b, S]: a pipeline concatenates micro-batch outputs
+            caps = self.capabilities
+            # per-token losses [b, S]: a pipeline concatenates micro-batch outputs; a context-parallel slice may
+            # hold no labelled token (a long prompt), whose mean must be 0 with weight 0, not NaN
+            if caps.pipelined or caps.context_parallel_size > 1:
                 kwargs["reduction"] = "none"
         return (batch["input_ids"],), kwargs
 
@@ -55,9 +60,19 @@ class CausalLMTask(DecoderTask):
                 return output, {}  # already the mean over the tokens whose label is not -100
             # per-token losses (0 where ignored), the mean over the batch's labelled tokens (NaN without any, as
             # the mean cross-entropy gives: the non-finite guard then sees it)
-            return output.float().sum() / (batch["labels"] != -100).sum(), {}
+            return output.float().sum() / self._labelled(batch), {}
+        if self.capabilities.context_parallel_size > 1:
+            loss = F.cross_entropy(output.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100,
+                                   reduction="sum")
+            return loss / self._labelled(batch), {}
         loss = F.cross_entropy(output.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100)
         return loss, {}
+
+    def _labelled(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The labelled tokens a mean divides by; at least 1 for a context-parallel slice (its weight is then 0, so
+        a slice of prompt tokens only adds nothing, while one device's whole batch without labels stays NaN)."""
+        count = (batch["labels"] != -100).sum()
+        return count.clamp(min=1) if self.capabilities.context_parallel_size > 1 else count
 
     @override
     def loss_weight(self, batch: dict[str, torch.Tensor]) -> float:

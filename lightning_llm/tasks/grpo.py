@@ -22,11 +22,10 @@ One training step = one rollout batch of B prompts per rank (:class:`~lightning_
    with ``m`` the response mask [B*G, N] (tokens up to and including the first EOS) and ``new`` the log-probs
    of the current policy.
 
-Data parallel (ddp, zero1/2/3, deepspeed_zero*; tensor/pipeline parallelism is refused by
-:class:`~lightning_llm.tasks.online_rl.OnlineRLTask`): a prompt's G responses are sampled on the rank holding the
-prompt, so groups never straddle ranks and advantages need no communication. Sampling is seeded per prompt (seed,
+Every layout (:class:`~lightning_llm.tasks.online_rl.OnlineRLTask`'s rules): a prompt's G responses are sampled on
+the data-parallel replica holding the prompt, so groups never straddle ranks and advantages need no communication. Sampling is seeded per prompt (seed,
 rollout, prompt index), not per rank; logged statistics are all-reduced, and the loss is divided by the global
-number of responses (grpo) or tokens (dapo) of the mini-batch over the world size, so 2 ranks x B prompts compute
+number of responses (grpo) or tokens (dapo) of the mini-batch over the replicas, so 2 replicas x B prompts compute
 what one device computes on 2B prompts.
 
 Logged per rollout: ``objective/scores`` (mean reward after the EOS penalty), ``reward_std`` (mean within-group
@@ -106,8 +105,8 @@ class GRPOTask(OnlineRLTask):
         return model
 
     def _logprobs(self, r: Rollout, temperature: float) -> tuple[Tensor, Tensor]:
-        """(log-probs, entropies) [b, N] of the responses under the current policy."""
-        output = self.policy(r.query_responses, **self.scoring_kwargs(r, temperature))
+        """(log-probs, entropies) [b, N] of the responses under the current policy (no gradient)."""
+        output = self.call_policy(r.query_responses, **self.scoring_kwargs(r, temperature))
         return self.response_logprobs(output, r, temperature)
 
     # ------------------------------------------------------------------------------------------ rollout
@@ -163,12 +162,18 @@ class GRPOTask(OnlineRLTask):
         counts = self._all_sum(torch.stack([torch.tensor(float(mask.shape[0]), device=self.device),
                                             mask.sum().float()])) / world
         temperature = self.generation.temperature if self.generation.do_sample else 1.0
-        new_logprobs, entropy = self._logprobs(mb, temperature)
-        loss, stats = grpo_loss(new_logprobs * mask, mb.logprobs, mb.ref_logprobs, mb.advantages, mask,
-                                clip_range=cfg.clip_range, beta=cfg.beta, kl_estimator=cfg.kl_estimator,
-                                loss_type=cfg.loss_type, seq_count=counts[0], token_count=counts[1])
-        stats["entropy"] = (entropy * mask).sum() / counts[1]
-        return loss, stats
+
+        def loss_of(output: Any, rows: Rollout) -> tuple[Tensor, dict[str, Tensor]]:
+            # Divided by the global counts: shares of global sums, which add up over rows (micro-batches).
+            new_logprobs, entropy = self.response_logprobs(output, rows, temperature)
+            m = rows.response_mask
+            loss, stats = grpo_loss(new_logprobs * m, rows.logprobs, rows.ref_logprobs, rows.advantages, m,
+                                    clip_range=cfg.clip_range, beta=cfg.beta, kl_estimator=cfg.kl_estimator,
+                                    loss_type=cfg.loss_type, seq_count=counts[0], token_count=counts[1])
+            stats["entropy"] = (entropy * m).sum() / counts[1]
+            return loss, stats
+
+        return self.update_loss(mb, loss_of, temperature=temperature)
 
     @override
     def update_stats(self, avg: dict[str, float]) -> dict[str, float]:

@@ -5,10 +5,12 @@ One training step = one rollout batch of the datamodule's prompts (:class:`~ligh
 :meth:`OnlineRLTask.make_rollout` (generate, score, old and reference log-probs), :meth:`compute_advantages`
 (the algorithm's), then :meth:`policy_update` calls the algorithm's :meth:`minibatch_loss` per mini-batch.
 
-Data parallel only (ddp, zero1/2/3, deepspeed_zero*): every rank rolls out its own prompts and every statistic is
-all-reduced; tensor- and pipeline-parallel ranks would feed one sharded forward different sampled tokens, so
-they are refused at set-up. All forwards run with dropout off (eval mode): the importance ratio must be 1 before
-the first update. ``trainer.max_steps`` counts optimizer steps (Lightning's rule for manual optimization).
+Every layout: data-parallel replicas roll out their own prompts and every statistic is summed over the
+data-parallel group; the ranks of one replica (tensor- or pipeline-parallel) draw the same tokens from one generator
+seeded by the replica. Under a pipeline, rollouts decode through the stages (``decoding_model``), the no-grad
+forwards are forward-only pipeline passes (``run_model``) and each optimizer step's forward and backward runs
+micro-batch by micro-batch (``PipelineRunner.train_additive``: the losses are shares of global sums, so they add
+up). All forwards run with dropout off (eval mode): the importance ratio must be 1 before the first update. ``trainer.max_steps`` counts optimizer steps (Lightning's rule for manual optimization).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,6 +26,7 @@ import torch.distributed as dist
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_llm.contract import pipeline_runner
 from lightning_llm.generation import GenerationConfig, for_datamodule, generate, strip_after_eos
 from lightning_llm.kernels.head_loss import TokenScores
 from lightning_llm.rl.core import entropy_from_logits, logprobs_from_logits
@@ -151,17 +155,6 @@ class OnlineRLTask(DecoderTask):
         return self.reference
 
     @override
-    def setup(self, stage: str) -> None:
-        super().setup(stage)
-        if self.capabilities.pipelined:
-            # The update takes several optimizer steps per batch (manual optimization); a pipeline's schedule runs
-            # Lightning's automatic step only.
-            raise ValueError(
-                f"--trainer.strategy={type(self.trainer.strategy).__name__}: {type(self).__name__} updates with manual "
-                "optimization, which pipeline parallelism does not run; use ddp, tp, zero1/2/3, 3d without "
-                "pipeline_parallel_size, or deepspeed_zero1/2/3")
-
-    @override
     def configure_model(self) -> None:
         super().configure_model()
         if self._reward is None:
@@ -253,7 +246,7 @@ class OnlineRLTask(DecoderTask):
             prompt_ids = prompt_ids.repeat_interleave(repeats, 0)
             prompt_mask = prompt_mask.repeat_interleave(repeats, 0)
             prompts = [p for p in prompts for _ in range(repeats)]
-        responses = generate(self.policy, prompt_ids, prompt_mask, config=cfg, generator=generator,
+        responses = generate(self.policy_decoder(), prompt_ids, prompt_mask, config=cfg, generator=generator,
                              uniforms=uniforms)  # [B, N]
         qr, am, pos, rmask, has_eos = pack_responses(prompt_ids, prompt_mask, responses, cfg.eos_ids)
         texts = [self._decode(ids) for ids in strip_after_eos(responses, cfg.eos_ids)]
@@ -287,9 +280,35 @@ class OnlineRLTask(DecoderTask):
         policy = self.policy
 
         def call(*args: Any, **kwargs: Any) -> Tensor:
-            return self.reference.run(policy, policy, *args, **kwargs)
+            return self.reference.run(policy, self.call_policy, *args, **kwargs)
 
         return r.forward_logprobs(call, temperature=temperature, fused=self.uses_fused_loss())
+
+    # ------------------------------------------------------------------------------------------ model calls
+    def policy_decoder(self) -> Any:
+        """What rollouts decode with: the policy, or under a pipeline its stages run token by token."""
+        runner = pipeline_runner(self.trainer.strategy) if self._trainer is not None else None
+        return runner.decoder() if runner is not None else self.policy
+
+    def call_policy(self, *args: Any, **kwargs: Any) -> Any:
+        """The policy's output (no gradient needed): the policy itself, or a forward-only pass through the pipeline
+        (whose model is the task's model: the policy, with its value head for PPO)."""
+        runner = pipeline_runner(self.trainer.strategy) if self._trainer is not None else None
+        return runner.forward(*args, **kwargs) if runner is not None else self.policy(*args, **kwargs)
+
+    def update_loss(self, mb: Rollout, loss_of: Callable[[Any, Rollout], tuple[Tensor, dict[str, Tensor]]], *,
+                    temperature: float) -> tuple[Tensor, dict[str, Tensor]]:
+        """``loss_of(output, rows)`` on the task model's output for mini-batch ``mb``: one call, or under a pipeline
+        micro-batch by micro-batch (forward and backward run here; ``manual_backward`` then applies the gradients).
+        ``loss_of`` must return shares of global sums (losses and statistics divided by global counts), which add up
+        over the micro-batches of ``mb``."""
+        assert self.model is not None
+        kwargs = self.scoring_kwargs(mb, temperature)
+        runner = pipeline_runner(self.trainer.strategy) if self._trainer is not None else None
+        if runner is None:
+            return loss_of(self.model(mb.query_responses, **kwargs), mb)
+        return runner.train_additive(lambda output, rows: loss_of(output, mb.select(rows)), mb.query_responses,
+                                     **kwargs)
 
     # ------------------------------------------------------------------------------------------ update
     def policy_update(self, r: Rollout) -> dict[str, float]:

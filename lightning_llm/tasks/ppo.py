@@ -17,7 +17,9 @@ with its PEFT adapters off), the update loop and the data-parallel rules are sha
 (:class:`~lightning_llm.tasks.online_rl.OnlineRLTask`); this module holds what is PPO's own: the value head, GAE and
 the clipped value loss.
 
-Data parallel (``ddp``): every rank rolls out its own prompts; batch statistics (whitening, logged means, the KL
+Every layout (:class:`~lightning_llm.tasks.online_rl.OnlineRLTask`'s rules; under a pipeline the value head sits on
+the last stage, and a separate ``critic_backbone`` is refused): every data-parallel replica rolls out its own
+prompts; batch statistics (whitening, logged means, the KL
 fed to the adaptive controller, the ratio-skip decision) are all-reduced, and losses are normalized by the global
 token count, so 2 ranks x B prompts compute what one device computes on 2B prompts. All forwards run with dropout
 off (eval mode), as PPO's importance ratio must be 1 before the first update.
@@ -28,6 +30,7 @@ off (eval mode), as PPO's importance ratio must be 1 before the first update.
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -106,6 +109,27 @@ class PPOTask(OnlineRLTask):
                        + (f"frozen copy, {ref:,} params" if ref else "policy with adapters disabled, 0 extra params"))
         return model
 
+    @override
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        if self.capabilities.pipelined and self.critic_backbone is not None:
+            raise ValueError(f"--model.critic_backbone={self.critic_backbone}: a separate critic trunk is not split into "
+                             "pipeline stages; under pipeline parallelism the value head sits on the policy's last "
+                             "hidden state (leave critic_backbone unset)")
+
+    @override
+    def policy_decoder(self) -> Any:
+        decoder = super().policy_decoder()
+        # Under a pipeline the actor-critic's stages decode: asked for the policy's logits alone.
+        return functools.partial(decoder, values=False) if self.capabilities.pipelined else decoder
+
+    @override
+    def call_policy(self, *args: Any, **kwargs: Any) -> Any:
+        # Under a pipeline the actor-critic is what runs: it is asked for the policy's output alone.
+        if self.capabilities.pipelined:
+            return self.run_model(*args, values=False, **kwargs)
+        return self.policy(*args, **kwargs)
+
     @property
     @override
     def policy(self) -> nn.Module:
@@ -136,10 +160,13 @@ class PPOTask(OnlineRLTask):
         return r
 
     def _forward(self, r: Rollout, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
-        """(log-probs, values, entropies) [b, N] of the responses under the current actor-critic."""
-        assert self.model is not None
-        output, values = self.model(r.query_responses, **self.scoring_kwargs(r, temperature))
-        logprobs, entropy = self.response_logprobs(output, r, temperature)
+        """(log-probs, values, entropies) [b, N] of the responses under the current actor-critic (no gradient)."""
+        return self._scored(self.run_model(r.query_responses, **self.scoring_kwargs(r, temperature)), r, temperature)
+
+    def _scored(self, output: tuple[Any, Tensor], r: Rollout, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+        """The actor-critic's output on ``r`` -> (log-probs, values, entropies) [b, N]."""
+        scores, values = output
+        logprobs, entropy = self.response_logprobs(scores, r, temperature)
         return logprobs, response_logits(values, r.context_length), entropy
 
     @override
@@ -192,15 +219,20 @@ class PPOTask(OnlineRLTask):
         # Global tokens of this mini-batch / world size: DDP's gradient mean then equals the global token mean.
         token_count = self._all_sum(mask.sum().float()) / self._world()
         temperature = self.generation.temperature if self.generation.do_sample else 1.0
-        new_logprobs, vpred, entropy = self._forward(mb, temperature)
-        new_logprobs, vpred = new_logprobs * mask, vpred * mask
-        pg_loss, stats = policy_loss(new_logprobs, mb.logprobs, mb.advantages, mask, clip_range=cfg.clip_range,
-                                     token_count=token_count)
-        vf_loss, vf_clipfrac = value_loss(vpred, mb.values, mb.returns, mask, clip_range_value=cfg.clip_range_value,
-                                          token_count=token_count)
-        stats = {**stats, "policy": pg_loss.detach(), "value": vf_loss.detach(), "vf_clipfrac": vf_clipfrac,
-                 "entropy": (entropy * mask).sum() / token_count}
-        return pg_loss + cfg.vf_coef * vf_loss, stats
+
+        def loss_of(output: Any, rows: Rollout) -> tuple[Tensor, dict[str, Tensor]]:
+            # Divided by the global token count: shares of global sums, which add up over rows (micro-batches).
+            m = rows.response_mask
+            new_logprobs, vpred, entropy = self._scored(output, rows, temperature)
+            pg_loss, stats = policy_loss(new_logprobs * m, rows.logprobs, rows.advantages, m,
+                                         clip_range=cfg.clip_range, token_count=token_count)
+            vf_loss, vf_clipfrac = value_loss(vpred * m, rows.values, rows.returns, m,
+                                              clip_range_value=cfg.clip_range_value, token_count=token_count)
+            stats = {**stats, "policy": pg_loss.detach(), "value": vf_loss.detach(), "vf_clipfrac": vf_clipfrac,
+                     "entropy": (entropy * m).sum() / token_count}
+            return pg_loss + cfg.vf_coef * vf_loss, stats
+
+        return self.update_loss(mb, loss_of, temperature=temperature)
 
     @override
     def update_stats(self, avg: dict[str, float]) -> dict[str, float]:

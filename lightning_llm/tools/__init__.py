@@ -4,7 +4,7 @@
   that fits (the numbers are :mod:`lightning_llm.memory`'s);
 * :mod:`.plot`: ``lightning_llm plot``, loss / throughput curves of a CSVLogger run to a PNG;
 * :mod:`.prepare`: ``lightning_llm prepare``, a pretraining corpus tokenized into its token store before training
-  (:mod:`lightning_llm.data.prepare` does the work).
+  (:mod:`lightning_llm.data.corpus.prepare` does the work).
 
 ``export`` and ``merge`` live with the export code (:mod:`lightning_llm.export`). Nothing in the library imports
 this package.

@@ -60,23 +60,24 @@ def strategy_args(strategy: str) -> dict[str, Any]:
     tensor/pipeline degrees come from ``--tp``/``--pp``)."""
     if strategy == "ddp":
         return {"stage": 0, "engine": "ddp", "offload_optimizer": False, "offload_params": False}
-    if strategy in ("tp", "pp", "3d"):
+    if strategy in ("tp", "pp", "cp", "3d"):
         return {"stage": 0, "engine": "native", "offload_optimizer": False, "offload_params": False}
     if strategy not in ZERO_PRESETS:
-        raise ValueError(f"--strategy={strategy}: choose ddp, tp, pp, 3d or one of {', '.join(ZERO_PRESETS)}")
+        raise ValueError(f"--strategy={strategy}: choose ddp, tp, pp, cp, 3d or one of {', '.join(ZERO_PRESETS)}")
     args = {"engine": "native", "offload_optimizer": False, "offload_params": False, **ZERO_PRESETS[strategy]}
     return args
 
 
-def _degrees(a: argparse.Namespace) -> tuple[int, int, int]:
-    """(tp, pp, dp) from ``--strategy``, ``--devices``, ``--tp``, ``--pp``."""
+def _degrees(a: argparse.Namespace) -> tuple[int, int, int, int]:
+    """(tp, pp, cp, dp) from ``--strategy``, ``--devices``, ``--tp``, ``--pp``, ``--cp``."""
     tp = a.tp if a.tp is not None else (a.devices if a.strategy == "tp" else 1)
     pp = a.pp if a.pp is not None else (a.devices if a.strategy == "pp" else 1)
-    if tp < 1 or pp < 1 or a.devices % (tp * pp):
-        raise ValueError(f"--devices={a.devices} must be a multiple of --tp={tp} x --pp={pp}")
-    if a.strategy not in ("tp", "pp", "3d") and tp * pp > 1:
-        raise ValueError(f"--strategy={a.strategy} is data parallel: --tp/--pp need --strategy=tp, pp or 3d")
-    return tp, pp, a.devices // (tp * pp)
+    cp = a.cp if a.cp is not None else (a.devices if a.strategy == "cp" else 1)
+    if tp < 1 or pp < 1 or cp < 1 or a.devices % (tp * pp * cp):
+        raise ValueError(f"--devices={a.devices} must be a multiple of --tp={tp} x --pp={pp} x --cp={cp}")
+    if a.strategy not in ("tp", "pp", "cp", "3d") and tp * pp * cp > 1:
+        raise ValueError(f"--strategy={a.strategy} is data parallel: --tp/--pp/--cp need --strategy=tp, pp, cp or 3d")
+    return tp, pp, cp, a.devices // (tp * pp * cp)
 
 
 def _gib(n: float) -> str:
@@ -102,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
                         "--strategy=tp, else 1)")
     parser.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree (default: all devices for "
                         "--strategy=pp, else 1)")
+    parser.add_argument("--cp", type=int, default=None, help="context-parallel degree: ranks sharing each sequence "
+                        "(default: all devices for --strategy=cp, else 1)")
     parser.add_argument("--init", choices=["random", "checkpoint"], default=None, help="whether set-up initialises "
                         "randomly or reads a checkpoint (default: checkpoint when --model is a directory)")
     parser.add_argument("--zero-stage", type=int, default=None, help="ZeRO stage over the data-parallel devices of "
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         if seq < 1:
             raise ValueError(f"--seq-len={seq}: must be >= 1")
         sargs = strategy_args(a.strategy)
-        tp, pp, dp = _degrees(a)
+        tp, pp, cp, dp = _degrees(a)
         if a.zero_stage is not None:
             sargs["stage"] = a.zero_stage
         if a.quantize and (tp > 1 or pp > 1):
@@ -134,10 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         numel = count_parameters(config)
         fused = a.fused_loss == "on"  # tp: the vocab-parallel fused loss on V/tp shards; pp: on the last stage
         est, share = estimate_layout(config, tp=tp, pp=pp, dp=dp, batch_size=a.batch_size, seq_len=seq,
-                                     precision=a.precision, fused_loss=fused,
+                                     precision=a.precision, fused_loss=fused, cp=cp,
                                      quantized=Quantized(a.quantize, QuantizationConfig()) if a.quantize else None,
                                      **sargs)
-        loss_paths = {k: loss_bytes(config, tokens=a.batch_size * seq, precision=a.precision, fused=k == "fused",
+        loss_paths = {k: loss_bytes(config, tokens=a.batch_size * seq // cp, precision=a.precision, fused=k == "fused",
                                      tp=tp) for k in ("fused", "eager")}
         setup = setup_peak_bytes(share, param_bytes=bytes_per_param(sargs["engine"], a.precision)[0],
                                  from_checkpoint=(a.init or ("checkpoint" if Path(a.model).expanduser().is_dir()
@@ -150,11 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"lightning_llm estimate: error: {e}", file=sys.stderr)
         return 2
     fit = max_batch_size(est, memory_bytes=a.gpu_memory_gib * GIB, reserve_bytes=a.reserve_gib * GIB,
-                         loss=lambda batch: loss_bytes(config, tokens=batch * seq, precision=a.precision,
+                         loss=lambda batch: loss_bytes(config, tokens=batch * seq // cp, precision=a.precision,
                                                         fused=fused, tp=tp))
     report = {
         "model": a.model, "parameters": numel, "quantize": a.quantize, "strategy": a.strategy, "stage": sargs["stage"],
-        "engine": sargs["engine"], "precision": a.precision, "devices": a.devices, "tp": tp, "pp": pp, "dp": dp,
+        "engine": sargs["engine"], "precision": a.precision, "devices": a.devices, "tp": tp, "pp": pp, "cp": cp, "dp": dp,
         "batch_size": a.batch_size, "setup_peak_bytes": setup,
         "seq_len": seq, "bytes": {"params": est.params, "grads": est.grads, "optim": est.optim,
                                   "activations": est.activations, "loss": est.loss,
@@ -168,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report))
         return 0
     print(f"{a.model}: {numel:,} parameters | {a.strategy} (stage {sargs['stage']}, {sargs['engine']}) | "
-          f"{a.precision} | {a.devices} device(s): tp {tp} x pp {pp} x dp {dp} | batch {a.batch_size} x {seq} tokens")
+          f"{a.precision} | {a.devices} device(s): tp {tp} x pp {pp} x cp {cp} x dp {dp} | batch {a.batch_size} x {seq} tokens")
     print(f"set-up peak (sharded construction, before the first step): {_gib(setup).strip()}")
     print("per-device memory:")
     for label, v in (("parameters", est.params), ("gradients", est.grads), ("optimizer states", est.optim),

@@ -66,7 +66,8 @@ class PipelineDecoder:
 
     @torch.no_grad()
     def __call__(self, input_ids: Tensor, *, attention_mask: Tensor, position_ids: Tensor,
-                 kv_cache: KVCache | None = None) -> Tensor:
+                 kv_cache: KVCache | None = None, **extra: Any) -> Tensor:
+        """``extra``: keyword inputs every stage receives as well (e.g. ``values=False`` for PPO's actor-critic)."""
         x: Tensor | None = input_ids
         past = kv_cache.seq_len if kv_cache is not None else 0
         for s in range(self.num_stages):
@@ -78,7 +79,7 @@ class PipelineDecoder:
             if kv_cache is not None:
                 kv_cache.seq_len = past  # every stage of this call starts from the same cached length
                 cache_kw["kv_cache"] = kv_cache
-            x = self.stages[s](x, attention_mask=attention_mask, position_ids=position_ids, **cache_kw)
+            x = self.stages[s](x, attention_mask=attention_mask, position_ids=position_ids, **cache_kw, **extra)
             if s < self.num_stages - 1 and self.owners[s + 1] != self.pp_rank:
                 self._send(x, s + 1)
         b = input_ids.shape[0]

@@ -10,20 +10,24 @@ call it (the contract of :mod:`lightning_llm.contract`). Nothing of the task is 
 * training runs forward and backward of every micro-batch; the gradients are kept aside (:meth:`take_grads`) until
   the strategy's ``backward``, because Lightning zeroes gradients between ``training_step`` and ``backward``;
 * the mean loss and the metric outputs (in training only for a task that logs them, ``wants_train_outputs``) are
-  sent to every pipeline rank, so logging, progress bars and checkpoint monitors see the real value.
+  sent to every pipeline rank, so logging, progress bars and checkpoint monitors see the real value;
+* a manual-optimization task (PPO, GRPO) runs each optimizer step's forward and backward with
+  :meth:`PipelineRunner.train_additive`: a loss function whose losses and statistics add up over micro-batches (each
+  a share of a global sum), the gradients kept aside for the strategy's ``backward`` as in automatic training.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
 
 from lightning_llm.contract import declared_inputs
 from lightning_llm.strategies.pipeline.decode import PipelineDecoder
@@ -44,7 +48,11 @@ from lightning_llm.strategies.pipeline.stats import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PipelineRunner", "split_inputs"]
+__all__ = ["AdditiveLoss", "PipelineRunner", "split_inputs"]
+
+AdditiveLoss = Callable[[Any, Tensor], tuple[Tensor, dict[str, Tensor]]]
+"""``loss_fn(output, rows) -> (loss, stats)`` of the micro-batch holding ``rows`` (indices into the batch): scalars
+whose sums over the micro-batches are the batch's loss and statistics."""
 
 
 def split_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -112,6 +120,28 @@ class PipelineRunner:
         self._outputs: dict[int, dict[str, Any]] | None = None  # first row -> micro-batch outputs (when asked for)
         self._grads: tuple[list[Tensor | None], list[Tensor | None]] | None = None
         self._decoder: PipelineDecoder | None = None
+        # train_additive: (loss function, micro-batches, first row -> (loss, stats)) while its schedule runs
+        self._additive: tuple[AdditiveLoss, int, dict[int, tuple[Tensor, dict[str, Tensor]]]] | None = None
+        self._output_spec: TreeSpec | None = None  # the last stage's output structure (see _plain_tuple_output)
+        for mod, spec in zip(self.stage_mods, self.specs):
+            if spec.is_last:
+                mod.register_forward_hook(self._plain_tuple_output)
+
+    def _plain_tuple_output(self, _module: nn.Module, _args: Any, out: Any) -> Any:
+        """torch's stages take a last-stage output of several tensors only as a flat ``tuple`` of tensors (a
+        NamedTuple such as ``TokenScores``, or PPO's ``(TokenScores, values)``, is refused or taken as one value):
+        hand them the flat leaves and give the task its structure back (:meth:`_task_output`)."""
+        self._output_spec = None
+        if isinstance(out, Tensor) or (type(out) is tuple and all(isinstance(t, Tensor) for t in out)):
+            return None
+        leaves, spec = tree_flatten(out)
+        self._output_spec = spec
+        return tuple(leaves)
+
+    def _task_output(self, out: Any) -> Any:
+        if self._output_spec is not None and type(out) is tuple:
+            return tree_unflatten(list(out), self._output_spec)
+        return out
 
     @property
     def is_last_stage_rank(self) -> bool:
@@ -141,8 +171,8 @@ class PipelineRunner:
         """A forward-only pass (prediction): the last stage's output, on every pipeline rank."""
         args, kwargs = split_inputs(args, kwargs)
         sched, _ = self._schedule_for(args, kwargs, train=False)
-        out = self._broadcast_from_last(run_schedule(sched, self.specs, args, kwargs))
-        return out.to(self.device) if isinstance(out, Tensor) else out
+        out = self._broadcast_from_last(self._task_output(run_schedule(sched, self.specs, args, kwargs)))
+        return tree_map(lambda t: t.to(self.device) if isinstance(t, Tensor) else t, out)
 
     def decoder(self) -> PipelineDecoder:
         """The model for token-by-token generation through this rank's stages (:mod:`.decode`)."""
@@ -161,7 +191,7 @@ class PipelineRunner:
         out = run_schedule(sched, self.specs, args, kwargs)
         result: Any = None
         if self.is_last_stage_rank:
-            loss, outputs = task.loss_from_output(out, batch, stage)
+            loss, outputs = task.loss_from_output(self._task_output(out), batch, stage)
             result = (loss.detach(), outputs)
         loss, outputs = self._broadcast_from_last(result)
         return loss.to(self.device), outputs
@@ -169,10 +199,12 @@ class PipelineRunner:
     def _microbatch_loss(self, output: Any, index: Tensor) -> Tensor:
         """Schedule ``loss_fn`` on the last stage: the task's loss of micro-batch ``index`` of the current batch."""
         t0 = time.perf_counter()
+        if self._additive is not None:
+            return self._additive_loss(output, index)
         assert self._current is not None
         task, batch, stage = self._current
         mb = select_microbatch(batch, index.to(self.device))
-        loss, outputs = task.loss_from_output(output, mb, stage)
+        loss, outputs = task.loss_from_output(self._task_output(output), mb, stage)
         if self._outputs is not None:
             self._outputs[int(index[0])] = _detached(outputs)
         if self._scale is not None:
@@ -227,6 +259,54 @@ class PipelineRunner:
             outputs = self._broadcast_from_last(merged if self.is_last_stage_rank else None)
         self._outputs = None
         return loss.to(device=self.device, dtype=torch.float32), outputs
+
+    def _additive_loss(self, output: Any, index: Tensor) -> Tensor:
+        assert self._additive is not None
+        loss_fn, m, parts = self._additive
+        loss, stats = loss_fn(self._task_output(output), index.to(self.device))
+        parts[int(index[0])] = (loss.detach(), {k: v.detach() for k, v in stats.items()})
+        return loss * m  # the schedule divides gradients by the micro-batch count; these losses add up instead
+
+    def train_additive(self, loss_fn: AdditiveLoss, *args: Any, **kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
+        """Forward and backward of the model call ``model(*args, **kwargs)`` through the pipeline, micro-batch by
+        micro-batch, with the loss ``loss_fn`` (see :data:`AdditiveLoss`): the gradients are those of the sum of
+        the micro-batch losses, kept aside for the strategy's ``backward`` (a task's ``manual_backward``). Returns
+        the summed loss (detached) and statistics, the same on every pipeline rank.
+
+        Micro-batches: the largest divisor of the batch up to ``n_microbatches`` (the losses add up, so they need
+        not be equal)."""
+        args, kwargs = split_inputs(args, kwargs)
+        n = args[0].shape[0]
+        m = microbatch_count(n, n_microbatches=self.n_microbatches, train=False)
+        if m < len(self.specs) * self.pp_size and self.schedule != "gpipe":
+            raise ValueError(f"a manual-optimization step of {n} rows splits into {m} micro-batches, fewer than the "
+                             f"{len(self.specs) * self.pp_size} pipeline stages that schedule={self.schedule!r} "
+                             "needs: use a mini-batch size divisible by --trainer.strategy.n_microbatches, or "
+                             "--trainer.strategy.schedule=gpipe")
+        key = schedule_key(args, kwargs, train=True, m=m)
+        if key not in self._schedules:
+            self._schedules[key] = build_schedule(
+                schedule=self.schedule, stage_mods=self.stage_mods, specs=self.specs, device=self.device,
+                group=self.pp_group, n_microbatches=m, loss_fn=self._microbatch_loss, wrap=self._timer.wrap)[0]
+        prev = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        self._additive = (loss_fn, m, {})
+        try:
+            run_schedule(self._schedules[key], self.specs, args, kwargs, target=torch.arange(n, device=self.device))
+            parts = self._additive[2]
+        finally:
+            self._additive = None
+        self._grads = (prev, [p.grad for p in self.params])
+        for p in self.params:  # hidden from zero_grad; the strategy's backward() puts them back
+            p.grad = None
+        summed = None
+        if self.is_last_stage_rank:
+            losses = [parts[k][0] for k in sorted(parts)]
+            summed = (torch.stack(losses).sum(), {name: torch.stack([parts[k][1][name] for k in sorted(parts)]).sum()
+                                                  for name in parts[min(parts)][1]})
+        loss, stats = self._broadcast_from_last(summed)
+        return loss.to(self.device), {k: v.to(self.device) for k, v in stats.items()}
 
     def _global_weight(self, weight: float) -> float:
         """The loss weight of the global batch: summed over the data-parallel replicas (a collective)."""

@@ -25,7 +25,7 @@ from torch.distributed.pipelining import (
 )
 from torch.utils.checkpoint import checkpoint
 
-from lightning_llm.strategies.pipeline.split import StageSpec, layout_of
+from lightning_llm.strategies.pipeline.split import StageSpec, layout_of, module_at
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +136,6 @@ def _checkpointed(forward: Callable[..., Tensor]) -> Callable[..., Tensor]:
 
 def checkpoint_blocks(model: nn.Module, specs: Sequence[StageSpec]) -> None:
     """Recompute each of the local stages' blocks in backward (non-reentrant ``torch.utils.checkpoint``)."""
-    blocks = getattr(model, layout_of(model).layers)
+    blocks = module_at(model, layout_of(model).layers)
     for k in (k for s in specs for k in s.layers):
         blocks[k].forward = _checkpointed(blocks[k].forward)

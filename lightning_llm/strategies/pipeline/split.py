@@ -14,11 +14,17 @@ Two operations on a built model:
   and missing last modules as "return hidden states".
 * :func:`prune_model` -> deletes, in place, everything the local stages do not use, so parameter names stay global
   (``layers.2.mlp.up_proj.weight``) and each rank's state dict is its shard of the full one.
+
+A module that wraps a family model and adds modules after it (PPO's actor-critic: a value head on the policy's last
+hidden state) declares ``pipeline_last_modules`` (names of its own children): its family's spec is then taken with
+dotted paths (``policy.layers``), the declared modules join the last stage, and the wrapper's ``forward`` must return
+its trunk's output where those modules are ``None`` (a stage before the last), as the families do.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -30,18 +36,48 @@ from lightning_llm.models import PARALLEL_SPECS, ParallelSpec, parallel_spec_of
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StageSpec", "layout_of", "split_layers", "stage_specs",
+__all__ = ["StageSpec", "layout_of", "module_at", "split_layers", "stage_specs",
            "stage_ranks", "stage_module", "prune_model", "tied_across_stages"]
 
 
+def module_at(model: nn.Module, path: str) -> nn.Module | None:
+    """The submodule at a dotted ``path`` (``policy.layers``), or None where a split removed it."""
+    mod: nn.Module | None = model
+    for name in path.split("."):
+        mod = getattr(mod, name, None) if mod is not None else None
+    return mod
+
+
+def _set_at(model: nn.Module, path: str, value: nn.Module | None) -> None:
+    parent, _, name = path.rpartition(".")
+    owner = module_at(model, parent) if parent else model
+    if owner is not None and getattr(owner, name, None) is not None:
+        setattr(owner, name, value)
+
+
+def _wrapped_spec(prefix: str, spec: ParallelSpec, extra: tuple[str, ...]) -> ParallelSpec:
+    """A family's spec seen from a wrapper holding it at ``prefix`` (``"policy."``) with ``extra`` last modules."""
+    def tied(model: nn.Module) -> tuple[tuple[str, str], ...]:
+        inner = module_at(model, prefix[:-1])
+        return tuple((prefix + a, prefix + b) for a, b in spec.tied(inner)) if inner is not None else ()
+
+    return dataclasses.replace(spec, first=tuple(prefix + n for n in spec.first),
+                               last=(*(prefix + n for n in spec.last), *extra), layers=prefix + spec.layers,
+                               tied=tied)
+
+
 def layout_of(model: nn.Module) -> ParallelSpec:
-    """The family spec of ``model`` itself (its ``first``/``last`` modules and ``layers`` container)."""
+    """The family spec of ``model`` itself (its ``first``/``last`` modules and ``layers`` container, dotted paths
+    for a wrapper declaring ``pipeline_last_modules``, see the module docstring)."""
     found = parallel_spec_of(model)
-    if found is None or found[0] != "":
-        known = ", ".join(c.__name__ for c in PARALLEL_SPECS)
-        raise ValueError(f"pipeline parallelism can split the registered model families ({known}); the task built "
-                         f"{type(model).__name__}")
-    return found[2]
+    if found is not None and found[0] == "":
+        return found[2]
+    extra = getattr(model, "pipeline_last_modules", None)
+    if found is not None and extra is not None:
+        return _wrapped_spec(found[0], found[2], tuple(extra))
+    known = ", ".join(c.__name__ for c in PARALLEL_SPECS)
+    raise ValueError(f"pipeline parallelism can split the registered model families ({known}) and modules that "
+                     f"wrap one declaring pipeline_last_modules; the task built {type(model).__name__}")
 
 
 @dataclass(frozen=True)
@@ -100,7 +136,7 @@ def split_layers(
     and the final norm and heads on the last.
     """
     layout = layout_of(model)
-    keys = list(getattr(model, layout.layers).keys())
+    keys = list(module_at(model, layout.layers).keys())
     n = len(keys)
     if num_stages > n:
         raise ValueError(f"pipeline_parallel_size x stages_per_rank = {num_stages} stages, but the model has only {n} "
@@ -116,11 +152,11 @@ def split_layers(
         sizes = [base + (1 if s < extra else 0) for s in range(num_stages)]
         starts = [sum(sizes[:s]) for s in range(num_stages)]
     elif balance == "params":
-        layers = getattr(model, layout.layers)
+        layers = module_at(model, layout.layers)
         weights = [float(sum(p.numel() for p in layers[k].parameters())) for k in keys]
 
         def count(names: Sequence[str]) -> float:
-            mods = [getattr(model, a, None) for a in names]
+            mods = [module_at(model, a) for a in names]
             return float(sum(p.numel() for m in mods if m is not None for p in m.parameters()))
 
         weights[0] += count(layout.first)
@@ -147,23 +183,45 @@ def stage_specs(layer_split: list[tuple[str, ...]], pp_rank: int, owners: list[i
     return [StageSpec(s, num, layer_split[s]) for s in range(num) if owners[s] == pp_rank]
 
 
+_REGISTRIES = ("_modules", "_parameters", "_buffers", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+               "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
+
+
+def _shallow_view(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` with its own registries (edits stay local) and its own forward hooks (the split
+    model's guard against direct calls is not the view's: the schedule runs the views)."""
+    view = copy.copy(module)
+    for registry in _REGISTRIES:
+        object.__setattr__(view, registry, type(getattr(module, registry))(getattr(module, registry)))
+    return view
+
+
 def stage_module(model: nn.Module, spec: StageSpec) -> nn.Module:
     """A view of ``model`` running only ``spec``'s part; shares all parameters and buffers with ``model``."""
     layout = layout_of(model)
-    view = copy.copy(model)  # shallow: same submodules; the registries are copied below so edits stay local
-    # Own registries (edits stay local) and own forward hooks (the split model's guard against direct calls is not
-    # the view's: the schedule runs the views).
-    for registry in ("_modules", "_parameters", "_buffers", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
-                     "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
-        object.__setattr__(view, registry, type(getattr(model, registry))(getattr(model, registry)))
-    all_layers = getattr(model, layout.layers)
-    setattr(view, layout.layers, nn.ModuleDict({k: all_layers[k] for k in spec.layers}))
-    for name in () if spec.is_first else layout.first:
-        if getattr(view, name, None) is not None:
-            setattr(view, name, None)
-    for name in () if spec.is_last else layout.last:
-        if getattr(view, name, None) is not None:
-            setattr(view, name, None)
+    view = _shallow_view(model)
+
+    def owner_in_view(path: str) -> tuple[nn.Module, str]:
+        """The view's module owning ``path``'s last name; modules on the way become views too (once)."""
+        *parents, name = path.split(".")
+        mod = view
+        for parent in parents:
+            child = getattr(mod, parent)
+            if not getattr(child, "_lightning_llm_stage_view", False):
+                child = _shallow_view(child)
+                object.__setattr__(child, "_lightning_llm_stage_view", True)
+                setattr(mod, parent, child)
+            mod = child
+        return mod, name
+
+    owner, name = owner_in_view(layout.layers)
+    all_layers = getattr(owner, name)
+    setattr(owner, name, nn.ModuleDict({k: all_layers[k] for k in spec.layers}))
+    dropped = (() if spec.is_first else layout.first) + (() if spec.is_last else layout.last)
+    for path in dropped:
+        owner, name = owner_in_view(path)
+        if getattr(owner, name, None) is not None:
+            setattr(owner, name, None)
     return view
 
 
@@ -182,15 +240,13 @@ def prune_model(model: nn.Module, specs: Sequence[StageSpec]) -> None:
     """Delete, in place, the blocks and first/last modules that none of ``specs`` runs (names stay global)."""
     layout = layout_of(model)
     keep = {k for s in specs for k in s.layers}
-    layers = getattr(model, layout.layers)
+    layers = module_at(model, layout.layers)
     for k in list(layers.keys()):
         if k not in keep:
             del layers[k]
     if not any(s.is_first for s in specs):
-        for name in layout.first:
-            if getattr(model, name, None) is not None:
-                setattr(model, name, None)
+        for path in layout.first:
+            _set_at(model, path, None)
     if not any(s.is_last for s in specs):
-        for name in layout.last:
-            if getattr(model, name, None) is not None:
-                setattr(model, name, None)
+        for path in layout.last:
+            _set_at(model, path, None)

@@ -1,16 +1,18 @@
 """Conversations -> token ids and the assistant tokens to learn, with one chat template.
 
 **Which tokens are labelled.** A conversation is rendered and tokenized whole, exactly as
-``tokenizer.apply_chat_template(messages, tokenize=True)`` does. For an assistant message ``i`` the tokens of
-``messages[:i]`` rendered with the generation prompt (what generation is given) and of ``messages[:i + 1]`` must both
-be prefixes of the whole conversation's tokens; the reply is the tokens in between, and it is learned up to and
-including the template's end-of-turn token (the one generation stops at; what follows it, e.g. ChatML's newline, is
-not learned). Everything else (system, user and tool messages, the generation prompt, the template's own markers) is
-not. So the labelled tokens are what the model generates at inference, and the prompt it is trained on is the prompt
-it is served. Refused with the record's file and line: a template that is not prefix-stable (it rewrites earlier
-turns; ``--data.assistant_turns=last`` needs the property for the last reply only), a tokenization that merges
-across the start of a reply, a reply that holds the end-of-turn token in its text, a template that drops a message,
-a field or the tools (a role it does not know), and the template's own errors (e.g. roles that do not alternate).
+``tokenizer.apply_chat_template(messages, tokenize=True)`` does, and every reply is learned as that whole rendering
+has it: from after its assistant header up to and including the template's end-of-turn token (the one generation
+stops at; what follows it, e.g. ChatML's newline, is not learned), with whatever the template writes into the turn
+(Qwen3's empty think block). Everything else (system, user and tool messages, the headers, the template's own
+markers) is not. Where the template is prefix-stable at reply ``i`` (the tokens of ``messages[:i]`` rendered with the
+generation prompt, and of ``messages[:i + 1]``, are prefixes of the whole conversation's tokens), the reply is the
+tokens in between: the prompt it is trained on is the prompt it is served. Where it is not (a template that rewrites
+earlier turns: Qwen3, DeepSeek-R1), the reply is located in the whole rendering (:mod:`.spans`). Refused with
+the record's file and line: a reply that neither way can locate, a tokenization that merges across the start of a
+reply, a reply that holds the end-of-turn token in its text, a template that drops a message, a field, a reply's
+answer (its reasoning, up to ``</think>``, may be dropped) or the tools (a role it does not know), and the
+template's own errors (e.g. roles that do not alternate).
 
 **The end-of-turn token** is found once, from a probe conversation: the first special token after the reply in an
 assistant turn (``<|im_end|>``, ``<|eot_id|>``, EOS). Generation stops at it and at EOS
@@ -30,8 +32,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lightning_llm.data.chat import Conversation, text_pieces
-from lightning_llm.data.chat_template import ChatTemplate, chat_tokenizer
+from lightning_llm.data.chat.messages import Conversation, text_pieces
+from lightning_llm.data.chat.spans import TurnLocator, common_prefix, generation_spans, has_generation_blocks
+from lightning_llm.data.chat.template import ChatTemplate, chat_tokenizer
 from lightning_llm.data.io import DataError
 
 log = logging.getLogger(__name__)
@@ -117,7 +120,7 @@ class ChatEncoder:
             return self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=template,
                                                       add_generation_prompt=generation_prompt, tokenize=False,
                                                       **self._kwargs)
-        except TemplateError as e:
+        except (TemplateError, TypeError) as e:  # TypeError: the template's own operations on the record's values
             raise DataError(f"{where or self.param}: the chat template ({self.template.name}) cannot render this "
                             f"conversation: {e}") from None
 
@@ -142,11 +145,14 @@ class ChatEncoder:
         reply = {"role": "assistant", "content": _PROBE_REPLY}
         prompt, whole = self.render(user, generation_prompt=True), self.render([*user, reply])
         name = f"{self.param}={self.template.name}"
-        if not whole.startswith(prompt):
+        # The header: the generation prompt as far as the rendered turn has it (DeepSeek-R1's turn lacks the
+        # "<think>\n" its generation prompt adds; see spans.py).
+        header = common_prefix(prompt, whole)
+        if header < len(self.render(user)):
             raise ValueError(f"{name}: the template is not prefix-stable: a conversation rendered with the generation "
-                             f"prompt ({prompt!r}) is not the beginning of the same conversation with the reply "
+                             f"prompt ({prompt!r}) does not begin as the same conversation with the reply "
                              f"({whole!r}), so the reply's tokens cannot be located")
-        turn = whole[len(prompt):]
+        turn = whole[header:]
         at = turn.find(_PROBE_REPLY)
         if at < 0:
             raise ValueError(f"{name}: the template does not render an assistant reply as given ({turn!r})")
@@ -161,19 +167,20 @@ class ChatEncoder:
                              "or an end-of-turn token): the model could not learn where a reply ends and generation "
                              "would not stop; use a template whose replies end with one")
         end_of_turn = specials[found[0][2]]
-        p_ids, w_ids = self.tokenize(prompt), self.tokenize(whole)
+        p_ids, w_ids = self.tokenize(whole[:header]), self.tokenize(whole)
         stops = {end_of_turn, self.eos_token_id}
         return end_of_turn, sum(t in stops for t in w_ids[len(p_ids):])
 
     def check_rendered(self, conv: Conversation, text: str, *, learned: list[int]) -> None:
         """Refuse a rendering that drops a message's text (a role or field the template ignores) or the tools. Replies
         that are not learned (history under ``assistant_turns=last``) may be rendered shortened: a template may
-        rewrite past replies (e.g. drop their reasoning), and the model sees them so at inference too."""
+        rewrite past replies (e.g. drop their reasoning), and the model sees them so at inference too; learned ones
+        may lose their reasoning (up to the last ``</think>``: reasoning templates drop it), not their answer."""
         pos = 0
         for i, message in enumerate(conv.messages):
             if message["role"] == "assistant" and i not in learned:
                 continue
-            for piece in text_pieces(message):
+            for piece in text_pieces(message, reasoning=message["role"] != "assistant"):
                 found = text.find(piece, pos)
                 if found < 0:
                     raise DataError(f"{conv.where}: the chat template ({self.template.name}) drops the "
@@ -185,35 +192,75 @@ class ChatEncoder:
 
     # ------------------------------------------------------------------------------------------ replies
     def encode(self, conv: Conversation, *, turns: Literal["all", "last"] = "all") -> Encoded:
-        """The conversation's token ids and the spans of its replies (every assistant message, or the last)."""
+        """The conversation's token ids and the spans of its replies (every assistant message, or the last): by
+        prefixes where the template is prefix-stable at a reply, else located in the whole rendering
+        (:class:`~lightning_llm.data.chat.spans.TurnLocator`)."""
         msgs, tools, where = conv.messages, conv.tools, conv.where
         text = self.render(msgs, tools, where=where)
         ids = self.tokenize(text)
         replies = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
         learned = replies[-1:] if turns == "last" else replies
-        stops = set(self.stop_token_ids)
-        spans = []
+        spans: list[tuple[int, int]] = []
+        located: dict[str, Any] = {}  # what locating computes once per conversation
         for i in learned:
-            p_text = self.render(msgs[:i], tools, generation_prompt=True, where=where)
-            q_text = self.render(msgs[: i + 1], tools, where=where)
-            if not (q_text.startswith(p_text) and text.startswith(q_text)):
-                hint = "" if turns == "last" else "; --data.assistant_turns=last needs this for the last reply only"
-                raise DataError(f"{where}: the chat template ({self.template.name}) is not prefix-stable at message "
-                                f"{i + 1}: the conversation up to it (with the generation prompt) does not render as "
-                                f"the beginning of the whole conversation (the template rewrites earlier turns){hint}")
-            p, q = self.tokenize(p_text), self.tokenize(q_text)
-            if ids[: len(p)] != p or ids[: len(q)] != q:
-                raise DataError(f"{where}: tokens merge across the start or end of assistant message {i + 1} (the "
-                                "prompt tokenized alone is not the beginning of the whole conversation's tokens), so "
-                                "the trained prompt would differ from the generation prompt")
-            at = [k for k, t in enumerate(ids[len(p):len(q)]) if t in stops]
-            if len(at) != self._stops_per_turn:
-                raise DataError(f"{where}: assistant message {i + 1} holds the end-of-turn token "
-                                f"{self.tokenizer.convert_ids_to_tokens(self.end_of_turn_id)!r} (or EOS) in its "
-                                "text; the reply would end there")
-            spans.append((len(p), len(p) + at[0] + 1))
+            span = self._prefix_span(conv, i, text, ids)
+            spans.append(span if span is not None else self._located_span(conv, i, text, ids, located))
         self.check_rendered(conv, text, learned=learned)
         return Encoded(ids, spans)
+
+    def _stop_texts(self) -> list[str]:
+        return [self.tokenizer.convert_ids_to_tokens(t) for t in self.stop_token_ids]
+
+    def _located_span(self, conv: Conversation, i: int, text: str, ids: list[int], cache: dict[str, Any]
+                      ) -> tuple[int, int]:
+        """Reply ``i``'s span in the whole rendering where the template is not prefix-stable at it: from the
+        template's ``{% generation %}`` blocks, else located by :class:`~lightning_llm.data.chat.spans.TurnLocator`."""
+        if "blocks" not in cache:
+            cache["blocks"] = self._generation_spans(conv, text, ids)
+        if cache["blocks"] is not None:
+            return cache["blocks"][i]
+        if "locator" not in cache:
+            cache["locator"] = TurnLocator(
+                conv.messages, text, ids, render=lambda m, **kw: self.render(m, conv.tools, where=conv.where, **kw),
+                tokenize=self.tokenize, stop_texts=self._stop_texts(), template=self.template.name, where=conv.where)
+        return cache["locator"].span(i)
+
+    def _generation_spans(self, conv: Conversation, text: str, ids: list[int]) -> dict[int, tuple[int, int]] | None:
+        """The replies' spans from the template's ``{% generation %}`` blocks, rendered by transformers' renderer (the
+        one ``return_assistant_tokens_mask`` uses) with the tokenizer's special tokens; ``None`` without blocks, or
+        when this rendering is not ``text``."""
+        if not has_generation_blocks(self.template.source):
+            return None
+        from transformers.utils.chat_template_utils import render_jinja_template  # loaded lazily, as tokenizers.py does
+
+        rendered, blocks = render_jinja_template(
+            conversations=[conv.messages], tools=conv.tools, chat_template=self.template.source,
+            return_assistant_tokens_mask=True, **{**self.tokenizer.special_tokens_map, **self._kwargs})
+        if rendered[0] != text:
+            return None
+        replies = [i for i, m in enumerate(conv.messages) if m["role"] == "assistant"]
+        return generation_spans(text, ids, blocks[0], replies, tokenize=self.tokenize,
+                                stop_ids=self.stop_token_ids, where=conv.where)
+
+    def _prefix_span(self, conv: Conversation, i: int, text: str, ids: list[int]) -> tuple[int, int] | None:
+        """Reply ``i``'s span when the conversation up to it, with the generation prompt and with the reply, renders
+        as the beginning of the whole ``text``; ``None`` when the template rewrites it there."""
+        msgs, tools, where = conv.messages, conv.tools, conv.where
+        p_text = self.render(msgs[:i], tools, generation_prompt=True, where=where)
+        q_text = self.render(msgs[: i + 1], tools, where=where)
+        if not (q_text.startswith(p_text) and text.startswith(q_text)):
+            return None
+        p, q = self.tokenize(p_text), self.tokenize(q_text)
+        if ids[: len(p)] != p or ids[: len(q)] != q:
+            raise DataError(f"{where}: tokens merge across the start or end of assistant message {i + 1} (the "
+                            "prompt tokenized alone is not the beginning of the whole conversation's tokens), so "
+                            "the trained prompt would differ from the generation prompt")
+        at = [k for k, t in enumerate(ids[len(p):len(q)]) if t in self.stop_token_ids]
+        if len(at) != self._stops_per_turn:
+            raise DataError(f"{where}: assistant message {i + 1} holds the end-of-turn token "
+                            f"{self.tokenizer.convert_ids_to_tokens(self.end_of_turn_id)!r} (or EOS) in its "
+                            "text; the reply would end there")
+        return len(p), len(p) + at[0] + 1
 
     # ------------------------------------------------------------------------------------------ fitting
     def fit_prompt(self, conv: Conversation, limit: int, *, length: int | None = None) -> Conversation:

@@ -222,13 +222,15 @@ def check_turns(conv: Conversation, *, ends_with: Literal["assistant", "user", "
         raise DataError(f"{conv.where}: the conversation must end with a user message (the prompt to answer)")
 
 
-def text_pieces(message: dict[str, Any]) -> list[str]:
+def text_pieces(message: dict[str, Any], *, reasoning: bool = True) -> list[str]:
     """The texts of a message a rendering must contain, in order (its fields for alpaca-style user messages, the
-    function names of tool calls)."""
+    function names of tool calls). ``reasoning=False``: without the part of the text up to its last ``</think>`` (a
+    reply's reasoning, which reasoning models' templates drop from some or all replies)."""
     if "instruction" in message:
         pieces = [message["instruction"], message.get("input") or ""]
     else:
-        pieces = [message.get("content") or ""]
+        content = message.get("content") or ""
+        pieces = [content if reasoning else content.rpartition("</think>")[2]]
     pieces += [c.get("function", {}).get("name", "") for c in message.get("tool_calls") or []]
     return [p.strip() for p in pieces if p and p.strip()]
 

@@ -2,7 +2,7 @@
 a manifest; and the tokenization of one task, as a worker process runs it.
 
 A store is a directory (written elsewhere, then renamed into place with its manifest last, see
-:mod:`lightning_llm.data.prepare`)::
+:mod:`lightning_llm.data.corpus.prepare`)::
 
     tokens.bin      every document's tokens followed by EOS, concatenated (uint16, or uint32 past 65,536 ids)
     documents.bin   int64 end offset of each document in tokens.bin (the document boundaries)
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from tokenizers import Tokenizer
 
-from lightning_llm.data.corpus import BATCH_CHARS, BATCH_DOCS, Task, read_task
+from lightning_llm.data.corpus.documents import BATCH_CHARS, BATCH_DOCS, Task, read_task
 from lightning_llm.data.io import DataError
 
 log = logging.getLogger(__name__)

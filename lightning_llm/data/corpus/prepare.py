@@ -30,9 +30,9 @@ from typing import Any
 import torch.distributed as dist
 from filelock import FileLock, Timeout
 
-from lightning_llm.data.corpus import Task, generated_tasks, plan_tasks, resolve_inputs
+from lightning_llm.data.corpus.documents import Task, generated_tasks, plan_tasks, resolve_inputs
 from lightning_llm.data.io import DataError, atomic_open
-from lightning_llm.data.token_store import (
+from lightning_llm.data.corpus.token_store import (
     DOCUMENTS,
     FORMAT,
     MANIFEST,

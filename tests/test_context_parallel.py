@@ -1,0 +1,351 @@
+"""Context parallelism (``context_parallel_size``) equals one device on rows of 4096 tokens.
+
+The ``debug`` decoder (GQA: 4 query heads, 2 kv heads; rotary positions) trains ``CausalLMTask`` on 2 rows of
+``SEQ`` = 4096 byte tokens per step, fp32, dropout 0, for ``STEPS`` steps, under each layout (torchrun, CPU, gloo):
+cp2, cp2 on packed rows (``segment_ids`` and per-example ``position_ids``, examples crossing the slices' boundaries),
+cp2 with activation checkpointing, cp2 with ZeRO-1 and ZeRO-2 on 2 processes; cp4, cp2 x dp2 with ZeRO-3, cp2 x tp2 and pp2 x cp2 on 4; while the pytest process trains the same
+batches on one device. Compared (bound 1e-5):
+
+* every token's loss before training (the model's fused per-token losses of each rank's slice, put back in column
+  order) against one device's;
+* every gradient of the first step (after the ``dp x cp`` reduction; gathered full) against one device's;
+* ``train_loss`` at each step, on every rank, and (dp = 1) the evaluation loss of the first batch.
+
+Then a cp2 run saves after 3 steps and resumes at tp2 (2 processes) and on one process: steps 4-6 must be the
+uninterrupted one-device curve's. One-process tests check the slicing, the block attention against float64 and the
+task declaration; 2-process CLI runs check the one-line refusals.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+SEQ = 4096
+STEPS = 6
+HALF = 3  # the resume tests save after this many steps
+TOL = 1e-5
+PACKED_LENGTHS = (1000, 777, 1500, 300, 519)  # examples of a packed row, repeated: crossing the slices' boundaries
+PROMPT = 400  # the first tokens of each packed example are not learned (SFT's prompt)
+LAYOUTS2 = ["cp2", "cp2_packed", "cp2_recompute", "cp2_zero1", "cp2_zero2"]  # 2 processes
+LAYOUTS4 = ["cp4", "cp2_dp2_zero3", "cp2_tp2", "pp2_cp2"]  # 4 processes
+
+
+def _strategy(name: str) -> tuple[Any, int]:
+    """(strategy, per-rank batch size) of a layout: 2 rows per step in all."""
+    from lightning_llm.strategies import ContextParallelStrategy, HybridParallelStrategy
+
+    return {"cp2": (ContextParallelStrategy(), 2),
+            "cp2_packed": (ContextParallelStrategy(), 2),
+            "cp2_recompute": (ContextParallelStrategy(activation_checkpointing=True), 2),  # the gather runs again
+            "cp2_zero1": (ContextParallelStrategy(zero_stage=1), 2),  # optimizer states partitioned over dp x cp
+            "cp2_zero2": (ContextParallelStrategy(zero_stage=2), 2),  # gradients reduced to their owner
+            "cp4": (ContextParallelStrategy(), 2),
+            "cp2_dp2_zero3": (HybridParallelStrategy(data_parallel_size=2, context_parallel_size=2, zero_stage=3), 1),
+            "cp2_tp2": (HybridParallelStrategy(data_parallel_size=1, context_parallel_size=2,
+                                               tensor_parallel_size=2), 2),
+            "pp2_cp2": (HybridParallelStrategy(data_parallel_size=1, context_parallel_size=2,
+                                               pipeline_parallel_size=2, n_microbatches=2), 2)}[name]
+
+
+def pack_rows(batch: dict[str, torch.Tensor], lengths: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    b, s = batch["input_ids"].shape
+    seg, pos = torch.zeros(s, dtype=torch.long), torch.zeros(s, dtype=torch.long)
+    labels = batch["labels"].clone()
+    start, k = 0, 0
+    while start < s:
+        n = min(lengths[k % len(lengths)], s - start)
+        seg[start:start + n] = k + 1
+        pos[start:start + n] = torch.arange(n)
+        labels[:, start:start + min(n, PROMPT)] = -100  # a prompt: the slices hold very different label counts
+        labels[:, start + n - 1] = -100  # an example's last token predicts nothing of it
+        start, k = start + n, k + 1
+    return {**batch, "labels": labels, "segment_ids": seg.expand(b, s).clone(), "position_ids": pos.expand(b, s).clone()}
+
+
+class Probe(pl.Callback):
+    """Every token's loss before training (in column order, from every rank's slice) and the first step's full
+    gradients."""
+
+    def __init__(self) -> None:
+        self.token_losses: torch.Tensor | None = None
+        self.rows = 0
+        self.eval_loss = float("nan")
+        self.grads: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_step or self.token_losses is not None:
+            return
+        from lightning_llm.strategies.context import family_spec, order_gathered, shard_batch
+
+        cp = pl_module.capabilities.context_parallel_size
+        local = batch
+        if cp > 1:
+            rank = trainer.strategy.cp_rank
+            local = shard_batch(batch, cp=cp, rank=rank, positions=family_spec(pl_module.model).segment_positions)
+        kw = {k: local[k] for k in ("position_ids", "segment_ids") if k in local}
+        with torch.no_grad():
+            losses = pl_module.run_model(local["input_ids"], labels=local["labels"], reduction="none", **kw)
+        with torch.no_grad():  # the evaluation loss of the rows (under cp: the slices weighted by their tokens)
+            self.eval_loss = float(pl_module._eval_step(local, "val"))
+        losses = losses.full_tensor() if hasattr(losses, "full_tensor") else losses
+        if cp > 1:
+            parts = [torch.empty_like(losses) for _ in range(cp)]
+            torch.distributed.all_gather(parts, losses.contiguous(), group=trainer.strategy.context_parallel_group)
+            losses = order_gathered(parts, dim=1)
+        self.token_losses = losses.detach().clone()
+        self.rows = getattr(trainer.strategy, "dp_rank", 0) * losses.shape[0]  # the first global row it holds
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        if trainer.global_step:
+            return
+        for name, p in pl_module.named_parameters():
+            if p.grad is not None:
+                g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                self.grads[name] = g.detach().clone()
+
+
+def _fit(strategy: Any, devices: int, out: Path, *, packed: bool, batch_size: int = 2, steps: int = STEPS,
+         save: bool = False, ckpt_path: Path | None = None) -> dict[str, Any]:
+    from lightning_llm.data import TextDataModule
+    from lightning_llm.tasks import CausalLMTask, OptimConfig
+    from lightning_llm.testing import LoggedLoss, table_trainer
+
+    pl.seed_everything(7)
+    class PackedText(TextDataModule):
+        def _collate(self, examples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+            return pack_rows(super()._collate(examples), PACKED_LENGTHS)
+
+    dm = (PackedText if packed else TextDataModule)(block_size=SEQ, batch_size=batch_size, cache_dir=str(out / "cache"),
+                                                    generated_docs=400, val_fraction=0.0)
+    task = CausalLMTask("debug", dropout=0.0, optim=OptimConfig(lr=1e-2, scheduler="constant", eps=1e-6))
+    rec, probe = LoggedLoss(), Probe()
+    trainer = table_trainer(out, strategy=strategy, devices=devices, max_steps=steps, callbacks=[rec, probe],
+                            save_every_step=save)
+    trainer.fit(task, dm, ckpt_path=ckpt_path)
+    return {"losses": rec.losses, "tokens": (probe.rows, probe.token_losses), "grads": probe.grads,
+            "start": rec.start, "eval": probe.eval_loss}
+
+
+def _resume(mode: str, out: Path) -> None:
+    """``resume``: 3 steps at cp=2 saving a checkpoint, then 3 more from it at tp=2 (2 processes); ``resume_single``:
+    the same 3 more on one process (``3d`` with every degree 1)."""
+    from lightning_llm.strategies import ContextParallelStrategy, HybridParallelStrategy
+    from lightning_llm.testing import write_json_on_rank0
+
+    saved = out / "cp2_save"
+    if mode == "resume":
+        _fit(ContextParallelStrategy(), 2, saved, packed=False, steps=HALF, save=True)
+        tp2 = _fit(HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2), 2, out / "tp2_resume",
+                   packed=False, ckpt_path=saved / "ckpt" / "last.ckpt")
+        write_json_on_rank0(out / "resume_tp2.json", {"start": tp2["start"], "losses": tp2["losses"]})
+    else:
+        one = _fit(HybridParallelStrategy(data_parallel_size=1), 1, out / "single_resume", packed=False,
+                   ckpt_path=saved / "ckpt" / "last.ckpt")
+        write_json_on_rank0(out / "resume_single.json", {"start": one["start"], "losses": one["losses"]})
+
+
+def _worker(mode: str, out: Path) -> None:
+    from lightning_llm.testing import gathered
+
+    if mode.startswith("resume"):
+        _resume(mode, out)
+        return
+    if mode == "reference":
+        torch.save({"plain": _fit("auto", 1, out, packed=False), "packed": _fit("auto", 1, out, packed=True)},
+                   out / "reference.pt")
+        return
+    results = {}
+    for layout in LAYOUTS2 if mode == "layouts" else LAYOUTS4:
+        strategy, batch_size = _strategy(layout)
+        every = gathered(_fit(strategy, int(os.environ["WORLD_SIZE"]), out, packed=layout.endswith("packed"),
+                              batch_size=batch_size))
+        results[layout] = {"losses": [r["losses"] for r in every], "tokens": [r["tokens"] for r in every],
+                           "eval": [r["eval"] for r in every],
+                           "grads": {n: g for r in every for n, g in r["grads"].items()}}  # pp: stages differ
+    if torch.distributed.get_rank() == 0:
+        torch.save(results, out / f"{mode}.pt")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from lightning_llm.testing import launch, run_reference_meanwhile, wait
+
+    out = tmp_path_factory.mktemp("context_parallel")
+    two = launch(__file__, 2, "layouts", str(out))
+    run_reference_meanwhile(two, lambda: _worker("reference", out), timeout=1200)
+    wait(launch(__file__, 4, "layouts4", str(out)), timeout=1200)
+    wait(launch(__file__, 2, "resume", str(out)), timeout=1200)
+    wait(launch(__file__, 1, "resume_single", str(out)), timeout=1200)
+    return out
+
+
+def _errors(run: dict[str, Any], ref: dict[str, Any]) -> tuple[float, float, float]:
+    whole = ref["tokens"][1]
+    assert sorted({(r, len(t)) for r, t in run["tokens"]}) in ([(0, 2)], [(0, 1), (1, 1)])  # every row compared
+    tokens = max((t - whole[r:r + len(t)]).abs().max().item() for r, t in run["tokens"])
+    assert set(run["grads"]) == set(ref["grads"])
+    grad = max((run["grads"][n] - g).abs().max().item() for n, g in ref["grads"].items())
+    loss = max(abs(a - b) for curve in run["losses"] for a, b in zip(curve, ref["losses"], strict=True))
+    if all(r == 0 for r, _ in run["tokens"]):  # every rank holds both rows (dp = 1): the rows' evaluation loss
+        loss = max(loss, *(abs(e - ref["eval"]) for e in run["eval"]))
+    return tokens, grad, loss
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", [*LAYOUTS2, *LAYOUTS4])
+def test_context_parallel_equals_one_device(runs: Path, layout: str) -> None:
+    refs = torch.load(runs / "reference.pt")
+    ref = refs["packed" if layout.endswith("packed") else "plain"]
+    assert len(ref["losses"]) == STEPS and ref["losses"][0] - ref["losses"][-1] > 0.05  # it trains
+    assert ref["tokens"][1].shape == (2, SEQ)
+    run = torch.load(runs / ("layouts4.pt" if layout in LAYOUTS4 else "layouts.pt"))[layout]
+    tokens, grad, loss = _errors(run, ref)
+    print(f"{layout} vs one device at {SEQ} tokens: per-token losses {tokens:.2e}, first-step gradients {grad:.2e}, "
+          f"train_loss over {STEPS} steps {loss:.2e}")
+    assert tokens <= TOL and grad <= TOL and loss <= TOL
+
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("target", ["tp2", "single"])
+def test_cp2_checkpoint_resumes_at_other_layouts(runs: Path, target: str) -> None:
+    """cp shards no parameter: a run saved at cp=2 resumes at tp=2 and on one process on the uninterrupted curve."""
+    import json
+
+    ref = torch.load(runs / "reference.pt")["plain"]["losses"]
+    got = json.loads((runs / f"resume_{target}.json").read_text())
+    assert got["start"] == HALF and len(got["losses"]) == STEPS - HALF
+    err = max(abs(a - b) for a, b in zip(got["losses"], ref[HALF:], strict=True))
+    print(f"cp2 -> {target}: steps {HALF + 1}-{STEPS} vs one device uninterrupted: {err:.2e}")
+    assert err <= TOL
+
+
+# ------------------------------------------------------------------------------------------- one process, no launch
+def test_slices_and_their_order() -> None:
+    """Rank r holds chunks r and 2cp-1-r; the ranks' slices put back in order are the row; positions are global."""
+    from lightning_llm.strategies.context import local_columns, order_gathered, shard_batch
+
+    for cp in (1, 2, 4):
+        cols = [local_columns(16, cp, r) for r in range(cp)]
+        c = 16 // (2 * cp)
+        assert cols[0][:c].tolist() == list(range(c)) and cols[-1][c:].tolist() == list(range(cp * c, (cp + 1) * c))
+        assert torch.equal(order_gathered([x[None] for x in cols], dim=1)[0], torch.arange(16))
+    batch = {"input_ids": torch.arange(32).view(2, 16), "labels": torch.arange(32).view(2, 16) + 1,
+             "reference_logps": torch.tensor([1.0, 2.0])}
+    part = shard_batch(batch, cp=2, rank=1, positions=None)
+    assert part["input_ids"][0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]  # chunks 1 and 2 of 4
+    assert part["position_ids"][0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
+    assert torch.equal(part["labels"], part["input_ids"] + 1) and torch.equal(part["reference_logps"],
+                                                                              batch["reference_logps"])
+    with pytest.raises(ValueError, match="must be divisible by 2 x context_parallel_size = 8"):
+        shard_batch({"input_ids": torch.zeros(1, 12, dtype=torch.long)}, cp=4, rank=0, positions=None)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_block_attention_equals_causal_attention_in_float64(cp: int) -> None:
+    """The causal path (CPU flash blocks merged by log-sum-exp, GQA heads repeated per block; backward per block
+    from the merged output) against float64 SDPA on the whole row: every rank's output and the summed gradients."""
+    from lightning_llm.strategies.context.attention import _CausalChunks
+    from lightning_llm.strategies.context.sharding import local_columns
+
+    torch.manual_seed(0)
+    b, n, k, s, d = 2, 4, 2, 64, 16
+    q, key, v = (torch.randn(b, h, s, d, requires_grad=True) for h in (n, k, k))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.double(), key.double().repeat_interleave(n // k, 1), v.double().repeat_interleave(n // k, 1),
+        is_causal=True)
+    go = torch.randn_like(ref)
+    want = torch.autograd.grad(ref, (q, key, v), go)
+    got = [torch.zeros_like(t) for t in (q, key, v)]
+    for r in range(cp):
+        cols = local_columns(s, cp, r)
+        out = _CausalChunks.apply(q[:, :, cols], key, v, (r, 2 * cp - 1 - r), s // (2 * cp))
+        assert (out.double() - ref[:, :, cols]).abs().max() < 1e-6
+        for acc, g in zip(got, torch.autograd.grad(out, (q, key, v), go[:, :, cols].float()), strict=True):
+            acc += g
+    assert max((g.double() - w).abs().max().item() for g, w in zip(got, want, strict=True)) < 2e-6
+
+
+def test_tasks_declare_context_parallel() -> None:
+    """A library token-mean task passes; one without the declaration, and a subclass overriding a loss hook without
+    declaring it again, are refused naming the class."""
+    from lightning_llm.contract import check_context_parallel
+    from lightning_llm.tasks import CausalLMTask, DPOTask
+
+    class OwnLoss(CausalLMTask):
+        def loss_from_output(self, output: Any, batch: Any, stage: str) -> Any:
+            return super().loss_from_output(output, batch, stage)
+
+    class Declared(OwnLoss):
+        context_parallel = True
+
+    check_context_parallel(CausalLMTask.__new__(CausalLMTask), cp=2)
+    check_context_parallel(Declared.__new__(Declared), cp=2)
+    with pytest.raises(ValueError, match="DPOTask does not declare context_parallel = True"):
+        check_context_parallel(DPOTask.__new__(DPOTask), cp=2)
+    with pytest.raises(ValueError, match="OwnLoss overrides loss_from_output after CausalLMTask declared"):
+        check_context_parallel(OwnLoss.__new__(OwnLoss), cp=2)
+
+
+def test_a_slice_without_labelled_tokens_weighs_nothing() -> None:
+    """A context-parallel slice holding only prompt tokens: its loss is 0 with weight 0 (the rows' mean is the other
+    slices'), not NaN; on one device a batch without labels stays NaN (the non-finite guard sees it)."""
+    from lightning_llm.contract import Capabilities
+    from lightning_llm.tasks import CausalLMTask
+
+    class Sliced(CausalLMTask):
+        cp = 2
+
+        @property
+        def capabilities(self) -> Capabilities:
+            return Capabilities(context_parallel_size=self.cp)
+
+    task = Sliced("debug", dropout=0.0)
+    batch = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "labels": torch.full((1, 8), -100)}
+    for fused, output in ((True, torch.zeros(1, 8)), (False, torch.zeros(1, 8, 256))):  # per-token losses, logits
+        task.uses_fused_loss = lambda fused=fused: fused  # type: ignore[method-assign]
+        task.cp = 2
+        loss, _ = task.loss_from_output(output, batch, "train")
+        assert loss.item() == 0.0 and task.loss_weight(batch) == 0.0
+        task.cp = 1
+        assert torch.isnan(task.loss_from_output(output, batch, "train")[0])
+
+
+# ------------------------------------------------------------------------------------------- refusals (2 processes)
+REPO = Path(__file__).resolve().parents[1]
+REFUSALS = {
+    "odd_length": (["--config", "configs/pretrain_debug.yaml", "--data.block_size=30",
+                    "--trainer.enable_checkpointing=false"],
+                   "the sequence length 30 must be divisible by 2 x context_parallel_size = 4"),
+    "sliding_window": (["--config", "configs/pretrain_debug.yaml", "--model.backbone=debug-mistral",
+                        "--trainer.enable_checkpointing=false"],
+                       "sliding-window attention (sliding_window=8 on layers [0, 1, 2, 3]) is not supported"),
+    "dpo": (["--config", "configs/dpo.yaml"], "DPOTask does not declare context_parallel = True"),
+    "ppo": (["--config", "configs/ppo.yaml"], "PPOTask does not declare context_parallel = True"),
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_unsupported_combination_refused_in_one_line(tmp_path: Path, case: str) -> None:
+    from lightning_llm.testing import one_error_line_from_ranks, torchrun_cli_fails
+
+    args, expected = REFUSALS[case]
+    out = torchrun_cli_fails(["fit", *args, "--trainer.strategy=cp", "--trainer.devices=2", "--trainer.max_steps=1",
+                              "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"], REPO, timeout=300)
+    line = one_error_line_from_ranks(out)
+    print(line)
+    assert expected in line
+
+
+if __name__ == "__main__":
+    from lightning_llm.testing import run_worker
+
+    run_worker(_worker, sys.argv[1], Path(sys.argv[2]))
