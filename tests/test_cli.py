@@ -53,6 +53,8 @@ NEEDS_FILES = {
     "afqmc.yaml": (["--data.data_dir", "--data.tokenizer_dir"], "--data.data_dir is required"),
     "sft_summary.yaml": (["--data.train_path", "--data.test_path", "--data.tokenizer_dir"],
                          "--data.train_path (or --data.generated_conversations) is required for fit"),
+    "qlora_sft_csl.yaml": (["--data.train_path", "--data.test_path", "--data.tokenizer_dir"],
+                           "--data.train_path (or --data.generated_conversations) is required for fit"),
 }
 
 
