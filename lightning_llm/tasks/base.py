@@ -315,10 +315,15 @@ class LLMTask(pl.LightningModule):
         ranks share a batch; 1 without a distributed strategy."""
         return self.capabilities.data_parallel_size
 
+    def pipeline(self) -> Any:
+        """The strategy's pipeline runner when the model is split into stages (``contract.PipelineRunner``), else
+        ``None``."""
+        return pipeline_runner(self.trainer.strategy) if self._trainer is not None else None
+
     def run_model(self, *args: Any, **kwargs: Any) -> Any:
         """Call the model: directly, or as a forward-only pass through the pipeline when it is split in stages
         (where ``self.model`` holds only this rank's stages and refuses direct calls)."""
-        runner = pipeline_runner(self.trainer.strategy) if self._trainer is not None else None
+        runner = self.pipeline()
         if runner is not None:
             return runner.forward(*args, **kwargs)
         assert self.model is not None, "configure_model() must run first"
@@ -327,7 +332,7 @@ class LLMTask(pl.LightningModule):
     def decoding_model(self) -> Any:
         """What :func:`lightning_llm.generation.generate` calls to decode: ``self.model``, or under a pipeline the
         stages run token by token (every pipeline rank gets the same logits, so all pick the same token)."""
-        runner = pipeline_runner(self.trainer.strategy) if self._trainer is not None else None
+        runner = self.pipeline()
         if runner is not None:
             return runner.decoder()
         assert self.model is not None, "configure_model() must run first"
@@ -335,7 +340,7 @@ class LLMTask(pl.LightningModule):
 
     def step_loss(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[torch.Tensor, dict[str, Any]]:
         """The loss of a train/val/test step: :meth:`compute_loss`, or the pipeline's run of the declared hooks."""
-        runner = pipeline_runner(self.trainer.strategy) if self._trainer is not None else None
+        runner = self.pipeline()
         if runner is not None:
             return runner.loss(self, batch, stage)
         return self.compute_loss(batch, stage)

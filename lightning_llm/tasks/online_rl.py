@@ -26,7 +26,6 @@ import torch.distributed as dist
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_llm.contract import pipeline_runner
 from lightning_llm.generation import GenerationConfig, for_datamodule, generate, strip_after_eos
 from lightning_llm.kernels.head_loss import TokenScores
 from lightning_llm.rl.core import entropy_from_logits, logprobs_from_logits
@@ -287,13 +286,13 @@ class OnlineRLTask(DecoderTask):
     # ------------------------------------------------------------------------------------------ model calls
     def policy_decoder(self) -> Any:
         """What rollouts decode with: the policy, or under a pipeline its stages run token by token."""
-        runner = pipeline_runner(self.trainer.strategy) if self._trainer is not None else None
+        runner = self.pipeline()
         return runner.decoder() if runner is not None else self.policy
 
     def call_policy(self, *args: Any, **kwargs: Any) -> Any:
         """The policy's output (no gradient needed): the policy itself, or a forward-only pass through the pipeline
         (whose model is the task's model: the policy, with its value head for PPO)."""
-        runner = pipeline_runner(self.trainer.strategy) if self._trainer is not None else None
+        runner = self.pipeline()
         return runner.forward(*args, **kwargs) if runner is not None else self.policy(*args, **kwargs)
 
     def update_loss(self, mb: Rollout, loss_of: Callable[[Any, Rollout], tuple[Tensor, dict[str, Tensor]]], *,
@@ -304,7 +303,7 @@ class OnlineRLTask(DecoderTask):
         over the micro-batches of ``mb``."""
         assert self.model is not None
         kwargs = self.scoring_kwargs(mb, temperature)
-        runner = pipeline_runner(self.trainer.strategy) if self._trainer is not None else None
+        runner = self.pipeline()
         if runner is None:
             return loss_of(self.model(mb.query_responses, **kwargs), mb)
         return runner.train_additive(lambda output, rows: loss_of(output, mb.select(rows)), mb.query_responses,

@@ -148,10 +148,17 @@ class PipelineRunner:
         return dist.get_rank() == self.last_stage_rank
 
     # ------------------------------------------------------------------------------------------ schedules
-    def _schedule_for(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, train: bool) -> tuple[Any, int]:
-        """The (cached) schedule for these input shapes; stages infer their P2P shapes on first use."""
+    def _schedule_for(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, train: bool,
+                      additive: bool = False) -> tuple[Any, int]:
+        """The (cached) schedule for these input shapes; stages infer their P2P shapes on first use. ``additive``
+        (training with losses that add up): micro-batches need not be equal, so any divisor of the batch serves."""
         batch = next(t.shape[0] for t in (*args, *kwargs.values()) if isinstance(t, Tensor))
-        m = microbatch_count(batch, n_microbatches=self.n_microbatches, train=train)
+        m = microbatch_count(batch, n_microbatches=self.n_microbatches, train=train and not additive)
+        if additive and m < len(self.specs) * self.pp_size and self.schedule != "gpipe":
+            raise ValueError(f"a manual-optimization step of {batch} rows splits into {m} micro-batches, fewer than "
+                             f"the {len(self.specs) * self.pp_size} pipeline stages that schedule={self.schedule!r} "
+                             "needs: use a mini-batch size divisible by --trainer.strategy.n_microbatches, or "
+                             "--trainer.strategy.schedule=gpipe")
         key = schedule_key(args, kwargs, train=train, m=m)
         if key not in self._schedules:
             self._schedules[key] = build_schedule(
@@ -198,9 +205,9 @@ class PipelineRunner:
 
     def _microbatch_loss(self, output: Any, index: Tensor) -> Tensor:
         """Schedule ``loss_fn`` on the last stage: the task's loss of micro-batch ``index`` of the current batch."""
-        t0 = time.perf_counter()
         if self._additive is not None:
             return self._additive_loss(output, index)
+        t0 = time.perf_counter()
         assert self._current is not None
         task, batch, stage = self._current
         mb = select_microbatch(batch, index.to(self.device))
@@ -220,9 +227,7 @@ class PipelineRunner:
     def _train(self, task: Any, batch: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
                ) -> tuple[Tensor, dict[str, Any]]:
         sched, m = self._schedule_for(args, kwargs, train=True)
-        prev = [p.grad for p in self.params]
-        for p in self.params:  # the schedule accumulates into .grad: start from zero, keep earlier accumulation aside
-            p.grad = None
+        prev = self._grads_aside()
         n = args[0].shape[0]
         self._current = (task, batch, "train")
         self._scale = (m, self._global_weight(task.loss_weight(batch)))
@@ -243,10 +248,7 @@ class PipelineRunner:
         if self._weighted:  # this rank's loss: its micro-batches' losses weighted as the gradient was
             weight = sum(w for _, w in self._weighted.values())
             losses = [sum(loss * w for loss, w in self._weighted.values()) / max(weight, 1e-12)]
-        new = [p.grad for p in self.params]
-        for p in self.params:  # hidden from Lightning's zero_grad; the strategy's backward() puts them back
-            p.grad = None
-        self._grads = (prev, new)
+        self._keep_schedule_grads(prev)
         loss, row = gather_step_stats(losses=losses, busy=self._timer.busy, wall=wall, meter=self._meter,
                                       n_microbatches=m, last_pp_rank=self.last_stage_pp_rank, pp_size=self.pp_size,
                                       group=self.pp_group, device=self.device)
@@ -264,6 +266,7 @@ class PipelineRunner:
         assert self._additive is not None
         loss_fn, m, parts = self._additive
         loss, stats = loss_fn(self._task_output(output), index.to(self.device))
+        # keyed by the first row: torch's schedule may call the loss of a micro-batch again (a repeat replaces)
         parts[int(index[0])] = (loss.detach(), {k: v.detach() for k, v in stats.items()})
         return loss * m  # the schedule divides gradients by the micro-batch count; these losses add up instead
 
@@ -276,37 +279,33 @@ class PipelineRunner:
         Micro-batches: the largest divisor of the batch up to ``n_microbatches`` (the losses add up, so they need
         not be equal)."""
         args, kwargs = split_inputs(args, kwargs)
-        n = args[0].shape[0]
-        m = microbatch_count(n, n_microbatches=self.n_microbatches, train=False)
-        if m < len(self.specs) * self.pp_size and self.schedule != "gpipe":
-            raise ValueError(f"a manual-optimization step of {n} rows splits into {m} micro-batches, fewer than the "
-                             f"{len(self.specs) * self.pp_size} pipeline stages that schedule={self.schedule!r} "
-                             "needs: use a mini-batch size divisible by --trainer.strategy.n_microbatches, or "
-                             "--trainer.strategy.schedule=gpipe")
-        key = schedule_key(args, kwargs, train=True, m=m)
-        if key not in self._schedules:
-            self._schedules[key] = build_schedule(
-                schedule=self.schedule, stage_mods=self.stage_mods, specs=self.specs, device=self.device,
-                group=self.pp_group, n_microbatches=m, loss_fn=self._microbatch_loss, wrap=self._timer.wrap)[0]
-        prev = [p.grad for p in self.params]
-        for p in self.params:
-            p.grad = None
+        sched, m = self._schedule_for(args, kwargs, train=True, additive=True)
+        prev = self._grads_aside()
         self._additive = (loss_fn, m, {})
         try:
-            run_schedule(self._schedules[key], self.specs, args, kwargs, target=torch.arange(n, device=self.device))
+            run_schedule(sched, self.specs, args, kwargs, target=torch.arange(args[0].shape[0], device=self.device))
             parts = self._additive[2]
         finally:
             self._additive = None
-        self._grads = (prev, [p.grad for p in self.params])
-        for p in self.params:  # hidden from zero_grad; the strategy's backward() puts them back
-            p.grad = None
+        self._keep_schedule_grads(prev)
         summed = None
         if self.is_last_stage_rank:
-            losses = [parts[k][0] for k in sorted(parts)]
-            summed = (torch.stack(losses).sum(), {name: torch.stack([parts[k][1][name] for k in sorted(parts)]).sum()
-                                                  for name in parts[min(parts)][1]})
+            rows = [parts[k] for k in sorted(parts)]
+            summed = (torch.stack([loss for loss, _ in rows]).sum(),
+                      {name: torch.stack([stats[name] for _, stats in rows]).sum() for name in rows[0][1]})
         loss, stats = self._broadcast_from_last(summed)
         return loss.to(self.device), {k: v.to(self.device) for k, v in stats.items()}
+
+    def _grads_aside(self) -> list[Tensor | None]:
+        """Take the gradients off the parameters (the schedule accumulates into ``.grad``: it starts from zero)."""
+        prev = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        return prev
+
+    def _keep_schedule_grads(self, prev: list[Tensor | None]) -> None:
+        """Keep the schedule's gradients for the strategy's ``backward()`` (hidden from Lightning's zero_grad)."""
+        self._grads = (prev, self._grads_aside())
 
     def _global_weight(self, weight: float) -> float:
         """The loss weight of the global batch: summed over the data-parallel replicas (a collective)."""
