@@ -23,8 +23,8 @@ torchao is an optional dependency (``pip install 'lightning_llm[quant]'``), impo
 
 from __future__ import annotations
 
+import functools
 import logging
-import math
 import sys
 import types
 from dataclasses import asdict, dataclass
@@ -97,6 +97,11 @@ def require_torchao(mode: str) -> None:
 def _quantized_types() -> tuple[type, ...]:
     if "torchao" not in sys.modules:  # nothing can be quantized before torchao is imported
         return ()
+    return _torchao_types()
+
+
+@functools.cache
+def _torchao_types() -> tuple[type, ...]:
     from torchao.quantization.quantize_.workflows.int8.int8_tensor import Int8Tensor
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
 
@@ -229,9 +234,16 @@ def round_trip_(model: nn.Module, mode: QuantizeMode, cfg: QuantizationConfig) -
     return count
 
 
-def checkpoint_entry(mode: QuantizeMode, cfg: QuantizationConfig) -> dict[str, Any]:
-    """What a checkpoint of a quantized run stores under ``checkpoint["quantization"]`` (plain data)."""
-    return {"quantize": mode, **cfg.to_dict()}
+def checkpoint_entry(mode: QuantizeMode, cfg: QuantizationConfig, model: nn.Module) -> dict[str, Any]:
+    """What a checkpoint of a quantized run stores under ``checkpoint["quantization"]`` (plain data). ``auto`` is
+    stored as the dtype the quantized weights of ``model`` really have: export/merge re-quantize a base they load in
+    its own dtype (fp32), which must give the values the run trained against, not those of another dtype."""
+    entry = {"quantize": mode, **cfg.to_dict()}
+    if cfg.compute_dtype == "auto":
+        weights = [lin.weight for _, lin in quantized_linears(model) if is_quantized(lin.weight)]
+        if weights:
+            entry["compute_dtype"] = next(k for k, v in _DTYPES.items() if v == weights[0].dtype)
+    return entry
 
 
 def requantize_as_trained(model: nn.Module, entry: dict[str, Any] | None, *, where: str) -> int:
@@ -243,9 +255,10 @@ def requantize_as_trained(model: nn.Module, entry: dict[str, Any] | None, *, whe
     mode = settings.pop("quantize")
     if mode not in QUANTIZE_MODES:
         raise ValueError(f"{where}: unknown quantization {mode!r} in the checkpoint")
-    count = round_trip_(model, mode, QuantizationConfig(**settings))
+    cfg = QuantizationConfig(**settings)
+    count = round_trip_(model, mode, cfg)
     log.info("%s: base weights of %d linears re-quantized (%s) and dequantized, as the run computed with them", where,
-             count, describe(mode, QuantizationConfig(**settings)))
+             count, describe(mode, cfg))
     return count
 
 
@@ -298,8 +311,3 @@ def describe(mode: QuantizeMode, cfg: QuantizationConfig) -> str:
         return f"int8 weight-only (per row, dequantized to {_compute(cfg)})"
     return (f"nf4 (block {cfg.block_size}, double quantization per {cfg.scaler_block_size} scales, dequantized "
             f"to {_compute(cfg)})")
-
-
-def ratio(nbytes: int, numel: int, *, of_bytes: int = 2) -> float:
-    """Stored bytes against ``of_bytes`` per weight (2: bf16)."""
-    return nbytes / max(numel * of_bytes, 1) if numel else math.nan

@@ -231,7 +231,7 @@ class DecoderTask(LLMTask):
         checkpoint["state_dict"] = {k: v for k, v in checkpoint["state_dict"].items() if k in keep}
         checkpoint["peft"] = self.peft_config.to_dict()
         if self.quantize is not None:  # what export/merge re-quantize the base with (never the weights themselves)
-            checkpoint["quantization"] = checkpoint_entry(self.quantize, self.quantization)
+            checkpoint["quantization"] = checkpoint_entry(self.quantize, self.quantization, self.policy)
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -239,7 +239,7 @@ class DecoderTask(LLMTask):
         if self.peft_config is None or self.model is None:
             return
         saved = checkpoint.get("quantization")
-        ours = checkpoint_entry(self.quantize, self.quantization) if self.quantize is not None else None
+        ours = checkpoint_entry(self.quantize, self.quantization, self.policy) if self.quantize is not None else None
         if saved != ours:  # the adapters were trained against other base weights
             raise ValueError(f"--ckpt_path: the checkpoint was trained with quantization {saved or 'none'}, this run "
                              f"has --model.quantize={self.quantize} {ours or ''}: resume with the same settings")
@@ -268,7 +268,7 @@ class DecoderTask(LLMTask):
             export_adapter(self.policy, self.peft_config, directory, base_model_name_or_path=backbone,
                            tokenizer=tokenizer if tokenizer not in (None, "byte") else None,
                            chat_template=chat_template_source(self.trainer.datamodule), state=state,
-                           quantization=checkpoint_entry(self.quantize, self.quantization) if self.quantize else None)
+                           quantization=checkpoint_entry(self.quantize, self.quantization, self.policy) if self.quantize else None)
         except ValueError as e:  # e.g. a GPT-2 layout: no HF-named adapter; the checkpoint still has the weights
             log.warning("adapter not exported: %s", e)
 
@@ -285,11 +285,12 @@ def _check_quantize(mode: str, peft: PeftConfig | None) -> None:
 def _check_trained_copies(model: nn.Module, peft: PeftConfig | None) -> None:
     """``modules_to_save`` trains a full copy of a module: refused for the quantized linears (the copy would be a
     quantized tensor that cannot take a gradient step)."""
-    saved = set((peft.lora.modules_to_save or []) if peft is not None and peft.method == "lora" else [])
+    # peft's own config of whichever method: LoRA's modules_to_save and those in peft.options (ia3, loha, lokr) alike
+    saved = set(getattr(peft.peft_config(), "modules_to_save", None) or []) if peft is not None else set()
     quantized = {path.rsplit(".", 1)[-1] for path, _ in quantized_linears(model)}
     if saved & quantized:
-        raise ValueError(f"--model.lora.modules_to_save={sorted(saved)}: {sorted(saved & quantized)} are quantized by "
-                         "--model.quantize and cannot be trained in full; adapt them with LoRA (target_modules)")
+        raise ValueError(f"modules_to_save={sorted(saved)}: {sorted(saved & quantized)} are quantized by "
+                         "--model.quantize and cannot be trained in full; adapt them with the adapter (target_modules)")
 
 
 def _zero3(strategy: Any) -> bool:
