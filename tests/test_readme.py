@@ -150,7 +150,9 @@ def command_error(argv: list[str]) -> str | None:
         return None
     if argv[0] in TOOLS:
         helptext = _tool_help(argv[0])
-        unknown = [a.split("=")[0] for a in argv[1:] if a.startswith("--") and a.split("=")[0] not in helptext]
+        # a whole option name in the help, not a substring of another (--to within --tokenizer)
+        unknown = [a.split("=")[0] for a in argv[1:] if a.startswith("--")
+                   and not re.search(rf"(?<![\w-]){re.escape(a.split('=')[0])}(?![\w-])", helptext)]
         return f"{argv[0]} has no option {unknown}" if unknown else None
     if argv[0] not in LIGHTNING_SUBCOMMANDS:
         return f"no subcommand {argv[0]!r}"
@@ -208,4 +210,5 @@ def test_the_checks_catch_what_they_are_for() -> None:
     [argv] = command_lines(block)
     assert "no_such_option" in command_error(argv)
     assert command_error(["export", "x.ckpt", "--to", "d", "--no-such"]) == "export has no option ['--no-such']"
+    assert command_error(["export", "x.ckpt", "--tok"]) == "export has no option ['--tok']"  # a prefix of --tokenizer
     assert command_error(["fit", "--config", "configs/dpo.yaml"]) is None

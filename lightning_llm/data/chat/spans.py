@@ -124,10 +124,12 @@ class TurnLocator:
         end = stop + next(len(s) for s in self._stops if self.text.startswith(s, stop))
         turn = self.text[start:stop]
         pieces = text_pieces(self.messages[i], reasoning=False)
-        held = [s for s in self._stops if any(s in piece for piece in pieces)]
+        # every string the message holds (reasoning, tool-call arguments too): an end-of-turn text in any of them
+        # would end the located turn early, learning a cut reply without a word
+        held = [s for s in self._stops if any(s in text for text in _strings(self.messages[i]))]
         if held:
             raise DataError(f"{self.where}: assistant message {i + 1} holds the end-of-turn token {held[0]!r} (or "
-                            "EOS) in its text; the reply would end there")
+                            "EOS) in its text, reasoning or tool calls; the reply would end there")
         for piece in pieces:
             if piece not in turn:
                 raise DataError(f"{self.where}: the chat template ({self.template}) drops the assistant message "
@@ -135,6 +137,17 @@ class TurnLocator:
                                 "support that role or field")
         return (token_at(self.text, self.ids, start, tokenize=self._tokenize, where=self.where, reply=i),
                 token_at(self.text, self.ids, end, tokenize=self._tokenize, where=self.where, reply=i))
+
+
+def _strings(value: Any) -> list[str]:
+    """Every string inside a message (nested dicts and lists: tool calls, their arguments)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _strings(v)]
+    return []
 
 
 def token_at(text: str, ids: list[int], char: int, *, tokenize: Callable[[str], list[int]], where: str,
