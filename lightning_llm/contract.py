@@ -121,7 +121,8 @@ def check_pipelinable(task: Any, *, strategy: str) -> None:
             "whose ranks hold the whole model (ddp, tp, zero1/2/3, deepspeed_*)")
 
 
-_TOKEN_LOSS_HOOKS = ("model_inputs", "loss_from_output", "compute_loss", "loss_weight", "training_step")
+_TOKEN_LOSS_HOOKS = ("model_inputs", "loss_from_output", "compute_loss", "loss_weight", "step_loss",
+                     "training_step")
 
 
 def check_context_parallel(task: Any, *, cp: int) -> None:

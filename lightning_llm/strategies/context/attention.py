@@ -98,7 +98,8 @@ class _CausalChunks(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, *lses = ctx.saved_tensors
         c, rep = ctx.c, ctx.rep
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        # partial gradients summed in fp32 (one device's flash backward sums them in fp32 inside the kernel)
+        dq, dk, dv = (torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v))
         grad = grad.contiguous()
         b, kv_heads, _, d = k.shape
         for i, j in enumerate(ctx.chunks):
@@ -113,7 +114,7 @@ class _CausalChunks(torch.autograd.Function):
                 # a kv head's gradient: the sum over the query heads it serves ([B, K, rep, L, D])
                 dk[:, :, cols] += gk.view(b, kv_heads, rep, -1, d).sum(2)
                 dv[:, :, cols] += gv.view(b, kv_heads, rep, -1, d).sum(2)
-        return dq, dk, dv, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
 def _heads(k: Tensor, v: Tensor, cols: slice, rep: int) -> tuple[Tensor, Tensor]:
