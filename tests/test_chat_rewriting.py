@@ -220,3 +220,14 @@ def test_a_template_failing_on_a_record_names_file_and_line(tokenizers: dict[str
     with pytest.raises(DataError, match=rf"^{data}:1: the chat template \(tokenizer\) cannot render this conversation: "
                                         "can only concatenate str"):
         InstructionDataModule(str(data), str(tokenizers["deepseek_r1"])).setup("fit")
+
+
+def test_a_located_tool_call_holding_the_end_of_turn_token_is_refused(tokenizers: dict[str, Path],
+                                                                      tmp_path: Path) -> None:
+    """The end-of-turn text inside a tool call's arguments would end the located turn there: a cut call would be
+    learned without a word (it was, before the check covered every string of the message)."""
+    record = tool_conversation()
+    record["messages"][1]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris<|im_end|>x"}
+    data = write_jsonl(tmp_path / "bad_tool.jsonl", [record])
+    with pytest.raises(DataError, match=rf"^{data}:1: assistant message 2 holds the end-of-turn token '<\|im_end\|>'"):
+        InstructionDataModule(str(data), str(tokenizers["qwen3"])).setup("fit")
