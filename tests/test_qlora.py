@@ -116,7 +116,9 @@ def test_checkpoint_holds_adapters_and_settings_and_resumes(
     ckpt = torch.load(tmp / "ckpt" / "epoch=0-step=3.ckpt", map_location="cpu", weights_only=True)
     trainable = {n for n, p in task.named_parameters() if p.requires_grad}
     assert set(ckpt["state_dict"]) == trainable and all("lora_" in k for k in trainable)
-    assert ckpt["quantization"] == {"quantize": "nf4", **QCFG.to_dict()}
+    # compute_dtype=auto is stored as the dtype the quantized weights had (fp32 here), so merge re-quantizes alike
+    assert QCFG.compute_dtype == "auto"
+    assert ckpt["quantization"] == {"quantize": "nf4", **QCFG.to_dict(), "compute_dtype": "float32"}
     resumed, _ = _fit(tmp_path / "resume", base_dir, ckpt_path=str(tmp / "ckpt" / "epoch=0-step=3.ckpt"),
                       quantize="nf4", quantization=QCFG)
     print(f"resumed at step 3: losses {resumed} vs straight {straight[3:]}")
