@@ -294,28 +294,41 @@ def test_tasks_declare_context_parallel() -> None:
         check_context_parallel(OwnLoss.__new__(OwnLoss), cp=2)
 
 
-def test_a_slice_without_labelled_tokens_weighs_nothing() -> None:
-    """A context-parallel slice holding only prompt tokens: its loss is 0 with weight 0 (the rows' mean is the other
-    slices'), not NaN; on one device a batch without labels stays NaN (the non-finite guard sees it)."""
+@pytest.mark.parametrize("part", ["cp", "dp", "pp"])
+def test_a_part_without_labelled_tokens_weighs_nothing(part: str) -> None:
+    """A context-parallel slice, data-parallel replica or pipeline micro-batch holding only prompt tokens: its loss
+    is 0 with weight 0 (the global mean is the other parts'), not NaN that would poison the weighted sum; a global
+    batch without labels is NaN at every layout, as on one device (the non-finite guard sees the same batches)."""
     from lightning_llm.contract import Capabilities
     from lightning_llm.tasks import CausalLMTask
 
-    class Sliced(CausalLMTask):
-        cp = 2
+    class Parted(CausalLMTask):
+        parts = 2
 
         @property
         def capabilities(self) -> Capabilities:
-            return Capabilities(context_parallel_size=self.cp)
+            n = self.parts
+            return {"cp": Capabilities(context_parallel_size=n), "dp": Capabilities(data_parallel_size=n),
+                    "pp": Capabilities(pipelined=n > 1)}[part]
 
-    task = Sliced("debug", dropout=0.0)
+    task = Parted("debug", dropout=0.0)
     batch = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "labels": torch.full((1, 8), -100)}
     for fused, output in ((True, torch.zeros(1, 8)), (False, torch.zeros(1, 8, 256))):  # per-token losses, logits
         task.uses_fused_loss = lambda fused=fused: fused  # type: ignore[method-assign]
-        task.cp = 2
+        task.parts = 2
+        assert task.model_inputs(batch, "train")[1].get("reduction") == ("none" if fused else None)
         loss, _ = task.loss_from_output(output, batch, "train")
         assert loss.item() == 0.0 and task.loss_weight(batch) == 0.0
-        task.cp = 1
+        # no process group here: the "global" batch is this part alone, which has no labels -> NaN for the guard
+        local, global_loss, total = task.global_train_loss(loss, task.loss_weight(batch))
+        assert total == 0 and torch.isnan(local) and torch.isnan(global_loss)
+        task.parts = 1
         assert torch.isnan(task.loss_from_output(output, batch, "train")[0])
+    labelled = dict(batch, labels=torch.arange(8).reshape(1, 8))
+    task.parts, task.uses_fused_loss = 2, lambda: True  # type: ignore[method-assign]
+    loss, _ = task.loss_from_output(torch.ones(1, 8), labelled, "train")  # per-token losses of 1
+    local, global_loss, total = task.global_train_loss(loss, task.loss_weight(labelled))
+    assert total == 8 and local.item() == global_loss.item() == 1.0
 
 
 # ------------------------------------------------------------------------------------------- refusals (2 processes)

@@ -352,13 +352,11 @@ class LLMTask(pl.LightningModule):
     @declared_step  # the run summary counts this step's FLOPs on the batch as given (run_summary.one_call_step)
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor | None:
         loss, outputs = self.step_loss(batch, "train")
-        if not self._loss_is_finite(loss):
-            return self._on_nonfinite_loss(loss, batch_idx)
         caps = self.capabilities
         weight = self.loss_weight(batch)
-        # The global batch's loss: the replicas' losses weighted by what each averages over, so one run logs the same
-        # curve at any data-parallel degree; the same weights make the averaged gradient the global mean's.
-        global_loss, total = replica_loss(caps.data_parallel_group, loss, weight, dp=caps.data_parallel_size)
+        loss, global_loss, total = self.global_train_loss(loss, weight)
+        if not self._loss_is_finite(loss):
+            return self._on_nonfinite_loss(loss, batch_idx)
         self.log("train_loss", global_loss, prog_bar=True, on_step=True, on_epoch=False,
                  batch_size=self._batch_size(batch))
         if self.wants_train_outputs():
@@ -366,6 +364,20 @@ class LLMTask(pl.LightningModule):
         if caps.pipelined or caps.data_parallel_size == 1:
             return loss  # a pipeline weighs its micro-batch losses itself (the schedule already ran backward)
         return loss * (weight * caps.data_parallel_size / total)
+
+    def global_train_loss(self, loss: torch.Tensor, weight: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """``(loss, global_loss, total)``: this rank's loss, the global batch's (the replicas' losses weighted by what
+        each averages over, so one run logs the same curve at any data-parallel degree; the same weights make the
+        averaged gradient the global mean's) and the summed weight (a collective when data parallel).
+
+        A replica, slice or micro-batch without anything to average over has loss 0 with weight 0; when the whole
+        global batch has none, the loss is NaN, as one device's mean over nothing is, so the non-finite guard sees
+        the same batch at every layout (not a silent zero-gradient step that still moves Adam's moments)."""
+        caps = self.capabilities
+        global_loss, total = replica_loss(caps.data_parallel_group, loss, weight, dp=caps.data_parallel_size)
+        if total == 0:
+            loss, global_loss = loss + float("nan"), global_loss + float("nan")
+        return loss, global_loss, total
 
     def _loss_is_finite(self, loss: torch.Tensor) -> bool:
         return self.guard.loss_is_finite(self, loss)  # the same answer on every rank

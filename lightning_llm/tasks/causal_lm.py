@@ -44,10 +44,9 @@ class CausalLMTask(DecoderTask):
         kwargs.update({key: batch[key] for key in PACKED_INPUTS if key in batch})
         if self.uses_fused_loss():  # the model returns the mean token loss (no logits)
             kwargs["labels"] = batch["labels"]
-            caps = self.capabilities
-            # per-token losses [b, S]: a pipeline concatenates micro-batch outputs; a context-parallel slice may
+            # per-token losses [b, S]: a pipeline concatenates micro-batch outputs; a part of the global batch may
             # hold no labelled token (a long prompt), whose mean must be 0 with weight 0, not NaN
-            if caps.pipelined or caps.context_parallel_size > 1:
+            if self._loss_is_a_part():
                 kwargs["reduction"] = "none"
         return (batch["input_ids"],), kwargs
 
@@ -61,7 +60,7 @@ class CausalLMTask(DecoderTask):
             # per-token losses (0 where ignored), the mean over the batch's labelled tokens (NaN without any, as
             # the mean cross-entropy gives: the non-finite guard then sees it)
             return output.float().sum() / self._labelled(batch), {}
-        if self.capabilities.context_parallel_size > 1:
+        if self._loss_is_a_part():
             loss = F.cross_entropy(output.flatten(0, 1).float(), batch["labels"].flatten(), ignore_index=-100,
                                    reduction="sum")
             return loss / self._labelled(batch), {}
@@ -69,10 +68,18 @@ class CausalLMTask(DecoderTask):
         return loss, {}
 
     def _labelled(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The labelled tokens a mean divides by; at least 1 for a context-parallel slice (its weight is then 0, so
-        a slice of prompt tokens only adds nothing, while one device's whole batch without labels stays NaN)."""
+        """The labelled tokens a mean divides by; at least 1 where the mean is one part of a weighted mean (a
+        context-parallel slice, a data-parallel replica, a pipeline micro-batch): its weight is then 0, so a part of
+        prompt tokens only adds nothing, while a global batch without labels stays NaN (``global_train_loss``), as
+        one device's is."""
         count = (batch["labels"] != -100).sum()
-        return count.clamp(min=1) if self.capabilities.context_parallel_size > 1 else count
+        return count.clamp(min=1) if self._loss_is_a_part() else count
+
+    def _loss_is_a_part(self) -> bool:
+        """Whether this rank's loss is one part of the global batch's weighted mean (a context-parallel slice, a
+        data-parallel replica or a pipeline micro-batch) rather than the whole batch's mean."""
+        caps = self.capabilities
+        return caps.context_parallel_size > 1 or caps.data_parallel_size > 1 or caps.pipelined
 
     @override
     def loss_weight(self, batch: dict[str, torch.Tensor]) -> float:
