@@ -123,6 +123,34 @@ def test_damaged_engine_directory_through_the_cli(tmp_path: Path, capsys: pytest
     assert not torch.distributed.is_initialized()  # the failed run's process group is gone
 
 
+@pytest.mark.parametrize("kind", ["engine", "deepspeed", "plain"])
+def test_checkpoint_directory_given_to_a_single_file_strategy(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                              kind: str) -> None:
+    """One device / ddp read one .ckpt file: a checkpoint directory is refused in one line naming the strategies
+    that read it (was torch.load's IsADirectoryError traceback); the engine's directory then resumes under 3d."""
+    if kind == "engine":  # a real one: 2 steps under zero3 on one device, saved by ModelCheckpoint
+        assert main(_fit_args(tmp_path, "--trainer.strategy=zero3", *_with_checkpoints(tmp_path))) == 0
+        d = tmp_path / "ckpt" / "epoch=0-step=2.ckpt"
+        assert (d / "meta.pt").is_file()
+    else:
+        d = tmp_path / "dir"
+        d.mkdir()
+        if kind == "deepspeed":
+            (d / "latest").write_text("global_step2")
+    line = _run_main(capsys, _fit_args(tmp_path, f"--ckpt_path={d}"))
+    want = {"engine": "is a checkpoint directory of the parallel engine (tp, pp, cp, zero1/2/3, 3d); the strategy "
+                      "SingleDeviceStrategy reads one .ckpt file: any layout of the engine resumes it: "
+                      "--trainer.strategy=3d",
+            "deepspeed": "is a DeepSpeed checkpoint directory; the strategy SingleDeviceStrategy reads one .ckpt "
+                         "file: resume it with the DeepSpeed preset that wrote it",
+            "plain": "is a directory; the strategy SingleDeviceStrategy reads one .ckpt file: give the .ckpt file "
+                     "inside it"}[kind]
+    assert line.startswith(f"{PREFIX}--ckpt_path={d} {want}")
+    if kind == "engine":  # as the message says: the 3d preset (data parallel, here one device) resumes it
+        assert main(_fit_args(tmp_path / "resumed", "--trainer.strategy=3d", "--trainer.max_steps=4",
+                              f"--ckpt_path={d}")) == 0
+
+
 def test_shard_corrupted_in_the_middle(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Bytes overwritten inside a shard (sizes intact, so only reading finds it): DCP's failure, raised on every
     rank, becomes one line. The bytes are the head of the shard's first record (DCP keeps no checksums: zeroed tensor

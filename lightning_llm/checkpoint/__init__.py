@@ -1,7 +1,7 @@
 """Reading checkpoints: one-line errors for those that cannot be loaded (:mod:`.errors`, :mod:`.checks`) and loading
 that never runs code from a checkpoint (:mod:`.safe_load`)."""
 
-from lightning_llm.checkpoint.checks import check_deepspeed_dir, check_engine_dir
+from lightning_llm.checkpoint.checks import check_deepspeed_dir, check_engine_dir, check_strategy_reads
 from lightning_llm.checkpoint.errors import (
     CheckpointError,
     UnsafeCheckpointError,
@@ -23,5 +23,6 @@ from lightning_llm.checkpoint.safe_load import (
 )
 
 __all__ = ["TRUST_ENV", "CheckpointError", "SafeEmptyLoadPlanner", "SafeFileSystemReader", "SafeLoadPlanner",
-           "UnsafeCheckpointError", "check_deepspeed_dir", "check_engine_dir", "check_torch_file", "dcp_refusals", "first_line",
+           "UnsafeCheckpointError", "check_deepspeed_dir", "check_engine_dir", "check_strategy_reads",
+           "check_torch_file", "dcp_refusals", "first_line",
            "load_file", "loading", "read_dcp_metadata", "trusted", "verify_checkpoint", "verify_file"]

@@ -15,10 +15,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.strategies import Strategy
+
 from lightning_llm.checkpoint.errors import CheckpointError, UnsafeCheckpointError, check_torch_file, first_line
 from lightning_llm.checkpoint.safe_load import DEEPSPEED_GLOBALS, load_file, read_dcp_metadata
 
-__all__ = ["check_deepspeed_dir", "check_engine_dir"]
+__all__ = ["check_deepspeed_dir", "check_engine_dir", "check_strategy_reads"]
 
 
 # ---------------------------------------------------------------------------------------------- engine (DCP) dirs
@@ -123,3 +125,27 @@ def _world_size_message(name: str, path: Path, tag: str, saved: int, now: int) -
             f"--trainer.num_nodes), or convert it once with 'python -m deepspeed.checkpoint.ds_to_universal "
             f"--input_folder {src} --output_folder {dst} --inject_missing_state' and resume with "
             '{"checkpoint": {"load_universal": true}} in --trainer.strategy.config')
+
+
+# ---------------------------------------------------------------------------------------------- which strategy reads it
+def check_strategy_reads(path: str | Path, strategy: Any, *, name: str) -> None:
+    """Raise :class:`CheckpointError` if ``path`` is a checkpoint directory and ``strategy`` reads one ``.ckpt`` file
+    only (Lightning's single-device and DDP strategies: ``Strategy.load_checkpoint`` ``torch.load``\ s the path, and
+    a directory fails there with a traceback). The message says which strategies read the directory."""
+    p = Path(path)
+    if not p.is_dir() or type(strategy).load_checkpoint is not Strategy.load_checkpoint:
+        return
+    if (p / "latest").is_file():
+        what = "a DeepSpeed checkpoint directory"
+        how = ("resume it with the DeepSpeed preset that wrote it (--trainer.strategy=deepspeed_zero1|2|3) or write "
+               "its weights out with `lightning_llm export`")
+    elif (p / "meta.pt").is_file() or (p / ".metadata").is_file():
+        what = "a checkpoint directory of the parallel engine (tp, pp, cp, zero1/2/3, 3d)"
+        how = ("any layout of the engine resumes it: --trainer.strategy=3d (plain data parallelism at its default "
+               "sizes, also on one device), zero1/2/3, tp, pp or cp; or write its weights out with "
+               "`lightning_llm export`")
+    else:
+        what = "a directory"
+        how = "give the .ckpt file inside it"
+    raise CheckpointError(f"{name} is {what}; the strategy {type(strategy).__name__} reads one .ckpt file: "
+                          f"{how}")

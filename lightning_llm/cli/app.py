@@ -20,9 +20,16 @@ from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from typing_extensions import override
 
 import lightning_llm.strategies  # noqa: F401 - registers our strategies in StrategyRegistry
-from lightning_llm.checkpoint import CheckpointError, check_torch_file, loading, verify_checkpoint
+from lightning_llm.checkpoint import (
+    CheckpointError,
+    check_strategy_reads,
+    check_torch_file,
+    loading,
+    verify_checkpoint,
+)
 from lightning_llm.cli.args import expand_config, prepare_argv, register_parser_mode
 from lightning_llm.data.io import DataError, read_json
 from lightning_llm.logs import RankZeroFilter, is_global_zero
@@ -122,6 +129,16 @@ class LLMCLI(LightningCLI):
         verify_checkpoint(ckpt_path, name=name)
         with loading(name):
             return super()._parse_ckpt_path()
+
+
+    @override
+    def _run_subcommand(self, subcommand: str) -> None:
+        # The strategy is built now: a checkpoint directory given to one that reads a single file (ddp, one device)
+        # is refused in one line naming the strategies that read it, not left to torch.load's IsADirectoryError.
+        ckpt_path = self.config[subcommand].get("ckpt_path")
+        if ckpt_path:
+            check_strategy_reads(ckpt_path, self.trainer.strategy, name=f"--ckpt_path={ckpt_path}")
+        super()._run_subcommand(subcommand)
 
 
 def _default_tokenizer(cfg: Any) -> None:
