@@ -28,8 +28,19 @@ def tokenizers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def _records(family: str) -> list[dict[str, Any]]:
     """With a system message, without one (Qwen2.5 injects its own), and with tools (not DeepSeek-R1's: its template
     concatenates arguments as strings)."""
-    out = [{"messages": reasoning_conversation()}, {"messages": reasoning_conversation()[1:]}]
+    out = [{"messages": reasoning_conversation()}, {"messages": reasoning_conversation()[1:]}, _angled()]
     return out if family == "deepseek_r1" else [*out, tool_conversation()]
+
+
+def _angled() -> dict[str, Any]:
+    """Replies whose answers start with "<" (markup, an emoticon): DeepSeek-R1's generation prompt ends with
+    "<think>\\n", which such a history turn shares its first characters with; they are the reply's, not its header's."""
+    msgs = reasoning_conversation()
+    msgs[2] = {"role": "assistant", "content": "<think>\nPolite.\n</think>\n\n<thank you> I am fine."}
+    msgs[4] = {"role": "assistant", "content": "<b>I love</b> natural language processing."}
+    # and one that is the header's own word (Qwen's "<|im_start|>assistant\n"): it must not start inside the header
+    msgs[6] = {"role": "assistant", "content": "<think>\nEcho.\n</think>\n\nassistant"}
+    return {"messages": msgs}
 
 
 def _reference(hf: Any, family: str, rec: dict[str, Any]) -> tuple[list[int], list[list[int]]]:

@@ -116,6 +116,13 @@ class TurnLocator:
         if not rest.startswith(tail) or header < len(tail):
             raise self._refuse(i, f"the message before it ends differently ({rest[:len(tail)]!r}) than when it ends "
                                   f"the conversation ({tail!r})")
+        pieces = text_pieces(self.messages[i], reasoning=False)
+        if pieces:  # a reply "<b>..." shares its first characters with a generation prompt ending "<think>\n"
+            # (DeepSeek-R1) that its history turn lacks: the common prefix runs into the reply. The header then ends
+            # where the reply's text starts, the latest start from which the overrun is the text's own beginning.
+            first = pieces[0]
+            content = rest.rfind(first, max(len(tail), header - len(first)), header + len(first))
+            header = content if content >= 0 else header
         start = user_end + header
         stops = [p for p in (self.text.find(s, start) for s in self._stops) if p >= 0]
         if not stops:
@@ -123,7 +130,6 @@ class TurnLocator:
         stop = min(stops)
         end = stop + next(len(s) for s in self._stops if self.text.startswith(s, stop))
         turn = self.text[start:stop]
-        pieces = text_pieces(self.messages[i], reasoning=False)
         # every string the message holds (reasoning, tool-call arguments too): an end-of-turn text in any of them
         # would end the located turn early, learning a cut reply without a word
         held = [s for s in self._stops if any(s in text for text in _strings(self.messages[i]))]
