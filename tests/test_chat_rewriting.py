@@ -242,3 +242,19 @@ def test_a_located_tool_call_holding_the_end_of_turn_token_is_refused(tokenizers
     data = write_jsonl(tmp_path / "bad_tool.jsonl", [record])
     with pytest.raises(DataError, match=rf"^{data}:1: assistant message 2 holds the end-of-turn token '<\|im_end\|>'"):
         InstructionDataModule(str(data), str(tokenizers["qwen3"])).setup("fit")
+
+
+def test_a_type_error_outside_the_template_is_not_blamed_on_the_record(tokenizers: dict[str, Path],
+                                                                       tmp_path: Path) -> None:
+    """Only a TypeError raised while the template runs is the record's; one of our own call (a library's changed
+    signature) propagates as itself."""
+    dm = InstructionDataModule(str(write_jsonl(tmp_path / "plain.jsonl", [{"messages": reasoning_conversation()}])),
+                               str(tokenizers["deepseek_r1"]))
+    dm.setup("fit")
+
+    def wrong_call(*args: Any, **kwargs: Any) -> str:
+        raise TypeError("apply_chat_template() got an unexpected keyword argument")
+
+    dm.chat.tokenizer.apply_chat_template = wrong_call
+    with pytest.raises(TypeError, match="unexpected keyword argument"):
+        dm.chat.render(reasoning_conversation(), where="x")

@@ -120,7 +120,9 @@ class ChatEncoder:
             return self.tokenizer.apply_chat_template(messages, tools=tools, chat_template=template,
                                                       add_generation_prompt=generation_prompt, tokenize=False,
                                                       **self._kwargs)
-        except (TemplateError, TypeError) as e:  # TypeError: the template's own operations on the record's values
+        except (TemplateError, TypeError) as e:
+            if isinstance(e, TypeError) and not _raised_in_template(e):
+                raise  # a TypeError of our own call, not of the template's operations on the record's values
             raise DataError(f"{where or self.param}: the chat template ({self.template.name}) cannot render this "
                             f"conversation: {e}") from None
 
@@ -348,3 +350,13 @@ def _largest_fitting(length: Callable[[int], int], n: int, limit: int, *, n_leng
             hi, hi_len = guess, value
         interpolate = (hi - lo) * 2 <= width  # a step that did not halve the range: bisect next
     return lo
+
+
+def _raised_in_template(e: BaseException) -> bool:
+    """Whether ``e`` was raised while a Jinja template ran (its compiled code's frames are named ``<template>``)."""
+    tb = e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename == "<template>":
+            return True
+        tb = tb.tb_next
+    return False
