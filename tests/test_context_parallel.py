@@ -331,6 +331,24 @@ def test_a_part_without_labelled_tokens_weighs_nothing(part: str) -> None:
     assert total == 8 and local.item() == global_loss.item() == 1.0
 
 
+def test_rows_past_the_position_tables_are_refused_not_indexed() -> None:
+    """The debug decoder's tables hold 256 positions: one device computes RoPE past them for a 512-token row; a cp
+    slice (256 local columns) cannot tell its global positions run past them, so the row is refused in one line
+    before the forward (it indexed the table past its end)."""
+    from lightning_llm.models import DecoderLM, named_config
+    from lightning_llm.strategies.context import slice_step
+
+    model = DecoderLM(named_config("debug", family="decoder"))
+    long = {"input_ids": torch.randint(0, 200, (1, 512)), "labels": torch.randint(0, 200, (1, 512))}
+    assert model(long["input_ids"]).shape[1] == 512  # one device: positions past the table are computed
+    with pytest.raises(ValueError, match="a sequence of 512 tokens is longer than the model's "
+                                         "max_position_embeddings=256"):
+        slice_step("training_step", (long, 0), {}, cp=2, rank=0, model=model)
+    short = {k: v[:, :256] for k, v in long.items()}
+    (sliced, _), _ = slice_step("training_step", (short, 0), {}, cp=2, rank=0, model=model)
+    assert sliced["input_ids"].shape == (1, 128) and int(sliced["position_ids"].max()) == 255
+
+
 # ------------------------------------------------------------------------------------------- refusals (2 processes)
 REPO = Path(__file__).resolve().parents[1]
 REFUSALS = {

@@ -76,6 +76,10 @@ class ParallelSpec:
     cannot split its sequence."""
     context_parallel_blocker: Callable[[nn.Module], str | None] = field(default=lambda model: None)
     """``backbone -> why this model cannot split its sequence`` (``None``: it can)."""
+    position_limit: Callable[[nn.Module], int | None] = field(default=lambda model: None)
+    """``backbone -> the longest sequence its position tables hold`` (``None``: no limit). One device computes
+    positions past a RoPE table per forward, from the forward's length; a context-parallel slice is shorter than its
+    sequence and would index the table past its end, so longer sequences are refused there."""
     segment_positions: Callable[[Tensor], Tensor] | None = None
     """``segment_ids [B, S] -> position_ids [B, S]``: the positions the family gives packed rows without
     ``position_ids`` (a context-parallel slice needs them from the whole row)."""
@@ -238,6 +242,7 @@ PARALLEL_SPECS: dict[type[nn.Module], ParallelSpec] = {
     DecoderLM: ParallelSpec(first=("embed_tokens", "embed_positions"), last=("norm", "lm_head"),
                             tp_plan=decoder_tp_plan, tp_divides=_TP_DIVIDES, tied=_tied_lm_head,
                             attention_cores="layers.*.self_attn.core", context_parallel_blocker=_decoder_cp_blocker,
+                            position_limit=lambda model: model.config.max_position_embeddings,
                             segment_positions=segment_positions),
     EncoderModel: ParallelSpec(first=("embed_tokens", "embed_positions", "embed_token_types", "embed_norm"),
                                last=("final_norm", "pooler", "classifier"), tp_plan=encoder_tp_plan,

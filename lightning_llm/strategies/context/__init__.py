@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 from lightning_llm.models.parallel_spec import ParallelSpec, parallel_spec_of
 from lightning_llm.strategies.context.attention import ContextParallelAttention
@@ -70,7 +70,20 @@ def slice_step(hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, cp: 
     if hook == "predict_step":
         raise ValueError(f"context_parallel_size={cp}: predict is not supported under context parallelism (it "
                          "generates or returns whole-row outputs); predict with context_parallel_size=1")
-    cut = dict(cp=cp, rank=rank, positions=family_spec(model).segment_positions)
+    spec = family_spec(model)
+    _check_length(args[0] if args else kwargs["batch"], limit=spec.position_limit(parallel_spec_of(model)[1]), cp=cp)
+    cut = dict(cp=cp, rank=rank, positions=spec.segment_positions)
     if args:
         return (shard_batch(args[0], **cut), *args[1:]), kwargs
     return args, {**kwargs, "batch": shard_batch(kwargs["batch"], **cut)}
+
+
+def _check_length(batch: Any, *, limit: int | None, cp: int) -> None:
+    """Refuse rows longer than the model's position tables (``limit``): a slice is shorter than its sequence, so
+    the model cannot tell that its global positions run past them (one device computes RoPE past them per forward)."""
+    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    if isinstance(ids, Tensor) and limit is not None and ids.shape[1] > limit:
+        raise ValueError(f"context_parallel_size={cp}: a sequence of {ids.shape[1]} tokens is longer than the "
+                         f"model's max_position_embeddings={limit} (its position tables), which a slice of the "
+                         "sequence cannot read past: shorten the rows, or raise max_position_embeddings with the "
+                         "rope_scaling the model was trained for")
