@@ -156,6 +156,34 @@ def test_greedy_and_beam_search_match_transformers_generate(eos: int | None, tmp
 # ------------------------------------------------------------------------------------------------ training
 
 
+def test_val_loss_is_the_token_mean_of_the_split_at_any_batch_size(tmp_path: Path) -> None:
+    """Replies of 1-9 tokens: val_loss is the mean over every labelled token of the split (perplexity's definition),
+    the same at eval batch sizes 1, 3 and 32 (a mean of batch means weighted by rows differs with the batching)."""
+    rng = random.Random(1)
+    recs = [dict(r, output=r["input"][:rng.randint(1, 9)]) for r in _records(13)]
+    path = tmp_path / "val.json"
+    path.write_text(json.dumps(recs, ensure_ascii=False), encoding="utf-8")
+    from lightning_llm.tasks import CausalLMTask
+
+    pl.seed_everything(0)
+    task = CausalLMTask("debug", dropout=0.0).eval()
+    got = {}
+    for bs in (1, 3, 32):
+        dm = InstructionDataModule(str(path), val_path=str(path), template="{instruction}{input}\n", cutoff_len=64,
+                                   batch_size=bs)
+        trainer = pl.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False)
+        got[bs] = trainer.validate(task, dm, verbose=False)[0]["val_loss"]
+    total = count = 0.0
+    with torch.no_grad():
+        for batch in dm.val_dataloader():
+            logits = task.model(batch["input_ids"], attention_mask=batch.get("attention_mask"))
+            total += torch.nn.functional.cross_entropy(logits.flatten(0, 1).double(), batch["labels"].flatten(),
+                                                       reduction="sum").item()
+            count += int((batch["labels"] != -100).sum())
+    print(f"val_loss at eval batch 1 / 3 / 32: {got}; token mean over the split {total / count:.6f}")
+    assert all(abs(v - total / count) <= 1e-5 for v in got.values())
+
+
 def test_overfit_32_examples_reaches_rouge_l_90(sft_file: Path, tmp_path: Path) -> None:
     pl.seed_everything(0)
     dm = InstructionDataModule(str(sft_file), val_path=str(sft_file), template="{instruction}{input}\n",
@@ -245,5 +273,10 @@ def test_sft_two_processes_match_one_device_and_write_predictions_once(
     assert rows and all(k in rows[0] for k in ("val_bleu-4", "val_rouge-1", "val_rouge-2", "val_samples_per_s"))
     ref_rows = [r for r in csv.DictReader(next(single.rglob("metrics.csv")).open()) if r.get("val_rouge-l")]
     assert [r["val_rouge-l"] for r in rows] == [r["val_rouge-l"] for r in ref_rows]
+    # val_loss: the token mean of the split (each rank's eval batches weighted by their labelled tokens)
+    val, ref_val = ([float(r["val_loss"]) for r in csv.DictReader(next(d.rglob("metrics.csv")).open())
+                     if r.get("val_loss")] for d in (multi, single))
+    print(f"{name}: val_loss {val} vs one device {ref_val}")
+    assert val and max(abs(a - b) for a, b in zip(val, ref_val, strict=True)) <= 1e-5
 
 

@@ -392,11 +392,12 @@ class LLMTask(pl.LightningModule):
     def _eval_step(self, batch: dict[str, torch.Tensor], stage: str) -> torch.Tensor:
         loss, outputs = self.step_loss(batch, stage)
         caps = self.capabilities
+        weight = self.loss_weight(batch)
         if caps.context_parallel_size > 1:  # the rows' loss: the slices of the cp group weighted by their tokens
-            loss, _ = replica_loss(caps.context_parallel_group, loss, self.loss_weight(batch),
-                                   dp=caps.context_parallel_size)
-        self.log(f"{stage}_loss", loss, prog_bar=stage == "val", on_epoch=True, sync_dist=True,
-                 batch_size=self._batch_size(batch))
+            loss, weight = replica_loss(caps.context_parallel_group, loss, weight, dp=caps.context_parallel_size)
+        # Weighted by what the loss averages over (tokens, pairs, samples): Lightning's epoch value, summed over the
+        # ranks by sync_dist, is then the mean over the whole split, the same at every layout and batch size.
+        self.log(f"{stage}_loss", loss, prog_bar=stage == "val", on_epoch=True, sync_dist=True, batch_size=weight)
         self.update_metrics(stage, outputs, batch)
         return loss
 
