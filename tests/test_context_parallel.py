@@ -273,6 +273,34 @@ def test_block_attention_equals_causal_attention_in_float64(cp: int) -> None:
     assert max((g.double() - w).abs().max().item() for g, w in zip(got, want, strict=True)) < 2e-6
 
 
+def test_the_mask_across_slices_is_built_once_per_forward_and_dropped_with_it() -> None:
+    """Every attention core of a model shares one mask per forward (one TokenMask): built by the first layer, the
+    same tensor for the others (and saved once for backward), rebuilt for the next forward, released with its
+    TokenMask."""
+    import gc
+
+    from lightning_llm.models.layers import TokenMask
+    from lightning_llm.strategies.context.attention import SharedMask
+
+    shared, builds = SharedMask(), []
+
+    def build() -> torch.Tensor:
+        builds.append(torch.ones(1, 1, 4, 8, dtype=torch.bool))
+        return builds[-1]
+
+    first = TokenMask(keep=torch.ones(1, 4, dtype=torch.bool))
+    masks = [shared.get(first, build) for _ in range(4)]  # four layers of one forward
+    assert len(builds) == 1 and all(m is builds[0] for m in masks)
+    second = TokenMask(keep=torch.ones(1, 4, dtype=torch.bool))
+    assert shared.get(second, build) is builds[1] and len(builds) == 2
+    del first
+    gc.collect()
+    assert shared._mask is builds[1]  # an older forward's mask going does not drop the newer one
+    del second
+    gc.collect()
+    assert shared._mask is None
+
+
 def test_tasks_declare_context_parallel() -> None:
     """A library token-mean task passes; one without the declaration, and a subclass overriding a loss hook without
     declaring it again, are refused naming the class."""
@@ -331,20 +359,22 @@ def test_a_part_without_labelled_tokens_weighs_nothing(part: str) -> None:
     assert total == 8 and local.item() == global_loss.item() == 1.0
 
 
-def test_rows_past_the_position_tables_are_refused_not_indexed() -> None:
-    """The debug decoder's tables hold 256 positions: one device computes RoPE past them for a 512-token row; a cp
-    slice (256 local columns) cannot tell its global positions run past them, so the row is refused in one line
-    before the forward (it indexed the table past its end)."""
+def test_slices_within_the_position_tables_of_longer_rows_are_refused() -> None:
+    """The debug decoder's tables hold 256 positions. One device computes RoPE past them for a 512-token row, and so
+    does a slice longer than the tables (1024 tokens over cp=2: the parity runs above use 4096); a 256-token slice of
+    a 512-token row would look its global positions up past the tables' end: refused in one line, before the forward."""
     from lightning_llm.models import DecoderLM, named_config
     from lightning_llm.strategies.context import slice_step
 
     model = DecoderLM(named_config("debug", family="decoder"))
-    long = {"input_ids": torch.randint(0, 200, (1, 512)), "labels": torch.randint(0, 200, (1, 512))}
-    assert model(long["input_ids"]).shape[1] == 512  # one device: positions past the table are computed
-    with pytest.raises(ValueError, match="a sequence of 512 tokens is longer than the model's "
-                                         "max_position_embeddings=256"):
-        slice_step("training_step", (long, 0), {}, cp=2, rank=0, model=model)
-    short = {k: v[:, :256] for k, v in long.items()}
+    row = {"input_ids": torch.randint(0, 200, (1, 1024)), "labels": torch.randint(0, 200, (1, 1024))}
+    assert model(row["input_ids"][:, :512]).shape[1] == 512  # one device: positions past the table are computed
+    with pytest.raises(ValueError, match=r"rows of 512 tokens are longer than the model's max_position_embeddings=256 "
+                                         r"\(its position tables\) while their slices of 256 are not"):
+        slice_step("training_step", ({k: v[:, :512] for k, v in row.items()}, 0), {}, cp=2, rank=0, model=model)
+    (sliced, _), _ = slice_step("training_step", (row, 0), {}, cp=2, rank=0, model=model)
+    assert sliced["input_ids"].shape == (1, 512) and int(sliced["position_ids"].max()) == 1023
+    short = {k: v[:, :256] for k, v in row.items()}
     (sliced, _), _ = slice_step("training_step", (short, 0), {}, cp=2, rank=0, model=model)
     assert sliced["input_ids"].shape == (1, 128) and int(sliced["position_ids"].max()) == 255
 

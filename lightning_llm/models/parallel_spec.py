@@ -77,9 +77,9 @@ class ParallelSpec:
     context_parallel_blocker: Callable[[nn.Module], str | None] = field(default=lambda model: None)
     """``backbone -> why this model cannot split its sequence`` (``None``: it can)."""
     position_limit: Callable[[nn.Module], int | None] = field(default=lambda model: None)
-    """``backbone -> the longest sequence its position tables hold`` (``None``: no limit). One device computes
-    positions past a RoPE table per forward, from the forward's length; a context-parallel slice is shorter than its
-    sequence and would index the table past its end, so longer sequences are refused there."""
+    """``backbone -> the positions its tables hold`` (``None``: no limit). The model picks table lookups or positions
+    computed per forward by the length of what it is given; a context-parallel slice no longer than the tables of a
+    sequence longer than them would look up past their end, so that case is refused."""
     segment_positions: Callable[[Tensor], Tensor] | None = None
     """``segment_ids [B, S] -> position_ids [B, S]``: the positions the family gives packed rows without
     ``position_ids`` (a context-parallel slice needs them from the whole row)."""

@@ -18,7 +18,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_llm.models.parallel_spec import ParallelSpec, parallel_spec_of
-from lightning_llm.strategies.context.attention import ContextParallelAttention
+from lightning_llm.strategies.context.attention import ContextParallelAttention, SharedMask
 from lightning_llm.strategies.context.sharding import chunk_size, local_columns, order_gathered, shard_batch
 from lightning_llm.strategies.zero.native import module_path_matches
 
@@ -51,10 +51,11 @@ def apply_context_parallel(model: nn.Module, *, group: Any, cp: int, rank: int) 
     prefix, backbone, _ = parallel_spec_of(model)  # type: ignore[misc]
     assert spec.attention_cores is not None
     targets = [n for n, _ in backbone.named_modules() if n and module_path_matches(n, spec.attention_cores)]
+    shared = SharedMask()  # one mask per forward for all the cores
     for name in targets:
         parent_name, _, leaf = name.rpartition(".")
         parent = backbone.get_submodule(parent_name) if parent_name else backbone
-        setattr(parent, leaf, ContextParallelAttention(group=group, cp=cp, rank=rank))
+        setattr(parent, leaf, ContextParallelAttention(group=group, cp=cp, rank=rank, shared=shared))
     if not targets:
         raise ValueError(f"context_parallel_size > 1: no module of {type(backbone).__name__} matches its declared "
                          f"attention cores {spec.attention_cores!r}")
@@ -79,11 +80,16 @@ def slice_step(hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, cp: 
 
 
 def _check_length(batch: Any, *, limit: int | None, cp: int) -> None:
-    """Refuse rows longer than the model's position tables (``limit``): a slice is shorter than its sequence, so
-    the model cannot tell that its global positions run past them (one device computes RoPE past them per forward)."""
+    """Refuse rows whose slices fit the model's position tables (``limit`` positions) while the rows do not: the
+    model sees a slice of ``S / cp`` tokens and looks its global positions up in the tables, past their end (one
+    device, and a slice longer than the tables, compute those positions from the positions themselves)."""
     ids = batch.get("input_ids") if isinstance(batch, dict) else None
-    if isinstance(ids, Tensor) and limit is not None and ids.shape[1] > limit:
-        raise ValueError(f"context_parallel_size={cp}: a sequence of {ids.shape[1]} tokens is longer than the "
-                         f"model's max_position_embeddings={limit} (its position tables), which a slice of the "
-                         "sequence cannot read past: shorten the rows, or raise max_position_embeddings with the "
-                         "rope_scaling the model was trained for")
+    if not isinstance(ids, Tensor) or limit is None:
+        return
+    seq = ids.shape[1]
+    if seq // cp <= limit < seq:
+        raise ValueError(f"context_parallel_size={cp}: rows of {seq} tokens are longer than the model's "
+                         f"max_position_embeddings={limit} (its position tables) while their slices of {seq // cp} "
+                         "are not, which reads the tables past their end: keep rows within max_position_embeddings "
+                         f"or use a context_parallel_size below {seq / limit:g} (slices longer than the tables "
+                         "compute their positions, as one device does)")

@@ -29,6 +29,8 @@ The two attention computations, both exact:
 from __future__ import annotations
 
 import logging
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,7 +42,7 @@ from lightning_llm.strategies.context.sharding import local_columns, order_gathe
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ContextParallelAttention"]
+__all__ = ["ContextParallelAttention", "SharedMask"]
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -125,6 +127,29 @@ def _heads(k: Tensor, v: Tensor, cols: slice, rep: int) -> tuple[Tensor, Tensor]
     return kb, vb
 
 
+class SharedMask:
+    """The mask across slices, shared by every attention core of a model: one forward's layers receive the same
+    :class:`~lightning_llm.models.layers.TokenMask`, so the mask (and the gathers of its keep and segment ids) is
+    built once per forward, not per layer, and every layer's SDPA saves that one tensor for backward instead of its
+    own ``[B, 1, S/cp, S]`` copy. Keyed by the token mask's identity (a weak reference); dropped with it."""
+
+    def __init__(self) -> None:
+        self._key: Callable[[], Any] = lambda: None
+        self._mask: Tensor | None = None
+
+    def get(self, token_mask: Any, build: Callable[[], Tensor]) -> Tensor:
+        """The mask of ``token_mask``: built by ``build()`` for a new one, else the one built for it."""
+        if self._key() is not token_mask or self._mask is None:
+            self._mask = build()
+            self._key = weakref.ref(token_mask)
+            weakref.finalize(token_mask, self._drop, self._key)
+        return self._mask
+
+    def _drop(self, key: Any) -> None:
+        if self._key is key:  # not a newer forward's
+            self._mask = None
+
+
 class ContextParallelAttention(nn.Module):
     """Replaces a family's attention core (``ParallelSpec.attention_cores``) under context parallelism: the same
     call (``q`` [B, N, S/cp, D], ``k``/``v`` [B, K, S/cp, D] of this rank's tokens), attending to the whole
@@ -133,16 +158,16 @@ class ContextParallelAttention(nn.Module):
 
     needs_token_mask = True
 
-    def __init__(self, *, group: Any, cp: int, rank: int) -> None:
+    def __init__(self, *, group: Any, cp: int, rank: int, shared: SharedMask | None = None) -> None:
         super().__init__()
         self.group, self.cp, self.rank = group, cp, rank
+        self.shared = shared if shared is not None else SharedMask()
 
     def extra_repr(self) -> str:
         return f"cp={self.cp}, rank={self.rank}, all-gather of keys/values"
 
-    def _gather(self, t: Tensor, *, differentiable: bool) -> Tensor:
-        """[B, ..., S/cp, ...] local (sequence on dim 2 for k/v, dim 1 for [B, S] masks) -> the whole sequence."""
-        dim = 2 if t.dim() == 4 else 1
+    def _gather(self, t: Tensor, *, dim: int, differentiable: bool) -> Tensor:
+        """This rank's ``t`` with its sequence on ``dim`` -> the whole sequence, in column order."""
         t = t.contiguous()
         if differentiable:
             parts = _GatherSequence.apply(t, self.group, self.cp).unbind(0)
@@ -161,13 +186,14 @@ class ContextParallelAttention(nn.Module):
                              "pattern of a slice would differ from one device's)")
         s_local = q.shape[2]
         seq = s_local * self.cp
-        k_all = self._gather(k, differentiable=True)  # [B, K, S, D]: only the kv heads travel
-        v_all = self._gather(v, differentiable=True)
+        # one collective for both: [2, B, K, S/cp, D] -> [2, B, K, S, D] (only the kv heads travel)
+        k_all, v_all = self._gather(torch.stack([k, v]), dim=3, differentiable=True).unbind(0)
         plain = token_mask.keep is None and token_mask.segment_ids is None
         if plain and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
             c = s_local // 2
             return _CausalChunks.apply(q, k_all, v_all, (self.rank, 2 * self.cp - 1 - self.rank), c)
-        mask = self._mask(token_mask, seq=seq, batch=q.shape[0], device=q.device)  # [B, 1, S/cp, S]
+        # [B, 1, S/cp, S], built by this forward's first layer
+        mask = self.shared.get(token_mask, lambda: self._mask(token_mask, seq=seq, batch=q.shape[0], device=q.device))
         rep = q.shape[1] // k.shape[1]
         return F.scaled_dot_product_attention(q, *_heads(k_all, v_all, slice(None), rep), attn_mask=mask)
 
@@ -182,9 +208,9 @@ class ContextParallelAttention(nn.Module):
         if seg is not None:  # padding of a packed row (segment 0) is no key
             keep = seg > 0 if keep is None else keep & (seg > 0)
         if keep is not None:
-            mask = mask & self._gather(keep.to(torch.uint8), differentiable=False).bool()[:, None, None, :]
+            mask = mask & self._gather(keep.to(torch.uint8), dim=1, differentiable=False).bool()[:, None, None, :]
         if seg is not None:
-            mask = mask & (seg[:, None, :, None] == self._gather(seg, differentiable=False)[:, None, None, :])
+            mask = mask & (seg[:, None, :, None] == self._gather(seg, dim=1, differentiable=False)[:, None, None, :])
         mask = mask.expand(batch, 1, -1, -1)
         empty = ~mask.any(dim=-1, keepdim=True)  # [B, 1, S/cp, 1]
         eye = (k_cols[None, :] == q_cols[:, None])[None, None]
