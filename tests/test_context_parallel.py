@@ -289,10 +289,10 @@ def test_the_mask_across_slices_is_built_once_per_forward_and_dropped_with_it() 
         return builds[-1]
 
     first = TokenMask(keep=torch.ones(1, 4, dtype=torch.bool))
-    masks = [shared.get(first, build) for _ in range(4)]  # four layers of one forward
+    masks = [shared.get(first, torch.bool, build) for _ in range(4)]  # four layers of one forward
     assert len(builds) == 1 and all(m is builds[0] for m in masks)
     second = TokenMask(keep=torch.ones(1, 4, dtype=torch.bool))
-    assert shared.get(second, build) is builds[1] and len(builds) == 2
+    assert shared.get(second, torch.bool, build) is builds[1] and len(builds) == 2
     del first
     gc.collect()
     assert shared._mask is builds[1]  # an older forward's mask going does not drop the newer one

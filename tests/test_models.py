@@ -240,3 +240,42 @@ def test_bf16_forward() -> None:
     m = build_model("debug", family="decoder").to(torch.bfloat16)
     out = m(torch.randint(0, 256, (1, 4)))
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("rows", ["padded", "packed", "sliding"])
+def test_one_additive_mask_is_saved_for_every_layer(rows: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decoder converts its boolean mask to SDPA's additive form once per forward: every layer saves that one
+    [B, 1, S, S] tensor for backward (SDPA converted a boolean mask in each layer and saved each copy: 4 layers, 4
+    copies), and outputs and gradients are bit-identical to the per-layer boolean path, with autocast and without."""
+    import lightning_llm.models.decoder as decoder
+
+    s = 64
+    name = "debug-mistral" if rows == "sliding" else "debug"  # every layer windowed (sliding_window=8)
+    model = build_model(name, family="decoder", dropout=0.0)
+    ids = torch.randint(0, 200, (2, s))
+    kwargs = {"attention_mask": torch.ones(2, s, dtype=torch.long).index_fill_(1, torch.arange(9), 0)}
+    if rows == "packed":
+        kwargs = {"segment_ids": torch.repeat_interleave(torch.arange(1, 5), s // 4).expand(2, s)}
+
+    def run(autocast: bool) -> tuple[int, torch.Tensor, torch.Tensor]:
+        masks: set[int] = set()
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.dim() == 4 and t.shape[-2:] == (s, s) and t.shape[1] == 1:
+                masks.add(t.untyped_storage().data_ptr())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(ids, **kwargs)
+        grad = torch.autograd.grad(out.float().square().mean(), model.layers["0"].self_attn.q_proj.weight)[0]
+        return len(masks), out.detach(), grad
+
+    for autocast in (False, True):
+        shared, out, grad = run(autocast)
+        with monkeypatch.context() as m:
+            m.setattr(decoder, "additive_mask", lambda mask, dtype: mask)  # each layer's SDPA converts it
+            per_layer, ref_out, ref_grad = run(autocast)
+        print(f"{rows}, autocast={autocast}: masks saved for backward {shared} (per-layer boolean: {per_layer})")
+        assert shared == 1 and per_layer == model.config.num_layers
+        assert torch.equal(out, ref_out) and torch.equal(grad, ref_grad)

@@ -33,6 +33,7 @@ from .layers import (
     NormHead,
     TokenMask,
     TransformerBlock,
+    additive_mask,
     build_norm,
     causal_mask,
     causal_padding_mask,
@@ -180,7 +181,7 @@ class DecoderLM(nn.Module):
             x = self.dropout(x)
 
         rope = self._rope(position_ids, total)  # cos, sin [B, S, D] each, or None
-        full, sliding = self._masks(attention_mask, segment_ids, s, total, x.device)
+        full, sliding = self._shared_masks(self._masks(attention_mask, segment_ids, s, total, x.device), x)
         windowed = set(self.config.sliding_layers)
 
         cache_kw: dict[str, object] = {} if kv_cache is None else {"kv_cache": kv_cache}  # absent unless decoding
@@ -231,6 +232,18 @@ class DecoderLM(nn.Module):
         seq_len = int(position_ids.max()) + 1 if rope_type(c.rope_scaling) == "dynamic" else total
         return rope_from_positions(position_ids, c.head_dim, c.max_position_embeddings, c.rope_theta,
                                    c.rope_scaling, seq_len=seq_len)
+
+    @staticmethod
+    def _shared_masks(masks: tuple[tuple[Tensor | None, bool], tuple[Tensor | None, bool]], x: Tensor
+                      ) -> tuple[tuple[Tensor | None, bool], tuple[Tensor | None, bool]]:
+        """The boolean masks as additive ones in the attention's dtype (autocast's, else the hidden states'), each
+        converted once for all the layers that share it (``layers.additive_mask``)."""
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        (full, full_causal), (sliding, sliding_causal) = masks
+        full_add = additive_mask(full, dtype)
+        sliding_add = full_add if sliding is full else additive_mask(sliding, dtype)
+        return (full_add, full_causal), (sliding_add, sliding_causal)
 
     def _masks(self, attention_mask: Tensor | None, segment_ids: Tensor | None, s: int, total: int,
                device: torch.device) -> tuple[tuple[Tensor | None, bool], tuple[Tensor | None, bool]]:

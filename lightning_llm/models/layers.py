@@ -47,6 +47,7 @@ __all__ = [
     "init_embedding",
     "causal_padding_mask",
     "causal_mask",
+    "additive_mask",
     "segment_positions",
     "NormHead",
     "key_padding_mask",
@@ -226,11 +227,13 @@ class DotProductAttention(nn.Module):
         k: Tensor,  # [B, K, T, D] (K divides N)
         v: Tensor,  # [B, K, T, D]
         *,
-        attn_mask: Tensor | None,  # bool, broadcastable to [B, N, S, T]; True = attend
+        attn_mask: Tensor | None,  # bool (True = attend) or additive (0 / -inf), broadcastable to [B, N, S, T]
         is_causal: bool,
         dropout_p: float,
         token_mask: TokenMask | None = None,  # the mask's ingredients (unused here: attn_mask is built from them)
     ) -> Tensor:  # [B, N, S, D]
+        if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype != q.dtype:
+            attn_mask = attn_mask.to(q.dtype)  # built for another compute dtype than this layer's (rare)
         n_rep = q.shape[1] // k.shape[1]
         if n_rep > 1:  # GQA: kv head j serves query heads j*n_rep .. (j+1)*n_rep-1 (HF repeat_kv)
             k = k.repeat_interleave(n_rep, dim=1)  # [B, N, T, D]
@@ -451,6 +454,15 @@ def causal_padding_mask(attention_mask: Tensor, seq_len: int, sliding_window: in
     eye[rows, rows + offset] = True  # each query's own position
     eye = eye[None, None]  # [1, 1, S, T]
     return mask | (empty & eye)
+
+
+def additive_mask(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """A boolean attend-mask as SDPA's additive one in ``dtype``: 0 where attending, -inf elsewhere (what SDPA
+    makes of a boolean mask itself, in every call). Built once per forward and given to every layer, it is one
+    tensor that each layer's attention saves for backward, instead of one conversion per layer."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 def segment_positions(segment_ids: Tensor) -> Tensor:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_llm.models.layers import additive_mask
 from lightning_llm.strategies.context.sharding import local_columns, order_gathered
 
 log = logging.getLogger(__name__)
@@ -130,16 +131,17 @@ def _heads(k: Tensor, v: Tensor, cols: slice, rep: int) -> tuple[Tensor, Tensor]
 class SharedMask:
     """The mask across slices, shared by every attention core of a model: one forward's layers receive the same
     :class:`~lightning_llm.models.layers.TokenMask`, so the mask (and the gathers of its keep and segment ids) is
-    built once per forward, not per layer, and every layer's SDPA saves that one tensor for backward instead of its
-    own ``[B, 1, S/cp, S]`` copy. Keyed by the token mask's identity (a weak reference); dropped with it."""
+    built once per forward, not per layer, and every layer's SDPA saves that one additive tensor for backward instead
+    of its own ``[B, 1, S/cp, S]`` conversion of a boolean mask. Keyed by the token mask's identity (a weak
+    reference) and the dtype; dropped with the token mask."""
 
     def __init__(self) -> None:
         self._key: Callable[[], Any] = lambda: None
         self._mask: Tensor | None = None
 
-    def get(self, token_mask: Any, build: Callable[[], Tensor]) -> Tensor:
-        """The mask of ``token_mask``: built by ``build()`` for a new one, else the one built for it."""
-        if self._key() is not token_mask or self._mask is None:
+    def get(self, token_mask: Any, dtype: torch.dtype, build: Callable[[], Tensor]) -> Tensor:
+        """The mask of ``token_mask`` in ``dtype``: built by ``build()`` for a new one, else the one built for it."""
+        if self._key() is not token_mask or self._mask is None or self._mask.dtype != dtype:
             self._mask = build()
             self._key = weakref.ref(token_mask)
             weakref.finalize(token_mask, self._drop, self._key)
@@ -192,8 +194,10 @@ class ContextParallelAttention(nn.Module):
         if plain and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
             c = s_local // 2
             return _CausalChunks.apply(q, k_all, v_all, (self.rank, 2 * self.cp - 1 - self.rank), c)
-        # [B, 1, S/cp, S], built by this forward's first layer
-        mask = self.shared.get(token_mask, lambda: self._mask(token_mask, seq=seq, batch=q.shape[0], device=q.device))
+        # [B, 1, S/cp, S] additive (0 / -inf) in q's dtype, built by this forward's first layer: SDPA would turn a
+        # boolean mask into such a tensor in every layer and save each for backward
+        mask = self.shared.get(token_mask, q.dtype, lambda: additive_mask(
+            self._mask(token_mask, seq=seq, batch=q.shape[0], device=q.device), q.dtype))
         rep = q.shape[1] // k.shape[1]
         return F.scaled_dot_product_attention(q, *_heads(k_all, v_all, slice(None), rep), attn_mask=mask)
 
