@@ -239,7 +239,8 @@ class DecoderLM(nn.Module):
         """The boolean masks as additive ones in the attention's dtype (autocast's, else the hidden states'), each
         converted once for all the layers that share it (``layers.additive_mask``)."""
         device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)  # not on meta
+        dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
         (full, full_causal), (sliding, sliding_causal) = masks
         full_add = additive_mask(full, dtype)
         sliding_add = full_add if sliding is full else additive_mask(sliding, dtype)
