@@ -18,6 +18,71 @@ Family = Literal["decoder", "encoder"]
 
 
 @dataclass
+class MoEConfig:
+    """Mixture-of-Experts feed-forward layers of a decoder (Mixtral, Qwen2-MoE, Qwen3-MoE; DeepSeek-V3's router).
+
+    Each MoE layer routes every token to ``top_k`` of ``num_experts`` gated MLPs (dropless: every token is computed,
+    as transformers does) and adds their outputs weighted by the router; optionally a shared expert sees every token.
+    """
+
+    num_experts: int = 8
+    """Routed experts per MoE layer (HF ``num_local_experts`` / ``num_experts`` / ``n_routed_experts``)."""
+    top_k: int = 2
+    """Experts each token is sent to (HF ``num_experts_per_tok``)."""
+    intermediate_size: int = 256
+    """Hidden width of each routed expert (HF ``moe_intermediate_size``; Mixtral's ``intermediate_size``)."""
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: ``softmax`` over the experts (Mixtral, Qwen) or per-expert ``sigmoid`` (DeepSeek-V3)."""
+    norm_topk_prob: bool = True
+    """Renormalise the chosen experts' scores to sum to 1 (Mixtral always; Qwen2/3-MoE when the config says)."""
+    num_groups: int = 1
+    """Group-limited routing: experts form this many groups (DeepSeek-V3 ``n_group``)."""
+    topk_groups: int = 1
+    """Groups a token may choose from: ranked by the sum of each group's two best scores (DeepSeek-V3
+    ``topk_group``)."""
+    routed_scaling_factor: float = 1.0
+    """Factor on the routed experts' weights after renormalisation (DeepSeek-V3)."""
+    score_bias: bool = False
+    """A per-expert correction bias (``gate.e_score_correction_bias``, a buffer) added to the scores to choose experts
+    only, never to weight them: the aux-free balancing of DeepSeek-V3, moved by ``bias_update_rate``."""
+    bias_update_rate: float = 0.0
+    """Aux-free balancing: after every optimizer step ``bias += rate * sign(mean(load) - load)`` per layer, the loads
+    counted over the global batch and the accumulation window (0: the bias stays as loaded)."""
+    aux_loss_coef: float = 0.001
+    """Coefficient of transformers' load-balancing loss (``router_aux_loss_coef``; ``num_experts x sum_i f_i P_i``
+    pooled over the layers and the global batch, padding excluded), added to the training loss; 0 turns it off."""
+    shared_intermediate_size: int = 0
+    """Hidden width of a shared expert that every token passes through (Qwen2-MoE ``shared_expert``, DeepSeek's
+    ``shared_experts``); 0: none."""
+    shared_gate: bool = False
+    """Scale the shared expert's output by ``sigmoid(shared_expert_gate(x))`` (Qwen2-MoE)."""
+    dense_layers: list[int] = field(default_factory=list)
+    """Layers that keep a dense MLP of ``ModelConfig.intermediate_size`` (HF ``mlp_only_layers``, those outside
+    ``decoder_sparse_step``, the first ``first_k_dense_replace``)."""
+    experts_impl: Literal["auto", "grouped", "loop"] = "auto"
+    """The experts' GEMMs: one grouped GEMM per projection over every expert's tokens (``torch._grouped_mm``), a loop
+    over the experts, or ``auto`` (grouped where torch has the kernel for the device and dtype: the CPU, bf16 on SM80+
+    GPUs)."""
+
+    def __post_init__(self) -> None:
+        self.dense_layers = sorted(int(i) for i in self.dense_layers)
+        checks = [(self.num_experts >= 1, "num_experts must be >= 1"),
+                  (1 <= self.top_k <= self.num_experts, "top_k must be in 1..num_experts"),
+                  (self.intermediate_size >= 1, "intermediate_size must be >= 1"),
+                  (self.num_groups >= 1 and self.num_experts % self.num_groups == 0,
+                   "num_groups must divide num_experts"),
+                  (1 <= self.topk_groups <= self.num_groups, "topk_groups must be in 1..num_groups"),
+                  (self.num_groups == 1 or self.num_experts // self.num_groups >= 2,
+                   "group-limited routing ranks groups by their two best scores: >= 2 experts per group"),
+                  (self.bias_update_rate == 0 or self.score_bias, "bias_update_rate needs score_bias=true"),
+                  (self.aux_loss_coef >= 0 and self.bias_update_rate >= 0, "coefficients must be >= 0"),
+                  (self.experts_impl in ("auto", "grouped", "loop"), "experts_impl must be auto, grouped or loop")]
+        bad = [msg for ok, msg in checks if not ok]
+        if bad:
+            raise ValueError(f"MoEConfig: {'; '.join(bad)} (got {self})")
+
+
+@dataclass
 class ModelConfig:
     """Architecture of one transformer. Field names follow the LLaMA/BERT vocabulary."""
 
@@ -98,10 +163,20 @@ class ModelConfig:
     """Padding token id (used for generation and RoBERTa position ids)."""
     kernels: Literal["auto", "triton", "torch"] = "auto"
     """Fused Triton kernels (``triton``), plain torch (``torch``), or Triton on CUDA only (``auto``)."""
+    moe: MoEConfig | None = None
+    """Mixture-of-Experts feed-forward layers (decoders); ``None``: every layer has a dense MLP."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form metadata kept through save/load (e.g. the HF architecture name)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.moe, dict):  # from a checkpoint's or the command line's plain data
+            self.moe = MoEConfig(**self.moe)
+        if self.moe is not None:
+            if self.family != "decoder":
+                raise ValueError("ModelConfig: moe= (Mixture-of-Experts layers) needs family='decoder'")
+            if any(not 0 <= i < self.num_layers for i in self.moe.dense_layers):
+                raise ValueError(f"ModelConfig: moe.dense_layers={self.moe.dense_layers} must be layer indices in "
+                                 f"0..{self.num_layers - 1}")
         if self.num_kv_heads is None:
             self.num_kv_heads = self.num_heads
         if self.head_dim is None:
@@ -131,6 +206,14 @@ class ModelConfig:
     @property
     def gated(self) -> bool:
         return self.activation in ("swiglu", "geglu", "geglu_tanh")
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """Indices of the layers whose feed-forward is a Mixture-of-Experts block (empty without ``moe``)."""
+        if self.moe is None:
+            return ()
+        dense = set(self.moe.dense_layers)
+        return tuple(i for i in range(self.num_layers) if i not in dense)
 
     @property
     def sliding_layers(self) -> tuple[int, ...]:
@@ -201,6 +284,26 @@ NAMED_SIZES: dict[tuple[str, str], dict[str, Any]] = {
         _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=4, intermediate_size=128,
         max_position_embeddings=256, norm_eps=1e-6, qkv_packed=True, norm_head=True,
         extra={"hf_model_type": "baichuan"},
+    ),
+    # Qwen3-MoE-shaped (q/k norms, no biases, MoE on every layer, renormalised top-k) at test and CPU sizes, and the
+    # shape of Qwen3-30B-A3B (estimates, GPU benchmarks with fewer layers through model_overrides).
+    ("decoder", "debug-moe"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, max_position_embeddings=256, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
+        moe=dict(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True, aux_loss_coef=0.001),
+        extra={"hf_model_type": "qwen3_moe"},
+    ),
+    ("decoder", "small-moe"): dict(
+        _LLAMA, vocab_size=8192, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=32,
+        intermediate_size=688, max_position_embeddings=1024, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
+        moe=dict(num_experts=16, top_k=4, intermediate_size=128, norm_topk_prob=True, aux_loss_coef=0.001),
+        extra={"hf_model_type": "qwen3_moe"},
+    ),
+    ("decoder", "qwen3-30b-a3b"): dict(
+        _LLAMA, vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+        intermediate_size=6144, max_position_embeddings=40960, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
+        moe=dict(num_experts=128, top_k=8, intermediate_size=768, norm_topk_prob=True, aux_loss_coef=0.001),
+        extra={"hf_model_type": "qwen3_moe"},
     ),
     ("decoder", "small"): dict(
         _LLAMA, vocab_size=8192, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4,

@@ -28,6 +28,8 @@ from lightning_llm.kernels.head_loss import TokenScores, head_cross_entropy, hea
 
 from .config import ModelConfig
 from .init import InitPlan, WeightsSource, draw_init_seed, init_whole, materialize, plan_for_modules
+from .moe import MoEBlock, RoutingInput
+from .routing import RoutingStats
 from .layers import (
     KVCache,
     NormHead,
@@ -72,7 +74,9 @@ class DecoderLM(nn.Module):
                 nn.Embedding(config.max_position_embeddings, h) if config.position == "learned" else None
             )
             self.dropout = nn.Dropout(config.dropout)
-            self.layers = nn.ModuleDict({str(i): TransformerBlock(config) for i in range(config.num_layers)})
+            moe = set(config.moe_layers)
+            self.layers = nn.ModuleDict({str(i): TransformerBlock(config, mlp=MoEBlock(config, i) if i in moe else None)
+                                         for i in range(config.num_layers)})
             self.norm: nn.Module | None = build_norm(config) if config.final_norm else None
             head_cls = NormHead if config.norm_head else nn.Linear
             self.lm_head: nn.Linear | None = head_cls(h, config.vocab_size, bias=False)
@@ -86,6 +90,12 @@ class DecoderLM(nn.Module):
             else:
                 self.rope_cos = None
                 self.rope_sin = None
+        self.routing: RoutingStats | None = None
+        """The MoE layers' router statistics of a training step (``None`` without MoE layers): see :mod:`.routing`."""
+        if config.moe is not None:
+            self.routing = RoutingStats(config.moe_layers, num_experts=config.moe.num_experts,
+                                        top_k=config.moe.top_k, aux_loss_coef=config.moe.aux_loss_coef,
+                                        bias_update_rate=config.moe.bias_update_rate)
         self.tie_weights()
         tied = {"lm_head.weight": "embed_tokens.weight"} if config.tie_embeddings else {}
         self.init_plan: InitPlan = plan_for_modules(self, std=config.initializer_range, tied=tied)
@@ -106,12 +116,17 @@ class DecoderLM(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
 
     def init_buffers(self) -> None:
-        """Recompute the (non-persistent) rotary tables in place, on their current device (after ``to_empty``)."""
-        if self.rope_cos is not None and self.rope_sin is not None and not self.rope_cos.is_meta:
-            cos, sin = self._rope_tables(device=self.rope_cos.device)
-            with torch.no_grad():
+        """Recompute the (non-persistent) rotary tables in place, on their current device (after ``to_empty``), and
+        start the MoE routers' correction biases at zero (a checkpoint loaded afterwards brings its own)."""
+        with torch.no_grad():
+            if self.rope_cos is not None and self.rope_sin is not None and not self.rope_cos.is_meta:
+                cos, sin = self._rope_tables(device=self.rope_cos.device)
                 self.rope_cos.copy_(cos)
                 self.rope_sin.copy_(sin)
+            for block in self.layers.values():
+                bias = getattr(getattr(block.mlp, "gate", None), "e_score_correction_bias", None)
+                if bias is not None and not bias.is_meta:
+                    bias.zero_()
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -187,9 +202,14 @@ class DecoderLM(nn.Module):
         cache_kw: dict[str, object] = {} if kv_cache is None else {"kv_cache": kv_cache}  # absent unless decoding
         if self._cores_need_token_mask():
             cache_kw["token_mask"] = self._token_mask(attention_mask, segment_ids, kv_cache)
+        routing = self._routing_input(attention_mask, segment_ids, b * s) if self.routing is not None else None
+        moe = set(self.config.moe_layers)
         for key, layer in self.layers.items():
             mask, is_causal = sliding if int(key) in windowed else full
-            x = layer(x, rope=rope, attn_mask=mask, is_causal=is_causal, **cache_kw)
+            layer_kw = {**cache_kw, "routing": routing} if routing is not None and int(key) in moe else cache_kw
+            x = layer(x, rope=rope, attn_mask=mask, is_causal=is_causal, **layer_kw)
+        if self.routing is not None:
+            self.routing.forward_done()  # a step's last expected forward starts the statistics' reduction
         if kv_cache is not None:
             kv_cache.seq_len = total
         if self.norm is not None:
@@ -203,6 +223,19 @@ class DecoderLM(nn.Module):
             return head_cross_entropy(x, self.lm_head, labels, reduction=reduction, temperature=temperature,
                                       backend=backend)
         return self.lm_head(x)  # [B, S, V]
+
+    def _routing_input(self, attention_mask: Tensor | None, segment_ids: Tensor | None, n: int) -> RoutingInput:
+        """What the MoE layers record routing statistics of: the real tokens (padding and a packed row's tail are
+        excluded from the load-balancing loss, as transformers excludes padding) while a training step records."""
+        assert self.routing is not None
+        if not self.routing.recording:
+            return RoutingInput()
+        keep = None
+        if attention_mask is not None and attention_mask.dim() == 2 and attention_mask.shape[1] * attention_mask.shape[0] == n:
+            keep = attention_mask.bool()
+        if segment_ids is not None:
+            keep = segment_ids > 0 if keep is None else keep & (segment_ids > 0)
+        return RoutingInput(keep=None if keep is None else keep.reshape(-1), stats=self.routing)
 
     def _cores_need_token_mask(self) -> bool:
         """Whether an attention core rebuilds its mask from the tokens' :class:`~.layers.TokenMask` (a core a layout

@@ -47,7 +47,8 @@ from .hf_config import (
     config_to_hf,
 )
 from .hf_decoders import DECODER_KINDS, wpack_from_hf, wpack_to_hf
-from .hf_source import CheckpointFiles, HFWeightsSource, Mapped
+from .hf_entries import Entry, Stacked, lin, moe_mlp_entries
+from .hf_source import CheckpointFiles, HFWeightsSource, Mapped, StackedMapped
 from .init import materialize
 
 log = logging.getLogger(__name__)
@@ -77,25 +78,12 @@ _HEAD_KEYS = {
 # ====================================================================================================================
 
 
-@dataclass(frozen=True)
-class _Entry:
-    hf: str  # HF key without the base-model prefix (``top`` entries are top-level keys)
-    ours: tuple[str, ...]
-    group: str = "base"  # base | lm_head | pooler | classifier
-    top: bool = False  # key lives at top level of a head model (lm_head.*, classifier.*)
-    split: Callable[[Tensor], Sequence[Tensor]] | None = None
-    merge: Callable[[Sequence[Tensor]], Tensor] | None = None
+_Entry = Entry  # the mapping's entries (hf_entries.py); MoE experts are Stacked entries
+_lin = lin
 
 
 def _t(x: Tensor) -> Tensor:
     return x.t().contiguous()
-
-
-def _lin(hf: str, ours: str, bias: bool, **kw: Any) -> list[_Entry]:
-    out = [_Entry(f"{hf}.weight", (f"{ours}.weight",), **kw)]
-    if bias:
-        out.append(_Entry(f"{hf}.bias", (f"{ours}.bias",), **kw))
-    return out
 
 
 def _conv1d(hf: str, ours: str) -> list[_Entry]:
@@ -106,10 +94,10 @@ def _conv1d(hf: str, ours: str) -> list[_Entry]:
     ]
 
 
-def _entries(config: ModelConfig, architecture: str) -> list[_Entry]:
+def _entries(config: ModelConfig, architecture: str) -> list[_Entry | Stacked]:
     a = SUPPORTED_ARCHITECTURES[architecture]
     c = config
-    e: list[_Entry] = []
+    e: list[_Entry | Stacked] = []
     ab, mb = c.attention_bias, c.mlp_bias
     if a.kind in DECODER_KINDS:
         e += _lin("embed_tokens", "embed_tokens", False)
@@ -128,8 +116,11 @@ def _entries(config: ModelConfig, architecture: str) -> list[_Entry]:
             if c.qk_norm:
                 e += _lin(f"{p}.self_attn.q_norm", f"{q}.self_attn.q_norm", False)
                 e += _lin(f"{p}.self_attn.k_norm", f"{q}.self_attn.k_norm", False)
-            for name in (("gate_proj", "up_proj", "down_proj") if c.gated else ("up_proj", "down_proj")):
-                e += _lin(f"{p}.mlp.{name}", f"{q}.mlp.{name}", mb)
+            if i in c.moe_layers:
+                e += moe_mlp_entries(c, a.kind, i)
+            else:
+                for name in (("gate_proj", "up_proj", "down_proj") if c.gated else ("up_proj", "down_proj")):
+                    e += _lin(f"{p}.mlp.{name}", f"{q}.mlp.{name}", mb)
             e += _lin(f"{p}.input_layernorm", f"{q}.attn_norm", False)
             e += _lin(f"{p}.post_attention_layernorm", f"{q}.mlp_norm", False)
         e += _lin("norm", "norm", False)
@@ -227,6 +218,9 @@ def _map_to_ours(
     missing: list[str] = []
     fresh: list[str] = []
     for e in _entries(config, architecture):
+        if isinstance(e, Stacked):
+            _map_stacked(e, files, stored, mapping, shapes, used, missing)
+            continue
         if e.group == "lm_head" and config.tie_embeddings:
             used.add(e.hf)  # tied: a stored copy (if any) is redundant
             continue
@@ -258,6 +252,22 @@ def _map_to_ours(
     if fresh:
         log.warning("%s: newly initialised (not in checkpoint): %s", where, fresh)
     return mapping, shapes
+
+
+def _map_stacked(e: Stacked, files: CheckpointFiles, stored: dict[str, str], mapping: dict[str, Mapped],
+                 shapes: dict[str, tuple[int, ...]], used: set[str], missing: list[str]) -> None:
+    """Where a fused expert tensor is stored: one HF key per expert and part, each read on its own."""
+    absent = [k for k in e.keys() if k not in stored]
+    used.update(k for k in e.keys() if k in stored)
+    if absent:
+        missing.extend(absent)
+        return
+    parts = [[tuple(files.meta(stored[k]).shape) for k in keys] for keys in e.hf]
+    rows = tuple(s[0] for s in parts[0])
+    if any(tuple(s[0] for s in p) != rows or {s[1:] for s in p} != {parts[0][0][1:]} for p in parts):
+        raise ValueError(f"{e.ours}: the experts' stored tensors differ in shape: {parts}")
+    mapping[e.ours] = StackedMapped(tuple(tuple(stored[k] for k in keys) for keys in e.hf), rows)
+    shapes[e.ours] = (len(e.hf), sum(rows), *parts[0][0][1:])
 
 
 def _resolve_dtype(dtype: torch.dtype | str | None, hf: dict[str, Any]) -> torch.dtype:
@@ -352,6 +362,22 @@ def load_hf(
 # ====================================================================================================================
 # Saving
 # ====================================================================================================================
+
+
+def _save_entries(config: ModelConfig, architecture: str, sd: dict[str, Tensor]) -> list[_Entry]:
+    """The entries of :func:`_entries` with each fused expert tensor written per expert and part (the rows of an
+    expert's gate and up projections: half each)."""
+    out: list[_Entry] = []
+    for e in _entries(config, architecture):
+        if isinstance(e, Stacked):
+            t = sd.get(e.ours)
+            if t is None:
+                out.append(_Entry(e.hf[0][0], (e.ours,)))  # reported missing below
+                continue
+            out += e.save_entries([t.shape[1] // len(e.hf[0])] * len(e.hf[0]))
+        else:
+            out.append(e)
+    return out
 
 
 def default_architecture(config: ModelConfig) -> str:
@@ -451,7 +477,7 @@ def save_hf(model: nn.Module, path: str | os.PathLike[str], *, architecture: str
     prefix = _BASE_PREFIX[a.kind] if a.head != "base" else ""
     plan: dict[str, tuple[_Entry, list[Tensor]]] = {}  # HF key -> (entry, our tensors)
     missing: list[str] = []
-    for e in _entries(config, arch):
+    for e in _save_entries(config, arch, sd):
         if e.group == "lm_head" and config.tie_embeddings:
             continue  # HF re-ties from tie_word_embeddings
         if e.group == "classifier" and a.head != "cls":

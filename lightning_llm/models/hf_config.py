@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from .config import ModelConfig
-from .hf_decoders import DECODER_KINDS, decoder_config_from_hf, decoder_config_to_hf
+from .hf_decoders import DECODER_KINDS, decoder_config_from_hf, decoder_config_to_hf, moe_architecture
 
 log = logging.getLogger(__name__)
 
@@ -17,7 +17,7 @@ __all__ = ["config_from_hf", "config_to_hf", "SUPPORTED_ARCHITECTURES"]
 
 @dataclass(frozen=True)
 class _Arch:
-    kind: str  # llama | qwen2 | qwen3 | mistral | baichuan | gpt2 | bert | megatron-bert | roberta
+    kind: str  # llama | qwen2 | qwen3 | mistral | baichuan | mixtral | qwen2_moe | qwen3_moe | gpt2 | bert | ...
     head: str  # base | lm | cls | mlm (mlm: load source only, its head is ignored)
 
 
@@ -31,6 +31,12 @@ SUPPORTED_ARCHITECTURES: dict[str, _Arch] = {
     "MistralForCausalLM": _Arch("mistral", "lm"),
     "MistralModel": _Arch("mistral", "base"),
     "BaichuanForCausalLM": _Arch("baichuan", "lm"),  # Baichuan2-7B (trust_remote_code; not in transformers)
+    "MixtralForCausalLM": _Arch("mixtral", "lm"),
+    "MixtralModel": _Arch("mixtral", "base"),
+    "Qwen2MoeForCausalLM": _Arch("qwen2_moe", "lm"),
+    "Qwen2MoeModel": _Arch("qwen2_moe", "base"),
+    "Qwen3MoeForCausalLM": _Arch("qwen3_moe", "lm"),
+    "Qwen3MoeModel": _Arch("qwen3_moe", "base"),
     "GPT2LMHeadModel": _Arch("gpt2", "lm"),
     "GPT2Model": _Arch("gpt2", "base"),
     "BertModel": _Arch("bert", "base"),
@@ -51,6 +57,9 @@ _DEFAULT_ARCH = {
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
     "baichuan": "BaichuanForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "bert": "BertModel",
     "megatron-bert": "MegatronBertModel",
@@ -75,6 +84,10 @@ def _architecture_name(hf: dict[str, Any], where: str = "config") -> str:
                 f"{', '.join(sorted(_DEFAULT_ARCH))}"
             )
         arch = _DEFAULT_ARCH[mt]
+    if arch.startswith(("DeepseekV2", "DeepseekV3")):
+        raise ValueError(f"{where}: {arch} is not supported: its Multi-head Latent Attention (MLA) is not one of our "
+                         "attention layers (its sigmoid, group-limited router is, through ModelConfig.moe); supported "
+                         f"Mixture-of-Experts families: Mixtral, Qwen2-MoE, Qwen3-MoE")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"{where}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -166,13 +179,17 @@ _ARCH_FIELDS = (
     "family", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
     "max_position_embeddings", "norm", "norm_eps", "activation", "position", "rope_theta", "rope_scaling",
     "attention_bias", "o_bias", "mlp_bias", "qk_norm", "qkv_packed", "norm_head", "tie_embeddings", "pre_norm",
-    "embedding_norm", "final_norm", "type_vocab_size", "position_offset", "sliding_layers", "window",
+    "embedding_norm", "final_norm", "type_vocab_size", "position_offset", "sliding_layers", "window", "moe",
 )
 
 
 def _arch_value(c: ModelConfig, field: str) -> Any:
     if field == "window":  # the window only matters where some layer slides
         return c.sliding_window if c.sliding_layers else None
+    if field == "moe":
+        return moe_architecture(c)
+    if field == "intermediate_size" and c.moe is not None and not c.moe.dense_layers:
+        return None  # no dense layer uses it (Mixtral's intermediate_size is its experts' width)
     return getattr(c, field)
 
 

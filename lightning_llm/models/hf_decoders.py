@@ -26,7 +26,8 @@ from typing import Any
 
 from torch import Tensor
 
-from .config import ModelConfig
+from .config import ModelConfig, MoEConfig
+from .hf_entries import MOE_KINDS
 from .rope import ROPE_TYPES
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ __all__ = [
     "DECODER_KINDS",
     "decoder_config_from_hf",
     "decoder_config_to_hf",
+    "moe_architecture",
+    "moe_from_hf",
     "rope_from_hf",
     "wpack_from_hf",
     "wpack_to_hf",
@@ -42,11 +45,15 @@ __all__ = [
     "adapter_tensor_from_hf",
 ]
 
-DECODER_KINDS = ("llama", "qwen2", "qwen3", "mistral", "baichuan")
-"""HF model types with LLaMA's module layout (weight names of ``hf._entries``)."""
+DECODER_KINDS = ("llama", "qwen2", "qwen3", "mistral", "baichuan", "mixtral", "qwen2_moe", "qwen3_moe")
+"""HF model types with LLaMA's module layout (weight names of ``hf._entries``); the last three have
+Mixture-of-Experts feed-forward layers (:mod:`.hf_entries`)."""
 
 # transformers' defaults for keys a config.json may omit (its config classes' field defaults).
-_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 131072}
+_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 131072, "mixtral": 131072,
+                  "qwen2_moe": 32768, "qwen3_moe": 32768}
+_MOE_DEFAULTS = {  # (experts, top_k, expert width, norm_topk_prob) of transformers' config classes
+    "mixtral": (8, 2, None, True), "qwen2_moe": (60, 4, 1408, False), "qwen3_moe": (128, 8, 768, False)}
 _BAICHUAN_AUTO_MAP = {"AutoConfig": "configuration_baichuan.BaichuanConfig",
                       "AutoModelForCausalLM": "modeling_baichuan.BaichuanForCausalLM"}
 
@@ -127,10 +134,19 @@ def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
 
 
 def _sliding_from_hf(hf: dict[str, Any], kind: str, num_layers: int) -> tuple[int | None, list[str] | None]:
-    """``(sliding_window, layer_types)`` as transformers' Qwen2/Qwen3/Mistral configs resolve them."""
-    if kind == "mistral":
-        window = hf.get("sliding_window", 4096)  # MistralConfig's default; an explicit null disables it
+    """``(sliding_window, layer_types)`` as transformers' Qwen2/Qwen3/Mistral/MoE configs resolve them."""
+    if kind in ("mistral", "mixtral"):
+        window = hf.get("sliding_window", 4096 if kind == "mistral" else None)  # an explicit null disables it
         return (None, None) if window is None else (int(window), None)
+    if kind in ("qwen2_moe", "qwen3_moe"):
+        window = hf.get("sliding_window", 4096)
+        if not hf.get("use_sliding_window", False) or not window:
+            return None, None
+        types = hf.get("layer_types")
+        if types is None and kind == "qwen2_moe":  # Qwen2MoeConfig: every other layer below max_window_layers
+            first = int(hf.get("max_window_layers", 28))
+            types = ["sliding_attention" if (i + 1) % 2 and i < first else "full_attention" for i in range(num_layers)]
+        return int(window), None if types is None else list(types)
     if kind in ("qwen2", "qwen3"):
         if not hf.get("use_sliding_window", False) or hf.get("sliding_window", 4096) is None:
             return None, None
@@ -168,8 +184,12 @@ def decoder_config_from_hf(hf: dict[str, Any], kind: str, *, extra: dict[str, An
             kw.update(attention_bias=bool(hf.get("attention_bias", False)), mlp_bias=bool(hf.get("mlp_bias", False)))
         elif kind == "qwen2":
             kw.update(attention_bias=True, o_bias=False)  # Qwen2Attention: bias=True on q/k/v, False on o
-        elif kind == "qwen3":
+        elif kind in ("qwen3", "qwen3_moe"):
             kw.update(attention_bias=bool(hf.get("attention_bias", False)), qk_norm=True)
+        elif kind == "qwen2_moe":
+            kw.update(attention_bias=bool(hf.get("qkv_bias", True)), o_bias=False)
+        if kind in MOE_KINDS:
+            kw.update(moe=moe_from_hf(hf, kind, layers))
     head_dim = hf.get("head_dim")
     if head_dim is None and kind == "qwen3":
         head_dim = 128  # Qwen3Config's default, independent of hidden_size / heads
@@ -185,6 +205,57 @@ def decoder_config_from_hf(hf: dict[str, Any], kind: str, *, extra: dict[str, An
         final_norm=True, dropout=float(hf.get("attention_dropout", 0.0)),
         initializer_range=float(hf.get("initializer_range", 0.02)), pad_token_id=pad, extra=extra, **kw,
     )
+
+
+def moe_from_hf(hf: dict[str, Any], kind: str, num_layers: int) -> MoEConfig:
+    """The :class:`MoEConfig` of a Mixtral / Qwen2-MoE / Qwen3-MoE ``config.json`` (transformers' defaults for absent
+    keys; the load-balancing coefficient is ``router_aux_loss_coef`` whatever ``output_router_logits`` says: the
+    loss is on in training unless turned off)."""
+    experts, top_k, width, norm = _MOE_DEFAULTS[kind]
+    n = int(hf.get("num_experts", hf.get("num_local_experts", experts)) or 0)
+    if n < 1:
+        raise ValueError(f"{kind} config with num_experts={n}: a model without experts is not supported as {kind}")
+    if float(hf.get("router_jitter_noise", 0.0) or 0.0) > 0:
+        raise ValueError(f"router_jitter_noise={hf['router_jitter_noise']} (random multiplicative noise on the router "
+                         "input in training) is not supported; set it to 0.0")
+    kw: dict[str, Any] = dict(num_experts=n, top_k=int(hf.get("num_experts_per_tok", top_k)),
+                              aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
+    if kind == "mixtral":
+        kw.update(intermediate_size=int(hf.get("intermediate_size", 14336)), norm_topk_prob=True)
+    else:
+        step = int(hf.get("decoder_sparse_step", 1) or 1)
+        only = {int(i) for i in hf.get("mlp_only_layers") or []}
+        kw.update(intermediate_size=int(hf.get("moe_intermediate_size", width)),
+                  norm_topk_prob=bool(hf.get("norm_topk_prob", norm)),
+                  dense_layers=[i for i in range(num_layers) if i in only or (i + 1) % step])
+    if kind == "qwen2_moe":
+        kw.update(shared_intermediate_size=int(hf.get("shared_expert_intermediate_size", 5632)), shared_gate=True)
+    return MoEConfig(**kw)
+
+
+def moe_architecture(c: ModelConfig) -> tuple[Any, ...] | None:
+    """What of ``c.moe`` an HF config must carry (training settings such as the bias update rate excluded)."""
+    m = c.moe
+    if m is None:
+        return None
+    return (m.num_experts, m.top_k, m.intermediate_size, m.scoring, m.norm_topk_prob, m.num_groups, m.topk_groups,
+            m.routed_scaling_factor, m.score_bias, m.shared_intermediate_size, m.shared_gate, tuple(m.dense_layers))
+
+
+def _moe_to_hf(c: ModelConfig, kind: str) -> dict[str, Any]:
+    m = c.moe
+    if m is None:
+        raise ValueError(f"{kind} needs Mixture-of-Experts layers (ModelConfig.moe is None)")
+    hf: dict[str, Any] = dict(num_experts_per_tok=m.top_k, router_aux_loss_coef=m.aux_loss_coef,
+                              output_router_logits=False)
+    if kind == "mixtral":  # its intermediate_size is the experts' width (it has no dense layer)
+        hf.update(num_local_experts=m.num_experts, router_jitter_noise=0.0, intermediate_size=m.intermediate_size)
+        return hf
+    hf.update(num_experts=m.num_experts, moe_intermediate_size=m.intermediate_size, norm_topk_prob=m.norm_topk_prob,
+              decoder_sparse_step=1, mlp_only_layers=list(m.dense_layers))
+    if kind == "qwen2_moe":
+        hf.update(shared_expert_intermediate_size=m.shared_intermediate_size)
+    return hf
 
 
 # ---------------------------------------------------------------------------------------------------- to HF
@@ -211,10 +282,20 @@ def decoder_config_to_hf(c: ModelConfig, kind: str) -> dict[str, Any]:
     hf.update(num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rope_parameters=rope,
               attention_dropout=c.dropout)
     sliding = c.sliding_layers
+    if kind in MOE_KINDS:
+        hf.update(_moe_to_hf(c, kind))
     if kind == "llama":
         hf.update(attention_bias=c.attention_bias, mlp_bias=c.mlp_bias)
-    elif kind == "mistral":
+    elif kind in ("mistral", "mixtral"):
         hf.update(sliding_window=c.sliding_window if sliding else None)
+    elif kind in ("qwen2_moe", "qwen3_moe"):
+        if kind == "qwen2_moe":
+            hf.update(qkv_bias=c.attention_bias, max_window_layers=c.num_layers)
+        else:
+            hf.update(attention_bias=c.attention_bias)
+        types = ["sliding_attention" if i in sliding else "full_attention" for i in range(c.num_layers)]
+        hf.update(use_sliding_window=bool(sliding), sliding_window=c.sliding_window if sliding else None,
+                  **({"layer_types": types} if kind == "qwen2_moe" else {}))
     elif kind in ("qwen2", "qwen3"):
         if kind == "qwen3":
             hf.update(attention_bias=c.attention_bias)

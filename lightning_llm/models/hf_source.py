@@ -29,7 +29,7 @@ from lightning_llm.data.io import DataError, read_json
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointFiles", "HFWeightsSource", "Mapped"]
+__all__ = ["CheckpointFiles", "HFWeightsSource", "Mapped", "StackedMapped"]
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -170,10 +170,31 @@ class Mapped:
     split: Callable[[Tensor], Sequence[Tensor]] | None = None
 
 
+@dataclass(frozen=True)
+class StackedMapped:
+    """One of our fused expert tensors [E, R, C] in the checkpoint: expert ``e`` is the row concatenation of the
+    stored tensors ``keys[e]`` (of ``rows`` rows each). A read of some experts' elements reads only theirs."""
+
+    keys: tuple[tuple[str, ...], ...]
+    rows: tuple[int, ...]
+
+    def read(self, files: CheckpointFiles, index: Sequence[Tensor]) -> Tensor:
+        experts, rows, cols = (i.cpu() for i in index)
+        out = torch.empty(len(experts), len(rows), len(cols), dtype=files.meta(self.keys[0][0]).dtype)
+        for n, e in enumerate(experts.tolist()):
+            start = 0
+            for key, r in zip(self.keys[e], self.rows):
+                mine = (rows >= start) & (rows < start + r)  # the index's rows in this part
+                if bool(mine.any()):
+                    out[n, mine] = files.read(key, (rows[mine] - start, cols))
+                start += r
+        return out
+
+
 class HFWeightsSource:
     """:class:`~lightning_llm.models.init.WeightsSource` of a local HF checkpoint (see the module docstring)."""
 
-    def __init__(self, files: CheckpointFiles, mapping: dict[str, Mapped], *, where: str) -> None:
+    def __init__(self, files: CheckpointFiles, mapping: dict[str, Mapped | StackedMapped], *, where: str) -> None:
         self.files, self.mapping, self.where = files, mapping, where
         self.bytes_read = 0
         """Bytes of tensor data read so far (what a sharded load saves is visible here)."""
@@ -183,7 +204,9 @@ class HFWeightsSource:
 
     def read(self, name: str, index: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
         m = self.mapping[name]
-        if m.split is None:
+        if isinstance(m, StackedMapped):
+            t = m.read(self.files, index)
+        elif m.split is None:
             t = self.files.read(m.key, index)
         else:  # not one-to-one: convert the whole stored tensor, then take our part's elements
             whole = self.files.read(m.key)

@@ -169,6 +169,8 @@ def plan_for_modules(model: nn.Module, *, std: float, tied: dict[str, str] | Non
             name = prefix + attr
             if isinstance(mod, (RMSNorm, LayerNorm, nn.LayerNorm)):
                 plan[name] = Init.constant(1.0 if attr == "weight" else 0.0)
+            elif attr in getattr(mod, "param_inits", ()):  # declared normal(std) weights (MoE routers, experts)
+                plan[name] = Init.normal(std, key=name)
             elif isinstance(mod, (nn.Linear, nn.Embedding)) and attr == "weight":
                 plan[name] = Init.normal(std, key=name)
             elif attr == "bias":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -332,13 +333,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Gated (``down(act(gate(x)) * up(x))``) or plain (``down(act(up(x)))``) feed-forward."""
+    """Gated (``down(act(gate(x)) * up(x))``) or plain (``down(act(up(x)))``) feed-forward (of ``intermediate_size``,
+    default the config's: a shared expert of an MoE layer has its own)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, *, intermediate_size: int | None = None) -> None:
         super().__init__()
         self.act: str = config.activation
         self.kernels: str = config.kernels
-        h, i = config.hidden_size, config.intermediate_size
+        h = config.hidden_size
+        i = config.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_proj = nn.Linear(h, i, bias=config.mlp_bias) if config.gated else None
         self.up_proj = nn.Linear(h, i, bias=config.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=config.mlp_bias)
@@ -379,15 +382,18 @@ class NormHead(nn.Linear):
 
 
 class TransformerBlock(nn.Module):
-    """One layer. pre_norm: x + attn(norm(x)), x + mlp(norm(x)); post_norm (BERT): norm(x + attn(x)), norm(x + mlp(x))."""
+    """One layer. pre_norm: x + attn(norm(x)), x + mlp(norm(x)); post_norm (BERT): norm(x + attn(x)), norm(x + mlp(x)).
 
-    def __init__(self, config: ModelConfig) -> None:
+    ``mlp``: the feed-forward, default a dense :class:`MLP`; a decoder's MoE layers pass their
+    :class:`~lightning_llm.models.moe.MoEBlock`, which takes the forward's ``routing=`` input."""
+
+    def __init__(self, config: ModelConfig, *, mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.pre_norm: bool = config.pre_norm
         self.attn_norm = build_norm(config)
         self.self_attn = Attention(config)
         self.mlp_norm = build_norm(config)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config) if mlp is None else mlp
         self.dropout = nn.Dropout(config.dropout)
 
     def reset_parameters(self, std: float) -> None:
@@ -405,18 +411,20 @@ class TransformerBlock(nn.Module):
         is_causal: bool = False,
         kv_cache: KVCache | None = None,
         token_mask: TokenMask | None = None,
+        routing: Any = None,  # an MoE feed-forward's RoutingInput (only passed to a block whose mlp takes it)
     ) -> Tensor:  # [B, S, H]
         attn = dict(rope=rope, attn_mask=attn_mask, is_causal=is_causal)
+        mlp = dict(routing=routing) if routing is not None else {}
         if kv_cache is not None:  # only passed when decoding, so wrapped/patched attention modules keep working
             attn["kv_cache"] = kv_cache
         if token_mask is not None:  # likewise: only a decoder forward with a declared mask passes it
             attn["token_mask"] = token_mask
         if self.pre_norm:
             x = x + self.dropout(self.self_attn(self.attn_norm(x), **attn))
-            x = x + self.dropout(self.mlp(self.mlp_norm(x)))
+            x = x + self.dropout(self.mlp(self.mlp_norm(x), **mlp))
         else:
             x = self.attn_norm(x + self.dropout(self.self_attn(x, **attn)))
-            x = self.mlp_norm(x + self.dropout(self.mlp(x)))
+            x = self.mlp_norm(x + self.dropout(self.mlp(x, **mlp)))
         return x
 
 

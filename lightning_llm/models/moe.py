@@ -1,0 +1,259 @@
+"""Mixture-of-Experts feed-forward layers (Mixtral, Qwen2-MoE, Qwen3-MoE; DeepSeek-V3's router): no parallel code.
+
+Module tree of one MoE layer's ``mlp`` (the names transformers 5 holds in memory, so a checkpoint maps one to one)::
+
+    gate                  Router: weight [E, H] (logits in fp32); e_score_correction_bias [E] (buffer) with score_bias
+    experts               GroupedExperts: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]
+    shared_expert         MLP of shared_intermediate_size (optional; Qwen2-MoE, DeepSeek's shared experts)
+    shared_expert_gate    Linear [1, H]: the shared expert's output times sigmoid of it (optional; Qwen2-MoE)
+
+A token's output is ``sum_k w_k * expert_{e_k}(x)`` over its ``top_k`` experts (dropless: no capacity, no token is
+dropped) plus the shared expert. The routed computation sorts the ``N * top_k`` assignments by expert and runs each
+projection as one grouped GEMM over every expert's rows (:func:`expert_ffn`: ``torch._grouped_mm``, or the loop over
+experts kept as the reference and fallback). ``experts`` is a declared hook (``ParallelSpec.expert_modules``): an
+expert-parallel layout replaces it by a module with the same parameters and call, ``(tokens sorted by expert, tokens
+per expert) -> outputs``, that sends the tokens to the ranks holding their experts and back.
+
+Router statistics (:class:`~.routing.RoutingStats`) are recorded while a training step has them open: the load per
+expert and layer, and the load-balancing loss's gradient, injected at the router logits when backward reaches them.
+
+Shape legend: B batch, S sequence, H hidden, N = B*S tokens, E experts, k top_k, M = N*k assignments, I expert width.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig, MoEConfig
+from .layers import MLP, activation
+from .routing import RoutingStats
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GroupedExperts", "MoEBlock", "Router", "RoutingInput", "expert_ffn", "grouped_mm_supported",
+           "route_scores"]
+
+
+@dataclass(frozen=True)
+class RoutingInput:
+    """What the decoder hands its MoE layers per forward: which tokens are real (the load-balancing statistics
+    exclude padding) and the statistics to record into (``None``: not recording)."""
+
+    keep: Tensor | None = None
+    """[N] bool, True = a real token (flattened [B, S]); None: every token is."""
+    stats: RoutingStats | None = None
+
+
+# ---------------------------------------------------------------------------------------------------- routing
+
+
+def route_scores(logits: Tensor, cfg: MoEConfig, bias: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``(expert ids [N, k], weights [N, k] fp32)`` from router logits [N, E] (fp32).
+
+    softmax: top-k of the softmax probabilities, renormalised with ``norm_topk_prob`` (Mixtral: always). sigmoid
+    (DeepSeek-V3): the correction ``bias`` is added to the scores to choose the experts only; group-limited choice
+    keeps the ``topk_groups`` groups whose two best (biased) scores sum highest; the weights are the unbiased scores,
+    renormalised with ``norm_topk_prob`` and times ``routed_scaling_factor``."""
+    k = cfg.top_k
+    if cfg.scoring == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+        choice = scores if bias is None else scores + bias
+    else:
+        scores = logits.sigmoid()
+        choice = scores if bias is None else scores + bias
+    if cfg.num_groups > 1:
+        n, e = choice.shape
+        grouped = choice.view(n, cfg.num_groups, e // cfg.num_groups)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(cfg.topk_groups, dim=-1, sorted=False).indices, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(e // cfg.num_groups, dim=1), float("-inf"))
+    if bias is None and cfg.num_groups == 1:
+        weights, ids = scores.topk(k, dim=-1)  # [N, k]: the order transformers' routers return
+    else:
+        ids = choice.topk(k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if cfg.scoring == "sigmoid" else 0.0))
+    if cfg.routed_scaling_factor != 1.0:
+        weights = weights * cfg.routed_scaling_factor
+    return ids, weights
+
+
+class Router(nn.Module):
+    """``gate``: logits ``x @ weight.T`` [N, E] computed in fp32 (autocast off: the choice of experts must not depend
+    on the compute dtype's rounding), and the choice of experts (:func:`route_scores`)."""
+
+    param_inits = ("weight",)
+    """Initialised normal(initializer_range), as transformers inits its routers (read by the init plan)."""
+
+    def __init__(self, hidden_size: int, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size))
+        self.e_score_correction_bias: Tensor | None
+        if cfg.score_bias:
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    def logits(self, x: Tensor) -> Tensor:  # [N, H] -> [N, E] fp32
+        device = x.device.type
+        autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+        with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
+            return F.linear(x.float(), self.weight.float())
+
+    def route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        bias = self.e_score_correction_bias
+        return route_scores(logits, self.cfg, None if bias is None else bias.float())
+
+    def extra_repr(self) -> str:
+        c = self.cfg
+        return f"experts={c.num_experts}, top_k={c.top_k}, scoring={c.scoring}, norm_topk_prob={c.norm_topk_prob}"
+
+
+# ---------------------------------------------------------------------------------------------------- experts
+
+
+def grouped_mm_supported(x: Tensor) -> bool:
+    """Whether torch has a grouped-GEMM kernel for ``x``'s device and dtype: the CPU (fp32, bf16; exact), and bf16 on
+    CUDA devices of compute capability 8.0 and newer; the meta device (shapes only) too."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type in ("cpu", "meta"):
+        return x.dtype in (torch.float32, torch.bfloat16)
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    return False
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    device = x.device.type
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        return torch.get_autocast_dtype(device)
+    return x.dtype
+
+
+def expert_ffn(tokens: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor, *, act: str, impl: str) -> Tensor:
+    """The experts' gated MLPs on ``tokens`` [M, H] sorted by expert, ``counts`` [E] rows per expert (summing to M):
+    ``down_e(act(gate_e(x)) * up_e(x))`` with ``gate_up`` [E, 2I, H] (gate rows first) and ``down`` [E, H, I].
+
+    ``impl``: ``grouped`` (two ``torch._grouped_mm`` calls over every expert's rows), ``loop`` (one pair of GEMMs per
+    expert: the reference) or ``auto``. Under autocast both run in its dtype (grouped GEMMs have no autocast rule).
+    Returns [M, H] in the compute dtype."""
+    dtype = _compute_dtype(tokens)
+    tokens = tokens.to(dtype)
+    gate_up, down = gate_up.to(dtype), down.to(dtype)
+    if impl == "auto":
+        impl = "grouped" if grouped_mm_supported(tokens) else "loop"
+    if impl == "grouped":
+        offs = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
+        h = torch._grouped_mm(tokens, gate_up.transpose(-2, -1), offs=offs)  # [M, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        return torch._grouped_mm((activation(act, gate) * up).contiguous(), down.transpose(-2, -1), offs=offs)
+    if tokens.is_meta:  # shapes only (FLOP counting): the loop needs the rows per expert as numbers
+        per, rest = divmod(tokens.shape[0], counts.shape[0])
+        sizes = [per + (e < rest) for e in range(counts.shape[0])]
+    else:
+        sizes = counts.tolist()
+    outs = []
+    for e, part in enumerate(tokens.split(sizes)):
+        gate, up = F.linear(part, gate_up[e]).chunk(2, dim=-1)  # [m_e, I] each
+        outs.append(F.linear(activation(act, gate) * up, down[e]))
+    return torch.cat(outs) if outs else tokens.new_zeros(0, down.shape[1])
+
+
+class GroupedExperts(nn.Module):
+    """``experts``: the routed experts' weights fused per projection, ``forward(tokens sorted by expert [M, H], rows
+    per expert [E]) -> [M, H]`` (:func:`expert_ffn`)."""
+
+    param_inits = ("gate_up_proj", "down_proj")
+    """Parameters initialised normal(initializer_range), as transformers inits its experts (read by the init plan)."""
+
+    def __init__(self, hidden_size: int, cfg: MoEConfig, *, act: str) -> None:
+        super().__init__()
+        self.act, self.impl = act, cfg.experts_impl
+        e, i = cfg.num_experts, cfg.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(e, hidden_size, i))
+
+    def forward(self, tokens: Tensor, counts: Tensor) -> Tensor:
+        return expert_ffn(tokens, counts, self.gate_up_proj, self.down_proj, act=self.act, impl=self.impl)
+
+    def extra_repr(self) -> str:
+        e, i2, h = self.gate_up_proj.shape
+        return f"experts={e}, hidden={h}, intermediate={i2 // 2}, act={self.act}, impl={self.impl}"
+
+
+# ---------------------------------------------------------------------------------------------------- the block
+
+
+def balanced_counts(m: int, e: int, device: torch.device) -> Tensor:
+    """Rows per expert when ``m`` assignments are spread evenly over ``e`` experts (what a meta-device forward, which
+    has no values to route by, assumes: the FLOPs of the active parameters)."""
+    per, rest = divmod(m, e)
+    return torch.tensor([per + (i < rest) for i in range(e)], device=device)
+
+
+def dispatch_to_experts(experts: nn.Module, x: Tensor, ids: Tensor, weights: Tensor, num_experts: int) -> Tensor:
+    """``sum_k weights[:, k] * expert_{ids[:, k]}(x)`` [N, H]: the ``N * k`` assignments sorted by expert (stable, so
+    each expert sees its tokens in order), computed by ``experts(tokens, counts)``, weighted in fp32 (as Mixtral's
+    experts weigh their bf16 outputs by fp32 scores) and summed back per token."""
+    n, k = ids.shape
+    flat = ids.reshape(-1)  # [M]
+    if x.is_meta:
+        order = torch.arange(n * k, device=x.device)
+        counts = balanced_counts(n * k, num_experts, x.device)
+    else:
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=num_experts)
+    rows = order // k  # [M] the token of each sorted assignment
+    out = experts(x.index_select(0, rows), counts)  # [M, H]
+    w = weights.reshape(-1).index_select(0, order)  # [M] fp32
+    contrib = (out.float() * w.unsqueeze(-1)).to(x.dtype)
+    return torch.zeros_like(x).index_add_(0, rows, contrib)
+
+
+class MoEBlock(nn.Module):
+    """A Mixture-of-Experts feed-forward (see the module docstring): ``forward(x [B, S, H], routing=) -> [B, S, H]``."""
+
+    takes_routing = True
+    """The block takes ``routing=`` (a :class:`RoutingInput`) from the decoder (dense MLPs do not)."""
+
+    def __init__(self, config: ModelConfig, layer: int) -> None:
+        super().__init__()
+        cfg = config.moe
+        assert cfg is not None
+        self.cfg, self.layer = cfg, layer
+        h = config.hidden_size
+        self.gate = Router(h, cfg)
+        self.experts = GroupedExperts(h, cfg, act=config.activation)
+        self.shared_expert: MLP | None = (
+            MLP(config, intermediate_size=cfg.shared_intermediate_size) if cfg.shared_intermediate_size else None)
+        self.shared_expert_gate: nn.Linear | None = (
+            nn.Linear(h, 1, bias=False) if cfg.shared_intermediate_size and cfg.shared_gate else None)
+
+    def forward(self, x: Tensor, *, routing: RoutingInput | None = None) -> Tensor:  # [B, S, H] -> [B, S, H]
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])  # [N, H]
+        logits = self.gate.logits(flat)  # [N, E] fp32
+        stats = routing.stats if routing is not None and self.training else None
+        keep = routing.keep if routing is not None else None
+        if stats is not None:  # the load-balancing loss's gradient joins here in backward
+            logits = stats.attach(self.layer, logits, keep)
+        ids, weights = self.gate.route(logits)
+        if stats is not None:
+            stats.record(self.layer, logits, ids, keep)
+        out = dispatch_to_experts(self.experts, flat, ids, weights, self.cfg.num_experts)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(flat)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
+            out = out + shared
+        return out.view(shape)

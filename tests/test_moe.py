@@ -1,0 +1,269 @@
+"""Mixture-of-Experts models against transformers: Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints written by
+``save_pretrained`` in the test, their routers, the load-balancing loss and its gradient, the grouped expert GEMMs
+against the loop over experts, and the HF export.
+
+Tiny fp32 models, perturbed so that norms, routers and experts are non-trivial; batches with left and right padding.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from lightning_llm.models import build_model, load_hf, save_hf  # noqa: E402
+from lightning_llm.models.config import MoEConfig  # noqa: E402
+from lightning_llm.models.init import materialize  # noqa: E402
+from lightning_llm.models.moe import expert_ffn, route_scores  # noqa: E402
+
+VOCAB = 96
+
+
+def _configs() -> dict[str, tuple[Any, Any]]:
+    from transformers import (
+        MixtralConfig,
+        MixtralForCausalLM,
+        Qwen2MoeConfig,
+        Qwen2MoeForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+                  output_router_logits=True, router_aux_loss_coef=0.1, num_experts_per_tok=2)
+    return {
+        "mixtral": (MixtralForCausalLM, MixtralConfig(intermediate_size=24, num_hidden_layers=2, num_local_experts=4,
+                                                      **common)),
+        # a dense layer (mlp_only_layers) between MoE layers, a gated shared expert, top-k not renormalised
+        "qwen2_moe": (Qwen2MoeForCausalLM, Qwen2MoeConfig(
+            intermediate_size=40, moe_intermediate_size=16, shared_expert_intermediate_size=24, num_hidden_layers=3,
+            num_experts=6, mlp_only_layers=[1], norm_topk_prob=False, **common)),
+        "qwen3_moe_norm": (Qwen3MoeForCausalLM, Qwen3MoeConfig(
+            intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=2, num_experts=6, norm_topk_prob=True,
+            **common)),
+        "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(
+            intermediate_size=40, moe_intermediate_size=16, num_hidden_layers=2, num_experts=6, norm_topk_prob=False,
+            **common)),
+    }
+
+
+def _write(name: str, out: Path, seed: int = 0) -> Any:
+    cls, cfg = _configs()[name]
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model.save_pretrained(str(out))
+    return model
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids, attention mask (row 1 right-padded, row 2 left-padded) and HF labels: the input ids, -100 where a label
+    is padding or follows a padded input (a padded query's output is not a model's value on either side)."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0
+    mask[2, :4] = 0
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    labels[:, 1:][mask[:, :-1] == 0] = -100
+    return ids, mask, labels
+
+
+def _ours(path: Path, *, lazy: bool) -> Any:
+    model, _ = load_hf(path, lazy=lazy)
+    if lazy:
+        materialize(model, "cpu")
+    return model
+
+
+@pytest.mark.parametrize("name", list(_configs()))
+def test_logits_loss_aux_and_gradients_equal_transformers(tmp_path: Path, name: str) -> None:
+    hf = _write(name, tmp_path)
+    ids, mask, labels = _batch()
+    keep = mask.bool()
+    with torch.no_grad():
+        ref = hf.eval()(input_ids=ids, attention_mask=mask).logits
+    for lazy in (False, True):
+        ours = _ours(tmp_path, lazy=lazy).eval()
+        with torch.no_grad():
+            logits = ours(ids, attention_mask=mask)
+        assert (logits - ref)[keep].abs().max() < 1e-5, (name, lazy)
+
+    # Training: transformers' loss with output_router_logits=True (CE + coef * aux) and its gradients. Ours: the
+    # fused CE plus the load-balancing loss of the recorded routing, whose gradient is injected at the routers.
+    hf.train()
+    out = hf(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    ours = _ours(tmp_path, lazy=False).train()
+    assert ours.routing is not None
+    ours.routing.begin()
+    shifted = torch.full_like(labels, -100)
+    shifted[:, :-1] = labels[:, 1:]  # our labels are next-token ids already
+    ce = ours(ids, attention_mask=mask, labels=shifted)
+    aux = ours.routing.aux_loss()
+    coef = ours.config.moe.aux_loss_coef
+    assert coef == pytest.approx(0.1)
+    assert abs(float(aux) - float(out.aux_loss.detach())) < 1e-6
+    assert abs(float(ce.detach() + coef * aux) - float(out.loss.detach())) < 1e-6
+    ce.backward()
+    hf_grads = {n.removeprefix("model."): p.grad for n, p in hf.named_parameters()}
+    worst = 0.0
+    for n, p in ours.named_parameters():
+        hn = n.replace("attn_norm", "input_layernorm").replace("mlp_norm", "post_attention_layernorm")
+        assert hn in hf_grads, hn
+        worst = max(worst, float((hf_grads[hn] - p.grad).abs().max()))
+    assert worst < 1e-6, worst
+    # the aux loss's gradient is really there: without it the routers' gradients differ
+    ours.zero_grad()
+    ours.routing.begin()
+    ours.routing.aux_loss_coef = 0.0
+    ce = ours(ids, attention_mask=mask, labels=shifted)
+    ce.backward()
+    router = "layers.0.mlp.gate.weight"
+    assert float((dict(ours.named_parameters())[router].grad - hf_grads[router]).abs().max()) > 1e-4
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "qwen3_moe_norm"])
+def test_export_writes_transformers_key_set_and_reloads(tmp_path: Path, name: str) -> None:
+    from safetensors import safe_open
+
+    hf = _write(name, tmp_path / "src")
+    ours = _ours(tmp_path / "src", lazy=True)
+    save_hf(ours, tmp_path / "out")
+    keys = [set(safe_open(str(d / "model.safetensors"), "pt").keys()) for d in (tmp_path / "src", tmp_path / "out")]
+    assert keys[0] == keys[1]
+    cls = type(hf)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        back = cls.from_pretrained(str(tmp_path / "out")).eval()
+    ids, mask, _ = _batch()
+    with torch.no_grad():
+        diff = back(input_ids=ids, attention_mask=mask).logits - hf.eval()(input_ids=ids, attention_mask=mask).logits
+    assert diff[mask.bool()].abs().max() < 1e-5
+
+
+def test_crafted_checkpoints_are_refused(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    _write("qwen3_moe", tmp_path / "src")
+    sd = load_file(str(tmp_path / "src" / "model.safetensors"))
+    config = (tmp_path / "src" / "config.json").read_text()
+    for case, change in {
+        "missing": lambda d: d.pop("model.layers.1.mlp.experts.5.up_proj.weight"),
+        "shape": lambda d: d.__setitem__("model.layers.0.mlp.experts.2.gate_proj.weight", torch.zeros(8, 32)),
+        "extra": lambda d: d.__setitem__("model.layers.0.mlp.experts.6.gate_proj.weight", torch.zeros(16, 32)),
+    }.items():
+        d = tmp_path / case
+        d.mkdir()
+        (d / "config.json").write_text(config)
+        bad = dict(sd)
+        change(bad)
+        save_file(bad, str(d / "model.safetensors"))
+        with pytest.raises(ValueError, match="experts"):
+            load_hf(d)
+
+
+def test_deepseek_v3_checkpoint_is_refused_in_one_line(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text('{"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}')
+    with pytest.raises(ValueError, match="Multi-head Latent Attention") as e:
+        load_hf(tmp_path)
+    assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------------- routers
+
+
+def _same_choice(ids_a: torch.Tensor, w_a: torch.Tensor, ids_b: torch.Tensor, w_b: torch.Tensor) -> None:
+    """The same experts with the same weights per token (in any order)."""
+    oa, ob = ids_a.sort(-1), ids_b.sort(-1)
+    assert torch.equal(oa.values, ob.values)
+    assert torch.allclose(w_a.gather(1, oa.indices), w_b.float().gather(1, ob.indices), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "qwen3_moe_norm"])
+def test_softmax_routers_choose_as_transformers(name: str) -> None:
+    from transformers.models.mixtral.modeling_mixtral import MixtralTopKRouter
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
+
+    cfg = _configs()[name][1]
+    torch.manual_seed(0)
+    ref = (MixtralTopKRouter if name == "mixtral" else Qwen3MoeTopKRouter)(cfg)
+    torch.nn.init.normal_(ref.weight, std=0.5)
+    x = torch.randn(64, cfg.hidden_size)
+    _, w_ref, ids_ref = ref(x)
+    ours = MoEConfig(num_experts=ref.weight.shape[0], top_k=cfg.num_experts_per_tok,
+                     norm_topk_prob=True if name == "mixtral" else cfg.norm_topk_prob)
+    ids, w = route_scores(x @ ref.weight.t(), ours, None)
+    _same_choice(ids, w, ids_ref, w_ref)
+
+
+def test_sigmoid_group_limited_router_with_bias_chooses_as_deepseek_v3() -> None:
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    cfg = DeepseekV3Config(hidden_size=32, n_routed_experts=16, num_experts_per_tok=4, n_group=4, topk_group=2,
+                           norm_topk_prob=True, routed_scaling_factor=2.5)
+    torch.manual_seed(0)
+    ref = DeepseekV3TopkRouter(cfg)
+    torch.nn.init.normal_(ref.weight, std=0.5)
+    ref.e_score_correction_bias.copy_(torch.randn(16) * 0.3)  # a bias that changes the choice
+    x = torch.randn(128, 32)
+    _, w_ref, ids_ref = ref(x)
+    ours = MoEConfig(num_experts=16, top_k=4, scoring="sigmoid", num_groups=4, topk_groups=2, norm_topk_prob=True,
+                     routed_scaling_factor=2.5, score_bias=True)
+    logits = x @ ref.weight.t()
+    ids, w = route_scores(logits, ours, ref.e_score_correction_bias)
+    _same_choice(ids, w, ids_ref, w_ref)
+    unbiased, _ = route_scores(logits, ours, None)
+    assert not torch.equal(unbiased.sort(-1).values, ids.sort(-1).values)  # the bias mattered
+
+
+# ---------------------------------------------------------------------------------------------------- experts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_gemm_equals_the_loop_forward_and_backward_with_empty_experts(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    e, h, i = 6, 16, 8
+    counts = torch.tensor([5, 0, 7, 0, 3, 9])  # experts 1 and 3 get no token
+    tokens = torch.randn(int(counts.sum()), h, dtype=dtype, requires_grad=True)
+    gate_up = (torch.randn(e, 2 * i, h) * 0.3).to(dtype).requires_grad_()
+    down = (torch.randn(e, h, i) * 0.3).to(dtype).requires_grad_()
+    grad = torch.randn(int(counts.sum()), h, dtype=dtype)
+    results = []
+    for impl in ("grouped", "loop"):
+        out = expert_ffn(tokens, counts, gate_up, down, act="swiglu", impl=impl)
+        results.append((out, *torch.autograd.grad(out, (tokens, gate_up, down), grad)))
+    tol = 0.0 if dtype == torch.float32 else 1e-2
+    for a, b in zip(*results):
+        assert (a.float() - b.float()).abs().max() <= tol
+    assert results[0][2][1].abs().max() == 0 and results[0][3][3].abs().max() == 0  # no token, zero gradient
+
+
+def test_named_moe_size_trains_on_one_device() -> None:
+    torch.manual_seed(0)
+    model = build_model("debug-moe", family="decoder").train()
+    ids = torch.randint(0, 256, (2, 32))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(5):
+        model.routing.begin()
+        loss = model(ids, labels=ids.roll(-1, 1))
+        (loss).backward()
+        losses.append(float(loss) + model.config.moe.aux_loss_coef * float(model.routing.aux_loss()))
+        opt.step()
+        opt.zero_grad()
+    assert losses[-1] < losses[0]
+    loads = model.routing.loads()
+    assert loads.shape == (4, 8) and float(loads.sum()) == 4 * 2 * 64  # every layer routed every token top-2
