@@ -200,6 +200,11 @@ class Capabilities:
     tokens (``data_parallel_size`` counts them as replicas); generation is refused."""
     context_parallel_group: Any = None
     """Process group of the ranks sharing this rank's rows (``None`` without context parallelism)."""
+    routing_ranks: int = 1
+    """Ranks whose tokens and layers together make one global batch for an MoE model's router statistics (data,
+    context and pipeline ranks; the ranks of a tensor-parallel group share their tokens and count once)."""
+    routing_group: Any = None
+    """Process group of those ranks (``None``: the default group)."""
     deferred_init: bool = False
     """The strategy shards the model and materializes meta-device family models after sharding
     (:func:`lightning_llm.models.init.materialize` on each rank's shards): a task builds its backbone on the meta
@@ -235,7 +240,7 @@ def capabilities_of(strategy: Any) -> Capabilities:
     kwargs = getattr(strategy, "distributed_sampler_kwargs", None) or {}
     world = int(getattr(strategy, "world_size", 1) or 1)
     replicas = int(kwargs.get("num_replicas", world))
-    return Capabilities(data_parallel_size=replicas, batch_shared=replicas != world)
+    return Capabilities(data_parallel_size=replicas, batch_shared=replicas != world, routing_ranks=world)
 
 
 def pipeline_runner(strategy: Any) -> PipelineRunner | None:

@@ -35,6 +35,7 @@ from typing_extensions import override
 from lightning_llm.contract import declared_inputs, overrides_compute_loss, overrides_training_step
 from lightning_llm.memory import PRECISIONS, Quantized, estimate_layout
 from lightning_llm.models import ModelConfig
+from lightning_llm.models.moe import moe_parameters
 from lightning_llm.models.quantize import describe, is_quantized, quantized_bytes
 from lightning_llm.strategies import DeepSpeedZeroStrategy, ParallelEngine
 
@@ -61,12 +62,14 @@ class Layout:
     offload_optimizer: bool = False
     offload_params: bool = False
     n_microbatches: int = 1
+    ep: int = 1
+    """Expert-parallel degree (borrowed from ``dp x cp``: each rank holds ``1/ep`` of every MoE layer's experts)."""
 
 
 def layout_of(trainer: pl.Trainer) -> Layout:
     s = trainer.strategy
     if isinstance(s, ParallelEngine) and s.dims is not None:
-        return Layout(dp=s.dims.dp, tp=s.dims.tp, pp=s.dims.pp, cp=s.dims.cp, zero_stage=s.zero_stage,
+        return Layout(dp=s.dims.dp, tp=s.dims.tp, pp=s.dims.pp, cp=s.dims.cp, ep=s.dims.ep, zero_stage=s.zero_stage,
                       engine="native",
                       offload_optimizer=s.offload_optimizer, offload_params=s.offload_params,
                       n_microbatches=s.n_microbatches if s.dims.pp > 1 else 1)
@@ -209,8 +212,9 @@ def summary_lines(trainer: pl.Trainer, task: Any, batch: Any, *, flops: int | No
     per_replica = int(ids.shape[0]) if isinstance(ids, torch.Tensor) else None
     where = placement(layout, per_node=trainer.num_devices, nodes=trainer.num_nodes)
     cp = f" x cp {layout.cp}" if layout.cp > 1 else ""
-    lines = [(f"layout: {trainer.world_size} rank(s) = pp {layout.pp} x dp {layout.dp}{cp} x tp {layout.tp}, ZeRO stage "
-              f"{layout.zero_stage} ({type(trainer.strategy).__name__}); {where}")]
+    ep = f" (experts over ep {layout.ep} of them)" if layout.ep > 1 else ""
+    lines = [(f"layout: {trainer.world_size} rank(s) = pp {layout.pp} x dp {layout.dp}{cp}{ep} x tp {layout.tp}, ZeRO "
+              f"stage {layout.zero_stage} ({type(trainer.strategy).__name__}); {where}")]
     if per_replica is not None:
         micro = f" in {layout.n_microbatches} pipeline micro-batches" if layout.pp > 1 else ""
         global_batch = per_replica * layout.dp * accum
@@ -226,6 +230,9 @@ def summary_lines(trainer: pl.Trainer, task: Any, batch: Any, *, flops: int | No
         compiled = "; transformer blocks compiled (torch.compile, --model.compile)" if getattr(
             task, "compile_blocks", False) else ""
         lines.append(f"parameters: {total:,} ({trainable:,} trainable){compiled}")
+        moe = moe_line(task, total)
+        if moe:
+            lines.append(moe)
     lines.append(_memory_line(trainer, task, layout, per_replica, ids))
     if flops is not None:
         step = flops * layout.dp * accum
@@ -234,6 +241,32 @@ def summary_lines(trainer: pl.Trainer, task: Any, batch: Any, *, flops: int | No
     else:
         lines.append(f"FLOPs per optimizer step: not counted ({flops_note})")
     return lines
+
+
+def moe_line(task: Any, total: int) -> str | None:
+    """What a Mixture-of-Experts run does with its experts: their count and top-k, the parameters a token uses (what
+    the FLOPs and MFU count), the load-balancing loss and how the experts' GEMMs run."""
+    config = getattr(getattr(task, "model", None), "config", None)
+    moe = getattr(config, "moe", None)
+    if moe is None:
+        return None
+    experts, active = moe_parameters(config)
+    layers = config.moe_layers
+    used = total - experts + active
+    if not task.automatic_optimization:
+        balance = "load-balancing loss: off (manual optimization: several forwards per step)"
+    elif moe.aux_loss_coef > 0:
+        balance = (f"load-balancing loss: on, transformers' aux loss x {moe.aux_loss_coef:g} over the global batch "
+                   "(--model.router_aux_loss_coef=0 turns it off)")
+    else:
+        balance = "load-balancing loss: off (router_aux_loss_coef=0)"
+    if moe.bias_update_rate > 0:
+        balance += f"; aux-free bias update rate {moe.bias_update_rate:g} per optimizer step"
+    impl = {"auto": "grouped GEMMs where the device has them, else a loop", "grouped": "grouped GEMMs",
+            "loop": "a loop over experts"}[moe.experts_impl]
+    return (f"mixture of experts: {moe.num_experts} experts, top-{moe.top_k}, on {len(layers)} of {config.num_layers} "
+            f"layers; {used:,} parameters active per token ({100 * used / max(total, 1):.1f}%); {balance}; experts "
+            f"run as {impl}")
 
 
 def _token_task(batch: dict[str, Any]) -> bool:

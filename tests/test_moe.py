@@ -267,3 +267,56 @@ def test_named_moe_size_trains_on_one_device() -> None:
     assert losses[-1] < losses[0]
     loads = model.routing.loads()
     assert loads.shape == (4, 8) and float(loads.sum()) == 4 * 2 * 64  # every layer routed every token top-2
+
+
+class _Rows(__import__("lightning").pytorch.LightningDataModule):
+    """Fixed batches (already-shifted labels), in order."""
+
+    def __init__(self, batches: list[dict[str, torch.Tensor]]) -> None:
+        super().__init__()
+        self.batches = batches
+
+    def train_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(self.batches, batch_size=None)
+
+
+def test_task_training_step_equals_transformers_with_aux_loss_and_accumulation(tmp_path: Path) -> None:
+    """The whole task path on one device (the Trainer, gradient accumulation 2, the aux loss's gradient injected with
+    the factor read from the returned loss): one optimizer step's gradients equal transformers' (loss with
+    output_router_logits=True, each micro-batch's loss / 2), and the logged train_loss is transformers' loss."""
+    import lightning.pytorch as pl
+
+    from lightning_llm.tasks import CausalLMTask, OptimConfig
+    from lightning_llm.testing import MetricRows
+
+    hf = _write("qwen3_moe", tmp_path / "hf").train()
+    hf.router_aux_loss_coef = 0.5  # what its forward reads
+    (tmp_path / "hf" / "config.json").write_text(
+        (tmp_path / "hf" / "config.json").read_text().replace('"router_aux_loss_coef": 0.1', '"router_aux_loss_coef": 0.5'))
+    ids, mask, labels = _batch()
+    micro = [(ids[:2], mask[:2], labels[:2]), (ids[1:], mask[1:], labels[1:])]
+    ref_losses = []
+    for i, m, lab in micro:
+        out = hf(input_ids=i, attention_mask=m, labels=lab)
+        (out.loss / 2).backward()
+        ref_losses.append(float(out.loss.detach()))
+    shifted = [torch.cat([lab[:, 1:], torch.full((lab.shape[0], 1), -100)], 1) for _, _, lab in micro]
+    batches = [{"input_ids": i, "attention_mask": m, "labels": s} for (i, m, _), s in zip(micro, shifted)]
+
+    grads: dict[str, torch.Tensor] = {}
+
+    class Grads(pl.Callback):
+        def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+            grads.update({n: p.grad.clone() for n, p in pl_module.model.named_parameters()})
+
+    rows = MetricRows()
+    task = CausalLMTask(str(tmp_path / "hf"), dropout=0.0, optim=OptimConfig(lr=0.0, weight_decay=0.0))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=0, callbacks=[Grads(), rows])
+    trainer.fit(task, _Rows(batches))
+    assert [r["train_loss"] for r in rows.rows] == pytest.approx(ref_losses, abs=1e-6)
+    hf_grads = {n.removeprefix("model."): p.grad for n, p in hf.named_parameters()}
+    worst = max(float((hf_grads[n.replace("attn_norm", "input_layernorm").replace("mlp_norm", "post_attention_layernorm")]
+                       - g).abs().max()) for n, g in grads.items())
+    assert worst < 1e-6, worst

@@ -145,6 +145,20 @@ class DecoderLM(nn.Module):
         """Alias of :meth:`init_weights`."""
         self.init_weights()
 
+    @torch.no_grad()
+    def update_router_biases(self, loads: Tensor) -> None:
+        """DeepSeek-V3's aux-free balancing, after an optimizer step: per MoE layer held here,
+        ``bias += rate * sign(mean(load) - load)`` on the correction bias its router adds to the scores to choose
+        experts (``loads`` [L, E]: top-k assignments per expert over the global batch and accumulation window, so every
+        rank moves its copy the same way)."""
+        assert self.routing is not None and self.config.moe is not None
+        rate = self.config.moe.bias_update_rate
+        for key, block in self.layers.items():
+            bias = getattr(block.mlp.gate, "e_score_correction_bias", None) if int(key) in self.routing.index else None
+            if bias is not None:
+                load = loads[self.routing.index[int(key)]].to(bias.device, torch.float64)
+                bias.add_((rate * torch.sign(load.mean() - load)).to(bias.dtype))
+
     # ------------------------------------------------------------------ forward
 
     def forward(
@@ -208,7 +222,7 @@ class DecoderLM(nn.Module):
             mask, is_causal = sliding if int(key) in windowed else full
             layer_kw = {**cache_kw, "routing": routing} if routing is not None and int(key) in moe else cache_kw
             x = layer(x, rope=rope, attn_mask=mask, is_causal=is_causal, **layer_kw)
-        if self.routing is not None:
+        if self.routing is not None and any(block.training for block in self.layers.values()):
             self.routing.forward_done()  # a step's last expected forward starts the statistics' reduction
         if kv_cache is not None:
             kv_cache.seq_len = total

@@ -37,7 +37,7 @@ from .routing import RoutingStats
 log = logging.getLogger(__name__)
 
 __all__ = ["GroupedExperts", "MoEBlock", "Router", "RoutingInput", "expert_ffn", "grouped_mm_supported",
-           "route_scores"]
+           "moe_parameters", "route_scores"]
 
 
 @dataclass(frozen=True)
@@ -123,10 +123,10 @@ class Router(nn.Module):
 
 def grouped_mm_supported(x: Tensor) -> bool:
     """Whether torch has a grouped-GEMM kernel for ``x``'s device and dtype: the CPU (fp32, bf16; exact), and bf16 on
-    CUDA devices of compute capability 8.0 and newer; the meta device (shapes only) too."""
+    CUDA devices of compute capability 8.0 and newer."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    if x.device.type in ("cpu", "meta"):
+    if x.device.type == "cpu":
         return x.dtype in (torch.float32, torch.bfloat16)
     if x.device.type == "cuda":
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
@@ -150,7 +150,9 @@ def expert_ffn(tokens: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor, *,
     dtype = _compute_dtype(tokens)
     tokens = tokens.to(dtype)
     gate_up, down = gate_up.to(dtype), down.to(dtype)
-    if impl == "auto":
+    if tokens.is_meta:  # FLOP counting: the counter has matmul formulas, and torch's meta grouped GEMM takes bf16 only
+        impl = "loop"
+    elif impl == "auto":
         impl = "grouped" if grouped_mm_supported(tokens) else "loop"
     if impl == "grouped":
         offs = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
@@ -257,3 +259,14 @@ class MoEBlock(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(flat)) * shared
             out = out + shared
         return out.view(shape)
+
+
+def moe_parameters(config: ModelConfig) -> tuple[int, int]:
+    """``(routed expert parameters of the whole model, those a token uses)``: ``E`` and ``top_k`` experts of
+    ``3 x I x H`` each per MoE layer (the rest of the model every token uses)."""
+    moe = config.moe
+    if moe is None:
+        return 0, 0
+    per_expert = 3 * moe.intermediate_size * config.hidden_size
+    layers = len(config.moe_layers)
+    return layers * moe.num_experts * per_expert, layers * moe.top_k * per_expert

@@ -45,7 +45,8 @@ from .decoder import DecoderLM
 from .encoder import EncoderModel
 from .layers import segment_positions
 
-__all__ = ["ParallelSpec", "PARALLEL_SPECS", "TPPlan", "parallel_spec_of", "decoder_tp_plan", "encoder_tp_plan"]
+__all__ = ["ParallelSpec", "PARALLEL_SPECS", "TPPlan", "parallel_spec_of", "decoder_tp_plan", "encoder_tp_plan",
+           "routing_stats_of"]
 
 TPPlan = dict[str, ParallelStyle]
 """Module path (``parallelize_module`` syntax, ``*`` wildcards per path atom) -> parallel style."""
@@ -80,6 +81,12 @@ class ParallelSpec:
     """``backbone -> the positions its tables hold`` (``None``: no limit). The model picks table lookups or positions
     computed per forward by the length of what it is given; a context-parallel slice no longer than the tables of a
     sequence longer than them would look up past their end, so that case is refused."""
+    routing: Callable[[nn.Module], Any] = field(default=lambda model: None)
+    """``backbone -> its MoE layers' router statistics`` (:class:`~lightning_llm.models.routing.RoutingStats`, ``None``
+    without MoE layers): a pipeline opens them for its micro-batches' forwards."""
+    expert_modules: str | None = None
+    """The routed experts (``moe.GroupedExperts``, path relative to the backbone, ``*`` per atom) an expert-parallel
+    layout replaces by its module holding this rank's experts; ``None``: the family has none."""
     segment_positions: Callable[[Tensor], Tensor] | None = None
     """``segment_ids [B, S] -> position_ids [B, S]``: the positions the family gives packed rows without
     ``position_ids`` (a context-parallel slice needs them from the whole row)."""
@@ -109,8 +116,9 @@ def _attention_plan(prefix: str, config: ModelConfig) -> TPPlan:
     return plan
 
 
-def _block_plan(prefix: str, config: ModelConfig, *, sequence_parallel: bool) -> TPPlan:
-    """Styles of every ``TransformerBlock`` under ``prefix`` (``layers.*``); same for both families.
+def _block_plan(prefix: str, config: ModelConfig, *, sequence_parallel: bool, mlp: bool = True) -> TPPlan:
+    """Styles of every ``TransformerBlock`` under ``prefix`` (``layers.*``); same for both families (``mlp=False``:
+    without the feed-forward's, which a model with MoE layers plans per layer: :func:`_moe_plan`).
 
     Shapes (local, per rank): q/k/v out [B, S, N/tp*D] (W_pack [B, S, N/tp*3*D]), o in [B, S, N/tp*D]; gate/up out
     [B, S, I/tp].
@@ -127,16 +135,49 @@ def _block_plan(prefix: str, config: ModelConfig, *, sequence_parallel: bool) ->
         f"{prefix}.self_attn": half_input,
         **_attention_plan(prefix, config),
         f"{prefix}.self_attn.o_proj": row,
-        f"{prefix}.mlp": half_input,
-        f"{prefix}.mlp.up_proj": ColwiseParallel(),
-        f"{prefix}.mlp.down_proj": row,
     }
-    if config.gated:
-        plan[f"{prefix}.mlp.gate_proj"] = ColwiseParallel()
+    if mlp:
+        plan.update(_mlp_plan(prefix, config, sequence_parallel=sequence_parallel))
     if sequence_parallel:
         plan[f"{prefix}.attn_norm"] = SequenceParallel()
         plan[f"{prefix}.mlp_norm"] = SequenceParallel()
         # The block's residual dropout needs no entry: it receives the reduce-scattered DTensor [B, S/tp, H].
+    return plan
+
+
+def _mlp_plan(prefix: str, config: ModelConfig, *, sequence_parallel: bool) -> TPPlan:
+    """A dense feed-forward: one conversion of its input (as the attention's), column-parallel gate/up [B, S, I/tp],
+    row-parallel down (all-reduce, or reduce-scatter to sequence shards with SP)."""
+    resid: Placement = Shard(1) if sequence_parallel else Replicate()
+    plan: TPPlan = {
+        f"{prefix}.mlp": PrepareModuleInput(input_layouts=(resid,), desired_input_layouts=(Replicate(),),
+                                            use_local_output=False),
+        f"{prefix}.mlp.up_proj": ColwiseParallel(),
+        f"{prefix}.mlp.down_proj": RowwiseParallel(output_layouts=resid, use_local_output=not sequence_parallel),
+    }
+    if config.gated:
+        plan[f"{prefix}.mlp.gate_proj"] = ColwiseParallel()
+    return plan
+
+
+def _moe_plan(prefix: str, config: ModelConfig, *, sequence_parallel: bool) -> TPPlan:
+    """An MoE layer's feed-forward under tensor parallelism: the router and the routed experts are whole on every
+    tensor-parallel rank (Megatron found expert parallelism over whole experts faster than splitting them; expert
+    parallelism spreads them), computed on the block input gathered to a plain tensor [B, S, H]; a shared expert is
+    split as a dense MLP (column-parallel gate/up, row-parallel down, all-reduced to a plain tensor [B, S, H]). With
+    sequence parallelism the input is all-gathered and the output handed back as this rank's sequence shard (a local
+    slice: every rank computed the whole)."""
+    moe = config.moe
+    assert moe is not None
+    plan: TPPlan = {}
+    if sequence_parallel:
+        plan[f"{prefix}.mlp"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+            output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=False)
+    if moe.shared_intermediate_size:
+        shared = f"{prefix}.mlp.shared_expert"
+        plan.update({f"{shared}.gate_proj": ColwiseParallel(), f"{shared}.up_proj": ColwiseParallel(),
+                     f"{shared}.down_proj": RowwiseParallel(output_layouts=Replicate(), use_local_output=True)})
     return plan
 
 
@@ -170,8 +211,14 @@ def decoder_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, loss_p
         plan.update(_embedding_plan(sequence_parallel=sequence_parallel, first_layer=keys[0] if keys else None))
     elif sequence_parallel and keys:
         plan.update(_split_sequence(keys[0]))  # a later pipeline stage: split the hidden state like stage 0 does
-    if keys:
+    if keys and config.moe is None:
         plan.update(_block_plan("layers.*", config, sequence_parallel=sequence_parallel))
+    elif keys:  # the feed-forward per layer: dense MLPs and MoE blocks split differently
+        plan.update(_block_plan("layers.*", config, sequence_parallel=sequence_parallel, mlp=False))
+        moe = set(config.moe_layers)
+        for key in keys:
+            layer_plan = _moe_plan if int(key) in moe else _mlp_plan
+            plan.update(layer_plan(f"layers.{key}", config, sequence_parallel=sequence_parallel))
     if sequence_parallel and getattr(model, "norm", None) is not None:
         plan["norm"] = SequenceParallel()
     if getattr(model, "lm_head", None) is not None:
@@ -243,6 +290,7 @@ PARALLEL_SPECS: dict[type[nn.Module], ParallelSpec] = {
                             tp_plan=decoder_tp_plan, tp_divides=_TP_DIVIDES, tied=_tied_lm_head,
                             attention_cores="layers.*.self_attn.core", context_parallel_blocker=_decoder_cp_blocker,
                             position_limit=lambda model: model.config.max_position_embeddings,
+                            routing=lambda model: model.routing, expert_modules="layers.*.mlp.experts",
                             segment_positions=segment_positions),
     EncoderModel: ParallelSpec(first=("embed_tokens", "embed_positions", "embed_token_types", "embed_norm"),
                                last=("final_norm", "pooler", "classifier"), tp_plan=encoder_tp_plan,
@@ -260,3 +308,10 @@ def parallel_spec_of(model: nn.Module) -> tuple[str, nn.Module, ParallelSpec] | 
             if isinstance(mod, cls):
                 return (f"{name}." if name else ""), mod, spec
     return None
+
+
+def routing_stats_of(model: nn.Module) -> Any:
+    """The router statistics of the registered family inside ``model`` (through PEFT wrappers), or ``None`` for a
+    model without MoE layers or of no registered family."""
+    found = parallel_spec_of(model)
+    return None if found is None else found[2].routing(found[1])

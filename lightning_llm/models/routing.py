@@ -26,8 +26,9 @@ The statistics are recorded only between :meth:`RoutingStats.begin` and the end 
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -63,33 +64,49 @@ class RoutingStats:
         """[L, E] loads summed over the steps since :meth:`take_window` (the aux-free bias update reads it)."""
         self._open = False
         self._attaching = False  # this step's forwards inject the aux gradient (so do their recomputes in backward)
+        self._chunks_only = self._in_chunk = False
         self._expected = self._forwards = 0
         self._buf: Tensor | None = None  # [L, 2E + 1] float64: assignments, summed probabilities, real tokens
         self._work: Any = None
         self._reduced: Tensor | None = None
 
     # ------------------------------------------------------------------------------------------ the step
-    def begin(self, *, forwards: int = 1, grad_scale: float = 1.0) -> None:
+    def begin(self, *, forwards: int = 1, grad_scale: float = 1.0, chunks_only: bool = False) -> None:
         """Record the next ``forwards`` model forwards (a pipeline's micro-batches through this rank's stages); their
         statistics are reduced after the last one (asynchronously: a pipeline's stages reach it at different
-        times, and each waits for it only in its first backward)."""
+        times, and each waits for it only in its first backward). ``chunks_only``: only forwards and backwards run
+        inside :meth:`chunk` count (a pipeline's schedule also runs its stages once on placeholder inputs to infer
+        shapes, which must neither record nor inject)."""
         if forwards < 1:
             raise ValueError(f"RoutingStats.begin: forwards={forwards} must be >= 1")
         self._open, self._expected, self._forwards = True, forwards, 0
+        self._chunks_only, self._in_chunk = chunks_only, False
         self._attaching = self.aux_loss_coef > 0
         self.grad_scale = float(grad_scale)
         self._buf, self._work, self._reduced = None, None, None
 
     @property
     def recording(self) -> bool:
-        return self._open and not _in_backward()
+        return self._open and not _in_backward() and self._chunk_ok()
+
+    def _chunk_ok(self) -> bool:
+        return not self._chunks_only or self._in_chunk
+
+    @contextlib.contextmanager
+    def chunk(self) -> Iterator[None]:
+        """A pipeline schedule's real forward or backward of a micro-batch (see ``chunks_only``)."""
+        before, self._in_chunk = self._in_chunk, True
+        try:
+            yield
+        finally:
+            self._in_chunk = before
 
     def attach(self, layer: int, logits: Tensor, keep: Tensor | None) -> Tensor:
         """``logits`` [N, E] unchanged, with the load-balancing loss's gradient added in backward (when its
         coefficient is not 0 and the step is open); ``keep`` [N] marks the real tokens."""
         # A block recomputed in backward (activation checkpointing) attaches again, as its first forward did: a
         # non-reentrant recompute must save the same tensors, a reentrant one backpropagates the recomputed graph.
-        if not (self._attaching and (self._open or _in_backward())) or not logits.requires_grad:
+        if not (self._attaching and self._chunk_ok() and (self._open or _in_backward())) or not logits.requires_grad:
             return logits
         return _AuxGrad.apply(logits, self, keep)
 

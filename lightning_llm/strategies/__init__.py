@@ -11,6 +11,7 @@ from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 from lightning_llm.strategies.engine import ParallelEngine
 from lightning_llm.strategies.presets import (
     ContextParallelStrategy,
+    ExpertParallelStrategy,
     HybridParallelStrategy,
     PipelineParallelStrategy,
     TensorParallelStrategy,
@@ -19,7 +20,7 @@ from lightning_llm.strategies.presets import (
 )
 from lightning_llm.strategies.zero.deepspeed import DeepSpeedZeroStrategy
 
-__all__ = ["ContextParallelStrategy", "DeepSpeedZeroStrategy", "HybridParallelStrategy", "ParallelEngine", "PipelineParallelStrategy",
+__all__ = ["ContextParallelStrategy", "DeepSpeedZeroStrategy", "ExpertParallelStrategy", "HybridParallelStrategy", "ParallelEngine", "PipelineParallelStrategy",
            "TensorParallelStrategy", "ZeroStrategy", "check_strategy_name", "strategy_class"]
 
 register_presets(_StrategyRegistry)  # tp, pp, cp, 3d, zero1/2/3(_offload), deepspeed_zero1/2/3(_offload); idempotent

@@ -60,6 +60,7 @@ from lightning_llm.models.init import is_meta
 from lightning_llm.strategies.context import apply_context_parallel, slice_step
 from lightning_llm.strategies.engine_checkpoint import LayoutFreeCheckpointing
 from lightning_llm.strategies.engine_layout import LayoutArgs, PipelineStages
+from lightning_llm.strategies.expert import apply_expert_parallel, expert_blocker, expert_mesh
 from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB, GradReducer, reducer_for
 from lightning_llm.strategies.materialize import materialize_shards
 from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coordinate, replica_mesh
@@ -73,7 +74,13 @@ from lightning_llm.strategies.parallelize import (
 from lightning_llm.strategies.pipeline.runtime import ScheduleName, checkpoint_blocks
 from lightning_llm.strategies.pipeline.split import StageSpec, layout_of, module_at
 from lightning_llm.strategies.plans import TPPlan
-from lightning_llm.strategies.zero.native import PartitionedOptimizer, apply_fsdp, fsdp_units, gradient_sync_paused
+from lightning_llm.strategies.zero.native import (
+    PartitionedOptimizer,
+    apply_fsdp,
+    fsdp_units,
+    gradient_sync_paused,
+    shard_experts,
+)
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +100,7 @@ class ParallelEngine(LayoutFreeCheckpointing):
         zero_stage: int = 0,
         *,
         context_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
         offload_optimizer: bool = False,
         offload_params: bool = False,
         sequence_parallel: bool = False,
@@ -126,6 +134,9 @@ class ParallelEngine(LayoutFreeCheckpointing):
                 over ``dp x cp`` (cp ranks hold the same parameters).
             context_parallel_size: Ranks sharing each sequence (:mod:`.context`; inside a node with tp), each
                 holding ``1/cp`` of every row's tokens; the sequence length must be divisible by ``2 x cp``.
+            expert_parallel_size: Mixture-of-Experts models: ranks sharing each MoE layer's experts (:mod:`.expert`),
+                each holding ``E / ep`` of them, tokens sent to them by all-to-all; borrowed from the ``dp x cp``
+                replicas (must divide them; ``-1``: all of them), so it adds no ranks. ZeRO stage 0 or 3.
             offload_optimizer: Keep optimizer states (fp32 masters) in CPU memory (ZeRO 1-3).
             offload_params: Keep parameter shards in CPU memory (ZeRO-3; then also ``offload_optimizer``).
             sequence_parallel: Shard the residual stream on the sequence dim inside each TP group.
@@ -154,7 +165,7 @@ class ParallelEngine(LayoutFreeCheckpointing):
                          precision_plugin=precision_plugin)
         self.args = LayoutArgs(
             dims=ParallelDims(dp=data_parallel_size, tp=tensor_parallel_size, pp=pipeline_parallel_size,
-                              cp=context_parallel_size),
+                              cp=context_parallel_size, ep=expert_parallel_size),
             zero_stage=zero_stage, offload_optimizer=offload_optimizer, offload_params=offload_params,
             n_microbatches=n_microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
             save_distributed_checkpoint=save_distributed_checkpoint, bucket_size_mb=bucket_size_mb,
@@ -170,13 +181,15 @@ class ParallelEngine(LayoutFreeCheckpointing):
         self._process_group_backend, self._timeout = process_group_backend, timeout
         self.num_nodes = 1
         self.dims: ParallelDims | None = None
-        self.pp_rank = self.dp_rank = self.tp_rank = self.cp_rank = 0
+        self.pp_rank = self.dp_rank = self.tp_rank = self.cp_rank = self.ep_rank = 0
         self.replica_rank = 0  # rank among the dp x cp ranks holding the same parameters
         self._mesh: Any = None
         self._pp_group: Any = None
         self._dp_group: Any = None  # the ranks holding the same parameters: dp, or dp x cp under context parallelism
         self._cp_group: Any = None
         self._replica_mesh: Any = None  # the 1-D mesh of _dp_group
+        self._expert_mesh: Any = None  # (pp, edp, ep, tp) under expert parallelism
+        self._routing_group: Any = None  # ranks summing an MoE model's router statistics (pp x dp x cp)
         self._sharded_logits = False  # whether the task's loss receives vocab-sharded DTensor logits
         self._pp_model: nn.Module | None = None  # the task's parallelized model (set-up runs again for validate)
         self._params: list[nn.Parameter] = []  # every parameter of the task
@@ -246,17 +259,19 @@ class ParallelEngine(LayoutFreeCheckpointing):
             return Capabilities()
         # Context-parallel ranks see different slices of the rows: to the task they are replicas (their losses are
         # weighted by token count and their gradients averaged over dp x cp).
-        return Capabilities(data_parallel_size=self.dims.replicas, batch_shared=self.dims.tp * self.dims.pp > 1,
-                            pipelined=self.pipelined, generation=self.dims.cp == 1,
-                            context_parallel_size=self.dims.cp, context_parallel_group=self._cp_group,
-                            data_parallel_group=self._dp_group,
-                            deferred_init=self.shards_model)
+        d = self.dims
+        return Capabilities(data_parallel_size=d.replicas, batch_shared=d.tp * d.pp > 1,
+                            pipelined=self.pipelined, generation=d.cp == 1,
+                            context_parallel_size=d.cp, context_parallel_group=self._cp_group,
+                            data_parallel_group=self._dp_group, routing_ranks=d.pp * d.dp * d.cp,
+                            routing_group=self._routing_group, deferred_init=self.shards_model)
 
     @property
     def shards_model(self) -> bool:
         """Whether no rank holds the whole model (tp, pp or ZeRO-3): then tasks build on the meta device and set-up
         materializes each rank's shards only."""
-        return self.dims is not None and (self.dims.tp > 1 or self.dims.pp > 1 or self.zero_stage == 3)
+        return self.dims is not None and (self.dims.tp > 1 or self.dims.pp > 1 or self.dims.ep > 1
+                                          or self.zero_stage == 3)
 
     @override
     def _configure_launcher(self) -> None:
@@ -287,6 +302,11 @@ class ParallelEngine(LayoutFreeCheckpointing):
         self.replica_rank = replicas.get_local_rank()
         self._pp_group, self._dp_group, self._cp_group = (mesh["pp"].get_group(), replicas.get_group(),
                                                           mesh["cp"].get_group())
+        routing = self.dims.routing_mesh(mesh)
+        self._routing_group = routing.get_group() if routing is not None else None
+        if self.dims.ep > 1:
+            self._expert_mesh = expert_mesh(self.dims, device_type_of(self.root_device))
+            self.ep_rank = self._expert_mesh.get_local_rank("ep")
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = mesh
 
@@ -363,11 +383,19 @@ class ParallelEngine(LayoutFreeCheckpointing):
                                                   tp=self.dims.tp)
         apply_tensor_parallel(model, self._mesh["tp"], sequence_parallel=self.sequence_parallel,
                               loss_parallel=self._sharded_logits, plan=self.args.resolve_plan(self.plan, model))
+        if self.dims.ep > 1:
+            blocker = expert_blocker(model, self.dims.ep)
+            if blocker:
+                raise ValueError(blocker)
+            apply_expert_parallel(model, self._expert_mesh)
         if self.dims.cp > 1:
             apply_context_parallel(model, group=self._cp_group, cp=self.dims.cp, rank=self.cp_rank)
         if self.activation_checkpointing:
             checkpoint_blocks(model, specs)
         if self.zero_stage == 3:
+            if self.dims.ep > 1:  # the experts first: units of their own over the ranks holding the same experts
+                shard_experts(module, edp_mesh=self._expert_mesh["edp"], replicas=self.dims.replicas,
+                              precision=precision, offload=self.offload_params)
             apply_fsdp(module, dp_mesh=self._replica_mesh, units=fsdp_units(module), reshard_after_forward=True,
                        precision=precision, offload=self.offload_params)
 
@@ -399,9 +427,13 @@ class ParallelEngine(LayoutFreeCheckpointing):
                     owners.update({id(p): zero.owner(p) for g in zero.param_groups for p in g["params"]})
                 wrapped.append(zero)
             self.optimizers = wrapped
+        experts = None
+        if self._expert_mesh is not None:
+            edp = self._expert_mesh["edp"]
+            experts = (edp.get_group(), edp.size(), edp.get_local_rank())
         self._reducer = reducer_for(self.lightning_module, group=self._dp_group, world=self.dims.replicas,
-                                    rank=self.replica_rank,
-                                    bucket_size_mb=self.args.bucket_size_mb, owners=owners)
+                                    rank=self.replica_rank, bucket_size_mb=self.args.bucket_size_mb, owners=owners,
+                                    experts=experts)
         # A pipeline's backward runs inside its schedule: it reduces after the schedule (PipelineStages), no hooks.
         self._grad_hooks = [] if self.pipelined else self._reducer.register_hooks()
 
@@ -524,7 +556,7 @@ class ParallelEngine(LayoutFreeCheckpointing):
     # ------------------------------------------------------------------------------------------ checkpoints
     def layout(self) -> dict[str, Any]:
         assert self.dims is not None
-        return {"dp": self.dims.dp, "tp": self.dims.tp, "pp": self.dims.pp, "cp": self.dims.cp,
+        return {"dp": self.dims.dp, "tp": self.dims.tp, "pp": self.dims.pp, "cp": self.dims.cp, "ep": self.dims.ep,
                 "zero_stage": self.zero_stage}
 
     @override

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from lightning_llm.logs import PER_RANK
+from lightning_llm.models import routing_stats_of
 from lightning_llm.models.init import canonical_name
 from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB
 from lightning_llm.strategies.mesh import ParallelDims
@@ -72,6 +73,11 @@ class LayoutArgs:
             raise ValueError(f"zero_stage={self.zero_stage} with pipeline_parallel_size={d.pp} is not supported: a "
                              "pipeline keeps its gradients aside between the schedule and the optimizer step; use "
                              "zero_stage 0 or 1 with pipeline parallelism")
+        if d.ep != 1 and self.zero_stage in (1, 2):
+            raise ValueError(f"expert_parallel_size={d.ep} with zero_stage={self.zero_stage} is not supported: ZeRO-1/2 "
+                             "partition whole parameters over every replica, while each expert-parallel rank holds "
+                             "other experts; use zero_stage 0 (averaged gradients) or 3 (experts sharded over the ranks "
+                             "holding the same ones)")
         if self.offload_params and self.zero_stage != 3:
             raise ValueError(f"offload_params=True needs stage=3 (got stage={self.zero_stage}); parameters are only "
                              "partitioned, hence offloadable, in stage 3")
@@ -187,11 +193,18 @@ class PipelineStages:
             self._guard.remove()
         self.model = model
         views = [stage_module(model, s) for s in self.specs]
+        routing = routing_stats_of(model)
+        if routing is not None and routing.aux_loss_coef > 0 and self.args.schedule != "gpipe":
+            raise ValueError(
+                f"pipeline parallelism with schedule={self.args.schedule!r}: the MoE load-balancing loss over the "
+                "global batch needs every micro-batch's routing before the first backward (its gradient depends on "
+                "the whole batch's expert loads), which only the gpipe schedule runs; pass "
+                "--trainer.strategy.schedule=gpipe, or --model.router_aux_loss_coef=0 to train without it")
         self.runner = PipelineRunner(
             schedule=self.args.schedule, n_microbatches=self.args.n_microbatches, stage_mods=views, specs=self.specs,
             params=params, device=device, pp_group=self.pp_group, pp_size=self.pp_size,
             last_stage_rank=self.last_stage_rank, last_stage_pp_rank=self.last_stage_pp_rank, step_stats=step_stats,
-            dp_group=dp_group, dp=dp, log_stats=log_stats, measure_activations=measure,
+            dp_group=dp_group, dp=dp, log_stats=log_stats, measure_activations=measure, routing=routing,
         )
         self._guard = model.register_forward_pre_hook(_refuse_direct_call)
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable, Generator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,12 +52,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_llm.strategies.mesh import over_replicas
+from lightning_llm.strategies.mesh import over_experts, over_replicas
 from lightning_llm.strategies.parallelize import reduce_partial_grads
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_BUCKET_MB", "GradReducer", "OwnerBroadcast", "assign_buckets", "reducer_for",
+__all__ = ["DEFAULT_BUCKET_MB", "GradReducer", "GradReducers", "OwnerBroadcast", "assign_buckets", "reducer_for",
            "replicated_over_dp"]
 
 DEFAULT_BUCKET_MB = 25.0
@@ -131,10 +131,14 @@ class GradReducer:
 
     def __init__(self, params: Sequence[nn.Parameter], *, group: Any, world: int, rank: int, bucket_size_mb: float,
                  owner_of: Callable[[nn.Parameter], int | None] | None = None,
-                 names: dict[int, str] | None = None, frozen: Sequence[tuple[str, nn.Parameter]] = ()) -> None:
+                 names: dict[int, str] | None = None, frozen: Sequence[tuple[str, nn.Parameter]] = (),
+                 divide_by: int | None = None) -> None:
         if bucket_size_mb <= 0:
             raise ValueError(f"bucket_size_mb={bucket_size_mb}: must be > 0")
         self.group, self.world, self.rank = group, world, rank
+        self.divide_by = world if divide_by is None else divide_by
+        """What the summed gradients are divided by: the group's size, or for experts every replica (each expert
+        rank's gradient already sums the tokens its ``ep`` group sent it)."""
         self.buckets = assign_buckets(params, bucket_bytes=int(bucket_size_mb * 2**20), owner_of=owner_of)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._names = names or {}
@@ -242,7 +246,7 @@ class GradReducer:
                     p.grad = torch.zeros_like(p)
                 g = _local(p.grad)
                 # the sum's average written in one pass (no separate div_ over the whole bucket)
-                torch.div(flat[offset:offset + numel].view(g.shape), self.world, out=g)
+                torch.div(flat[offset:offset + numel].view(g.shape), self.divide_by, out=g)
             offset += numel
 
     def finish(self) -> None:
@@ -250,6 +254,10 @@ class GradReducer:
         back. Once per optimizer step, before gradients are read (guard, clipping, step)."""
         if self.world == 1:
             self._arrived.clear()
+            if self.divide_by != 1:  # experts held by one rank of each ep group: its sum over every replica's tokens
+                grads = [_local(p.grad) for b in self.buckets for p in b.params if p.grad is not None]
+                if grads:
+                    torch._foreach_div_(grads, float(self.divide_by))
             return
         late = [name for name, p in self._frozen if p.grad is not None]
         if late:
@@ -268,15 +276,58 @@ class GradReducer:
 
 
 def reducer_for(module: nn.Module, *, group: Any, world: int, rank: int, bucket_size_mb: float,
-                owners: dict[int, int]) -> GradReducer:
+                owners: dict[int, int], experts: tuple[Any, int, int] | None = None) -> GradReducer | GradReducers:
     """The one data-parallel gradient reduction of a task: every trainable parameter the replicas hold whole
     (FSDP2's units reduce-scatter themselves), reduced to its ZeRO-2 owner (``owners``: ``id(param) -> dp rank``) or
-    all-reduced."""
+    all-reduced. ``experts``: ``(group, size, rank)`` of the ranks holding the same experts (expert parallelism):
+    expert shards are summed over that group and divided by all ``world`` replicas (:class:`GradReducers`)."""
     named = [(n, p) for n, p in module.named_parameters() if replicated_over_dp(p)]
-    return GradReducer([p for _, p in named if p.requires_grad], group=group, world=world, rank=rank,
-                       bucket_size_mb=bucket_size_mb, names={id(p): n for n, p in named},
-                       owner_of=(lambda p: owners.get(id(p))) if owners else None,
-                       frozen=[(n, p) for n, p in named if not p.requires_grad])
+    expert = [(n, p) for n, p in named if isinstance(p, DTensor) and over_experts(p.device_mesh)]
+    dense = [(n, p) for n, p in named if not (isinstance(p, DTensor) and over_experts(p.device_mesh))]
+
+    def reducer(pairs: list[tuple[str, nn.Parameter]], **kw: Any) -> GradReducer:
+        return GradReducer([p for _, p in pairs if p.requires_grad], bucket_size_mb=bucket_size_mb,
+                           names={id(p): n for n, p in pairs}, frozen=[(n, p) for n, p in pairs if not p.requires_grad],
+                           **kw)
+
+    main = reducer(dense, group=group, world=world, rank=rank,
+                   owner_of=(lambda p: owners.get(id(p))) if owners else None)
+    if not expert:
+        return main
+    assert experts is not None, "expert-parallel parameters without their group"
+    e_group, e_world, e_rank = experts
+    return GradReducers([main, reducer(expert, group=e_group, world=e_world, rank=e_rank, divide_by=world)])
+
+
+class GradReducers:
+    """Several :class:`GradReducer` over different groups (the replicas' dense parameters, the experts' ``edp``
+    ranks) with one reducer's interface: hooks, pause, finish in order (every rank runs the same ones)."""
+
+    def __init__(self, reducers: list[GradReducer]) -> None:
+        self.reducers = reducers
+
+    @property
+    def paused(self) -> bool:
+        return self.reducers[0].paused
+
+    def register_hooks(self) -> list[Any]:
+        return [h for r in self.reducers for h in r.register_hooks()]
+
+    @contextmanager
+    def pause(self) -> Generator[None, None, None]:
+        with ExitStack() as stack:
+            for r in self.reducers:
+                stack.enter_context(r.pause())
+            yield
+
+    def finish(self) -> None:
+        for r in self.reducers:
+            r.finish()
+
+    @property
+    def peak_in_flight_bytes(self) -> int:
+        return sum(r.peak_in_flight_bytes for r in self.reducers)
+
 
 
 def _storage_use_count(t: Tensor) -> int:

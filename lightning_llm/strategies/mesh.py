@@ -38,12 +38,15 @@ class ParallelDims:
     """Pipeline-parallel degree (number of pipeline ranks)."""
     cp: int = 1
     """Context-parallel degree: ranks sharing each sequence (every rank holds ``1/cp`` of its tokens)."""
+    ep: int = 1
+    """Expert-parallel degree: ranks among the ``dp x cp`` replicas that share an MoE layer's experts (not a factor
+    of the world size: borrowed from the replicas, so it must divide ``dp x cp``)."""
 
     def resolved(self, world_size: int) -> ParallelDims:
         """Degrees with ``-1`` filled in; raises ``ValueError`` naming the degrees when they cannot fit."""
         degrees = {"data_parallel_size": self.dp, "tensor_parallel_size": self.tp, "pipeline_parallel_size": self.pp,
                    "context_parallel_size": self.cp}
-        for name, d in degrees.items():
+        for name, d in {**degrees, "expert_parallel_size": self.ep}.items():
             if d == 0 or d < -1:
                 raise ValueError(f"{name}={d}: must be a positive integer or -1 (inferred)")
         unknown = [n for n, d in degrees.items() if d == -1]
@@ -62,13 +65,27 @@ class ParallelDims:
             desc = " x ".join(f"{n}={d}" for n, d in degrees.items())
             raise ValueError(f"parallel degrees {desc} multiply to {known}, but the world size is {world_size} "
                              "(devices x nodes); their product must equal it")
-        return ParallelDims(dp=degrees["data_parallel_size"], tp=degrees["tensor_parallel_size"],
-                            pp=degrees["pipeline_parallel_size"], cp=degrees["context_parallel_size"])
+        out = ParallelDims(dp=degrees["data_parallel_size"], tp=degrees["tensor_parallel_size"],
+                           pp=degrees["pipeline_parallel_size"], cp=degrees["context_parallel_size"], ep=self.ep)
+        if self.ep == -1:
+            out.ep = out.replicas
+        if out.ep < 1 or out.replicas % out.ep:
+            raise ValueError(f"expert_parallel_size={self.ep} must divide the {out.replicas} data x context parallel "
+                             f"ranks (data_parallel_size={out.dp} x context_parallel_size={out.cp}): experts are spread "
+                             "over ranks borrowed from the replicas")
+        return out
 
     @property
     def world_size(self) -> int:
         assert -1 not in (self.dp, self.tp, self.pp, self.cp), "call resolved() first"
         return self.dp * self.cp * self.tp * self.pp
+
+    def routing_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
+        """The 1-D mesh of the ranks whose tokens and layers make one global batch (``pp x dp x cp`` of this rank's
+        tensor-parallel index), over which an MoE model's router statistics are summed; ``None`` for one rank."""
+        if self.pp * self.dp * self.cp == 1:
+            return None
+        return mesh["pp", "dp", "cp"]._flatten("pp_dp_cp")
 
     @property
     def replicas(self) -> int:
@@ -83,10 +100,20 @@ class ParallelDims:
         return mesh
 
 
+EXPERT_REPLICA_DIM = "edp"
+"""The ranks holding the same experts under expert parallelism (``dp x cp / ep``): expert gradients are averaged,
+and FSDP2 shards the experts, over it."""
+
+
 def over_replicas(mesh: DeviceMesh) -> bool:
-    """Whether a DTensor on ``mesh`` is sharded over the replicas (an FSDP2 parameter: its mesh holds ``dp``, or the
-    flattened ``dp x cp``)."""
-    return bool({"dp", REPLICA_DIM} & set(mesh.mesh_dim_names or ()))
+    """Whether a DTensor on ``mesh`` is sharded over the replicas (an FSDP2 parameter: its mesh holds ``dp``, the
+    flattened ``dp x cp``, or, for experts, ``edp``)."""
+    return bool({"dp", REPLICA_DIM, EXPERT_REPLICA_DIM} & set(mesh.mesh_dim_names or ()))
+
+
+def over_experts(mesh: DeviceMesh) -> bool:
+    """Whether a DTensor on ``mesh`` is an expert-parallel shard (its mesh holds ``ep``)."""
+    return "ep" in set(mesh.mesh_dim_names or ())
 
 
 def replica_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -13,8 +13,10 @@ is an ``__init__`` that exposes one technique's arguments under its own name (th
 * ``cp``: :class:`ContextParallelStrategy`, context parallelism (:mod:`lightning_llm.strategies.context`): the ranks
   of a cp group share each sequence, ``context_parallel_size=k`` of ``n`` devices leaving ``n/k`` data-parallel
   replicas.
+* ``ep``: :class:`ExpertParallelStrategy`, expert parallelism (:mod:`lightning_llm.strategies.expert`): each MoE
+  layer's experts spread over groups of ``expert_parallel_size`` data-parallel ranks.
 * ``3d``: :class:`HybridParallelStrategy`, every degree of the engine exposed (dp x cp x tp x pp, ZeRO 0-3 on
-  dp x cp).
+  dp x cp; ``expert_parallel_size`` borrowed from dp x cp).
 
 Everything else (process group, gradient averaging, global-norm clipping, layout-free checkpoints:
 :mod:`.hybrid_checkpoint`) is the engine's. :func:`register_presets` adds every name to Lightning's
@@ -41,7 +43,7 @@ from lightning_llm.strategies.plans import TPPlan
 from lightning_llm.strategies.zero.common import Engine, check_adapter, validate_zero_args, write_export
 from lightning_llm.strategies.zero.deepspeed import DeepSpeedZeroStrategy
 
-__all__ = ["ContextParallelStrategy", "HybridParallelStrategy", "PipelineParallelStrategy", "TensorParallelStrategy", "ZeroStrategy",
+__all__ = ["ContextParallelStrategy", "ExpertParallelStrategy", "HybridParallelStrategy", "PipelineParallelStrategy", "TensorParallelStrategy", "ZeroStrategy",
            "ZERO_PRESETS", "register_presets"]
 
 PlanArg = TPPlan | Callable[[nn.Module], TPPlan] | str | None
@@ -175,6 +177,42 @@ class ContextParallelStrategy(ParallelEngine):
                          process_group_backend=process_group_backend, timeout=timeout)
 
 
+class ExpertParallelStrategy(ParallelEngine):
+    """Expert parallelism for Mixture-of-Experts models: every rank is a data-parallel replica, and the replicas
+    spread each MoE layer's experts over groups of ``expert_parallel_size`` ranks (tokens sent to their experts by
+    all-to-all); the rest of the model is replicated (or ZeRO-3 sharded)."""
+
+    strategy_name = "ep"
+
+    def __init__(
+        self,
+        expert_parallel_size: int = -1,
+        zero_stage: int = 0,
+        activation_checkpointing: bool = False,
+        save_distributed_checkpoint: bool = True,
+        bucket_size_mb: float = DEFAULT_BUCKET_MB,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        """
+        Args:
+            expert_parallel_size: Ranks sharing each MoE layer's experts (each holds ``experts / ep`` of them);
+                ``-1`` = all devices. Must divide devices x nodes (the data-parallel degree) and the experts per layer.
+            zero_stage: 0 (averaged gradients) or 3 (FSDP2: the experts sharded over the ranks holding the same ones,
+                the rest over every replica).
+            activation_checkpointing: Recompute each transformer block in backward.
+            save_distributed_checkpoint: Sharded layout-free checkpoints (``True``) or one file of full weights from
+                rank 0 (for export/inference).
+            bucket_size_mb: Gradient buckets in MiB (DDP's default).
+            process_group_backend: ``nccl``/``gloo``; default from the device.
+            timeout: Collective timeout.
+        """
+        super().__init__(data_parallel_size=-1, expert_parallel_size=expert_parallel_size, zero_stage=zero_stage,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         activation_checkpointing=activation_checkpointing, bucket_size_mb=bucket_size_mb,
+                         process_group_backend=process_group_backend, timeout=timeout)
+
+
 def _drop_native_only(kwargs: dict[str, Any]) -> None:
     """Remove from ``kwargs`` the ``ZeroStrategy`` options ``DeepSpeedZeroStrategy`` has no argument for (read from
     both signatures, so a new native option is covered): the CLI passes every option, at its default when not given;
@@ -295,6 +333,7 @@ _PRESETS = {
     "tp": (TensorParallelStrategy, "Megatron-style tensor parallelism (DTensor)"),
     "pp": (PipelineParallelStrategy, "Pipeline parallelism (GPipe/1F1B/interleaved)"),
     "cp": (ContextParallelStrategy, "Context parallelism: sequences split over ranks (all-gather attention)"),
+    "ep": (ExpertParallelStrategy, "Expert parallelism: MoE experts spread over data-parallel ranks (all-to-all)"),
     "3d": (HybridParallelStrategy, "3-D parallelism: DP x CP x TP x PP with ZeRO"),
 }
 

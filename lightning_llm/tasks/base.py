@@ -38,6 +38,7 @@ from lightning_llm.models.compile import compile_blocks
 from lightning_llm.reliability import AtomicCheckpointIO, FaultInjector, RNGState
 from lightning_llm.run_summary import RunSummary, replace_model_summary
 from lightning_llm.tasks.guard import NonFiniteGuard, NonFiniteLossError
+from lightning_llm.tasks.moe import MoEMonitor, attach_aux_loss, routing_stats
 from lightning_llm.vocab import check_backbone_tokenizer, resize_embeddings
 
 log = logging.getLogger(__name__)
@@ -269,7 +270,7 @@ class LLMTask(pl.LightningModule):
         # ExportMetadata: what `lightning_llm export` needs besides the weights (model config, tokenizer), stored by a
         # callback so that tasks overriding on_save_checkpoint without super() store it too.
         self._run_summary = RunSummary()
-        return [RNGState(), FaultInjector(), self.guard, ExportMetadata(), self._run_summary]
+        return [RNGState(), FaultInjector(), self.guard, ExportMetadata(), self._run_summary, MoEMonitor()]
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -355,15 +356,23 @@ class LLMTask(pl.LightningModule):
         caps = self.capabilities
         weight = self.loss_weight(batch)
         loss, global_loss, total = self.global_train_loss(loss, weight)
+        routing = routing_stats(self)
+        if routing is not None and routing.has_step:  # an MoE model: transformers' load-balancing loss joins in
+            aux = routing.aux_loss()
+            self.log("train_aux_loss", aux.float(), on_step=True, on_epoch=False, batch_size=self._batch_size(batch))
+            global_loss = global_loss + routing.aux_loss_coef * aux.to(global_loss)
         if not self._loss_is_finite(loss):
             return self._on_nonfinite_loss(loss, batch_idx)
         self.log("train_loss", global_loss, prog_bar=True, on_step=True, on_epoch=False,
                  batch_size=self._batch_size(batch))
         if self.wants_train_outputs():
             self.log_train_outputs(outputs, batch)
-        if caps.pipelined or caps.data_parallel_size == 1:
+        if caps.pipelined:
             return loss  # a pipeline weighs its micro-batch losses itself (the schedule already ran backward)
-        return loss * (weight * caps.data_parallel_size / total)
+        out = loss if caps.data_parallel_size == 1 else loss * (weight * caps.data_parallel_size / total)
+        if routing is not None and routing.has_step:  # its gradient's factor: this loss's, read in backward
+            attach_aux_loss(self, out, routing)
+        return out
 
     def global_train_loss(self, loss: torch.Tensor, weight: float) -> tuple[torch.Tensor, torch.Tensor, float]:
         """``(loss, global_loss, total)``: this rank's loss, the global batch's (the replicas' losses weighted by what

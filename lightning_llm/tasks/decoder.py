@@ -88,6 +88,7 @@ class DecoderTask(LLMTask):
         optim: OptimConfig | None = None,
         nonfinite_loss: Literal["stop", "skip"] = "stop",
         fused_loss: bool = True,
+        router_aux_loss_coef: float | None = None,
         compile: bool = False,  # noqa: A002 - the CLI flag is --model.compile
     ) -> None:
         """
@@ -122,6 +123,10 @@ class DecoderTask(LLMTask):
                 ``[B, S, V]`` logits; same loss and gradients. Used when the task's loss hooks are the library's
                 own (causal LM, SFT and DPO losses, PPO and GRPO log-probs), under every layout (tensor parallel:
                 on the vocabulary shards; pipeline: on the last stage); ``false`` always computes full logits.
+            router_aux_loss_coef: Mixture-of-Experts backbones: the coefficient of transformers' load-balancing
+                loss (``E x sum_i f_i P_i`` over the global batch's real tokens, pooled over the MoE layers), added to
+                the training loss and logged as ``train_aux_loss``. Default: the backbone's ``router_aux_loss_coef``
+                (on in training whatever its ``output_router_logits`` says); ``0`` turns it off.
             compile: Compile each transformer block with ``torch.compile`` (regional, as torchtitan; parameter names
                 and checkpoints unchanged; refused under tensor parallelism): see ``LLMTask``.
         """
@@ -141,6 +146,9 @@ class DecoderTask(LLMTask):
         self.adapter_dir = adapter_dir
         self.resize_embeddings = resize_embeddings
         self.fused_loss = fused_loss
+        if router_aux_loss_coef is not None and router_aux_loss_coef < 0:
+            raise ValueError(f"--model.router_aux_loss_coef={router_aux_loss_coef}: must be >= 0 (0 turns it off)")
+        self.router_aux_loss_coef = router_aux_loss_coef
         self._loss_path_logged = False
         # Checkpoints of a PEFT run hold only the trainable weights; the frozen base is rebuilt from `backbone`.
         self.strict_loading = self.peft_config is None
@@ -154,6 +162,8 @@ class DecoderTask(LLMTask):
         lazy = lazy or self.quantize is not None  # quantized block by block at load, never whole in full precision
         model = self.build_backbone(backbone or self.backbone, family="decoder", lazy=lazy, dropout=self.dropout,
                                     resize=self.resize_embeddings, **self.model_overrides)
+        if self.router_aux_loss_coef is not None:
+            set_aux_loss_coef(model, self.router_aux_loss_coef, backbone=backbone or self.backbone)
         if self.quantize is not None:
             model = load_quantized(model, self.quantize, self.quantization)
             caps = self.capabilities
@@ -271,6 +281,16 @@ class DecoderTask(LLMTask):
                            quantization=checkpoint_entry(self.quantize, self.quantization, self.policy) if self.quantize else None)
         except ValueError as e:  # e.g. a GPT-2 layout: no HF-named adapter; the checkpoint still has the weights
             log.warning("adapter not exported: %s", e)
+
+
+def set_aux_loss_coef(model: nn.Module, coef: float, *, backbone: str) -> None:
+    """``--model.router_aux_loss_coef`` on the built decoder (its config, so checkpoints and exports carry it)."""
+    moe = getattr(getattr(model, "config", None), "moe", None)
+    if moe is None:
+        raise ValueError(f"--model.router_aux_loss_coef={coef}: the backbone {backbone!r} has no Mixture-of-Experts "
+                         "layers (it has no router to balance)")
+    moe.aux_loss_coef = coef
+    model.routing.aux_loss_coef = coef  # type: ignore[union-attr]
 
 
 def _check_quantize(mode: str, peft: PeftConfig | None) -> None:

@@ -104,8 +104,10 @@ class PipelineRunner:
         dp: int = 1,
         log_stats: bool = True,
         measure_activations: bool = False,
+        routing: Any = None,
     ) -> None:
         self.schedule, self.n_microbatches = schedule, n_microbatches
+        self.routing = routing  # an MoE model's router statistics (models.routing.RoutingStats), opened per step
         self.stage_mods, self.specs, self.params = list(stage_mods), list(specs), list(params)
         self.device, self.pp_group, self.pp_size = device, pp_group, pp_size
         self.last_stage_rank, self.last_stage_pp_rank = last_stage_rank, last_stage_pp_rank
@@ -164,9 +166,21 @@ class PipelineRunner:
             self._schedules[key] = build_schedule(
                 schedule=self.schedule, stage_mods=self.stage_mods, specs=self.specs, device=self.device,
                 group=self.pp_group, n_microbatches=m, loss_fn=self._microbatch_loss if train else None,
-                wrap=self._timer.wrap,
+                wrap=self._wrap_chunk,
             )[0]
         return self._schedules[key], m
+
+    def _wrap_chunk(self, name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        """A stage's forward/backward of one micro-batch: timed, and (an MoE model) inside its router statistics'
+        chunk, so the schedule's shape-inference pass on placeholder inputs records nothing."""
+        timed = self._timer.wrap(method)
+        if self.routing is None:
+            return timed
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with self.routing.chunk():
+                return timed(*args, **kwargs)
+        return run
 
     def _broadcast_from_last(self, obj: Any) -> Any:
         box = [obj]
@@ -240,6 +254,11 @@ class PipelineRunner:
             self._meter = ActivationMeter(self.params)
         if self._meter is not None:
             self._meter.reset()
+        if self.routing is not None:
+            # every micro-batch through this rank's stages is one forward of the step; the injected load-balancing
+            # gradient is the global objective's times the replicas (averaged) and the micro-batches (the schedule
+            # divides by them)
+            self.routing.begin(forwards=m * len(self.specs), grad_scale=self.dp * m, chunks_only=True)
         t0 = time.perf_counter()
         with self._meter.hooks() if self._meter is not None else nullcontext():
             run_schedule(sched, self.specs, args, kwargs, target=torch.arange(n, device=self.device), losses=losses)

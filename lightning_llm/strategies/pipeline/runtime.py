@@ -87,18 +87,18 @@ def build_schedule(
     group: Any,
     n_microbatches: int,
     loss_fn: Callable[[Any, Tensor], Tensor] | None,
-    wrap: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None,
+    wrap: Callable[[str, Callable[..., Any]], Callable[..., Any]] | None = None,
 ) -> tuple[Any, list[PipelineStage]]:
     """A schedule over this rank's stages; ``loss_fn=None`` gives a forward-only one (evaluation, predict).
 
-    ``wrap`` (e.g. a busy-time counter) is applied to each stage's forward/backward chunk methods.
+    ``wrap(name, method)`` (e.g. a busy-time counter) is applied to each stage's forward/backward chunk methods.
     """
     n_stages = specs[0].num_stages
     stages = [PipelineStage(mod, s.index, n_stages, device, group=group) for mod, s in zip(stage_mods, specs)]
     if wrap is not None:
         for st in stages:
             for name in TIMED_STAGE_METHODS:
-                setattr(st, name, wrap(getattr(st, name)))
+                setattr(st, name, wrap(name, getattr(st, name)))
     cls = SCHEDULES[schedule][0]
     if loss_fn is None and len(stages) == 1:
         sched = _ScheduleForwardOnly(stages[0], n_microbatches)

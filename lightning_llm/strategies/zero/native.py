@@ -33,6 +33,7 @@ from torch.optim import Optimizer
 
 from lightning_llm.logs import PER_RANK
 from lightning_llm.models import parallel_spec_of
+from lightning_llm.strategies.mesh import over_experts
 from lightning_llm.strategies.grad_buckets import (
     DEFAULT_BUCKET_MB,
     GradReducer,
@@ -101,6 +102,30 @@ def apply_fsdp(
                          f"{type(root).__name__}; is the backbone built in configure_model()?")
     log.info("ZeRO-3: %d FSDP2 units over dp=%d (offload=%s, precision=%s)", len(done), dp_mesh.size(), offload,
              precision)
+    return done
+
+
+def shard_experts(root: nn.Module, *, edp_mesh: DeviceMesh, replicas: int, precision: str = "32-true",
+                  offload: bool = False) -> list[str]:
+    """ZeRO-3 under expert parallelism: every module holding expert-parallel shards (DTensors on the ``ep`` mesh)
+    becomes an FSDP2 unit over ``edp_mesh``, the ranks holding the same experts (before the blocks' units, which
+    then leave these parameters to it). Its gradients are summed over ``edp`` and divided by all ``replicas``: each
+    expert rank's gradient already sums the tokens of its whole ``ep`` group. Returns the paths."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    kwargs: dict[str, Any] = {"mesh": edp_mesh, "reshard_after_forward": True,
+                              "mp_policy": fsdp_mixed_precision(precision)}
+    if offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    done = []
+    for path, module in list(root.named_modules()):
+        own = list(module.parameters(recurse=False))
+        if own and all(isinstance(p, DTensor) and over_experts(p.device_mesh) for p in own):
+            fully_shard(module, **kwargs)
+            module.set_gradient_divide_factor(float(replicas))  # type: ignore[operator]
+            done.append(path)
+    log.info("ZeRO-3: %d expert units over edp=%d", len(done), edp_mesh.size())
     return done
 
 

@@ -1,0 +1,206 @@
+"""Mixture-of-Experts training under expert parallelism (and with tp, pp, ZeRO-3) equals one device.
+
+The model (``debug-moe`` with overrides): 4 layers, the first dense, 3 MoE layers of 8 experts, top-2, DeepSeek-V3's
+router (sigmoid scores, 2 groups of which 1 is chosen, a correction bias for the choice moved by the aux-free update
+after every optimizer step) plus a shared expert, and transformers' load-balancing loss at coefficient 0.01 (so its
+gradient matters). ``CausalLMTask`` on generated text, 8 rows of 64 byte tokens per optimizer step, fp32, 6 steps,
+under each layout (torchrun, CPU, gloo) while the pytest process trains the same batches on one device. Compared
+(bound 1e-5): ``train_loss`` (which includes the aux loss) at every step on every rank, every first-step gradient,
+the routers' correction biases after the last step, and the per-expert loads written to ``expert_load.csv``.
+
+2 processes: ep2, ep2 with ZeRO-3, ep2 with gradient accumulation 2 (against one device accumulating too), ep2 with
+a router that sends every token to expert 0 (the other rank's experts receive nothing: no hang, same result);
+4 processes: dp2 x ep2, ep2 x tp2, ep2 x pp2 (gpipe). Then an ep2 run saves after 3 steps and resumes at tp2 (2
+processes) and at ep1 (one process): steps 4-6 must be the uninterrupted one-device curve's.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+STEPS = 6
+HALF = 3
+TOL = 1e-5
+MOE = dict(num_experts=8, top_k=2, intermediate_size=32, scoring="sigmoid", num_groups=2, topk_groups=1,
+           norm_topk_prob=True, score_bias=True, bias_update_rate=0.01, aux_loss_coef=1.0,
+           shared_intermediate_size=32, dense_layers=[0])
+LAYOUTS2 = ["ep2", "ep2_zero3", "ep2_accum", "ep2_one_expert"]
+LAYOUTS4 = ["dp2_ep2", "ep2_tp2", "ep2_pp2"]
+
+
+def _strategy(name: str) -> tuple[Any, int]:
+    """(strategy, per-rank batch size) of a layout: 8 rows per optimizer step in all."""
+    from lightning_llm.strategies import ExpertParallelStrategy, HybridParallelStrategy
+
+    if name in ("ep2", "ep2_accum", "ep2_one_expert"):
+        return ExpertParallelStrategy(), 4
+    return {"ep2_zero3": (ExpertParallelStrategy(zero_stage=3), 4),
+            "dp2_ep2": (HybridParallelStrategy(data_parallel_size=4, expert_parallel_size=2), 2),
+            "ep2_tp2": (HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=2),
+                        4),
+            "ep2_pp2": (HybridParallelStrategy(data_parallel_size=2, pipeline_parallel_size=2, expert_parallel_size=2,
+                                               schedule="gpipe", n_microbatches=2), 4)}[name]
+
+
+class OneExpert(pl.Callback):
+    """Top-1 routing whose correction bias makes expert 0 every token's choice (the bias is not updated)."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        for name, b in pl_module.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.zero_()
+                b[0] = 1e3
+
+
+class Probe(pl.Callback):
+    """The first step's full gradients and, at the end, the routers' correction biases."""
+
+    def __init__(self) -> None:
+        self.grads: dict[str, torch.Tensor] = {}
+        self.biases: dict[str, torch.Tensor] = {}
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        if trainer.global_step:
+            return
+        for name, p in pl_module.named_parameters():
+            if p.grad is not None:
+                g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+                self.grads[name] = g.detach().clone()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self.biases = {n: b.detach().clone() for n, b in pl_module.named_buffers()
+                       if n.endswith("e_score_correction_bias")}
+
+
+def _fit(strategy: Any, devices: int, out: Path, *, batch_size: int, accumulate: int = 1, steps: int = STEPS,
+         one_expert: bool = False, save: bool = False, ckpt_path: Path | None = None) -> dict[str, Any]:
+    from lightning_llm.data import TextDataModule
+    from lightning_llm.tasks import CausalLMTask, OptimConfig
+    from lightning_llm.testing import LoggedLoss, table_trainer
+
+    pl.seed_everything(11)
+    moe = {**MOE, "top_k": 1, "bias_update_rate": 0.0} if one_expert else MOE
+    dm = TextDataModule(block_size=64, batch_size=batch_size, cache_dir=str(out / "cache"), generated_docs=200,
+                        val_fraction=0.0)
+    task = CausalLMTask("debug-moe", dropout=0.0, model_overrides={"moe": moe},
+                        optim=OptimConfig(lr=1e-2, scheduler="constant", eps=1e-6))
+    rec, probe = LoggedLoss(), Probe()
+    callbacks: list[pl.Callback] = [rec, probe, *([OneExpert()] if one_expert else [])]
+    trainer = table_trainer(out, strategy=strategy, devices=devices, max_steps=steps, callbacks=callbacks,
+                            save_every_step=save)
+    trainer.accumulate_grad_batches = accumulate
+    trainer.log_every_n_steps = 1
+    trainer.fit(task, dm, ckpt_path=ckpt_path)
+    loads = out / "expert_load.csv"
+    rows = [r for r in csv.reader(loads.open())][1:] if loads.exists() else []
+    return {"losses": rec.losses, "grads": probe.grads, "biases": probe.biases, "start": rec.start, "loads": rows}
+
+
+def _layout_fit(name: str, out: Path) -> dict[str, Any]:
+    strategy, batch_size = _strategy(name)
+    return _fit(strategy, int(os.environ.get("WORLD_SIZE", "1")), out / name, batch_size=batch_size // (
+        2 if name.endswith("accum") else 1), accumulate=2 if name.endswith("accum") else 1,
+        steps=2 if name.endswith("one_expert") else STEPS, one_expert=name.endswith("one_expert"))
+
+
+def _worker(mode: str, out: Path) -> None:
+    from lightning_llm.strategies import ExpertParallelStrategy, HybridParallelStrategy
+    from lightning_llm.testing import gathered, write_json_on_rank0
+
+    if mode == "reference":
+        torch.save({"main": _fit("auto", 1, out / "ref", batch_size=8),
+                    "accum": _fit("auto", 1, out / "ref_accum", batch_size=4, accumulate=2),
+                    "one_expert": _fit("auto", 1, out / "ref_one", batch_size=8, steps=2, one_expert=True)},
+                   out / "reference.pt")
+        return
+    if mode == "resume_tp2":
+        tp2 = _fit(HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2), 2, out / "tp2_resume",
+                   batch_size=8, ckpt_path=out / "ep2_save" / "ckpt" / "last.ckpt")
+        write_json_on_rank0(out / "resume_tp2.json", {"start": tp2["start"], "losses": tp2["losses"]})
+        return
+    if mode == "resume_single":
+        one = _fit(HybridParallelStrategy(data_parallel_size=1), 1, out / "single_resume", batch_size=8,
+                   ckpt_path=out / "ep2_save" / "ckpt" / "last.ckpt")
+        write_json_on_rank0(out / "resume_single.json", {"start": one["start"], "losses": one["losses"]})
+        return
+    results = {}
+    for layout in LAYOUTS2 if mode == "layouts" else LAYOUTS4:
+        every = gathered(_layout_fit(layout, out))
+        results[layout] = {"losses": [r["losses"] for r in every], "loads": every[0]["loads"],
+                           "grads": {n: g for r in every for n, g in r["grads"].items()},
+                           "biases": {n: b for r in every for n, b in r["biases"].items()}}
+    if mode == "layouts":  # the checkpoint the resume runs read
+        _fit(ExpertParallelStrategy(), 2, out / "ep2_save", batch_size=4, steps=HALF, save=True)
+    if torch.distributed.get_rank() == 0:
+        torch.save(results, out / f"{mode}.pt")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from lightning_llm.testing import launch, run_reference_meanwhile, wait
+
+    out = tmp_path_factory.mktemp("moe_layouts")
+    two = launch(__file__, 2, "layouts", str(out))
+    run_reference_meanwhile(two, lambda: _worker("reference", out), timeout=1200)
+    wait(launch(__file__, 4, "layouts4", str(out)), timeout=1200)
+    wait(launch(__file__, 2, "resume_tp2", str(out)), timeout=1200)
+    wait(launch(__file__, 1, "resume_single", str(out)), timeout=1200)
+    return out
+
+
+def _reference(layout: str, runs: Path) -> dict[str, Any]:
+    refs = torch.load(runs / "reference.pt")
+    return refs["accum" if layout.endswith("accum") else "one_expert" if layout.endswith("one_expert") else "main"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", [*LAYOUTS2, *LAYOUTS4])
+def test_moe_layout_equals_one_device(runs: Path, layout: str) -> None:
+    ref = _reference(layout, runs)
+    run = torch.load(runs / ("layouts4.pt" if layout in LAYOUTS4 else "layouts.pt"))[layout]
+    steps = len(ref["losses"])
+    if not layout.endswith("one_expert"):  # (a loss per batch: two per optimizer step with accumulation)
+        assert steps == STEPS * (2 if layout.endswith("accum") else 1)
+        assert ref["losses"][0] - ref["losses"][-1] > 0.05  # it trains
+        moved = max(float(b.abs().max()) for b in ref["biases"].values())
+        assert moved > 0.01  # the aux-free update moved the biases
+    loss = max(abs(a - b) for curve in run["losses"] for a, b in zip(curve, ref["losses"], strict=True))
+    assert set(run["grads"]) == set(ref["grads"])
+    grad = max((run["grads"][n] - g).abs().max().item() for n, g in ref["grads"].items())
+    assert set(run["biases"]) == set(ref["biases"])
+    bias = max((run["biases"][n] - b).abs().max().item() for n, b in ref["biases"].items())
+    print(f"{layout} vs one device: train_loss over {steps} steps {loss:.2e}, first-step gradients {grad:.2e}, "
+          f"router biases after the last step {bias:.2e}")
+    assert loss <= TOL and grad <= TOL and bias <= TOL
+    assert run["loads"] == ref["loads"] and run["loads"]  # tokens per expert per layer and step, as logged
+    if layout.endswith("one_expert"):
+        assert all(int(r[3]) > 0 and all(int(x) == 0 for x in r[4:]) for r in run["loads"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("target", ["tp2", "single"])
+def test_ep2_checkpoint_resumes_at_other_layouts(runs: Path, target: str) -> None:
+    """The experts are saved as whole [E, ...] tensors: an ep2 run resumes at tp2 and at ep1 on the uninterrupted
+    one-device curve (biases, optimizer states and data position included)."""
+    import json
+
+    ref = _reference("main", runs)["losses"]
+    got = json.loads((runs / f"resume_{target}.json").read_text())
+    assert got["start"] == HALF and len(got["losses"]) == STEPS - HALF
+    err = max(abs(a - b) for a, b in zip(got["losses"], ref[HALF:], strict=True))
+    print(f"ep2 -> {target}: steps {HALF + 1}-{STEPS} vs one device uninterrupted: {err:.2e}")
+    assert err <= TOL
+
+
+if __name__ == "__main__":
+    from lightning_llm.testing import run_worker
+
+    run_worker(_worker, sys.argv[1], Path(sys.argv[2]))
