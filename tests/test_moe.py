@@ -320,3 +320,41 @@ def test_task_training_step_equals_transformers_with_aux_loss_and_accumulation(t
     worst = max(float((hf_grads[n.replace("attn_norm", "input_layernorm").replace("mlp_norm", "post_attention_layernorm")]
                        - g).abs().max()) for n, g in grads.items())
     assert worst < 1e-6, worst
+
+
+def test_lora_on_attention_and_experts_equals_peft_on_transformers_and_exports(tmp_path: Path) -> None:
+    """LoRA on q/v and on the fused experts (peft's target_parameters) of our Qwen3-MoE equals peft's on
+    transformers' model with the same adapter weights; the exported adapter loads with ``PeftModel.from_pretrained``
+    on the HF checkpoint and gives the same logits."""
+    import peft
+
+    from lightning_llm.peft import LoraArgs, PeftConfig, apply_peft, export_adapter
+
+    hf = _write("qwen3_moe_norm", tmp_path / "hf").eval()
+    ours = _ours(tmp_path / "hf", lazy=False).eval()
+    args = LoraArgs(r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj"],
+                    target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    cfg = PeftConfig(method="lora", lora=args)
+    ours = apply_peft(ours, cfg)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if "lora_" in n:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    ref = peft.get_peft_model(hf, cfg.peft_config())
+    theirs = dict(ref.named_parameters())
+    with torch.no_grad():
+        for n, p in ours.named_parameters():
+            if "lora_" in n:
+                theirs[f"base_model.model.model.{n}"].copy_(p)
+    ids, mask, _ = _batch()
+    keep = mask.bool()
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask).logits
+        assert (ours(ids, attention_mask=mask) - want)[keep].abs().max() < 1e-5
+    assert any("experts" in n and "lora_B" in n for n in theirs)  # the experts are adapted, not only q/v
+    export_adapter(ours, cfg, tmp_path / "adapter")
+    fresh = _configs()["qwen3_moe_norm"][0].from_pretrained(str(tmp_path / "hf")).eval()
+    loaded = peft.PeftModel.from_pretrained(fresh, str(tmp_path / "adapter")).eval()
+    with torch.no_grad():
+        assert (loaded(input_ids=ids, attention_mask=mask).logits - want)[keep].abs().max() < 1e-5

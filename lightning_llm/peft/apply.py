@@ -54,6 +54,10 @@ class LoraArgs:
     ``[W_pack]``: one LoRA on the fused linear, exactly peft's on the HF model)."""
     modules_to_save: list[str] | None = None
     """Modules trained in full and saved with the adapter (e.g. ``[embed_tokens, lm_head]`` for a new vocabulary)."""
+    target_parameters: list[str] | None = None
+    """Parameters (suffixes) adapted directly, peft's ``target_parameters``: a Mixture-of-Experts model's fused experts
+    (``[mlp.experts.gate_up_proj, mlp.experts.down_proj]``, a rank-``r`` update per expert, as peft does on
+    transformers' MoE models). One device, ddp, zero1/2, tp and pp; refused under expert parallelism and ZeRO-3."""
     bias: Literal["none", "all", "lora_only"] = "none"
     """Which biases are trained."""
     use_rslora: bool = False
@@ -110,6 +114,7 @@ class PeftConfig:
             return peft.LoraConfig(r=a.r, lora_alpha=a.alpha, lora_dropout=a.dropout,
                                    target_modules=list(a.target_modules),
                                    modules_to_save=list(a.modules_to_save) if a.modules_to_save else None,
+                                   target_parameters=list(a.target_parameters) if a.target_parameters else None,
                                    bias=a.bias, use_rslora=a.use_rslora, task_type="CAUSAL_LM")
         cls = {"ia3": peft.IA3Config, "loha": peft.LoHaConfig, "lokr": peft.LoKrConfig}.get(self.method)
         if cls is None:
@@ -143,6 +148,12 @@ def apply_peft(model: nn.Module, cfg: PeftConfig) -> nn.Module:
     if missing:
         raise ValueError(f"{cfg.method}.target_modules: {missing} not found in the model (its linear layers are "
                          f"q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)")
+    params = [n for n, _ in model.named_parameters()]
+    absent = [t for t in (getattr(peft_cfg, "target_parameters", None) or [])
+              if not any(n == t or n.endswith(f".{t}") for n in params)]
+    if absent:
+        raise ValueError(f"{cfg.method}.target_parameters: {absent} not found in the model (a Mixture-of-Experts "
+                         "model's fused experts are mlp.experts.gate_up_proj and mlp.experts.down_proj)")
     with torch.random.fork_rng(devices=[]):  # the adapters' values come from init_adapters, not torch's generator
         model = inject_adapter_in_model(peft_cfg, model)
     init_adapters(model, peft_cfg)

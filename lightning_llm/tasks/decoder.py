@@ -179,6 +179,7 @@ class DecoderTask(LLMTask):
         reference copy must be taken before :meth:`checkpointed` patches the blocks)."""
         if self.peft_config is not None:
             check_prompt_layout(self.peft_config.method, self.capabilities)  # before anything is built
+            check_expert_adapter_layout(self.peft_config, self.trainer.strategy if self._trainer else None)
         if self.quantize is not None:
             check_quantize_layout(self.quantize, self.trainer.strategy if self._trainer else None, self.capabilities)
         model = self.build_decoder()
@@ -311,6 +312,21 @@ def _check_trained_copies(model: nn.Module, peft: PeftConfig | None) -> None:
     if saved & quantized:
         raise ValueError(f"modules_to_save={sorted(saved)}: {sorted(saved & quantized)} are quantized by "
                          "--model.quantize and cannot be trained in full; adapt them with the adapter (target_modules)")
+
+
+def check_expert_adapter_layout(peft: PeftConfig, strategy: Any) -> None:
+    """LoRA on fused experts (peft's ``target_parameters``) adds its update to the whole ``[E, ...]`` tensor in each
+    forward: refused where no rank holds it whole (expert parallelism, ZeRO-3)."""
+    if peft.method != "lora" or not peft.lora.target_parameters or strategy is None:
+        return
+    ep = int(getattr(getattr(strategy, "dims", None), "ep", 1) or 1)
+    stage3 = _zero3(strategy) or getattr(strategy, "stage", 0) == 3
+    if ep > 1 or stage3:
+        where = f"expert parallelism (expert_parallel_size={ep})" if ep > 1 else "ZeRO-3"
+        raise ValueError(f"--model.lora.target_parameters={peft.lora.target_parameters} (LoRA on the fused experts) is "
+                         f"not supported under {where}: peft's update needs each whole [experts, ...] tensor; use one "
+                         "device, ddp, zero1/2, tp or pp, or LoRA on the attention and dense projections only "
+                         "(target_modules)")
 
 
 def _zero3(strategy: Any) -> bool:
