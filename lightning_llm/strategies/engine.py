@@ -35,13 +35,10 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
-    _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import reset_seed
@@ -51,14 +48,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel as _loss_parallel_ctx
 from typing_extensions import override
 
-from lightning_llm.contract import Capabilities, check_context_parallel, check_pipelinable
+from lightning_llm.contract import Capabilities
 from lightning_llm.models.init import is_meta
 from lightning_llm.strategies.context import apply_context_parallel, slice_step
-from lightning_llm.strategies.engine_checkpoint import LayoutFreeCheckpointing
+from lightning_llm.strategies.engine_checkpoint import DefaultGroupCollectives, LayoutFreeCheckpointing
 from lightning_llm.strategies.engine_layout import LayoutArgs, PipelineStages
 from lightning_llm.strategies.expert import apply_expert_parallel, expert_blocker, expert_mesh
 from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB, GradReducer, reducer_for
@@ -75,10 +71,10 @@ from lightning_llm.strategies.pipeline.runtime import ScheduleName, checkpoint_b
 from lightning_llm.strategies.pipeline.split import StageSpec, layout_of, module_at
 from lightning_llm.strategies.plans import TPPlan
 from lightning_llm.strategies.zero.native import (
-    PartitionedOptimizer,
     apply_fsdp,
     fsdp_units,
     gradient_sync_paused,
+    partition_optimizers,
     shard_experts,
 )
 
@@ -87,7 +83,7 @@ log = logging.getLogger(__name__)
 __all__ = ["ParallelEngine"]
 
 
-class ParallelEngine(LayoutFreeCheckpointing):
+class ParallelEngine(DefaultGroupCollectives, LayoutFreeCheckpointing):
     """DP x TP x PP with ZeRO stage 0-3 on the data-parallel dim; the presets ``tp``, ``pp``, ``zero*`` and ``3d``."""
 
     strategy_name = "3d"
@@ -261,7 +257,7 @@ class ParallelEngine(LayoutFreeCheckpointing):
         # weighted by token count and their gradients averaged over dp x cp).
         d = self.dims
         return Capabilities(data_parallel_size=d.replicas, batch_shared=d.tp * d.pp > 1,
-                            pipelined=self.pipelined, generation=d.cp == 1,
+                            pipelined=self.pipelined, generation=d.cp == 1 and d.ep == 1,
                             context_parallel_size=d.cp, context_parallel_group=self._cp_group,
                             data_parallel_group=self._dp_group, routing_ranks=d.pp * d.dp * d.cp,
                             routing_group=self._routing_group, deferred_init=self.shards_model)
@@ -320,18 +316,9 @@ class ParallelEngine(LayoutFreeCheckpointing):
         self.args.check_precision(precision, self.dims, fp16_scaler=isinstance(self.precision_plugin, MixedPrecision)
                                   and self.precision_plugin.scaler is not None)
         model = self._target()
-        if self.dims.tp > 1 and getattr(module, "compile_blocks", False):
-            raise ValueError(
-                f"--model.compile=true under tensor parallelism (tp={self.dims.tp}): torch {torch.__version__} "
-                "compiles transformer blocks around DTensor's tensor-parallel hooks wrongly (measured on CPU: without "
-                "sequence parallelism backward fails inside DTensor's redistribute; with it the loss departs from "
-                "eager by 8e-2 at the second step). Compile under ddp, pp, zero1/2/3 or deepspeed_*, or train tp "
-                "eagerly")
+        self.args.check_task(module, self.dims, strategy=self._name())
         if self.pipelined:
-            check_pipelinable(module, strategy=self._name())
             self.args.check_batch_size(trainer)
-        if self.dims.cp > 1:
-            check_context_parallel(module, cp=self.dims.cp)
         self.precision_plugin.convert_module(module)
         if model is not self._pp_model:  # else already parallelized (e.g. trainer.validate() after fit)
             self._parallelize(model, precision=precision)
@@ -415,18 +402,9 @@ class ParallelEngine(LayoutFreeCheckpointing):
         # Over one data-parallel rank a partition is the whole: the task's optimizer steps as it is (no wrapper, no
         # per-step group copies), unless the states are offloaded to the CPU.
         if self.zero_stage in (1, 2) and (self.dims.replicas > 1 or self.offload_optimizer):
-            wrapped = []
-            for opt in self.optimizers:
-                opt = getattr(opt, "_optimizer", opt)
-                zero = PartitionedOptimizer(opt, dp_mesh=self._replica_mesh, stage=self.zero_stage,
-                                            offload=self.offload_optimizer, bucket_size_mb=self.args.bucket_size_mb)
-                for cfg in self.lr_scheduler_configs:  # schedulers keep working: same param-group dicts
-                    if getattr(cfg.scheduler, "optimizer", None) is opt:
-                        cfg.scheduler.optimizer = zero
-                if self.zero_stage == 2:
-                    owners.update({id(p): zero.owner(p) for g in zero.param_groups for p in g["params"]})
-                wrapped.append(zero)
-            self.optimizers = wrapped
+            self.optimizers, owners = partition_optimizers(
+                self.optimizers, self.lr_scheduler_configs, dp_mesh=self._replica_mesh, stage=self.zero_stage,
+                offload=self.offload_optimizer, bucket_size_mb=self.args.bucket_size_mb)
         experts = None
         if self._expert_mesh is not None:
             edp = self._expert_mesh["edp"]
@@ -532,26 +510,6 @@ class ParallelEngine(LayoutFreeCheckpointing):
         clip_grads_by_global_norm(params, clip_val, pp=self.dims.pp, dp=self.dims.replicas,
                                   grads_sharded_over_dp=self.zero_stage == 2 and not self.pipelined,
                                   skip=[copy] if copy is not None else [], device=self.root_device)
-
-    # ------------------------------------------------------------------------------------------ collectives
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if _distributed_is_initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        if isinstance(tensor, DTensor):  # a replicated DTensor (the loss under loss_parallel)
-            tensor = tensor.full_tensor()
-        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def layout(self) -> dict[str, Any]:

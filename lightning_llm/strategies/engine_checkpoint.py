@@ -13,16 +13,43 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
+from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from lightning_llm.checkpoint import check_engine_dir, check_torch_file, loading, verify_checkpoint
 from lightning_llm.reliability import SaveFault
 from lightning_llm.strategies import hybrid_checkpoint as hckpt
 
-__all__ = ["LayoutFreeCheckpointing"]
+__all__ = ["DefaultGroupCollectives", "LayoutFreeCheckpointing"]
+
+
+class DefaultGroupCollectives(ParallelStrategy):
+    """The Strategy's collective API (barrier, object broadcast, reduce of logged values) over the default group,
+    with a replicated DTensor (the loss under ``loss_parallel``) reduced as its full value."""
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op) if isinstance(tensor, Tensor) else tensor
 
 
 class LayoutFreeCheckpointing(ParallelStrategy):

@@ -22,6 +22,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_llm.contract import check_context_parallel, check_pipelinable
 from lightning_llm.logs import PER_RANK
 from lightning_llm.models import routing_stats_of
 from lightning_llm.models.init import canonical_name
@@ -114,6 +115,26 @@ class LayoutArgs:
             raise ValueError(f"--trainer.precision={precision}: fp16 loss scaling needs tensor_parallel_size=1, "
                              "pipeline_parallel_size=1 and zero_stage 0 or 1 (gradients whole on every rank); use "
                              "bf16-mixed or 32-true (or a deepspeed_* strategy)")
+
+    @staticmethod
+    def check_task(module: nn.Module, dims: ParallelDims, *, strategy: str) -> None:
+        """What the task must allow under these degrees, refused before anything is parallelized."""
+        if dims.tp > 1 and getattr(module, "compile_blocks", False):
+            raise ValueError(
+                f"--model.compile=true under tensor parallelism (tp={dims.tp}): torch {torch.__version__} "
+                "compiles transformer blocks around DTensor's tensor-parallel hooks wrongly (measured on CPU: without "
+                "sequence parallelism backward fails inside DTensor's redistribute; with it the loss departs from "
+                "eager by 8e-2 at the second step). Compile under ddp, pp, zero1/2/3 or deepspeed_*, or train tp "
+                "eagerly")
+        if dims.pp > 1:
+            check_pipelinable(module, strategy=strategy)
+        if dims.cp > 1:
+            check_context_parallel(module, cp=dims.cp)
+        if dims.ep > 1 and not getattr(module, "automatic_optimization", True):
+            raise ValueError(f"expert_parallel_size={dims.ep}: {type(module).__name__} generates rollouts, whose "
+                             "decoding stops at each rank's own end of sequence, while every expert-parallel rank must "
+                             "run the same forwards (each MoE layer exchanges tokens with the others); train it with "
+                             "expert_parallel_size=1 (ddp, tp, pp, zero*)")
 
     def check_batch_size(self, trainer: pl.Trainer) -> None:
         dm = trainer.datamodule

@@ -267,6 +267,23 @@ class PartitionedOptimizer(Optimizer):
         self.load_local_state_dict(state_dict)
 
 
+def partition_optimizers(optimizers: list[Any], scheduler_configs: list[Any], *, dp_mesh: DeviceMesh, stage: int,
+                         offload: bool, bucket_size_mb: float) -> tuple[list[PartitionedOptimizer], dict[int, int]]:
+    """The task's optimizers as :class:`PartitionedOptimizer` (ZeRO-1/2) over ``dp_mesh``, their LR schedulers
+    pointed at the wrappers (the same param-group dicts), and ZeRO-2's ``id(param) -> owner`` (empty for stage 1)."""
+    wrapped, owners = [], {}
+    for opt in optimizers:
+        opt = getattr(opt, "_optimizer", opt)
+        zero = PartitionedOptimizer(opt, dp_mesh=dp_mesh, stage=stage, offload=offload, bucket_size_mb=bucket_size_mb)
+        for cfg in scheduler_configs:
+            if getattr(cfg.scheduler, "optimizer", None) is opt:
+                cfg.scheduler.optimizer = zero
+        if stage == 2:
+            owners.update({id(p): zero.owner(p) for g in zero.param_groups for p in g["params"]})
+        wrapped.append(zero)
+    return wrapped, owners
+
+
 @contextmanager
 def gradient_sync_paused(module: nn.Module, reducer: GradReducer | None) -> Iterator[None]:
     """Skip gradient communication on accumulation micro-batches: the bucketed reduction and FSDP2's reduce-scatter
