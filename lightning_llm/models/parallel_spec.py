@@ -44,6 +44,7 @@ from .config import ModelConfig
 from .decoder import DecoderLM
 from .encoder import EncoderModel
 from .layers import segment_positions
+from .rope import rope_type
 
 __all__ = ["ParallelSpec", "PARALLEL_SPECS", "TPPlan", "parallel_spec_of", "decoder_tp_plan", "encoder_tp_plan"]
 
@@ -77,9 +78,10 @@ class ParallelSpec:
     context_parallel_blocker: Callable[[nn.Module], str | None] = field(default=lambda model: None)
     """``backbone -> why this model cannot split its sequence`` (``None``: it can)."""
     position_limit: Callable[[nn.Module], int | None] = field(default=lambda model: None)
-    """``backbone -> the positions its tables hold`` (``None``: no limit). The model picks table lookups or positions
-    computed per forward by the length of what it is given; a context-parallel slice no longer than the tables of a
-    sequence longer than them would look up past their end, so that case is refused."""
+    """``backbone -> the longest row a context-parallel slice computes as one device does`` (``None``: any). A
+    decoder computes RoPE past its table from the positions themselves, on one device and on a slice alike; a learned
+    position table ends (one device refuses a longer row too), and ``dynamic`` RoPE picks its frequencies from the
+    whole row's longest position, which a slice does not hold."""
     segment_positions: Callable[[Tensor], Tensor] | None = None
     """``segment_ids [B, S] -> position_ids [B, S]``: the positions the family gives packed rows without
     ``position_ids`` (a context-parallel slice needs them from the whole row)."""
@@ -235,6 +237,12 @@ def _decoder_cp_blocker(model: nn.Module) -> str | None:
     return None
 
 
+def _decoder_position_limit(model: nn.Module) -> int | None:
+    config: ModelConfig = model.config  # type: ignore[assignment]
+    whole_row = config.position == "learned" or rope_type(config.rope_scaling) == "dynamic"
+    return config.max_position_embeddings if whole_row else None
+
+
 def _encoder_cp_blocker(model: nn.Module) -> str:
     return "the encoder family (bidirectional attention, a pooler on token 0) cannot split its sequence"
 
@@ -242,7 +250,7 @@ PARALLEL_SPECS: dict[type[nn.Module], ParallelSpec] = {
     DecoderLM: ParallelSpec(first=("embed_tokens", "embed_positions"), last=("norm", "lm_head"),
                             tp_plan=decoder_tp_plan, tp_divides=_TP_DIVIDES, tied=_tied_lm_head,
                             attention_cores="layers.*.self_attn.core", context_parallel_blocker=_decoder_cp_blocker,
-                            position_limit=lambda model: model.config.max_position_embeddings,
+                            position_limit=_decoder_position_limit,
                             segment_positions=segment_positions),
     EncoderModel: ParallelSpec(first=("embed_tokens", "embed_positions", "embed_token_types", "embed_norm"),
                                last=("final_norm", "pooler", "classifier"), tp_plan=encoder_tp_plan,
