@@ -28,6 +28,8 @@ flattened token stream.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,18 +38,25 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.varlen import varlen_attn
 
 from .config import ModelConfig
+
+try:  # torch >= 2.9; sliding windows and GQA arguments in the versions this project pins (2.13)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # an older torch: the mask path only
+    varlen_attn = None
 
 log = logging.getLogger(__name__)
 
 __all__ = ["AttentionMask", "DotProductAttention", "TokenMask", "VarlenCall", "VarlenLayout", "attention_path",
-           "describe_attention", "reference_varlen", "uses_varlen", "varlen_attention", "varlen_layout"]
+           "contiguous_sequences", "describe_attention", "reference_varlen", "uses_varlen", "varlen_attention",
+           "varlen_layout"]
 
 AttentionPath = Literal["varlen", "sdpa"]
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_MAX_HEAD_DIM = 256
+_VARLEN_ARGS = ("window_size", "enable_gqa")
+_HAS_VARLEN = varlen_attn is not None and set(_VARLEN_ARGS) <= set(inspect.signature(varlen_attn).parameters)
 
 
 # ---------------------------------------------------------------------------------------------------- the layout
@@ -106,11 +115,17 @@ def _cumulative(lengths: Tensor, device: torch.device) -> Tensor:
     return F.pad(lengths.cumsum(0), (1, 0)).to(device=device, dtype=torch.int32, non_blocking=True)
 
 
-def _host(t: Tensor | None) -> Tensor | None:
-    if t is not None and t.is_meta:
+def _sequences(keep: Tensor | None, segment_ids: Tensor | None, batch: int, seq: int) -> tuple[Tensor, Tensor]:
+    """On the host: ``real`` [B, S] (a real token of an example) and ``sid`` [B, S] (one id per (row, example),
+    increasing with the row)."""
+    if any(t is not None and t.is_meta for t in (keep, segment_ids)):
         raise ValueError("the varlen attention layout reads the batch's padding and segment ids: they must hold "
                          "values (not meta tensors)")
-    return None if t is None else t.cpu()
+    real = torch.ones(batch, seq, dtype=torch.bool) if keep is None else keep.cpu().bool()
+    seg = torch.zeros(batch, seq, dtype=torch.long) if segment_ids is None else segment_ids.cpu().long()
+    if segment_ids is not None:
+        real = real & (seg > 0)
+    return real, torch.arange(batch)[:, None] * (int(seg.max()) + 1) + seg
 
 
 def varlen_layout(keep: Tensor | None, segment_ids: Tensor | None, *, batch: int, seq: int, device: torch.device,
@@ -123,14 +138,9 @@ def varlen_layout(keep: Tensor | None, segment_ids: Tensor | None, *, batch: int
     by (row, example), against every real key of the same example in columns before ``hi``. Sequences are ordered by
     (row, segment id), tokens by column, so an example's tokens are consecutive even across padding.
     """
-    keep_h, seg_h = _host(keep), _host(segment_ids)
-    real = torch.ones(batch, seq, dtype=torch.bool) if keep_h is None else keep_h.bool()
-    seg = torch.zeros(batch, seq, dtype=torch.long) if seg_h is None else seg_h.long()
-    if seg_h is not None:
-        real = real & (seg > 0)
+    real, sid = _sequences(keep, segment_ids, batch, seq)
     row = torch.arange(batch)[:, None]
     col = torch.arange(seq)[None, :]
-    sid = row * (int(seg.max()) + 1) + seg  # [B, S] one id per (row, example), increasing with the row
     order = sid * seq + col  # [B, S] sort key: by sequence, then by column
     chunks = [(0, seq)] if chunks is None else list(chunks)
     local = sum(hi - lo for lo, hi in chunks)
@@ -157,15 +167,12 @@ def varlen_layout(keep: Tensor | None, segment_ids: Tensor | None, *, batch: int
 def contiguous_sequences(keep: Tensor | None, segment_ids: Tensor | None) -> bool:
     """Whether every example's real tokens are adjacent columns (no padding inside an example, no segment id used
     twice in a row): then distances in a varlen sequence are column distances, as a sliding window counts them."""
-    keep_h, seg_h = _host(keep), _host(segment_ids)
-    if seg_h is None and keep_h is None:
+    given = keep if keep is not None else segment_ids
+    if given is None:
         return True
-    b, s = (seg_h if seg_h is not None else keep_h).shape  # type: ignore[union-attr]
-    real = torch.ones(b, s, dtype=torch.bool) if keep_h is None else keep_h.bool()
-    seg = torch.zeros(b, s, dtype=torch.long) if seg_h is None else seg_h.long()
-    if seg_h is not None:
-        real = real & (seg > 0)
-    sid = (torch.arange(b)[:, None] * (int(seg.max()) + 1) + seg)[real]
+    b, s = given.shape
+    real, sid = _sequences(keep, segment_ids, b, s)
+    sid = sid[real]
     cols = torch.arange(s).expand(b, s)[real]
     n = int(sid.max()) + 1 if sid.numel() else 0
     first = torch.full((n,), s, dtype=torch.long).scatter_reduce(0, sid, cols, "amin")
@@ -198,6 +205,10 @@ def reference_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor
 def _varlen_kernel(q: Tensor, k: Tensor, v: Tensor, call: VarlenCall, window: int | None) -> Tensor:
     """flash varlen on CUDA (and on the meta device, which runs its shape function), the reference elsewhere."""
     if q.device.type in ("cuda", "meta"):
+        if not _HAS_VARLEN:
+            raise RuntimeError(f"attention=varlen needs torch.nn.attention.varlen.varlen_attn with "
+                               f"{' and '.join(_VARLEN_ARGS)} (torch 2.13); torch {torch.__version__} has not: use "
+                               "attention=sdpa")
         return varlen_attn(q, k, v, call.cu_q, call.cu_k, call.max_q, call.max_k,
                            window_size=(-1 if window is None else window - 1, 0), enable_gqa=k.shape[1] != q.shape[1])
     return reference_varlen(q, k, v, call.cu_q.cpu(), call.cu_k.cpu(), window=window)
@@ -229,6 +240,7 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(device) if autocast else x.dtype
 
 
+@functools.cache
 def _flash_device(device: torch.device) -> bool:
     """CUDA with torch's flash kernels (Ampere or newer)."""
     return device.type == "cuda" and torch.backends.cuda.is_flash_attention_available() \
@@ -243,10 +255,12 @@ def attention_path(config: ModelConfig, *, device: torch.device, dtype: torch.dt
         return "varlen", "attention=varlen"
     if not _flash_device(device):
         return "sdpa", "no CUDA flash kernel" if device.type == "cuda" else f"{device.type} device"
+    if not _HAS_VARLEN:
+        return "sdpa", f"torch {torch.__version__} has no varlen_attn with {' and '.join(_VARLEN_ARGS)}"
     if dtype not in _FLASH_DTYPES:
         return "sdpa", f"{dtype} (flash takes fp16/bf16)"
-    if (config.head_dim or 0) > _FLASH_MAX_HEAD_DIM:
-        return "sdpa", f"head_dim {config.head_dim} > {_FLASH_MAX_HEAD_DIM}"
+    if (config.head_dim or 0) > _FLASH_MAX_HEAD_DIM or (config.head_dim or 0) % 8:
+        return "sdpa", f"head_dim {config.head_dim} (flash: a multiple of 8 up to {_FLASH_MAX_HEAD_DIM})"
     if config.dropout:
         return "sdpa", f"attention dropout {config.dropout}"
     return "varlen", "CUDA, fp16/bf16"
