@@ -232,8 +232,9 @@ def summary_lines(trainer: pl.Trainer, task: Any, batch: Any, *, flops: int | No
     lines.append(_memory_line(trainer, task, layout, per_replica, ids))
     config = getattr(getattr(task, "model", None), "config", None)
     if isinstance(config, ModelConfig) and config.family == "decoder":
-        lines.append("attention: " + describe_attention(config, device=trainer.strategy.root_device,
-                                                        dtype=_dtype(str(trainer.precision)), context_parallel=layout.cp))
+        dtype = _dtype(str(trainer.precision))
+        lines.append("attention: " + describe_attention(config, device=trainer.strategy.root_device, dtype=dtype,
+                                                        context_parallel=layout.cp))
     if flops is not None:
         step = flops * layout.dp * accum
         lines.append(f"FLOPs per optimizer step: {step:,} = {step:.2e} (forward + backward of {per_replica} samples, "

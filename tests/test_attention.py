@@ -11,8 +11,8 @@ Found in torch's source (2.13, ``aten/src/ATen/native/transformers/attention.cpp
 meta device does *not* dispatch ``F.scaled_dot_product_attention`` as CUDA does: it picks the CUDA choice only for a
 tensor whose key set has the CUDA key (a FakeTensor on cuda), and the math backend for a plain meta tensor (which
 builds a ``[S, S]`` causal mask). The ops named directly (``torch_attn._varlen_attn``,
-``aten._flash_attention_forward``) do run on meta with their shape functions (``register_fake`` / ``torch/_meta_registrations.py``): hence the trace below
-goes through the path that names its kernel.
+``aten._flash_attention_forward``) do run on meta with their shape functions (``register_fake``,
+``torch/_meta_registrations.py``): hence the trace below goes through the path that names its kernel.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def test_varlen_reference_equals_the_mask_path(backbone: str) -> None:
     import lightning_llm.models.attention as attention
 
     torch.manual_seed(0)
-    s = 96
+    s = 64
     mask_model = build_model(backbone, family="decoder", dropout=0.0, attention="sdpa").double()
     varlen_model = copy.deepcopy(mask_model)
     varlen_model.config.attention = "varlen"

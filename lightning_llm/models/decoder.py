@@ -212,7 +212,7 @@ class DecoderLM(nn.Module):
         return self.lm_head(x)  # [B, S, V]
 
     def _cores_need_token_mask(self) -> bool:
-        """Whether an attention core rebuilds its mask from the tokens' :class:`~.layers.TokenMask` (a core a layout
+        """Whether an attention core rebuilds its mask from the tokens' :class:`~.attention.TokenMask` (a core a layout
         installed through the declared hook)."""
         return any(getattr(m, "needs_token_mask", False) for m in self.modules())
 

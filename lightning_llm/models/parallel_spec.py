@@ -72,7 +72,7 @@ class ParallelSpec:
     fsdp_units: tuple[str, ...] = field(default=("layers.*", ""))
     """FSDP2 units relative to the backbone, innermost first (``""`` = the backbone: embeddings, norm, heads)."""
     attention_cores: str | None = None
-    """Context parallelism: the attention cores (``layers.DotProductAttention``, path relative to the backbone, ``*``
+    """Context parallelism: the attention cores (``attention.DotProductAttention``, path relative to the backbone, ``*``
     per atom) a layout splitting the sequence replaces by its attention across the slices; ``None``: the family
     cannot split its sequence."""
     context_parallel_blocker: Callable[[nn.Module], str | None] = field(default=lambda model: None)

@@ -27,7 +27,7 @@ The attention computations, all exact:
   the diagonal block (causal) and the chunks before it (dense), merged by their log-sum-exp; backward calls the
   kernel's backward on each block with the merged output and log-sum-exp (what FlashAttention's backward needs), so
   no ``[S/cp, S]`` mask or score matrix is ever held and the work is the causal half;
-* padded or packed rows (:class:`~lightning_llm.models.layers.TokenMask`: keep and segment ids, all-gathered) and
+* padded or packed rows (:class:`~lightning_llm.models.attention.TokenMask`: keep and segment ids, all-gathered) and
   other devices: one SDPA call of the local queries on the gathered keys with the boolean mask ``[B, 1, S/cp, S]``
   (causal by global column, same segment, real keys; an empty row attends to itself), as the decoder builds at
   ``cp = 1``.
@@ -165,7 +165,7 @@ class ContextParallelAttention(nn.Module):
     """Replaces a family's attention core (``ParallelSpec.attention_cores``) under context parallelism: the same
     call (``q`` [B, N, S/cp, D], ``k``/``v`` [B, K, S/cp, D] of this rank's tokens), attending to the whole
     sequence of the cp group. Rebuilds the causal mask from global columns and the model's
-    :class:`~lightning_llm.models.layers.TokenMask`, so the model passes it (``needs_token_mask``)."""
+    :class:`~lightning_llm.models.attention.TokenMask`, so the model passes it (``needs_token_mask``)."""
 
     needs_token_mask = True
 
