@@ -9,13 +9,17 @@
    ``F.cross_entropy``, ``torch.compile`` of that, and Liger's ``LigerFusedLinearCrossEntropyLoss``;
 3. e2e: ``lightning_llm fit`` runs (see ``gpu_e2e.py``): Erlangshen-1.3B-shaped encoder on AFQMC-shaped pairs (seq 512,
    bf16-mixed) at batch 4 and the largest batch that fits under 1 device / zero1 / zero2, ZeRO-3 offload peak GPU
-   memory at batch 1 (native and DeepSpeed) vs 5 GB, and a ~1B Llama decoder (seq 2048) with torch vs Triton kernels.
+   memory at batch 1 (native and DeepSpeed) vs 5 GB, and a ~1B Llama decoder (seq 2048) with torch vs Triton kernels;
+4. attention (see ``gpu_attention.py``): the varlen path vs the dense-mask path: SFT with packing (``llama-1b``,
+   4 x 4096, bf16) and one GPU on a 32k-token row (``attention-sft``, ``attention-long``), and GQA without repeated
+   keys/values (``attention-gqa``): step time, tokens/s, peak memory.
 
 Results: ``benchmarks/results/gpu-<device>.md`` (or ``--out``), written atomically; exit 1 if any part failed.
 
     python benchmarks/gpu.py                                   # everything (~20 min on an H100)
     python benchmarks/gpu.py --only kernels --only flce --out $OUT/gpu-kernels.md --time-budget-s 540
     python benchmarks/gpu.py --only e2e --out $OUT/gpu-e2e.md --time-budget-s 540
+    python benchmarks/gpu.py --only attention --out $OUT/gpu-attention.md --time-budget-s 540
     python benchmarks/gpu.py --smoke --out /tmp/gpu-smoke.md   # CPU: Triton interpreter, tiny shapes, debug models
 """
 
@@ -43,7 +47,9 @@ log = logging.getLogger(__name__)
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-ONLY = ("kernels", "flce", "e2e", "e2e-encoder", "e2e-offload", "e2e-decoder")
+ONLY = ("kernels", "flce", "e2e", "e2e-encoder", "e2e-offload", "e2e-decoder", "attention", "attention-sft",
+        "attention-long", "attention-gqa")
+ATTENTION_GROUPS = ("sft", "long", "gqa")
 E2E_GROUPS = ("encoder", "offload", "decoder")
 FULL = dict(dtypes=["fp32", "bf16", "fp16"], time_dtype="bf16", compile_backend="inductor", copy_mib=1024,
             flce_tokens=32768, flce_hidden=4096, flce_vocab=128256, e2e_steps=20, e2e_warmup=5, e2e_offload_steps=6,
@@ -88,7 +94,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for k, v in (SMOKE if a.smoke else FULL).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
-    a.only = a.only or ["kernels", "flce", "e2e"]
+    a.only = a.only or ["kernels", "flce", "e2e", "attention"]
     return a
 
 
@@ -290,7 +296,29 @@ def part_e2e(ctx: Ctx) -> PartResult:
     return res
 
 
-PARTS: dict[str, Callable[[Ctx], PartResult]] = {"kernels": part_kernels, "flce": part_flce, "e2e": part_e2e}
+def part_attention(ctx: Ctx) -> PartResult:
+    import gpu_attention as A
+
+    cfg = dict(A.SMOKE if ctx.a.smoke else A.FULL)
+    groups = [g for g in ATTENTION_GROUPS if "attention" in ctx.a.only or f"attention-{g}" in ctx.a.only]
+    report = A.Report()
+    for group in groups:
+        if ctx.out_of_time():
+            return PartResult("attention", note=f"incomplete: time budget spent before {group}",
+                              sections=A.sections(report, cfg))
+        if group == "gqa":
+            A.run_gqa(cfg, ctx.device, ctx.bench, report)
+        else:
+            {"sft": A.run_sft, "long": A.run_long}[group](cfg, ctx.device, report)
+    res = PartResult("attention", sections=A.sections(report, cfg))
+    bad = [r for r in report.rows if r.status != "ok" and "before" not in r.case]  # the mask path may run out
+    if bad:
+        res.status, res.note = "failed", "; ".join(f"{r.case}: {r.status} {r.note}" for r in bad)
+    return res
+
+
+PARTS: dict[str, Callable[[Ctx], PartResult]] = {"kernels": part_kernels, "flce": part_flce, "e2e": part_e2e,
+                                                 "attention": part_attention}
 
 
 def run_part(name: str, fn: Callable[[Ctx], PartResult], ctx: Ctx) -> PartResult:
@@ -388,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_env(a)
     t0 = time.monotonic()
     ctx = make_ctx(a)
-    wanted = [p for p in PARTS if p in a.only or (p == "e2e" and any(o.startswith("e2e-") for o in a.only))]
+    wanted = [p for p in PARTS if p in a.only or any(o.startswith(f"{p}-") for o in a.only)]
     results = [run_part(name, PARTS[name], ctx) for name in wanted]
     slug = re.sub(r"[^a-z0-9]+", "-", ctx.device_name.lower()).strip("-")
     out = a.out or BENCH / "results" / f"gpu-{slug}.md"

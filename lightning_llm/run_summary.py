@@ -9,6 +9,8 @@ arrives (its shape is the run's):
   for token tasks, tokens per optimizer step;
 * parameters (counted when the model was built, before any sharding) and the estimated memory per rank, from the
   same function as ``lightning_llm estimate`` (:func:`lightning_llm.memory.estimate_layout`);
+* attention: the kernel padded, packed and plain rows take (``models/attention.py``: the varlen flash path or SDPA
+  over a dense mask, and why);
 * FLOPs per optimizer step: one forward and backward of a replica's batch counted by ``torch.utils.flop_counter`` on
   a meta-device twin of the model (copied before sharding, so the count is the whole model's under any layout),
   times replicas and accumulation. Tasks log achieved FLOP/s and MFU from it (:func:`throughput`).
@@ -35,6 +37,7 @@ from typing_extensions import override
 from lightning_llm.contract import declared_inputs, overrides_compute_loss, overrides_training_step
 from lightning_llm.memory import PRECISIONS, Quantized, estimate_layout
 from lightning_llm.models import ModelConfig
+from lightning_llm.models.attention import describe_attention
 from lightning_llm.models.moe import moe_parameters
 from lightning_llm.models.quantize import describe, is_quantized, quantized_bytes
 from lightning_llm.strategies import DeepSpeedZeroStrategy, ParallelEngine
@@ -234,6 +237,11 @@ def summary_lines(trainer: pl.Trainer, task: Any, batch: Any, *, flops: int | No
         if moe:
             lines.append(moe)
     lines.append(_memory_line(trainer, task, layout, per_replica, ids))
+    config = getattr(getattr(task, "model", None), "config", None)
+    if isinstance(config, ModelConfig) and config.family == "decoder":
+        dtype = _dtype(str(trainer.precision))
+        lines.append("attention: " + describe_attention(config, device=trainer.strategy.root_device, dtype=dtype,
+                                                        context_parallel=layout.cp))
     if flops is not None:
         step = flops * layout.dp * accum
         lines.append(f"FLOPs per optimizer step: {step:,} = {step:.2e} (forward + backward of {per_replica} samples, "

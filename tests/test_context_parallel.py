@@ -12,7 +12,10 @@ batches on one device. Compared (bound 1e-5):
 * ``train_loss`` at each step, on every rank, and (dp = 1) the evaluation loss of the first batch.
 
 Then a cp2 run saves after 3 steps and resumes at tp2 (2 processes) and on one process: steps 4-6 must be the
-uninterrupted one-device curve's. One-process tests check the slicing, the block attention against float64 and the
+uninterrupted one-device curve's. The 2- and 4-process launches also call the model directly at cp2 and cp4 in float64
+on both attention paths (``attention=sdpa``: the CPU's masks; ``attention=varlen``: the device path's layouts with the
+CPU reference kernel) against one device: packed rows with padding, and rows four times longer than the position
+tables (1024 tokens, tables of 256: cp4's slices of 256 look nothing up past them). One-process tests check the slicing, the block attention against float64 and the
 task declaration; 2-process CLI runs check the one-line refusals.
 """
 
@@ -151,6 +154,76 @@ def _resume(mode: str, out: Path) -> None:
         write_json_on_rank0(out / "resume_single.json", {"start": one["start"], "losses": one["losses"]})
 
 
+DIRECT_TOL = 1e-9  # float64
+
+
+def _direct_batches() -> dict[str, dict[str, torch.Tensor]]:
+    """Packed rows with padding (row 0: padding at the end; row 1: left-padded) and a row past the tables."""
+    from lightning_llm.models.layers import segment_positions
+
+    g = torch.Generator().manual_seed(3)
+    s = 512
+    seg = torch.zeros(2, s, dtype=torch.long)
+    for r, edges in enumerate(([0, 100, 177, 327, 357, 480], [0, 61, 250, 251, 400, s])):
+        for k, (a, b) in enumerate(zip(edges[:-1], edges[1:], strict=False)):
+            seg[r, a:b] = k + 1
+    keep = torch.ones(2, s, dtype=torch.long)
+    keep[1, :9] = 0
+    labels = torch.randint(0, 200, (2, s), generator=g).masked_fill_((seg == 0) | (keep == 0), -100)
+    packed = {"input_ids": torch.randint(0, 200, (2, s), generator=g), "labels": labels, "segment_ids": seg,
+              "attention_mask": keep, "position_ids": segment_positions(seg)}
+    long_ids = torch.randint(0, 200, (1, 1024), generator=g)
+    return {"packed_padded": packed, "past_tables": {"input_ids": long_ids, "labels": long_ids.roll(-1, 1)}}
+
+
+def _direct_errors(one: Any, split: Any, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """Per-token losses (every column, gathered in order) and summed gradients of ``split`` (this process's cp slice)
+    against ``one`` on the whole batch (from logits: the fused loss sums the head's gradient in fp32)."""
+    import torch.distributed as dist
+
+    from lightning_llm.models.layers import segment_positions
+    from lightning_llm.strategies.context import order_gathered, shard_batch
+
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    keys = ("attention_mask", "segment_ids", "position_ids")
+    def token_losses(model: Any, rows: dict[str, torch.Tensor]) -> torch.Tensor:  # from float64 logits [B, S]
+        logits = model(rows["input_ids"], **{k: rows[k] for k in keys if k in rows})
+        return torch.nn.functional.cross_entropy(logits.transpose(1, 2), rows["labels"], reduction="none")
+
+    ref = token_losses(one, batch)
+    want = torch.autograd.grad(ref.sum(), list(one.parameters()))
+    got = token_losses(split, shard_batch(batch, cp=cp, rank=rank, positions=segment_positions))
+    grads = torch.autograd.grad(got.sum(), list(split.parameters()))
+    for grad in grads:
+        dist.all_reduce(grad)
+    parts = [torch.empty_like(got) for _ in range(cp)]
+    dist.all_gather(parts, got.detach().contiguous())
+    tokens = (order_gathered(parts, dim=1) - ref).abs().max().item()
+    return tokens, max((a - b).abs().max().item() for a, b in zip(grads, want, strict=True))
+
+
+def _direct(out: Path) -> None:
+    """The model at cp = the world size against one device, float64, both attention paths (``_direct_batches``)."""
+    import copy
+    import json
+
+    import torch.distributed as dist
+
+    from lightning_llm.models import build_model
+    from lightning_llm.strategies.context import apply_context_parallel
+
+    results = {}
+    for attention in ("sdpa", "varlen"):
+        torch.manual_seed(0)
+        one = build_model("debug", family="decoder", dropout=0.0, attention=attention).double()
+        split = copy.deepcopy(one)
+        apply_context_parallel(split, group=dist.group.WORLD, cp=dist.get_world_size(), rank=dist.get_rank())
+        for rows, batch in _direct_batches().items():
+            results[f"{rows} {attention}"] = _direct_errors(one, split, batch)
+    if dist.get_rank() == 0:
+        (out / f"direct_cp{dist.get_world_size()}.json").write_text(json.dumps(results))
+
+
 def _worker(mode: str, out: Path) -> None:
     from lightning_llm.testing import gathered
 
@@ -171,6 +244,7 @@ def _worker(mode: str, out: Path) -> None:
                            "grads": {n: g for r in every for n, g in r["grads"].items()}}  # pp: stages differ
     if torch.distributed.get_rank() == 0:
         torch.save(results, out / f"{mode}.pt")
+    _direct(out)
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +299,20 @@ def test_cp2_checkpoint_resumes_at_other_layouts(runs: Path, target: str) -> Non
     err = max(abs(a - b) for a, b in zip(got["losses"], ref[HALF:], strict=True))
     print(f"cp2 -> {target}: steps {HALF + 1}-{STEPS} vs one device uninterrupted: {err:.2e}")
     assert err <= TOL
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("cp", [2, 4])
+def test_model_under_cp_equals_one_device_on_both_attention_paths(runs: Path, cp: int) -> None:
+    """Packed rows with padding, and a row of 1024 tokens past the tables of 256 (cp4: slices of 256): per-token
+    losses and summed gradients at cp equal one device's in float64, on the mask path and on the varlen path."""
+    import json
+
+    errors = json.loads((runs / f"direct_cp{cp}.json").read_text())
+    assert set(errors) == {f"{r} {a}" for r in ("packed_padded", "past_tables") for a in ("sdpa", "varlen")}
+    for case, (tokens, grads) in errors.items():
+        print(f"cp{cp} {case}: per-token losses {tokens:.1e}, gradients {grads:.1e}")
+        assert tokens <= DIRECT_TOL and grads <= DIRECT_TOL
 
 
 # ------------------------------------------------------------------------------------------- one process, no launch
@@ -359,24 +447,28 @@ def test_a_part_without_labelled_tokens_weighs_nothing(part: str) -> None:
     assert total == 8 and local.item() == global_loss.item() == 1.0
 
 
-def test_slices_within_the_position_tables_of_longer_rows_are_refused() -> None:
-    """The debug decoder's tables hold 256 positions. One device computes RoPE past them for a 512-token row, and so
-    does a slice longer than the tables (1024 tokens over cp=2: the parity runs above use 4096); a 256-token slice of
-    a 512-token row would look its global positions up past the tables' end: refused in one line, before the forward."""
+def test_rows_past_the_position_tables() -> None:
+    """The debug decoder's tables hold 256 positions. RoPE past them is computed from the positions, on one device
+    and on a slice alike, so a 1024-token row splits over cp4 into 256-token slices (compared with one device by the
+    runs above); a learned position table (one device refuses the row too) and dynamic RoPE (its frequencies follow
+    the whole row's longest position) refuse rows past the tables in one line, before the forward."""
     from lightning_llm.models import DecoderLM, named_config
     from lightning_llm.strategies.context import slice_step
 
-    model = DecoderLM(named_config("debug", family="decoder"))
     row = {"input_ids": torch.randint(0, 200, (1, 1024)), "labels": torch.randint(0, 200, (1, 1024))}
-    assert model(row["input_ids"][:, :512]).shape[1] == 512  # one device: positions past the table are computed
-    with pytest.raises(ValueError, match=r"rows of 512 tokens are longer than the model's max_position_embeddings=256 "
-                                         r"\(its position tables\) while their slices of 256 are not"):
-        slice_step("training_step", ({k: v[:, :512] for k, v in row.items()}, 0), {}, cp=2, rank=0, model=model)
-    (sliced, _), _ = slice_step("training_step", (row, 0), {}, cp=2, rank=0, model=model)
-    assert sliced["input_ids"].shape == (1, 512) and int(sliced["position_ids"].max()) == 1023
-    short = {k: v[:, :256] for k, v in row.items()}
-    (sliced, _), _ = slice_step("training_step", (short, 0), {}, cp=2, rank=0, model=model)
-    assert sliced["input_ids"].shape == (1, 128) and int(sliced["position_ids"].max()) == 255
+    model = DecoderLM(named_config("debug", family="decoder"))
+    (sliced, _), _ = slice_step("training_step", (row, 0), {}, cp=4, rank=0, model=model)
+    assert sliced["input_ids"].shape == (1, 256) and int(sliced["position_ids"].max()) == 1023
+    assert model(sliced["input_ids"], position_ids=sliced["position_ids"]).isfinite().all()
+    for overrides in ({"position": "learned"}, {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}):
+        model = DecoderLM(named_config("debug", family="decoder", **overrides))
+        with pytest.raises(ValueError, match=r"rows of 512 tokens are longer than the model's "
+                                             r"max_position_embeddings=256, past which its positions depend on the "
+                                             r"whole row"):
+            slice_step("training_step", ({k: v[:, :512] for k, v in row.items()}, 0), {}, cp=2, rank=0, model=model)
+        short = {k: v[:, :256] for k, v in row.items()}
+        (sliced, _), _ = slice_step("training_step", (short, 0), {}, cp=2, rank=0, model=model)
+        assert sliced["input_ids"].shape == (1, 128) and int(sliced["position_ids"].max()) == 255
 
 
 # ------------------------------------------------------------------------------------------- refusals (2 processes)

@@ -64,7 +64,7 @@ def test_smoke_run_checks_every_kernel_and_runs_every_e2e_row(smoke: tuple) -> N
     assert not list(out.parent.glob("*.tmp")), "the results file is written through a temp file + rename"
 
     parts = {r[0]: r[1] for r in table_after(text, "- total:")}
-    assert parts == {"kernels": "ok", "flce": "ok", "e2e": "ok"}, parts
+    assert parts == {"kernels": "ok", "flce": "ok", "e2e": "ok", "attention": "ok"}, parts
 
     checked = {}
     for kernel, _shape, dtype, err64, err_torch, _t64, tol, result in table_after(text, "## Kernel correctness"):
@@ -90,6 +90,13 @@ def test_smoke_run_checks_every_kernel_and_runs_every_e2e_row(smoke: tuple) -> N
     assert "`auto+compile`: `--model.compile=true`" in text  # the compiled row says what it is
     assert len(table_after(text, "### Largest encoder batch")) == 3
     assert len(table_after(text, "### ZeRO-3 offload")) == 2
+    attention = {r[0]: r for r in table_after(text, "## Attention: varlen path vs dense mask")}
+    for case in ("sft packed 2 x 128", "one GPU, packed row of 128"):  # before (dense mask) and after (varlen)
+        before, after = attention[f"{case}, before"], attention[f"{case}, after"]
+        assert before[1].startswith("sdpa") and after[1].startswith("varlen") and before[2] == after[2] == "ok"
+        assert float(before[3]) > 0 and float(after[3]) > 0 and abs(float(before[6]) - float(after[6])) < 1e-3
+    assert {r[1] for r in table_after(text, "## Attention: GQA")} == {
+        "repeat_interleave + SDPA", "SDPA enable_gqa", "varlen path (enable_gqa)"}
     print(f"smoke run: {seconds:.1f} s")
 
 

@@ -67,6 +67,8 @@ def test_summary_states_batch_memory_and_flops(llama_dir: Path, tmp_path: Path, 
     assert "layout: 1 rank(s) = pp 1 x dp 1 x tp 1, ZeRO stage 2 (ZeroStrategy); 1 node" in block
     assert "batch: 4 samples per replica x 1 replica(s) x 2 accumulation = global batch 8; 256 tokens per optimizer " \
            "step (32 per sample)" in block
+    assert "attention: SDPA with a [B, 1, S, S] mask for padded, packed and sliding-window rows; plain rows: " \
+           "is_causal (cpu device)" in block
     # Memory: the estimate tool's figure for the same model, layout, batch and precision.
     capsys.readouterr()
     assert estimate(["--model", str(llama_dir), "--strategy", "zero2", "--devices", "1", "--batch-size", "4",

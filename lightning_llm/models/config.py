@@ -163,6 +163,11 @@ class ModelConfig:
     """Padding token id (used for generation and RoBERTa position ids)."""
     kernels: Literal["auto", "triton", "torch"] = "auto"
     """Fused Triton kernels (``triton``), plain torch (``torch``), or Triton on CUDA only (``auto``)."""
+    attention: Literal["auto", "sdpa", "varlen"] = "auto"
+    """Attention of padded, packed and sliding-window rows (``models/attention.py``): ``varlen`` = flash varlen
+    (``torch.nn.attention.varlen.varlen_attn``), no ``[S, S]`` mask (on the CPU: its per-sequence reference, slow);
+    ``sdpa`` = SDPA with a dense mask; ``auto`` = varlen on CUDA (Ampere+) in fp16/bf16 without attention dropout,
+    sdpa elsewhere. Decoding with a KV cache always takes sdpa."""
     moe: MoEConfig | None = None
     """Mixture-of-Experts feed-forward layers (decoders); ``None``: every layer has a dense MLP."""
     extra: dict[str, Any] = field(default_factory=dict)

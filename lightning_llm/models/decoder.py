@@ -11,7 +11,8 @@ Module tree (uniform so that parallel plans are data keyed by module path)::
 
 Variants are config switches of this one module tree (so every family shares one parallel spec): fused ``W_pack``
 and ``q_norm``/``k_norm`` in the attention (``layers.Attention``), a sliding window on the layers of
-``config.sliding_layers`` (a band in the attention mask), rope types of ``rope.py``.
+``config.sliding_layers`` (a band in the attention mask), rope types of ``rope.py``. Attention takes SDPA over one
+mask per forward, or the varlen flash kernel over one layout per forward (``attention.py``: ``config.attention``).
 
 Shape legend: B batch, S sequence, H hidden, V vocab, D head dim.
 """
@@ -26,6 +27,7 @@ from torch import Tensor, nn
 
 from lightning_llm.kernels.head_loss import TokenScores, head_cross_entropy, head_token_scores
 
+from .attention import AttentionMask, TokenMask, contiguous_sequences, uses_varlen, varlen_layout
 from .config import ModelConfig
 from .init import InitPlan, WeightsSource, draw_init_seed, init_whole, materialize, plan_for_modules
 from .moe import MoEBlock, RoutingInput
@@ -33,7 +35,6 @@ from .routing import RoutingStats
 from .layers import (
     KVCache,
     NormHead,
-    TokenMask,
     TransformerBlock,
     additive_mask,
     build_norm,
@@ -193,6 +194,7 @@ class DecoderLM(nn.Module):
         if segment_ids is not None and (past or (attention_mask is not None and attention_mask.dim() != 2)):
             raise ValueError("DecoderLM.forward: segment_ids (packed rows) take a [B, S] attention_mask and no KV "
                              "cache")
+        given = position_ids is not None  # the caller's (a context-parallel slice's are global: past its length)
         if position_ids is None and segment_ids is not None:
             position_ids = segment_positions(segment_ids)  # each example's own positions
         elif position_ids is None:
@@ -209,13 +211,18 @@ class DecoderLM(nn.Module):
                 x = x + self.embed_positions(position_ids)
             x = self.dropout(x)
 
-        rope = self._rope(position_ids, total)  # cos, sin [B, S, D] each, or None
-        full, sliding = self._shared_masks(self._masks(attention_mask, segment_ids, s, total, x.device), x)
-        windowed = set(self.config.sliding_layers)
-
+        rope = self._rope(position_ids, bound=total, read=given)  # cos, sin [B, S, D] each, or None
+        varlen = kv_cache is None and (attention_mask is None or attention_mask.dim() == 2) \
+            and uses_varlen(self.config, x)
         cache_kw: dict[str, object] = {} if kv_cache is None else {"kv_cache": kv_cache}  # absent unless decoding
-        if self._cores_need_token_mask():
-            cache_kw["token_mask"] = self._token_mask(attention_mask, segment_ids, kv_cache)
+        if self._cores_need_token_mask():  # they build their own mask (or layout) from the tokens
+            cache_kw["token_mask"] = self._token_mask(attention_mask, segment_ids, kv_cache, varlen=varlen)
+            full = sliding = (None, False)
+        else:
+            layouts = self._layouts(attention_mask, segment_ids, x, total) if varlen else None
+            full, sliding = layouts or self._shared_masks(
+                self._masks(attention_mask, segment_ids, s, total, x.device), x)
+        windowed = set(self.config.sliding_layers)
         routing = self._routing_input(attention_mask, segment_ids, b * s) if self.routing is not None else None
         moe = set(self.config.moe_layers)
         for key, layer in self.layers.items():
@@ -252,33 +259,59 @@ class DecoderLM(nn.Module):
         return RoutingInput(keep=None if keep is None else keep.reshape(-1), stats=self.routing)
 
     def _cores_need_token_mask(self) -> bool:
-        """Whether an attention core rebuilds its mask from the tokens' :class:`~.layers.TokenMask` (a core a layout
+        """Whether an attention core rebuilds its mask from the tokens' :class:`~.attention.TokenMask` (a core a layout
         installed through the declared hook)."""
         return any(getattr(m, "needs_token_mask", False) for m in self.modules())
 
-    def _token_mask(self, attention_mask: Tensor | None, segment_ids: Tensor | None,
-                    kv_cache: KVCache | None) -> TokenMask:
+    def _token_mask(self, attention_mask: Tensor | None, segment_ids: Tensor | None, kv_cache: KVCache | None, *,
+                    varlen: bool) -> TokenMask:
         """The ingredients of this forward's mask; refused where they do not describe it (a cache, a 4-D mask,
         sliding-window layers)."""
         if kv_cache is not None or (attention_mask is not None and attention_mask.dim() != 2) \
                 or self.config.sliding_layers:
             raise ValueError("DecoderLM: this attention core rebuilds the causal mask from the tokens (padding, "
                              "segments); it takes no KV cache, no 4-D attention_mask and no sliding-window layers")
-        return TokenMask(keep=None if attention_mask is None else attention_mask.bool(), segment_ids=segment_ids)
+        return TokenMask(keep=None if attention_mask is None else attention_mask.bool(), segment_ids=segment_ids,
+                         varlen=varlen)
 
-    def _rope(self, position_ids: Tensor, total: int) -> tuple[Tensor, Tensor] | None:
-        """cos, sin [B, S, D] for ``position_ids`` [B, S] of a forward spanning ``total`` columns."""
+    def _rope(self, position_ids: Tensor, *, bound: int, read: bool) -> tuple[Tensor, Tensor] | None:
+        """cos, sin [B, S, D] for ``position_ids`` [B, S] of a forward of ``bound`` columns; ``read``: the
+        caller's positions, which may pass ``bound`` (a context-parallel slice's are global)."""
         if self.rope_cos is None or self.rope_sin is None:
             return None
-        if total <= self.rope_cos.shape[0]:  # every position is inside the precomputed table
+        values = not position_ids.is_meta and position_ids.numel() > 0  # the meta device (FLOP counts) has none
+        longest = int(position_ids.max()) + 1 if read and values else bound
+        if longest <= self.rope_cos.shape[0]:  # every position is inside the precomputed table
             return self.rope_cos[position_ids], self.rope_sin[position_ids]
         # Past the table (transformers has no such limit): computed from the positions. `dynamic` rope picks its
         # frequencies from this forward's longest position, as transformers' dynamic_rope_update does.
         c = self.config
         assert c.head_dim is not None
-        seq_len = int(position_ids.max()) + 1 if rope_type(c.rope_scaling) == "dynamic" else total
+        seq_len = int(position_ids.max()) + 1 if rope_type(c.rope_scaling) == "dynamic" and values else longest
         return rope_from_positions(position_ids, c.head_dim, c.max_position_embeddings, c.rope_theta,
                                    c.rope_scaling, seq_len=seq_len)
+
+    def _window(self, total: int) -> int | None:
+        """The sliding layers' window, None where it covers every key (plain causal attention)."""
+        window = self.config.sliding_window if self.config.sliding_layers else None
+        return None if window is None or total <= window else window
+
+    def _layouts(self, attention_mask: Tensor | None, segment_ids: Tensor | None, x: Tensor, total: int
+                 ) -> tuple[tuple[AttentionMask, bool], tuple[AttentionMask, bool]] | None:
+        """``(layout, is_causal)`` of the full-attention and the sliding-window layers on the varlen path (one
+        layout per forward, ``attention.varlen_layout``); None where a window would count padding inside an example
+        (the mask path then)."""
+        b, s = x.shape[0], x.shape[1]
+        window = self._window(total)
+        if window is not None and not contiguous_sequences(attention_mask, segment_ids):
+            return None
+        layout = None if attention_mask is None and segment_ids is None else varlen_layout(
+            attention_mask, segment_ids, batch=b, seq=s, device=x.device)
+        full: tuple[AttentionMask, bool] = (None, True) if layout is None else (layout, False)  # plain: SDPA causal
+        if window is None:
+            return full, full
+        layout = layout or varlen_layout(None, None, batch=b, seq=s, device=x.device)
+        return full, (layout.with_window(window), False)
 
     @staticmethod
     def _shared_masks(masks: tuple[tuple[Tensor | None, bool], tuple[Tensor | None, bool]], x: Tensor
@@ -296,9 +329,7 @@ class DecoderLM(nn.Module):
     def _masks(self, attention_mask: Tensor | None, segment_ids: Tensor | None, s: int, total: int,
                device: torch.device) -> tuple[tuple[Tensor | None, bool], tuple[Tensor | None, bool]]:
         """``(attn_mask, is_causal)`` of the full-attention layers and of the sliding-window layers."""
-        window = self.config.sliding_window if self.config.sliding_layers else None
-        if window is not None and total <= window:
-            window = None  # the window covers every key: plain causal attention
+        window = self._window(total)
         if segment_ids is not None:  # packed rows: block-diagonal, padding (segment 0) sees no real token
             keep = segment_ids > 0 if attention_mask is None else attention_mask.bool() & (segment_ids > 0)
             full = (causal_padding_mask(keep, s, segment_ids=segment_ids), False)  # [B, 1, S, S]

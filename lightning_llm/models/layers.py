@@ -11,7 +11,6 @@ Shape legend: B batch, S sequence, H hidden size, N query heads, K key/value hea
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from torch.distributed.tensor import DTensor
 from lightning_llm import kernels as fused
 from lightning_llm.kernels import resolve_backend
 
+from .attention import AttentionMask, DotProductAttention, TokenMask
 from .config import ModelConfig
 from .rope import apply_rotary, precompute_rope, rope_inv_freq, rotate_half
 
@@ -199,50 +199,6 @@ class KVCache:
         self._kv = {key: (k.index_select(0, index), v.index_select(0, index)) for key, (k, v) in self._kv.items()}
 
 
-@dataclass(frozen=True)
-class TokenMask:
-    """What a causal decoder's attention mask is made of, per token of this forward (a core that holds keys beyond
-    this forward's own tokens rebuilds its mask from it: context parallelism's attention across sequence slices).
-
-    Causal by column order, a key attends only if it is a real token (``keep``) of the query's segment
-    (``segment_ids``); a query with no such key attends to itself (as :func:`causal_padding_mask`)."""
-
-    keep: Tensor | None = None
-    """[B, S] bool, True = a real token; None: every token is."""
-    segment_ids: Tensor | None = None
-    """[B, S] packed rows (1..k per example, 0 padding); None: one sequence per row."""
-
-
-class DotProductAttention(nn.Module):
-    """The attention core of :class:`Attention` (no parameters): ``softmax(q k^T / sqrt(D)) v`` with grouped-query
-    heads repeated, by SDPA. A declared hook (``ParallelSpec.attention_cores``): a layout that splits the sequence
-    replaces this module by its attention across the slices, with the same call."""
-
-    needs_token_mask: bool = False
-    """Whether the model must pass ``token_mask``: a module that rebuilds the mask from it (in place of this core)
-    sets True."""
-
-    def forward(
-        self,
-        q: Tensor,  # [B, N, S, D]
-        k: Tensor,  # [B, K, T, D] (K divides N)
-        v: Tensor,  # [B, K, T, D]
-        *,
-        attn_mask: Tensor | None,  # bool (True = attend) or additive (0 / -inf), broadcastable to [B, N, S, T]
-        is_causal: bool,
-        dropout_p: float,
-        token_mask: TokenMask | None = None,  # the mask's ingredients (unused here: attn_mask is built from them)
-    ) -> Tensor:  # [B, N, S, D]
-        if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype != q.dtype:
-            attn_mask = attn_mask.to(q.dtype)  # built for another compute dtype than this layer's (rare)
-        n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1:  # GQA: kv head j serves query heads j*n_rep .. (j+1)*n_rep-1 (HF repeat_kv)
-            k = k.repeat_interleave(n_rep, dim=1)  # [B, N, T, D]
-            v = v.repeat_interleave(n_rep, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                              is_causal=is_causal and attn_mask is None)
-
-
 class Attention(nn.Module):
     """Multi-head / grouped-query self-attention: q/k/v/o projections, or one fused ``W_pack`` for q, k, v.
 
@@ -311,7 +267,7 @@ class Attention(nn.Module):
         x: Tensor,  # [B, S, H]
         *,
         rope: tuple[Tensor, Tensor] | None = None,  # cos, sin [B, S, D]
-        attn_mask: Tensor | None = None,  # bool, broadcastable to [B, N, S, T]; True = attend (T = past + S)
+        attn_mask: AttentionMask = None,  # bool [B, N, S, T]-broadcastable (True = attend; T = past + S), or a layout
         is_causal: bool = False,
         kv_cache: KVCache | None = None,  # incremental decoding: past keys/values, appended in place
         token_mask: TokenMask | None = None,  # what attn_mask is made of (for a core replacing the mask)
@@ -407,7 +363,7 @@ class TransformerBlock(nn.Module):
         x: Tensor,  # [B, S, H]
         *,
         rope: tuple[Tensor, Tensor] | None = None,
-        attn_mask: Tensor | None = None,
+        attn_mask: AttentionMask = None,
         is_causal: bool = False,
         kv_cache: KVCache | None = None,
         token_mask: TokenMask | None = None,

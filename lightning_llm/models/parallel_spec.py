@@ -44,6 +44,7 @@ from .config import ModelConfig
 from .decoder import DecoderLM
 from .encoder import EncoderModel
 from .layers import segment_positions
+from .rope import rope_type
 
 __all__ = ["ParallelSpec", "PARALLEL_SPECS", "TPPlan", "parallel_spec_of", "decoder_tp_plan", "encoder_tp_plan",
            "routing_stats_of"]
@@ -72,15 +73,16 @@ class ParallelSpec:
     fsdp_units: tuple[str, ...] = field(default=("layers.*", ""))
     """FSDP2 units relative to the backbone, innermost first (``""`` = the backbone: embeddings, norm, heads)."""
     attention_cores: str | None = None
-    """Context parallelism: the attention cores (``layers.DotProductAttention``, path relative to the backbone, ``*``
+    """Context parallelism: the attention cores (``attention.DotProductAttention``, path relative to the backbone, ``*``
     per atom) a layout splitting the sequence replaces by its attention across the slices; ``None``: the family
     cannot split its sequence."""
     context_parallel_blocker: Callable[[nn.Module], str | None] = field(default=lambda model: None)
     """``backbone -> why this model cannot split its sequence`` (``None``: it can)."""
     position_limit: Callable[[nn.Module], int | None] = field(default=lambda model: None)
-    """``backbone -> the positions its tables hold`` (``None``: no limit). The model picks table lookups or positions
-    computed per forward by the length of what it is given; a context-parallel slice no longer than the tables of a
-    sequence longer than them would look up past their end, so that case is refused."""
+    """``backbone -> the longest row a context-parallel slice computes as one device does`` (``None``: any). A
+    decoder computes RoPE past its table from the positions themselves, on one device and on a slice alike; a learned
+    position table ends (one device refuses a longer row too), and ``dynamic`` RoPE picks its frequencies from the
+    whole row's longest position, which a slice does not hold."""
     routing: Callable[[nn.Module], Any] = field(default=lambda model: None)
     """``backbone -> its MoE layers' router statistics`` (:class:`~lightning_llm.models.routing.RoutingStats`, ``None``
     without MoE layers): a pipeline opens them for its micro-batches' forwards."""
@@ -282,6 +284,12 @@ def _decoder_cp_blocker(model: nn.Module) -> str | None:
     return None
 
 
+def _decoder_position_limit(model: nn.Module) -> int | None:
+    config: ModelConfig = model.config  # type: ignore[assignment]
+    whole_row = config.position == "learned" or rope_type(config.rope_scaling) == "dynamic"
+    return config.max_position_embeddings if whole_row else None
+
+
 def _encoder_cp_blocker(model: nn.Module) -> str:
     return "the encoder family (bidirectional attention, a pooler on token 0) cannot split its sequence"
 
@@ -289,7 +297,7 @@ PARALLEL_SPECS: dict[type[nn.Module], ParallelSpec] = {
     DecoderLM: ParallelSpec(first=("embed_tokens", "embed_positions"), last=("norm", "lm_head"),
                             tp_plan=decoder_tp_plan, tp_divides=_TP_DIVIDES, tied=_tied_lm_head,
                             attention_cores="layers.*.self_attn.core", context_parallel_blocker=_decoder_cp_blocker,
-                            position_limit=lambda model: model.config.max_position_embeddings,
+                            position_limit=_decoder_position_limit,
                             routing=lambda model: model.routing, expert_modules="layers.*.mlp.experts",
                             segment_positions=segment_positions),
     EncoderModel: ParallelSpec(first=("embed_tokens", "embed_positions", "embed_token_types", "embed_norm"),

@@ -80,16 +80,14 @@ def slice_step(hook: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, cp: 
 
 
 def _check_length(batch: Any, *, limit: int | None, cp: int) -> None:
-    """Refuse rows whose slices fit the model's position tables (``limit`` positions) while the rows do not: the
-    model sees a slice of ``S / cp`` tokens and looks its global positions up in the tables, past their end (one
-    device, and a slice longer than the tables, compute those positions from the positions themselves)."""
+    """Refuse rows longer than ``limit`` (the family's ``position_limit``: a learned position table, or ``dynamic``
+    RoPE, whose frequencies depend on the whole row's longest position)."""
     ids = batch.get("input_ids") if isinstance(batch, dict) else None
     if not isinstance(ids, Tensor) or limit is None:
         return
     seq = ids.shape[1]
-    if seq // cp <= limit < seq:
+    if seq > limit:
         raise ValueError(f"context_parallel_size={cp}: rows of {seq} tokens are longer than the model's "
-                         f"max_position_embeddings={limit} (its position tables) while their slices of {seq // cp} "
-                         "are not, which reads the tables past their end: keep rows within max_position_embeddings "
-                         f"or use a context_parallel_size below {seq / limit:g} (slices longer than the tables "
-                         "compute their positions, as one device does)")
+                         f"max_position_embeddings={limit}, past which its positions depend on the whole row (a "
+                         "learned position table ends there; dynamic RoPE's frequencies follow the row's longest "
+                         "position): keep rows within max_position_embeddings")

@@ -14,13 +14,20 @@ backward too, and on 2 CPU cores there is no communication to hide.
 Why not torch's own (``torch.distributed.tensor.experimental.context_parallel``): it dispatches only the CUDA SDPA
 kernels and flex attention, whose backward raises on the CPU, so it cannot train here (``shared/notes``).
 
-The two attention computations, both exact:
+The attention computations, all exact:
 
-* causal rows (no padding, no packing): on the CPU per local query chunk ``j``, two calls of the CPU flash kernel,
+* the varlen path (the model's choice, ``models/attention.py``: CUDA in fp16/bf16 by default): per local query chunk
+  one flash varlen call (``torch.nn.attention.varlen.varlen_attn``) of its real queries, grouped by example, on the
+  gathered real keys of the same example up to the chunk's end; the kernel aligns causality to the bottom right, so
+  the diagonal block and every earlier chunk are one call, softmax-merged inside the kernel, and its backward is the
+  kernel's. No ``[S/cp, S]`` mask or score matrix exists; the layout (which rows, the cumulative lengths) is built
+  once per forward from the gathered keep and segment ids and shared by every layer;
+* causal rows (no padding, no packing) otherwise: on the CPU per local query chunk ``j``, two calls of the CPU flash
+  kernel (its causal mask is aligned top-left, so the diagonal block and the earlier chunks are separate calls),
   the diagonal block (causal) and the chunks before it (dense), merged by their log-sum-exp; backward calls the
   kernel's backward on each block with the merged output and log-sum-exp (what FlashAttention's backward needs), so
   no ``[S/cp, S]`` mask or score matrix is ever held and the work is the causal half;
-* padded or packed rows (:class:`~lightning_llm.models.layers.TokenMask`: keep and segment ids, all-gathered) and
+* padded or packed rows (:class:`~lightning_llm.models.attention.TokenMask`: keep and segment ids, all-gathered) and
   other devices: one SDPA call of the local queries on the gathered keys with the boolean mask ``[B, 1, S/cp, S]``
   (causal by global column, same segment, real keys; an empty row attends to itself), as the decoder builds at
   ``cp = 1``.
@@ -38,6 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_llm.models.attention import VarlenLayout, varlen_attention, varlen_layout
 from lightning_llm.models.layers import additive_mask
 from lightning_llm.strategies.context.sharding import local_columns, order_gathered
 
@@ -129,20 +137,21 @@ def _heads(k: Tensor, v: Tensor, cols: slice, rep: int) -> tuple[Tensor, Tensor]
 
 
 class SharedMask:
-    """The mask across slices, shared by every attention core of a model: one forward's layers receive the same
-    :class:`~lightning_llm.models.layers.TokenMask`, so the mask (and the gathers of its keep and segment ids) is
-    built once per forward, not per layer, and every layer's SDPA saves that one additive tensor for backward instead
-    of its own ``[B, 1, S/cp, S]`` conversion of a boolean mask. Keyed by the token mask's identity (a weak
-    reference) and the dtype; dropped with the token mask."""
+    """The mask (or varlen layout) across slices, shared by every attention core of a model: one forward's layers
+    receive the same :class:`~lightning_llm.models.attention.TokenMask`, so the mask (and the gathers of its keep and
+    segment ids) is built once per forward, not per layer, and every layer's SDPA saves that one additive tensor for
+    backward instead of its own ``[B, 1, S/cp, S]`` conversion of a boolean mask. Keyed by the token mask's identity
+    (a weak reference) and ``kind`` (the mask's dtype, or the layout); dropped with the token mask."""
 
     def __init__(self) -> None:
         self._key: Callable[[], Any] = lambda: None
-        self._mask: Tensor | None = None
+        self._kind: Any = None
+        self._mask: Any = None
 
-    def get(self, token_mask: Any, dtype: torch.dtype, build: Callable[[], Tensor]) -> Tensor:
-        """The mask of ``token_mask`` in ``dtype``: built by ``build()`` for a new one, else the one built for it."""
-        if self._key() is not token_mask or self._mask is None or self._mask.dtype != dtype:
-            self._mask = build()
+    def get(self, token_mask: Any, kind: Any, build: Callable[[], Any]) -> Any:
+        """What ``build()`` makes of ``token_mask`` as ``kind``: built for a new one, else the one built for it."""
+        if self._key() is not token_mask or self._mask is None or self._kind != kind:
+            self._mask, self._kind = build(), kind
             self._key = weakref.ref(token_mask)
             weakref.finalize(token_mask, self._drop, self._key)
         return self._mask
@@ -156,7 +165,7 @@ class ContextParallelAttention(nn.Module):
     """Replaces a family's attention core (``ParallelSpec.attention_cores``) under context parallelism: the same
     call (``q`` [B, N, S/cp, D], ``k``/``v`` [B, K, S/cp, D] of this rank's tokens), attending to the whole
     sequence of the cp group. Rebuilds the causal mask from global columns and the model's
-    :class:`~lightning_llm.models.layers.TokenMask`, so the model passes it (``needs_token_mask``)."""
+    :class:`~lightning_llm.models.attention.TokenMask`, so the model passes it (``needs_token_mask``)."""
 
     needs_token_mask = True
 
@@ -188,8 +197,14 @@ class ContextParallelAttention(nn.Module):
                              "pattern of a slice would differ from one device's)")
         s_local = q.shape[2]
         seq = s_local * self.cp
-        # one collective for both: [2, B, K, S/cp, D] -> [2, B, K, S, D] (only the kv heads travel)
-        k_all, v_all = self._gather(torch.stack([k, v]), dim=3, differentiable=True).unbind(0)
+        # one collective for both: [2, B, S/cp, K, D] -> [2, B, S, K, D] (only the kv heads travel), seen as
+        # [B, K, S, D]; token-major, so the varlen path takes its rows as views
+        kv = self._gather(torch.stack([k.transpose(1, 2), v.transpose(1, 2)]), dim=2, differentiable=True)
+        k_all, v_all = kv.transpose(2, 3).unbind(0)
+        if token_mask.varlen:
+            layout = self.shared.get(token_mask, VarlenLayout, lambda: self._layout(
+                token_mask, seq=seq, batch=q.shape[0], device=q.device))
+            return varlen_attention(q, k_all, v_all, layout)
         plain = token_mask.keep is None and token_mask.segment_ids is None
         if plain and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
             c = s_local // 2
@@ -200,6 +215,19 @@ class ContextParallelAttention(nn.Module):
             self._mask(token_mask, seq=seq, batch=q.shape[0], device=q.device), q.dtype))
         rep = q.shape[1] // k.shape[1]
         return F.scaled_dot_product_attention(q, *_heads(k_all, v_all, slice(None), rep), attn_mask=mask)
+
+    def _layout(self, token_mask: Any, *, seq: int, batch: int, device: torch.device) -> VarlenLayout:
+        """The varlen layout of this rank's two chunks against the whole rows' keys (keep and segment ids
+        gathered)."""
+        c = seq // (2 * self.cp)
+        tail = 2 * self.cp - 1 - self.rank
+        chunks = [(self.rank * c, (self.rank + 1) * c), (tail * c, (tail + 1) * c)]  # local_columns' order
+        keep, seg = token_mask.keep, token_mask.segment_ids
+        if keep is not None:
+            keep = self._gather(keep.to(torch.uint8), dim=1, differentiable=False).bool()
+        if seg is not None:
+            seg = self._gather(seg, dim=1, differentiable=False)
+        return varlen_layout(keep, seg, batch=batch, seq=seq, device=device, chunks=chunks)
 
     def _mask(self, token_mask: Any, *, seq: int, batch: int, device: torch.device) -> Tensor:
         """Boolean [B, 1, S/cp, S]: causal by global column, a real key of the query's segment; an empty row attends

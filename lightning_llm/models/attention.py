@@ -1,0 +1,344 @@
+"""The attention core and its two paths: SDPA over a dense mask, and varlen flash attention without one.
+
+Both compute the same attention: causal, a key only if it is a real token (``keep``) of the query's packed example
+(``segment_ids``), within the sliding window where a layer has one.
+
+* **mask path** (every device; the CPU's exact path): the decoder builds one boolean/additive mask ``[B, 1, S, T]``
+  per forward (``layers.causal_padding_mask``) and each layer calls SDPA with it; plain rows (no padding, no packing,
+  no window) call SDPA ``is_causal`` with no mask. With a mask SDPA cannot take the flash kernel, and the mask is S^2
+  per row (a 32k-token row: 2 GiB in bf16).
+* **varlen path** (``ModelConfig.attention``: ``auto`` takes it on CUDA in fp16/bf16; ``varlen`` everywhere): no
+  mask. The decoder builds one :class:`VarlenLayout` per forward on the host from the padding and segment ids (which
+  rows of the flattened ``[B*S, heads, D]`` queries/keys each call takes, and the sequences' cumulative lengths, as
+  transformers' ``flash_attention_2`` unpads) and every layer calls ``torch.nn.attention.varlen.varlen_attn`` (flash
+  varlen, GQA heads not repeated, its own backward) on it. Rows without padding are views, not copies; padded rows are
+  gathered into the call and scattered back (padding outputs are 0: nothing reads them, as with every padding output).
+  Plain rows keep SDPA ``is_causal`` (cuDNN/flash, ``enable_gqa``). On the CPU the same layout runs
+  :func:`reference_varlen` (per sequence, float math), the reference the tests hold against the mask path.
+
+The flash kernel aligns a causal mask to the bottom right when a sequence has more keys than queries (query ``t`` of
+``Lq`` sees keys up to ``t + Lk - Lq``), so one call attends a chunk of queries to every earlier key of its example:
+what context parallelism needs (a slice's chunk against the gathered keys before it,
+``strategies/context/attention.py``), with no mask and no merge of partial results.
+
+Shape legend: B batch, N query heads, K key/value heads, S query tokens, T key tokens, D head dim; R rows of a
+flattened token stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .config import ModelConfig
+
+try:  # torch >= 2.9; sliding windows and GQA arguments in the versions this project pins (2.13)
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # an older torch: the mask path only
+    varlen_attn = None
+
+log = logging.getLogger(__name__)
+
+__all__ = ["AttentionMask", "DotProductAttention", "TokenMask", "VarlenCall", "VarlenLayout", "attention_path",
+           "contiguous_sequences", "describe_attention", "reference_varlen", "uses_varlen", "varlen_attention",
+           "varlen_layout"]
+
+AttentionPath = Literal["varlen", "sdpa"]
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_FLASH_MAX_HEAD_DIM = 256
+_VARLEN_ARGS = ("window_size", "enable_gqa")
+_HAS_VARLEN = varlen_attn is not None and set(_VARLEN_ARGS) <= set(inspect.signature(varlen_attn).parameters)
+
+
+# ---------------------------------------------------------------------------------------------------- the layout
+Rows = slice | Tensor
+"""Rows of a flattened token stream: a contiguous range (a view) or an index [R] (a copy)."""
+
+
+@dataclass(frozen=True)
+class VarlenCall:
+    """One varlen kernel call: sequence ``i`` is query rows ``cu_q[i]:cu_q[i+1]`` of the selected queries and key rows
+    ``cu_k[i]:cu_k[i+1]`` of the selected keys (its last queries are its last keys: causal from the bottom right)."""
+
+    q: Rows
+    """Which rows of the flattened queries ``[B*S, N, D]`` the call takes, in sequence order."""
+    k: Rows
+    """Which rows of the flattened keys/values ``[B*T, K, D]``."""
+    cu_q: Tensor
+    """[n + 1] int32 cumulative query lengths (on the attention's device)."""
+    cu_k: Tensor
+    """[n + 1] int32 cumulative key lengths."""
+    max_q: int
+    max_k: int
+
+
+@dataclass(frozen=True)
+class VarlenLayout:
+    """What every attention layer of one forward needs instead of a mask: its kernel calls and where their outputs
+    go. Built once per forward on the host (:func:`varlen_layout`); holds no ``[S, S]`` tensor."""
+
+    calls: tuple[VarlenCall, ...]
+    rows: int
+    """Rows of the flattened output ``[B*S, N, D]``."""
+    scatter: Tensor | None
+    """[R] the output rows of the calls' concatenated outputs; None: they are rows ``0..rows-1`` in order."""
+    window: int | None = None
+    """Sliding window: a query sees the ``window`` most recent keys of its sequence, itself included."""
+
+    def with_window(self, window: int | None) -> VarlenLayout:
+        return dataclasses.replace(self, window=window)
+
+
+AttentionMask = Tensor | VarlenLayout | None
+"""What a layer's attention receives: a boolean/additive mask, the varlen layout, or None (plain causal rows)."""
+
+
+def _rows(index: Tensor, device: torch.device) -> Rows:
+    """A slice where ``index`` [R] is a contiguous ascending range (no copy), else the index on ``device``."""
+    n = index.numel()
+    start = int(index[0]) if n else 0
+    if torch.equal(index, torch.arange(start, start + n)):
+        return slice(start, start + n)
+    return index.to(device, non_blocking=True)
+
+
+def _cumulative(lengths: Tensor, device: torch.device) -> Tensor:
+    return F.pad(lengths.cumsum(0), (1, 0)).to(device=device, dtype=torch.int32, non_blocking=True)
+
+
+def _sequences(keep: Tensor | None, segment_ids: Tensor | None, batch: int, seq: int) -> tuple[Tensor, Tensor]:
+    """On the host: ``real`` [B, S] (a real token of an example) and ``sid`` [B, S] (one id per (row, example),
+    increasing with the row)."""
+    if any(t is not None and t.is_meta for t in (keep, segment_ids)):
+        raise ValueError("the varlen attention layout reads the batch's padding and segment ids: they must hold "
+                         "values (not meta tensors)")
+    real = torch.ones(batch, seq, dtype=torch.bool) if keep is None else keep.cpu().bool()
+    seg = torch.zeros(batch, seq, dtype=torch.long) if segment_ids is None else segment_ids.cpu().long()
+    if segment_ids is not None:
+        real = real & (seg > 0)
+    return real, torch.arange(batch)[:, None] * (int(seg.max()) + 1) + seg
+
+
+def varlen_layout(keep: Tensor | None, segment_ids: Tensor | None, *, batch: int, seq: int, device: torch.device,
+                  chunks: Sequence[tuple[int, int]] | None = None) -> VarlenLayout:
+    """The layout of a forward whose rows are ``keep`` [B, S] (True = a real token; None: all) and ``segment_ids``
+    [B, S] (packed rows: 1..k per example, 0 padding; None: one sequence per row), in global column order.
+
+    ``chunks``: the query columns this rank holds, ``[lo, hi)`` ranges of global columns in its local order (context
+    parallelism: two chunks of a row); default the whole row. Each chunk is one kernel call: its real queries, grouped
+    by (row, example), against every real key of the same example in columns before ``hi``. Sequences are ordered by
+    (row, segment id), tokens by column, so an example's tokens are consecutive even across padding.
+    """
+    real, sid = _sequences(keep, segment_ids, batch, seq)
+    row = torch.arange(batch)[:, None]
+    col = torch.arange(seq)[None, :]
+    order = sid * seq + col  # [B, S] sort key: by sequence, then by column
+    chunks = [(0, seq)] if chunks is None else list(chunks)
+    local = sum(hi - lo for lo, hi in chunks)
+    calls, outputs, offset = [], [], 0
+    for lo, hi in chunks:
+        in_q = real & (col >= lo) & (col < hi)
+        seqs, n_q = torch.unique(sid[in_q], return_counts=True)  # sorted: the sequences with queries here
+        if seqs.numel():
+            in_k = real & (col < hi) & torch.isin(sid, seqs)
+            n_k = torch.unique(sid[in_k], return_counts=True)[1]  # the same sequences, in the same order
+            q_rows = (row * local + offset + col - lo).expand(batch, seq)[in_q]
+            k_rows = (row * seq + col).expand(batch, seq)[in_k]
+            q_rows = q_rows[order[in_q].argsort()]
+            calls.append(VarlenCall(q=_rows(q_rows, device), k=_rows(k_rows[order[in_k].argsort()], device),
+                                    cu_q=_cumulative(n_q, device), cu_k=_cumulative(n_k, device),
+                                    max_q=int(n_q.max()), max_k=int(n_k.max())))
+            outputs.append(q_rows)
+        offset += hi - lo
+    every = torch.cat(outputs) if outputs else torch.zeros(0, dtype=torch.long)
+    in_order = torch.equal(every, torch.arange(batch * local))
+    return VarlenLayout(tuple(calls), rows=batch * local, scatter=None if in_order else every.to(device))
+
+
+def contiguous_sequences(keep: Tensor | None, segment_ids: Tensor | None) -> bool:
+    """Whether every example's real tokens are adjacent columns (no padding inside an example, no segment id used
+    twice in a row): then distances in a varlen sequence are column distances, as a sliding window counts them."""
+    given = keep if keep is not None else segment_ids
+    if given is None:
+        return True
+    b, s = given.shape
+    real, sid = _sequences(keep, segment_ids, b, s)
+    sid = sid[real]
+    cols = torch.arange(s).expand(b, s)[real]
+    n = int(sid.max()) + 1 if sid.numel() else 0
+    first = torch.full((n,), s, dtype=torch.long).scatter_reduce(0, sid, cols, "amin")
+    last = torch.full((n,), -1, dtype=torch.long).scatter_reduce(0, sid, cols, "amax")
+    count = torch.zeros(n, dtype=torch.long).scatter_add(0, sid, torch.ones_like(sid))
+    used = count > 0
+    return bool(((last - first + 1)[used] == count[used]).all())
+
+
+# ---------------------------------------------------------------------------------------------------- the kernels
+def reference_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, *,
+                     window: int | None) -> Tensor:
+    """What the varlen kernel computes, one sequence at a time with SDPA and an explicit mask: q [Rq, N, D], k/v
+    [Rk, K, D] -> [Rq, N, D]; causal from the bottom right, within ``window``; GQA heads repeated."""
+    rep = q.shape[1] // k.shape[1]
+    outs = []
+    bounds = zip(cu_q.tolist()[:-1], cu_q.tolist()[1:], cu_k.tolist()[:-1], cu_k.tolist()[1:], strict=True)
+    for a, b, c, d in bounds:
+        qi = q[a:b].transpose(0, 1)  # [N, Lq, D]
+        ki, vi = (t[c:d].transpose(0, 1).repeat_interleave(rep, dim=0) for t in (k, v))  # [N, Lk, D]
+        last = torch.arange(b - a, device=q.device)[:, None] + (d - c) - (b - a)  # each query's own key column
+        cols = torch.arange(d - c, device=q.device)[None, :]
+        allowed = cols <= last
+        if window is not None:
+            allowed = allowed & (cols > last - window)
+        outs.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=allowed).transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _varlen_kernel(q: Tensor, k: Tensor, v: Tensor, call: VarlenCall, window: int | None) -> Tensor:
+    """flash varlen on CUDA (and on the meta device, which runs its shape function), the reference elsewhere."""
+    if q.device.type in ("cuda", "meta"):
+        if not _HAS_VARLEN:
+            raise RuntimeError(f"attention=varlen needs torch.nn.attention.varlen.varlen_attn with "
+                               f"{' and '.join(_VARLEN_ARGS)} (torch 2.13); torch {torch.__version__} has not: use "
+                               "attention=sdpa")
+        return varlen_attn(q, k, v, call.cu_q, call.cu_k, call.max_q, call.max_k,
+                           window_size=(-1 if window is None else window - 1, 0), enable_gqa=k.shape[1] != q.shape[1])
+    return reference_varlen(q, k, v, call.cu_q.cpu(), call.cu_k.cpu(), window=window)
+
+
+def _take(t: Tensor, rows: Rows) -> Tensor:
+    return t[rows] if isinstance(rows, slice) else t.index_select(0, rows)
+
+
+@torch.compiler.disable  # a layout's ints and ranges change every batch: a compiled block would recompile each time
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout) -> Tensor:
+    """Attention of q [B, N, S, D] on k, v [B, K, T, D] as ``layout`` says -> [B, N, S, D] (0 for a query in no
+    call: padding)."""
+    b, n, s, d = q.shape
+    qf = q.transpose(1, 2).reshape(b * s, n, d)  # a view of the projections' [B, S, N, D]
+    kf = k.transpose(1, 2).reshape(-1, k.shape[1], d)
+    vf = v.transpose(1, 2).reshape(-1, v.shape[1], d)
+    outs = [_varlen_kernel(_take(qf, c.q), _take(kf, c.k), _take(vf, c.k), c, layout.window) for c in layout.calls]
+    out = torch.cat(outs) if len(outs) > 1 else outs[0] if outs else qf.new_zeros(0, n, d)
+    if layout.scatter is not None:
+        out = qf.new_zeros(layout.rows, n, d).index_copy(0, layout.scatter, out)
+    return out.view(b, s, n, d).transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------------- the choice
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    device = x.device.type
+    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    return torch.get_autocast_dtype(device) if autocast else x.dtype
+
+
+@functools.cache
+def _flash_device(device: torch.device) -> bool:
+    """CUDA with torch's flash kernels (Ampere or newer)."""
+    return device.type == "cuda" and torch.backends.cuda.is_flash_attention_available() \
+        and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def attention_path(config: ModelConfig, *, device: torch.device, dtype: torch.dtype) -> tuple[AttentionPath, str]:
+    """Which path a forward on ``device`` computing in ``dtype`` takes, and why."""
+    if config.attention == "sdpa":
+        return "sdpa", "attention=sdpa"
+    if config.attention == "varlen":
+        return "varlen", "attention=varlen"
+    if not _flash_device(device):
+        return "sdpa", "no CUDA flash kernel" if device.type == "cuda" else f"{device.type} device"
+    if not _HAS_VARLEN:
+        return "sdpa", f"torch {torch.__version__} has no varlen_attn with {' and '.join(_VARLEN_ARGS)}"
+    if dtype not in _FLASH_DTYPES:
+        return "sdpa", f"{dtype} (flash takes fp16/bf16)"
+    if (config.head_dim or 0) > _FLASH_MAX_HEAD_DIM or (config.head_dim or 0) % 8:
+        return "sdpa", f"head_dim {config.head_dim} (flash: a multiple of 8 up to {_FLASH_MAX_HEAD_DIM})"
+    if config.dropout:
+        return "sdpa", f"attention dropout {config.dropout}"
+    return "varlen", "CUDA, fp16/bf16"
+
+
+def uses_varlen(config: ModelConfig, x: Tensor) -> bool:
+    """Whether a whole-sequence forward of hidden states ``x`` takes the varlen path."""
+    return attention_path(config, device=x.device, dtype=_compute_dtype(x))[0] == "varlen"
+
+
+def describe_attention(config: ModelConfig, *, device: torch.device, dtype: torch.dtype,
+                       context_parallel: int = 1) -> str:
+    """One line for the run summary: the kernel each kind of batch takes."""
+    path, why = attention_path(config, device=device, dtype=dtype)
+    gqa = (config.num_kv_heads or config.num_heads) < config.num_heads
+    if context_parallel > 1:
+        if path == "varlen":
+            return (f"context parallel x{context_parallel}: keys/values all-gathered, flash varlen per local chunk "
+                    f"(torch.nn.attention.varlen.varlen_attn, causal from the bottom right; no [S/cp, S] mask) ({why})")
+        return (f"context parallel x{context_parallel}: keys/values all-gathered; plain rows: CPU flash blocks merged "
+                f"by log-sum-exp on the CPU; padded/packed rows (and other devices): SDPA with a [B, 1, S/cp, S] mask "
+                f"({why})")
+    heads = "; GQA: kv heads not repeated" if gqa and path == "varlen" else ""
+    if path == "varlen":
+        return (f"flash varlen (torch.nn.attention.varlen.varlen_attn) for padded, packed and sliding-window rows, "
+                f"no [S, S] mask; plain rows: SDPA is_causal{heads} ({why})")
+    return f"SDPA with a [B, 1, S, S] mask for padded, packed and sliding-window rows; plain rows: is_causal ({why})"
+
+
+# ---------------------------------------------------------------------------------------------------- the core
+@dataclass(frozen=True)
+class TokenMask:
+    """What a causal decoder's attention mask is made of, per token of this forward (a core that holds keys beyond
+    this forward's own tokens rebuilds its mask from it: context parallelism's attention across sequence slices).
+
+    Causal by column order, a key attends only if it is a real token (``keep``) of the query's segment
+    (``segment_ids``); a query with no such key attends to itself (as ``layers.causal_padding_mask``)."""
+
+    keep: Tensor | None = None
+    """[B, S] bool, True = a real token; None: every token is."""
+    segment_ids: Tensor | None = None
+    """[B, S] packed rows (1..k per example, 0 padding); None: one sequence per row."""
+    varlen: bool = False
+    """The forward takes the varlen path (:func:`uses_varlen`): a core attends through the varlen kernel, no mask."""
+
+
+class DotProductAttention(nn.Module):
+    """The attention core of ``layers.Attention`` (no parameters): ``softmax(q k^T / sqrt(D)) v`` by SDPA (GQA kv
+    heads repeated on the CPU, ``enable_gqa`` elsewhere), or by the varlen kernel when given a
+    :class:`VarlenLayout`. A declared hook (``ParallelSpec.attention_cores``): a layout that splits the sequence
+    replaces this module by its attention across the slices, with the same call."""
+
+    needs_token_mask: bool = False
+    """Whether the model must pass ``token_mask``: a module that rebuilds the mask from it (in place of this core)
+    sets True."""
+
+    def forward(
+        self,
+        q: Tensor,  # [B, N, S, D]
+        k: Tensor,  # [B, K, T, D] (K divides N)
+        v: Tensor,  # [B, K, T, D]
+        *,
+        attn_mask: AttentionMask,  # bool (True = attend) or additive, broadcastable to [B, N, S, T]; or the layout
+        is_causal: bool,
+        dropout_p: float,
+        token_mask: TokenMask | None = None,  # the mask's ingredients (unused here: attn_mask is built from them)
+    ) -> Tensor:  # [B, N, S, D]
+        if isinstance(attn_mask, VarlenLayout):
+            if dropout_p:
+                raise ValueError(f"attention=varlen has no attention dropout (dropout={dropout_p}): use "
+                                 "attention=sdpa or dropout 0")
+            return varlen_attention(q, k, v, attn_mask)
+        if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype != q.dtype:
+            attn_mask = attn_mask.to(q.dtype)  # built for another compute dtype than this layer's (rare)
+        n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1 and q.device.type == "cpu":  # the CPU's exact path: kv head j serves query heads j*n_rep ..
+            k = k.repeat_interleave(n_rep, dim=1)  # [B, N, T, D] (HF repeat_kv)
+            v = v.repeat_interleave(n_rep, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal and attn_mask is None,
+                                              enable_gqa=k.shape[1] != q.shape[1])
