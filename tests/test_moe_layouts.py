@@ -81,7 +81,8 @@ class Probe(pl.Callback):
 
 
 def _fit(strategy: Any, devices: int, out: Path, *, batch_size: int, accumulate: int = 1, steps: int = STEPS,
-         one_expert: bool = False, save: bool = False, ckpt_path: Path | None = None) -> dict[str, Any]:
+         one_expert: bool = False, save: bool = False, ckpt_path: Path | None = None,
+         custom: bool = True) -> dict[str, Any]:
     from lightning_llm.data import TextDataModule
     from lightning_llm.tasks import CausalLMTask, OptimConfig
     from lightning_llm.testing import LoggedLoss, table_trainer
@@ -90,7 +91,7 @@ def _fit(strategy: Any, devices: int, out: Path, *, batch_size: int, accumulate:
     moe = {**MOE, "top_k": 1, "bias_update_rate": 0.0} if one_expert else MOE
     dm = TextDataModule(block_size=64, batch_size=batch_size, cache_dir=str(out / "cache"), generated_docs=200,
                         val_fraction=0.0)
-    task = CausalLMTask("debug-moe", dropout=0.0, model_overrides={"moe": moe},
+    task = CausalLMTask("debug-moe", dropout=0.0, model_overrides={"moe": moe} if custom else {},
                         optim=OptimConfig(lr=1e-2, scheduler="constant", eps=1e-6))
     rec, probe = LoggedLoss(), Probe()
     callbacks: list[pl.Callback] = [rec, probe, *([OneExpert()] if one_expert else [])]
@@ -137,8 +138,9 @@ def _worker(mode: str, out: Path) -> None:
         results[layout] = {"losses": [r["losses"] for r in every], "loads": every[0]["loads"],
                            "grads": {n: g for r in every for n, g in r["grads"].items()},
                            "biases": {n: b for r in every for n, b in r["biases"].items()}}
-    if mode == "layouts":  # the checkpoint the resume runs read
+    if mode == "layouts":  # the checkpoint the resume runs read; a Qwen3-MoE-shaped one to export
         _fit(ExpertParallelStrategy(), 2, out / "ep2_save", batch_size=4, steps=HALF, save=True)
+        _fit(ExpertParallelStrategy(), 2, out / "ep2_export", batch_size=4, steps=2, save=True, custom=False)
     if torch.distributed.get_rank() == 0:
         torch.save(results, out / f"{mode}.pt")
 
@@ -198,6 +200,35 @@ def test_ep2_checkpoint_resumes_at_other_layouts(runs: Path, target: str) -> Non
     err = max(abs(a - b) for a, b in zip(got["losses"], ref[HALF:], strict=True))
     print(f"ep2 -> {target}: steps {HALF + 1}-{STEPS} vs one device uninterrupted: {err:.2e}")
     assert err <= TOL
+
+
+@pytest.mark.multiprocess
+def test_ep2_checkpoint_exports_transformers_key_set_and_reloads(runs: Path, tmp_path: Path) -> None:
+    """A checkpoint saved under ep2 (experts saved whole) exports as Qwen3MoeForCausalLM with exactly the keys
+    transformers' own save_pretrained writes, and transformers reloads it with our model's logits."""
+    import warnings
+
+    from safetensors import safe_open
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from lightning_llm.export.checkpoint import read_checkpoint
+    from lightning_llm.export.model import rebuild_model
+    from lightning_llm.export.to_hf import export_checkpoint
+
+    ckpt = runs / "ep2_export" / "ckpt" / "last.ckpt"
+    export_checkpoint(ckpt, tmp_path / "hf")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        Qwen3MoeForCausalLM(Qwen3MoeConfig.from_pretrained(str(tmp_path / "hf"))).save_pretrained(str(tmp_path / "own"))
+        reloaded = Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    keys = [set(safe_open(str(d / "model.safetensors"), "pt").keys()) for d in (tmp_path / "hf", tmp_path / "own")]
+    assert keys[0] == keys[1] and any(".mlp.experts.7.down_proj." in k for k in keys[0])
+    ours, _ = rebuild_model(read_checkpoint(ckpt))
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        err = (reloaded(input_ids=ids).logits - ours.eval()(ids)).abs().max().item()
+    print(f"ep2 checkpoint -> Qwen3MoeForCausalLM: {len(keys[0])} keys as save_pretrained's, logits {err:.2e}")
+    assert err < 1e-5
 
 
 if __name__ == "__main__":
