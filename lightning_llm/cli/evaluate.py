@@ -41,8 +41,8 @@ LAYOUT_FLAGS = ("accelerator", "strategy", "devices", "num_nodes", "precision")
 
 
 def _parser() -> LightningArgumentParser:
-    parser = LightningArgumentParser(prog="lightning_llm eval", description=__doc__.split("\n\n")[0],
-                                     parser_mode="yaml")
+    summary = __doc__.split("\n\n")[0].replace("``", "")
+    parser = LightningArgumentParser(prog="lightning_llm eval", description=summary, parser_mode="yaml")
     parser.add_argument("path", help="a checkpoint (file or directory, any layout) or a Hugging Face directory")
     parser.add_argument("--tasks", required=True, help="lm-eval task/group/tag names or task YAML files, comma "
                         "separated (from lm-eval's registry or --include_path)")
@@ -117,8 +117,15 @@ class _ScoreAtStart(pl.Callback):
                        batch_size=self.cfg.batch_size, seed=self.cfg.seed, show_progress=trainer.is_global_zero)
         tracker = tracker_for(self.cfg) if trainer.is_global_zero else None
         results = score(lm, self.manager, self.tasks, self.cfg, model_name=str(self.source.path), tracker=tracker)
+        error = None
         if trainer.is_global_zero and results is not None:
-            write_results(results, self.cfg, tracker)
+            try:
+                write_results(results, self.cfg, tracker)
+            except OSError as e:  # every rank leaves with the error (a rank left waiting at a barrier would hang)
+                error = str(e)
+        error = trainer.strategy.broadcast(error, src=0)
+        if error:
+            raise OSError(error)
 
 
 def _strategy(value: Any) -> Any:

@@ -134,14 +134,15 @@ def _build(manager: Any, cfg: EvalConfig) -> list[Any]:
 
     from lightning_llm.evaluation.harness import check_gen_kwargs
 
-    built = []
-    for name in cfg.tasks:
-        spec = _spec(name)
-        if spec == name and not manager.match_tasks([name]):
+    for name in cfg.tasks:  # every name first: an unknown one is refused before any data is read
+        if _spec(name) == name and not manager.match_tasks([name]):
             close = difflib.get_close_matches(name, manager.all_tasks, n=3)
             where = f" or in --include_path {', '.join(cfg.include_path)}" if cfg.include_path else ""
             raise LookupError(f"--tasks {name}: no such task, group or tag in lm-eval's registry{where}"
                               + (f"; close: {', '.join(close)}" if close else ""))
+    built = []
+    for name in cfg.tasks:
+        spec = _spec(name)
         try:
             loaded = manager.load([spec] if spec != name else manager.match_tasks([name]))  # a glob names several
         except (OSError, ConnectionError) as e:  # datasets: not cached offline, a data file missing
