@@ -225,14 +225,15 @@ def test_callback_logs_the_commands_scores_at_the_steps_asked(runs: dict[str, An
     out = runs["out"]
     rows = logged_rows(out / "fit", key="lm_eval/ceval_format/acc")
     steps = [int(r["step"]) for r in rows]
-    print(f"callback rows at steps {steps}: {[(r['lm_eval/ceval_format/acc'], r['lm_eval/gen_local/exact_match']) for r in rows]}")
-    assert len(rows) == STEPS // EVERY
+    scores = [(r["lm_eval/ceval_format/acc"], r["lm_eval/gen_local/exact_match"]) for r in rows]
+    print(f"callback rows at steps {steps}: (acc, exact_match) {scores}")
+    # after optimizer steps 30 and 60, on the rows of those steps' train_loss (Lightning's step column counts from 0)
+    assert steps == [EVERY - 1, 2 * EVERY - 1] and all("train_loss" in r for r in rows)
     command = _metrics(out / "results-1")
     last = rows[-1]
     assert last["lm_eval/ceval_format/acc"] == pytest.approx(command["ceval_format"]["acc,none"], abs=1e-6)
     assert last["lm_eval/ceval_format/acc_norm"] == pytest.approx(command["ceval_format"]["acc_norm,none"], abs=1e-6)
     assert last["lm_eval/gen_local/exact_match"] == pytest.approx(command["gen_local"]["exact_match,none"], abs=1e-6)
-    return
 
 
 def test_lora_checkpoint_scored_with_its_adapters(runs: dict[str, Any]) -> None:

@@ -1,7 +1,7 @@
 """``lightning_llm eval PATH --tasks A,B [--include_path DIR] [--limit N] [--num_fewshot K] [--output_path DIR]
-[--log_samples]`` plus the layout flags ``--trainer.strategy=NAME`` (and its ``--trainer.strategy.OPTION``s),
-``--trainer.devices``, ``--trainer.num_nodes``, ``--trainer.accelerator``, ``--trainer.precision``: lm-evaluation-harness
-scores PATH (a checkpoint of any layout, or a Hugging Face directory) at that layout.
+[--log_samples]`` plus the layout flags ``--trainer.strategy=NAME`` (and its options), ``--trainer.devices``,
+``--trainer.num_nodes``, ``--trainer.accelerator``, ``--trainer.precision``: lm-evaluation-harness scores PATH (a
+checkpoint of any layout, or a Hugging Face directory) at that layout.
 
 The layout is the engine's, reused as ``fit`` uses it: a Lightning Trainer with the chosen strategy builds the model
 (:class:`~lightning_llm.evaluation.model.EvalTask`: lazily, each rank materializing its shards), the checkpoint's

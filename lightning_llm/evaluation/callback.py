@@ -104,7 +104,8 @@ class LMEvalCallback(pl.Callback):
         dm = trainer.datamodule
         stops = getattr(dm, "stop_token_ids", None) or []
         lm = HarnessLM(pl_module, tokenizer=self._tokenizer(trainer), eos_token_ids=list(stops),
-                       max_length=self.cfg.max_length, batch_size=self.cfg.batch_size, seed=self.cfg.seed, show_progress=False)
+                       max_length=self.cfg.max_length, batch_size=self.cfg.batch_size, seed=self.cfg.seed,
+                       show_progress=False)
         results = score(lm, manager, tasks, self.cfg, model_name=type(pl_module).__name__)
         values = metric_values(results) if trainer.is_global_zero and results is not None else None
         return trainer.strategy.broadcast(values, src=0)

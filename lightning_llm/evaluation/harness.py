@@ -192,7 +192,8 @@ class HarnessLM(TemplateLM):
                     n, m = len(rows[r]), len(cont)
                     scores = logp[r, n - m:n]  # [m, V]: the positions predicting the continuation
                     target = torch.tensor(cont, device=scores.device)
-                    answer = (float(scores.gather(-1, target[:, None]).sum()), bool((scores.argmax(-1) == target).all()))
+                    answer = (float(scores.gather(-1, target[:, None]).sum()),
+                              bool((scores.argmax(-1) == target).all()))
                     results[i] = answer
                     if key is not None:
                         self.cache_hook.add_partial("loglikelihood", key, answer)

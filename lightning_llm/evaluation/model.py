@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from typing_extensions import override
 
-from lightning_llm.checkpoint import load_file, read_dcp_metadata, verify_checkpoint
+from lightning_llm.checkpoint import first_line, load_file, read_dcp_metadata, verify_checkpoint
 from lightning_llm.data.base import load_tokenizer
 from lightning_llm.data.io import read_json
 from lightning_llm.data.tokenizers import ByteTokenizer
@@ -37,6 +37,7 @@ from lightning_llm.export import (
     read_checkpoint,
 )
 from lightning_llm.models import ModelConfig, config_from_hf, model_from_config
+from lightning_llm.models.quantize import QuantizationConfig
 from lightning_llm.strategies import hybrid_checkpoint as hckpt
 from lightning_llm.tasks.causal_lm import CausalLMTask
 
@@ -141,9 +142,11 @@ def read_source(path: str | Path, *, tokenizer_dir: str | None = None) -> ModelS
         raise ValueError(f"PATH={p}: a checkpoint of an encoder ({config.family}); lm-eval scores decoders")
     tokenizer, sources = _tokenizer(checkpoint, tokenizer_dir, f"PATH={p}")
     hp = dict(checkpoint.get("hyper_parameters") or {})
+    quantization = hp.get("quantization")
     task_kwargs = {"backbone": str(hp.get("backbone", "debug")), "model_config": config.to_dict(),
                    "peft": peft_config_of(checkpoint), "quantize": hp.get("quantize"),
-                   "quantization": hp.get("quantization")}
+                   "quantization": QuantizationConfig(**quantization) if isinstance(quantization, dict)
+                   else quantization, "resize_embeddings": bool(hp.get("resize_embeddings", False))}
     return ModelSource(path=p, kind=kind, tokenizer=tokenizer, max_length=config.max_position_embeddings,
                        task_kwargs=task_kwargs, eos_token_ids=_eos_ids(generation_config_dict(config, sources)),
                        checkpoint=checkpoint)
@@ -173,9 +176,19 @@ class EvalTask(CausalLMTask):
         super().__init__(backbone, **kwargs)
         self.model_config = model_config
 
+    @property
+    def base_from_backbone(self) -> bool:
+        """A PEFT run's frozen base is read from its backbone directory (its checkpoint may hold the adapter only)."""
+        return self.peft_config is not None and Path(self.backbone).expanduser().is_dir()
+
+    @override
+    def datamodule_vocab_size(self) -> int | None:
+        # No datamodule here: the run's vocabulary is the stored config's (a base grown to it, as the run grew it).
+        return None if self.model_config is None else int(self.model_config["vocab_size"])
+
     @override
     def build_decoder(self, backbone: str | None = None) -> nn.Module:
-        if self.model_config is None or self.peft_config is not None:
+        if self.model_config is None or self.base_from_backbone:
             return super().build_decoder(backbone)  # an HF directory, or a PEFT run's frozen base
         lazy = self.capabilities.deferred_init  # the engine materializes it, then load_weights overwrites it
         with torch.device("meta") if lazy else nullcontext():
@@ -203,16 +216,22 @@ class EvalTask(CausalLMTask):
         have = _union(set(hckpt.saved_model_state(self)))
         trainable = _union({n for n, p in self.named_parameters() if p.requires_grad})
         unexpected = sorted(saved - have)
-        missing = sorted(k for k in have - saved if self.peft_config is None or k in trainable)
+        missing = sorted(k for k in have - saved if not self.base_from_backbone or k in trainable)
         if unexpected:
             raise ValueError(f"{source.name}: holds {len(unexpected)} weights the model rebuilt from its stored config "
                              f"has no place for, e.g. {unexpected[:3]} (another task's model, e.g. PPO's value head?): "
                              "export it with `lightning_llm export` and evaluate the HF directory")
         if missing:
-            raise ValueError(f"{source.name}: lacks {len(missing)} weights of the model, e.g. {missing[:3]}")
-        if source.kind == "dcp":
-            hckpt.load_hybrid(source.path, module=self, optimizers=[], strict=False)
-        else:
-            assert source.checkpoint is not None
-            hckpt.load_full_weights(self, source.checkpoint["state_dict"], strict=False)
+            raise ValueError(f"{source.name}: lacks {len(missing)} weights of the model, e.g. {missing[:3]}"
+                             + ("" if self.peft_config is None else f" (the frozen base: backbone={self.backbone} is "
+                                "not a directory holding it)"))
+        try:
+            if source.kind == "dcp":
+                hckpt.load_hybrid(source.path, module=self, optimizers=[], strict=False)
+            else:
+                assert source.checkpoint is not None
+                hckpt.load_full_weights(self, source.checkpoint["state_dict"], strict=False)
+        except RuntimeError as e:  # load_state_dict's size mismatches
+            raise ValueError(f"{source.name}: its weights do not fit the model rebuilt from its stored config: "
+                             f"{first_line(e)}") from e
         log.info("%s: weights loaded (%d tensors)", source.name, len(saved))

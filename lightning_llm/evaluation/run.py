@@ -251,8 +251,8 @@ def metric_values(results: dict[str, Any]) -> dict[str, float]:
     out: dict[str, float] = {}
     for task, metrics in results.get("results", {}).items():
         for key, value in metrics.items():
-            metric, _, filt = key.partition(",")
-            if metric == "alias" or metric.endswith("_stderr") or not isinstance(value, (int, float)):
+            metric, comma, filt = key.partition(",")  # lm-eval's metric keys are "<metric>,<filter>"
+            if not comma or metric.endswith("_stderr") or not isinstance(value, (int, float)):
                 continue
-            out[f"{task}/{metric}" if filt in ("", "none") else f"{task}/{metric}_{filt}"] = float(value)
+            out[f"{task}/{metric}" if filt == "none" else f"{task}/{metric}_{filt}"] = float(value)
     return out
