@@ -2,7 +2,8 @@
 
 It scores requests with the task that holds the model, whatever the layout: ``task.run_model`` for whole-sequence
 log-probabilities (under tensor parallelism the vocab-sharded logits are gathered; under a pipeline the last stage's
-output reaches every pipeline rank) and :func:`lightning_llm.generation.generate` over ``task.decoding_model()`` for
+output reaches every pipeline rank; rolling log-likelihoods, which need no argmax, take the model's fused loss path and
+never form ``[B, S, V]`` logits) and :func:`lightning_llm.generation.generate` over ``task.decoding_model()`` for
 ``generate_until``. Every rank of a job scores every request in the same order and batches (the evaluator is told
 ``world_size=1``): tensor- and pipeline-parallel ranks must make the same model calls, and so must ZeRO-3 replicas,
 whose forward gathers parameters. Requests are batched longest first; log-likelihood rows are right-padded (the
@@ -50,6 +51,11 @@ def check_gen_kwargs(gen_kwargs: dict[str, Any] | None, *, where: str) -> None:
     if unsupported:
         raise ValueError(f"{where}: generation_kwargs {unsupported} are not supported by lightning_llm's generation "
                          f"(supported: until, max_gen_toks, {', '.join(SUPPORTED_GEN_KWARGS)})")
+
+
+def _full(out: torch.Tensor) -> torch.Tensor:
+    """A model output as a plain tensor (under tensor parallelism: the vocab-sharded logits, or replicated losses)."""
+    return out.full_tensor() if isinstance(out, DTensor) else out
 
 
 def _max_positions(model: Any) -> int:
@@ -154,21 +160,31 @@ class HarnessLM(TemplateLM):
         finally:
             model.train(was_training)
 
-    def _logits(self, ids: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [B, S, V] of right-padded rows (no mask needed: the model is causal)."""
-        out = self.task.run_model(ids.to(self.device))
-        if isinstance(out, DTensor):  # tensor parallelism: vocab-sharded logits
-            out = out.full_tensor()
-        return out.float()
+    def _scores(self, ids: torch.Tensor, targets: torch.Tensor, *, greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-probabilities of ``targets`` [B, S] (-100: not scored, 0 there) given right-padded ``ids``
+        [B, S] (no mask needed: the model is causal), and whether each target is the argmax (``greedy``).
+
+        With ``greedy`` (or a model that does not compute its own loss): fp32 log-softmax of the logits (under tensor
+        parallelism the vocab-sharded logits are gathered; under a pipeline the last stage's reach every rank).
+        Without: the model's fused loss path (``labels=``, per-token losses), which never forms ``[B, S, V]`` logits
+        and under a pipeline sends only ``[B, S]`` from the last stage."""
+        ids, targets = ids.to(self.device), targets.to(self.device)
+        if not greedy and getattr(self.task.model, "computes_loss", False):
+            losses = _full(self.task.run_model(ids, labels=targets, reduction="none")).float()
+            return -losses, torch.zeros_like(targets, dtype=torch.bool)
+        logp = torch.log_softmax(_full(self.task.run_model(ids)).float(), dim=-1)  # [B, S, V]
+        scored = targets.clamp(min=0)
+        picked = logp.gather(-1, scored[..., None]).squeeze(-1).masked_fill(targets < 0, 0.0)
+        return picked, logp.argmax(-1) == scored
 
     def _progress(self, total: int, desc: str, disable: bool) -> tqdm:
         return tqdm(total=total, desc=desc, disable=disable or not self.show_progress)
 
     # ------------------------------------------------------------------------------------------ log-likelihoods
     def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False,
-                              **kwargs: Any) -> list[tuple[float, bool]]:
+                              greedy: bool = True, **kwargs: Any) -> list[tuple[float, bool]]:
         """``(sum of the continuation's log-probs, whether every continuation token is the argmax)`` per
-        ``(key, context ids, continuation ids)``, in request order."""
+        ``(key, context ids, continuation ids)``, in request order (``greedy=False``: the flag is not computed)."""
         for _, context, continuation in requests:
             if not context or not continuation or len(continuation) > self.max_length:
                 raise ValueError(f"a log-likelihood request with {len(context)} context and {len(continuation)} "
@@ -181,22 +197,21 @@ class HarnessLM(TemplateLM):
             for start in range(0, len(order), self.batch_size):
                 chunk = order[start:start + self.batch_size]
                 # Context + continuation, cut from the left to max_length + 1 tokens; the last token is only scored.
-                rows = [(requests[i][1] + requests[i][2])[-(self.max_length + 1):][:-1] for i in chunk]
-                width = -(-max(map(len, rows)) // self._pad_multiple) * self._pad_multiple
+                rows = [(requests[i][1] + requests[i][2])[-(self.max_length + 1):] for i in chunk]
+                width = -(-max(len(r) - 1 for r in rows) // self._pad_multiple) * self._pad_multiple
                 ids = torch.zeros(len(rows), width, dtype=torch.long)
-                for r, row in enumerate(rows):
-                    ids[r, :len(row)] = torch.tensor(row)
-                logp = torch.log_softmax(self._logits(ids), dim=-1)  # [B, S, V]
+                targets = torch.full((len(rows), width), -100, dtype=torch.long)
+                for r, (row, i) in enumerate(zip(rows, chunk)):
+                    n, m = len(row) - 1, len(requests[i][2])
+                    ids[r, :n] = torch.tensor(row[:-1])
+                    targets[r, n - m:n] = torch.tensor(row[-m:])  # the positions predicting the continuation
+                logp, argmax = self._scores(ids, targets, greedy=greedy)
+                scored = targets.to(argmax.device) >= 0
                 for r, i in enumerate(chunk):
-                    key, _, cont = requests[i]
-                    n, m = len(rows[r]), len(cont)
-                    scores = logp[r, n - m:n]  # [m, V]: the positions predicting the continuation
-                    target = torch.tensor(cont, device=scores.device)
-                    answer = (float(scores.gather(-1, target[:, None]).sum()),
-                              bool((scores.argmax(-1) == target).all()))
+                    answer = (float(logp[r].double().sum()), bool(argmax[r][scored[r]].all()))
                     results[i] = answer
-                    if key is not None:
-                        self.cache_hook.add_partial("loglikelihood", key, answer)
+                    if requests[i][0] is not None:
+                        self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
                 bar.update(len(chunk))
         bar.close()
         return results  # type: ignore[return-value]
@@ -217,7 +232,8 @@ class HarnessLM(TemplateLM):
                 owners.append(i)
                 windows.append((None, context, continuation))
         totals = [0.0] * len(requests)
-        for i, (ll, _) in zip(owners, self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm)):
+        scores = self._loglikelihood_tokens(windows, disable_tqdm=disable_tqdm, greedy=False)
+        for i, (ll, _) in zip(owners, scores):
             totals[i] += ll
         for req, total in zip(requests, totals):
             self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), total)
