@@ -223,8 +223,8 @@ class EvalTask(CausalLMTask):
                              "export it with `lightning_llm export` and evaluate the HF directory")
         if missing:
             raise ValueError(f"{source.name}: lacks {len(missing)} weights of the model, e.g. {missing[:3]}"
-                             + ("" if self.peft_config is None else f" (the frozen base: backbone={self.backbone} is "
-                                "not a directory holding it)"))
+                             + (f" (the frozen base: backbone={self.backbone} is not a directory holding it)"
+                                if self.peft_config is not None and not self.base_from_backbone else ""))
         try:
             if source.kind == "dcp":
                 hckpt.load_hybrid(source.path, module=self, optimizers=[], strict=False)
