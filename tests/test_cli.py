@@ -20,7 +20,7 @@ def test_help_lists_every_subcommand_with_one_line(capsys) -> None:
     assert main(["--help"]) == 0
     lines = capsys.readouterr().out.splitlines()
     names = [*LightningCLI.subcommands(), *TOOLS]
-    assert len(names) == 9 and set(SUBCOMMAND_HELP) == set(names)
+    assert len(names) == 10 and set(SUBCOMMAND_HELP) == set(names)
     for name in names:
         [line] = [ln for ln in lines if ln.split()[:1] == [name]]
         assert SUBCOMMAND_HELP[name] in line

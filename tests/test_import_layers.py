@@ -19,8 +19,9 @@ LAYERS = {
     "peft": 4, "run_summary": 4, "tools": 4,
     "export": 5, "rl": 5,
     "tasks": 6,
-    "cli": 7,
-    "testing": 8, "__main__": 8,
+    "evaluation": 7,
+    "cli": 8,
+    "testing": 9, "__main__": 9,
 }
 
 

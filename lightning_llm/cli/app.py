@@ -46,6 +46,7 @@ TOOLS: dict[str, str] = {
     "estimate": "lightning_llm.tools.estimate:main",
     "export": "lightning_llm.export.to_hf:main",
     "merge": "lightning_llm.export.merge:main",
+    "eval": "lightning_llm.cli.evaluate:main",
     "plot": "lightning_llm.tools.plot:main",
 }
 
@@ -59,6 +60,7 @@ SUBCOMMAND_HELP: dict[str, str] = {
     "estimate": "memory per device of a model under a layout, and the largest batch that fits",
     "export": "any checkpoint (any layout, LoRA merged or adapter-only) -> a Hugging Face directory",
     "merge": "fold a LoRA/PEFT adapter into full Hugging Face weights",
+    "eval": "score a checkpoint (any layout) or HF directory on lm-eval benchmarks (C-Eval, CMMLU, MMLU, your YAML)",
     "plot": "loss and throughput curves of a CSVLogger run to a PNG",
 }
 
@@ -269,7 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         print(usage(), end="", file=sys.stdout if args else sys.stderr)
         return 0 if args else 2
     if args and args[0] in TOOLS:
-        return _tool(args[0])(args[1:])
+        code = _tool(args[0])(args[1:])
+        if shutdown_process_group() and argv is None:  # `eval` under torchrun: leave as a finished run does
+            leave_process(code)
+        return code
     try:
         LLMCLI(args=argv)  # None: LightningCLI reads sys.argv itself
         if shutdown_process_group() and argv is None:

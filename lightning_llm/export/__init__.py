@@ -10,10 +10,10 @@
 """
 
 from lightning_llm.export.checkpoint import read_checkpoint
-from lightning_llm.export.files import ExportSources, export_sources, write_model_directory
+from lightning_llm.export.files import ExportSources, export_sources, generation_config_dict, write_model_directory
 from lightning_llm.export.meta import CHECKPOINT_KEY, ExportMetadata
-from lightning_llm.export.model import base_model, rebuild_model
+from lightning_llm.export.model import base_model, peft_config_of, rebuild_model
 from lightning_llm.export.to_hf import export_checkpoint
 
 __all__ = ["CHECKPOINT_KEY", "ExportMetadata", "ExportSources", "base_model", "export_checkpoint", "export_sources",
-           "read_checkpoint", "rebuild_model", "write_model_directory"]
+           "generation_config_dict", "peft_config_of", "read_checkpoint", "rebuild_model", "write_model_directory"]

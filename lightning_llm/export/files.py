@@ -2,7 +2,8 @@
 
 * :class:`ExportSources` / :func:`export_sources`: where the tokenizer, chat template and generation config of an
   export come from (the checkpoint's records, ``--tokenizer``, ``--base``).
-* :func:`write_generation_config`: decoders' ``generation_config.json``, stopping at the run's stop ids.
+* :func:`generation_config_dict` / :func:`write_generation_config`: decoders' ``generation_config.json``, stopping at
+  the run's stop ids (``lightning_llm eval`` stops generation where it says too).
 * :func:`write_model_directory`: ``save_hf`` + the tokenizer (``data.tokenizer_files.write_tokenizer``) + the
   generation config into a staging directory (``reliability.staged_directory``: the target appears only once
   complete), shared by ``lightning_llm export`` and ``merge``.
@@ -26,7 +27,8 @@ from lightning_llm.models.hf_config import SUPPORTED_ARCHITECTURES
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ExportSources", "export_sources", "write_generation_config", "write_model_directory"]
+__all__ = ["ExportSources", "export_sources", "generation_config_dict", "write_generation_config",
+           "write_model_directory"]
 
 
 @dataclass
@@ -92,11 +94,19 @@ def export_sources(checkpoint: dict[str, Any], *, base: str | None = None, token
 
 
 def write_generation_config(model: nn.Module, directory: Path, sources: ExportSources) -> None:
-    """Decoders: the backbone's ``generation_config.json`` (as stored in the checkpoint, else from the backbone
-    directory), or one made from the config's bos/eos/pad ids. Encoders get none (transformers writes none)."""
+    """Decoders: :func:`generation_config_dict` as ``generation_config.json``. Encoders get none (transformers
+    writes none)."""
     config = model.config  # type: ignore[union-attr]
     if config.family != "decoder":
         return
+    gen = generation_config_dict(config, sources)
+    (directory / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+
+
+def generation_config_dict(config: Any, sources: ExportSources) -> dict[str, Any]:
+    """A decoder's generation config as the export writes it: the backbone's ``generation_config.json`` (as stored
+    in the checkpoint, else from the backbone directory), or one made from the config's bos/eos/pad ids; its
+    ``eos_token_id`` extended with the run's stop ids (where the run's own generation ended)."""
     gen = sources.generation_config
     if gen is None and sources.backbone_dir is not None and (sources.backbone_dir / "generation_config.json").is_file():
         gen = read_json(sources.backbone_dir / "generation_config.json")
@@ -110,7 +120,7 @@ def write_generation_config(model: nn.Module, directory: Path, sources: ExportSo
         have = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         stops = list(dict.fromkeys([*sources.stop_token_ids, *have]))
         gen = {**gen, "eos_token_id": stops if len(stops) > 1 else stops[0]}
-    (directory / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+    return gen
 
 
 # ---------------------------------------------------------------------------------------------------- all of it

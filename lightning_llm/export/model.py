@@ -33,7 +33,7 @@ from lightning_llm.vocab import resize_embeddings
 
 log = logging.getLogger(__name__)
 
-__all__ = ["base_model", "rebuild_model"]
+__all__ = ["base_model", "peft_config_of", "rebuild_model"]
 
 # Config fields that change what a weight means without changing its shape: a --base directory must agree on them.
 _SHAPELESS_FIELDS = ("family", "norm", "norm_eps", "activation", "position", "rope_theta", "rope_scaling",
@@ -65,6 +65,11 @@ def _peft_config(checkpoint: dict[str, Any], hp: dict[str, Any]) -> Any:
     if isinstance(cfg.lora, dict):
         cfg.lora = LoraArgs(**cfg.lora)
     return cfg
+
+
+def peft_config_of(checkpoint: dict[str, Any]) -> PeftConfig | None:
+    """The PEFT settings a checkpoint's run trained with (``None``: a full fine-tune)."""
+    return _peft_config(checkpoint, dict(checkpoint.get("hyper_parameters") or {}))
 
 
 def _family(state: dict[str, Tensor]) -> str:
