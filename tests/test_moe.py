@@ -358,3 +358,30 @@ def test_lora_on_attention_and_experts_equals_peft_on_transformers_and_exports(t
     loaded = peft.PeftModel.from_pretrained(fresh, str(tmp_path / "adapter")).eval()
     with torch.no_grad():
         assert (loaded(input_ids=ids, attention_mask=mask).logits - want)[keep].abs().max() < 1e-5
+
+
+def test_expert_parallel_settings_are_refused_in_one_line() -> None:
+    """Degrees and combinations expert parallelism cannot run, refused before anything is built."""
+    from lightning_llm.peft import LoraArgs, PeftConfig
+    from lightning_llm.strategies.engine_layout import LayoutArgs
+    from lightning_llm.strategies.expert import expert_blocker
+    from lightning_llm.strategies.mesh import ParallelDims
+    from lightning_llm.tasks.decoder import check_expert_adapter_layout
+
+    with pytest.raises(ValueError, match="expert_parallel_size=3 must divide the 4 data x context parallel ranks"):
+        ParallelDims(dp=-1, ep=3).resolved(4)
+    assert ParallelDims(dp=2, cp=2, ep=-1).resolved(4).ep == 4
+    with pytest.raises(ValueError, match="zero_stage=1 is not supported"):
+        LayoutArgs(dims=ParallelDims(dp=-1, ep=2), zero_stage=1)
+    model = build_model("debug-moe", family="decoder", lazy=True)
+    assert "does not divide the model's 8 experts" in str(expert_blocker(model, 3))
+    assert "no Mixture-of-Experts layers" in str(expert_blocker(build_model("debug", family="decoder", lazy=True), 2))
+    lora = PeftConfig(lora=LoraArgs(dropout=0.0, target_parameters=["mlp.experts.gate_up_proj"]))
+
+    class EP2:
+        dims = ParallelDims(dp=2, ep=2)
+
+    with pytest.raises(ValueError, match="not supported under expert parallelism"):
+        check_expert_adapter_layout(lora, EP2())
+    with pytest.raises(ValueError, match="needs lora.dropout=0"):
+        PeftConfig(lora=LoraArgs(target_parameters=["mlp.experts.gate_up_proj"]))

@@ -32,7 +32,7 @@ TOL = 1e-5
 MOE = dict(num_experts=8, top_k=2, intermediate_size=32, scoring="sigmoid", num_groups=2, topk_groups=1,
            norm_topk_prob=True, score_bias=True, bias_update_rate=0.01, aux_loss_coef=1.0,
            shared_intermediate_size=32, dense_layers=[0])
-LAYOUTS2 = ["ep2", "ep2_zero3", "ep2_accum", "ep2_one_expert"]
+LAYOUTS2 = ["ep2", "ep2_zero3", "ep2_accum", "ep2_one_expert", "cp2_ep2"]
 LAYOUTS4 = ["dp2_ep2", "ep2_tp2", "ep2_pp2"]
 
 
@@ -43,6 +43,9 @@ def _strategy(name: str) -> tuple[Any, int]:
     if name in ("ep2", "ep2_accum", "ep2_one_expert"):
         return ExpertParallelStrategy(), 4
     return {"ep2_zero3": (ExpertParallelStrategy(zero_stage=3), 4),
+            # ep borrowed from the context-parallel ranks: each sees every row's slice, the experts split over both
+            "cp2_ep2": (HybridParallelStrategy(data_parallel_size=1, context_parallel_size=2, expert_parallel_size=2),
+                        8),
             "dp2_ep2": (HybridParallelStrategy(data_parallel_size=4, expert_parallel_size=2), 2),
             "ep2_tp2": (HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=2),
                         4),
@@ -141,8 +144,35 @@ def _worker(mode: str, out: Path) -> None:
     if mode == "layouts":  # the checkpoint the resume runs read; a Qwen3-MoE-shaped one to export
         _fit(ExpertParallelStrategy(), 2, out / "ep2_save", batch_size=4, steps=HALF, save=True)
         _fit(ExpertParallelStrategy(), 2, out / "ep2_export", batch_size=4, steps=2, save=True, custom=False)
+        results["lazy"] = gathered(_lazy_read(out))
     if torch.distributed.get_rank() == 0:
         torch.save(results, out / f"{mode}.pt")
+
+
+def _lazy_read(out: Path) -> dict[str, int]:
+    """One ep2 step from the HF checkpoint ``out/hf`` (built lazily: each rank reads its own experts' tensors only):
+    the bytes this rank read, and the bytes of the checkpoint's routed experts and of everything else."""
+    from safetensors import safe_open
+
+    from lightning_llm.data import TextDataModule
+    from lightning_llm.strategies import ExpertParallelStrategy
+    from lightning_llm.tasks import CausalLMTask
+    from lightning_llm.testing import table_trainer
+
+    pl.seed_everything(11)
+    hf = out / "hf"
+    dm = TextDataModule(tokenizer_dir=str(hf), block_size=32, batch_size=2, cache_dir=str(out / "cache_hf"),
+                        generated_docs=50, val_fraction=0.0)
+    task = CausalLMTask(str(hf), dropout=0.0)
+    table_trainer(out / "ep2_lazy", strategy=ExpertParallelStrategy(), devices=2, max_steps=1, callbacks=[]).fit(
+        task, dm)
+    sizes = {"experts": 0, "rest": 0}
+    with safe_open(str(hf / "model.safetensors"), "pt") as f:
+        for key in f.keys():
+            t = f.get_slice(key)
+            n = int(torch.tensor(t.get_shape()).prod()) * 4
+            sizes["experts" if ".experts." in key else "rest"] += n
+    return {"read": task.model.weights_source.bytes_read, **sizes}
 
 
 @pytest.fixture(scope="module")
@@ -150,12 +180,32 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from lightning_llm.testing import launch, run_reference_meanwhile, wait
 
     out = tmp_path_factory.mktemp("moe_layouts")
+    _write_hf_checkpoint(out / "hf")
     two = launch(__file__, 2, "layouts", str(out))
     run_reference_meanwhile(two, lambda: _worker("reference", out), timeout=1200)
     wait(launch(__file__, 4, "layouts4", str(out)), timeout=1200)
     wait(launch(__file__, 2, "resume_tp2", str(out)), timeout=1200)
     wait(launch(__file__, 1, "resume_single", str(out)), timeout=1200)
     return out
+
+
+def _write_hf_checkpoint(out: Path) -> None:
+    """A Qwen3-MoE checkpoint (8 experts) and a BPE tokenizer, as transformers and tokenizers write them."""
+    import warnings
+
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from lightning_llm.data.text import generated_corpus
+    from lightning_llm.testing import write_bpe_tokenizer
+
+    write_bpe_tokenizer(out, generated_corpus(50), vocab_size=300)
+    config = Qwen3MoeConfig(vocab_size=304, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, num_experts=8,
+                            num_experts_per_tok=2, norm_topk_prob=True, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        Qwen3MoeForCausalLM(config).save_pretrained(str(out))
 
 
 def _reference(layout: str, runs: Path) -> dict[str, Any]:
@@ -229,6 +279,30 @@ def test_ep2_checkpoint_exports_transformers_key_set_and_reloads(runs: Path, tmp
         err = (reloaded(input_ids=ids).logits - ours.eval()(ids)).abs().max().item()
     print(f"ep2 checkpoint -> Qwen3MoeForCausalLM: {len(keys[0])} keys as save_pretrained's, logits {err:.2e}")
     assert err < 1e-5
+
+
+@pytest.mark.multiprocess
+def test_pipeline_with_the_aux_loss_needs_gpipe(tmp_path: Path) -> None:
+    """Under a 1F1B pipeline a micro-batch's backward would run before the global batch's routing is known: refused
+    in one line naming the schedule and the flag that turns the loss off."""
+    from lightning_llm.testing import one_error_line_from_ranks, torchrun_cli_fails
+
+    repo = Path(__file__).resolve().parents[1]
+    out = torchrun_cli_fails(["fit", "--config", str(repo / "configs" / "pretrain_moe.yaml"), "--trainer.strategy=pp",
+                              "--trainer.devices=2", "--trainer.max_steps=1", "--model.backbone=debug-moe",
+                              f"--trainer.default_root_dir={tmp_path}", f"--trainer.logger.init_args.save_dir={tmp_path}",
+                              f"--data.cache_dir={tmp_path / 'cache'}"], cwd=tmp_path)
+    line = one_error_line_from_ranks(out)
+    assert "schedule=gpipe" in line and "router_aux_loss_coef=0" in line
+
+
+@pytest.mark.multiprocess
+def test_ep2_reads_only_its_experts_from_a_hf_checkpoint(runs: Path) -> None:
+    """Built lazily under ep2, each rank reads its half of the routed experts' tensors and all the rest."""
+    for rank in torch.load(runs / "layouts.pt")["lazy"]:
+        print(f"ep2 lazy load: read {rank['read']:,} bytes of {rank['experts'] + rank['rest']:,} "
+              f"(experts {rank['experts']:,})")
+        assert rank["read"] == rank["rest"] + rank["experts"] // 2
 
 
 if __name__ == "__main__":

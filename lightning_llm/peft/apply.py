@@ -94,6 +94,10 @@ class PeftConfig:
             raise ValueError(f"peft.method={self.method!r}: choose one of {methods}")
         if self.method == "lora" and self.lora.r < 1:
             raise ValueError(f"lora.r must be >= 1, got {self.lora.r}")
+        if self.method == "lora" and self.lora.target_parameters and self.lora.dropout:
+            raise ValueError(f"lora.target_parameters={self.lora.target_parameters} needs lora.dropout=0 (got "
+                             f"{self.lora.dropout}): peft adds such an update to the weight itself, which has no input "
+                             "to drop")
         if self.method in PROMPT_METHODS and self.num_virtual_tokens < 1:
             raise ValueError(f"peft.num_virtual_tokens must be >= 1, got {self.num_virtual_tokens}")
         if self.method in ("p_tuning", "prefix_tuning"):

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -65,7 +66,10 @@ class LayoutArgs:
 
     def __post_init__(self) -> None:
         d = self.dims
-        d.resolved(abs(d.dp * d.tp * d.pp * d.cp))  # degree syntax: positive or one -1
+        # degree syntax (positive or one -1); whether ep divides the replicas is known once the world size is
+        dataclasses.replace(d, ep=1).resolved(abs(d.dp * d.tp * d.pp * d.cp))
+        if d.ep == 0 or d.ep < -1:
+            raise ValueError(f"expert_parallel_size={d.ep}: must be a positive integer or -1 (all the replicas)")
         if not self.bucket_size_mb > 0:
             raise ValueError(f"bucket_size_mb={self.bucket_size_mb!r}: must be > 0 (MiB per gradient bucket)")
         if self.zero_stage not in (0, 1, 2, 3):

@@ -18,6 +18,7 @@ from typing_extensions import override
 
 from lightning_llm.contract import builds_lazily
 from lightning_llm.export.meta import _tokenizer_source, chat_template_source
+from lightning_llm.models.moe import moe_parameters
 from lightning_llm.models.quantize import (
     QuantizationConfig,
     QuantizeMode,
@@ -172,6 +173,11 @@ class DecoderTask(LLMTask):
             if problem:  # zero3: FSDP2 splits each weight's quantized pieces by rows
                 raise ValueError(f"--model.quantize={self.quantize} under zero3 x{caps.data_parallel_size}: {problem}")
             rank_zero_info(f"frozen base: block linears quantized to {describe(self.quantize, self.quantization)}")
+            experts, _ = moe_parameters(model.config)
+            if experts:
+                rank_zero_info(f"frozen base: the {experts:,} routed-expert weights ({100 * experts / max(sum(p.numel() for p in model.parameters()), 1):.0f}% of the model) stay in full "
+                               "precision (torchao quantizes linear layers' weights; the fused experts are [E, ...] "
+                               "parameters)")
         return model
 
     def build_policy(self) -> nn.Module:
