@@ -1,9 +1,9 @@
 """Parallel strategies, registered in Lightning's StrategyRegistry on import.
 
-``tp``, ``pp``, ``cp``, ``zero1/2/3(_offload)`` and ``3d`` are presets (:mod:`.presets`) of the one native engine
+``tp``, ``pp``, ``cp``, ``ep``, ``zero1/2/3(_offload)`` and ``3d`` are presets (:mod:`.presets`) of the one native engine
 (:class:`ParallelEngine`, :mod:`.engine` with the pieces beside it: :mod:`.mesh`, :mod:`.plans`, :mod:`.parallelize`,
 :mod:`.grad_buckets`, :mod:`.materialize`, layout-free checkpoints in :mod:`.hybrid_checkpoint`); its pipeline runtime
-is :mod:`.pipeline`, its context parallelism (attention across sequence slices) :mod:`.context`, its ZeRO pieces and DeepSpeed's engine (``deepspeed_zero*``) are :mod:`.zero`.
+is :mod:`.pipeline`, its context parallelism (attention across sequence slices) :mod:`.context`, its expert parallelism :mod:`.expert`, its ZeRO pieces and DeepSpeed's engine (``deepspeed_zero*``) are :mod:`.zero`.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
@@ -23,7 +23,7 @@ from lightning_llm.strategies.zero.deepspeed import DeepSpeedZeroStrategy
 __all__ = ["ContextParallelStrategy", "DeepSpeedZeroStrategy", "ExpertParallelStrategy", "HybridParallelStrategy", "ParallelEngine", "PipelineParallelStrategy",
            "TensorParallelStrategy", "ZeroStrategy", "check_strategy_name", "strategy_class"]
 
-register_presets(_StrategyRegistry)  # tp, pp, cp, 3d, zero1/2/3(_offload), deepspeed_zero1/2/3(_offload); idempotent
+register_presets(_StrategyRegistry)  # tp, pp, cp, ep, 3d, zero1/2/3(_offload), deepspeed_zero1/2/3(_offload); idempotent
 
 
 def strategy_class(name: str) -> type | None:

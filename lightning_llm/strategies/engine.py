@@ -1,21 +1,25 @@
-"""The one native parallel engine: data x tensor x pipeline parallel with ZeRO 0-3 on the data-parallel dim.
+"""The one native parallel engine: data x context x tensor x pipeline parallel with ZeRO 0-3 on the data-parallel
+dim, and expert parallelism borrowed from the data-parallel ranks.
 
 Every native layout is a preset of :class:`ParallelEngine` (:mod:`.presets`): ``tp`` (``TensorParallelStrategy``),
-``pp`` (``PipelineParallelStrategy``), ``zero1/2/3`` and ``zero*_offload`` (``ZeroStrategy``) and ``3d``
-(``HybridParallelStrategy``). DeepSpeed is its own engine (it owns its loop) under the same task contract.
+``pp`` (``PipelineParallelStrategy``), ``cp`` (``ContextParallelStrategy``), ``ep`` (``ExpertParallelStrategy``),
+``zero1/2/3`` and ``zero*_offload`` (``ZeroStrategy``) and ``3d`` (``HybridParallelStrategy``). DeepSpeed is its own
+engine (it owns its loop) under the same task contract.
 
 One :class:`~lightning_llm.strategies.mesh.ParallelDims` validates the degrees (product = devices x nodes, one may be
-``-1``) and builds the named mesh ``("pp", "dp", "tp")``; every group below is a dim of that mesh. Set-up applies,
-for whichever degrees are > 1 (the task has built its model in ``configure_model``, on the meta device when the layout
+``-1``; ``ep`` divides ``dp x cp``) and builds the named mesh ``("pp", "dp", "cp", "tp")`` (and, with ``ep > 1``, the
+experts' ``("pp", "edp", "ep", "tp")`` over the same ranks); every group below is a dim of them. Set-up applies, for
+whichever degrees are > 1 (the task has built its model in ``configure_model``, on the meta device when the layout
 shards it: ``capabilities.deferred_init``):
 
 1. pipeline split (``pp > 1``): keep this rank's stages, names stay global (:mod:`.pipeline.split`), and a
    :class:`~.pipeline.runner.PipelineRunner` component runs the task's declared hooks through the schedule;
 2. tensor parallelism on the ``tp`` dim with the family's plan (:func:`.parallelize.apply_tensor_parallel`);
-3. activation checkpointing of the local blocks;
-4. ZeRO on the ``dp`` dim: stage 1/2 partition the optimizer (and gradients) with
-   :class:`~.zero.native.PartitionedOptimizer`, stage 3 is FSDP2 over ``dp`` (2-D with TP shards);
-5. materialization of meta-device tensors: each rank allocates and fills only its shards, from the checkpoint of a
+3. expert parallelism on the ``ep`` dim (:mod:`.expert`), context parallelism on ``cp`` (:mod:`.context`);
+4. activation checkpointing of the local blocks;
+5. ZeRO on the ``dp x cp`` ranks: stage 1/2 partition the optimizer (and gradients) with
+   :class:`~.zero.native.PartitionedOptimizer`, stage 3 is FSDP2 (2-D with TP shards; experts over ``edp``);
+6. materialization of meta-device tensors: each rank allocates and fills only its shards, from the checkpoint of a
    lazily loaded model or the family's init plan (:mod:`.materialize`), the same values a one-device build has.
 
 Written once here: process-group set-up, precision checks, data-parallel gradient averaging (bucketed and
