@@ -9,7 +9,8 @@ under each layout (torchrun, CPU, gloo) while the pytest process trains the same
 the routers' correction biases after the last step, and the per-expert loads written to ``expert_load.csv``.
 
 2 processes: ep2, ep2 with ZeRO-3, ep2 with gradient accumulation 2 (against one device accumulating too), ep2 with
-a router that sends every token to expert 0 (the other rank's experts receive nothing: no hang, same result);
+a router that sends every token to expert 0 (the other rank's experts receive nothing: no hang, same result), cp2 x
+ep2, and without expert parallelism tp2 and zero3;
 4 processes: dp2 x ep2, ep2 x tp2, ep2 x pp2 (gpipe). Then an ep2 run saves after 3 steps and resumes at tp2 (2
 processes) and at ep1 (one process): steps 4-6 must be the uninterrupted one-device curve's.
 """
@@ -32,7 +33,7 @@ TOL = 1e-5
 MOE = dict(num_experts=8, top_k=2, intermediate_size=32, scoring="sigmoid", num_groups=2, topk_groups=1,
            norm_topk_prob=True, score_bias=True, bias_update_rate=0.01, aux_loss_coef=1.0,
            shared_intermediate_size=32, dense_layers=[0])
-LAYOUTS2 = ["ep2", "ep2_zero3", "ep2_accum", "ep2_one_expert", "cp2_ep2"]
+LAYOUTS2 = ["ep2", "ep2_zero3", "ep2_accum", "ep2_one_expert", "cp2_ep2", "tp2", "zero3"]
 LAYOUTS4 = ["dp2_ep2", "ep2_tp2", "ep2_pp2"]
 
 
@@ -43,6 +44,9 @@ def _strategy(name: str) -> tuple[Any, int]:
     if name in ("ep2", "ep2_accum", "ep2_one_expert"):
         return ExpertParallelStrategy(), 4
     return {"ep2_zero3": (ExpertParallelStrategy(zero_stage=3), 4),
+            # no expert parallelism: the routed experts whole on each tensor-parallel rank / in each block's FSDP2 unit
+            "tp2": (HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2), 8),
+            "zero3": (HybridParallelStrategy(data_parallel_size=2, zero_stage=3), 4),
             # ep borrowed from the context-parallel ranks: each sees every row's slice, the experts split over both
             "cp2_ep2": (HybridParallelStrategy(data_parallel_size=1, context_parallel_size=2, expert_parallel_size=2),
                         8),
