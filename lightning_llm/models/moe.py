@@ -214,7 +214,8 @@ def dispatch_to_experts(experts: nn.Module, x: Tensor, ids: Tensor, weights: Ten
         counts = balanced_counts(n * k, num_experts, x.device)
     else:
         order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=num_experts)
+        # (not bincount: on CUDA it reads the largest id back to size its output, a host sync per layer)
+        counts = torch.zeros(num_experts, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
     rows = order // k  # [M] the token of each sorted assignment
     out = experts(x.index_select(0, rows), counts)  # [M, H]
     w = weights.reshape(-1).index_select(0, order)  # [M] fp32
