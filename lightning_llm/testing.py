@@ -83,6 +83,17 @@ def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def full_gradients(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full copies of every parameter's gradient by name, gathering DTensor shards (a collective: call on every rank;
+    parameters without a gradient are left out)."""
+    out = {}
+    for name, p in module.named_parameters():
+        if p.grad is not None:
+            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            out[name] = g.detach().clone()
+    return out
+
+
 def run_worker(fn: Callable[..., Any], *args: Any) -> NoReturn:
     """Entry point of a process launched by torchrun for a test or benchmark: run ``fn(*args)``, then leave
     deterministically on every rank (barrier, destroy the process groups, flush, ``os._exit``).
@@ -187,6 +198,14 @@ def run_reference_meanwhile(proc: subprocess.Popen, fn: Callable[[], Any], timeo
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def resumed_curve_error(path: Path, reference: list[float], *, start: int) -> float:
+    """``max |got - ref|`` of the resumed run ``path`` (the JSON ``{"start", "losses"}`` its workers wrote) against the
+    uninterrupted ``reference`` curve from step ``start`` on; checks it resumed there and ran to the end."""
+    got = json.loads(Path(path).read_text())
+    assert got["start"] == start and len(got["losses"]) == len(reference) - start, got
+    return max_abs_err(got["losses"], reference[start:])
 
 
 def max_abs_err(got: list[float], ref: list[float]) -> float:

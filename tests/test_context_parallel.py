@@ -106,12 +106,10 @@ class Probe(pl.Callback):
         self.rows = getattr(trainer.strategy, "dp_rank", 0) * losses.shape[0]  # the first global row it holds
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
-        if trainer.global_step:
-            return
-        for name, p in pl_module.named_parameters():
-            if p.grad is not None:
-                g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                self.grads[name] = g.detach().clone()
+        from lightning_llm.testing import full_gradients
+
+        if not trainer.global_step:
+            self.grads = full_gradients(pl_module)
 
 
 def _fit(strategy: Any, devices: int, out: Path, *, packed: bool, batch_size: int = 2, steps: int = STEPS,
@@ -291,12 +289,9 @@ def test_context_parallel_equals_one_device(runs: Path, layout: str) -> None:
 @pytest.mark.parametrize("target", ["tp2", "single"])
 def test_cp2_checkpoint_resumes_at_other_layouts(runs: Path, target: str) -> None:
     """cp shards no parameter: a run saved at cp=2 resumes at tp=2 and on one process on the uninterrupted curve."""
-    import json
+    from lightning_llm.testing import resumed_curve_error
 
-    ref = torch.load(runs / "reference.pt")["plain"]["losses"]
-    got = json.loads((runs / f"resume_{target}.json").read_text())
-    assert got["start"] == HALF and len(got["losses"]) == STEPS - HALF
-    err = max(abs(a - b) for a, b in zip(got["losses"], ref[HALF:], strict=True))
+    err = resumed_curve_error(runs / f"resume_{target}.json", torch.load(runs / "reference.pt")["plain"]["losses"], start=HALF)
     print(f"cp2 -> {target}: steps {HALF + 1}-{STEPS} vs one device uninterrupted: {err:.2e}")
     assert err <= TOL
 

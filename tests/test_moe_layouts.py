@@ -75,12 +75,10 @@ class Probe(pl.Callback):
         self.biases: dict[str, torch.Tensor] = {}
 
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
-        if trainer.global_step:
-            return
-        for name, p in pl_module.named_parameters():
-            if p.grad is not None:
-                g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-                self.grads[name] = g.detach().clone()
+        from lightning_llm.testing import full_gradients
+
+        if not trainer.global_step:
+            self.grads = full_gradients(pl_module)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
         self.biases = {n: b.detach().clone() for n, b in pl_module.named_buffers()
@@ -246,12 +244,9 @@ def test_moe_layout_equals_one_device(runs: Path, layout: str) -> None:
 def test_ep2_checkpoint_resumes_at_other_layouts(runs: Path, target: str) -> None:
     """The experts are saved as whole [E, ...] tensors: an ep2 run resumes at tp2 and at ep1 on the uninterrupted
     one-device curve (biases, optimizer states and data position included)."""
-    import json
+    from lightning_llm.testing import resumed_curve_error
 
-    ref = _reference("main", runs)["losses"]
-    got = json.loads((runs / f"resume_{target}.json").read_text())
-    assert got["start"] == HALF and len(got["losses"]) == STEPS - HALF
-    err = max(abs(a - b) for a, b in zip(got["losses"], ref[HALF:], strict=True))
+    err = resumed_curve_error(runs / f"resume_{target}.json", _reference("main", runs)["losses"], start=HALF)
     print(f"ep2 -> {target}: steps {HALF + 1}-{STEPS} vs one device uninterrupted: {err:.2e}")
     assert err <= TOL
 
