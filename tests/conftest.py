@@ -25,7 +25,8 @@ def pair_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return generate_pair_dataset(tmp_path_factory.mktemp("pairs"), n_train=64, n_val=32, n_test=24, seed=0)
 
 
-def tiny_hf_llama(out: Path, *, tie_word_embeddings: bool = False, max_new_tokens: int | None = None) -> Path:
+def tiny_hf_llama(out: Path, *, tie_word_embeddings: bool = False, max_new_tokens: int | None = None,
+                  max_position_embeddings: int = 128) -> Path:
     """Write a tiny random ``LlamaForCausalLM`` (GQA, 2 layers, vocabulary 304) and a BPE tokenizer trained with
     ``tokenizers`` on the generated corpus to ``out``, as ``save_pretrained`` writes them; ``max_new_tokens``: a
     value only the backbone's ``generation_config.json`` has."""
@@ -45,7 +46,7 @@ def tiny_hf_llama(out: Path, *, tie_word_embeddings: bool = False, max_new_token
     PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
                             ).save_pretrained(str(out))
     config = LlamaConfig(vocab_size=304, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
                          tie_word_embeddings=tie_word_embeddings, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)

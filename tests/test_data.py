@@ -107,6 +107,37 @@ def test_missing_dirs_name_the_parameter(pair_data: Path, tmp_path: Path) -> Non
         SentencePairDataModule(str(pair_data), str(tmp_path))
 
 
+def test_byte_tokenizer_pairs_are_laid_out_and_cut_as_bert_pairs(pair_data: Path, tmp_path: Path) -> None:
+    """Without --data.tokenizer_dir (a named backbone) the pairs are byte ids laid out as BERT lays out a pair,
+    <bos> a <eos> b <eos> with token types 0 then 1, and cut as transformers' truncation="longest_first" cuts a
+    BertTokenizer pair (a WordPiece vocabulary with one token per character: same lengths, every case)."""
+    from transformers import BertTokenizer
+
+    from lightning_llm.data import ByteTokenizer
+
+    dm = SentencePairDataModule(str(pair_data), None, max_length=16)
+    dm.setup("fit")
+    first = read_records(pair_data / "train.json")[0]
+    a, b = (list(first[k].encode()) for k in ("sentence1", "sentence2"))
+    assert isinstance(dm.tokenizer, ByteTokenizer) and dm.vocab_size == 259
+    full = [257, *a, 258, *b, 258]
+    row = dm.datasets["fit"][0]
+    assert len(full) > 16 and len(row["input_ids"]) == 16 and dm.truncated["fit"] > 0
+    assert row["input_ids"][0] == 257 and row["input_ids"][-1] == 258 and row["token_type_ids"][-1] == 1
+
+    (tmp_path / "vocab.txt").write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "x", "##x", "y",
+                                                    "##y"]) + "\n")
+    bert, byte = BertTokenizer.from_pretrained(str(tmp_path)), ByteTokenizer()
+    for max_length in range(4, 18):
+        for n_a in range(1, 18):
+            for n_b in range(1, 18):
+                ref = bert("x" * n_a, "y" * n_b, truncation="longest_first", max_length=max_length)
+                ids, types = byte.encode_pair("x" * n_a, "y" * n_b, max_length=max_length)
+                assert types == ref["token_type_ids"] and len(ids) == len(ref["input_ids"])
+                assert [i for i in ids if i < 256] == [ord("x")] * (types.count(0) - 2) + [ord("y")] * (
+                    types.count(1) - 1)
+
+
 def test_jsonl_lines_break_at_newline_only(tmp_path) -> None:
     """U+2028, U+2029 and U+0085 are legal unescaped inside JSON strings: one record, not a malformed line."""
     import json

@@ -290,22 +290,6 @@ def test_estimate_counts_quantized_bytes(capsys: pytest.CaptureFixture[str]) -> 
     assert got["grads"] == 4 * plain and got["optim"] == 8 * plain
 
 
-def test_qlora_sft_csl_config_runs_on_cpu(tmp_path: Path) -> None:
-    """``configs/qlora_sft_csl.yaml`` on the shared CSL data: two steps, then the adapter with its quantization."""
-    from conftest import SHARED_DATA
-
-    data, tok = SHARED_DATA / "csl_title", SHARED_DATA / "tokenizers" / "bert-base-chinese"
-    if not (data / "dev.json").is_file() or not (tok / "vocab.txt").is_file():
-        pytest.skip(f"CSL data not found under {SHARED_DATA} (the repository runs without it)")
-    repo = Path(__file__).resolve().parents[1]
-    assert main(["fit", "--config", str(repo / "configs" / "qlora_sft_csl.yaml"), f"--data.train_path={data / 'dev.json'}",
-                 f"--data.test_path={data / 'test.json'}", f"--data.tokenizer_dir={tok}", "--trainer.max_steps=2",
-                 "--trainer.enable_progress_bar=false", f"--trainer.logger.init_args.save_dir={tmp_path}"]) == 0
-    adapter = next(tmp_path.rglob("adapter"))
-    assert json.loads((adapter / "quantization.json").read_text())["quantize"] == "nf4"
-    assert next(tmp_path.rglob("last.ckpt")).is_file()
-
-
 def test_bfloat16_compute_dtype_quantizes_the_bf16_weights() -> None:
     """``compute_dtype=bfloat16``: the NF4 tensor is torchao's ``to_nf4`` of the bf16 weight (bf16 scales), and the
     layer's output in bf16 equals ``linear_nf4`` on it."""

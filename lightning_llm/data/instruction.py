@@ -34,7 +34,13 @@ from lightning_llm.data.base import (
     tokenizer_or_bytes,
     tokenizer_vocab_size,
 )
-from lightning_llm.data.chat.messages import ChatColumns, Conversation, load_conversation, make_conversations
+from lightning_llm.data.chat.messages import (
+    ChatColumns,
+    Conversation,
+    load_conversation,
+    make_conversations,
+    message_text,
+)
 from lightning_llm.data.chat.encode import ChatEncoder, infer_seqlen, labels_for
 from lightning_llm.data.chat.template import resolve_template
 from lightning_llm.data.io import DataError, read_records
@@ -152,7 +158,7 @@ class InstructionDataModule(LLMDataModule):
             prompt = Conversation(conv.messages[:-1] if answered else conv.messages, conv.tools, conv.where)
             ids = self.chat.ids(self.chat.fit_prompt(prompt, self.max_prompt_len).messages, conv.tools,
                                 generation_prompt=True, where=conv.where)
-            row.update(prompt_ids=ids, index=index, label=conv.messages[-1]["content"] if answered else "",
+            row.update(prompt_ids=ids, index=index, label=message_text(conv.messages[-1]) if answered else "",
                        prompt=self.chat.render(prompt.messages, conv.tools, generation_prompt=True, where=conv.where))
             if not answered:
                 row.update(input_ids=ids, labels=[-100] * len(ids), truncated=False)

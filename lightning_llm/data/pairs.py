@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_llm.data.base import EncodedDataset, LLMDataModule, load_tokenizer, tokenizer_vocab_size
+from lightning_llm.data.base import EncodedDataset, LLMDataModule, tokenizer_or_bytes, tokenizer_vocab_size
 from lightning_llm.data.io import DataError, read_records
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,10 @@ class SentencePairDataModule(LLMDataModule):
         """
         Args:
             data_dir: Directory holding the split files.
-            tokenizer_dir: Local tokenizer directory (vocab.txt or tokenizer.json).
+            tokenizer_dir: Local tokenizer directory (vocab.txt or tokenizer.json), or ``byte`` for the built-in byte
+                tokenizer (pairs laid out as BERT's, ``<bos>``/``<eos>`` for ``[CLS]``/``[SEP]``). ``None``: the
+                backbone's own tokenizer when ``--model.backbone`` is a Hugging Face directory (the command line
+                fills it in), else the byte tokenizer.
             train_file: Training split file name inside ``data_dir``.
             val_file: Validation split file name.
             test_file: Split used by ``test`` (needs labels).
@@ -92,7 +95,7 @@ class SentencePairDataModule(LLMDataModule):
         if max_length < 8:
             raise ValueError(f"--data.max_length must be >= 8, got {max_length}")
         self.data_dir = Path(data_dir)
-        self.tokenizer = load_tokenizer(tokenizer_dir)
+        self.tokenizer_dir, self.tokenizer = tokenizer_dir, tokenizer_or_bytes(tokenizer_dir)
         self.files = {"fit": train_file, "validate": val_file, "test": test_file, "predict": predict_file}
         self.text_fields = tuple(text_fields)
         self.label_field, self.id_field = label_field, id_field

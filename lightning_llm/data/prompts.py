@@ -30,7 +30,7 @@ from lightning_llm.data.base import (
     tokenizer_or_bytes,
     tokenizer_vocab_size,
 )
-from lightning_llm.data.chat.messages import ChatColumns, Conversation, prompt_conversation
+from lightning_llm.data.chat.messages import ChatColumns, Conversation, message_text, prompt_conversation
 from lightning_llm.data.chat.encode import ChatEncoder
 from lightning_llm.data.chat.template import resolve_template
 from lightning_llm.data.io import DataError, read_records
@@ -153,7 +153,7 @@ class PromptDataModule(LLMDataModule):
                                        default_system=self.default_system)
             fitted = self.chat.fit_prompt(conv, self.max_prompt_len)
             ids = self.chat.ids(fitted.messages, conv.tools, generation_prompt=True, where=where)
-            text = next(m["content"] for m in reversed(conv.messages) if m["role"] == "user")
+            text = next(message_text(m) for m in reversed(conv.messages) if m["role"] == "user")
             rows.append({"input_ids": ids, "prompt": text, "index": i})
         return rows
 

@@ -68,10 +68,32 @@ class ByteTokenizer:
             ids.extend([self._special[piece]] if i % 2 else piece.encode("utf-8"))
         return ids
 
-    def __call__(self, texts: str | list[str], add_special_tokens: bool = False, **_: Any) -> dict[str, Any]:
+    def __call__(self, texts: str | list[str], text_pair: str | list[str] | None = None, *,
+                 add_special_tokens: bool = False, truncation: bool | str = False, max_length: int | None = None,
+                 **_: Any) -> dict[str, Any]:
+        """``{"input_ids"}`` of a text or a list of texts (bytes only); with ``text_pair``, sentence pairs as BERT
+        encodes them (see :meth:`encode_pair`), with ``token_type_ids``."""
+        if text_pair is not None:
+            pairs = [(texts, text_pair)] if isinstance(texts, str) else list(zip(texts, text_pair, strict=True))
+            limit = max_length if truncation else None
+            encoded = [self.encode_pair(a, b, max_length=limit) for a, b in pairs]
+            ids, types = [e[0] for e in encoded], [e[1] for e in encoded]
+            return {"input_ids": ids[0], "token_type_ids": types[0]} if isinstance(texts, str) else \
+                {"input_ids": ids, "token_type_ids": types}
         if isinstance(texts, str):
             return {"input_ids": self.encode(texts)}
         return {"input_ids": [self.encode(t) for t in texts]}
+
+    def encode_pair(self, first: str, second: str, *, max_length: int | None = None) -> tuple[list[int], list[int]]:
+        """``(ids, token_type_ids)`` of a sentence pair laid out as BERT lays it out, ``<bos>`` and ``<eos>`` in the
+        places of ``[CLS]`` and ``[SEP]``: ``<bos> first <eos> second <eos>``, type 0 up to the first ``<eos>``, 1
+        after. Longer than ``max_length``: cut as transformers' ``truncation="longest_first"`` cuts a pair."""
+        a, b = self.encode(first), self.encode(second)
+        if max_length is not None:
+            n_a, n_b = longest_first(len(a), len(b), max(max_length - 3, 0))
+            a, b = a[:n_a], b[:n_b]
+        ids = [self.bos_token_id, *a, self.eos_token_id, *b, self.eos_token_id]
+        return ids, [0] * (len(a) + 2) + [1] * (len(b) + 1)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if skip_special_tokens:
@@ -103,3 +125,17 @@ class ByteTokenizer:
                                             add_generation_prompt=add_generation_prompt,
                                             **{**self.special_tokens_map, **kwargs})
         return rendered[0]
+
+
+def longest_first(n_a: int, n_b: int, budget: int) -> tuple[int, int]:
+    """How many tokens of each text of a pair stay within ``budget``, as the ``tokenizers`` library's
+    ``LongestFirst`` truncation keeps them: the shorter text whole when the longer can take the rest, else half each
+    (the odd token to the longer)."""
+    if n_a + n_b <= budget:
+        return n_a, n_b
+    short, long = sorted((n_a, n_b))
+    long = short if short > budget else max(short, budget - short)
+    if short + long > budget:
+        short = budget // 2
+        long = short + budget % 2
+    return (long, short) if n_a > n_b else (short, long)

@@ -32,7 +32,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from lightning_llm.data.chat.messages import Conversation, text_pieces
+from lightning_llm.data.chat.messages import (
+    PART_SEPARATOR,
+    Conversation,
+    cut_text,
+    for_template,
+    message_text,
+    text_pieces,
+)
 from lightning_llm.data.chat.spans import TurnLocator, common_prefix, generation_spans, has_generation_blocks
 from lightning_llm.data.chat.template import ChatTemplate, chat_tokenizer
 from lightning_llm.data.io import DataError
@@ -77,7 +84,7 @@ def labels_for(ids: list[int], spans: list[tuple[int, int]]) -> list[int]:
 def _cut_user_text(message: dict[str, Any], keep: int) -> dict[str, Any]:
     """``message`` with only the first ``keep`` characters of its text (alpaca fields: of instruction + input)."""
     if "instruction" not in message:
-        return {**message, "content": message["content"][:keep]}
+        return cut_text(message, keep)
     instruction = message["instruction"][:keep]
     inp = (message.get("input") or "")[: max(0, keep - len(message["instruction"]))]
     return {**message, "instruction": instruction, "input": inp,
@@ -87,7 +94,7 @@ def _cut_user_text(message: dict[str, Any], keep: int) -> dict[str, Any]:
 def _user_text_len(message: dict[str, Any]) -> int:
     if "instruction" in message:
         return len(message["instruction"]) + len(message.get("input") or "")
-    return len(message["content"])
+    return len(message_text(message))
 
 
 class ChatEncoder:
@@ -105,6 +112,8 @@ class ChatEncoder:
         # BERT-style vocabularies have no EOS token: their replies end with [SEP] (eos_and_pad_ids' choice).
         self._kwargs = {} if getattr(self.tokenizer, "eos_token", None) else {
             "eos_token": self.tokenizer.convert_ids_to_tokens(eos_token_id)}
+        self.takes_parts = self._renders_parts()
+        """Whether the template renders a message's text parts itself (they are passed as parts), or takes strings."""
         self.end_of_turn_id, self._stops_per_turn = self._probe()
         self.stop_token_ids = list(dict.fromkeys([self.end_of_turn_id, eos_token_id]))
 
@@ -112,6 +121,11 @@ class ChatEncoder:
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
                generation_prompt: bool = False, where: str = "") -> str:
         """The text of ``messages`` (``where``: the record, for the error when the template refuses them)."""
+        return self._render(for_template(messages, parts=self.takes_parts), tools, generation_prompt=generation_prompt,
+                            where=where)
+
+    def _render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
+                generation_prompt: bool = False, where: str = "") -> str:
         from jinja2.exceptions import TemplateError
 
         try:
@@ -140,6 +154,19 @@ class ChatEncoder:
     def ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None, *,
             generation_prompt: bool = False, where: str = "") -> list[int]:
         return self.tokenize(self.render(messages, tools, generation_prompt=generation_prompt, where=where))
+
+    def _renders_parts(self) -> bool:
+        """Whether the template renders text parts itself (as multimodal models' templates do): a user message of two
+        text parts renders without error, both texts in order, and nothing of the parts' structure (a template that
+        takes strings prints the list, drops it, or fails)."""
+        first, second = _PROBE_USER, _PROBE_REPLY
+        parts = [{"type": "text", "text": first}, {"type": "text", "text": second}]
+        try:
+            text = self._render([{"role": "user", "content": parts}])
+        except DataError:
+            return False
+        flat = self._render([{"role": "user", "content": first + PART_SEPARATOR + second}])
+        return 0 <= text.find(first) < text.find(second) and text.count("type") == flat.count("type")
 
     def _probe(self) -> tuple[int, int]:
         """(end-of-turn id, stop ids per assistant turn) from a one-turn probe conversation."""
@@ -236,7 +263,8 @@ class ChatEncoder:
         from transformers.utils.chat_template_utils import render_jinja_template  # loaded lazily, as tokenizers.py does
 
         rendered, blocks = render_jinja_template(
-            conversations=[conv.messages], tools=conv.tools, chat_template=self.template.source,
+            conversations=[for_template(conv.messages, parts=self.takes_parts)], tools=conv.tools,
+            chat_template=self.template.source,
             return_assistant_tokens_mask=True, **{**self.tokenizer.special_tokens_map, **self._kwargs})
         if rendered[0] != text:
             return None

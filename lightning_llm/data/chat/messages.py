@@ -11,6 +11,12 @@ Formats (per record; ``--data.columns.format=auto`` tells them apart by their co
   is ``instruction`` + newline + ``input`` (LLaMA-Factory's join) and keeps ``instruction``/``input`` as fields, so
   the ``alpaca`` and ``plain`` templates render them in their own sections.
 
+A message's ``content`` may be a string or a list of OpenAI content parts (``[{"type": "text", "text": ...}]``, as
+the OpenAI API, trl and LLaMA-Factory take them): its text parts are kept as parts, in order (:func:`message_text` is
+the message's text), and a template gets them as transformers hands them over where it renders parts itself, joined
+by :data:`PART_SEPARATOR` where it takes strings (:func:`for_template`); a part of another type (an image, audio) is
+refused, naming the file, line and the part's type.
+
 Column, tag and role names are configurable (:class:`ChatColumns`, as LLaMA-Factory's ``dataset_info.json``). Every
 problem raises :class:`~lightning_llm.data.io.DataError` naming the file and line: an unknown role, a system message
 after the start, turns that do not alternate between the user side (``user``, ``tool``) and the assistant, a
@@ -25,8 +31,13 @@ from typing import Any, Literal
 
 from lightning_llm.data.io import DataError
 
-__all__ = ["ChatColumns", "Conversation", "check_turns", "load_conversation", "make_conversations",
-           "preference_conversation", "prompt_conversation", "read_conversation", "text_pieces"]
+__all__ = ["PART_SEPARATOR", "ChatColumns", "Conversation", "check_turns", "cut_text", "for_template",
+           "load_conversation", "make_conversations", "marked", "message_text", "preference_conversation",
+           "prompt_conversation", "read_conversation", "text_pieces"]
+
+PART_SEPARATOR = "\n"
+"""Between the text parts of a message for a template that takes strings: vLLM's join for such templates (its
+``string`` chat-template content format), so a model is trained on the prompt a server gives it."""
 
 ROLES = ("system", "user", "assistant", "tool")
 _DEFAULT_TAGS = {"openai": ("messages", "role", "content"), "sharegpt": ("conversations", "from", "value")}
@@ -106,6 +117,74 @@ def _text(value: Any, what: str, where: str) -> str:
     return value
 
 
+def _content(value: Any, what: str, where: str) -> str | list[dict[str, str]]:
+    """A message's content: a string, or OpenAI content parts kept as ``{"type": "text", "text"}`` parts (any other
+    part refused: a text model cannot learn from an image or a sound)."""
+    if not isinstance(value, list):
+        return _text(value, what, where)
+    parts = []
+    for k, part in enumerate(value, start=1):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            got = f"has type {kind!r}" if kind not in (None, "text") else "is not {\"type\": \"text\", \"text\": str}"
+            raise DataError(f"{where}: {what} part {k} {got}: only text parts can be trained on (a text model takes "
+                            "no images or audio)")
+        parts.append({"type": "text", "text": part["text"]})
+    return parts
+
+
+def _texts(message: dict[str, Any]) -> list[str]:
+    content = message.get("content") or ""
+    return [p["text"] for p in content] if isinstance(content, list) else [content]
+
+
+def message_text(message: dict[str, Any]) -> str:
+    """A message's text: its content, or its text parts joined by :data:`PART_SEPARATOR`."""
+    return PART_SEPARATOR.join(_texts(message))
+
+
+def for_template(messages: list[dict[str, Any]], *, parts: bool) -> list[dict[str, Any]]:
+    """``messages`` as a template takes them: text parts as they are where it renders ``parts`` itself, else each
+    message's parts joined into a string (:func:`message_text`)."""
+    if parts:
+        return messages
+    return [{**m, "content": message_text(m)} if isinstance(m.get("content"), list) else m for m in messages]
+
+
+def cut_text(message: dict[str, Any], keep: int) -> dict[str, Any]:
+    """``message`` with the first ``keep`` characters of its text (:func:`message_text`); text parts are cut where
+    that text is, so a template that takes strings renders exactly ``message_text(message)[:keep]``."""
+    content = message["content"]
+    if not isinstance(content, list):
+        return {**message, "content": content[:keep]}
+    kept: list[dict[str, str]] = []
+    at = 0  # where the joined text of the parts kept so far ends
+    for k, part in enumerate(content):
+        if k:
+            if at >= keep:
+                break
+            at += len(PART_SEPARATOR)
+        kept.append({**part, "text": part["text"][: max(keep - at, 0)]})
+        at += len(part["text"])
+    return {**message, "content": kept}
+
+
+def marked(message: dict[str, Any], mark: str) -> dict[str, Any]:
+    """``message`` with ``mark`` after the last non-space character of its text (for parts: of its last part with
+    text)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        body = content.rstrip()
+        return {**message, "content": body + mark + content[len(body):]}
+    if not content:
+        return message
+    k = max((i for i, p in enumerate(content) if p["text"].strip()), default=len(content) - 1)
+    text = content[k]["text"]
+    body = text.rstrip()
+    return {**message, "content": [*content[:k], {**content[k], "text": body + mark + text[len(body):]},
+                                   *content[k + 1:]]}
+
+
 def _json_field(value: Any, what: str, where: str) -> Any:
     """A field that may be a JSON string of itself (LLaMA-Factory writes ``tools`` and function calls as strings)."""
     if isinstance(value, str):
@@ -154,7 +233,7 @@ def _list_messages(rec: dict[str, Any], cols: ChatColumns, fmt: str, where: str)
         content = m.get(content_tag)
         if content is None and extra.get("tool_calls"):
             content = ""
-        out.append({**extra, "role": role, "content": _text(content, f"message {i} {content_tag!r}", where)})
+        out.append({**extra, "role": role, "content": _content(content, f"message {i} {content_tag!r}", where)})
     return out
 
 
@@ -229,8 +308,10 @@ def text_pieces(message: dict[str, Any], *, reasoning: bool = True) -> list[str]
     if "instruction" in message:
         pieces = [message["instruction"], message.get("input") or ""]
     else:
-        content = message.get("content") or ""
-        pieces = [content if reasoning else content.rpartition("</think>")[2]]
+        pieces = _texts(message)
+        at = max((k for k, t in enumerate(pieces) if "</think>" in t), default=None)
+        if not reasoning and at is not None:
+            pieces = [pieces[at].rpartition("</think>")[2], *pieces[at + 1:]]
     pieces += [c.get("function", {}).get("name", "") for c in message.get("tool_calls") or []]
     return [p.strip() for p in pieces if p and p.strip()]
 

@@ -32,7 +32,7 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from lightning_llm.data.chat.messages import text_pieces
+from lightning_llm.data.chat.messages import marked, text_pieces
 from lightning_llm.data.io import DataError
 
 __all__ = ["TurnLocator", "common_prefix", "generation_spans", "has_generation_blocks", "token_at"]
@@ -47,14 +47,7 @@ def _mark(k: int) -> str:
 
 def _with_marks(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``messages`` with the user-side ones' text marked after its last non-space character."""
-    out = []
-    for k, m in enumerate(messages):
-        content = m.get("content")
-        if m["role"] != "assistant" and isinstance(content, str):
-            body = content.rstrip()
-            m = {**m, "content": body + _mark(k) + content[len(body):]}
-        out.append(m)
-    return out
+    return [m if m["role"] == "assistant" else marked(m, _mark(k)) for k, m in enumerate(messages)]
 
 
 def _unmark(text: str) -> tuple[str, dict[int, int]]:
