@@ -168,7 +168,8 @@ def moe_layer_bytes_per_token(config: Any, *, precision: str) -> int:
     * per assignment: the token's copy sorted by expert ``[H]`` (compute dtype), the expert's gate/up output
       ``[2I]``, activation ``[I]`` and product ``[I]`` (compute dtype), its output ``[H]`` cast to fp32 to be
       weighted, the weighted output ``[H]`` (block dtype) the sum keeps, and its indices and weight (20 bytes);
-    * a shared expert: a dense gated MLP of its width, and its sigmoid gate's ``[H + 1]``."""
+    * a shared expert: a dense gated MLP of its width, and its sigmoid gate's ``[H + 1]``; under autocast each of
+      its linears reading the fp32 input saves its own cast ``[H]``."""
     moe = config.moe
     b = _act_bytes(precision)  # the compute dtype
     block = 2 if precision in ("bf16-true", "16-true") else 4  # the residual stream's dtype (fp32 under AMP)
@@ -177,7 +178,9 @@ def moe_layer_bytes_per_token(config: Any, *, precision: str) -> int:
     assignment = h * (b + 4 + block) + 4 * i * b + 20
     shared = 0
     if moe.shared_intermediate_size:
-        shared = b * 4 * moe.shared_intermediate_size + (b * (h + 1) if moe.shared_gate else 0)
+        linears = 3 if moe.shared_gate else 2  # gate, up (and the sigmoid gate) read the block input
+        shared = b * 4 * moe.shared_intermediate_size + (b * (h + 1) if moe.shared_gate else 0) + \
+            (linears * b * h if block != b else 0)
     return router + k * assignment + shared
 
 
