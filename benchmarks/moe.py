@@ -98,22 +98,6 @@ def spread(ts: list[float], scale: float = 1e3, fmt: str = ".0f") -> str:
     return f"{statistics.median(ts) * scale:{fmt}} ({min(ts) * scale:{fmt}}-{max(ts) * scale:{fmt}})"
 
 
-def saved_bytes(fn: Callable[[], Any], exclude: list[torch.Tensor]) -> int:
-    """Bytes of the distinct storages autograd saves for backward while ``fn()`` runs (``exclude``'s left out)."""
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr and ptr not in skip:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
-
-
 def load_average() -> str:
     return " / ".join(f"{x:.1f}" for x in os.getloadavg())
 
@@ -228,9 +212,11 @@ def _fwd_bwd(fn: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.
 def _saved_per_token(fn: torch.nn.Module, x: torch.Tensor, amp: bool) -> float:
     """Bytes autograd saves per token in one forward (under bf16 autocast with ``amp``): the slope between the first
     half of ``x``'s tokens and all of them, so what is saved once per layer (cast copies of the weights) drops out."""
+    from lightning_llm.testing import saved_tensor_bytes
+
     def saved(t: torch.Tensor) -> int:
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-            return saved_bytes(lambda: fn(t.detach().requires_grad_()), [t, *fn.parameters()])
+            return saved_tensor_bytes(lambda: fn(t.detach().requires_grad_()), [t, *fn.parameters()])
 
     half = x[:, : x.shape[1] // 2].contiguous()
     return (saved(x) - saved(half)) / (x.shape[1] - half.shape[1])

@@ -21,6 +21,7 @@ import torch
 from lightning_llm.cli import main
 from lightning_llm.memory import activation_bytes_per_sample, model_state_theory, moe_layer_bytes_per_token
 from lightning_llm.models import model_from_config, named_config
+from lightning_llm.testing import saved_tensor_bytes
 
 
 def _run(*args: str) -> tuple[int, str, str]:
@@ -160,22 +161,6 @@ def test_moe_parameter_counts_and_flops_per_token() -> None:
     assert abs(est / counted - 1) <= 0.01
 
 
-def _saved_bytes(fn: Any, exclude: list[torch.Tensor]) -> int:
-    """Bytes of the storages autograd saves for backward while ``fn()`` runs, those of ``exclude`` left out."""
-    skip = {t.untyped_storage().data_ptr() for t in exclude}
-    seen: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr and ptr not in skip:
-            seen[ptr] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn()
-    return sum(seen.values())
-
-
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
 @pytest.mark.parametrize("shared", [False, True])
 def test_moe_layer_activations_equal_the_tensors_autograd_saves(precision: str, shared: bool) -> None:
@@ -196,7 +181,7 @@ def test_moe_layer_activations_equal_the_tensors_autograd_saves(precision: str, 
     stats = RoutingStats([1], num_experts=8, top_k=2, aux_loss_coef=0.01)
     stats.begin()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16-mixed"):
-        got = _saved_bytes(lambda: block(x, routing=RoutingInput(stats=stats)), [x, *block.parameters()])
+        got = saved_tensor_bytes(lambda: block(x, routing=RoutingInput(stats=stats)), [x, *block.parameters()])
     if precision == "bf16-mixed":  # bf16 copies of every weight but the router's (which computes in fp32)
         got -= 2 * sum(p.numel() for name, p in block.named_parameters() if not name.startswith("gate."))
     est = moe_layer_bytes_per_token(cfg, precision=precision) * n
@@ -214,7 +199,7 @@ def test_moe_layer_activations_equal_the_tensors_autograd_saves(precision: str, 
         model = model_from_config(c)
         if model.routing is not None:
             model.routing.begin()
-        measured[name] = _saved_bytes(lambda m=model: m(ids), list(model.parameters())) / 2
+        measured[name] = saved_tensor_bytes(lambda m=model: m(ids), list(model.parameters())) / 2
     est_moe, est_dense = (activation_bytes_per_sample(c, seq_len=64, precision="32-true")[1] for c in (moe, dense))
     print(f"whole model, MoE minus dense twin per sample: saved {measured['moe'] - measured['dense']:,.0f} B, "
           f"estimate {est_moe - est_dense:,} B")
