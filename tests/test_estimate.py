@@ -164,7 +164,7 @@ def test_moe_parameter_counts_and_flops_per_token() -> None:
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
 @pytest.mark.parametrize("shared", [False, True])
 def test_moe_layer_activations_equal_the_tensors_autograd_saves(precision: str, shared: bool) -> None:
-    """One MoE block's forward in training (load-balancing loss on, 2048 tokens): the bytes autograd saves (its
+    """One MoE block's forward in training (load-balancing loss on, 512 tokens): the bytes autograd saves (its
     input and weights aside) equal :func:`moe_layer_bytes_per_token` x tokens within 1% (the weights' per-layer
     fp32/int32 copies are not per token; under autocast the bf16 copies of the weights, one per layer, are taken
     out); and the whole model's term: the saved bytes of an MoE model minus those of its dense twin equal the
@@ -176,7 +176,7 @@ def test_moe_layer_activations_equal_the_tensors_autograd_saves(precision: str, 
     cfg = _moe_config(shared_intermediate_size=48 if shared else 0, shared_gate=shared, aux_loss_coef=0.01)
     torch.manual_seed(0)
     block = model_from_config(cfg).layers["1"].mlp.to(dtype)
-    n = 2048
+    n = 512
     x = torch.randn(1, n, cfg.hidden_size, dtype=dtype, requires_grad=True)
     stats = RoutingStats([1], num_experts=8, top_k=2, aux_loss_coef=0.01)
     stats.begin()
