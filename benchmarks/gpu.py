@@ -13,6 +13,9 @@
 4. attention (see ``gpu_attention.py``): the varlen path vs the dense-mask path: SFT with packing (``llama-1b``,
    4 x 4096, bf16) and one GPU on a 32k-token row (``attention-sft``, ``attention-long``), and GQA without repeated
    keys/values (``attention-gqa``): step time, tokens/s, peak memory.
+5. moe: ``lightning_llm fit`` of a Qwen3-30B-A3B-shaped Mixture-of-Experts decoder with fewer layers (``--moe-layers``,
+   128 experts top-8, bf16-mixed, the experts' GEMMs grouped): step time, tokens/s and MFU counted on the parameters
+   a token uses (``gpu_e2e.run_moe``).
 
 Results: ``benchmarks/results/gpu-<device>.md`` (or ``--out``), written atomically; exit 1 if any part failed.
 
@@ -20,6 +23,7 @@ Results: ``benchmarks/results/gpu-<device>.md`` (or ``--out``), written atomical
     python benchmarks/gpu.py --only kernels --only flce --out $OUT/gpu-kernels.md --time-budget-s 540
     python benchmarks/gpu.py --only e2e --out $OUT/gpu-e2e.md --time-budget-s 540
     python benchmarks/gpu.py --only attention --out $OUT/gpu-attention.md --time-budget-s 540
+    python benchmarks/gpu.py --only moe --out $OUT/gpu-moe.md --time-budget-s 540
     python benchmarks/gpu.py --smoke --out /tmp/gpu-smoke.md   # CPU: Triton interpreter, tiny shapes, debug models
 """
 
@@ -28,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib.metadata
+import json
 import logging
 import os
 import platform
@@ -48,16 +53,18 @@ log = logging.getLogger(__name__)
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 ONLY = ("kernels", "flce", "e2e", "e2e-encoder", "e2e-offload", "e2e-decoder", "attention", "attention-sft",
-        "attention-long", "attention-gqa")
+        "attention-long", "attention-gqa", "moe")
 ATTENTION_GROUPS = ("sft", "long", "gqa")
 E2E_GROUPS = ("encoder", "offload", "decoder")
 FULL = dict(dtypes=["fp32", "bf16", "fp16"], time_dtype="bf16", compile_backend="inductor", copy_mib=1024,
             flce_tokens=32768, flce_hidden=4096, flce_vocab=128256, e2e_steps=20, e2e_warmup=5, e2e_offload_steps=6,
             e2e_max_batch=256, e2e_seq=512, decoder_seq=2048, decoder_batch=4, encoder_backbone="erlangshen-1.3b",
-            decoder_backbone="llama-1b", precision="bf16-mixed")
+            decoder_backbone="llama-1b", precision="bf16-mixed", moe_backbone="qwen3-30b-a3b", moe_layers=4,
+            moe_batch=4, moe_seq=2048)
 SMOKE = dict(FULL, dtypes=["fp32"], time_dtype="fp32", compile_backend="eager", copy_mib=8, flce_tokens=13,
              flce_hidden=24, flce_vocab=131, e2e_steps=4, e2e_warmup=1, e2e_offload_steps=3, e2e_max_batch=4,
-             e2e_seq=64, decoder_seq=16, decoder_batch=1, encoder_backbone="debug", decoder_backbone="debug")
+             e2e_seq=64, decoder_seq=16, decoder_batch=1, encoder_backbone="debug", decoder_backbone="debug",
+             moe_backbone="debug-moe", moe_layers=2, moe_batch=1, moe_seq=16)
 OFFLOAD_LIMIT_GB = 5.0  # ZeRO-3 offload at batch 1 must stay under this much GPU memory (10^9 bytes)
 
 
@@ -90,11 +97,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--decoder-backbone")
     g.add_argument("--precision")
     g.add_argument("--run-timeout-s", type=float, default=420.0, help="limit of one lightning_llm fit")
+    g = p.add_argument_group("moe")
+    g.add_argument("--moe-backbone", help="named MoE size (default qwen3-30b-a3b)")
+    g.add_argument("--moe-layers", type=int, help="its layers (default 4: AdamW states of 3.1B parameters fit 80 GB)")
+    g.add_argument("--moe-batch", type=int)
+    g.add_argument("--moe-seq", type=int)
     a = p.parse_args(argv)
     for k, v in (SMOKE if a.smoke else FULL).items():
         if getattr(a, k) is None:
             setattr(a, k, v)
-    a.only = a.only or ["kernels", "flce", "e2e", "attention"]
+    a.only = a.only or ["kernels", "flce", "e2e", "attention", "moe"]
     return a
 
 
@@ -317,8 +329,32 @@ def part_attention(ctx: Ctx) -> PartResult:
     return res
 
 
+def part_moe(ctx: Ctx) -> PartResult:
+    import gpu_e2e as E
+
+    a, cfg = ctx.a, _e2e_config(ctx)
+    r = E.run_moe(cfg, ctx.deadline, backbone=a.moe_backbone, layers=a.moe_layers, batch=a.moe_batch, seq=a.moe_seq)
+    row = [r.model, str(r.batch), str(a.moe_seq), r.status, fnum(r.step_ms, ".1f"), fnum(r.tokens_per_s, ",.0f"),
+           "-" if r.mfu is None else f"{100 * r.mfu:.1f}%", fnum(r.peak_alloc_gib, ".2f"), r.note]
+    res = PartResult("moe", sections=["\n".join([
+        "## Mixture of Experts: `lightning_llm fit`, one device", "",
+        f"`--model.backbone={a.moe_backbone}` with `--model.model_overrides` "
+        f"`{json.dumps(E.moe_overrides(a.moe_backbone, a.moe_layers))}` (CausalLMTask, `configs/pretrain_debug.yaml`, "
+        f"generated corpus), `--trainer.precision={cfg.precision}`, "
+        f"{cfg.steps} steps ({cfg.warmup} warm-up). MFU = (6 N + 12 L A S) x tokens/s / peak "
+        f"({fnum(cfg.peak_tflops, '.0f')} TFLOP/s dense bf16) with N the non-embedding parameters a token uses (its "
+        "top-k routed experts, not all of them), A the attention width.", "",
+        table(["model", "batch", "seq", "status", "step ms", "tokens/s", "MFU (active parameters)",
+               "peak alloc GiB", "note"], [row])])])
+    if r.status in ("error", "oom"):
+        res.status, res.note = "failed", f"{r.model} batch {r.batch}: {r.status} {r.note}"
+    elif r.status == "skipped":
+        res.note = "incomplete: time budget spent"
+    return res
+
+
 PARTS: dict[str, Callable[[Ctx], PartResult]] = {"kernels": part_kernels, "flce": part_flce, "e2e": part_e2e,
-                                                 "attention": part_attention}
+                                                 "attention": part_attention, "moe": part_moe}
 
 
 def run_part(name: str, fn: Callable[[Ctx], PartResult], ctx: Ctx) -> PartResult:

@@ -5,11 +5,15 @@
   ``--data.max_length`` tokens, bf16-mixed, under 1 device, ``zero1``, ``zero2`` at batch 4 and at the largest batch
   that fits (doubling until CUDA OOM), and ``zero3_offload`` / ``deepspeed_zero3_offload`` at batch 1;
 * decoder: ``CausalLMTask`` (``configs/pretrain_debug.yaml``, generated corpus) with ``{kernels: torch}`` and
-  ``{kernels: triton}``, and compiled blocks (``--model.compile=true``, row ``auto+compile``).
+  ``{kernels: triton}``, and compiled blocks (``--model.compile=true``, row ``auto+compile``);
+* moe: the same task on a Mixture-of-Experts model (``qwen3-30b-a3b`` with fewer layers through
+  ``--model.model_overrides``), its experts' GEMMs grouped (``experts_impl: grouped``).
 
 Step time: median interval between consecutive ``on_train_batch_end`` calls (CUDA synchronised) after the warm-up
-steps. MFU: (6 N + 12 L H S) FLOPs per token (N parameters without embedding tables, L layers, H hidden size, S
-sequence length) x tokens/s / the device's dense bf16 peak (:data:`PEAK_BF16_TFLOPS`).
+steps. MFU: (6 N + 12 L A S) FLOPs per token (N the parameters a token uses, without embedding tables: of an MoE
+layer's routed experts only its top-k; L layers, A the attention width heads x head dim, S sequence length;
+:func:`lightning_llm.tools.estimate.train_flops_per_token`) x tokens/s / the device's dense bf16 peak
+(:data:`PEAK_BF16_TFLOPS`).
 """
 
 from __future__ import annotations
@@ -78,11 +82,16 @@ class GpuMeter(pl.Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_llm.models.moe import moe_parameters
+
         model = getattr(pl_module, "model", pl_module)
         emb = sum(_numel(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(False))
         cfg = getattr(model, "config", None)
-        self.params = {"total": sum(_numel(p) for p in model.parameters()), "embedding": emb,
-                       "layers": int(getattr(cfg, "num_layers", 0)), "hidden": int(getattr(cfg, "hidden_size", 0))}
+        total = sum(_numel(p) for p in model.parameters())
+        experts, routed = moe_parameters(cfg) if getattr(cfg, "moe", None) is not None else (0, 0)
+        self.params = {"total": total, "active": total - experts + routed, "embedding": emb,
+                       "layers": int(getattr(cfg, "num_layers", 0)), "hidden": int(getattr(cfg, "hidden_size", 0)),
+                       "attention": int(getattr(cfg, "num_heads", 0)) * int(getattr(cfg, "head_dim", 0) or 0)}
         self._sync(trainer)
         self.step_ends = [time.perf_counter()]
 
@@ -190,16 +199,20 @@ def encoder_command(cfg: E2EConfig, data: Path, strategy: str, batch: int, steps
 
 
 def decoder_command(cfg: E2EConfig, kernels: str, batch: int, steps: int, output: Path, *,
-                    compile: bool = False) -> list[str]:  # noqa: A002 - --model.compile
+                    compile: bool = False, backbone: str | None = None, seq: int | None = None,
+                    overrides: dict[str, Any] | None = None) -> list[str]:  # noqa: A002 - --model.compile
+    """``lightning_llm fit`` of ``backbone`` (default: the decoder rows') on generated text at ``seq`` tokens per row
+    with ``--model.model_overrides`` ``overrides`` besides the kernels and the vocabulary."""
     from lightning_llm.data import ByteTokenizer
     from lightning_llm.data.base import tokenizer_vocab_size
 
-    overrides = {"kernels": kernels, **_vocab_override("decoder", cfg.decoder_backbone,
-                                                       tokenizer_vocab_size(ByteTokenizer()))}
-    docs = max(400, int(1.3 * (steps + 2) * batch * (cfg.decoder_seq + 1) / 140))  # ~140 bytes per generated doc
+    backbone, seq = backbone or cfg.decoder_backbone, seq or cfg.decoder_seq
+    overrides = {"kernels": kernels, **_vocab_override("decoder", backbone, tokenizer_vocab_size(ByteTokenizer())),
+                 **(overrides or {})}
+    docs = max(400, int(1.3 * (steps + 2) * batch * (seq + 1) / 140))  # ~140 bytes per generated doc
     args = ["fit", "--config", str(REPO / "configs" / "pretrain_debug.yaml"),
-            f"--model.backbone={cfg.decoder_backbone}", f"--model.model_overrides={json.dumps(overrides)}",
-            f"--data.block_size={cfg.decoder_seq}", f"--data.generated_docs={docs}",
+            f"--model.backbone={backbone}", f"--model.model_overrides={json.dumps(overrides)}",
+            f"--data.block_size={seq}", f"--data.generated_docs={docs}",
             f"--data.cache_dir={cfg.work / 'cache'}", *_common(cfg, steps, batch, output)]
     if compile:
         args.append("--model.compile=true")
@@ -220,14 +233,20 @@ def summarize(res: RunResult, record: dict[str, Any], *, warmup: int, seq: int, 
     step_s = statistics.median(intervals)
     res.step_ms = step_s * 1e3
     res.tokens_per_s = record["tokens_per_step"] / step_s
-    flops_per_token = 6 * (record["total"] - record["embedding"]) + 12 * record["layers"] * record["hidden"] * seq
+    from lightning_llm.tools.estimate import train_flops_per_token
+
+    flops_per_token = train_flops_per_token(params=record.get("active", record["total"]) - record["embedding"],
+                                            layers=record["layers"], seq_len=seq,
+                                            attention_width=record.get("attention") or record["hidden"])
     if peak:
         res.mfu = flops_per_token * res.tokens_per_s / (peak * 1e12)
     gib = 2.0**30
     res.peak_alloc_gib = record["peak_alloc"] / gib if record.get("peak_alloc") is not None else None
     res.peak_reserved_gib = record["peak_reserved"] / gib if record.get("peak_reserved") is not None else None
     res.rss_gib = record["rss_kib"] * 1024 / gib
-    res.note = (res.note + f" N={_count(record['total'])} ({_count(record['embedding'])} in embeddings), "
+    active = record.get("active", record["total"])
+    used = f", {_count(active)} active per token" if active != record["total"] else ""
+    res.note = (res.note + f" N={_count(record['total'])} ({_count(record['embedding'])} in embeddings{used}), "
                 f"{len(ends) - 1} steps").strip()
 
 
@@ -357,6 +376,28 @@ def run_decoder(cfg: E2EConfig, run: Callable[..., RunResult]) -> None:
         run(f"decoder {cfg.decoder_backbone}", "1 device", label, cfg.decoder_batch, "kernels",
             lambda b, steps, out, k=kernels, c=compiled: decoder_command(cfg, k, b, steps, out, compile=c),
             cfg.steps, cfg.warmup, cfg.decoder_seq)
+
+
+def moe_overrides(backbone: str, layers: int | None) -> dict[str, Any]:
+    """``--model.model_overrides`` of the MoE row: ``layers`` of the named size (``None``: all), its experts' GEMMs
+    grouped (the run fails rather than fall back to the loop where the device has no grouped GEMM for the dtype)."""
+    from lightning_llm.models import NAMED_SIZES
+
+    moe = {**NAMED_SIZES[("decoder", backbone)]["moe"], "experts_impl": "grouped"}
+    return {"moe": moe, **({"num_layers": layers} if layers else {})}
+
+
+def run_moe(cfg: E2EConfig, deadline: float, *, backbone: str, layers: int | None, batch: int,
+            seq: int) -> RunResult:
+    """One run of a Mixture-of-Experts decoder (``experts_impl: grouped``), MFU counted on its active parameters."""
+    cfg.work.mkdir(parents=True, exist_ok=True)
+    run = _runner(cfg, E2EReport(), deadline)
+    overrides = moe_overrides(backbone, layers)
+    label = f"moe {backbone}" + (f" x{layers} layers" if layers else "")
+    return run(label, "1 device", "grouped experts", batch, "moe",
+               lambda b, steps, out: decoder_command(cfg, "auto", b, steps, out, backbone=backbone, seq=seq,
+                                                     overrides=overrides),
+               cfg.steps, cfg.warmup, seq)
 
 
 def run_e2e(cfg: E2EConfig, groups: set[str], deadline: float) -> E2EReport:

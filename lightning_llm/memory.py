@@ -27,6 +27,13 @@ final norm and head, a tied head is a copy there), the tensor-parallel plan (col
 row-parallel linears: dim 1, vocab-parallel embedding: dim 0, everything else replicated) and FSDP2's dim-0 shards
 under ZeRO-3 (``ceil`` chunks, as ``torch.chunk``).
 
+Mixture-of-Experts models (:mod:`lightning_llm.models.moe`): the routed experts (``ParallelSpec.expert_modules``,
+``[E, ...]`` tensors) are whole on every tensor-parallel rank, ``E / ep`` of them on each expert-parallel rank, and
+under ZeRO-3 sharded on dim 0 over the ``dp x cp / ep`` ranks holding the same experts (everything else over all
+``dp x cp``). An MoE layer's activations per token replace the dense MLP's by what autograd saves for the router
+and the ``top_k`` assignments of the token (:func:`moe_layer_bytes_per_token`), with the tokens spread evenly over the
+experts (a rank of an expert-parallel group then computes as many assignments as its tokens made).
+
 Set-up peak of a rank (sharded construction, :mod:`lightning_llm.models.init`): its parameters are allocated at
 once but become resident as they are filled, in order; the peak is the parameters plus the init generator's
 scratch, or, when loading a checkpoint, the most of (parameters filled so far + the slice being copied in from the
@@ -57,9 +64,10 @@ FUSED_CHUNK_FP32_COPIES = 2
 gradient) and their shifted exponentials (``benchmarks/loss_memory.py``)."""
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
-__all__ = ["Estimate", "LayoutShare", "PRECISIONS", "Quantized", "quantized_numel", "quantized_setup_peak_bytes", "activation_bytes_per_sample", "bytes_per_param", "estimate",
-           "estimate_layout", "layout_share", "loss_bytes", "loss_peak_bytes", "max_batch_size", "model_state_theory",
-           "setup_peak_bytes"]
+__all__ = ["Estimate", "LayoutShare", "PRECISIONS", "Quantized", "quantized_numel", "quantized_setup_peak_bytes",
+           "activation_bytes_per_sample", "bytes_per_param", "check_expert_parallel", "estimate", "estimate_layout",
+           "layout_share", "loss_bytes", "loss_peak_bytes", "max_batch_size", "model_state_theory",
+           "moe_layer_bytes_per_token", "setup_peak_bytes"]
 
 
 def bytes_per_param(engine: str, precision: str) -> tuple[int, int, int]:
@@ -139,10 +147,41 @@ def activation_bytes_per_sample(config: Any, *, seq_len: int, precision: str, fu
         per_token_layer += 3 * h  # 1-byte dropout masks on attention/residual paths (probabilities not counted)
     local = seq_len // cp
     per_layer = per_token_layer * local + (2 * b * kv * seq_len if cp > 1 else 0)
+    moe_layers = len(getattr(config, "moe_layers", ()))
+    # An MoE layer: the dense MLP's term replaced by the router's and the experts' (the largest layer is reported).
+    per_moe_layer = per_layer + local * (moe_layer_bytes_per_token(config, precision=precision) - b * mlp) \
+        if moe_layers else per_layer
     vocab = config.vocab_size
     # Embedding output, final norm (2H), logits in the compute dtype + their fp32 copy for the loss.
     head = local * (b * 3 * h + (0 if fused_loss else (b + 4) * vocab))
-    return per_layer, per_layer * config.num_layers + head
+    layers = per_layer * (config.num_layers - moe_layers) + per_moe_layer * moe_layers
+    return max(per_layer, per_moe_layer), layers + head
+
+
+def moe_layer_bytes_per_token(config: Any, *, precision: str) -> int:
+    """Bytes autograd saves per token in one MoE layer's feed-forward (``config.moe``; measured on the block in
+    ``tests/test_estimate.py``), with the ``top_k`` assignments of a token:
+
+    * router: its probabilities ``[E]`` fp32 and, with the load-balancing loss on, its logits ``[E]`` fp32 (the
+      aux gradient's input); the fp32 copy of its input ``[H]`` when the block runs in a 16-bit dtype; the chosen
+      ids (int64), weights (fp32) and their sum;
+    * per assignment: the token's copy sorted by expert ``[H]`` (compute dtype), the expert's gate/up output
+      ``[2I]``, activation ``[I]`` and product ``[I]`` (compute dtype), its output ``[H]`` cast to fp32 to be
+      weighted, the weighted output ``[H]`` (block dtype) the sum keeps, and its indices and weight (20 bytes);
+    * a shared expert: a dense gated MLP of its width, and its sigmoid gate's ``[H + 1]``; under autocast each of
+      its linears reading the fp32 input saves its own cast ``[H]``."""
+    moe = config.moe
+    b = _act_bytes(precision)  # the compute dtype
+    block = 2 if precision in ("bf16-true", "16-true") else 4  # the residual stream's dtype (fp32 under AMP)
+    h, e, k, i = config.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size
+    router = 4 * e * (2 if moe.aux_loss_coef > 0 else 1) + (4 * h if block != 4 else 0) + 12 * k + 4
+    assignment = h * (b + 4 + block) + 4 * i * b + 20
+    shared = 0
+    if moe.shared_intermediate_size:
+        linears = 3 if moe.shared_gate else 2  # gate, up (and the sigmoid gate) read the block input
+        shared = b * 4 * moe.shared_intermediate_size + (b * (h + 1) if moe.shared_gate else 0) + \
+            (linears * b * h if block != b else 0)
+    return router + k * assignment + shared
 
 
 def loss_peak_bytes(*, tokens: int, vocab: int, hidden: int, precision: str, fused: bool, tp: int = 1) -> int:
@@ -244,13 +283,16 @@ def _stage_prefixes(model: nn.Module, pp: int) -> list[tuple[str, ...]]:
              *(f"{m}." for m in spec.last if s == len(layers) - 1)) for s, keys in enumerate(layers)]
 
 
-def layout_share(config: Any, *, tp: int = 1, pp: int = 1, dp: int = 1, zero3: bool = False) -> LayoutShare:
-    """:class:`LayoutShare` of the fullest stage of ``config``'s model under the layout (see the module docstring)."""
+def layout_share(config: Any, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, zero3: bool = False
+                 ) -> LayoutShare:
+    """:class:`LayoutShare` of the fullest stage of ``config``'s model under the layout (see the module docstring);
+    ``dp``: the replicas (``dp x cp``), of which groups of ``ep`` share each MoE layer's experts."""
     # A model built for its shapes only: its init_seed draw must leave torch's generator as it was (the run summary
     # calls this on rank 0 alone before step 1; a resumed run's dropout then differed from the uninterrupted one's).
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
         model = model_from_config(config)
-    spec = parallel_spec_of(model)[2]  # type: ignore[index]
+    prefix, _, spec = parallel_spec_of(model)  # type: ignore[misc]
+    experts = f"{prefix}{spec.expert_modules}" if spec.expert_modules else None
     plan = spec.tp_plan(model, sequence_parallel=False, loss_parallel=True) if tp > 1 else {}
     modules = dict(model.named_modules())
     styles = {path: style for pattern, style in plan.items() for path in modules
@@ -264,12 +306,15 @@ def layout_share(config: Any, *, tp: int = 1, pp: int = 1, dp: int = 1, zero3: b
                 continue
             seen.add(id(p))  # a tied head is a second use here only when the stage lacks the embedding
             mod_name, _, attr = name.rpartition(".")
-            shape = list(p.shape)
-            d = _tp_dim(styles.get(mod_name), modules[mod_name], attr)
-            if d is not None:
-                shape[d] = math.ceil(shape[d] / tp)
-            if zero3 and dp > 1 and shape:
-                shape[0] = math.ceil(shape[0] / dp)
+            shape, shards = list(p.shape), dp  # ZeRO-3 shards dim 0 over `shards` ranks
+            if experts is not None and module_path_matches(mod_name, experts):
+                shape[0], shards = shape[0] // ep, dp // ep  # [E, ...]: E/ep per ep rank, whole on every tp rank
+            else:
+                d = _tp_dim(styles.get(mod_name), modules[mod_name], attr)
+                if d is not None:
+                    shape[d] = math.ceil(shape[d] / tp)
+            if zero3 and shards > 1 and shape:
+                shape[0] = math.ceil(shape[0] / shards)
             n = math.prod(shape)
             read_peak = max(read_peak, numel + 2 * n)  # filled so far + this one + its slice read from the file
             numel += n
@@ -296,16 +341,37 @@ def quantized_setup_peak_bytes(config: Any, *, numel: int, quantized: Quantized,
     return int((numel - q) * param_bytes + q * per_weight + 2 * block * param_bytes) + SETUP_BASE_BYTES
 
 
+def check_expert_parallel(config: Any, *, ep: int, replicas: int, stage: int, engine: str) -> None:
+    """Raise ``ValueError`` naming the parameter when ``ep`` experts-parallel ranks cannot hold ``config``'s experts
+    as the engine would (the same conditions the engine refuses)."""
+    if ep < 1 or replicas % ep:
+        raise ValueError(f"ep={ep}: must divide the {replicas} data x context parallel ranks (expert parallelism "
+                         "borrows its ranks from them)")
+    if ep == 1:
+        return
+    moe = getattr(config, "moe", None)
+    if moe is None:
+        raise ValueError(f"ep={ep}: the model has no Mixture-of-Experts layers")
+    if moe.num_experts % ep:
+        raise ValueError(f"ep={ep} does not divide the model's {moe.num_experts} experts per layer")
+    if engine != "native" or stage not in (0, 3):
+        raise ValueError(f"ep={ep} with {engine} ZeRO stage {stage}: expert parallelism runs on the native engine "
+                         "with ZeRO stage 0 or 3")
+
+
 def estimate_layout(config: Any, *, tp: int, pp: int, dp: int, stage: int, engine: str, batch_size: int,
                     seq_len: int, precision: str, fused_loss: bool, offload_optimizer: bool = False,
-                    offload_params: bool = False, cp: int = 1, quantized: Quantized | None = None
+                    offload_params: bool = False, cp: int = 1, ep: int = 1, quantized: Quantized | None = None
                     ) -> tuple[Estimate, LayoutShare]:
     """Per-rank memory of ``config`` under a ``tp x pp x cp x dp`` layout with ZeRO ``stage`` (``engine``: native,
-    deepspeed or ddp): what the ``estimate`` tool prints and the run summary logs at the start of fit. Model states
-    follow what a rank of the fullest stage holds after tp/pp (ZeRO then divides over dp x cp, the ranks holding the
-    same parameters); activations follow the ``seq_len / cp`` tokens a rank holds."""
+    deepspeed or ddp) and ``ep`` of the ``dp x cp`` ranks sharing each MoE layer's experts: what the ``estimate``
+    tool prints and the run summary logs at the start of fit. Model states follow what a rank of the fullest stage
+    holds after tp/pp/ep (ZeRO then divides over the ranks holding the same parameters: dp x cp, the experts
+    dp x cp / ep); activations follow the ``seq_len / cp`` tokens a rank holds."""
     replicas = dp * cp
-    share = layout_share(config, tp=tp, pp=pp, dp=replicas, zero3=stage == 3)
+    check_expert_parallel(config, ep=ep, replicas=replicas, stage=stage, engine=engine)
+    share = layout_share(config, tp=tp, pp=pp, dp=replicas, ep=ep, zero3=stage == 3)
+    # ZeRO-3 divides every column by the replicas: the share is already this rank's (experts over dp x cp / ep)
     local = share.numel * replicas if stage == 3 else share.numel
     est = estimate(config, numel=local, batch_size=batch_size, seq_len=seq_len, precision=precision, devices=replicas,
                    stage=stage, engine=engine, offload_optimizer=offload_optimizer, offload_params=offload_params,

@@ -300,7 +300,8 @@ def _memory_line(trainer: pl.Trainer, task: Any, layout: Layout, batch: int | No
     est, _ = estimate_layout(config, tp=layout.tp, pp=layout.pp, dp=layout.dp, stage=layout.zero_stage,
                              engine=layout.engine, batch_size=batch, seq_len=int(ids.shape[-1]), precision=precision,
                              fused_loss=fused, offload_optimizer=layout.offload_optimizer,
-                             offload_params=layout.offload_params, cp=layout.cp, quantized=quantized)
+                             offload_params=layout.offload_params, cp=layout.cp, ep=layout.ep,
+                             quantized=quantized)
     parts = ", ".join(f"{name} {v / MIB:.1f}" for name, v in (
         ("parameters", est.params), ("gradients", est.grads), ("optimizer", est.optim),
         ("activations", est.activations), ("loss", est.loss)))

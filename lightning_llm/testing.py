@@ -208,6 +208,24 @@ def resumed_curve_error(path: Path, reference: list[float], *, start: int) -> fl
     return max_abs_err(got["losses"], reference[start:])
 
 
+def saved_tensor_bytes(fn: Callable[[], Any], exclude: list[torch.Tensor]) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``fn()`` runs, those of ``exclude`` (inputs,
+    weights) left out: what a forward keeps alive until its backward (the activation memory models are checked
+    against it)."""
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr and ptr not in skip:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
 def max_abs_err(got: list[float], ref: list[float]) -> float:
     """``max |got - ref|`` over two equally long curves."""
     return max(abs(x - y) for x, y in zip(got, ref, strict=True))

@@ -64,7 +64,7 @@ def test_smoke_run_checks_every_kernel_and_runs_every_e2e_row(smoke: tuple) -> N
     assert not list(out.parent.glob("*.tmp")), "the results file is written through a temp file + rename"
 
     parts = {r[0]: r[1] for r in table_after(text, "- total:")}
-    assert parts == {"kernels": "ok", "flce": "ok", "e2e": "ok", "attention": "ok"}, parts
+    assert parts == {"kernels": "ok", "flce": "ok", "e2e": "ok", "attention": "ok", "moe": "ok"}, parts
 
     checked = {}
     for kernel, _shape, dtype, err64, err_torch, _t64, tol, result in table_after(text, "## Kernel correctness"):
@@ -97,6 +97,9 @@ def test_smoke_run_checks_every_kernel_and_runs_every_e2e_row(smoke: tuple) -> N
         assert float(before[3]) > 0 and float(after[3]) > 0 and abs(float(before[6]) - float(after[6])) < 1e-3
     assert {r[1] for r in table_after(text, "## Attention: GQA")} == {
         "repeat_interleave + SDPA", "SDPA enable_gqa", "varlen path (enable_gqa)"}
+    (moe,) = table_after(text, "## Mixture of Experts")
+    assert moe[0] == "moe debug-moe x2 layers" and moe[3] == "ok" and float(moe[5].replace(",", "")) > 0
+    assert "active per token" in moe[8] and '"experts_impl": "grouped"' in text  # MFU on active parameters
     print(f"smoke run: {seconds:.1f} s")
 
 
@@ -152,3 +155,17 @@ def test_batch_search_doubles_until_oom_and_halves_from_an_oom_start() -> None:
     runs, best = E.search_max_batch(measure, 4, 4, 8)
     assert [r.batch for r in runs] == [4, 8] and best.batch == 8
     assert E.peak_tflops("NVIDIA H100 80GB HBM3") == 989 and E.peak_tflops("NVIDIA A100-SXM4-80GB") == 312
+
+
+def test_mfu_counts_the_parameters_a_token_uses() -> None:
+    """An MoE run's MFU counts its active parameters (6 N + 12 L A S, N without embeddings), a dense run's all."""
+    E = bench_module("gpu_e2e")
+    record = {"step_ends": [0.0, 1.0, 2.0], "tokens_per_step": 1000, "total": 10_000, "active": 4_000,
+              "embedding": 1_000, "layers": 2, "hidden": 64, "attention": 128, "peak_alloc": None,
+              "peak_reserved": None, "rss_kib": 1}
+    res = E.RunResult("m", "s", "k", 1, "moe")
+    E.summarize(res, record, warmup=0, seq=100, peak=1e-6)  # 1 MFLOP/s peak
+    assert res.tokens_per_s == 1000 and res.mfu == pytest.approx((6 * 3_000 + 12 * 2 * 128 * 100) * 1000 / 1e6)
+    dense = E.RunResult("m", "s", "k", 1, "kernels")
+    E.summarize(dense, {**record, "active": 10_000}, warmup=0, seq=100, peak=1e-6)
+    assert dense.mfu == pytest.approx((6 * 9_000 + 12 * 2 * 128 * 100) * 1000 / 1e6)

@@ -1,6 +1,13 @@
-"""``lightning_llm estimate``: per-device training memory of a model under a layout (DDP, ZeRO stages, tp x pp x dp),
-and the largest batch that fits a given accelerator memory. The numbers are :mod:`lightning_llm.memory`'s (the same
-the run summary logs at the start of fit); this module reads the command line and prints them.
+"""``lightning_llm estimate``: per-device training memory of a model under a layout (DDP, ZeRO stages, tp x pp x dp,
+expert parallelism), the largest batch that fits a given accelerator memory, and the model's parameters (total and,
+for a Mixture-of-Experts model, those a token uses) with the training FLOPs per token they imply. The memory numbers
+are :mod:`lightning_llm.memory`'s (the same the run summary logs at the start of fit); this module reads the command
+line and prints them.
+
+FLOPs per token of a training step (forward + backward), the convention of PaLM's MFU that ``benchmarks/gpu.py``
+reports: ``6 N + 12 L A S``, with ``N`` the parameters a token's matmuls use (no embedding tables; of an MoE layer's
+routed experts only its ``top_k``: :func:`~lightning_llm.models.moe.moe_parameters`), ``L`` layers, ``A`` the
+attention width (heads x head dim) and ``S`` the sequence length.
 """
 
 from __future__ import annotations
@@ -9,10 +16,12 @@ import argparse
 import json
 import math
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from lightning_llm.data.io import read_json
 from lightning_llm.memory import (
@@ -26,10 +35,12 @@ from lightning_llm.memory import (
     setup_peak_bytes,
 )
 from lightning_llm.models import NAMED_SIZES, config_from_hf, model_from_config, named_config
+from lightning_llm.models.moe import moe_parameters
 from lightning_llm.models.quantize import QUANTIZE_MODES, QuantizationConfig
 from lightning_llm.strategies.presets import ZERO_PRESETS
 
-__all__ = ["count_parameters", "load_config", "main", "strategy_args"]
+__all__ = ["ParameterCounts", "count_parameters", "load_config", "main", "parameter_counts", "strategy_args",
+           "train_flops_per_token"]
 
 GIB = 1024**3
 
@@ -50,34 +61,77 @@ def load_config(model: str, family: str) -> Any:
 
 def count_parameters(config: Any) -> int:
     """Exact parameter count (tied weights once), from a model built on the meta device."""
-    with torch.device("meta"):
+    return parameter_counts(config).total
+
+
+@dataclass(frozen=True)
+class ParameterCounts:
+    total: int
+    """Every parameter (tied weights once)."""
+    embedding: int
+    """Those in embedding tables (a tied head's weight among them)."""
+    experts: int
+    """The routed experts' (0 without MoE layers)."""
+    active: int
+    """Those a token uses: the total less the routed experts it is not sent to."""
+
+
+def parameter_counts(config: Any) -> ParameterCounts:
+    """:class:`ParameterCounts` of ``config``'s model, built on the meta device (torch's generator left as it was)."""
+    with torch.random.fork_rng(devices=[]), torch.device("meta"):
         model = model_from_config(config)
-    return sum(p.numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    embedding = sum(p.numel() for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(False))
+    experts, routed = moe_parameters(config) if getattr(config, "moe", None) is not None else (0, 0)
+    return ParameterCounts(total, embedding, experts, total - experts + routed)
+
+
+def train_flops_per_token(*, params: int, layers: int, attention_width: int, seq_len: int) -> int:
+    """``6 N + 12 L A S``: a training step's FLOPs per token (see the module docstring); ``params``: ``N``, the
+    non-embedding parameters a token uses."""
+    return 6 * params + 12 * layers * attention_width * seq_len
+
+
+ENGINE_PRESETS = ("tp", "pp", "cp", "ep", "3d")
+"""The native engine's presets with a parallel degree of their own (``--zero-stage`` applies to them)."""
 
 
 def strategy_args(strategy: str) -> dict[str, Any]:
-    """``ddp``, ``tp``, ``pp``, ``3d`` or a registered ZeRO preset name -> ``stage``/``engine``/offload args (the
-    tensor/pipeline degrees come from ``--tp``/``--pp``)."""
+    """``ddp``, ``tp``, ``pp``, ``cp``, ``ep``, ``3d`` or a registered ZeRO preset name -> ``stage``/``engine``/offload
+    args (the tensor/pipeline/context/expert degrees come from ``--tp``/``--pp``/``--cp``/``--ep``)."""
     if strategy == "ddp":
         return {"stage": 0, "engine": "ddp", "offload_optimizer": False, "offload_params": False}
-    if strategy in ("tp", "pp", "cp", "3d"):
+    if strategy in ENGINE_PRESETS:
         return {"stage": 0, "engine": "native", "offload_optimizer": False, "offload_params": False}
     if strategy not in ZERO_PRESETS:
-        raise ValueError(f"--strategy={strategy}: choose ddp, tp, pp, cp, 3d or one of {', '.join(ZERO_PRESETS)}")
+        raise ValueError(f"--strategy={strategy}: choose ddp, {', '.join(ENGINE_PRESETS)} or one of "
+                         f"{', '.join(ZERO_PRESETS)}")
     args = {"engine": "native", "offload_optimizer": False, "offload_params": False, **ZERO_PRESETS[strategy]}
     return args
 
 
-def _degrees(a: argparse.Namespace) -> tuple[int, int, int, int]:
-    """(tp, pp, cp, dp) from ``--strategy``, ``--devices``, ``--tp``, ``--pp``, ``--cp``."""
+def _degrees(a: argparse.Namespace) -> tuple[int, int, int, int, int]:
+    """(tp, pp, cp, dp, ep) from ``--strategy``, ``--devices``, ``--tp``, ``--pp``, ``--cp``, ``--ep``."""
     tp = a.tp if a.tp is not None else (a.devices if a.strategy == "tp" else 1)
     pp = a.pp if a.pp is not None else (a.devices if a.strategy == "pp" else 1)
     cp = a.cp if a.cp is not None else (a.devices if a.strategy == "cp" else 1)
     if tp < 1 or pp < 1 or cp < 1 or a.devices % (tp * pp * cp):
         raise ValueError(f"--devices={a.devices} must be a multiple of --tp={tp} x --pp={pp} x --cp={cp}")
-    if a.strategy not in ("tp", "pp", "cp", "3d") and tp * pp * cp > 1:
-        raise ValueError(f"--strategy={a.strategy} is data parallel: --tp/--pp/--cp need --strategy=tp, pp, cp or 3d")
-    return tp, pp, cp, a.devices // (tp * pp * cp)
+    if a.strategy not in ENGINE_PRESETS and (tp * pp * cp > 1 or a.ep is not None):
+        raise ValueError(f"--strategy={a.strategy} is data parallel: --tp/--pp/--cp/--ep need --strategy=tp, pp, cp, "
+                         "ep or 3d")
+    dp = a.devices // (tp * pp * cp)
+    ep = a.ep if a.ep is not None else (dp * cp if a.strategy == "ep" else 1)  # the ep preset: every replica
+    return tp, pp, cp, dp, ep
+
+
+def _flops_line(config: Any, counts: ParameterCounts, flops: int) -> str:
+    """The parameters a token uses and the training FLOPs per token they imply."""
+    used = (f"{counts.active:,} of them active per token (top-{config.moe.top_k} of {config.moe.num_experts} "
+            f"experts on {len(config.moe_layers)} layers: {counts.experts:,} in routed experts); "
+            if counts.experts else "")
+    return (f"{used}training FLOPs per token: {flops:.3e} = 6 x {counts.active - counts.embedding:,} non-embedding "
+            "parameters a token uses + 12 x layers x attention width x sequence")
 
 
 def _gib(n: float) -> str:
@@ -97,18 +151,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", default="bf16-mixed", choices=PRECISIONS)
     parser.add_argument("--devices", type=int, default=1, help="all devices; data-parallel = devices / (tp x pp) "
                         "(ZeRO shards over those)")
-    parser.add_argument("--strategy", default="zero2", help="ddp, tp, pp, 3d, zero1, zero2, zero3, zero2_offload, "
-                        "zero3_offload, deepspeed_zero1/2/3, deepspeed_zero3_offload")
+    parser.add_argument("--strategy", default="zero2", help="ddp, tp, pp, cp, ep, 3d, zero1, zero2, zero3, "
+                        "zero2_offload, zero3_offload, deepspeed_zero1/2/3, deepspeed_zero3_offload")
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: all devices for "
                         "--strategy=tp, else 1)")
     parser.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree (default: all devices for "
                         "--strategy=pp, else 1)")
     parser.add_argument("--cp", type=int, default=None, help="context-parallel degree: ranks sharing each sequence "
                         "(default: all devices for --strategy=cp, else 1)")
+    parser.add_argument("--ep", type=int, default=None, help="expert-parallel degree of an MoE model: ranks among the "
+                        "data x context parallel ones sharing each MoE layer's experts (default: all of them for "
+                        "--strategy=ep, else 1)")
     parser.add_argument("--init", choices=["random", "checkpoint"], default=None, help="whether set-up initialises "
                         "randomly or reads a checkpoint (default: checkpoint when --model is a directory)")
     parser.add_argument("--zero-stage", type=int, default=None, help="ZeRO stage over the data-parallel devices of "
-                        "--strategy=3d (0-3)")
+                        "--strategy=3d (0-3) or ep (0 or 3)")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="device memory for the max-batch search")
     parser.add_argument("--reserve-gib", type=float, default=1.0, help="memory kept aside (CUDA context, buffers)")
     parser.add_argument("--fused-loss", choices=["on", "off"], default="on", help="the causal-LM loss path "
@@ -128,16 +185,18 @@ def main(argv: list[str] | None = None) -> int:
         if seq < 1:
             raise ValueError(f"--seq-len={seq}: must be >= 1")
         sargs = strategy_args(a.strategy)
-        tp, pp, cp, dp = _degrees(a)
+        tp, pp, cp, dp, ep = _degrees(a)
         if a.zero_stage is not None:
             sargs["stage"] = a.zero_stage
-        if a.quantize and (tp > 1 or pp > 1):
+        if a.quantize and (tp > 1 or pp > 1 or ep > 1):
             raise ValueError(f"--quantize={a.quantize}: modelled for ddp, zero1/2 and zero3 only (tensor parallelism "
-                             "refuses quantized weights; a pipeline stage's share of them is not modelled)")
-        numel = count_parameters(config)
+                             "refuses quantized weights; a pipeline stage's or an expert-parallel rank's share of "
+                             "them is not modelled)")
+        counts = parameter_counts(config)
+        numel = counts.total
         fused = a.fused_loss == "on"  # tp: the vocab-parallel fused loss on V/tp shards; pp: on the last stage
         est, share = estimate_layout(config, tp=tp, pp=pp, dp=dp, batch_size=a.batch_size, seq_len=seq,
-                                     precision=a.precision, fused_loss=fused, cp=cp,
+                                     precision=a.precision, fused_loss=fused, cp=cp, ep=ep,
                                      quantized=Quantized(a.quantize, QuantizationConfig()) if a.quantize else None,
                                      **sargs)
         loss_paths = {k: loss_bytes(config, tokens=a.batch_size * seq // cp, precision=a.precision, fused=k == "fused",
@@ -155,10 +214,14 @@ def main(argv: list[str] | None = None) -> int:
     fit = max_batch_size(est, memory_bytes=a.gpu_memory_gib * GIB, reserve_bytes=a.reserve_gib * GIB,
                          loss=lambda batch: loss_bytes(config, tokens=batch * seq // cp, precision=a.precision,
                                                         fused=fused, tp=tp))
+    flops = train_flops_per_token(params=counts.active - counts.embedding, layers=config.num_layers,
+                                  attention_width=config.num_heads * config.head_dim, seq_len=seq)
     report = {
-        "model": a.model, "parameters": numel, "quantize": a.quantize, "strategy": a.strategy, "stage": sargs["stage"],
+        "model": a.model, "parameters": numel, "active_parameters": counts.active,
+        "expert_parameters": counts.experts, "embedding_parameters": counts.embedding, "train_flops_per_token": flops,
+        "quantize": a.quantize, "strategy": a.strategy, "stage": sargs["stage"],
         "engine": sargs["engine"], "precision": a.precision, "devices": a.devices, "tp": tp, "pp": pp, "cp": cp, "dp": dp,
-        "batch_size": a.batch_size, "setup_peak_bytes": setup,
+        "ep": ep, "batch_size": a.batch_size, "setup_peak_bytes": setup,
         "seq_len": seq, "bytes": {"params": est.params, "grads": est.grads, "optim": est.optim,
                                   "activations": est.activations, "loss": est.loss,
                                   "model_states": est.model_states,
@@ -170,8 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         print(json.dumps(report))
         return 0
+    experts = f" (experts over ep {ep} of them)" if ep > 1 else ""
     print(f"{a.model}: {numel:,} parameters | {a.strategy} (stage {sargs['stage']}, {sargs['engine']}) | "
-          f"{a.precision} | {a.devices} device(s): tp {tp} x pp {pp} x cp {cp} x dp {dp} | batch {a.batch_size} x {seq} tokens")
+          f"{a.precision} | {a.devices} device(s): tp {tp} x pp {pp} x cp {cp} x dp {dp}{experts} | batch "
+          f"{a.batch_size} x {seq} tokens")
+    print(_flops_line(config, counts, flops))
     print(f"set-up peak (sharded construction, before the first step): {_gib(setup).strip()}")
     print("per-device memory:")
     for label, v in (("parameters", est.params), ("gradients", est.grads), ("optimizer states", est.optim),
