@@ -55,8 +55,12 @@ __all__ = ["AttentionMask", "DotProductAttention", "TokenMask", "VarlenCall", "V
 AttentionPath = Literal["varlen", "sdpa"]
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _FLASH_MAX_HEAD_DIM = 256
-_VARLEN_ARGS = ("window_size", "enable_gqa")
-_HAS_VARLEN = varlen_attn is not None and set(_VARLEN_ARGS) <= set(inspect.signature(varlen_attn).parameters)
+_VARLEN_PARAMS = set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
+_HAS_VARLEN = "is_causal" in _VARLEN_PARAMS or "window_size" in _VARLEN_PARAMS
+"""torch has flash varlen attention (2.10 on: causal from the bottom right, as ``is_causal`` or ``window_size``)."""
+_HAS_WINDOW_GQA = {"window_size", "enable_gqa"} <= _VARLEN_PARAMS
+"""It also takes a sliding window and grouped kv heads (torch 2.13); before, kv heads are repeated for it and sliding
+windows take the mask path."""
 
 
 # ---------------------------------------------------------------------------------------------------- the layout
@@ -205,12 +209,18 @@ def reference_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor
 def _varlen_kernel(q: Tensor, k: Tensor, v: Tensor, call: VarlenCall, window: int | None) -> Tensor:
     """flash varlen on CUDA (and on the meta device, which runs its shape function), the reference elsewhere."""
     if q.device.type in ("cuda", "meta"):
-        if not _HAS_VARLEN:
-            raise RuntimeError(f"attention=varlen needs torch.nn.attention.varlen.varlen_attn with "
-                               f"{' and '.join(_VARLEN_ARGS)} (torch 2.13); torch {torch.__version__} has not: use "
-                               "attention=sdpa")
-        return varlen_attn(q, k, v, call.cu_q, call.cu_k, call.max_q, call.max_k,
-                           window_size=(-1 if window is None else window - 1, 0), enable_gqa=k.shape[1] != q.shape[1])
+        if not _HAS_VARLEN or (window is not None and not _HAS_WINDOW_GQA):
+            raise RuntimeError(f"attention=varlen needs torch.nn.attention.varlen.varlen_attn (torch 2.10; with a "
+                               f"sliding window 2.13); torch {torch.__version__} has not: use attention=sdpa")
+        if _HAS_WINDOW_GQA:
+            return varlen_attn(q, k, v, call.cu_q, call.cu_k, call.max_q, call.max_k,
+                               window_size=(-1 if window is None else window - 1, 0),
+                               enable_gqa=k.shape[1] != q.shape[1])
+        rep = q.shape[1] // k.shape[1]  # [T, K, D]: torch < 2.13 takes as many kv heads as query heads
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        causal = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}
+        return varlen_attn(q, k, v, call.cu_q, call.cu_k, call.max_q, call.max_k, **causal)
     return reference_varlen(q, k, v, call.cu_q.cpu(), call.cu_k.cpu(), window=window)
 
 
@@ -256,7 +266,9 @@ def attention_path(config: ModelConfig, *, device: torch.device, dtype: torch.dt
     if not _flash_device(device):
         return "sdpa", "no CUDA flash kernel" if device.type == "cuda" else f"{device.type} device"
     if not _HAS_VARLEN:
-        return "sdpa", f"torch {torch.__version__} has no varlen_attn with {' and '.join(_VARLEN_ARGS)}"
+        return "sdpa", f"torch {torch.__version__} has no varlen_attn"
+    if config.sliding_layers and not _HAS_WINDOW_GQA:
+        return "sdpa", f"sliding window: torch {torch.__version__}'s varlen_attn takes no window_size"
     if dtype not in _FLASH_DTYPES:
         return "sdpa", f"{dtype} (flash takes fp16/bf16)"
     if (config.head_dim or 0) > _FLASH_MAX_HEAD_DIM or (config.head_dim or 0) % 8:
@@ -283,7 +295,8 @@ def describe_attention(config: ModelConfig, *, device: torch.device, dtype: torc
         return (f"context parallel x{context_parallel}: keys/values all-gathered; plain rows: CPU flash blocks merged "
                 f"by log-sum-exp on the CPU; padded/packed rows (and other devices): SDPA with a [B, 1, S/cp, S] mask "
                 f"({why})")
-    heads = "; GQA: kv heads not repeated" if gqa and path == "varlen" else ""
+    heads = ("; GQA: kv heads not repeated" if _HAS_WINDOW_GQA else "; GQA: kv heads repeated for torch's varlen_attn") \
+        if gqa and path == "varlen" else ""
     if path == "varlen":
         return (f"flash varlen (torch.nn.attention.varlen.varlen_attn) for padded, packed and sliding-window rows, "
                 f"no [S, S] mask; plain rows: SDPA is_causal{heads} ({why})")
