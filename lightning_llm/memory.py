@@ -163,19 +163,18 @@ def moe_layer_bytes_per_token(config: Any, *, precision: str) -> int:
     ``tests/test_estimate.py``), with the ``top_k`` assignments of a token:
 
     * router: its probabilities ``[E]`` fp32 and, with the load-balancing loss on, its logits ``[E]`` fp32 (the
-      aux gradient's input); the fp32 copy of its input ``[H]`` when the block runs in a 16-bit dtype; the chosen
-      ids (int64), weights (fp32) and their sum;
-    * per assignment: the token's copy sorted by expert ``[H]`` (compute dtype), the expert's gate/up output
-      ``[2I]``, activation ``[I]`` and product ``[I]`` (compute dtype), its output ``[H]`` cast to fp32 to be
-      weighted, the weighted output ``[H]`` (block dtype) the sum keeps, and its indices and weight (20 bytes);
+      aux gradient's input); the fp32 copy of its input ``[H]`` when the block runs in a 16-bit dtype; their sum;
+    * per assignment: three ``[H]`` in the compute dtype (the token's copy sorted by expert, the expert's output,
+      that output in token order, which the fp32 weighting keeps), the expert's gate/up output ``[2I]``, activation
+      ``[I]`` and product ``[I]`` (compute dtype), and its id, weight and sorting indices (32 bytes);
     * a shared expert: a dense gated MLP of its width, and its sigmoid gate's ``[H + 1]``; under autocast each of
       its linears reading the fp32 input saves its own cast ``[H]``."""
     moe = config.moe
     b = _act_bytes(precision)  # the compute dtype
     block = 2 if precision in ("bf16-true", "16-true") else 4  # the residual stream's dtype (fp32 under AMP)
     h, e, k, i = config.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size
-    router = 4 * e * (2 if moe.aux_loss_coef > 0 else 1) + (4 * h if block != 4 else 0) + 12 * k + 4
-    assignment = h * (b + 4 + block) + 4 * i * b + 20
+    router = 4 * e * (2 if moe.aux_loss_coef > 0 else 1) + (4 * h if block != 4 else 0) + 4
+    assignment = 3 * b * h + 4 * i * b + 32
     shared = 0
     if moe.shared_intermediate_size:
         linears = 3 if moe.shared_gate else 2  # gate, up (and the sigmoid gate) read the block input

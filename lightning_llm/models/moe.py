@@ -165,9 +165,10 @@ def expert_ffn(tokens: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor, *,
     else:
         sizes = counts.tolist()
     outs = []
-    for e, part in enumerate(tokens.split(sizes)):
-        gate, up = F.linear(part, gate_up[e]).chunk(2, dim=-1)  # [m_e, I] each
-        outs.append(F.linear(activation(act, gate) * up, down[e]))
+    # unbind, not gate_up[e]: indexing one expert makes its backward fill a whole [E, 2I, H] gradient per expert
+    for part, w_in, w_out in zip(tokens.split(sizes), gate_up.unbind(0), down.unbind(0)):
+        gate, up = F.linear(part, w_in).chunk(2, dim=-1)  # [m_e, I] each
+        outs.append(F.linear(activation(act, gate) * up, w_out))
     return torch.cat(outs) if outs else tokens.new_zeros(0, down.shape[1])
 
 
@@ -205,8 +206,9 @@ def balanced_counts(m: int, e: int, device: torch.device) -> Tensor:
 
 def dispatch_to_experts(experts: nn.Module, x: Tensor, ids: Tensor, weights: Tensor, num_experts: int) -> Tensor:
     """``sum_k weights[:, k] * expert_{ids[:, k]}(x)`` [N, H]: the ``N * k`` assignments sorted by expert (stable, so
-    each expert sees its tokens in order), computed by ``experts(tokens, counts)``, weighted in fp32 (as Mixtral's
-    experts weigh their bf16 outputs by fp32 scores) and summed back per token."""
+    each expert sees its tokens in order), computed by ``experts(tokens, counts)``, put back in token order (a
+    permutation: deterministic, unlike a scatter-add on CUDA) and weighted and summed per token in fp32 (as Mixtral's
+    experts weigh their bf16 outputs by fp32 scores); backward keeps the experts' outputs in the compute dtype only."""
     n, k = ids.shape
     flat = ids.reshape(-1)  # [M]
     if x.is_meta:
@@ -216,11 +218,9 @@ def dispatch_to_experts(experts: nn.Module, x: Tensor, ids: Tensor, weights: Ten
         order = torch.argsort(flat, stable=True)
         # (not bincount: on CUDA it reads the largest id back to size its output, a host sync per layer)
         counts = torch.zeros(num_experts, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
-    rows = order // k  # [M] the token of each sorted assignment
-    out = experts(x.index_select(0, rows), counts)  # [M, H]
-    w = weights.reshape(-1).index_select(0, order)  # [M] fp32
-    contrib = (out.float() * w.unsqueeze(-1)).to(x.dtype)
-    return torch.zeros_like(x).index_add_(0, rows, contrib)
+    out = experts(x.index_select(0, order // k), counts)  # [M, H] sorted by expert
+    by_token = torch.empty_like(out).index_copy(0, order, out).view(n, k, -1)  # [N, k, H]
+    return (by_token * weights.unsqueeze(-1)).sum(1).to(x.dtype)  # fp32 weights: the product and the sum in fp32
 
 
 class MoEBlock(nn.Module):
