@@ -7,10 +7,7 @@
    512, ``--expert-width`` 256, ``--tokens`` tokens), forward + backward (a ones gradient), fp32, on the same weights:
    our ``MoEBlock`` with ``experts_impl`` grouped (``torch._grouped_mm``) and loop, transformers'
    ``Qwen3MoeSparseMoeBlock`` with its ``eager`` experts (a loop over the experts hit) and its ``grouped_mm`` ones
-   (``transformers.integrations.moe``), and two changes proposed to ``models/moe.py``: ``proposed: combine`` (our
-   router and grouped experts with the combine transformers' grouped path uses: un-permute, per-token weighted sum;
-   no ``index_add_``, no fp32 copies of the outputs) and ``proposed: loop with unbind`` (our loop taking the experts'
-   weights by ``unbind(0)`` instead of indexing). Outputs and gradients are compared with ours; bytes saved for
+   (``transformers.integrations.moe``). Outputs and gradients are compared with ours; bytes saved for
    backward are counted (saved-tensor hooks); one forward + backward of each of ours is profiled by op
    (``torch.profiler``).
 2. ``step``: a tiny Qwen3-MoE written by transformers (``Qwen3MoeForCausalLM.save_pretrained``), loaded by
@@ -121,52 +118,6 @@ def hf_config(a: argparse.Namespace, *, layer: bool) -> Any:
 # ------------------------------------------------------------------------------------------------ 1. layer
 
 
-class ProposedCombine(torch.nn.Module):
-    """Our router and grouped experts with transformers' grouped combine: the outputs un-permuted to [N, k, H] and
-    summed with the fp32 weights (``mul`` promotes: autograd keeps the outputs in their dtype; no scatter)."""
-
-    def __init__(self, block: Any) -> None:
-        super().__init__()
-        self.block = block
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _proposed(self.block, x)
-
-
-class UnbindLoop(torch.nn.Module):
-    """Our loop over the experts taking each expert's weights with ``unbind(0)``: backward stacks the experts'
-    gradients once, where indexing ``gate_up_proj[e]`` fills a zero ``[E, 2I, H]`` gradient per expert."""
-
-    def __init__(self, experts: Any) -> None:
-        super().__init__()
-        self.experts = experts
-
-    def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        import torch.nn.functional as F
-
-        from lightning_llm.models.layers import activation
-
-        e = self.experts
-        outs = []
-        for part, gate_up, down in zip(tokens.split(counts.tolist()), e.gate_up_proj.unbind(0), e.down_proj.unbind(0)):
-            gate, up = F.linear(part, gate_up).chunk(2, dim=-1)
-            outs.append(F.linear(activation(e.act, gate) * up, down))
-        return torch.cat(outs)
-
-
-def _proposed(block: Any, x: torch.Tensor) -> torch.Tensor:
-    flat = x.reshape(-1, x.shape[-1])
-    ids, weights = block.gate.route(block.gate.logits(flat))
-    n, k = ids.shape
-    order = torch.argsort(ids.reshape(-1), stable=True)
-    counts = torch.bincount(ids.reshape(-1), minlength=block.cfg.num_experts)
-    out = block.experts(flat.index_select(0, order // k), counts)  # [M, H] sorted by expert
-    unsort = torch.empty_like(order)
-    unsort[order] = torch.arange(order.numel())
-    y = (out.index_select(0, unsort).view(n, k, -1) * weights.unsqueeze(-1)).sum(1)
-    return y.to(x.dtype).view(x.shape)
-
-
 def _layer_blocks(a: argparse.Namespace) -> dict[str, torch.nn.Module]:
     """The alternatives on the same weights: ``x [1, N, H] -> y``."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
@@ -190,10 +141,6 @@ def _layer_blocks(a: argparse.Namespace) -> dict[str, torch.nn.Module]:
         hf = Qwen3MoeSparseMoeBlock(c).train()
         hf.load_state_dict(blocks["ours grouped"].state_dict())  # the same names: gate.weight, experts.*
         fns[f"transformers {impl}"] = hf
-    fns["proposed: combine"] = ProposedCombine(copy.deepcopy(blocks["ours grouped"]))
-    unbind = copy.deepcopy(blocks["ours loop"])
-    unbind.experts = UnbindLoop(unbind.experts)
-    fns["proposed: loop with unbind"] = unbind
     return fns
 
 
