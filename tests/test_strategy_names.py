@@ -41,6 +41,8 @@ CASES: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
            and s.args.dims.pp == -1 and s.log_pipeline_stats is True),
     "cp": ("zero_stage", "3", lambda s: type(s).__name__ == "ContextParallelStrategy" and s.zero_stage == 3
            and (s.args.dims.cp, s.args.dims.dp, s.args.dims.tp) == (-1, 1, 1)),
+    "ep": ("zero_stage", "3", lambda s: type(s).__name__ == "ExpertParallelStrategy" and s.zero_stage == 3
+           and (s.args.dims.ep, s.args.dims.dp, s.args.dims.tp) == (-1, -1, 1)),
     "3d": ("zero_stage", "1", lambda s: type(s).__name__ == "HybridParallelStrategy" and s.zero_stage == 1
            and (s.args.dims.dp, s.args.dims.tp, s.args.dims.pp) == (-1, 1, 1)),
     "zero1": ("activation_checkpointing", "true", _native(1)),
