@@ -385,3 +385,28 @@ def test_expert_parallel_settings_are_refused_in_one_line() -> None:
         check_expert_adapter_layout(lora, EP2())
     with pytest.raises(ValueError, match="needs lora.dropout=0"):
         PeftConfig(lora=LoraArgs(target_parameters=["mlp.experts.gate_up_proj"]))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_recomputed_blocks_give_the_load_balancing_gradient_once(reentrant: bool) -> None:
+    """Activation checkpointing recomputes each block in backward: the recompute records no routing twice and the
+    load-balancing loss's gradient reaches the routers exactly as without recompute (torch's non-reentrant
+    checkpoint must see the same saved tensors; the reentrant one backpropagates the recomputed graph)."""
+    from lightning_llm.peft import enable_gradient_checkpointing
+
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    grads, loads = [], []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = build_model("debug-moe", family="decoder", moe={**vars(MoEConfig(
+            num_experts=8, top_k=2, intermediate_size=32)), "aux_loss_coef": 1.0}).train()
+        if recompute:
+            enable_gradient_checkpointing(model, use_reentrant=reentrant)
+        model.routing.begin()
+        model(ids, labels=ids.roll(-1, 1)).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        loads.append(model.routing.loads().clone())
+    assert torch.equal(loads[0], loads[1])
+    worst = max(float((grads[0][n] - g).abs().max()) for n, g in grads[1].items())
+    assert worst < 1e-6, worst
+    assert float(grads[1]["layers.0.mlp.gate.weight"].abs().max()) > 0
