@@ -145,6 +145,7 @@ class DecoderLM(nn.Module):
         reduction: Literal["mean", "none"] = "mean",  # of the loss with labels: mean over tokens, or [B, S]
         temperature: float = 1.0,  # with labels: the loss of logits / temperature (RL's sampling temperature)
         token_scores: bool = False,  # with labels: TokenScores (per-token loss, entropy, hidden) instead of a loss
+        logits_to_keep: int = 0,  # > 0: the logits of the last positions only [B, logits_to_keep, V] (decoding)
     ) -> Tensor | TokenScores:  # logits [B, S, V] (hidden [B, S, H] when lm_head is None; the loss with labels)
         if self.embed_tokens is None:
             # Pipeline stage after the first: the positional input is the hidden state of the previous stage.
@@ -202,6 +203,8 @@ class DecoderLM(nn.Module):
                 return head_token_scores(x, self.lm_head, labels, temperature=temperature, backend=backend)
             return head_cross_entropy(x, self.lm_head, labels, reduction=reduction, temperature=temperature,
                                       backend=backend)
+        if logits_to_keep:  # decoding reads the last position: the head runs on it alone (HF's logits_to_keep)
+            x = x[:, -logits_to_keep:]
         return self.lm_head(x)  # [B, S, V]
 
     def _cores_need_token_mask(self) -> bool:

@@ -22,6 +22,7 @@ from lightning_llm import kernels as fused
 from lightning_llm.kernels import resolve_backend
 
 from .config import ModelConfig
+from .decoding import KVCache
 from .rope import apply_rotary, precompute_rope, rope_inv_freq, rotate_half
 
 log = logging.getLogger(__name__)
@@ -173,31 +174,6 @@ def build_norm(config: ModelConfig, dim: int | None = None) -> RMSNorm | LayerNo
     raise ValueError(f"unknown norm {config.norm!r}")
 
 
-class KVCache:
-    """Keys/values of the tokens seen so far, per attention module, for incremental decoding.
-
-    Each :class:`Attention` appends its new keys/values [B, K, S_new, D] (after rotary) under its own identity,
-    so one cache object serves a whole model without layer indices. ``reorder`` selects batch rows (beam search).
-    """
-
-    def __init__(self) -> None:
-        self._kv: dict[int, tuple[Tensor, Tensor]] = {}
-        self.seq_len = 0
-        """Tokens cached so far (set by the model after each forward)."""
-
-    def update(self, owner: nn.Module, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append k, v [B, K, S_new, D] for ``owner``; returns all keys/values [B, K, S_past + S_new, D]."""
-        past = self._kv.get(id(owner))
-        if past is not None:
-            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-        self._kv[id(owner)] = (k, v)
-        return k, v
-
-    def reorder(self, index: Tensor) -> None:
-        """Keep batch rows ``index`` [B'] (in that order) of every cached tensor."""
-        self._kv = {key: (k.index_select(0, index), v.index_select(0, index)) for key, (k, v) in self._kv.items()}
-
-
 @dataclass(frozen=True)
 class TokenMask:
     """What a causal decoder's attention mask is made of, per token of this forward (a core that holds keys beyond
@@ -235,6 +211,12 @@ class DotProductAttention(nn.Module):
         if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype != q.dtype:
             attn_mask = attn_mask.to(q.dtype)  # built for another compute dtype than this layer's (rare)
         n_rep = q.shape[1] // k.shape[1]
+        if n_rep > 1 and q.device.type == "cpu" and not torch.is_grad_enabled():
+            # Decoding and other no-grad forwards: the CPU kernel reads each kv head for its query heads itself
+            # (the same values as the repeat below, without copying K/V every step). Not with autograd: its dK/dV
+            # sums the query heads in another order than the repeat's backward.
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                                  is_causal=is_causal and attn_mask is None, enable_gqa=True)
         if n_rep > 1:  # GQA: kv head j serves query heads j*n_rep .. (j+1)*n_rep-1 (HF repeat_kv)
             k = k.repeat_interleave(n_rep, dim=1)  # [B, N, T, D]
             v = v.repeat_interleave(n_rep, dim=1)
