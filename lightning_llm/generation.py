@@ -222,7 +222,9 @@ def generate(
 
     A model with a ``generate_rows(input_ids, attention_mask, *, max_new_tokens, choose)`` method (a pipeline's
     decoder: micro-batches in flight through its stages) decodes greedy and per-row-sampled batches with the KV cache
-    itself, ``choose`` being the :class:`TokenChooser`; it returns what this loop would.
+    itself, ``choose`` being the :class:`TokenChooser`; it returns what this loop would. A model with an
+    ``all_ended(ended: bool) -> bool`` method decides when the batch has ended (ranks whose every decoding step runs
+    collectives stop together).
     """
     cfg = config or GenerationConfig()
     if attention_mask is None:
@@ -241,11 +243,15 @@ def generate(
     if callable(rowwise_loop) and choose.rowwise and cfg.use_cache:
         return rowwise_loop(input_ids, attention_mask, max_new_tokens=cfg.max_new_tokens, choose=choose)
     stepper = _Stepper(model, input_ids, attention_mask, max_new=cfg.max_new_tokens, use_cache=cfg.use_cache)
+    agree = getattr(model, "all_ended", None) if cfg.eos_ids else None  # ranks that must stop together
     logits = stepper.first()
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
     for step in range(cfg.max_new_tokens):
         token, finished = choose(logits, stepper.seqs, finished, step)
-        if choose.all_ended(finished) or step == cfg.max_new_tokens - 1:
+        ended = choose.all_ended(finished)
+        if agree is not None:
+            ended = agree(ended)
+        if ended or step == cfg.max_new_tokens - 1:
             stepper.rows.append(token)
             break
         logits = stepper.next(token)

@@ -227,6 +227,9 @@ def summary_lines(trainer: pl.Trainer, task: Any, batch: Any, *, flops: int | No
             task, "compile_blocks", False) else ""
         lines.append(f"parameters: {total:,} ({trainable:,} trainable){compiled}")
     lines.append(_memory_line(trainer, task, layout, per_replica, ids))
+    decoding = getattr(trainer.strategy, "decoding_note", None)
+    if decoding is not None and getattr(task, "generation", None) is not None and decoding() is not None:
+        lines.append(decoding())  # how a generation gathers ZeRO-3 parameters (once, or the per-layer fallback)
     if flops is not None:
         step = flops * layout.dp * accum
         lines.append(f"FLOPs per optimizer step: {step:,} = {step:.2e} (forward + backward of {per_replica} samples, "

@@ -7,12 +7,13 @@ against a single-device run the same way our tests do.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -200,8 +201,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-               "reduce_scatter_tensor", "all_to_all_single", "barrier", "all_gather_object", "broadcast_object_list")
+COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
+               "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single", "barrier",
+               "all_gather_object", "broadcast_object_list")
 """The ``torch.distributed`` functions :class:`CollectiveCounter` counts."""
 
 
@@ -242,13 +244,40 @@ class CollectiveCounter(pl.Callback):
 
         return counted
 
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _install(self) -> None:
         import torch.distributed as dist
 
         for name in COLLECTIVES:
-            self._saved[name] = getattr(dist, name)
-            setattr(dist, name, self._wrap(name, self._saved[name]))
+            if hasattr(dist, name):  # all_gather_single / reduce_scatter_single: FSDP2's, torch >= 2.10
+                self._saved[name] = getattr(dist, name)
+                setattr(dist, name, self._wrap(name, self._saved[name]))
+
+    def _uninstall(self) -> None:
+        import torch.distributed as dist
+
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        self._saved = {}
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[list[tuple[str, str, int]]]:
+        """Count the collectives called inside the block (e.g. one generation): yields the list of
+        ``(function, group ranks, elements)`` it fills."""
+        calls: list[tuple[str, str, int]] = []
+        previous, self._current = self._current, calls
+        installed = not self._saved
+        if installed:
+            self._install()
+        try:
+            yield calls
+        finally:
+            self._current = previous
+            if installed:
+                self._uninstall()
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install()
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -264,11 +293,7 @@ class CollectiveCounter(pl.Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        import torch.distributed as dist
-
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-        self._saved = {}
+        self._uninstall()
 
 
 CLI_ERROR = "lightning_llm: error: "

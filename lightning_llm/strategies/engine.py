@@ -58,6 +58,7 @@ from typing_extensions import override
 from lightning_llm.contract import Capabilities, check_context_parallel, check_pipelinable
 from lightning_llm.models.init import is_meta
 from lightning_llm.strategies.context import apply_context_parallel, slice_step
+from lightning_llm.strategies.decoding import GatherForDecoding, ZeroDecoding
 from lightning_llm.strategies.engine_checkpoint import LayoutFreeCheckpointing
 from lightning_llm.strategies.engine_layout import LayoutArgs, PipelineStages
 from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB, GradReducer, reducer_for
@@ -73,7 +74,13 @@ from lightning_llm.strategies.parallelize import (
 from lightning_llm.strategies.pipeline.runtime import ScheduleName, checkpoint_blocks
 from lightning_llm.strategies.pipeline.split import StageSpec, layout_of, module_at
 from lightning_llm.strategies.plans import TPPlan
-from lightning_llm.strategies.zero.native import PartitionedOptimizer, apply_fsdp, fsdp_units, gradient_sync_paused
+from lightning_llm.strategies.zero.native import (
+    PartitionedOptimizer,
+    apply_fsdp,
+    fsdp_mixed_precision,
+    fsdp_units,
+    gradient_sync_paused,
+)
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +115,7 @@ class ParallelEngine(LayoutFreeCheckpointing):
         measure_activations: bool = False,
         save_distributed_checkpoint: bool = True,
         bucket_size_mb: float = DEFAULT_BUCKET_MB,
+        gather_for_decoding: GatherForDecoding = "auto",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -146,6 +154,10 @@ class ParallelEngine(LayoutFreeCheckpointing):
             bucket_size_mb: Data-parallel gradient buckets (MiB; DDP's default): each bucket's all-reduce (ZeRO-2:
                 reduce to the owners) starts during backward as soon as its gradients are ready; also the bucket of
                 the ZeRO-1/2 parameter broadcast.
+            gather_for_decoding: ZeRO-3 generation (rollouts, evaluation): ``once`` all-gathers the parameters once
+                per generation and decodes without communication, ``per_layer`` keeps FSDP2's gather of every unit
+                in every decoding step, ``auto`` gathers once when that fits in half the free memory
+                (:mod:`.decoding`; the run summary names the choice).
             process_group_backend: ``nccl``/``gloo``; default from the device.
             timeout: Collective timeout.
         """
@@ -167,6 +179,10 @@ class ParallelEngine(LayoutFreeCheckpointing):
         self.activation_checkpointing = activation_checkpointing
         self.log_pipeline_stats, self.measure_activations = log_pipeline_stats, measure_activations
         self.save_distributed_checkpoint = save_distributed_checkpoint
+        if gather_for_decoding not in ("auto", "once", "per_layer"):
+            raise ValueError(f"gather_for_decoding={gather_for_decoding!r}: expected auto, once or per_layer")
+        self.gather_for_decoding = gather_for_decoding
+        self._zero_decoding: ZeroDecoding | None = None  # ZeRO-3: how a generation gathers the parameters
         self._process_group_backend, self._timeout = process_group_backend, timeout
         self.num_nodes = 1
         self.dims: ParallelDims | None = None
@@ -320,6 +336,10 @@ class ParallelEngine(LayoutFreeCheckpointing):
                 module, torch.device("cpu") if self.offload_params else self.root_device)
         self.model_to_device()
         self._pp_model, self._params = model, list(module.parameters())
+        if self.zero_stage == 3:
+            self._zero_decoding = ZeroDecoding(model, mode=self.gather_for_decoding, device=self.root_device,
+                                               dp_group=self._dp_group, dp=self.dims.replicas,
+                                               dtype=fsdp_mixed_precision(precision).param_dtype)
         if self.pipelined:
             assert self.stages is not None
             self.stages.build_runner(model, params=self._params, device=self.root_device, step_stats=self.step_stats,
@@ -500,6 +520,21 @@ class ParallelEngine(LayoutFreeCheckpointing):
         clip_grads_by_global_norm(params, clip_val, pp=self.dims.pp, dp=self.dims.replicas,
                                   grads_sharded_over_dp=self.zero_stage == 2 and not self.pipelined,
                                   skip=[copy] if copy is not None else [], device=self.root_device)
+
+    # ------------------------------------------------------------------------------------------ generation
+    @contextlib.contextmanager
+    def decoding_session(self, decoder: Any) -> Generator[Any, None, None]:
+        """What one generation decodes with (``contract.decoding_session``): under ZeRO-3 the parameters gathered
+        once for it, or the per-layer fallback (:mod:`.decoding`); ``decoder`` itself otherwise."""
+        if self._zero_decoding is None:
+            yield decoder
+            return
+        with self._zero_decoding.session(decoder) as inside:
+            yield inside
+
+    def decoding_note(self) -> str | None:
+        """How generation gathers ZeRO-3 parameters, for the run summary (``None``: nothing to say)."""
+        return self._zero_decoding.note() if self._zero_decoding is not None else None
 
     # ------------------------------------------------------------------------------------------ collectives
     @override

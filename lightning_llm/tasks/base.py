@@ -8,8 +8,10 @@ are materialized. What a task may do under each parallel layout is the contract 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -29,6 +31,7 @@ from lightning_llm.contract import (
     declared_inputs,
     declared_loss,
     declared_step,
+    decoding_session,
     pipeline_runner,
     replica_loss,
 )
@@ -337,6 +340,18 @@ class LLMTask(pl.LightningModule):
             return runner.decoder()
         assert self.model is not None, "configure_model() must run first"
         return self.model
+
+    @contextlib.contextmanager
+    def decoding(self, decoder: Any = None) -> Iterator[Any]:
+        """What one generation passes to :func:`lightning_llm.generation.generate`: ``decoder`` (default
+        :meth:`decoding_model`) with the strategy's set-up around the whole generation (ZeRO-3: the parameters
+        gathered once, not in every decoding step)."""
+        decoder = self.decoding_model() if decoder is None else decoder
+        if self._trainer is None:
+            yield decoder
+            return
+        with decoding_session(self.trainer.strategy, decoder) as inside:
+            yield inside
 
     def step_loss(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[torch.Tensor, dict[str, Any]]:
         """The loss of a train/val/test step: :meth:`compute_loss`, or the pipeline's run of the declared hooks."""

@@ -245,8 +245,9 @@ class OnlineRLTask(DecoderTask):
             prompt_ids = prompt_ids.repeat_interleave(repeats, 0)
             prompt_mask = prompt_mask.repeat_interleave(repeats, 0)
             prompts = [p for p in prompts for _ in range(repeats)]
-        responses = generate(self.policy_decoder(), prompt_ids, prompt_mask, config=cfg, generator=generator,
-                             uniforms=uniforms)  # [B, N]
+        with self.decoding(self.policy_decoder()) as decoder:
+            responses = generate(decoder, prompt_ids, prompt_mask, config=cfg, generator=generator,
+                                 uniforms=uniforms)  # [B, N]
         qr, am, pos, rmask, has_eos = pack_responses(prompt_ids, prompt_mask, responses, cfg.eos_ids)
         texts = [self._decode(ids) for ids in strip_after_eos(responses, cfg.eos_ids)]
         return Samples(query_responses=qr, attention_mask=am, position_ids=pos, context_length=prompt_ids.shape[1],

@@ -181,13 +181,15 @@ class PipelineRunner:
         out = self._broadcast_from_last(self._task_output(run_schedule(sched, self.specs, args, kwargs)))
         return tree_map(lambda t: t.to(self.device) if isinstance(t, Tensor) else t, out)
 
-    def decoder(self) -> PipelineDecoder:
-        """The model for token-by-token generation through this rank's stages (:mod:`.decode`)."""
+    def decoder(self, **stage_inputs: Any) -> PipelineDecoder:
+        """The model for token-by-token generation through this rank's stages (:mod:`.decode`; micro-batches in
+        flight: ``n_microbatches`` of them); ``stage_inputs``: keyword inputs every stage receives as well (PPO's
+        ``values=False``)."""
         if self._decoder is None:
             self._decoder = PipelineDecoder(stage_mods=self.stage_mods, specs=self.specs, pp_group=self.pp_group,
                                             pp_size=self.pp_size, last_stage_rank=self.last_stage_rank,
-                                            device=self.device)
-        return self._decoder
+                                            device=self.device, microbatches=self.n_microbatches)
+        return self._decoder.with_inputs(**stage_inputs) if stage_inputs else self._decoder
 
     def loss(self, task: Any, batch: Any, stage: str) -> tuple[Tensor, dict[str, Any]]:
         """The batch's loss (and, in evaluation, the metric outputs) from the task's declared hooks."""
