@@ -222,6 +222,9 @@ class PipelineRunner(Protocol):
         with a KV cache, micro-batches in flight; the same tokens on every pipeline rank); ``stage_inputs``: keyword
         inputs every stage receives as well."""
 
+    def frozen(self, name: str) -> PipelineRunner:
+        """The runner of the task's frozen model ``name`` (``task.frozen_models()``), split into the same stages."""
+
     def train_additive(self, loss_fn: Callable[[Any, Tensor], tuple[Tensor, dict[str, Tensor]]], *args: Any,
                        **kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
         """Forward and backward of ``model(*args, **kwargs)`` with ``loss_fn(output, rows) -> (loss, stats)`` per

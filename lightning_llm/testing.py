@@ -73,6 +73,51 @@ class StepRecorder(pl.Callback):
                     torch.save(params, f)
 
 
+class RolloutRecorder(pl.Callback):
+    """The tokens of every training rollout of an on-policy RL task, by the prompts' record ``index``, and the bytes
+    each rank holds of the task's frozen models (``model_state_bytes``, at the start of ``fit``).
+
+    Rank 0 writes ``{"rollouts": [{index: [[tokens of each response]]}, ...], "frozen_bytes": [per rank]}`` to
+    ``output`` as JSON at the end of ``fit``; tensor- and pipeline-parallel peers must have drawn the same tokens
+    (checked: their entries are merged and must agree)."""
+
+    def __init__(self, output: str) -> None:
+        self.output = output
+        self.rollouts: list[dict[int, list[list[int]]]] = []
+        self.frozen_bytes = 0
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_llm.strategies.zero.native import model_state_bytes
+
+        self.frozen_bytes = sum(model_state_bytes(m, [])["params"] for m in pl_module.frozen_models().values())
+        sample = pl_module.sample
+
+        def recorded(batch: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+            out = sample(batch, *args, **kwargs)
+            if trainer.training:
+                per = out.responses.shape[0] // len(batch["index"])
+                self.rollouts.append({int(i): out.responses[k * per:(k + 1) * per].tolist()
+                                      for k, i in enumerate(batch["index"].tolist())})
+            return out
+
+        pl_module.sample = recorded  # type: ignore[method-assign]
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        every = gathered((self.rollouts, self.frozen_bytes)) if torch.distributed.is_initialized() else \
+            [(self.rollouts, self.frozen_bytes)]
+        merged: list[dict[int, list[list[int]]]] = [{} for _ in self.rollouts]
+        for rollouts, _ in every:
+            for step, rows in zip(merged, rollouts, strict=True):
+                for index, tokens in rows.items():
+                    if step.setdefault(index, tokens) != tokens:
+                        raise AssertionError(f"ranks of one replica drew different tokens for prompt {index}")
+        if trainer.global_rank == 0:
+            with atomic_open(self.output, "w") as f:
+                json.dump({"rollouts": merged, "frozen_bytes": [b for _, b in every]}, f)
+
+
 def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Full copies of all parameters by name, gathering DTensor shards (a collective: call on every rank)."""
     out = {}
@@ -408,8 +453,9 @@ of 8 prompts (tensor- and pipeline-parallel ranks share their replica's prompts)
 
 def rl_cli_args(task: list[str], out: Path, prompts: Path, *, batch: int, extra: list[str]) -> list[str]:
     """``lightning_llm fit`` arguments of the on-policy RL parity tests: ``task`` (``--model=...`` and its settings),
-    the digits reward, a constant LR, ``prompts`` in PromptDataModule, 8 CPU steps logged to CSV under ``out`` and
-    the parameters recorded by :class:`StepRecorder` to ``out/steps.json.pt``."""
+    the digits reward, a constant LR, ``prompts`` in PromptDataModule, 8 CPU steps logged to CSV under ``out``, the
+    parameters recorded by :class:`StepRecorder` to ``out/steps.json.pt`` and the rollouts by
+    :class:`RolloutRecorder` to ``out/rollouts.json``."""
     return [
         "fit", "--seed_everything=3", *task, "--model.backbone=debug", "--model.model_overrides={num_layers: 2}",
         "--model.generation.max_new_tokens=8",
@@ -420,8 +466,21 @@ def rl_cli_args(task: list[str], out: Path, prompts: Path, *, batch: int, extra:
         f"--trainer.logger.save_dir={out}", "--trainer.log_every_n_steps=1", "--trainer.enable_checkpointing=false",
         "--trainer.enable_progress_bar=false", "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={out}",
         "--trainer.callbacks+=lightning_llm.testing.StepRecorder", f"--trainer.callbacks.output={out / 'steps.json'}",
-        "--trainer.callbacks.save_params=true", *extra,
+        "--trainer.callbacks.save_params=true", "--trainer.callbacks+=lightning_llm.testing.RolloutRecorder",
+        f"--trainer.callbacks.output={out / 'rollouts.json'}", *extra,
     ]
+
+
+def check_rollouts_and_reference(single: Path, other: Path, *, sharded: bool) -> None:
+    """Two RL runs of :func:`rl_cli_args` (one device, another layout): the same rollout tokens for every prompt
+    of every rollout, and where the layout splits or shards the model (``sharded``) no rank holding more than
+    0.55x of the one-device bytes of the frozen reference (:class:`RolloutRecorder`'s records)."""
+    one, two = (json.loads((out / "rollouts.json").read_text()) for out in (single, other))
+    assert len(one["rollouts"]) == len(two["rollouts"]) > 0 and one["rollouts"] == two["rollouts"]
+    ratio = max(two["frozen_bytes"]) / max(one["frozen_bytes"][0], 1)
+    print(f"rollout tokens identical over {len(one['rollouts'])} rollouts; frozen reference bytes per rank: "
+          f"{two['frozen_bytes']} vs one device {one['frozen_bytes'][0]} ({ratio:.3f}x)")
+    assert one["frozen_bytes"][0] > 0 and (ratio <= 0.55 if sharded else ratio == 1.0)
 
 
 def logged_rows(out: Path, *, key: str) -> list[dict[str, float]]:

@@ -61,6 +61,7 @@ from lightning_llm.strategies.context import apply_context_parallel, slice_step
 from lightning_llm.strategies.decoding import GatherForDecoding, ZeroDecoding
 from lightning_llm.strategies.engine_checkpoint import LayoutFreeCheckpointing
 from lightning_llm.strategies.engine_layout import LayoutArgs, PipelineStages
+from lightning_llm.strategies.frozen import frozen_models_of, place_frozen_models
 from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB, GradReducer, reducer_for
 from lightning_llm.strategies.materialize import materialize_shards
 from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coordinate, replica_mesh
@@ -344,7 +345,8 @@ class ParallelEngine(LayoutFreeCheckpointing):
             assert self.stages is not None
             self.stages.build_runner(model, params=self._params, device=self.root_device, step_stats=self.step_stats,
                                      log_stats=self.log_pipeline_stats, measure=self.measure_activations,
-                                     dp_group=self._dp_group, dp=self.dims.replicas)
+                                     dp_group=self._dp_group, dp=self.dims.replicas,
+                                     frozen=frozen_models_of(module))
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
@@ -387,9 +389,14 @@ class ParallelEngine(LayoutFreeCheckpointing):
             apply_context_parallel(model, group=self._cp_group, cp=self.dims.cp, rank=self.cp_rank)
         if self.activation_checkpointing:
             checkpoint_blocks(model, specs)
-        if self.zero_stage == 3:
-            apply_fsdp(module, dp_mesh=self._replica_mesh, units=fsdp_units(module), reshard_after_forward=True,
-                       precision=precision, offload=self.offload_params)
+        zero3 = dict(dp_mesh=self._replica_mesh, reshard_after_forward=True, precision=precision,
+                     offload=self.offload_params) if self.zero_stage == 3 else None
+        if zero3 is not None:
+            apply_fsdp(module, units=fsdp_units(module), **zero3)
+        # The task's frozen models (a full fine-tune's reference) go where the model went: its stages, plan, shards.
+        place_frozen_models(module, frozen_models_of(module), specs=self.stages.specs if self.stages else None,
+                            tp_mesh=self._mesh["tp"], sequence_parallel=self.sequence_parallel,
+                            sharded_logits=self._sharded_logits, zero3=zero3)
 
     @override
     def model_to_device(self) -> None:

@@ -332,6 +332,21 @@ class LLMTask(pl.LightningModule):
         assert self.model is not None, "configure_model() must run first"
         return self.model(*args, **kwargs)
 
+    def frozen_models(self) -> dict[str, nn.Module]:
+        """Frozen models of a registered family this task holds beside ``self.model`` (path relative to the task ->
+        module; e.g. the RL and DPO reference of a full fine-tune), which a layout that splits or shards the model
+        places like it: this rank's pipeline stages only (the model's split), the family's tensor-parallel plan,
+        ZeRO-3 shards (forward only: no gradients, no optimizer states). Call them with :meth:`run_frozen`."""
+        return {}
+
+    def run_frozen(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Call the frozen model ``name`` of :meth:`frozen_models`: directly, or as a forward-only pass through its
+        pipeline stages (a split frozen model refuses direct calls, as the split model does)."""
+        runner = self.pipeline()
+        if runner is not None:
+            return runner.frozen(name).forward(*args, **kwargs)
+        return self.frozen_models()[name](*args, **kwargs)
+
     def decoding_model(self) -> Any:
         """What :func:`lightning_llm.generation.generate` calls to decode: ``self.model``, or under a pipeline the
         stages run token by token (every pipeline rank gets the same logits, so all pick the same token)."""

@@ -15,6 +15,7 @@ up). All forwards run with dropout off (eval mode): the importance ratio must be
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -107,7 +108,6 @@ class OnlineRLTask(DecoderTask):
             raise ValueError("--model.reward: set exactly one of reward.fn (an import path) and reward.model "
                              "(a reward-model checkpoint or HF directory)")
         self.generation_seed = generation_seed
-        self.reference: ReferencePolicy | None = None
         self._reward: Any = None  # callable or RewardModel: deliberately not a submodule (not saved, not in DDP)
         self.rollouts_done = 0
         self.episodes = 0
@@ -276,13 +276,8 @@ class OnlineRLTask(DecoderTask):
 
     def reference_logprobs(self, r: Rollout, temperature: float) -> Tensor:
         """Log-probs [B, N] of the rollout's responses under the reference policy."""
-        assert self.reference is not None, "configure_model() must run first"
-        policy = self.policy
-
-        def call(*args: Any, **kwargs: Any) -> Tensor:
-            return self.reference.run(policy, self.call_policy, *args, **kwargs)
-
-        return r.forward_logprobs(call, temperature=temperature, fused=self.uses_fused_loss())
+        return r.forward_logprobs(functools.partial(self.run_reference, self.call_policy), temperature=temperature,
+                                  fused=self.uses_fused_loss())
 
     # ------------------------------------------------------------------------------------------ model calls
     def policy_decoder(self) -> Any:

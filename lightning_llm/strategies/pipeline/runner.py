@@ -104,6 +104,7 @@ class PipelineRunner:
         dp: int = 1,
         log_stats: bool = True,
         measure_activations: bool = False,
+        frozen: dict[str, PipelineRunner] | None = None,
     ) -> None:
         self.schedule, self.n_microbatches = schedule, n_microbatches
         self.stage_mods, self.specs, self.params = list(stage_mods), list(specs), list(params)
@@ -123,6 +124,7 @@ class PipelineRunner:
         # train_additive: (loss function, micro-batches, first row -> (loss, stats)) while its schedule runs
         self._additive: tuple[AdditiveLoss, int, dict[int, tuple[Tensor, dict[str, Tensor]]]] | None = None
         self._output_spec: TreeSpec | None = None  # the last stage's output structure (see _plain_tuple_output)
+        self._frozen = dict(frozen or {})  # the runners of the task's frozen models, split into the same stages
         for mod, spec in zip(self.stage_mods, self.specs):
             if spec.is_last:
                 mod.register_forward_hook(self._plain_tuple_output)
@@ -180,6 +182,13 @@ class PipelineRunner:
         sched, _ = self._schedule_for(args, kwargs, train=False)
         out = self._broadcast_from_last(self._task_output(run_schedule(sched, self.specs, args, kwargs)))
         return tree_map(lambda t: t.to(self.device) if isinstance(t, Tensor) else t, out)
+
+    def frozen(self, name: str) -> PipelineRunner:
+        """The forward-only runner of the task's frozen model ``name`` (``task.frozen_models()``), split into the
+        same stages as the model."""
+        if name not in self._frozen:
+            raise KeyError(f"no frozen model {name!r} in this pipeline (the task declares {sorted(self._frozen)})")
+        return self._frozen[name]
 
     def decoder(self, **stage_inputs: Any) -> PipelineDecoder:
         """The model for token-by-token generation through this rank's stages (:mod:`.decode`; micro-batches in
