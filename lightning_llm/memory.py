@@ -58,7 +58,7 @@ gradient) and their shifted exponentials (``benchmarks/loss_memory.py``)."""
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 __all__ = ["Estimate", "LayoutShare", "PRECISIONS", "Quantized", "quantized_numel", "quantized_setup_peak_bytes", "activation_bytes_per_sample", "bytes_per_param", "estimate",
-           "estimate_layout", "layout_share", "loss_bytes", "loss_peak_bytes", "max_batch_size", "model_state_theory",
+           "estimate_layout", "frozen_copy_bytes", "layout_share", "loss_bytes", "loss_peak_bytes", "max_batch_size", "model_state_theory",
            "setup_peak_bytes"]
 
 
@@ -107,10 +107,13 @@ class Estimate:
     host: int
     loss: int = 0
     """Transient bytes of the LM-head loss and its backward for one micro-batch (:func:`loss_peak_bytes`)."""
+    frozen: int = 0
+    """Parameters of frozen copies of the model placed like it (an RL or DPO reference): no gradients or optimizer
+    states (:func:`frozen_copy_bytes`)."""
 
     @property
     def model_states(self) -> int:
-        return self.params + self.grads + self.optim
+        return self.params + self.grads + self.optim + self.frozen
 
     @property
     def total(self) -> int:
@@ -296,20 +299,31 @@ def quantized_setup_peak_bytes(config: Any, *, numel: int, quantized: Quantized,
     return int((numel - q) * param_bytes + q * per_weight + 2 * block * param_bytes) + SETUP_BASE_BYTES
 
 
+def frozen_copy_bytes(share: LayoutShare, *, engine: str, precision: str, copies: int = 1) -> int:
+    """Bytes a rank holds of ``copies`` frozen copies of the model placed like it (``task.frozen_models()``: the
+    same stages, tensor-parallel shards and ZeRO-3 shards as the model's ``share``; only DeepSpeed keeps them whole),
+    parameters only."""
+    return copies * share.numel * bytes_per_param(engine, precision)[0]
+
+
 def estimate_layout(config: Any, *, tp: int, pp: int, dp: int, stage: int, engine: str, batch_size: int,
                     seq_len: int, precision: str, fused_loss: bool, offload_optimizer: bool = False,
-                    offload_params: bool = False, cp: int = 1, quantized: Quantized | None = None
-                    ) -> tuple[Estimate, LayoutShare]:
+                    offload_params: bool = False, cp: int = 1, quantized: Quantized | None = None,
+                    frozen_copies: int = 0) -> tuple[Estimate, LayoutShare]:
     """Per-rank memory of ``config`` under a ``tp x pp x cp x dp`` layout with ZeRO ``stage`` (``engine``: native,
     deepspeed or ddp): what the ``estimate`` tool prints and the run summary logs at the start of fit. Model states
     follow what a rank of the fullest stage holds after tp/pp (ZeRO then divides over dp x cp, the ranks holding the
-    same parameters); activations follow the ``seq_len / cp`` tokens a rank holds."""
+    same parameters), plus ``frozen_copies`` frozen copies of the model placed like it; activations follow the
+    ``seq_len / cp`` tokens a rank holds."""
     replicas = dp * cp
     share = layout_share(config, tp=tp, pp=pp, dp=replicas, zero3=stage == 3)
     local = share.numel * replicas if stage == 3 else share.numel
     est = estimate(config, numel=local, batch_size=batch_size, seq_len=seq_len, precision=precision, devices=replicas,
                    stage=stage, engine=engine, offload_optimizer=offload_optimizer, offload_params=offload_params,
                    fused_loss=fused_loss, tp=tp, cp=cp, quantized=quantized)
+    if frozen_copies:
+        whole = layout_share(config) if engine == "deepspeed" else share
+        est.frozen = frozen_copy_bytes(whole, engine=engine, precision=precision, copies=frozen_copies)
     return est, share
 
 

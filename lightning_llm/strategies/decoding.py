@@ -4,7 +4,8 @@
 Under ZeRO-3 every forward all-gathers each FSDP2 unit and frees it after (``reshard_after_forward=True``), so a
 generation of ``N`` tokens would move the whole model ``N + 1`` times. When the gathered parameters fit, they are
 all-gathered **once** for the whole generation (FSDP2's explicit ``unshard()``, resharding after forward switched off
-meanwhile), the decoding steps communicate nothing, and they are resharded when it ends. When they do not fit
+meanwhile), the decoding steps communicate nothing, and they are resharded when it ends. Sessions nest: an RL task
+opens one around a whole rollout, so its generation and its no-grad forwards of the policy share the one gather. When they do not fit
 (more than half the free device memory, or ``gather_for_decoding="per_layer"``), FSDP2 keeps gathering unit by unit
 in every step; the data-parallel ranks then also agree on when to stop (an early-ending rank would otherwise pair
 its next collectives with another rank's decoding steps). The run summary names the path (:func:`decoding_note`).
@@ -80,6 +81,7 @@ class ZeroDecoding:
         self.model, self.mode, self.device, self.dp_group = model, mode, device, dp_group
         self.dp, self.dtype = dp, dtype
         self._plan: tuple[str, str] | None = None
+        self._depth = 0  # sessions open (nested: the outermost gathers and reshards)
 
     def plan(self) -> tuple[str, str]:
         """``("once" | "per_layer", why)``."""
@@ -107,17 +109,28 @@ class ZeroDecoding:
 
     @contextlib.contextmanager
     def session(self, decoder: Any) -> Iterator[Any]:
+        """``decoder`` with the model gathered until the outermost session ends (sessions nest: a rollout keeps the
+        policy gathered from its generation through its no-grad forwards)."""
         if self.plan()[0] == "per_layer":
             yield _StopTogether(decoder, self.dp_group)
+            return
+        if self._depth:
+            self._depth += 1
+            try:
+                yield decoder
+            finally:
+                self._depth -= 1
             return
         units = _fsdp_units(self.model)
         for unit in units:
             unit.set_reshard_after_forward(False, recurse=False)
+        self._depth = 1
         try:
             for unit in units:
                 unit.unshard()
             yield decoder
         finally:
+            self._depth = 0
             for unit in units:
                 unit.reshard()
                 unit.set_reshard_after_forward(True, recurse=False)  # as the engine shards every unit

@@ -344,7 +344,8 @@ class OnlineRLTask(DecoderTask):
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         start = time.perf_counter()
-        rollout = self.make_rollout(batch)
+        with self.decoding():  # ZeRO-3: the policy gathered once for the rollout's generation and no-grad forwards
+            rollout = self.make_rollout(batch)
         stats = self.compute_advantages(rollout)
         rollout_s = time.perf_counter() - start
         stats.update(self.policy_update(rollout))

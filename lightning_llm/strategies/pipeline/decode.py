@@ -26,6 +26,7 @@ a time).
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,6 +45,18 @@ __all__ = ["PipelineDecoder"]
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
 _HEADER = 12  # kind, micro-batch, stage, step, dtype index, ndim, up to 6 sizes
 _HIDDEN, _TOKENS, _DONE, _END = 1, 2, 3, 4  # message kinds of the ring
+
+
+def _control(kind: int, m: int = 0, stage: int = 0, step: int = 0, *, x: Tensor | None = None,
+             device: torch.device, width: int = 0) -> Tensor:
+    """A message's control: [kind, micro-batch, stage, step, dtype index, ndim, 6 sizes] of the tensor ``x`` that
+    follows it, then ``width`` longs for tokens sent inline."""
+    control = torch.zeros(_HEADER + width, dtype=torch.long, device=device)
+    control[:4] = torch.tensor([kind, m, stage, step])
+    if x is not None:
+        control[4], control[5] = _DTYPES.index(x.dtype), x.dim()
+        control[6:6 + x.dim()] = torch.tensor(x.shape, dtype=torch.long)
+    return control
 
 
 def _full(x: Tensor) -> Tensor:
@@ -79,32 +92,25 @@ class PipelineDecoder:
     def _peer(self, pp_rank: int) -> int:
         return dist.get_global_rank(self.group, pp_rank)
 
-    def _header(self, kind: int, m: int = 0, stage: int = 0, step: int = 0, x: Tensor | None = None) -> Tensor:
-        header = torch.zeros(_HEADER, dtype=torch.long, device=self.device)
-        header[:4] = torch.tensor([kind, m, stage, step])
-        if x is not None:
-            header[4], header[5] = _DTYPES.index(x.dtype), x.dim()
-            header[6:6 + x.dim()] = torch.tensor(x.shape, dtype=torch.long)
-        return header
-
-    def _isend(self, pp_rank: int, kind: int, m: int = 0, stage: int = 0, step: int = 0,
-               x: Tensor | None = None) -> None:
-        """Asynchronous header (+ tensor) to ``pp_rank``; kept alive until :meth:`_drain`."""
-        local = None if x is None else (x.to_local() if isinstance(x, DTensor) else x).contiguous()
-        for t in (self._header(kind, m, stage, step, local), local):
+    def _post(self, pp_rank: int, *tensors: Tensor | None) -> None:
+        """Asynchronous sends of ``tensors`` (``None`` skipped) to ``pp_rank``, kept alive until :meth:`_drain`."""
+        for t in tensors:
             if t is not None:
                 self._pending.append((dist.isend(t, self._peer(pp_rank), group=self.group), t))
         self._pending = [(w, t) for w, t in self._pending if not w.is_completed()]
 
-    def _recv_message(self, pp_rank: int) -> tuple[int, int, int, int, Tensor | None]:
-        header = torch.empty(_HEADER, dtype=torch.long, device=self.device)
-        dist.recv(header, self._peer(pp_rank), group=self.group)
-        kind, m, stage, step, dtype, ndim = header[:6].tolist()
-        if not ndim:
-            return kind, m, stage, step, None
-        out = torch.empty(header[6:6 + ndim].tolist(), dtype=_DTYPES[dtype], device=self.device)
+    def _isend(self, pp_rank: int, x: Tensor) -> None:
+        """Control (dtype, shape) and tensor ``x`` to ``pp_rank``."""
+        local = (x.to_local() if isinstance(x, DTensor) else x).contiguous()
+        self._post(pp_rank, _control(_HIDDEN, x=local, device=self.device), local)
+
+    def _recv_message(self, pp_rank: int) -> Tensor:
+        control = torch.empty(_HEADER, dtype=torch.long, device=self.device)
+        dist.recv(control, self._peer(pp_rank), group=self.group)
+        dtype, ndim = control[4:6].tolist()
+        out = torch.empty(control[6:6 + ndim].tolist(), dtype=_DTYPES[dtype], device=self.device)
         dist.recv(out, self._peer(pp_rank), group=self.group)
-        return kind, m, stage, step, out
+        return out
 
     def _drain(self) -> None:
         for work, _ in self._pending:
@@ -112,13 +118,11 @@ class PipelineDecoder:
         self._pending = []
 
     def _send(self, x: Tensor, stage: int) -> None:
-        self._isend(self.owners[stage], _HIDDEN, stage=stage, x=x)
+        self._isend(self.owners[stage], x)
         self._drain()
 
     def _recv(self, stage: int) -> Tensor:
-        out = self._recv_message(self.owners[stage])[4]
-        assert out is not None
-        return out
+        return self._recv_message(self.owners[stage])
 
     def _run(self, s: int, x: Tensor, kwargs: dict[str, Tensor], cache: KVCache | None, past: int) -> Tensor:
         """Stage ``s`` on ``x`` (ids or hidden states) from ``past`` cached columns."""
@@ -159,77 +163,144 @@ class PipelineDecoder:
     # ------------------------------------------------------------------------------------------ micro-batches
     @torch.no_grad()
     def generate_rows(self, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: int,
-                       choose: Any) -> Tensor:
+                      choose: Any) -> Tensor:
         """New tokens [B, N] of left-padded prompts, decoded in micro-batches in flight (see the module docstring),
         the same on every pipeline rank; ``choose``: ``generate``'s :class:`~lightning_llm.generation.TokenChooser`
         (its choice for a row depends on that row alone)."""
-        b = input_ids.shape[0]
-        parts = [(int(ix[0]), int(ix[-1]) + 1) for ix in torch.arange(b).tensor_split(min(self.microbatches, b))]
-        rows = [DecodeRows(input_ids[lo:hi], attention_mask[lo:hi], max_new_tokens) for lo, hi in parts]
-        caches = [KVCache(capacity=input_ids.shape[1] + max_new_tokens) for _ in parts]
-        finished = [torch.zeros(hi - lo, dtype=torch.bool, device=self.device) for lo, hi in parts]
-        last_owner, nxt = self.owners[-1], (self.pp_rank + 1) % self.pp_size
-        prev = (self.pp_rank - 1) % self.pp_size
-
-        def advance(m: int, step: int, s: int, x: Tensor) -> None:
-            """Run this rank's stages from ``s`` on for micro-batch ``m`` at ``step``; hand on the result."""
-            r = rows[m]
-            while r.length < r.prompt + step:  # a rank without the tokens keeps the columns in step
-                r.append(torch.zeros(r.ids.shape[0], dtype=torch.long, device=self.device))
-            ids, kwargs = r.prefill() if step == 0 else r.step()
-            past = r.length - ids.shape[1]
-            while True:
-                x = self._run(s, ids if s == 0 else x, {**kwargs, "logits_to_keep": 1}, caches[m], past)
-                if s == self.num_stages - 1:
-                    return self._choose(m, step, x, r, finished, parts, choose, max_new_tokens)
-                s += 1
-                if self.owners[s] != self.pp_rank:
-                    return self._isend(self.owners[s], _HIDDEN, m, s, step, x)
-
+        ring = _Ring(self, input_ids, attention_mask, max_new=max_new_tokens, choose=choose)
         if self.pp_rank == self.owners[0]:
-            for m in range(len(parts)):  # every micro-batch's prompt enters the pipeline
-                advance(m, 0, 0, input_ids)
-        active = len(parts)
-        while active:
-            kind, m, s, step, x = self._recv_message(prev)
+            for m in range(len(ring.parts)):  # every micro-batch's prompt enters the pipeline
+                ring.advance(m, 0, 0, input_ids)
+        while ring.active:
+            kind, m, s, step, x = ring.receive()
             if kind == _END:
-                if nxt != self.owners[0]:
-                    self._isend(nxt, _END)
+                if ring.next != self.owners[0] and not ring.pair:
+                    ring.send(ring.next, _END)
                 break
             if kind == _HIDDEN:
                 assert x is not None
-                advance(m, step, s, x)
+                ring.advance(m, step, s, x)
             elif kind == _TOKENS:  # the first stage's owner: the tokens micro-batch m continues with
                 assert x is not None
-                rows[m].append(x)
-                advance(m, step, 0, x)
-            elif kind == _DONE:
-                active -= 1
-                if active == 0 and self.pp_size > 1:
-                    self._isend(nxt, _END)
+                ring.rows[m].append(x)
+                ring.advance(m, step, 0, x)
+            else:  # _DONE: micro-batch m ended
+                ring.done_one()
         self._drain()
-        return self._gather_tokens(rows, parts, b, max_new_tokens, choose.cfg.pad_token_id, last_owner)
+        return ring.tokens(self.last_stage_rank)
 
-    def _choose(self, m: int, step: int, x: Tensor, r: DecodeRows, finished: list[Tensor],
-                parts: list[tuple[int, int]], choose: Any, max_new: int) -> None:
+
+class _Ring:
+    """One generation's micro-batches on this rank of the ring (:meth:`PipelineDecoder.generate_rows`).
+
+    Messages: a control tensor of ``12 + R`` longs (kind, micro-batch, stage, step, dtype, ndim, 6 sizes, then a
+    micro-batch's tokens inline: ``R`` = the largest micro-batch), followed by the hidden states for ``_HIDDEN``. A
+    ring of two ranks with one stage each sends the hidden states alone after the first: the last stage's owner knows
+    which micro-batch and step comes next (its own decisions, in the order it sent them), so no control precedes
+    them and no ``_END`` is needed."""
+
+    def __init__(self, dec: PipelineDecoder, input_ids: Tensor, attention_mask: Tensor, *, max_new: int,
+                 choose: Any) -> None:
+        b, width = input_ids.shape
+        self.dec, self.max_new, self.choose, self.b = dec, max_new, choose, b
+        self.parts = [(int(ix[0]), int(ix[-1]) + 1) for ix in torch.arange(b).tensor_split(min(dec.microbatches, b))]
+        self.rows = [DecodeRows(input_ids[lo:hi], attention_mask[lo:hi], max_new) for lo, hi in self.parts]
+        self.caches = [KVCache(capacity=width + max_new) for _ in self.parts]
+        self.finished = [torch.zeros(hi - lo, dtype=torch.bool, device=dec.device) for lo, hi in self.parts]
+        self.width = max(hi - lo for lo, hi in self.parts)  # R
+        self.active = len(self.parts)  # micro-batches not yet done (the first stage's owner counts them down)
+        self.pair = dec.pp_size == 2 and dec.num_stages == 2
+        self.expected: deque[tuple[int, int]] = deque((m, 0) for m in range(len(self.parts)))  # pair, last owner
+        self.hidden: tuple[torch.dtype, int] | None = None  # the hidden states' dtype and size (pair: once known)
+        self.prev, self.next = (dec.pp_rank - 1) % dec.pp_size, (dec.pp_rank + 1) % dec.pp_size
+
+    # ------------------------------------------------------------------------------------------ messages
+    def send(self, to: int, kind: int, m: int = 0, stage: int = 0, step: int = 0, x: Tensor | None = None) -> None:
+        """Control (+ hidden states ``x``, or tokens ``x`` inline for ``_TOKENS``) to pipeline rank ``to``."""
+        hidden = kind == _HIDDEN and x is not None
+        payload = (x.to_local() if isinstance(x, DTensor) else x).contiguous() if hidden else None
+        control = _control(kind, m, stage, step, x=payload, device=self.dec.device, width=self.width)
+        if kind == _TOKENS and x is not None:
+            control[_HEADER:_HEADER + x.shape[0]] = x
+        if payload is not None:
+            known = self.pair and self.hidden is not None  # the receiver knows what comes: the hidden states alone
+            self.hidden = (payload.dtype, payload.shape[-1])
+            if known:
+                return self.dec._post(to, payload)
+        return self.dec._post(to, control, payload)
+
+    def receive(self) -> tuple[int, int, int, int, Tensor | None]:
+        """The next message from the previous rank of the ring: (kind, micro-batch, stage, step, tensor)."""
+        dec = self.dec
+        if self.pair and dec.pp_rank == dec.owners[-1] and self.hidden is not None:
+            if not self.expected:
+                return _END, 0, 0, 0, None
+            m, step = self.expected.popleft()
+            lo, hi = self.parts[m]
+            x = torch.empty(hi - lo, self.rows[m].prompt if step == 0 else 1, self.hidden[1], dtype=self.hidden[0],
+                            device=dec.device)
+            dist.recv(x, dec._peer(self.prev), group=dec.group)
+            return _HIDDEN, m, dec.num_stages - 1, step, x
+        control = torch.empty(_HEADER + self.width, dtype=torch.long, device=dec.device)
+        dist.recv(control, dec._peer(self.prev), group=dec.group)
+        kind, m, stage, step, dtype, ndim = control[:6].tolist()
+        if kind == _TOKENS:
+            lo, hi = self.parts[m]
+            return kind, m, stage, step, control[_HEADER:_HEADER + hi - lo].clone()
+        if kind != _HIDDEN:
+            return kind, m, stage, step, None
+        x = torch.empty(control[6:6 + ndim].tolist(), dtype=_DTYPES[dtype], device=dec.device)
+        dist.recv(x, dec._peer(self.prev), group=dec.group)
+        if self.pair:  # the first hidden states of a pair: the rest come without a control
+            self.hidden = (x.dtype, x.shape[-1])
+            self.expected.popleft()
+        return kind, m, stage, step, x
+
+    # ------------------------------------------------------------------------------------------ work
+    def advance(self, m: int, step: int, s: int, x: Tensor) -> None:
+        """Run this rank's stages from ``s`` on for micro-batch ``m`` at ``step``; hand on the result."""
+        dec, r = self.dec, self.rows[m]
+        while r.length < r.prompt + step:  # a rank without the tokens keeps the columns in step
+            r.append(torch.zeros(r.ids.shape[0], dtype=torch.long, device=dec.device))
+        ids, kwargs = r.prefill() if step == 0 else r.step()
+        past = r.length - ids.shape[1]
+        while True:
+            x = dec._run(s, ids if s == 0 else x, {**kwargs, "logits_to_keep": 1}, self.caches[m], past)
+            if s == dec.num_stages - 1:
+                return self._choose(m, step, x)
+            s += 1
+            if dec.owners[s] != dec.pp_rank:
+                return self.send(dec.owners[s], _HIDDEN, m, s, step, x)
+
+    def _choose(self, m: int, step: int, x: Tensor) -> None:
         """The last stage's owner: micro-batch ``m``'s tokens of ``step`` from its logits ``x`` [R, 1, V], sent to
         the first stage's owner to continue with, or the micro-batch is done."""
-        lo, hi = parts[m]
-        token, finished[m] = choose(_full(x[:, -1]), r.seqs, finished[m], step, rows=slice(lo, hi))
+        lo, hi = self.parts[m]
+        r = self.rows[m]
+        token, self.finished[m] = self.choose(_full(x[:, -1]), r.seqs, self.finished[m], step, rows=slice(lo, hi))
         r.append(token)
-        if choose.all_ended(finished[m]) or step == max_new - 1:
-            self._isend(self.owners[0], _DONE, m)
+        first = self.dec.owners[0]
+        if self.choose.all_ended(self.finished[m]) or step == self.max_new - 1:
+            self.send(first, _DONE, m)
         else:
-            self._isend(self.owners[0], _TOKENS, m, 0, step + 1, token)
+            self.send(first, _TOKENS, m, 0, step + 1, token)
+            self.expected.append((m, step + 1))
 
-    def _gather_tokens(self, rows: list[DecodeRows], parts: list[tuple[int, int]], b: int, max_new: int, pad: int,
-                       last_owner: int) -> Tensor:
+    def done_one(self) -> None:
+        """The first stage's owner: a micro-batch ended; when none is left, the other ranks are told (a pair's last
+        owner knows it already)."""
+        self.active -= 1
+        if not self.active and not self.pair:
+            self.send(self.next, _END)
+
+    def tokens(self, last_stage_rank: int) -> Tensor:
         """Every row's tokens [B, N'] (``N'``: the longest micro-batch's; a micro-batch that ended earlier is padded,
         as rows that ended are in one batch), broadcast from the last stage's owner."""
-        out = torch.full((b, max_new + 1), pad, dtype=torch.long, device=self.device)  # last column: N'
-        if self.pp_rank == last_owner:
-            for r, (lo, hi) in zip(rows, parts):
+        dec, n = self.dec, self.max_new
+        out = torch.full((self.b, n + 1), self.choose.cfg.pad_token_id, dtype=torch.long, device=dec.device)
+        if dec.pp_rank == dec.owners[-1]:
+            for r, (lo, hi) in zip(self.rows, self.parts):
                 out[lo:hi, :r.generated.shape[1]] = r.generated
-            out[0, max_new] = max(r.generated.shape[1] for r in rows)
-        dist.broadcast(out, self.last_stage_rank, group=self.group)
-        return out[:, :int(out[0, max_new])].clone()
+            out[0, n] = max(r.generated.shape[1] for r in self.rows)  # the last column carries N'
+        dist.broadcast(out, last_stage_rank, group=dec.group)
+        return out[:, :int(out[0, n])].clone()

@@ -22,12 +22,13 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from lightning_llm.contract import declared_inputs
 from lightning_llm.strategies.pipeline.decode import PipelineDecoder
@@ -81,6 +82,14 @@ def _merge_outputs(parts: list[dict[str, Any]]) -> dict[str, Any]:
         else:
             merged[key] = values
     return merged
+
+
+@dataclass(frozen=True)
+class _TensorMeta:
+    """What a rank allocates to receive one broadcast tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
 
 
 class PipelineRunner:
@@ -175,13 +184,30 @@ class PipelineRunner:
         dist.broadcast_object_list(box, src=self.last_stage_rank, group=self.pp_group)
         return box[0]
 
+    def _broadcast_tensors_from_last(self, out: Any) -> Any:
+        """The last stage owner's ``out`` on every pipeline rank: its structure and the leaves' shapes as one small
+        object, then each tensor by ``broadcast`` (tensors are not pickled)."""
+        leaves, spec = tree_flatten(out) if self.is_last_stage_rank else ([], None)
+        meta = [_TensorMeta(tuple(t.shape), t.dtype) if isinstance(t, Tensor) else t for t in leaves]
+        spec, meta = self._broadcast_from_last((spec, meta))
+        got = []
+        for i, m in enumerate(meta):
+            if isinstance(m, _TensorMeta):
+                t = leaves[i].detach().contiguous() if leaves else torch.empty(m.shape, dtype=m.dtype,
+                                                                                device=self.device)
+                dist.broadcast(t, src=self.last_stage_rank, group=self.pp_group)
+                got.append(t)
+            else:
+                got.append(m)
+        return tree_unflatten(got, spec)
+
     # ------------------------------------------------------------------------------------------ contract
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """A forward-only pass (prediction): the last stage's output, on every pipeline rank."""
         args, kwargs = split_inputs(args, kwargs)
         sched, _ = self._schedule_for(args, kwargs, train=False)
-        out = self._broadcast_from_last(self._task_output(run_schedule(sched, self.specs, args, kwargs)))
-        return tree_map(lambda t: t.to(self.device) if isinstance(t, Tensor) else t, out)
+        out = run_schedule(sched, self.specs, args, kwargs)
+        return self._broadcast_tensors_from_last(self._task_output(out) if self.is_last_stage_rank else None)
 
     def frozen(self, name: str) -> PipelineRunner:
         """The forward-only runner of the task's frozen model ``name`` (``task.frozen_models()``), split into the
@@ -192,12 +218,12 @@ class PipelineRunner:
 
     def decoder(self, **stage_inputs: Any) -> PipelineDecoder:
         """The model for token-by-token generation through this rank's stages (:mod:`.decode`; micro-batches in
-        flight: ``n_microbatches`` of them); ``stage_inputs``: keyword inputs every stage receives as well (PPO's
-        ``values=False``)."""
+        flight: one per stage, the fewest that keep every stage busy, since each micro-batch costs every stage a
+        call per token); ``stage_inputs``: keyword inputs every stage receives as well (PPO's ``values=False``)."""
         if self._decoder is None:
             self._decoder = PipelineDecoder(stage_mods=self.stage_mods, specs=self.specs, pp_group=self.pp_group,
                                             pp_size=self.pp_size, last_stage_rank=self.last_stage_rank,
-                                            device=self.device, microbatches=self.n_microbatches)
+                                            device=self.device, microbatches=self.specs[0].num_stages)
         return self._decoder.with_inputs(**stage_inputs) if stage_inputs else self._decoder
 
     def loss(self, task: Any, batch: Any, stage: str) -> tuple[Tensor, dict[str, Any]]:
