@@ -19,6 +19,8 @@ call it (the contract of :mod:`lightning_llm.contract`). Nothing of the task is 
 from __future__ import annotations
 
 import logging
+import math
+import pickle
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -160,11 +162,12 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------------------------------ schedules
     def _schedule_for(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, train: bool,
-                      additive: bool = False) -> tuple[Any, int]:
+                      additive: bool = False, n_microbatches: int | None = None) -> tuple[Any, int]:
         """The (cached) schedule for these input shapes; stages infer their P2P shapes on first use. ``additive``
         (training with losses that add up): micro-batches need not be equal, so any divisor of the batch serves."""
         batch = next(t.shape[0] for t in (*args, *kwargs.values()) if isinstance(t, Tensor))
-        m = microbatch_count(batch, n_microbatches=self.n_microbatches, train=train and not additive)
+        m = microbatch_count(batch, n_microbatches=n_microbatches or self.n_microbatches,
+                             train=train and not additive)
         if additive and m < len(self.specs) * self.pp_size and self.schedule != "gpipe":
             raise ValueError(f"a manual-optimization step of {batch} rows splits into {m} micro-batches, fewer than "
                              f"the {len(self.specs) * self.pp_size} pipeline stages that schedule={self.schedule!r} "
@@ -185,27 +188,42 @@ class PipelineRunner:
         return box[0]
 
     def _broadcast_tensors_from_last(self, out: Any) -> Any:
-        """The last stage owner's ``out`` on every pipeline rank: its structure and the leaves' shapes as one small
-        object, then each tensor by ``broadcast`` (tensors are not pickled)."""
-        leaves, spec = tree_flatten(out) if self.is_last_stage_rank else ([], None)
-        meta = [_TensorMeta(tuple(t.shape), t.dtype) if isinstance(t, Tensor) else t for t in leaves]
-        spec, meta = self._broadcast_from_last((spec, meta))
-        got = []
-        for i, m in enumerate(meta):
+        """The last stage owner's ``out`` on every pipeline rank in two broadcasts: the sizes, then one byte buffer
+        holding the structure (pickled, without the tensors) and every tensor's bytes (8-byte aligned)."""
+        sizes = torch.zeros(2, dtype=torch.long, device=self.device)
+        buffer = None
+        if self.is_last_stage_rank:
+            leaves, spec = tree_flatten(out)
+            tensors = [t.detach().contiguous() for t in leaves if isinstance(t, Tensor)]
+            meta = pickle.dumps((spec, [_TensorMeta(tuple(t.shape), t.dtype) if isinstance(t, Tensor) else t
+                                        for t in leaves]))
+            parts = [torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device)]
+            parts += [t.reshape(-1).view(torch.uint8) for t in tensors]
+            buffer = torch.cat([torch.nn.functional.pad(p, (0, -p.numel() % 8)) for p in parts])
+            sizes[0], sizes[1] = len(meta), buffer.numel()
+        dist.broadcast(sizes, src=self.last_stage_rank, group=self.pp_group)
+        if buffer is None:
+            buffer = torch.empty(int(sizes[1]), dtype=torch.uint8, device=self.device)
+        dist.broadcast(buffer, src=self.last_stage_rank, group=self.pp_group)
+        n = int(sizes[0])
+        spec, described = pickle.loads(buffer[:n].cpu().numpy().tobytes())
+        offset, got = n + (-n % 8), []
+        for m in described:
             if isinstance(m, _TensorMeta):
-                t = leaves[i].detach().contiguous() if leaves else torch.empty(m.shape, dtype=m.dtype,
-                                                                                device=self.device)
-                dist.broadcast(t, src=self.last_stage_rank, group=self.pp_group)
-                got.append(t)
+                nbytes = math.prod(m.shape) * m.dtype.itemsize
+                got.append(buffer[offset:offset + nbytes].view(m.dtype).view(m.shape).clone())
+                offset += nbytes + (-nbytes % 8)
             else:
                 got.append(m)
         return tree_unflatten(got, spec)
 
     # ------------------------------------------------------------------------------------------ contract
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """A forward-only pass (prediction): the last stage's output, on every pipeline rank."""
+        """A forward-only pass (prediction, an RL rollout's log-probs): the last stage's output, on every pipeline
+        rank. Its rows are independent, so it takes the fewest micro-batches that keep every stage busy (one per
+        stage): each costs every stage a call and a hand-off."""
         args, kwargs = split_inputs(args, kwargs)
-        sched, _ = self._schedule_for(args, kwargs, train=False)
+        sched, _ = self._schedule_for(args, kwargs, train=False, n_microbatches=self.specs[0].num_stages)
         out = run_schedule(sched, self.specs, args, kwargs)
         return self._broadcast_tensors_from_last(self._task_output(out) if self.is_last_stage_rank else None)
 
