@@ -1,7 +1,7 @@
 """Rollout speed on CPU: batched generation with the KV cache per layout (and against transformers' ``generate``),
 and the GRPO rollout time of ``configs/grpo.yaml`` per layout.
 
-    python benchmarks/generation.py --out benchmarks/results/generation-cpu.md            # both parts
+    python benchmarks/generation.py --out benchmarks/results/generation-cpu.md            # every part
     python benchmarks/generation.py --part decode --size small --batch 8 --new 32         # decoding only
     python benchmarks/generation.py --part grpo --compare /tmp/base                       # + another source tree
     python -m torch.distributed.run --nproc_per_node=2 benchmarks/generation.py --layout tp   # one layout by hand
@@ -20,6 +20,9 @@ rollout: 8 prompts x 8) for ``--rollouts`` rollouts under each layout, ``--round
 tokens are the same under every layout with the same prompts per replica (per-prompt seeds): 1 device = pp x2 =
 tp x2 (one replica), ddp x2 = zero3 x2 (two). ``--compare DIR`` also runs the source tree ``DIR`` (e.g. an
 exported earlier commit) in the same rounds, as a "before" column.
+
+**Reference bytes.** The bytes of the frozen reference each rank holds in a GRPO full fine-tune of ``small`` under
+1 device, zero3 x2, tp x2 and pp x2 (measured with ``model_state_bytes`` on every rank).
 """
 
 from __future__ import annotations
@@ -229,9 +232,45 @@ def grpo_table(a: argparse.Namespace) -> list[str]:
     return [*lines, ""]
 
 
+# ---------------------------------------------------------------------------------------------------- reference bytes
+def _reference_bytes(layout: str, a: argparse.Namespace) -> list[int]:
+    """Bytes of the frozen reference each rank holds (``model_state_bytes``, by ``testing.RolloutRecorder``) in a
+    GRPO full fine-tune of ``--reference-size`` under ``layout`` (one rollout)."""
+    with tempfile.TemporaryDirectory(dir=a.work) as out:
+        flags = ["--trainer.max_steps=1", "--trainer.logger=false", "--trainer.enable_checkpointing=false",
+                 "--trainer.callbacks=[]", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+                 f"--model.backbone={a.reference_size}", "--model.model_overrides={}", "--data.batch_size=2",
+                 "--model.grpo.num_generations=2", "--model.grpo.num_mini_batches=1",
+                 "--model.generation.max_new_tokens=2", "--trainer.callbacks+=lightning_llm.testing.RolloutRecorder",
+                 f"--trainer.callbacks.output={out}/rollouts.json", f"--trainer.default_root_dir={out}"]
+        cli = ["-m", "lightning_llm", "fit", "--config", str(ROOT / "configs" / "grpo.yaml"), *flags]
+        cmd = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+                f"--master_port={free_port()}", *cli, "--trainer.devices=2", *GRPO_LAYOUTS[layout]]
+               if GRPO_LAYOUTS[layout] else [sys.executable, *cli])
+        done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              cwd=a.work)
+        if done.returncode:
+            raise RuntimeError(f"{layout} failed:\n{done.stderr[-3000:]}")
+        return json.loads((Path(out) / "rollouts.json").read_text())["frozen_bytes"]
+
+
+def reference_table(a: argparse.Namespace) -> list[str]:
+    held = {layout: _reference_bytes(layout, a) for layout in ("1 device", "zero3 x2", "tp x2", "pp x2")}
+    one = held["1 device"][0]
+    lines = [f"## Bytes of the frozen reference per rank (GRPO full fine-tune of `{a.reference_size}`)", "",
+             f"`python benchmarks/generation.py --part reference --reference-size {a.reference_size}`: "
+             "`strategies.zero.native.model_state_bytes` of `task.frozen_models()` on every rank at the start of fit "
+             "(`testing.RolloutRecorder`); the vocabulary is the byte tokenizer's (264 rows).", "",
+             "| layout | bytes per rank | largest vs 1 device |", "|---|---|---|"]
+    for layout, per_rank in held.items():
+        lines.append(f"| {layout} | {', '.join(f'{b:,}' for b in per_rank)} | {max(per_rank) / one:.3f}x |")
+    return [*lines, ""]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=["decode", "grpo", "both"], default="both")
+    p.add_argument("--part", choices=["decode", "grpo", "reference", "all"], default="all")
+    p.add_argument("--reference-size", default="small", help="the backbone of --part reference")
     p.add_argument("--layout", default=None, help=argparse.SUPPRESS)
     p.add_argument("--size", default="small")
     p.add_argument("--batch", type=int, default=8)
@@ -250,10 +289,12 @@ def main() -> None:
         return
     lines = [f"# Rollout speed on CPU", "", f"Measured {time.strftime('%Y-%m-%d')} on the shared 2-core development "
              f"machine (gloo; load average at the start {os.getloadavg()[0]:.1f}).", ""]
-    if a.part in ("decode", "both"):
+    if a.part in ("decode", "all"):
         lines += decode_table(a)
-    if a.part in ("grpo", "both"):
+    if a.part in ("grpo", "all"):
         lines += grpo_table(a)
+    if a.part in ("reference", "all"):
+        lines += reference_table(a)
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:

@@ -210,7 +210,9 @@ class DecoderLM(nn.Module):
     def _cores_need_token_mask(self) -> bool:
         """Whether an attention core rebuilds its mask from the tokens' :class:`~.layers.TokenMask` (a core a layout
         installed through the declared hook)."""
-        return any(getattr(m, "needs_token_mask", False) for m in self.modules())
+        # The blocks' cores only (a walk over every module would cost each decoding step a Python loop over them).
+        return any(getattr(getattr(getattr(layer, "self_attn", None), "core", None), "needs_token_mask", False)
+                   for layer in self.layers.values())
 
     def _token_mask(self, attention_mask: Tensor | None, segment_ids: Tensor | None,
                     kv_cache: KVCache | None) -> TokenMask:

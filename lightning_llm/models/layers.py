@@ -360,6 +360,10 @@ class NormHead(nn.Linear):
         return F.linear(x, self.effective_weight(), self.bias)
 
 
+def _same(x: Tensor) -> Tensor:
+    return x
+
+
 class TransformerBlock(nn.Module):
     """One layer. pre_norm: x + attn(norm(x)), x + mlp(norm(x)); post_norm (BERT): norm(x + attn(x)), norm(x + mlp(x))."""
 
@@ -393,12 +397,13 @@ class TransformerBlock(nn.Module):
             attn["kv_cache"] = kv_cache
         if token_mask is not None:  # likewise: only a decoder forward with a declared mask passes it
             attn["token_mask"] = token_mask
+        drop = self.dropout if self.training else _same  # eval (decoding): no module call for an identity
         if self.pre_norm:
-            x = x + self.dropout(self.self_attn(self.attn_norm(x), **attn))
-            x = x + self.dropout(self.mlp(self.mlp_norm(x)))
+            x = x + drop(self.self_attn(self.attn_norm(x), **attn))
+            x = x + drop(self.mlp(self.mlp_norm(x)))
         else:
-            x = self.attn_norm(x + self.dropout(self.self_attn(x, **attn)))
-            x = self.mlp_norm(x + self.dropout(self.mlp(x)))
+            x = self.attn_norm(x + drop(self.self_attn(x, **attn)))
+            x = self.mlp_norm(x + drop(self.mlp(x)))
         return x
 
 
