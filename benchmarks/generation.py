@@ -239,7 +239,7 @@ def _reference_bytes(layout: str, a: argparse.Namespace) -> list[int]:
     with tempfile.TemporaryDirectory(dir=a.work) as out:
         flags = ["--trainer.max_steps=1", "--trainer.logger=false", "--trainer.enable_checkpointing=false",
                  "--trainer.callbacks=[]", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
-                 f"--model.backbone={a.reference_size}", "--model.model_overrides={}", "--data.batch_size=2",
+                 f"--model.backbone={a.reference_size}", "--model.model_overrides={}", "--data.batch_size=4",
                  "--model.grpo.num_generations=2", "--model.grpo.num_mini_batches=1",
                  "--model.generation.max_new_tokens=2", "--trainer.callbacks+=lightning_llm.testing.RolloutRecorder",
                  f"--trainer.callbacks.output={out}/rollouts.json", f"--trainer.default_root_dir={out}"]

@@ -74,16 +74,18 @@ class StepRecorder(pl.Callback):
 
 
 class RolloutRecorder(pl.Callback):
-    """The tokens of every training rollout of an on-policy RL task, by the prompts' record ``index``, and the bytes
-    each rank holds of the task's frozen models (``model_state_bytes``, at the start of ``fit``).
+    """The tokens of every training rollout of an on-policy RL task, by the prompts' record ``index``, the
+    all-gathers each rank's sampling ran (``CollectiveCounter``: ZeRO-3 gathers once per rollout, before it
+    samples), and the bytes each rank holds of the task's frozen models (``model_state_bytes``, at fit start).
 
-    Rank 0 writes ``{"rollouts": [{index: [[tokens of each response]]}, ...], "frozen_bytes": [per rank]}`` to
-    ``output`` as JSON at the end of ``fit``; tensor- and pipeline-parallel peers must have drawn the same tokens
-    (checked: their entries are merged and must agree)."""
+    Rank 0 writes ``{"rollouts": [{index: [[tokens of each response]]}, ...], "gathers": [[per rollout], per rank],
+    "frozen_bytes": [per rank]}`` to ``output`` as JSON at the end of ``fit``; tensor- and pipeline-parallel peers
+    must have drawn the same tokens (checked: their entries are merged and must agree)."""
 
     def __init__(self, output: str) -> None:
         self.output = output
         self.rollouts: list[dict[int, list[list[int]]]] = []
+        self.gathers: list[int] = []
         self.frozen_bytes = 0
 
     @override
@@ -94,8 +96,10 @@ class RolloutRecorder(pl.Callback):
         sample = pl_module.sample
 
         def recorded(batch: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-            out = sample(batch, *args, **kwargs)
+            with CollectiveCounter().counting() as calls:
+                out = sample(batch, *args, **kwargs)
             if trainer.training:
+                self.gathers.append(sum(1 for name, _, _ in calls if name.startswith("all_gather")))
                 per = out.responses.shape[0] // len(batch["index"])
                 self.rollouts.append({int(i): out.responses[k * per:(k + 1) * per].tolist()
                                       for k, i in enumerate(batch["index"].tolist())})
@@ -105,17 +109,18 @@ class RolloutRecorder(pl.Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        every = gathered((self.rollouts, self.frozen_bytes)) if torch.distributed.is_initialized() else \
-            [(self.rollouts, self.frozen_bytes)]
+        mine = (self.rollouts, self.frozen_bytes, self.gathers)
+        every = gathered(mine) if torch.distributed.is_initialized() else [mine]
         merged: list[dict[int, list[list[int]]]] = [{} for _ in self.rollouts]
-        for rollouts, _ in every:
+        for rollouts, _, _ in every:
             for step, rows in zip(merged, rollouts, strict=True):
                 for index, tokens in rows.items():
                     if step.setdefault(index, tokens) != tokens:
                         raise AssertionError(f"ranks of one replica drew different tokens for prompt {index}")
         if trainer.global_rank == 0:
             with atomic_open(self.output, "w") as f:
-                json.dump({"rollouts": merged, "frozen_bytes": [b for _, b in every]}, f)
+                json.dump({"rollouts": merged, "frozen_bytes": [b for _, b, _ in every],
+                           "gathers": [g for _, _, g in every]}, f)
 
 
 def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -471,16 +476,21 @@ def rl_cli_args(task: list[str], out: Path, prompts: Path, *, batch: int, extra:
     ]
 
 
-def check_rollouts_and_reference(single: Path, other: Path, *, sharded: bool) -> None:
+def check_rollouts_and_reference(single: Path, other: Path, *, sharded: bool, zero3: bool = False) -> None:
     """Two RL runs of :func:`rl_cli_args` (one device, another layout): the same rollout tokens for every prompt
-    of every rollout, and where the layout splits or shards the model (``sharded``) no rank holding more than
-    0.55x of the one-device bytes of the frozen reference (:class:`RolloutRecorder`'s records)."""
+    of every rollout, where the layout splits or shards the model (``sharded``) no rank holding more than 0.55x of
+    the one-device bytes of the frozen reference, and under ``zero3`` no all-gather while a rollout samples (its
+    parameters were gathered once before) (:class:`RolloutRecorder`'s records)."""
     one, two = (json.loads((out / "rollouts.json").read_text()) for out in (single, other))
     assert len(one["rollouts"]) == len(two["rollouts"]) > 0 and one["rollouts"] == two["rollouts"]
     ratio = max(two["frozen_bytes"]) / max(one["frozen_bytes"][0], 1)
-    print(f"rollout tokens identical over {len(one['rollouts'])} rollouts; frozen reference bytes per rank: "
+    tokens = sum(len(row) for step in two["rollouts"] for rows in step.values() for row in rows)
+    print(f"rollout tokens identical over {len(one['rollouts'])} rollouts ({tokens} tokens); all-gathers while "
+          f"sampling, per rank and rollout: {two['gathers']}; frozen reference bytes per rank: "
           f"{two['frozen_bytes']} vs one device {one['frozen_bytes'][0]} ({ratio:.3f}x)")
     assert one["frozen_bytes"][0] > 0 and (ratio <= 0.55 if sharded else ratio == 1.0)
+    if zero3:
+        assert all(count == 0 for rank in two["gathers"] for count in rank) and tokens > 0
 
 
 def logged_rows(out: Path, *, key: str) -> list[dict[str, float]]:

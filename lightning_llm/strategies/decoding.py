@@ -4,8 +4,10 @@
 Under ZeRO-3 every forward all-gathers each FSDP2 unit and frees it after (``reshard_after_forward=True``), so a
 generation of ``N`` tokens would move the whole model ``N + 1`` times. When the gathered parameters fit, they are
 all-gathered **once** for the whole generation (FSDP2's explicit ``unshard()``, resharding after forward switched off
-meanwhile), the decoding steps communicate nothing, and they are resharded when it ends. Sessions nest: an RL task
-opens one around a whole rollout, so its generation and its no-grad forwards of the policy share the one gather. When they do not fit
+meanwhile), the decoding steps communicate nothing, and they are resharded when it ends; the task's frozen models
+(an RL reference) are gathered with it, every unit's all-gather in flight at once. Sessions nest: an RL task opens one
+around a whole rollout, so its generation and its no-grad forwards of the policy and the reference share the one
+gather. When they do not fit
 (more than half the free device memory, or ``gather_for_decoding="per_layer"``), FSDP2 keeps gathering unit by unit
 in every step; the data-parallel ranks then also agree on when to stop (an early-ending rank would otherwise pair
 its next collectives with another rank's decoding steps). The run summary names the path (:func:`decoding_note`).
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import torch
@@ -74,11 +76,12 @@ class _StopTogether:
 
 class ZeroDecoding:
     """The ZeRO-3 decoding plan of one engine set-up: ``once`` or ``per_layer`` (decided at the first use: see the
-    module docstring), and the session that applies it."""
+    module docstring), and the session that applies it to ``models``: the task's model and its frozen models (an RL
+    rollout's reference forward then needs no gather of its own either)."""
 
-    def __init__(self, model: nn.Module, *, mode: GatherForDecoding, device: torch.device, dp_group: Any,
+    def __init__(self, models: Sequence[nn.Module], *, mode: GatherForDecoding, device: torch.device, dp_group: Any,
                  dp: int, dtype: torch.dtype | None) -> None:
-        self.model, self.mode, self.device, self.dp_group = model, mode, device, dp_group
+        self.models, self.mode, self.device, self.dp_group = list(models), mode, device, dp_group
         self.dp, self.dtype = dp, dtype
         self._plan: tuple[str, str] | None = None
         self._depth = 0  # sessions open (nested: the outermost gathers and reshards)
@@ -86,7 +89,7 @@ class ZeroDecoding:
     def plan(self) -> tuple[str, str]:
         """``("once" | "per_layer", why)``."""
         if self._plan is None:
-            extra = gathered_extra_bytes(self.model, dp=self.dp, dtype=self.dtype)
+            extra = sum(gathered_extra_bytes(m, dp=self.dp, dtype=self.dtype) for m in self.models)
             if self.mode != "auto":
                 self._plan = (self.mode, f"gather_for_decoding={self.mode}")
             else:
@@ -121,13 +124,14 @@ class ZeroDecoding:
             finally:
                 self._depth -= 1
             return
-        units = _fsdp_units(self.model)
+        units = [unit for m in self.models for unit in _fsdp_units(m)]
         for unit in units:
             unit.set_reshard_after_forward(False, recurse=False)
         self._depth = 1
         try:
-            for unit in units:
-                unit.unshard()
+            for handle in [unit.unshard(async_op=True) for unit in units]:  # all in flight at once, then awaited
+                if handle is not None:
+                    handle.wait()
             yield decoder
         finally:
             self._depth = 0

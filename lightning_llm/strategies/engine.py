@@ -338,7 +338,8 @@ class ParallelEngine(LayoutFreeCheckpointing):
         self.model_to_device()
         self._pp_model, self._params = model, list(module.parameters())
         if self.zero_stage == 3:
-            self._zero_decoding = ZeroDecoding(model, mode=self.gather_for_decoding, device=self.root_device,
+            self._zero_decoding = ZeroDecoding([model, *frozen_models_of(module).values()],
+                                               mode=self.gather_for_decoding, device=self.root_device,
                                                dp_group=self._dp_group, dp=self.dims.replicas,
                                                dtype=fsdp_mixed_precision(precision).param_dtype)
         if self.pipelined:
