@@ -212,23 +212,29 @@ def _grpo_run(layout: str, source: Path, a: argparse.Namespace) -> list[float]:
 
 def grpo_table(a: argparse.Namespace) -> list[str]:
     sources = {"after": ROOT, **({"before": Path(a.compare)} if a.compare else {})}
-    times: dict[tuple[str, str], list[float]] = {(s, layout): [] for s in sources for layout in GRPO_LAYOUTS}
+    runs: dict[tuple[str, str], list[list[float]]] = {(s, layout): [] for s in sources for layout in GRPO_LAYOUTS}
     for _ in range(a.rounds):
         for layout in GRPO_LAYOUTS:
             for name, source in sources.items():
-                times[(name, layout)] += _grpo_run(layout, source, a)
-    med = {k: statistics.median(v) for k, v in times.items()}
+                runs[(name, layout)].append(_grpo_run(layout, source, a))
+    med = {k: statistics.median(t for run in v for t in run) for k, v in runs.items()}
+    best = {k: min(statistics.median(run) for run in v) for k, v in runs.items()}  # the least disturbed run
     cols = [s for s in ("before", "after") if s in sources]
     lines = [f"## GRPO rollout time (`configs/grpo.yaml`, `time/rollout_s`)", "",
              f"`python benchmarks/generation.py --part grpo --rollouts {a.rollouts} --rounds {a.rounds}"
              + (" --compare DIR" if a.compare else "") + f"`: median over {a.rounds} runs x {a.rollouts - 1} rollouts "
-             "(each run's first left out); 1 thread per process.", "",
+             "(each run's first left out) and, in brackets, the median of the least disturbed run; 1 thread per "
+             "process; the ratios are of the medians (of the best runs in brackets).", "",
              "| layout | " + " | ".join(f"{c} (s)" for c in cols) + " | vs 1 device | vs ddp x2 |",
              "|---|" + "---|" * len(cols) + "---|---|"]
+
+    def ratio(layout: str, base: str) -> str:
+        return (f"{med[('after', layout)] / med[('after', base)]:.2f}x "
+                f"({best[('after', layout)] / best[('after', base)]:.2f}x)")
+
     for layout in GRPO_LAYOUTS:
-        after = med[("after", layout)]
-        lines.append(f"| {layout} | " + " | ".join(f"{med[(c, layout)]:.4f}" for c in cols)
-                     + f" | {after / med[('after', '1 device')]:.2f}x | {after / med[('after', 'ddp x2')]:.2f}x |")
+        lines.append(f"| {layout} | " + " | ".join(f"{med[(c, layout)]:.4f} ({best[(c, layout)]:.4f})" for c in cols)
+                     + f" | {ratio(layout, '1 device')} | {ratio(layout, 'ddp x2')} |")
     return [*lines, ""]
 
 
@@ -289,12 +295,14 @@ def main() -> None:
         return
     lines = [f"# Rollout speed on CPU", "", f"Measured {time.strftime('%Y-%m-%d')} on the shared 2-core development "
              f"machine (gloo; load average at the start {os.getloadavg()[0]:.1f}).", ""]
+    t0 = time.perf_counter()
     if a.part in ("decode", "all"):
         lines += decode_table(a)
     if a.part in ("grpo", "all"):
         lines += grpo_table(a)
     if a.part in ("reference", "all"):
         lines += reference_table(a)
+    lines += [f"Load average at the end {os.getloadavg()[0]:.1f}; {time.perf_counter() - t0:.0f} s in all.", ""]
     text = "\n".join(lines) + "\n"
     print(text)
     if a.out:
