@@ -21,7 +21,8 @@ What a task may rely on, under every layout:
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -40,6 +41,7 @@ __all__ = [
     "declared_inputs",
     "declared_loss",
     "declared_step",
+    "decoding_session",
     "PACKED_INPUTS",
 ]
 
@@ -220,9 +222,13 @@ class PipelineRunner(Protocol):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """A forward-only pipeline pass; the last stage's output on every pipeline rank."""
 
-    def decoder(self) -> Any:
+    def decoder(self, **stage_inputs: Any) -> Any:
         """The model protocol of :func:`lightning_llm.generation.generate` across the stages (token-by-token decoding
-        with a KV cache; last-position logits on every pipeline rank)."""
+        with a KV cache, micro-batches in flight; the same tokens on every pipeline rank); ``stage_inputs``: keyword
+        inputs every stage receives as well."""
+
+    def frozen(self, name: str) -> PipelineRunner:
+        """The runner of the task's frozen model ``name`` (``task.frozen_models()``), split into the same stages."""
 
     def train_additive(self, loss_fn: Callable[[Any, Tensor], tuple[Tensor, dict[str, Tensor]]], *args: Any,
                        **kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
@@ -248,6 +254,18 @@ def pipeline_runner(strategy: Any) -> PipelineRunner | None:
     if not capabilities_of(strategy).pipelined:
         return None
     return getattr(strategy, "pipeline_runner", None)
+
+
+@contextmanager
+def decoding_session(strategy: Any, decoder: Any) -> Iterator[Any]:
+    """What one generation decodes with: ``decoder`` inside the strategy's ``decoding_session`` where it has one
+    (ZeRO-3 gathers the parameters once for the whole generation), else ``decoder`` itself."""
+    session = getattr(strategy, "decoding_session", None)
+    if session is None:
+        yield decoder
+        return
+    with session(decoder) as inside:
+        yield inside
 
 
 @torch.no_grad()

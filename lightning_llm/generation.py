@@ -1,13 +1,17 @@
 """Batched autoregressive generation for our decoders: left padding, KV cache, greedy / sampling / beam search.
 
 The model protocol is the one :class:`~lightning_llm.models.DecoderLM` implements (and what the SFT and PPO tasks
-pass in)::
+pass in; :mod:`lightning_llm.models.decoding`)::
 
-    model(input_ids [B, S], *, attention_mask [B, T], position_ids [B, S], kv_cache: KVCache | None) -> logits [B, S, V]
+    model(input_ids [B, S], *, attention_mask [B, T], position_ids [B, S], kv_cache: KVCache | None,
+          logits_to_keep=1) -> logits [B, 1, V]
 
 where ``T`` = cached + new tokens. Prompts are LEFT-padded (``attention_mask`` 0 on the left), so every row's last
 prompt token sits in the last column and new tokens are appended in lock-step; positions are counted over real
 tokens only (``cumsum(mask) - 1``), so a padded row produces exactly what it produces alone.
+
+Per token: the KV cache and the ids/mask buffers are preallocated for the whole generation and written in place,
+the head runs on the last position only, and the one host synchronisation is the EOS check (none without EOS ids).
 
 Shape legend: B batch, S prompt length, N new tokens, V vocabulary, K beams.
 """
@@ -24,11 +28,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_llm.models.layers import KVCache
+from lightning_llm.models.decoding import DecodeRows, KVCache
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GenerationConfig", "for_datamodule", "generate", "strip_after_eos"]
+__all__ = ["GenerationConfig", "TokenChooser", "for_datamodule", "generate", "last_logits", "strip_after_eos"]
 
 
 @dataclass
@@ -102,11 +106,6 @@ def strip_after_eos(tokens: Tensor, eos_ids: Sequence[int]) -> list[list[int]]:
     return out
 
 
-def _positions(mask: Tensor) -> Tensor:
-    """Position of every column counted over real tokens: [B, T] (padding gets 0; it is masked anyway)."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
 def _process_logits(logits: Tensor, seqs: Tensor, cfg: GenerationConfig) -> Tensor:
     """Repetition penalty, then temperature / top-k / top-p for sampling. logits [R, V] fp32, seqs [R, T]."""
     if cfg.repetition_penalty != 1.0:
@@ -127,41 +126,76 @@ def _process_logits(logits: Tensor, seqs: Tensor, cfg: GenerationConfig) -> Tens
     return logits
 
 
+def last_logits(out: Tensor) -> Tensor:
+    """Logits of the last position as a plain fp32 tensor [R, V]. Under tensor parallelism the model returns
+    vocab-sharded DTensor logits (the loss never gathers them); decoding needs the whole row, so gather it."""
+    out = out[:, -1]
+    if isinstance(out, DTensor):
+        out = out.full_tensor()
+    return out.float()
+
+
+class TokenChooser:
+    """Picks each step's tokens of some rows from their next-token logits: greedy, sampled with one
+    ``generator`` (``torch.multinomial`` draws the rows in sequence), or by the inverse CDF of per-row ``uniforms``
+    [B, max_new_tokens]; rows that ended (EOS) get ``pad_token_id``.
+
+    :attr:`rowwise`: a row's tokens depend on its own logits and draws only, not on which rows share its call, so
+    rows may be decoded in groups (a pipeline's micro-batches) and still equal the whole batch decoded at once."""
+
+    def __init__(self, cfg: GenerationConfig, *, device: torch.device, generator: torch.Generator | None = None,
+                 uniforms: Tensor | None = None) -> None:
+        self.cfg, self.generator, self.uniforms = cfg, generator, uniforms
+        self.eos = torch.tensor(cfg.eos_ids, dtype=torch.long, device=device)
+        self.rowwise = not cfg.do_sample or uniforms is not None
+
+    def __call__(self, logits: Tensor, seqs: Tensor, finished: Tensor, step: int,
+                 rows: slice = slice(None)) -> tuple[Tensor, Tensor]:
+        """``(tokens [R], finished [R])`` of step ``step`` for ``rows`` of the batch, from their logits [R, V] fp32,
+        tokens so far ``seqs`` [R, T] and which of them had ended."""
+        cfg = self.cfg
+        scores = _process_logits(logits, seqs, cfg)
+        if cfg.do_sample and self.uniforms is not None:
+            token = _inverse_cdf(scores.softmax(-1), self.uniforms[rows, step])  # [R]
+        elif cfg.do_sample:
+            token = torch.multinomial(scores.softmax(-1), 1, generator=self.generator).squeeze(1)  # [R]
+        else:
+            token = scores.argmax(-1)  # [R]
+        token = torch.where(finished, torch.full_like(token, cfg.pad_token_id), token)
+        if self.eos.numel():
+            finished = finished | torch.isin(token, self.eos)
+        return token, finished
+
+    def all_ended(self, finished: Tensor) -> bool:
+        """Whether every row ended (the one host synchronisation of a step; none without EOS ids)."""
+        return bool(self.eos.numel()) and bool(finished.all())
+
+
 class _Stepper:
     """Feeds the model one step at a time, with or without a KV cache. Rows may be reordered (beam search)."""
 
-    def __init__(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, use_cache: bool) -> None:
+    def __init__(self, model: nn.Module, input_ids: Tensor, attention_mask: Tensor, *, max_new: int,
+                 use_cache: bool) -> None:
         self.model = model
-        self.cache = KVCache() if use_cache else None
-        self.seqs = input_ids  # [R, T] every token so far
-        self.mask = attention_mask.bool()  # [R, T]
+        self.rows = DecodeRows(input_ids, attention_mask, max_new)
+        self.cache = KVCache(capacity=input_ids.shape[1] + max_new) if use_cache else None
 
-    def _last_logits(self, out: Tensor) -> Tensor:
-        """Logits of the last position as a plain fp32 tensor [R, V]. Under tensor parallelism the model returns
-        vocab-sharded DTensor logits (the loss never gathers them); decoding needs the whole row, so gather it."""
-        out = out[:, -1]
-        if isinstance(out, DTensor):
-            out = out.full_tensor()
-        return out.float()
+    @property
+    def seqs(self) -> Tensor:
+        return self.rows.seqs
+
+    def _call(self, ids: Tensor, kwargs: dict[str, Tensor]) -> Tensor:
+        return last_logits(self.model(ids, **kwargs, kv_cache=self.cache, logits_to_keep=1))
 
     def first(self) -> Tensor:
-        pos = _positions(self.mask)
-        return self._last_logits(self.model(self.seqs, attention_mask=self.mask, position_ids=pos,
-                                            kv_cache=self.cache))
+        return self._call(*self.rows.prefill())
 
     def next(self, tokens: Tensor) -> Tensor:  # tokens [R] -> next-token logits [R, V] fp32
-        ones = torch.ones_like(tokens, dtype=torch.bool)[:, None]
-        self.seqs = torch.cat([self.seqs, tokens[:, None]], dim=1)
-        self.mask = torch.cat([self.mask, ones], dim=1)
-        pos = _positions(self.mask)
-        if self.cache is not None:
-            out = self.model(tokens[:, None], attention_mask=self.mask, position_ids=pos[:, -1:], kv_cache=self.cache)
-        else:
-            out = self.model(self.seqs, attention_mask=self.mask, position_ids=pos, kv_cache=None)
-        return self._last_logits(out)
+        self.rows.append(tokens)
+        return self._call(*(self.rows.step() if self.cache is not None else self.rows.whole()))
 
     def reorder(self, index: Tensor) -> None:
-        self.seqs, self.mask = self.seqs[index], self.mask[index]
+        self.rows.reorder(index)
         if self.cache is not None:
             self.cache.reorder(index)
 
@@ -185,6 +219,12 @@ def generate(
     token at step t is the inverse CDF of its sampling distribution at ``uniforms[b, t]``. A row's sample then
     depends on its own draws only, not on which other rows share the batch (``torch.multinomial`` with one
     generator draws the rows in sequence).
+
+    A model with a ``generate_rows(input_ids, attention_mask, *, max_new_tokens, choose)`` method (a pipeline's
+    decoder: micro-batches in flight through its stages) decodes greedy and per-row-sampled batches with the KV cache
+    itself, ``choose`` being the :class:`TokenChooser`; it returns what this loop would. A model with an
+    ``all_ended(ended: bool) -> bool`` method decides when the batch has ended (ranks whose every decoding step runs
+    collectives stop together).
     """
     cfg = config or GenerationConfig()
     if attention_mask is None:
@@ -198,26 +238,24 @@ def generate(
     if uniforms is not None and uniforms.shape != (input_ids.shape[0], cfg.max_new_tokens):
         raise ValueError(f"uniforms {tuple(uniforms.shape)} must be [batch, max_new_tokens] = "
                          f"{(input_ids.shape[0], cfg.max_new_tokens)}")
-    eos = torch.tensor(cfg.eos_ids, dtype=torch.long, device=input_ids.device)
-    stepper = _Stepper(model, input_ids, attention_mask, cfg.use_cache)
+    choose = TokenChooser(cfg, device=input_ids.device, generator=generator, uniforms=uniforms)
+    rowwise_loop = getattr(model, "generate_rows", None)
+    if callable(rowwise_loop) and choose.rowwise and cfg.use_cache:
+        return rowwise_loop(input_ids, attention_mask, max_new_tokens=cfg.max_new_tokens, choose=choose)
+    stepper = _Stepper(model, input_ids, attention_mask, max_new=cfg.max_new_tokens, use_cache=cfg.use_cache)
+    agree = getattr(model, "all_ended", None) if cfg.eos_ids else None  # ranks that must stop together
     logits = stepper.first()
     finished = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-    out: list[Tensor] = []
     for step in range(cfg.max_new_tokens):
-        scores = _process_logits(logits, stepper.seqs, cfg)
-        if cfg.do_sample and uniforms is not None:
-            token = _inverse_cdf(scores.softmax(-1), uniforms[:, step])  # [B]
-        elif cfg.do_sample:
-            token = torch.multinomial(scores.softmax(-1), 1, generator=generator).squeeze(1)  # [B]
-        else:
-            token = scores.argmax(-1)  # [B]
-        token = torch.where(finished, torch.full_like(token, cfg.pad_token_id), token)
-        out.append(token)
-        finished |= torch.isin(token, eos)
-        if bool(finished.all()) or step == cfg.max_new_tokens - 1:
+        token, finished = choose(logits, stepper.seqs, finished, step)
+        ended = choose.all_ended(finished)
+        if agree is not None:
+            ended = agree(ended)
+        if ended or step == cfg.max_new_tokens - 1:
+            stepper.rows.append(token)
             break
         logits = stepper.next(token)
-    return torch.stack(out, dim=1)
+    return stepper.rows.generated.clone()
 
 
 def _inverse_cdf(probs: Tensor, u: Tensor) -> Tensor:
@@ -237,7 +275,8 @@ def _beam_search(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, cf
     b, k, device = input_ids.shape[0], cfg.num_beams, input_ids.device
     eos = set(cfg.eos_ids)
     rows = torch.arange(b, device=device).repeat_interleave(k)  # [B*K] beam rows of each prompt
-    stepper = _Stepper(model, input_ids[rows], attention_mask[rows], cfg.use_cache)
+    stepper = _Stepper(model, input_ids[rows], attention_mask[rows], max_new=cfg.max_new_tokens,
+                       use_cache=cfg.use_cache)
     logits = stepper.first()  # [B*K, V]
     beam_scores = torch.zeros(b, k, device=device)
     beam_scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first one at step 0

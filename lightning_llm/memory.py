@@ -66,8 +66,8 @@ PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 __all__ = ["Estimate", "LayoutShare", "PRECISIONS", "Quantized", "quantized_numel", "quantized_setup_peak_bytes",
            "activation_bytes_per_sample", "bytes_per_param", "check_expert_parallel", "estimate", "estimate_layout",
-           "layout_share", "loss_bytes", "loss_peak_bytes", "max_batch_size", "model_state_theory",
-           "moe_layer_bytes_per_token", "setup_peak_bytes"]
+           "frozen_copy_bytes", "layout_share", "loss_bytes", "loss_peak_bytes", "max_batch_size",
+           "model_state_theory", "moe_layer_bytes_per_token", "setup_peak_bytes"]
 
 
 def bytes_per_param(engine: str, precision: str) -> tuple[int, int, int]:
@@ -115,10 +115,13 @@ class Estimate:
     host: int
     loss: int = 0
     """Transient bytes of the LM-head loss and its backward for one micro-batch (:func:`loss_peak_bytes`)."""
+    frozen: int = 0
+    """Parameters of frozen copies of the model placed like it (an RL or DPO reference): no gradients or optimizer
+    states (:func:`frozen_copy_bytes`)."""
 
     @property
     def model_states(self) -> int:
-        return self.params + self.grads + self.optim
+        return self.params + self.grads + self.optim + self.frozen
 
     @property
     def total(self) -> int:
@@ -358,15 +361,24 @@ def check_expert_parallel(config: Any, *, ep: int, replicas: int, stage: int, en
                          "with ZeRO stage 0 or 3")
 
 
+def frozen_copy_bytes(share: LayoutShare, *, engine: str, precision: str, copies: int = 1) -> int:
+    """Bytes a rank holds of ``copies`` frozen copies of the model placed like it (``task.frozen_models()``: the
+    same stages, tensor-parallel shards and ZeRO-3 shards as the model's ``share``; only DeepSpeed keeps them whole),
+    parameters only."""
+    return copies * share.numel * bytes_per_param(engine, precision)[0]
+
+
 def estimate_layout(config: Any, *, tp: int, pp: int, dp: int, stage: int, engine: str, batch_size: int,
                     seq_len: int, precision: str, fused_loss: bool, offload_optimizer: bool = False,
-                    offload_params: bool = False, cp: int = 1, ep: int = 1, quantized: Quantized | None = None
-                    ) -> tuple[Estimate, LayoutShare]:
+                    offload_params: bool = False, cp: int = 1, ep: int = 1, quantized: Quantized | None = None,
+                    frozen_copies: int = 0) -> tuple[Estimate, LayoutShare]:
     """Per-rank memory of ``config`` under a ``tp x pp x cp x dp`` layout with ZeRO ``stage`` (``engine``: native,
     deepspeed or ddp) and ``ep`` of the ``dp x cp`` ranks sharing each MoE layer's experts: what the ``estimate``
     tool prints and the run summary logs at the start of fit. Model states follow what a rank of the fullest stage
     holds after tp/pp/ep (ZeRO then divides over the ranks holding the same parameters: dp x cp, the experts
-    dp x cp / ep); activations follow the ``seq_len / cp`` tokens a rank holds."""
+    dp x cp / ep), plus ``frozen_copies`` frozen copies of the model placed like it (their experts are not spread
+    over ``ep``: whole, or ZeRO-3 shards over dp x cp); activations follow the ``seq_len / cp`` tokens a rank
+    holds."""
     replicas = dp * cp
     check_expert_parallel(config, ep=ep, replicas=replicas, stage=stage, engine=engine)
     share = layout_share(config, tp=tp, pp=pp, dp=replicas, ep=ep, zero3=stage == 3)
@@ -375,6 +387,10 @@ def estimate_layout(config: Any, *, tp: int, pp: int, dp: int, stage: int, engin
     est = estimate(config, numel=local, batch_size=batch_size, seq_len=seq_len, precision=precision, devices=replicas,
                    stage=stage, engine=engine, offload_optimizer=offload_optimizer, offload_params=offload_params,
                    fused_loss=fused_loss, tp=tp, cp=cp, quantized=quantized)
+    if frozen_copies:
+        whole = layout_share(config) if engine == "deepspeed" else share if ep == 1 else layout_share(
+            config, tp=tp, pp=pp, dp=replicas, zero3=stage == 3)
+        est.frozen = frozen_copy_bytes(whole, engine=engine, precision=precision, copies=frozen_copies)
     return est, share
 
 

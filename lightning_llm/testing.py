@@ -7,12 +7,13 @@ against a single-device run the same way our tests do.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -70,6 +71,56 @@ class StepRecorder(pl.Callback):
             if params is not None:
                 with atomic_open(self.output + ".pt", "wb") as f:
                     torch.save(params, f)
+
+
+class RolloutRecorder(pl.Callback):
+    """The tokens of every training rollout of an on-policy RL task, by the prompts' record ``index``, the
+    all-gathers each rank's sampling ran (``CollectiveCounter``: ZeRO-3 gathers once per rollout, before it
+    samples), and the bytes each rank holds of the task's frozen models (``model_state_bytes``, at fit start).
+
+    Rank 0 writes ``{"rollouts": [{index: [[tokens of each response]]}, ...], "gathers": [[per rollout], per rank],
+    "frozen_bytes": [per rank]}`` to ``output`` as JSON at the end of ``fit``; tensor- and pipeline-parallel peers
+    must have drawn the same tokens (checked: their entries are merged and must agree)."""
+
+    def __init__(self, output: str) -> None:
+        self.output = output
+        self.rollouts: list[dict[int, list[list[int]]]] = []
+        self.gathers: list[int] = []
+        self.frozen_bytes = 0
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_llm.strategies.zero.native import model_state_bytes
+
+        self.frozen_bytes = sum(model_state_bytes(m, [])["params"] for m in pl_module.frozen_models().values())
+        sample = pl_module.sample
+
+        def recorded(batch: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+            with CollectiveCounter().counting() as calls:
+                out = sample(batch, *args, **kwargs)
+            if trainer.training:
+                self.gathers.append(sum(1 for name, _, _ in calls if name.startswith("all_gather")))
+                per = out.responses.shape[0] // len(batch["index"])
+                self.rollouts.append({int(i): out.responses[k * per:(k + 1) * per].tolist()
+                                      for k, i in enumerate(batch["index"].tolist())})
+            return out
+
+        pl_module.sample = recorded  # type: ignore[method-assign]
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        mine = (self.rollouts, self.frozen_bytes, self.gathers)
+        every = gathered(mine) if torch.distributed.is_initialized() else [mine]
+        merged: list[dict[int, list[list[int]]]] = [{} for _ in self.rollouts]
+        for rollouts, _, _ in every:
+            for step, rows in zip(merged, rollouts, strict=True):
+                for index, tokens in rows.items():
+                    if step.setdefault(index, tokens) != tokens:
+                        raise AssertionError(f"ranks of one replica drew different tokens for prompt {index}")
+        if trainer.global_rank == 0:
+            with atomic_open(self.output, "w") as f:
+                json.dump({"rollouts": merged, "frozen_bytes": [b for _, b, _ in every],
+                           "gathers": [g for _, _, g in every]}, f)
 
 
 def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -237,8 +288,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-               "reduce_scatter_tensor", "all_to_all_single", "barrier", "all_gather_object", "broadcast_object_list")
+COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
+               "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all_single", "barrier",
+               "all_gather_object", "broadcast_object_list")
 """The ``torch.distributed`` functions :class:`CollectiveCounter` counts."""
 
 
@@ -279,13 +331,40 @@ class CollectiveCounter(pl.Callback):
 
         return counted
 
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def _install(self) -> None:
         import torch.distributed as dist
 
         for name in COLLECTIVES:
-            self._saved[name] = getattr(dist, name)
-            setattr(dist, name, self._wrap(name, self._saved[name]))
+            if hasattr(dist, name):  # all_gather_single / reduce_scatter_single: FSDP2's, torch >= 2.10
+                self._saved[name] = getattr(dist, name)
+                setattr(dist, name, self._wrap(name, self._saved[name]))
+
+    def _uninstall(self) -> None:
+        import torch.distributed as dist
+
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        self._saved = {}
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[list[tuple[str, str, int]]]:
+        """Count the collectives called inside the block (e.g. one generation): yields the list of
+        ``(function, group ranks, elements)`` it fills."""
+        calls: list[tuple[str, str, int]] = []
+        previous, self._current = self._current, calls
+        installed = not self._saved
+        if installed:
+            self._install()
+        try:
+            yield calls
+        finally:
+            self._current = previous
+            if installed:
+                self._uninstall()
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install()
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -301,11 +380,7 @@ class CollectiveCounter(pl.Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        import torch.distributed as dist
-
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-        self._saved = {}
+        self._uninstall()
 
 
 CLI_ERROR = "lightning_llm: error: "
@@ -420,8 +495,9 @@ of 8 prompts (tensor- and pipeline-parallel ranks share their replica's prompts)
 
 def rl_cli_args(task: list[str], out: Path, prompts: Path, *, batch: int, extra: list[str]) -> list[str]:
     """``lightning_llm fit`` arguments of the on-policy RL parity tests: ``task`` (``--model=...`` and its settings),
-    the digits reward, a constant LR, ``prompts`` in PromptDataModule, 8 CPU steps logged to CSV under ``out`` and
-    the parameters recorded by :class:`StepRecorder` to ``out/steps.json.pt``."""
+    the digits reward, a constant LR, ``prompts`` in PromptDataModule, 8 CPU steps logged to CSV under ``out``, the
+    parameters recorded by :class:`StepRecorder` to ``out/steps.json.pt`` and the rollouts by
+    :class:`RolloutRecorder` to ``out/rollouts.json``."""
     return [
         "fit", "--seed_everything=3", *task, "--model.backbone=debug", "--model.model_overrides={num_layers: 2}",
         "--model.generation.max_new_tokens=8",
@@ -432,8 +508,26 @@ def rl_cli_args(task: list[str], out: Path, prompts: Path, *, batch: int, extra:
         f"--trainer.logger.save_dir={out}", "--trainer.log_every_n_steps=1", "--trainer.enable_checkpointing=false",
         "--trainer.enable_progress_bar=false", "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={out}",
         "--trainer.callbacks+=lightning_llm.testing.StepRecorder", f"--trainer.callbacks.output={out / 'steps.json'}",
-        "--trainer.callbacks.save_params=true", *extra,
+        "--trainer.callbacks.save_params=true", "--trainer.callbacks+=lightning_llm.testing.RolloutRecorder",
+        f"--trainer.callbacks.output={out / 'rollouts.json'}", *extra,
     ]
+
+
+def check_rollouts_and_reference(single: Path, other: Path, *, sharded: bool, zero3: bool = False) -> None:
+    """Two RL runs of :func:`rl_cli_args` (one device, another layout): the same rollout tokens for every prompt
+    of every rollout, where the layout splits or shards the model (``sharded``) no rank holding more than 0.55x of
+    the one-device bytes of the frozen reference, and under ``zero3`` no all-gather while a rollout samples (its
+    parameters were gathered once before) (:class:`RolloutRecorder`'s records)."""
+    one, two = (json.loads((out / "rollouts.json").read_text()) for out in (single, other))
+    assert len(one["rollouts"]) == len(two["rollouts"]) > 0 and one["rollouts"] == two["rollouts"]
+    ratio = max(two["frozen_bytes"]) / max(one["frozen_bytes"][0], 1)
+    tokens = sum(len(row) for step in two["rollouts"] for rows in step.values() for row in rows)
+    print(f"rollout tokens identical over {len(one['rollouts'])} rollouts ({tokens} tokens); all-gathers while "
+          f"sampling, per rank and rollout: {two['gathers']}; frozen reference bytes per rank: "
+          f"{two['frozen_bytes']} vs one device {one['frozen_bytes'][0]} ({ratio:.3f}x)")
+    assert one["frozen_bytes"][0] > 0 and (ratio <= 0.55 if sharded else ratio == 1.0)
+    if zero3:
+        assert all(count == 0 for rank in two["gathers"] for count in rank) and tokens > 0
 
 
 def logged_rows(out: Path, *, key: str) -> list[dict[str, float]]:

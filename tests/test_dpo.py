@@ -28,7 +28,8 @@ from lightning_llm.testing import (
 
 STEPS = 5
 TOL = 1e-5
-LAYOUTS = ["ddp", "tp", "pp", "zero1", "zero2", "zero3", "deepspeed_zero2", "3d", "ddp/on_the_fly", "pp/on_the_fly"]
+LAYOUTS = ["ddp", "tp", "pp", "zero1", "zero2", "zero3", "deepspeed_zero2", "3d", "ddp/on_the_fly", "pp/on_the_fly",
+           "zero3/on_the_fly"]
 CSL = Path(__file__).resolve().parents[2] / "shared" / "data" / "csl_title"
 
 

@@ -230,6 +230,26 @@ def test_expert_parallel_degrees_shares_and_errors() -> None:
         assert rc == 2 and message in err, (args, err)
 
 
+def test_frozen_copies_count_like_the_model_share() -> None:
+    """A frozen reference placed like the policy: its parameters per rank follow the model's share (whole on one
+    device and under DeepSpeed, halved by zero3 x2 and tp x2), with no gradients or optimizer states."""
+    got = {}
+    for name, args in {"1": ["--strategy=ddp", "--devices=1"], "zero3": ["--strategy=zero3", "--devices=2"],
+                       "tp": ["--strategy=tp", "--devices=2"], "ds": ["--strategy=deepspeed_zero3", "--devices=2"]}.items():
+        rc, out, _ = _run("--model=debug", "--precision=32-true", "--seq-len=64", "--frozen-copies=1", "--json", *args)
+        assert rc == 0
+        got[name] = json.loads(out)
+    params = sum(got["1"]["bytes"][k] for k in ("params",))
+    frozen = {k: v["bytes"]["frozen"] for k, v in got.items()}
+    assert frozen["1"] == frozen["ds"] == params == 4 * got["1"]["parameters"]  # fp32, whole
+    assert abs(frozen["zero3"] / frozen["1"] - 0.5) < 1e-2 and frozen["tp"] / frozen["1"] <= 0.51
+    for report in got.values():  # counted in the model states, as parameters only
+        b = report["bytes"]
+        assert b["model_states"] == b["params"] + b["grads"] + b["optim"] + b["frozen"]
+    rc, _, err = _run("--model=debug", "--frozen-copies=-1")
+    assert rc == 2 and "--frozen-copies=-1" in err
+
+
 # ------------------------------------------------------------------ measured on 2 ranks (one torchrun launch)
 MEASURED = [("debug-moe", 0), ("debug-moe", 3), ("small-moe", 0), ("small-moe", 3)]
 """(named size, ZeRO stage) of the ep2 runs whose model states are measured."""

@@ -4,8 +4,11 @@ The debug decoder (the engine builds the same weights under every layout) contin
 of different lengths, greedy with the KV cache and without, seeded sampling (the same U(0, 1) draws on every rank),
 and beam search (rows reordered between steps), through ``task.decoding_model()``: the model itself under tensor
 parallelism (full logits on every tensor-parallel rank), the stages run token by token under a pipeline
-(``strategies/pipeline/decode.py``). Two torchrun launches: 2 processes (tp x2, pp x2, pp x2 with two interleaved
-stages per rank) and 4 (3d dp2 x tp2, pp2 x tp2); the one-device reference runs in this process meanwhile.
+(``strategies/pipeline/decode.py``: micro-batches in flight for greedy and per-row sampled decoding, lock-step for
+beam search and decoding without a cache), the model under ZeRO-3 with its parameters gathered once per generation
+(counted: no all-gather per token) or, as the fallback, per layer in every step. Two torchrun launches: 2 processes
+(tp x2, pp x2, pp x2 with two interleaved stages per rank, zero3 x2 both ways) and 4 (3d dp2 x tp2, pp2 x tp2); the
+one-device reference runs in this process meanwhile.
 """
 
 from __future__ import annotations
@@ -20,7 +23,15 @@ import pytest
 import torch
 
 from lightning_llm.generation import GenerationConfig, generate
-from lightning_llm.testing import gathered, launch, run_reference_meanwhile, run_worker, table_trainer, wait
+from lightning_llm.testing import (
+    CollectiveCounter,
+    gathered,
+    launch,
+    run_reference_meanwhile,
+    run_worker,
+    table_trainer,
+    wait,
+)
 
 NEW = 6
 CONFIGS = {
@@ -28,8 +39,10 @@ CONFIGS = {
     "greedy_nocache": GenerationConfig(max_new_tokens=NEW, eos_token_id=None, use_cache=False),
     "sampled": GenerationConfig(max_new_tokens=NEW, do_sample=True, temperature=0.8, top_k=50),
     "beam": GenerationConfig(max_new_tokens=NEW, num_beams=2, eos_token_id=3),
+    # rows end at different steps (about 4 in 10 tokens end a row), so pipeline micro-batches stop at their own step
+    "sampled_eos": GenerationConfig(max_new_tokens=NEW, do_sample=True, eos_token_id=list(range(4, 100))),
 }
-LAYOUTS_2 = ["tp", "pp", "pp_interleaved"]
+LAYOUTS_2 = ["tp", "pp", "pp_interleaved", "zero3", "zero3_per_layer"]
 LAYOUTS_4 = ["dp2_tp2", "pp2_tp2"]
 
 
@@ -49,25 +62,33 @@ def _strategy(layout: str) -> Any:
 
     kw = {"tp": dict(tensor_parallel_size=2), "pp": dict(pipeline_parallel_size=2),
           "pp_interleaved": dict(pipeline_parallel_size=2, stages_per_rank=2, schedule="interleaved_1f1b"),
+          "zero3": dict(data_parallel_size=2, zero_stage=3),
+          "zero3_per_layer": dict(data_parallel_size=2, zero_stage=3, gather_for_decoding="per_layer"),
           "dp2_tp2": dict(data_parallel_size=2, tensor_parallel_size=2),
           "pp2_tp2": dict(pipeline_parallel_size=2, tensor_parallel_size=2)}[layout]
     return HybridParallelStrategy(**kw)
 
 
 class _Generate(pl.Callback):
-    """Generates every configuration once the strategy has set the model up (before validation runs)."""
+    """Generates every configuration once the strategy has set the model up (before validation runs), counting the
+    all-gathers of each generation (ZeRO-3: FSDP2's ``all_gather_single``) and the model's FSDP2 units."""
 
     def __init__(self) -> None:
         self.tokens: dict[str, list[list[int]]] = {}
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
         ids, mask = (t.to(pl_module.device) for t in _prompts())
         uniforms = torch.rand(4, NEW, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
         pl_module.eval()
-        model = pl_module.decoding_model()
+        counter = CollectiveCounter()
         for name, cfg in CONFIGS.items():
-            out = generate(model, ids, mask, config=cfg, uniforms=uniforms if cfg.do_sample else None)
+            with counter.counting() as calls, pl_module.decoding() as model:
+                out = generate(model, ids, mask, config=cfg, uniforms=uniforms if cfg.do_sample else None)
             self.tokens[name] = out.tolist()
+            self.tokens[f"{name}:gathers"] = sum(1 for f, _, _ in calls if f.startswith("all_gather"))
+        self.tokens["units"] = sum(isinstance(m, FSDPModule) for m in pl_module.model.modules())
 
 
 def _run(layout: str, devices: int, out: Path) -> dict[str, list[list[int]]]:
@@ -111,12 +132,19 @@ def test_generation_equals_one_device(runs: Path, layout: str) -> None:
     ref = json.loads((runs / "reference.json").read_text())
     results = json.loads((runs / f"layouts-{2 if layout in LAYOUTS_2 else 4}.json").read_text())[layout]
     for name in CONFIGS:
-        print(f"{layout} {name}: {results[0][name]}")
+        print(f"{layout} {name}: {results[0][name]}; all-gathers {results[0][name + ':gathers']}")
         assert len(ref[name]) == 4 and len(ref[name][0]) >= 1
         for rank, tokens in enumerate(results):
             assert tokens[name] == ref[name], (layout, name, rank, tokens[name], ref[name])
     assert ref["greedy"] == ref["greedy_nocache"]
     assert ref["sampled"] != ref["greedy"]  # the draws matter, so equal samples across layouts mean something
+    ends = [row[-1] == 0 for row in ref["sampled_eos"]]  # rows padded after their EOS, and rows still going
+    assert len(ref["sampled_eos"][0]) >= 2 and any(ends) and not all(ends)
+    units = results[0]["units"]
+    if layout == "zero3":  # every unit gathered once when the generation starts, none per token
+        assert units == 5 and all(results[0][f"{name}:gathers"] == units for name in CONFIGS)
+    if layout == "zero3_per_layer":  # the fallback: every unit in every forward (the prefill + 5 steps)
+        assert results[0]["greedy:gathers"] == units * NEW and results[0]["greedy_nocache:gathers"] == units * NEW
 
 
 if __name__ == "__main__":

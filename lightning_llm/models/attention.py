@@ -322,7 +322,7 @@ class TokenMask:
 
 class DotProductAttention(nn.Module):
     """The attention core of ``layers.Attention`` (no parameters): ``softmax(q k^T / sqrt(D)) v`` by SDPA (GQA kv
-    heads repeated on the CPU, ``enable_gqa`` elsewhere), or by the varlen kernel when given a
+    heads repeated on the CPU under autograd, ``enable_gqa`` elsewhere), or by the varlen kernel when given a
     :class:`VarlenLayout`. A declared hook (``ParallelSpec.attention_cores``): a layout that splits the sequence
     replaces this module by its attention across the slices, with the same call."""
 
@@ -349,7 +349,10 @@ class DotProductAttention(nn.Module):
         if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype != q.dtype:
             attn_mask = attn_mask.to(q.dtype)  # built for another compute dtype than this layer's (rare)
         n_rep = q.shape[1] // k.shape[1]
-        if n_rep > 1 and q.device.type == "cpu":  # the CPU's exact path: kv head j serves query heads j*n_rep ..
+        if n_rep > 1 and q.device.type == "cpu" and torch.is_grad_enabled():
+            # The CPU's exact path under autograd: kv head j serves query heads j*n_rep .. (its dK/dV sums the query
+            # heads as HF's repeat_kv does). Decoding and other no-grad forwards keep enable_gqa: the CPU kernel
+            # reads each kv head for its query heads itself, the same values without copying K/V every step.
             k = k.repeat_interleave(n_rep, dim=1)  # [B, N, T, D] (HF repeat_kv)
             v = v.repeat_interleave(n_rep, dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,

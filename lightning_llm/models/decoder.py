@@ -175,6 +175,7 @@ class DecoderLM(nn.Module):
         reduction: Literal["mean", "none"] = "mean",  # of the loss with labels: mean over tokens, or [B, S]
         temperature: float = 1.0,  # with labels: the loss of logits / temperature (RL's sampling temperature)
         token_scores: bool = False,  # with labels: TokenScores (per-token loss, entropy, hidden) instead of a loss
+        logits_to_keep: int = 0,  # > 0: the logits of the last positions only [B, logits_to_keep, V] (decoding)
     ) -> Tensor | TokenScores:  # logits [B, S, V] (hidden [B, S, H] when lm_head is None; the loss with labels)
         if self.embed_tokens is None:
             # Pipeline stage after the first: the positional input is the hidden state of the previous stage.
@@ -243,6 +244,8 @@ class DecoderLM(nn.Module):
                 return head_token_scores(x, self.lm_head, labels, temperature=temperature, backend=backend)
             return head_cross_entropy(x, self.lm_head, labels, reduction=reduction, temperature=temperature,
                                       backend=backend)
+        if logits_to_keep:  # decoding reads the last position: the head runs on it alone (HF's logits_to_keep)
+            x = x[:, -logits_to_keep:]
         return self.lm_head(x)  # [B, S, V]
 
     def _routing_input(self, attention_mask: Tensor | None, segment_ids: Tensor | None, n: int) -> RoutingInput:
@@ -261,7 +264,9 @@ class DecoderLM(nn.Module):
     def _cores_need_token_mask(self) -> bool:
         """Whether an attention core rebuilds its mask from the tokens' :class:`~.attention.TokenMask` (a core a layout
         installed through the declared hook)."""
-        return any(getattr(m, "needs_token_mask", False) for m in self.modules())
+        # The blocks' cores only (a walk over every module would cost each decoding step a Python loop over them).
+        return any(getattr(getattr(getattr(layer, "self_attn", None), "core", None), "needs_token_mask", False)
+                   for layer in self.layers.values())
 
     def _token_mask(self, attention_mask: Tensor | None, segment_ids: Tensor | None, kv_cache: KVCache | None, *,
                     varlen: bool) -> TokenMask:

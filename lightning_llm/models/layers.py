@@ -23,6 +23,7 @@ from lightning_llm.kernels import resolve_backend
 
 from .attention import AttentionMask, DotProductAttention, TokenMask
 from .config import ModelConfig
+from .decoding import KVCache
 from .rope import apply_rotary, precompute_rope, rope_inv_freq, rotate_half
 
 log = logging.getLogger(__name__)
@@ -174,31 +175,6 @@ def build_norm(config: ModelConfig, dim: int | None = None) -> RMSNorm | LayerNo
     raise ValueError(f"unknown norm {config.norm!r}")
 
 
-class KVCache:
-    """Keys/values of the tokens seen so far, per attention module, for incremental decoding.
-
-    Each :class:`Attention` appends its new keys/values [B, K, S_new, D] (after rotary) under its own identity,
-    so one cache object serves a whole model without layer indices. ``reorder`` selects batch rows (beam search).
-    """
-
-    def __init__(self) -> None:
-        self._kv: dict[int, tuple[Tensor, Tensor]] = {}
-        self.seq_len = 0
-        """Tokens cached so far (set by the model after each forward)."""
-
-    def update(self, owner: nn.Module, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Append k, v [B, K, S_new, D] for ``owner``; returns all keys/values [B, K, S_past + S_new, D]."""
-        past = self._kv.get(id(owner))
-        if past is not None:
-            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
-        self._kv[id(owner)] = (k, v)
-        return k, v
-
-    def reorder(self, index: Tensor) -> None:
-        """Keep batch rows ``index`` [B'] (in that order) of every cached tensor."""
-        self._kv = {key: (k.index_select(0, index), v.index_select(0, index)) for key, (k, v) in self._kv.items()}
-
-
 class Attention(nn.Module):
     """Multi-head / grouped-query self-attention: q/k/v/o projections, or one fused ``W_pack`` for q, k, v.
 
@@ -337,6 +313,10 @@ class NormHead(nn.Linear):
         return F.linear(x, self.effective_weight(), self.bias)
 
 
+def _same(x: Tensor) -> Tensor:
+    return x
+
+
 class TransformerBlock(nn.Module):
     """One layer. pre_norm: x + attn(norm(x)), x + mlp(norm(x)); post_norm (BERT): norm(x + attn(x)), norm(x + mlp(x)).
 
@@ -375,12 +355,13 @@ class TransformerBlock(nn.Module):
             attn["kv_cache"] = kv_cache
         if token_mask is not None:  # likewise: only a decoder forward with a declared mask passes it
             attn["token_mask"] = token_mask
+        drop = self.dropout if self.training else _same  # eval (decoding): no module call for an identity
         if self.pre_norm:
-            x = x + self.dropout(self.self_attn(self.attn_norm(x), **attn))
-            x = x + self.dropout(self.mlp(self.mlp_norm(x), **mlp))
+            x = x + drop(self.self_attn(self.attn_norm(x), **attn))
+            x = x + drop(self.mlp(self.mlp_norm(x), **mlp))
         else:
-            x = self.attn_norm(x + self.dropout(self.self_attn(x, **attn)))
-            x = self.mlp_norm(x + self.dropout(self.mlp(x, **mlp)))
+            x = self.attn_norm(x + drop(self.self_attn(x, **attn)))
+            x = self.mlp_norm(x + drop(self.mlp(x, **mlp)))
         return x
 
 

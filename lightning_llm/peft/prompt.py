@@ -138,6 +138,7 @@ class _VirtualTokensLM(PromptLearningLM):
         inputs_embeds: Tensor | None = None,
         kv_cache: KVCache | None = None,
         segment_ids: Tensor | None = None,  # packed rows: refused
+        logits_to_keep: int = 0,  # > 0: the last positions' logits only (decoding)
     ) -> Tensor:  # logits [B, S, V]
         self._refuse_packing(segment_ids)
         n = self.num_virtual_tokens
@@ -152,8 +153,9 @@ class _VirtualTokensLM(PromptLearningLM):
             virtual = self.virtual_embeddings().to(x.dtype).unsqueeze(0).expand(b, n, -1)  # [B, n, H]
             x = torch.cat([virtual, x], dim=1)
             pos = torch.cat([torch.arange(n, device=x.device).unsqueeze(0).expand(b, n), pos], dim=1)
-        logits = self.base(inputs_embeds=x, attention_mask=mask, position_ids=pos, kv_cache=kv_cache)
-        return logits[:, n:] if first else logits
+        logits = self.base(inputs_embeds=x, attention_mask=mask, position_ids=pos, kv_cache=kv_cache,
+                           logits_to_keep=logits_to_keep)
+        return logits[:, n:] if first and not logits_to_keep else logits
 
 
 class PromptTuningLM(_VirtualTokensLM):
@@ -244,6 +246,7 @@ class PrefixTuningLM(PromptLearningLM):
         inputs_embeds: Tensor | None = None,
         kv_cache: KVCache | None = None,
         segment_ids: Tensor | None = None,  # packed rows: refused
+        logits_to_keep: int = 0,  # > 0: the last positions' logits only (decoding)
     ) -> Tensor:  # logits [B, S, V]
         self._refuse_packing(segment_ids)
         n = self.num_virtual_tokens
@@ -260,7 +263,7 @@ class PrefixTuningLM(PromptLearningLM):
         attention_mask, position_ids = self._inputs(x, cache.seq_len - n, attention_mask, position_ids)
         mask = torch.cat([attention_mask.new_ones(b, n), attention_mask], dim=1)  # [B, n + T]
         return self.base(input_ids, inputs_embeds=inputs_embeds, attention_mask=mask, position_ids=position_ids + n,
-                         kv_cache=cache)
+                         kv_cache=cache, logits_to_keep=logits_to_keep)
 
 
 class _PrefixCache(KVCache):

@@ -55,11 +55,13 @@ class ReferencePolicy(nn.Module):
         return sum(p.numel() for p in self.frozen.parameters()) if self.frozen is not None else 0
 
     @torch.no_grad()
-    def run(self, policy: nn.Module, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def run(self, policy: nn.Module, call: Callable[..., Any], *args: Any,
+            call_frozen: Callable[..., Any] | None = None, **kwargs: Any) -> Any:
         """The reference's output for the model call ``call(*args, **kwargs)`` of ``policy`` (``call`` runs the
-        policy: ``policy`` itself, or the task's ``run_model`` under a pipeline)."""
+        policy: ``policy`` itself, or the task's ``run_model`` under a pipeline); ``call_frozen`` runs the frozen
+        copy (the task's ``run_frozen``: through its pipeline stages when split), default: the copy itself."""
         if self.frozen is not None:
-            return self.frozen(*args, **kwargs)
+            return (call_frozen or self.frozen)(*args, **kwargs)
         if isinstance(policy, PromptLearningLM):
             return policy.base(*args, **kwargs)
         if not has_adapters(policy):

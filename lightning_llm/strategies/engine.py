@@ -58,9 +58,11 @@ from typing_extensions import override
 from lightning_llm.contract import Capabilities
 from lightning_llm.models.init import is_meta
 from lightning_llm.strategies.context import apply_context_parallel, slice_step
+from lightning_llm.strategies.decoding import GatherForDecoding, ZeroDecoding
 from lightning_llm.strategies.engine_checkpoint import DefaultGroupCollectives, LayoutFreeCheckpointing
 from lightning_llm.strategies.engine_layout import LayoutArgs, PipelineStages
 from lightning_llm.strategies.expert import apply_expert_parallel, expert_blocker, expert_mesh
+from lightning_llm.strategies.frozen import frozen_models_of, place_frozen_models
 from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB, GradReducer, reducer_for
 from lightning_llm.strategies.materialize import materialize_shards
 from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coordinate, replica_mesh
@@ -76,6 +78,7 @@ from lightning_llm.strategies.pipeline.split import StageSpec, layout_of, module
 from lightning_llm.strategies.plans import TPPlan
 from lightning_llm.strategies.zero.native import (
     apply_fsdp,
+    fsdp_mixed_precision,
     fsdp_units,
     gradient_sync_paused,
     partition_optimizers,
@@ -116,6 +119,7 @@ class ParallelEngine(DefaultGroupCollectives, LayoutFreeCheckpointing):
         measure_activations: bool = False,
         save_distributed_checkpoint: bool = True,
         bucket_size_mb: float = DEFAULT_BUCKET_MB,
+        gather_for_decoding: GatherForDecoding = "auto",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -157,6 +161,10 @@ class ParallelEngine(DefaultGroupCollectives, LayoutFreeCheckpointing):
             bucket_size_mb: Data-parallel gradient buckets (MiB; DDP's default): each bucket's all-reduce (ZeRO-2:
                 reduce to the owners) starts during backward as soon as its gradients are ready; also the bucket of
                 the ZeRO-1/2 parameter broadcast.
+            gather_for_decoding: ZeRO-3 generation (rollouts, evaluation): ``once`` all-gathers the parameters once
+                per generation and decodes without communication, ``per_layer`` keeps FSDP2's gather of every unit
+                in every decoding step, ``auto`` gathers once when that fits in half the free memory
+                (:mod:`.decoding`; the run summary names the choice).
             process_group_backend: ``nccl``/``gloo``; default from the device.
             timeout: Collective timeout.
         """
@@ -178,6 +186,10 @@ class ParallelEngine(DefaultGroupCollectives, LayoutFreeCheckpointing):
         self.activation_checkpointing = activation_checkpointing
         self.log_pipeline_stats, self.measure_activations = log_pipeline_stats, measure_activations
         self.save_distributed_checkpoint = save_distributed_checkpoint
+        if gather_for_decoding not in ("auto", "once", "per_layer"):
+            raise ValueError(f"gather_for_decoding={gather_for_decoding!r}: expected auto, once or per_layer")
+        self.gather_for_decoding = gather_for_decoding
+        self._zero_decoding: ZeroDecoding | None = None  # ZeRO-3: how a generation gathers the parameters
         self._process_group_backend, self._timeout = process_group_backend, timeout
         self.num_nodes = 1
         self.dims: ParallelDims | None = None
@@ -331,11 +343,17 @@ class ParallelEngine(DefaultGroupCollectives, LayoutFreeCheckpointing):
                 module, torch.device("cpu") if self.offload_params else self.root_device)
         self.model_to_device()
         self._pp_model, self._params = model, list(module.parameters())
+        if self.zero_stage == 3:
+            self._zero_decoding = ZeroDecoding([model, *frozen_models_of(module).values()],
+                                               mode=self.gather_for_decoding, device=self.root_device,
+                                               dp_group=self._dp_group, dp=self.dims.replicas,
+                                               dtype=fsdp_mixed_precision(precision).param_dtype)
         if self.pipelined:
             assert self.stages is not None
             self.stages.build_runner(model, params=self._params, device=self.root_device, step_stats=self.step_stats,
                                      log_stats=self.log_pipeline_stats, measure=self.measure_activations,
-                                     dp_group=self._dp_group, dp=self.dims.replicas)
+                                     dp_group=self._dp_group, dp=self.dims.replicas,
+                                     frozen=frozen_models_of(module))
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
@@ -383,12 +401,17 @@ class ParallelEngine(DefaultGroupCollectives, LayoutFreeCheckpointing):
             apply_context_parallel(model, group=self._cp_group, cp=self.dims.cp, rank=self.cp_rank)
         if self.activation_checkpointing:
             checkpoint_blocks(model, specs)
-        if self.zero_stage == 3:
+        zero3 = dict(dp_mesh=self._replica_mesh, reshard_after_forward=True, precision=precision,
+                     offload=self.offload_params) if self.zero_stage == 3 else None
+        if zero3 is not None:
             if self.dims.ep > 1:  # the experts first: units of their own over the ranks holding the same experts
                 shard_experts(module, edp_mesh=self._expert_mesh["edp"], replicas=self.dims.replicas,
                               precision=precision, offload=self.offload_params)
-            apply_fsdp(module, dp_mesh=self._replica_mesh, units=fsdp_units(module), reshard_after_forward=True,
-                       precision=precision, offload=self.offload_params)
+            apply_fsdp(module, units=fsdp_units(module), **zero3)
+        # The task's frozen models (a full fine-tune's reference) go where the model went: its stages, plan, shards.
+        place_frozen_models(module, frozen_models_of(module), specs=self.stages.specs if self.stages else None,
+                            tp_mesh=self._mesh["tp"], sequence_parallel=self.sequence_parallel,
+                            sharded_logits=self._sharded_logits, zero3=zero3)
 
     @override
     def model_to_device(self) -> None:
@@ -514,6 +537,21 @@ class ParallelEngine(DefaultGroupCollectives, LayoutFreeCheckpointing):
         clip_grads_by_global_norm(params, clip_val, pp=self.dims.pp, dp=self.dims.replicas,
                                   grads_sharded_over_dp=self.zero_stage == 2 and not self.pipelined,
                                   skip=[copy] if copy is not None else [], device=self.root_device)
+
+    # ------------------------------------------------------------------------------------------ generation
+    @contextlib.contextmanager
+    def decoding_session(self, decoder: Any) -> Generator[Any, None, None]:
+        """What one generation decodes with (``contract.decoding_session``): under ZeRO-3 the parameters gathered
+        once for it, or the per-layer fallback (:mod:`.decoding`); ``decoder`` itself otherwise."""
+        if self._zero_decoding is None:
+            yield decoder
+            return
+        with self._zero_decoding.session(decoder) as inside:
+            yield inside
+
+    def decoding_note(self) -> str | None:
+        """How generation gathers ZeRO-3 parameters, for the run summary (``None``: nothing to say)."""
+        return self._zero_decoding.note() if self._zero_decoding is not None else None
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def layout(self) -> dict[str, Any]:

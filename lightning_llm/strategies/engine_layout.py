@@ -183,7 +183,7 @@ class PipelineStages:
         self.tie_group, self.tied_names = tie_group, tied_names
         self.model: nn.Module | None = None
         self.runner: PipelineRunner | None = None
-        self._guard: Any = None  # forward pre-hook refusing direct calls of the split model
+        self._guards: list[Any] = []  # forward pre-hooks refusing direct calls of the split model (and frozen ones)
 
     @classmethod
     def split(cls, model: nn.Module, *, dims: ParallelDims, pp_rank: int, mesh: Any, args: LayoutArgs,
@@ -212,12 +212,12 @@ class PipelineStages:
 
     def build_runner(self, model: nn.Module, *, params: list[nn.Parameter], device: torch.device,
                      step_stats: list[dict[str, Any]], log_stats: bool, measure: bool, dp_group: Any,
-                     dp: int) -> None:
-        """Stage views of the split model, the runner that schedules them, and the guard on direct model calls."""
-        if self._guard is not None:  # set-up again (validate after fit): the views must not inherit the guard
-            self._guard.remove()
+                     dp: int, frozen: dict[str, nn.Module] | None = None) -> None:
+        """Stage views of the split model, the runner that schedules them, and the guard on direct model calls;
+        the same for each of the task's ``frozen`` models split like it (forward only: ``runner.frozen(name)``)."""
+        for guard in self._guards:  # set-up again (validate after fit): the views must not inherit the guards
+            guard.remove()
         self.model = model
-        views = [stage_module(model, s) for s in self.specs]
         routing = routing_stats_of(model)
         if routing is not None and routing.aux_loss_coef > 0 and self.args.schedule != "gpipe":
             raise ValueError(
@@ -225,13 +225,20 @@ class PipelineStages:
                 "global batch needs every micro-batch's routing before the first backward (its gradient depends on "
                 "the whole batch's expert loads), which only the gpipe schedule runs; pass "
                 "--trainer.strategy.schedule=gpipe, or --model.router_aux_loss_coef=0 to train without it")
-        self.runner = PipelineRunner(
-            schedule=self.args.schedule, n_microbatches=self.args.n_microbatches, stage_mods=views, specs=self.specs,
-            params=params, device=device, pp_group=self.pp_group, pp_size=self.pp_size,
-            last_stage_rank=self.last_stage_rank, last_stage_pp_rank=self.last_stage_pp_rank, step_stats=step_stats,
-            dp_group=dp_group, dp=dp, log_stats=log_stats, measure_activations=measure, routing=routing,
-        )
-        self._guard = model.register_forward_pre_hook(_refuse_direct_call)
+
+        def runner(module: nn.Module, **kw: Any) -> PipelineRunner:
+            return PipelineRunner(
+                schedule=self.args.schedule, n_microbatches=self.args.n_microbatches,
+                stage_mods=[stage_module(module, s) for s in self.specs], specs=self.specs, device=device,
+                pp_group=self.pp_group, pp_size=self.pp_size, last_stage_rank=self.last_stage_rank,
+                last_stage_pp_rank=self.last_stage_pp_rank, dp_group=dp_group, dp=dp, **kw)
+
+        # frozen models run forward only: no routing statistics (theirs are never opened)
+        frozen_runners = {name: runner(m, params=[], step_stats=[], log_stats=False)
+                          for name, m in (frozen or {}).items()}
+        self.runner = runner(model, params=params, step_stats=step_stats, log_stats=log_stats,
+                             measure_activations=measure, routing=routing, frozen=frozen_runners)
+        self._guards = [m.register_forward_pre_hook(_refuse_direct_call) for m in (model, *(frozen or {}).values())]
 
     def _tied_local(self) -> tuple[nn.Parameter | None, bool]:
         """This rank's use of the tied weight, and whether it is the copy (the source lives on another stage)."""
@@ -292,5 +299,6 @@ def _refuse_direct_call(module: nn.Module, args: Any) -> None:
     """Forward pre-hook of a pipeline-split model: only the stage views (which the schedule runs) may run it."""
     raise RuntimeError(
         "pipeline parallelism: the task's model holds only this rank's pipeline stages and cannot be called "
-        "directly; call it through the task's run_model(...) (a forward-only pipeline pass), or compute the loss "
-        "with the model_inputs()/loss_from_output() hooks")
+        "directly; call it through the task's run_model(...) (a forward-only pipeline pass; run_frozen(name, ...) "
+        "for a frozen model of frozen_models()), or compute the loss with the model_inputs()/loss_from_output() "
+        "hooks")

@@ -36,6 +36,7 @@ from lightning.fabric.utilities.types import _PATH
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_llm.strategies.decoding import GatherForDecoding
 from lightning_llm.strategies.engine import ParallelEngine
 from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB
 from lightning_llm.strategies.pipeline.runtime import ScheduleName
@@ -259,6 +260,7 @@ class ZeroStrategy(_EngineChoice, ParallelEngine):
         save_distributed_checkpoint: bool = True,
         activation_checkpointing: bool = False,
         bucket_size_mb: float = DEFAULT_BUCKET_MB,
+        gather_for_decoding: GatherForDecoding = "auto",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -276,6 +278,9 @@ class ZeroStrategy(_EngineChoice, ParallelEngine):
             activation_checkpointing: Recompute each transformer block in backward.
             bucket_size_mb: Data-parallel gradient buckets in MiB (DDP's default): each bucket's reduction starts
                 during backward as soon as its gradients are ready.
+            gather_for_decoding: Stage 3 generation (rollouts, evaluation): ``once`` gathers the parameters once per
+                generation, ``per_layer`` in every decoding step (FSDP2's default), ``auto`` once when they fit in
+                half the free memory.
             process_group_backend: ``nccl``/``gloo``; default from the device.
             timeout: Collective timeout.
         """
@@ -287,6 +292,7 @@ class ZeroStrategy(_EngineChoice, ParallelEngine):
         super().__init__(data_parallel_size=-1, zero_stage=stage, offload_optimizer=offload_optimizer,
                          offload_params=offload_params, save_distributed_checkpoint=save_distributed_checkpoint,
                          activation_checkpointing=activation_checkpointing, bucket_size_mb=bucket_size_mb,
+                         gather_for_decoding=gather_for_decoding,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.stage = stage
         self.engine = engine

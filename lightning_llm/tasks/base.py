@@ -8,8 +8,10 @@ are materialized. What a task may do under each parallel layout is the contract 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -29,6 +31,7 @@ from lightning_llm.contract import (
     declared_inputs,
     declared_loss,
     declared_step,
+    decoding_session,
     pipeline_runner,
     replica_loss,
 )
@@ -330,6 +333,21 @@ class LLMTask(pl.LightningModule):
         assert self.model is not None, "configure_model() must run first"
         return self.model(*args, **kwargs)
 
+    def frozen_models(self) -> dict[str, nn.Module]:
+        """Frozen models of a registered family this task holds beside ``self.model`` (path relative to the task ->
+        module; e.g. the RL and DPO reference of a full fine-tune), which a layout that splits or shards the model
+        places like it: this rank's pipeline stages only (the model's split), the family's tensor-parallel plan,
+        ZeRO-3 shards (forward only: no gradients, no optimizer states). Call them with :meth:`run_frozen`."""
+        return {}
+
+    def run_frozen(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Call the frozen model ``name`` of :meth:`frozen_models`: directly, or as a forward-only pass through its
+        pipeline stages (a split frozen model refuses direct calls, as the split model does)."""
+        runner = self.pipeline()
+        if runner is not None:
+            return runner.frozen(name).forward(*args, **kwargs)
+        return self.frozen_models()[name](*args, **kwargs)
+
     def decoding_model(self) -> Any:
         """What :func:`lightning_llm.generation.generate` calls to decode: ``self.model``, or under a pipeline the
         stages run token by token (every pipeline rank gets the same logits, so all pick the same token)."""
@@ -338,6 +356,18 @@ class LLMTask(pl.LightningModule):
             return runner.decoder()
         assert self.model is not None, "configure_model() must run first"
         return self.model
+
+    @contextlib.contextmanager
+    def decoding(self, decoder: Any = None) -> Iterator[Any]:
+        """What one generation passes to :func:`lightning_llm.generation.generate`: ``decoder`` (default
+        :meth:`decoding_model`) with the strategy's set-up around the whole generation (ZeRO-3: the parameters
+        gathered once, not in every decoding step)."""
+        decoder = self.decoding_model() if decoder is None else decoder
+        if self._trainer is None:
+            yield decoder
+            return
+        with decoding_session(self.trainer.strategy, decoder) as inside:
+            yield inside
 
     def step_loss(self, batch: dict[str, torch.Tensor], stage: str) -> tuple[torch.Tensor, dict[str, Any]]:
         """The loss of a train/val/test step: :meth:`compute_loss`, or the pipeline's run of the declared hooks."""

@@ -8,7 +8,9 @@ Subclasses add their own arguments and forward the rest with ``**kwargs``; Light
 
 from __future__ import annotations
 
+import functools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,12 +44,17 @@ from lightning_llm.peft import (
     peft_state_dict,
 )
 from lightning_llm.peft.prompt import check_prompt_layout
+from lightning_llm.rl.reference import ReferencePolicy
 from lightning_llm.tasks.base import LLMTask, OptimConfig
 from lightning_llm.vocab import added_rows, check_new_rows_trained
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DecoderTask", "fused_loss_blocker"]
+__all__ = ["DecoderTask", "REFERENCE_COPY", "fused_loss_blocker"]
+
+REFERENCE_COPY = "reference.frozen"
+"""Where a task's frozen reference copy lives (``task.reference.frozen``), as :meth:`DecoderTask.frozen_models`
+names it."""
 
 _LOSS_HOOKS = ("model_inputs", "loss_from_output", "compute_loss")
 
@@ -151,6 +158,8 @@ class DecoderTask(LLMTask):
             raise ValueError(f"--model.router_aux_loss_coef={router_aux_loss_coef}: must be >= 0 (0 turns it off)")
         self.router_aux_loss_coef = router_aux_loss_coef
         self._loss_path_logged = False
+        self.reference: ReferencePolicy | None = None
+        """The frozen reference policy of the tasks that have one (RL, DPO), built with the policy."""
         # Checkpoints of a PEFT run hold only the trainable weights; the frozen base is rebuilt from `backbone`.
         self.strict_loading = self.peft_config is None
 
@@ -234,6 +243,20 @@ class DecoderTask(LLMTask):
         """The trained decoder (what the adapter export writes): the model itself unless a subclass wraps it."""
         assert self.model is not None, "configure_model() must run first"
         return self.model
+
+    @override
+    def frozen_models(self) -> dict[str, nn.Module]:
+        """The reference's frozen copy, where the task holds one (a full fine-tune's RL or DPO reference)."""
+        frozen = self.reference.frozen if self.reference is not None else None
+        return {REFERENCE_COPY: frozen} if frozen is not None else {}
+
+    def run_reference(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """The reference policy's output for the policy call ``call(*args, **kwargs)`` (no gradient): its frozen copy
+        placed like the policy (:meth:`run_frozen`), or the policy with its adapters off, run by ``call``."""
+        if self.reference is None:
+            raise RuntimeError(f"{type(self).__name__} has no reference policy (configure_model() builds it)")
+        return self.reference.run(self.policy, call, *args,
+                                  call_frozen=functools.partial(self.run_frozen, REFERENCE_COPY), **kwargs)
 
     # ------------------------------------------------------------------------------------------ PEFT checkpoints
     def _trainable_keys(self) -> set[str]:

@@ -59,7 +59,6 @@ class DPOTask(DecoderTask):
         super().__init__(backbone, dropout=dropout, **kwargs)
         self.save_hyperparameters()
         self.dpo = dpo or DPOConfig()
-        self.reference: ReferencePolicy | None = None
         self.reference_table: dict[str, Tensor] = {}  # split -> [pairs, 2] summed reference log-probs (precomputed)
         self.reference_data: dict[str, str] = {}  # split -> fingerprint of the pairs the table was computed on
         self.val_stats = nn.ModuleDict({n.replace("/", "_"): MeanMetric() for n in _STAT_NAMES})
@@ -112,7 +111,7 @@ class DPOTask(DecoderTask):
         try:
             with torch.no_grad():
                 if self.reference is not None:
-                    output = self.reference.run(self.policy, self.run_model, *args, **kwargs)
+                    output = self.run_reference(self.run_model, *args, **kwargs)
                 else:  # precomputed for a full fine-tune: the policy itself, before any update
                     output = self.run_model(*args, **kwargs)
                 output = output.full_tensor() if hasattr(output, "full_tensor") else output

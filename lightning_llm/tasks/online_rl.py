@@ -15,6 +15,7 @@ up). All forwards run with dropout off (eval mode): the importance ratio must be
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -107,7 +108,6 @@ class OnlineRLTask(DecoderTask):
             raise ValueError("--model.reward: set exactly one of reward.fn (an import path) and reward.model "
                              "(a reward-model checkpoint or HF directory)")
         self.generation_seed = generation_seed
-        self.reference: ReferencePolicy | None = None
         self._reward: Any = None  # callable or RewardModel: deliberately not a submodule (not saved, not in DDP)
         self.rollouts_done = 0
         self.episodes = 0
@@ -245,8 +245,9 @@ class OnlineRLTask(DecoderTask):
             prompt_ids = prompt_ids.repeat_interleave(repeats, 0)
             prompt_mask = prompt_mask.repeat_interleave(repeats, 0)
             prompts = [p for p in prompts for _ in range(repeats)]
-        responses = generate(self.policy_decoder(), prompt_ids, prompt_mask, config=cfg, generator=generator,
-                             uniforms=uniforms)  # [B, N]
+        with self.decoding(self.policy_decoder()) as decoder:
+            responses = generate(decoder, prompt_ids, prompt_mask, config=cfg, generator=generator,
+                                 uniforms=uniforms)  # [B, N]
         qr, am, pos, rmask, has_eos = pack_responses(prompt_ids, prompt_mask, responses, cfg.eos_ids)
         texts = [self._decode(ids) for ids in strip_after_eos(responses, cfg.eos_ids)]
         return Samples(query_responses=qr, attention_mask=am, position_ids=pos, context_length=prompt_ids.shape[1],
@@ -275,13 +276,8 @@ class OnlineRLTask(DecoderTask):
 
     def reference_logprobs(self, r: Rollout, temperature: float) -> Tensor:
         """Log-probs [B, N] of the rollout's responses under the reference policy."""
-        assert self.reference is not None, "configure_model() must run first"
-        policy = self.policy
-
-        def call(*args: Any, **kwargs: Any) -> Tensor:
-            return self.reference.run(policy, self.call_policy, *args, **kwargs)
-
-        return r.forward_logprobs(call, temperature=temperature, fused=self.uses_fused_loss())
+        return r.forward_logprobs(functools.partial(self.run_reference, self.call_policy), temperature=temperature,
+                                  fused=self.uses_fused_loss())
 
     # ------------------------------------------------------------------------------------------ model calls
     def policy_decoder(self) -> Any:
@@ -348,7 +344,8 @@ class OnlineRLTask(DecoderTask):
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         start = time.perf_counter()
-        rollout = self.make_rollout(batch)
+        with self.decoding():  # ZeRO-3: the policy gathered once for the rollout's generation and no-grad forwards
+            rollout = self.make_rollout(batch)
         stats = self.compute_advantages(rollout)
         rollout_s = time.perf_counter() - start
         stats.update(self.policy_update(rollout))

@@ -30,7 +30,6 @@ off (eval mode), as PPO's importance ratio must be 1 before the first update.
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any
 
@@ -119,9 +118,9 @@ class PPOTask(OnlineRLTask):
 
     @override
     def policy_decoder(self) -> Any:
-        decoder = super().policy_decoder()
+        runner = self.pipeline()
         # Under a pipeline the actor-critic's stages decode: asked for the policy's logits alone.
-        return functools.partial(decoder, values=False) if self.capabilities.pipelined else decoder
+        return runner.decoder(values=False) if runner is not None else self.policy
 
     @override
     def call_policy(self, *args: Any, **kwargs: Any) -> Any:

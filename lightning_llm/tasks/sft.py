@@ -100,7 +100,8 @@ class SFTTask(CausalLMTask):
         cfg = self._gen_config()
         was_training = self.model.training
         self.model.eval()
-        tokens = generate(self.decoding_model(), batch["gen_input_ids"], batch["gen_attention_mask"], config=cfg)
+        with self.decoding() as decoder:
+            tokens = generate(decoder, batch["gen_input_ids"], batch["gen_attention_mask"], config=cfg)
         self.model.train(was_training)
         return [self._decode(ids) for ids in strip_after_eos(tokens, cfg.eos_ids)]
 

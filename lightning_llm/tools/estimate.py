@@ -174,12 +174,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantize", choices=QUANTIZE_MODES, default=None, help="the frozen block linears held "
                         "quantized (--model.quantize, default settings): their stored bytes, no gradients or "
                         "optimizer states for them")
+    parser.add_argument("--frozen-copies", type=int, default=0, help="frozen copies of the model held beside it and "
+                        "placed like it (a full fine-tune's PPO/GRPO reference, DPO's with reference=on_the_fly: 1): "
+                        "their parameters, no gradients or optimizer states")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     a = parser.parse_args(argv)
     try:
         for name in ("batch_size", "devices"):
             if getattr(a, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')}={getattr(a, name)}: must be >= 1")
+        if a.frozen_copies < 0:
+            raise ValueError(f"--frozen-copies={a.frozen_copies}: must be >= 0")
         config = load_config(a.model, a.family)
         seq = a.seq_len or config.max_position_embeddings
         if seq < 1:
@@ -198,12 +203,13 @@ def main(argv: list[str] | None = None) -> int:
         est, share = estimate_layout(config, tp=tp, pp=pp, dp=dp, batch_size=a.batch_size, seq_len=seq,
                                      precision=a.precision, fused_loss=fused, cp=cp, ep=ep,
                                      quantized=Quantized(a.quantize, QuantizationConfig()) if a.quantize else None,
-                                     **sargs)
+                                     frozen_copies=a.frozen_copies, **sargs)
         loss_paths = {k: loss_bytes(config, tokens=a.batch_size * seq // cp, precision=a.precision, fused=k == "fused",
                                      tp=tp) for k in ("fused", "eager")}
         setup = setup_peak_bytes(share, param_bytes=bytes_per_param(sargs["engine"], a.precision)[0],
                                  from_checkpoint=(a.init or ("checkpoint" if Path(a.model).expanduser().is_dir()
                                                            else "random")) == "checkpoint")
+        setup += est.frozen  # a frozen copy is materialized beside the model, in the same shards
         if a.quantize:  # loaded whole (quantized) on every rank, block by block
             setup = quantized_setup_peak_bytes(config, numel=numel, quantized=Quantized(a.quantize,
                                                QuantizationConfig()), param_bytes=bytes_per_param(
@@ -222,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         "quantize": a.quantize, "strategy": a.strategy, "stage": sargs["stage"],
         "engine": sargs["engine"], "precision": a.precision, "devices": a.devices, "tp": tp, "pp": pp, "cp": cp, "dp": dp,
         "ep": ep, "batch_size": a.batch_size, "setup_peak_bytes": setup,
-        "seq_len": seq, "bytes": {"params": est.params, "grads": est.grads, "optim": est.optim,
+        "seq_len": seq, "frozen_copies": a.frozen_copies,
+        "bytes": {"params": est.params, "grads": est.grads, "optim": est.optim, "frozen": est.frozen,
                                   "activations": est.activations, "loss": est.loss,
                                   "model_states": est.model_states,
                                   "total": est.total, "host_offloaded": est.host},
@@ -240,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     print(_flops_line(config, counts, flops))
     print(f"set-up peak (sharded construction, before the first step): {_gib(setup).strip()}")
     print("per-device memory:")
-    for label, v in (("parameters", est.params), ("gradients", est.grads), ("optimizer states", est.optim),
+    frozen = [("frozen copies", est.frozen)] if a.frozen_copies else []
+    for label, v in (("parameters", est.params), ("gradients", est.grads), ("optimizer states", est.optim), *frozen,
                      ("activations", est.activations), ("loss + backward", est.loss), ("total", est.total)):
         print(f"  {label:18s}{_gib(v)}  ({v:,} B)")
     if est.host:

@@ -5,7 +5,7 @@
 * :mod:`.runner`: :class:`PipelineRunner`, which runs a task's declared hooks through ``torch.distributed.pipelining``
   (``model_inputs`` on the first stage, ``loss_from_output`` per micro-batch on the last);
 * :mod:`.runtime`: the schedule table and building blocks (micro-batches, activation checkpointing of the blocks);
-* :mod:`.decode`: token-by-token generation through the stages (:meth:`PipelineRunner.decoder`);
+* :mod:`.decode`: token-by-token generation, micro-batches in flight (:meth:`PipelineRunner.decoder`);
 * :mod:`.stats`: per-step busy/idle time per pipeline rank and live saved-activation bytes.
 
 How a step runs inside Lightning's loop (the task contract of :mod:`lightning_llm.contract`; nothing of the task is
@@ -23,7 +23,9 @@ replaced):
   of ``.grad`` right after the schedule, so Lightning's ``zero_grad`` finds nothing to clear, and are put back in the
   engine's ``backward``, which replaces Lightning's ``loss.backward()`` (it keeps Lightning's hook order).
 * Validation/test run forward-only schedules; ``task.run_model`` (predict) gets the last stage's output on every rank;
-  generation (``task.decoding_model()``) walks the stages once per new token with a KV cache (:mod:`.decode`).
+  generation (``task.decoding()``) keeps one micro-batch per stage in flight, each with the KV cache of every stage's
+  layers (:mod:`.decode`); a task's frozen models (``task.frozen_models()``) are split into the same stages and run by
+  runners of their own (``runner.frozen(name)``).
 * Gradient clipping by norm uses the global norm over all stages; checkpoints are the engine's layout-free format.
 
 Per step the strategy logs each rank's busy time and idle fraction (``pp/idle_frac_rank{r}``) and keeps them in

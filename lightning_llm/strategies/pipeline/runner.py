@@ -19,15 +19,18 @@ call it (the contract of :mod:`lightning_llm.contract`). Nothing of the task is 
 from __future__ import annotations
 
 import logging
+import math
+import pickle
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils._pytree import TreeSpec, tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from lightning_llm.contract import declared_inputs
 from lightning_llm.strategies.pipeline.decode import PipelineDecoder
@@ -83,6 +86,14 @@ def _merge_outputs(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+@dataclass(frozen=True)
+class _TensorMeta:
+    """What a rank allocates to receive one broadcast tensor."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
 class PipelineRunner:
     """Schedules for one rank's stages, and the task calls a pipelined strategy makes."""
 
@@ -105,6 +116,7 @@ class PipelineRunner:
         log_stats: bool = True,
         measure_activations: bool = False,
         routing: Any = None,
+        frozen: dict[str, PipelineRunner] | None = None,
     ) -> None:
         self.schedule, self.n_microbatches = schedule, n_microbatches
         self.routing = routing  # an MoE model's router statistics (models.routing.RoutingStats), opened per step
@@ -125,6 +137,7 @@ class PipelineRunner:
         # train_additive: (loss function, micro-batches, first row -> (loss, stats)) while its schedule runs
         self._additive: tuple[AdditiveLoss, int, dict[int, tuple[Tensor, dict[str, Tensor]]]] | None = None
         self._output_spec: TreeSpec | None = None  # the last stage's output structure (see _plain_tuple_output)
+        self._frozen = dict(frozen or {})  # the runners of the task's frozen models, split into the same stages
         for mod, spec in zip(self.stage_mods, self.specs):
             if spec.is_last:
                 mod.register_forward_hook(self._plain_tuple_output)
@@ -151,11 +164,12 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------------------------------ schedules
     def _schedule_for(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, train: bool,
-                      additive: bool = False) -> tuple[Any, int]:
+                      additive: bool = False, n_microbatches: int | None = None) -> tuple[Any, int]:
         """The (cached) schedule for these input shapes; stages infer their P2P shapes on first use. ``additive``
         (training with losses that add up): micro-batches need not be equal, so any divisor of the batch serves."""
         batch = next(t.shape[0] for t in (*args, *kwargs.values()) if isinstance(t, Tensor))
-        m = microbatch_count(batch, n_microbatches=self.n_microbatches, train=train and not additive)
+        m = microbatch_count(batch, n_microbatches=n_microbatches or self.n_microbatches,
+                             train=train and not additive)
         if additive and m < len(self.specs) * self.pp_size and self.schedule != "gpipe":
             raise ValueError(f"a manual-optimization step of {batch} rows splits into {m} micro-batches, fewer than "
                              f"the {len(self.specs) * self.pp_size} pipeline stages that schedule={self.schedule!r} "
@@ -187,21 +201,62 @@ class PipelineRunner:
         dist.broadcast_object_list(box, src=self.last_stage_rank, group=self.pp_group)
         return box[0]
 
+    def _broadcast_tensors_from_last(self, out: Any) -> Any:
+        """The last stage owner's ``out`` on every pipeline rank in two broadcasts: the sizes, then one byte buffer
+        holding the structure (pickled, without the tensors) and every tensor's bytes (8-byte aligned)."""
+        sizes = torch.zeros(2, dtype=torch.long, device=self.device)
+        buffer = None
+        if self.is_last_stage_rank:
+            leaves, spec = tree_flatten(out)
+            tensors = [t.detach().contiguous() for t in leaves if isinstance(t, Tensor)]
+            meta = pickle.dumps((spec, [_TensorMeta(tuple(t.shape), t.dtype) if isinstance(t, Tensor) else t
+                                        for t in leaves]))
+            parts = [torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device)]
+            parts += [t.reshape(-1).view(torch.uint8) for t in tensors]
+            buffer = torch.cat([torch.nn.functional.pad(p, (0, -p.numel() % 8)) for p in parts])
+            sizes[0], sizes[1] = len(meta), buffer.numel()
+        dist.broadcast(sizes, src=self.last_stage_rank, group=self.pp_group)
+        if buffer is None:
+            buffer = torch.empty(int(sizes[1]), dtype=torch.uint8, device=self.device)
+        dist.broadcast(buffer, src=self.last_stage_rank, group=self.pp_group)
+        n = int(sizes[0])
+        spec, described = pickle.loads(buffer[:n].cpu().numpy().tobytes())
+        offset, got = n + (-n % 8), []
+        for m in described:
+            if isinstance(m, _TensorMeta):
+                nbytes = math.prod(m.shape) * m.dtype.itemsize
+                got.append(buffer[offset:offset + nbytes].view(m.dtype).view(m.shape).clone())
+                offset += nbytes + (-nbytes % 8)
+            else:
+                got.append(m)
+        return tree_unflatten(got, spec)
+
     # ------------------------------------------------------------------------------------------ contract
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """A forward-only pass (prediction): the last stage's output, on every pipeline rank."""
+        """A forward-only pass (prediction, an RL rollout's log-probs): the last stage's output, on every pipeline
+        rank. Its rows are independent, so it takes the fewest micro-batches that keep every stage busy (one per
+        stage): each costs every stage a call and a hand-off."""
         args, kwargs = split_inputs(args, kwargs)
-        sched, _ = self._schedule_for(args, kwargs, train=False)
-        out = self._broadcast_from_last(self._task_output(run_schedule(sched, self.specs, args, kwargs)))
-        return tree_map(lambda t: t.to(self.device) if isinstance(t, Tensor) else t, out)
+        sched, _ = self._schedule_for(args, kwargs, train=False, n_microbatches=self.specs[0].num_stages)
+        out = run_schedule(sched, self.specs, args, kwargs)
+        return self._broadcast_tensors_from_last(self._task_output(out) if self.is_last_stage_rank else None)
 
-    def decoder(self) -> PipelineDecoder:
-        """The model for token-by-token generation through this rank's stages (:mod:`.decode`)."""
+    def frozen(self, name: str) -> PipelineRunner:
+        """The forward-only runner of the task's frozen model ``name`` (``task.frozen_models()``), split into the
+        same stages as the model."""
+        if name not in self._frozen:
+            raise KeyError(f"no frozen model {name!r} in this pipeline (the task declares {sorted(self._frozen)})")
+        return self._frozen[name]
+
+    def decoder(self, **stage_inputs: Any) -> PipelineDecoder:
+        """The model for token-by-token generation through this rank's stages (:mod:`.decode`; micro-batches in
+        flight: one per stage, the fewest that keep every stage busy, since each micro-batch costs every stage a
+        call per token); ``stage_inputs``: keyword inputs every stage receives as well (PPO's ``values=False``)."""
         if self._decoder is None:
             self._decoder = PipelineDecoder(stage_mods=self.stage_mods, specs=self.specs, pp_group=self.pp_group,
                                             pp_size=self.pp_size, last_stage_rank=self.last_stage_rank,
-                                            device=self.device)
-        return self._decoder
+                                            device=self.device, microbatches=self.specs[0].num_stages)
+        return self._decoder.with_inputs(**stage_inputs) if stage_inputs else self._decoder
 
     def loss(self, task: Any, batch: Any, stage: str) -> tuple[Tensor, dict[str, Any]]:
         """The batch's loss (and, in evaluation, the metric outputs) from the task's declared hooks."""

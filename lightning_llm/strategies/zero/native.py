@@ -42,18 +42,21 @@ from lightning_llm.strategies.grad_buckets import (
 
 log = logging.getLogger(__name__)
 
-def fsdp_units(task: nn.Module) -> tuple[str, ...]:
-    """Stage-3 units, as module paths relative to the task (innermost first): its backbone family's
-    :attr:`~lightning_llm.models.parallel_spec.ParallelSpec.fsdp_units` (each transformer block one
-    all-gather/reduce-scatter unit; the backbone root takes the embeddings, final norm and head, and keeps tied
-    embedding/head weights in one unit) under ``task.model``, or ``task.model`` whole for a model of no registered
+def fsdp_units(task: nn.Module, path: str = "model") -> tuple[str, ...]:
+    """Stage-3 units, as module paths relative to the task (innermost first): the family's
+    :attr:`~lightning_llm.models.parallel_spec.ParallelSpec.fsdp_units` of the model at ``path`` (``task.model``;
+    each transformer block one all-gather/reduce-scatter unit; the backbone root takes the embeddings, final norm and
+    head, and keeps tied embedding/head weights in one unit), or that model whole for a model of no registered
     family. A task's own modules outside ``task.model`` stay replicated (their gradients are averaged over ``dp``)."""
-    model = getattr(task, "model", None)
+    try:
+        model = task.get_submodule(path)
+    except AttributeError:
+        model = None
     found = parallel_spec_of(model) if isinstance(model, nn.Module) else None
     if found is None:
-        return ("model",)
+        return (path,)
     prefix, _, spec = found
-    return tuple(f"model.{prefix}{unit}".rstrip(".") for unit in spec.fsdp_units)
+    return tuple(f"{path}.{prefix}{unit}".rstrip(".") for unit in spec.fsdp_units)
 
 
 # ------------------------------------------------------------------------------------------------ stage 3 (FSDP2)

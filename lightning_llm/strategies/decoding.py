@@ -1,0 +1,140 @@
+"""What a layout does around one generation (a rollout batch, an evaluation's decoding): the engine's
+``decoding_session``.
+
+Under ZeRO-3 every forward all-gathers each FSDP2 unit and frees it after (``reshard_after_forward=True``), so a
+generation of ``N`` tokens would move the whole model ``N + 1`` times. When the gathered parameters fit, they are
+all-gathered **once** for the whole generation (FSDP2's explicit ``unshard()``, resharding after forward switched off
+meanwhile), the decoding steps communicate nothing, and they are resharded when it ends; the task's frozen models
+(an RL reference) are gathered with it, every unit's all-gather in flight at once. Sessions nest: an RL task opens one
+around a whole rollout, so its generation and its no-grad forwards of the policy and the reference share the one
+gather. When they do not fit
+(more than half the free device memory, or ``gather_for_decoding="per_layer"``), FSDP2 keeps gathering unit by unit
+in every step; the data-parallel ranks then also agree on when to stop (an early-ending rank would otherwise pair
+its next collectives with another rank's decoding steps). The run summary names the path (:func:`decoding_note`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GatherForDecoding", "ZeroDecoding"]
+
+GatherForDecoding = Literal["auto", "once", "per_layer"]
+MIB = 2**20
+
+
+def _fsdp_units(module: nn.Module) -> list[Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def gathered_extra_bytes(module: nn.Module, *, dp: int, dtype: torch.dtype | None) -> int:
+    """Bytes a rank allocates beyond its shards when every FSDP2 unit inside ``module`` is gathered whole over its
+    ``dp`` ranks, in ``dtype`` (the mixed-precision ``param_dtype``; ``None``: the parameter's)."""
+    total = 0
+    for p in module.parameters():
+        if isinstance(p, DTensor):  # FSDP2's shards (over dp, or dp x tp: only dp is gathered)
+            total += p.to_local().numel() * (dp - 1) * (dtype or p.dtype).itemsize
+    return total
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory of ``device``: the CUDA allocator's view, else the host's available memory."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+class _StopTogether:
+    """A decoding model whose data-parallel ranks end a generation at the same step (``generate`` asks
+    :meth:`all_ended`): each forward runs collectives (FSDP2's per-unit all-gathers) that every rank must join."""
+
+    def __init__(self, model: Any, group: Any) -> None:
+        self.model, self.group = model, group
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+    def all_ended(self, ended: bool) -> bool:
+        flag = torch.tensor([0.0 if ended else 1.0])
+        dist.all_reduce(flag, group=self.group)
+        return float(flag) == 0.0
+
+
+class ZeroDecoding:
+    """The ZeRO-3 decoding plan of one engine set-up: ``once`` or ``per_layer`` (decided at the first use: see the
+    module docstring), and the session that applies it to ``models``: the task's model and its frozen models (an RL
+    rollout's reference forward then needs no gather of its own either)."""
+
+    def __init__(self, models: Sequence[nn.Module], *, mode: GatherForDecoding, device: torch.device, dp_group: Any,
+                 dp: int, dtype: torch.dtype | None) -> None:
+        self.models, self.mode, self.device, self.dp_group = list(models), mode, device, dp_group
+        self.dp, self.dtype = dp, dtype
+        self._plan: tuple[str, str] | None = None
+        self._depth = 0  # sessions open (nested: the outermost gathers and reshards)
+
+    def plan(self) -> tuple[str, str]:
+        """``("once" | "per_layer", why)``."""
+        if self._plan is None:
+            extra = sum(gathered_extra_bytes(m, dp=self.dp, dtype=self.dtype) for m in self.models)
+            if self.mode != "auto":
+                self._plan = (self.mode, f"gather_for_decoding={self.mode}")
+            else:
+                free = free_memory_bytes(self.device)
+                fits = extra <= free // 2
+                self._plan = ("once" if fits else "per_layer",
+                              f"{extra / MIB:.1f} MiB gathered {'fit' if fits else 'exceed'} half the "
+                              f"{free / MIB:.0f} MiB free")
+            log.info("ZeRO-3 decoding: %s (%s)", *self._plan)
+        return self._plan
+
+    def note(self) -> str:
+        """The run summary's line."""
+        mode, why = self.plan()
+        if mode == "once":
+            return (f"generation under ZeRO-3: parameters all-gathered once per generation, no collective per token "
+                    f"({why})")
+        return (f"generation under ZeRO-3: per-layer all-gathers in every decoding step, the fallback ({why}); "
+                "data-parallel ranks stop together")
+
+    @contextlib.contextmanager
+    def session(self, decoder: Any) -> Iterator[Any]:
+        """``decoder`` with the model gathered until the outermost session ends (sessions nest: a rollout keeps the
+        policy gathered from its generation through its no-grad forwards)."""
+        if self.plan()[0] == "per_layer":
+            yield _StopTogether(decoder, self.dp_group)
+            return
+        if self._depth:
+            self._depth += 1
+            try:
+                yield decoder
+            finally:
+                self._depth -= 1
+            return
+        units = [unit for m in self.models for unit in _fsdp_units(m)]
+        for unit in units:
+            unit.set_reshard_after_forward(False, recurse=False)
+        self._depth = 1
+        try:
+            for handle in [unit.unshard(async_op=True) for unit in units]:  # all in flight at once, then awaited
+                if handle is not None:
+                    handle.wait()
+            yield decoder
+        finally:
+            self._depth = 0
+            for unit in units:
+                unit.reshard()
+                unit.set_reshard_after_forward(True, recurse=False)  # as the engine shards every unit

@@ -1,0 +1,62 @@
+"""A task's frozen models placed like its model (``task.frozen_models()``: the RL and DPO reference of a full
+fine-tune), so a layout that splits or shards the policy does not hold a whole second copy on every rank.
+
+Each frozen model (a registered family, frozen) gets, for whichever degrees are > 1, what the model got:
+
+* pipeline: the model's split (the same block keys per stage: :func:`~.pipeline.split.prune_model` with this
+  rank's :class:`~.pipeline.split.StageSpec` list), so a rank keeps only its stages' blocks, and the
+  :class:`~.pipeline.runtime.PipelineStages` give it a forward-only runner of its own (``runner.frozen(name)``);
+* tensor parallelism: its family's plan (vocab-sharded logits exactly where the model's are);
+* ZeRO-3: FSDP2 over the family's units, resharded after every forward; it has no gradients and no optimizer
+  states (``requires_grad`` stays off, so neither the optimizer nor the gradient reduction ever sees it).
+
+Materialization then fills its shards like the model's (:mod:`.materialize`: the copy carries the family's init
+plan and checkpoint source). Names stay global, so checkpoints of any layout reshard into any other.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_llm.strategies.parallelize import apply_tensor_parallel
+from lightning_llm.strategies.pipeline.split import StageSpec, prune_model
+from lightning_llm.strategies.zero.native import apply_fsdp, fsdp_units
+
+log = logging.getLogger(__name__)
+
+__all__ = ["frozen_models_of", "place_frozen_models"]
+
+
+def frozen_models_of(task: Any) -> dict[str, nn.Module]:
+    """``task.frozen_models()`` (path -> module), checked frozen; ``{}`` for a task that declares none."""
+    declared = getattr(task, "frozen_models", None)
+    models = dict(declared()) if callable(declared) else {}
+    for name, module in models.items():
+        trained = [n for n, p in module.named_parameters() if p.requires_grad]
+        if trained:
+            raise ValueError(f"{type(task).__name__}.frozen_models()[{name!r}] has trainable parameters "
+                             f"({', '.join(trained[:3])}, ...): a frozen model is placed without gradients or "
+                             "optimizer states")
+    return models
+
+
+def place_frozen_models(task: nn.Module, models: dict[str, nn.Module], *, specs: Sequence[StageSpec] | None,
+                        tp_mesh: DeviceMesh, sequence_parallel: bool, sharded_logits: bool,
+                        zero3: dict[str, Any] | None) -> None:
+    """Split and shard each of ``models`` (paths relative to ``task``) in place like the model: ``specs`` this
+    rank's pipeline stages (``None``: not pipelined), the family's TP plan over ``tp_mesh``, and with ``zero3``
+    (:func:`~.zero.native.apply_fsdp`'s keyword arguments but the units) FSDP2 over its units."""
+    for name, module in models.items():
+        if specs is not None:
+            prune_model(module, specs)
+        apply_tensor_parallel(module, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=sharded_logits)
+        if zero3 is not None:
+            apply_fsdp(task, units=fsdp_units(task, name), **zero3)
+        log.info("frozen model %s placed like the model (%s)", name, ", ".join(
+            part for part, on in (("its pipeline stages", specs is not None), ("tensor parallel", tp_mesh.size() > 1),
+                                  ("ZeRO-3 shards", zero3 is not None)) if on) or "whole")
