@@ -60,8 +60,11 @@ def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
 def _strategy(layout: str) -> Any:
     from lightning_llm.strategies import HybridParallelStrategy
 
-    kw = {"tp": dict(tensor_parallel_size=2), "pp": dict(pipeline_parallel_size=2),
-          "pp_interleaved": dict(pipeline_parallel_size=2, stages_per_rank=2, schedule="interleaved_1f1b"),
+    # pp, pp_interleaved: micro-batches in flight, one per stage, as for a model with work enough for them; pp2_tp2
+    # keeps "auto", which decodes this tiny model's rows as one micro-batch
+    kw = {"tp": dict(tensor_parallel_size=2), "pp": dict(pipeline_parallel_size=2, decode_microbatches="stages"),
+          "pp_interleaved": dict(pipeline_parallel_size=2, stages_per_rank=2, schedule="interleaved_1f1b",
+                                 decode_microbatches="stages"),
           "zero3": dict(data_parallel_size=2, zero_stage=3),
           "zero3_per_layer": dict(data_parallel_size=2, zero_stage=3, gather_for_decoding="per_layer"),
           "dp2_tp2": dict(data_parallel_size=2, tensor_parallel_size=2),
@@ -89,6 +92,8 @@ class _Generate(pl.Callback):
             self.tokens[name] = out.tolist()
             self.tokens[f"{name}:gathers"] = sum(1 for f, _, _ in calls if f.startswith("all_gather"))
         self.tokens["units"] = sum(isinstance(m, FSDPModule) for m in pl_module.model.modules())
+        runner = pl_module.pipeline()
+        self.tokens["microbatches"] = runner.decoder().microbatches_for(ids.shape[0]) if runner is not None else 0
 
 
 def _run(layout: str, devices: int, out: Path) -> dict[str, list[list[int]]]:
@@ -141,6 +146,9 @@ def test_generation_equals_one_device(runs: Path, layout: str) -> None:
     ends = [row[-1] == 0 for row in ref["sampled_eos"]]  # rows padded after their EOS, and rows still going
     assert len(ref["sampled_eos"][0]) >= 2 and any(ends) and not all(ends)
     units = results[0]["units"]
+    # the rows decode in one micro-batch per stage where asked (2, or 4 for two stages per rank); "auto" keeps
+    # debug's 4 rows in one (2 x its largest stage's ~50k parameters x 2 rows is below MICROBATCH_MIN_FLOPS)
+    assert results[0]["microbatches"] == {"pp": 2, "pp_interleaved": 4, "pp2_tp2": 1}.get(layout, 0)
     if layout == "zero3":  # every unit gathered once when the generation starts, none per token
         assert units == 5 and all(results[0][f"{name}:gathers"] == units for name in CONFIGS)
     if layout == "zero3_per_layer":  # the fallback: every unit in every forward (the prefill + 5 steps)

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GatherForDecoding", "ZeroDecoding"]
+__all__ = ["DecodingSessions", "GatherForDecoding", "ZeroDecoding"]
 
 GatherForDecoding = Literal["auto", "once", "per_layer"]
 MIB = 2**20
@@ -138,3 +138,24 @@ class ZeroDecoding:
             for unit in units:
                 unit.reshard()
                 unit.set_reshard_after_forward(True, recurse=False)  # as the engine shards every unit
+
+
+class DecodingSessions:
+    """A layout's side of ``contract.decoding_session`` (a part of :class:`~.engine.ParallelEngine`): under ZeRO-3
+    ``_zero_decoding`` (set at set-up) gathers the parameters once per generation or keeps the per-layer fallback."""
+
+    _zero_decoding: ZeroDecoding | None = None
+
+    @contextlib.contextmanager
+    def decoding_session(self, decoder: Any) -> Iterator[Any]:
+        """What one generation decodes with: under ZeRO-3 the parameters gathered once for it, or the per-layer
+        fallback; ``decoder`` itself otherwise."""
+        if self._zero_decoding is None:
+            yield decoder
+            return
+        with self._zero_decoding.session(decoder) as inside:
+            yield inside
+
+    def decoding_note(self) -> str | None:
+        """How generation gathers ZeRO-3 parameters, for the run summary (``None``: nothing to say)."""
+        return self._zero_decoding.note() if self._zero_decoding is not None else None

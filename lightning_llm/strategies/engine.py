@@ -22,18 +22,18 @@ shards it: ``capabilities.deferred_init``):
 6. materialization of meta-device tensors: each rank allocates and fills only its shards, from the checkpoint of a
    lazily loaded model or the family's init plan (:mod:`.materialize`), the same values a one-device build has.
 
-Written once here: process-group set-up, precision checks, data-parallel gradient averaging (bucketed and
-overlapping backward, awaited once per optimizer step: :class:`.grad_buckets.GradReducer`), global-norm clipping
-over every shard, stage and replica, and
-checkpoint IO: every layout saves the layout-free DCP format of :mod:`.hybrid_checkpoint` (keyed by global names,
-optimizer included), so any layout resumes from any other.
+Written once here: process-group set-up, precision checks and the set-up above; beside it, also written once for
+every layout: a step's gradients (:mod:`.engine_grads`: data-parallel averaging bucketed and overlapping backward,
+awaited once per optimizer step, global-norm clipping over every shard, stage and replica), what a generation
+decodes with (:mod:`.decoding`) and checkpoint IO (:mod:`.engine_checkpoint`: every layout saves the layout-free
+DCP format of :mod:`.hybrid_checkpoint`, keyed by global names, optimizer included, so any layout resumes from any
+other).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -51,15 +51,15 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _Subprocess
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor, nn
-from torch.distributed.tensor.parallel import loss_parallel as _loss_parallel_ctx
+from torch import nn
 from typing_extensions import override
 
 from lightning_llm.contract import Capabilities
 from lightning_llm.models.init import is_meta
 from lightning_llm.strategies.context import apply_context_parallel, slice_step
-from lightning_llm.strategies.decoding import GatherForDecoding, ZeroDecoding
+from lightning_llm.strategies.decoding import DecodingSessions, GatherForDecoding, ZeroDecoding
 from lightning_llm.strategies.engine_checkpoint import DefaultGroupCollectives, LayoutFreeCheckpointing
+from lightning_llm.strategies.engine_grads import EngineGradients
 from lightning_llm.strategies.engine_layout import LayoutArgs, PipelineStages
 from lightning_llm.strategies.expert import apply_expert_parallel, expert_blocker, expert_mesh
 from lightning_llm.strategies.frozen import frozen_models_of, place_frozen_models
@@ -68,9 +68,7 @@ from lightning_llm.strategies.materialize import materialize_shards
 from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coordinate, replica_mesh
 from lightning_llm.strategies.parallelize import (
     apply_tensor_parallel,
-    clip_grads_by_global_norm,
     local_loss,
-    reduce_partial_grads,
     sharded_logits_for,
 )
 from lightning_llm.strategies.pipeline.runtime import ScheduleName, checkpoint_blocks
@@ -80,7 +78,6 @@ from lightning_llm.strategies.zero.native import (
     apply_fsdp,
     fsdp_mixed_precision,
     fsdp_units,
-    gradient_sync_paused,
     partition_optimizers,
     shard_experts,
 )
@@ -90,7 +87,7 @@ log = logging.getLogger(__name__)
 __all__ = ["ParallelEngine"]
 
 
-class ParallelEngine(DefaultGroupCollectives, LayoutFreeCheckpointing):
+class ParallelEngine(EngineGradients, DecodingSessions, DefaultGroupCollectives, LayoutFreeCheckpointing):
     """DP x TP x PP with ZeRO stage 0-3 on the data-parallel dim; the presets ``tp``, ``pp``, ``zero*`` and ``3d``."""
 
     strategy_name = "3d"
@@ -120,6 +117,7 @@ class ParallelEngine(DefaultGroupCollectives, LayoutFreeCheckpointing):
         save_distributed_checkpoint: bool = True,
         bucket_size_mb: float = DEFAULT_BUCKET_MB,
         gather_for_decoding: GatherForDecoding = "auto",
+        decode_microbatches: Literal["auto", "stages"] = "auto",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         accelerator: pl.accelerators.Accelerator | None = None,
@@ -165,6 +163,9 @@ class ParallelEngine(DefaultGroupCollectives, LayoutFreeCheckpointing):
                 per generation and decodes without communication, ``per_layer`` keeps FSDP2's gather of every unit
                 in every decoding step, ``auto`` gathers once when that fits in half the free memory
                 (:mod:`.decoding`; the run summary names the choice).
+            decode_microbatches: Pipeline generation (``pp > 1``): ``stages`` decodes one micro-batch per stage in
+                flight, so every stage works; ``auto`` does so where a micro-batch's step is enough work to pay for
+                a stage call of its own (``pipeline.decode.MICROBATCH_MIN_FLOPS``), else one batch. Same tokens.
             process_group_backend: ``nccl``/``gloo``; default from the device.
             timeout: Collective timeout.
         """
@@ -177,6 +178,7 @@ class ParallelEngine(DefaultGroupCollectives, LayoutFreeCheckpointing):
             zero_stage=zero_stage, offload_optimizer=offload_optimizer, offload_params=offload_params,
             n_microbatches=n_microbatches, schedule=schedule, stages_per_rank=stages_per_rank,
             save_distributed_checkpoint=save_distributed_checkpoint, bucket_size_mb=bucket_size_mb,
+            decode_microbatches=decode_microbatches,
         )
         self.zero_stage, self.offload_optimizer, self.offload_params = zero_stage, offload_optimizer, offload_params
         self.sequence_parallel, self.loss_parallel, self.plan = sequence_parallel, loss_parallel, plan
@@ -443,11 +445,6 @@ class ParallelEngine(DefaultGroupCollectives, LayoutFreeCheckpointing):
         self._grad_hooks = [] if self.pipelined else self._reducer.register_hooks()
 
     # ------------------------------------------------------------------------------------------ steps
-    @contextlib.contextmanager
-    def _loss_context(self) -> Generator[None, None, None]:
-        with _loss_parallel_ctx() if self._sharded_logits else contextlib.nullcontext():
-            yield
-
     def _step(self, hook: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         if self.dims is not None and self.dims.cp > 1:  # the task's step gets this rank's slice of the batch
             args, kwargs = slice_step(hook, args, kwargs, cp=self.dims.cp, rank=self.cp_rank, model=self._target())
@@ -470,88 +467,6 @@ class ParallelEngine(DefaultGroupCollectives, LayoutFreeCheckpointing):
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._step("predict_step", self.precision_plugin.predict_step_context, *args, **kwargs)
-
-    @override
-    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
-        if not self.pipelined:
-            self._grads_finalized = False  # this backward adds gradients no replica has averaged yet
-            with self._loss_context():
-                return super().backward(closure_loss, optimizer, *args, **kwargs)
-        # The schedule already ran backward; put its gradients (kept aside from Lightning's zero_grad) back.
-        assert self.stages is not None and self.dims is not None
-        module = self.lightning_module
-        self.pre_backward(closure_loss)
-        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        accum = module.trainer.accumulate_grad_batches
-        self.stages.restore_grads(self._params, accumulate=accum, first=self._batch_idx % accum == 0)
-        reduce_partial_grads(self._params)
-        if self._reducer is not None and not self._reducer.paused:  # the last micro-batch of the window
-            self._reducer.finish()
-            self.stages.sum_tied()
-        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
-        self.post_backward(closure_loss)
-        return closure_loss
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
-        if self.pipelined:  # gradients were finalized in backward()
-            return super().optimizer_step(optimizer, closure, model, **kwargs)
-
-        def closure_then_sync() -> Any:
-            out = closure()
-            self._finalize_gradients()
-            return out
-
-        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
-
-    @torch.no_grad()
-    def _finalize_gradients(self) -> None:
-        """pp == 1, once per optimizer step: wait for the data-parallel reduction backward started (every gradient
-        the replicas hold whole; FSDP2 reduce-scatters its units), then reduce TP ``Partial`` grads. Runs before
-        clipping: Lightning clips after the closure in automatic optimization, while a manual-optimization task
-        (PPO, GRPO) clips before ``opt.step()``, where the clip itself finalizes first; the second call of the step
-        is then a no-op."""
-        if self._grads_finalized:
-            return
-        if self._reducer is not None:
-            self._reducer.finish()
-        reduce_partial_grads(self._params)
-        self._grads_finalized = True
-
-    @contextlib.contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Skip gradient communication on accumulation micro-batches (bucketed reduction, FSDP2 reduce-scatter)."""
-        if self.dims is None:
-            yield
-            return
-        with gradient_sync_paused(self.lightning_module, self._reducer):
-            yield
-
-    def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
-        assert self.dims is not None
-        if not self.pipelined:
-            self._finalize_gradients()  # the norm of the averaged gradients, not of this replica's own
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        copy = self.stages.tied_copy() if self.stages is not None else None
-        clip_grads_by_global_norm(params, clip_val, pp=self.dims.pp, dp=self.dims.replicas,
-                                  grads_sharded_over_dp=self.zero_stage == 2 and not self.pipelined,
-                                  skip=[copy] if copy is not None else [], device=self.root_device)
-
-    # ------------------------------------------------------------------------------------------ generation
-    @contextlib.contextmanager
-    def decoding_session(self, decoder: Any) -> Generator[Any, None, None]:
-        """What one generation decodes with (``contract.decoding_session``): under ZeRO-3 the parameters gathered
-        once for it, or the per-layer fallback (:mod:`.decoding`); ``decoder`` itself otherwise."""
-        if self._zero_decoding is None:
-            yield decoder
-            return
-        with self._zero_decoding.session(decoder) as inside:
-            yield inside
-
-    def decoding_note(self) -> str | None:
-        """How generation gathers ZeRO-3 parameters, for the run summary (``None``: nothing to say)."""
-        return self._zero_decoding.note() if self._zero_decoding is not None else None
 
     # ------------------------------------------------------------------------------------------ checkpoints
     def layout(self) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from lightning_llm.models.init import canonical_name
 from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB
 from lightning_llm.strategies.mesh import ParallelDims
 from lightning_llm.strategies.parallelize import reduce_partial_grads
+from lightning_llm.strategies.pipeline.decode import MICROBATCH_MIN_FLOPS
 from lightning_llm.strategies.pipeline.runner import PipelineRunner
 from lightning_llm.strategies.pipeline.runtime import SCHEDULES, check_microbatches
 from lightning_llm.strategies.pipeline.split import (
@@ -63,9 +64,12 @@ class LayoutArgs:
     stages_per_rank: int = 1
     save_distributed_checkpoint: bool = True
     bucket_size_mb: float = DEFAULT_BUCKET_MB
+    decode_microbatches: str = "auto"
 
     def __post_init__(self) -> None:
         d = self.dims
+        if self.decode_microbatches not in ("auto", "stages"):
+            raise ValueError(f"decode_microbatches={self.decode_microbatches!r}: expected auto or stages")
         # degree syntax (positive or one -1); whether ep divides the replicas is known once the world size is
         dataclasses.replace(d, ep=1).resolved(abs(d.dp * d.tp * d.pp * d.cp))
         if d.ep == 0 or d.ep < -1:
@@ -226,12 +230,15 @@ class PipelineStages:
                 "the whole batch's expert loads), which only the gpipe schedule runs; pass "
                 "--trainer.strategy.schedule=gpipe, or --model.router_aux_loss_coef=0 to train without it")
 
+        decode_min_flops = MICROBATCH_MIN_FLOPS if self.args.decode_microbatches == "auto" else 0.0
+
         def runner(module: nn.Module, **kw: Any) -> PipelineRunner:
             return PipelineRunner(
                 schedule=self.args.schedule, n_microbatches=self.args.n_microbatches,
                 stage_mods=[stage_module(module, s) for s in self.specs], specs=self.specs, device=device,
                 pp_group=self.pp_group, pp_size=self.pp_size, last_stage_rank=self.last_stage_rank,
-                last_stage_pp_rank=self.last_stage_pp_rank, dp_group=dp_group, dp=dp, **kw)
+                last_stage_pp_rank=self.last_stage_pp_rank, dp_group=dp_group, dp=dp,
+                decode_min_flops=decode_min_flops, **kw)
 
         # frozen models run forward only: no routing statistics (theirs are never opened)
         frozen_runners = {name: runner(m, params=[], step_stats=[], log_stats=False)

@@ -112,6 +112,7 @@ class PipelineParallelStrategy(ParallelEngine):
         log_pipeline_stats: bool = True,
         measure_activations: bool = False,
         bucket_size_mb: float = DEFAULT_BUCKET_MB,
+        decode_microbatches: Literal["auto", "stages"] = "auto",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -129,6 +130,9 @@ class PipelineParallelStrategy(ParallelEngine):
             measure_activations: Count peak live saved-activation bytes per step (slower; for benchmarks).
             bucket_size_mb: Data-parallel gradient buckets in MiB (DDP's default): each bucket's reduction starts
                 during backward as soon as its gradients are ready.
+            decode_microbatches: Generation (rollouts, evaluation): ``stages`` decodes one micro-batch per stage in
+                flight, so every stage works; ``auto`` does so where a micro-batch's step is enough work to pay for
+                a stage call of its own, else one batch (same tokens either way).
             process_group_backend: ``nccl``/``gloo``; default from the device.
             timeout: Collective timeout.
         """
@@ -139,8 +143,8 @@ class PipelineParallelStrategy(ParallelEngine):
                          schedule=schedule, stages_per_rank=stages_per_rank, split_points=split_points,
                          balance=balance, activation_checkpointing=activation_checkpointing,
                          log_pipeline_stats=log_pipeline_stats, measure_activations=measure_activations,
-                         bucket_size_mb=bucket_size_mb, process_group_backend=process_group_backend,
-                         timeout=timeout)
+                         bucket_size_mb=bucket_size_mb, decode_microbatches=decode_microbatches,
+                         process_group_backend=process_group_backend, timeout=timeout)
 
 
 class ContextParallelStrategy(ParallelEngine):

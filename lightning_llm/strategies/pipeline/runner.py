@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from lightning_llm.contract import declared_inputs
-from lightning_llm.strategies.pipeline.decode import PipelineDecoder
+from lightning_llm.strategies.pipeline.decode import MICROBATCH_MIN_FLOPS, PipelineDecoder
 from lightning_llm.strategies.pipeline.runtime import (
     build_schedule,
     microbatch_count,
@@ -117,6 +117,7 @@ class PipelineRunner:
         measure_activations: bool = False,
         routing: Any = None,
         frozen: dict[str, PipelineRunner] | None = None,
+        decode_min_flops: float = MICROBATCH_MIN_FLOPS,
     ) -> None:
         self.schedule, self.n_microbatches = schedule, n_microbatches
         self.routing = routing  # an MoE model's router statistics (models.routing.RoutingStats), opened per step
@@ -134,6 +135,7 @@ class PipelineRunner:
         self._outputs: dict[int, dict[str, Any]] | None = None  # first row -> micro-batch outputs (when asked for)
         self._grads: tuple[list[Tensor | None], list[Tensor | None]] | None = None
         self._decoder: PipelineDecoder | None = None
+        self.decode_min_flops = decode_min_flops  # micro-batches in flight from this much work (decode.py)
         # train_additive: (loss function, micro-batches, first row -> (loss, stats)) while its schedule runs
         self._additive: tuple[AdditiveLoss, int, dict[int, tuple[Tensor, dict[str, Tensor]]]] | None = None
         self._output_spec: TreeSpec | None = None  # the last stage's output structure (see _plain_tuple_output)
@@ -251,11 +253,13 @@ class PipelineRunner:
     def decoder(self, **stage_inputs: Any) -> PipelineDecoder:
         """The model for token-by-token generation through this rank's stages (:mod:`.decode`; micro-batches in
         flight: one per stage, the fewest that keep every stage busy, since each micro-batch costs every stage a
-        call per token); ``stage_inputs``: keyword inputs every stage receives as well (PPO's ``values=False``)."""
+        call per token, where each one's work pays for that: ``decode_min_flops``); ``stage_inputs``: keyword inputs
+        every stage receives as well (PPO's ``values=False``)."""
         if self._decoder is None:
             self._decoder = PipelineDecoder(stage_mods=self.stage_mods, specs=self.specs, pp_group=self.pp_group,
                                             pp_size=self.pp_size, last_stage_rank=self.last_stage_rank,
-                                            device=self.device, microbatches=self.specs[0].num_stages)
+                                            device=self.device, microbatches=self.specs[0].num_stages,
+                                            min_flops=self.decode_min_flops)
         return self._decoder.with_inputs(**stage_inputs) if stage_inputs else self._decoder
 
     def loss(self, task: Any, batch: Any, stage: str) -> tuple[Tensor, dict[str, Any]]:

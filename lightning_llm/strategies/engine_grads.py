@@ -1,0 +1,116 @@
+"""Gradients of a native-engine step, written once for every layout: backward (a pipeline's schedule already ran it:
+its gradients are put back), the data-parallel reduction awaited once per optimizer step (:mod:`.grad_buckets`;
+FSDP2 reduce-scatters its own units), tensor-parallel ``Partial`` gradients reduced, global-norm clipping over every
+shard, stage and replica, and accumulation micro-batches without communication.
+
+:class:`EngineGradients` is a part of :class:`~.engine.ParallelEngine`; it reads what the engine set up: ``dims``,
+``zero_stage``, ``stages`` (``pipelined``), ``_params``, ``_reducer``, ``_sharded_logits`` and ``_batch_idx``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Generator
+from typing import Any
+
+import torch
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from torch import Tensor, nn
+from torch.distributed.tensor.parallel import loss_parallel as _loss_parallel_ctx
+from typing_extensions import override
+
+from lightning_llm.strategies.grad_buckets import GradReducer
+from lightning_llm.strategies.mesh import ParallelDims
+from lightning_llm.strategies.parallelize import clip_grads_by_global_norm, reduce_partial_grads
+from lightning_llm.strategies.zero.native import gradient_sync_paused
+
+__all__ = ["EngineGradients"]
+
+
+class EngineGradients(ParallelStrategy):
+    """Backward, gradient reduction, clipping and accumulation of the native engine (see the module doc)."""
+
+    dims: ParallelDims | None
+    zero_stage: int
+    stages: Any  # engine_layout.PipelineStages (pp > 1)
+    _params: list[nn.Parameter]
+    _reducer: GradReducer | None
+    _sharded_logits: bool  # the task's loss receives vocab-sharded DTensor logits
+    _grads_finalized: bool  # the current gradients are reduced and averaged (see _finalize_gradients)
+    _batch_idx: int
+
+    @property
+    def pipelined(self) -> bool:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def _loss_context(self) -> Generator[None, None, None]:
+        with _loss_parallel_ctx() if self._sharded_logits else contextlib.nullcontext():
+            yield
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> Tensor:
+        if not self.pipelined:
+            self._grads_finalized = False  # this backward adds gradients no replica has averaged yet
+            with self._loss_context():
+                return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # The schedule already ran backward; put its gradients (kept aside from Lightning's zero_grad) back.
+        assert self.stages is not None and self.dims is not None
+        module = self.lightning_module
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        accum = module.trainer.accumulate_grad_batches
+        self.stages.restore_grads(self._params, accumulate=accum, first=self._batch_idx % accum == 0)
+        reduce_partial_grads(self._params)
+        if self._reducer is not None and not self._reducer.paused:  # the last micro-batch of the window
+            self._reducer.finish()
+            self.stages.sum_tied()
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        if self.pipelined:  # gradients were finalized in backward()
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def closure_then_sync() -> Any:
+            out = closure()
+            self._finalize_gradients()
+            return out
+
+        return super().optimizer_step(optimizer, closure_then_sync, model, **kwargs)
+
+    @torch.no_grad()
+    def _finalize_gradients(self) -> None:
+        """pp == 1, once per optimizer step: wait for the data-parallel reduction backward started (every gradient
+        the replicas hold whole; FSDP2 reduce-scatters its units), then reduce TP ``Partial`` grads. Runs before
+        clipping: Lightning clips after the closure in automatic optimization, while a manual-optimization task
+        (PPO, GRPO) clips before ``opt.step()``, where the clip itself finalizes first; the second call of the step
+        is then a no-op."""
+        if self._grads_finalized:
+            return
+        if self._reducer is not None:
+            self._reducer.finish()
+        reduce_partial_grads(self._params)
+        self._grads_finalized = True
+
+    @contextlib.contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip gradient communication on accumulation micro-batches (bucketed reduction, FSDP2 reduce-scatter)."""
+        if self.dims is None:
+            yield
+            return
+        with gradient_sync_paused(self.lightning_module, self._reducer):
+            yield
+
+    def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
+        assert self.dims is not None
+        if not self.pipelined:
+            self._finalize_gradients()  # the norm of the averaged gradients, not of this replica's own
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        copy = self.stages.tied_copy() if self.stages is not None else None
+        clip_grads_by_global_norm(params, clip_val, pp=self.dims.pp, dp=self.dims.replicas,
+                                  grads_sharded_over_dp=self.zero_stage == 2 and not self.pipelined,
+                                  skip=[copy] if copy is not None else [], device=self.root_device)
