@@ -313,7 +313,7 @@ def test_task_training_step_equals_transformers_with_aux_loss_and_accumulation(t
     task = CausalLMTask(str(tmp_path / "hf"), dropout=0.0, optim=OptimConfig(lr=0.0, weight_decay=0.0))
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=2, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         limit_val_batches=0, callbacks=[Grads(), rows])
+                         limit_val_batches=0, callbacks=[Grads(), rows], default_root_dir=str(tmp_path))
     trainer.fit(task, _Rows(batches))
     assert [r["train_loss"] for r in rows.rows] == pytest.approx(ref_losses, abs=1e-6)
     hf_grads = {n.removeprefix("model."): p.grad for n, p in hf.named_parameters()}
