@@ -20,9 +20,11 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
+import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 log = logging.getLogger(__name__)
@@ -34,8 +36,6 @@ MIB = 2**20
 
 
 def _fsdp_units(module: nn.Module) -> list[Any]:
-    from torch.distributed.fsdp import FSDPModule
-
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
@@ -53,8 +53,6 @@ def free_memory_bytes(device: torch.device) -> int:
     """Free memory of ``device``: the CUDA allocator's view, else the host's available memory."""
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
-    import psutil
-
     return int(psutil.virtual_memory().available)
 
 

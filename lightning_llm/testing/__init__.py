@@ -17,11 +17,13 @@ from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_llm.contract import capabilities_of
 from lightning_llm.data.io import atomic_open
 from lightning_llm.reliability import leave_process, shutdown_process_group
+from lightning_llm.strategies.zero.native import model_state_bytes
 
 from .counters import COLLECTIVES, CollectiveCounter, StepTailCounter  # noqa: F401 (the package's API)
 
@@ -89,8 +91,6 @@ class RolloutRecorder(pl.Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from lightning_llm.strategies.zero.native import model_state_bytes
-
         self.frozen_bytes = sum(model_state_bytes(m, [])["params"] for m in pl_module.frozen_models().values())
         sample = pl_module.sample
 
@@ -210,8 +210,6 @@ def table_trainer(out: Path, *, strategy: Any, devices: int, max_steps: int, cal
 
 def gathered(obj: Any) -> list[Any]:
     """``obj`` of every rank, in rank order (``all_gather_object`` over the default group)."""
-    import torch.distributed as dist
-
     every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, obj)
     return every

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import override
 
@@ -41,10 +43,6 @@ class CollectiveCounter(pl.Callback):
         return sum(1 for f, g, n in self.steps[step] if f == fn and group in (None, g) and n >= min_elements)
 
     def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        import inspect
-
-        import torch.distributed as dist
-
         sig = inspect.signature(fn)
 
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -60,16 +58,12 @@ class CollectiveCounter(pl.Callback):
         return counted
 
     def _install(self) -> None:
-        import torch.distributed as dist
-
         for name in COLLECTIVES:
             if hasattr(dist, name):  # all_gather_single / reduce_scatter_single: FSDP2's, torch >= 2.10
                 self._saved[name] = getattr(dist, name)
                 setattr(dist, name, self._wrap(name, self._saved[name]))
 
     def _uninstall(self) -> None:
-        import torch.distributed as dist
-
         for name, fn in self._saved.items():
             setattr(dist, name, fn)
         self._saved = {}
