@@ -198,19 +198,15 @@ class PipelineRunner:
                 return timed(*args, **kwargs)
         return run
 
-    def _broadcast_from_last(self, obj: Any) -> Any:
-        box = [obj]
-        dist.broadcast_object_list(box, src=self.last_stage_rank, group=self.pp_group)
-        return box[0]
-
-    def _broadcast_tensors_from_last(self, out: Any) -> Any:
-        """The last stage owner's ``out`` on every pipeline rank in two broadcasts: the sizes, then one byte buffer
-        holding the structure (pickled, without the tensors) and every tensor's bytes (8-byte aligned)."""
+    def _broadcast_from_last(self, out: Any) -> Any:
+        """The last stage owner's ``out`` (a pytree: losses, statistics, outputs) on every pipeline rank, its tensors
+        on this rank's device, in two broadcasts: the sizes, then one byte buffer holding the structure (pickled,
+        without the tensors) and every tensor's bytes (8-byte aligned); no tensor goes through pickle."""
         sizes = torch.zeros(2, dtype=torch.long, device=self.device)
         buffer = None
         if self.is_last_stage_rank:
             leaves, spec = tree_flatten(out)
-            tensors = [t.detach().contiguous() for t in leaves if isinstance(t, Tensor)]
+            tensors = [t.detach().to(self.device).contiguous() for t in leaves if isinstance(t, Tensor)]
             meta = pickle.dumps((spec, [_TensorMeta(tuple(t.shape), t.dtype) if isinstance(t, Tensor) else t
                                         for t in leaves]))
             parts = [torch.frombuffer(bytearray(meta), dtype=torch.uint8).to(self.device)]
@@ -241,7 +237,7 @@ class PipelineRunner:
         args, kwargs = split_inputs(args, kwargs)
         sched, _ = self._schedule_for(args, kwargs, train=False, n_microbatches=self.specs[0].num_stages)
         out = run_schedule(sched, self.specs, args, kwargs)
-        return self._broadcast_tensors_from_last(self._task_output(out) if self.is_last_stage_rank else None)
+        return self._broadcast_from_last(self._task_output(out) if self.is_last_stage_rank else None)
 
     def frozen(self, name: str) -> PipelineRunner:
         """The forward-only runner of the task's frozen model ``name`` (``task.frozen_models()``), split into the
