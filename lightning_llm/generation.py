@@ -277,6 +277,7 @@ def _beam_search(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, cf
     rows = torch.arange(b, device=device).repeat_interleave(k)  # [B*K] beam rows of each prompt
     stepper = _Stepper(model, input_ids[rows], attention_mask[rows], max_new=cfg.max_new_tokens,
                        use_cache=cfg.use_cache)
+    agree = getattr(model, "all_ended", None)
     logits = stepper.first()  # [B*K, V]
     beam_scores = torch.zeros(b, k, device=device)
     beam_scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first one at step 0
@@ -315,7 +316,10 @@ def _beam_search(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, cf
         order = (torch.arange(b, device=device)[:, None] * k + next_beam).view(-1)  # [B*K] source rows
         history = torch.cat([history[order], next_token.view(-1, 1)], dim=1)
         beam_scores = next_score
-        if all(done) or step == cfg.max_new_tokens - 1:
+        ended = all(done)
+        if agree is not None:  # ranks whose decoding steps run collectives stop together
+            ended = agree(ended)
+        if ended or step == cfg.max_new_tokens - 1:
             break
         stepper.reorder(order)
         logits = stepper.next(next_token.view(-1))

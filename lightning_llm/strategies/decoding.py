@@ -39,13 +39,14 @@ def _fsdp_units(module: nn.Module) -> list[Any]:
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
 
-def gathered_extra_bytes(module: nn.Module, *, dp: int, dtype: torch.dtype | None) -> int:
-    """Bytes a rank allocates beyond its shards when every FSDP2 unit inside ``module`` is gathered whole over its
-    ``dp`` ranks, in ``dtype`` (the mixed-precision ``param_dtype``; ``None``: the parameter's)."""
+def gathered_extra_bytes(module: nn.Module, *, dtype: torch.dtype | None) -> int:
+    """Bytes a rank allocates when every FSDP2 unit inside ``module`` is gathered, in ``dtype`` (the mixed-precision
+    ``param_dtype``; ``None``: the parameter's): FSDP2 allocates each parameter whole over its shard dimension (the
+    mesh's first: dp, or an MoE expert's edp; a tp dimension stays sharded) beside the shard it keeps."""
     total = 0
     for p in module.parameters():
-        if isinstance(p, DTensor):  # FSDP2's shards (over dp, or dp x tp: only dp is gathered)
-            total += p.to_local().numel() * (dp - 1) * (dtype or p.dtype).itemsize
+        if isinstance(p, DTensor):
+            total += p.to_local().numel() * p.device_mesh.size(0) * (dtype or p.dtype).itemsize
     return total
 
 
@@ -60,48 +61,53 @@ class _StopTogether:
     """A decoding model whose data-parallel ranks end a generation at the same step (``generate`` asks
     :meth:`all_ended`): each forward runs collectives (FSDP2's per-unit all-gathers) that every rank must join."""
 
-    def __init__(self, model: Any, group: Any) -> None:
-        self.model, self.group = model, group
+    def __init__(self, model: Any, group: Any, device: torch.device) -> None:
+        self.model, self.group, self.device = model, group, device
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.model(*args, **kwargs)
 
     def all_ended(self, ended: bool) -> bool:
-        flag = torch.tensor([0.0 if ended else 1.0])
+        flag = torch.tensor([0.0 if ended else 1.0], device=self.device)  # on the device: NCCL takes no CPU tensor
         dist.all_reduce(flag, group=self.group)
         return float(flag) == 0.0
 
 
 class ZeroDecoding:
-    """The ZeRO-3 decoding plan of one engine set-up: ``once`` or ``per_layer`` (decided at the first use: see the
-    module docstring), and the session that applies it to ``models``: the task's model and its frozen models (an RL
-    rollout's reference forward then needs no gather of its own either)."""
+    """The ZeRO-3 decoding plan of one engine set-up: ``once`` or ``per_layer`` (with ``auto``, decided at the first
+    generation by every data-parallel rank together: see the module docstring), and the session that applies it to
+    ``models``: the task's model and its frozen models (an RL rollout's reference forward then needs no gather of its
+    own either)."""
 
     def __init__(self, models: Sequence[nn.Module], *, mode: GatherForDecoding, device: torch.device, dp_group: Any,
-                 dp: int, dtype: torch.dtype | None) -> None:
-        self.models, self.mode, self.device, self.dp_group = list(models), mode, device, dp_group
-        self.dp, self.dtype = dp, dtype
-        self._plan: tuple[str, str] | None = None
+                 dtype: torch.dtype | None) -> None:
+        self.mode, self.device, self.dp_group = mode, device, dp_group
+        self.units = [unit for m in models for unit in _fsdp_units(m)]  # fixed once the engine has sharded them
+        self.extra = sum(gathered_extra_bytes(m, dtype=dtype) for m in models)  # bytes a gather allocates
+        self._plan: tuple[str, str] | None = None if mode == "auto" else (mode, f"gather_for_decoding={mode}")
         self._depth = 0  # sessions open (nested: the outermost gathers and reshards)
 
     def plan(self) -> tuple[str, str]:
-        """``("once" | "per_layer", why)``."""
+        """``("once" | "per_layer", why)``. With ``auto`` a collective over the data-parallel ranks the first time
+        (a generation, which every rank runs): they take the least free memory of them, so all choose alike."""
         if self._plan is None:
-            extra = sum(gathered_extra_bytes(m, dp=self.dp, dtype=self.dtype) for m in self.models)
-            if self.mode != "auto":
-                self._plan = (self.mode, f"gather_for_decoding={self.mode}")
-            else:
-                free = free_memory_bytes(self.device)
-                fits = extra <= free // 2
-                self._plan = ("once" if fits else "per_layer",
-                              f"{extra / MIB:.1f} MiB gathered {'fit' if fits else 'exceed'} half the "
-                              f"{free / MIB:.0f} MiB free")
+            free = torch.tensor([free_memory_bytes(self.device)], dtype=torch.long, device=self.device)
+            dist.all_reduce(free, op=dist.ReduceOp.MIN, group=self.dp_group)
+            least = int(free)
+            fits = self.extra <= least // 2
+            self._plan = ("once" if fits else "per_layer",
+                          f"{self.extra / MIB:.1f} MiB gathered {'fit' if fits else 'exceed'} half the {least / MIB:.0f}"
+                          " MiB free on the fullest rank")
             log.info("ZeRO-3 decoding: %s (%s)", *self._plan)
         return self._plan
 
     def note(self) -> str:
-        """The run summary's line."""
-        mode, why = self.plan()
+        """The run summary's line (no collective: before the first generation an ``auto`` plan is still open)."""
+        if self._plan is None:
+            return (f"generation under ZeRO-3: parameters all-gathered once per generation if the {self.extra / MIB:.1f}"
+                    " MiB fit in half the free memory of every data-parallel rank at the first generation, else "
+                    "per-layer all-gathers in every decoding step (gather_for_decoding=auto; the choice is logged)")
+        mode, why = self._plan
         if mode == "once":
             return (f"generation under ZeRO-3: parameters all-gathered once per generation, no collective per token "
                     f"({why})")
@@ -113,7 +119,7 @@ class ZeroDecoding:
         """``decoder`` with the model gathered until the outermost session ends (sessions nest: a rollout keeps the
         policy gathered from its generation through its no-grad forwards)."""
         if self.plan()[0] == "per_layer":
-            yield _StopTogether(decoder, self.dp_group)
+            yield _StopTogether(decoder, self.dp_group, self.device)
             return
         if self._depth:
             self._depth += 1
@@ -122,7 +128,7 @@ class ZeroDecoding:
             finally:
                 self._depth -= 1
             return
-        units = [unit for m in self.models for unit in _fsdp_units(m)]
+        units = self.units
         for unit in units:
             unit.set_reshard_after_forward(False, recurse=False)
         self._depth = 1

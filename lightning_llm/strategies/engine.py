@@ -62,7 +62,7 @@ from lightning_llm.strategies.engine_checkpoint import DefaultGroupCollectives, 
 from lightning_llm.strategies.engine_grads import EngineGradients
 from lightning_llm.strategies.engine_layout import LayoutArgs, PipelineStages
 from lightning_llm.strategies.expert import apply_expert_parallel, expert_blocker, expert_mesh
-from lightning_llm.strategies.frozen import frozen_models_of, place_frozen_models
+from lightning_llm.strategies.frozen import check_frozen_models, frozen_models_of, place_frozen_models
 from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB, GradReducer, reducer_for
 from lightning_llm.strategies.materialize import materialize_shards
 from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coordinate, replica_mesh
@@ -338,24 +338,24 @@ class ParallelEngine(EngineGradients, DecodingSessions, DefaultGroupCollectives,
         if self.pipelined:
             self.args.check_batch_size(trainer)
         self.precision_plugin.convert_module(module)
+        frozen = frozen_models_of(module)
         if model is not self._pp_model:  # else already parallelized (e.g. trainer.validate() after fit)
-            self._parallelize(model, precision=precision)
+            self._parallelize(model, frozen=frozen, precision=precision)
             # Meta-device family models (built lazily under a sharding layout) get this rank's shards only.
             self.materialized_params = materialize_shards(
                 module, torch.device("cpu") if self.offload_params else self.root_device)
         self.model_to_device()
         self._pp_model, self._params = model, list(module.parameters())
         if self.zero_stage == 3:
-            self._zero_decoding = ZeroDecoding([model, *frozen_models_of(module).values()],
-                                               mode=self.gather_for_decoding, device=self.root_device,
-                                               dp_group=self._dp_group, dp=self.dims.replicas,
+            self._zero_decoding = ZeroDecoding([model, *frozen.values()], mode=self.gather_for_decoding,
+                                               device=self.root_device, dp_group=self._dp_group,
                                                dtype=fsdp_mixed_precision(precision).param_dtype)
         if self.pipelined:
             assert self.stages is not None
             self.stages.build_runner(model, params=self._params, device=self.root_device, step_stats=self.step_stats,
                                      log_stats=self.log_pipeline_stats, measure=self.measure_activations,
                                      dp_group=self._dp_group, dp=self.dims.replicas,
-                                     frozen=frozen_models_of(module))
+                                     frozen=frozen)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
@@ -377,10 +377,12 @@ class ParallelEngine(EngineGradients, DecodingSessions, DefaultGroupCollectives,
         raise ValueError(f"--trainer.strategy={self._name()} needs a task that builds `self.model` in "
                          "configure_model() (an LLMTask)")
 
-    def _parallelize(self, model: nn.Module, *, precision: str) -> None:
-        """Pipeline split -> TP -> activation checkpointing -> FSDP (ZeRO-3)."""
+    def _parallelize(self, model: nn.Module, *, frozen: dict[str, nn.Module], precision: str) -> None:
+        """Pipeline split -> TP -> activation checkpointing -> FSDP (ZeRO-3); then the task's ``frozen`` models
+        placed like ``model``."""
         assert self.dims is not None
         module = self.lightning_module
+        check_frozen_models(module, frozen, model=model, pp=self.dims.pp, cp=self.dims.cp)
         if self.pipelined:
             self.stages = PipelineStages.split(model, dims=self.dims, pp_rank=self.pp_rank, mesh=self._mesh,
                                                args=self.args, split_points=self.split_points, balance=self.balance,
@@ -411,7 +413,7 @@ class ParallelEngine(EngineGradients, DecodingSessions, DefaultGroupCollectives,
                               precision=precision, offload=self.offload_params)
             apply_fsdp(module, units=fsdp_units(module), **zero3)
         # The task's frozen models (a full fine-tune's reference) go where the model went: its stages, plan, shards.
-        place_frozen_models(module, frozen_models_of(module), specs=self.stages.specs if self.stages else None,
+        place_frozen_models(module, frozen, specs=self.stages.specs if self.stages else None,
                             tp_mesh=self._mesh["tp"], sequence_parallel=self.sequence_parallel,
                             sharded_logits=self._sharded_logits, zero3=zero3)
 

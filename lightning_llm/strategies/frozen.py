@@ -24,12 +24,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_llm.strategies.parallelize import apply_tensor_parallel
-from lightning_llm.strategies.pipeline.split import StageSpec, prune_model
+from lightning_llm.strategies.pipeline.split import StageSpec, layout_of, module_at, prune_model
 from lightning_llm.strategies.zero.native import apply_fsdp, fsdp_units
 
 log = logging.getLogger(__name__)
 
-__all__ = ["frozen_models_of", "place_frozen_models"]
+__all__ = ["check_frozen_models", "frozen_models_of", "place_frozen_models"]
 
 
 def frozen_models_of(task: Any) -> dict[str, nn.Module]:
@@ -45,12 +45,34 @@ def frozen_models_of(task: Any) -> dict[str, nn.Module]:
     return models
 
 
+def _blocks(model: nn.Module) -> list[str]:
+    """The keys of ``model``'s transformer blocks (what a pipeline split assigns to stages)."""
+    return list(module_at(model, layout_of(model).layers).keys())
+
+
+def check_frozen_models(task: nn.Module, models: dict[str, nn.Module], *, model: nn.Module, pp: int,
+                        cp: int) -> None:
+    """Refuse, before ``model`` is split, frozen models the layout cannot place like it: under a pipeline one
+    without the model's blocks (it is split into the model's stages), and any under context parallelism (which
+    does not reach them: they would see only a rank's slice of each sequence)."""
+    if models and cp > 1:
+        raise ValueError(f"context_parallel_size={cp}: the task's frozen models ({', '.join(models)}) would see only "
+                         "this rank's slice of each sequence; train with context_parallel_size=1, or with a reference "
+                         "that is the policy with its adapters off (LoRA)")
+    for name, module in models.items():
+        if pp > 1 and _blocks(module) != _blocks(model):
+            raise ValueError(f"{type(task).__name__}.frozen_models()[{name!r}] has {len(_blocks(module))} blocks "
+                             f"where the model has {len(_blocks(model))}: a frozen model is split into the model's "
+                             "pipeline stages, so it must have the same blocks")
+
+
 def place_frozen_models(task: nn.Module, models: dict[str, nn.Module], *, specs: Sequence[StageSpec] | None,
                         tp_mesh: DeviceMesh, sequence_parallel: bool, sharded_logits: bool,
                         zero3: dict[str, Any] | None) -> None:
     """Split and shard each of ``models`` (paths relative to ``task``) in place like the model: ``specs`` this
     rank's pipeline stages (``None``: not pipelined), the family's TP plan over ``tp_mesh``, and with ``zero3``
-    (:func:`~.zero.native.apply_fsdp`'s keyword arguments but the units) FSDP2 over its units."""
+    (:func:`~.zero.native.apply_fsdp`'s keyword arguments but the units) FSDP2 over its units (checked first by
+    :func:`check_frozen_models`)."""
     for name, module in models.items():
         if specs is not None:
             prune_model(module, specs)
