@@ -363,8 +363,8 @@ def check_expert_parallel(config: Any, *, ep: int, replicas: int, stage: int, en
 
 def frozen_copy_bytes(share: LayoutShare, *, engine: str, precision: str, copies: int = 1) -> int:
     """Bytes a rank holds of ``copies`` frozen copies of the model placed like it (``task.frozen_models()``: the
-    same stages, tensor-parallel shards and ZeRO-3 shards as the model's ``share``; only DeepSpeed keeps them whole),
-    parameters only."""
+    same stages, tensor-parallel shards and ZeRO-3 shards as the model's ``share``; DeepSpeed's stage 3 partitions
+    every parameter of the module it is given, frozen ones included), parameters only."""
     return copies * share.numel * bytes_per_param(engine, precision)[0]
 
 
@@ -388,9 +388,12 @@ def estimate_layout(config: Any, *, tp: int, pp: int, dp: int, stage: int, engin
                    stage=stage, engine=engine, offload_optimizer=offload_optimizer, offload_params=offload_params,
                    fused_loss=fused_loss, tp=tp, cp=cp, quantized=quantized)
     if frozen_copies:
-        whole = layout_share(config) if engine == "deepspeed" else share if ep == 1 else layout_share(
-            config, tp=tp, pp=pp, dp=replicas, zero3=stage == 3)
-        est.frozen = frozen_copy_bytes(whole, engine=engine, precision=precision, copies=frozen_copies)
+        placed = share if ep == 1 else layout_share(config, tp=tp, pp=pp, dp=replicas, zero3=stage == 3)
+        frozen = frozen_copy_bytes(placed, engine=engine, precision=precision, copies=frozen_copies)
+        if offload_params:  # ZeRO-3's shards live on the host, the frozen copies' as the model's
+            est.host += frozen
+        else:
+            est.frozen = frozen
     return est, share
 
 

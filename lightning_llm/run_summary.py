@@ -35,12 +35,13 @@ from torch import nn
 from typing_extensions import override
 
 from lightning_llm.contract import declared_inputs, overrides_compute_loss, overrides_training_step
-from lightning_llm.memory import PRECISIONS, Quantized, estimate_layout, frozen_copy_bytes, layout_share
+from lightning_llm.memory import PRECISIONS, Quantized, estimate_layout
 from lightning_llm.models import ModelConfig
 from lightning_llm.models.attention import describe_attention
 from lightning_llm.models.moe import moe_parameters
 from lightning_llm.models.quantize import describe, is_quantized, quantized_bytes
 from lightning_llm.strategies import DeepSpeedZeroStrategy, ParallelEngine
+from lightning_llm.strategies.frozen import frozen_models_of
 from lightning_llm.strategies.zero.native import model_state_bytes
 
 log = logging.getLogger(__name__)
@@ -243,12 +244,12 @@ def summary_lines(trainer: pl.Trainer, task: Any, batch: Any, *, flops: int | No
         dtype = _dtype(str(trainer.precision))
         lines.append("attention: " + describe_attention(config, device=trainer.strategy.root_device, dtype=dtype,
                                                         context_parallel=layout.cp))
-    frozen = _frozen_line(trainer, task, layout)
+    frozen = _frozen_line(task)
     if frozen:
         lines.append(frozen)
-    decoding = getattr(trainer.strategy, "decoding_note", None)
-    if decoding is not None and getattr(task, "generation", None) is not None and decoding() is not None:
-        lines.append(decoding())  # how a generation gathers ZeRO-3 parameters (once, or the per-layer fallback)
+    decoding = getattr(trainer.strategy, "decoding_note", lambda: None)()
+    if decoding is not None and getattr(task, "generation", None) is not None:
+        lines.append(decoding)  # how a generation gathers ZeRO-3 parameters (once, or the per-layer fallback)
     if flops is not None:
         step = flops * layout.dp * accum
         lines.append(f"FLOPs per optimizer step: {step:,} = {step:.2e} (forward + backward of {per_replica} samples, "
@@ -304,7 +305,7 @@ def _memory_line(trainer: pl.Trainer, task: Any, layout: Layout, batch: int | No
     mode = getattr(task, "quantize", None)
     # the estimate models quantized weights over the whole model (ddp, zero); a pipeline stage's share is not
     quantized = Quantized(mode, task.quantization) if mode and layout.pp == 1 else None
-    copies = len(_frozen_models(task))
+    copies = len(frozen_models_of(task))
     est, _ = estimate_layout(config, tp=layout.tp, pp=layout.pp, dp=layout.dp, stage=layout.zero_stage,
                              engine=layout.engine, batch_size=batch, seq_len=int(ids.shape[-1]), precision=precision,
                              fused_loss=fused, offload_optimizer=layout.offload_optimizer,
@@ -326,28 +327,15 @@ def _memory_line(trainer: pl.Trainer, task: Any, layout: Layout, batch: int | No
             f"MiB{host}{note}{held}")
 
 
-def _frozen_models(task: Any) -> dict[str, nn.Module]:
-    declared = getattr(task, "frozen_models", None)
-    return declared() if callable(declared) else {}
-
-
-def _frozen_line(trainer: pl.Trainer, task: Any, layout: Layout) -> str | None:
-    """What this rank holds of the task's frozen models (placed like the model: ``task.frozen_models()``), measured,
-    and what ``lightning_llm estimate --frozen-copies`` says of them."""
-    frozen = _frozen_models(task)
+def _frozen_line(task: Any) -> str | None:
+    """What this rank holds of the task's frozen models (placed like the model: ``task.frozen_models()``), measured
+    (the memory line's "frozen copies" is their estimate)."""
+    frozen = frozen_models_of(task)
     if not frozen:
         return None
     held = sum(model_state_bytes(m, [])["params"] for m in frozen.values())
-    config = getattr(next(iter(frozen.values())), "config", None)  # copies of the model (as the estimate counts)
-    precision = str(trainer.precision)
-    estimate = ""
-    if isinstance(config, ModelConfig) and layout.engine is not None and precision in PRECISIONS:
-        share = layout_share(config, tp=layout.tp, pp=layout.pp, dp=layout.dp * layout.cp,
-                             zero3=layout.zero_stage == 3) if layout.engine != "deepspeed" else layout_share(config)
-        nbytes = frozen_copy_bytes(share, engine=layout.engine, precision=precision, copies=len(frozen))
-        estimate = f"; estimated {nbytes / MIB:.2f} MiB (lightning_llm estimate --frozen-copies)"
     return (f"frozen models placed like the model (forward only, no gradients or optimizer states): "
-            f"{', '.join(frozen)}; {held / MIB:.2f} MiB on this rank{estimate}")
+            f"{', '.join(frozen)}; {held / MIB:.2f} MiB on this rank")
 
 
 # ----------------------------------------------------------------------------------------------------- model summary

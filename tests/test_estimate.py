@@ -232,17 +232,25 @@ def test_expert_parallel_degrees_shares_and_errors() -> None:
 
 def test_frozen_copies_count_like_the_model_share() -> None:
     """A frozen reference placed like the policy: its parameters per rank follow the model's share (whole on one
-    device and under DeepSpeed, halved by zero3 x2 and tp x2), with no gradients or optimizer states."""
+    device and under DeepSpeed's stage 2, halved by zero3 x2, tp x2 and DeepSpeed's stage 3, which partitions every
+    parameter of the module, frozen ones included; on the host under zero3_offload), with no gradients or optimizer
+    states. (What the copies measure per rank: tests/test_grpo.py and test_ppo.py, 0.500x under zero3/tp/pp x2.)"""
     got = {}
     for name, args in {"1": ["--strategy=ddp", "--devices=1"], "zero3": ["--strategy=zero3", "--devices=2"],
-                       "tp": ["--strategy=tp", "--devices=2"], "ds": ["--strategy=deepspeed_zero3", "--devices=2"]}.items():
+                       "tp": ["--strategy=tp", "--devices=2"], "ds": ["--strategy=deepspeed_zero3", "--devices=2"],
+                       "ds2": ["--strategy=deepspeed_zero2", "--devices=2"],
+                       "offload": ["--strategy=zero3_offload", "--devices=2"]}.items():
         rc, out, _ = _run("--model=debug", "--precision=32-true", "--seq-len=64", "--frozen-copies=1", "--json", *args)
         assert rc == 0
         got[name] = json.loads(out)
     params = sum(got["1"]["bytes"][k] for k in ("params",))
     frozen = {k: v["bytes"]["frozen"] for k, v in got.items()}
-    assert frozen["1"] == frozen["ds"] == params == 4 * got["1"]["parameters"]  # fp32, whole
+    assert frozen["1"] == frozen["ds2"] == params == 4 * got["1"]["parameters"]  # fp32, whole
     assert abs(frozen["zero3"] / frozen["1"] - 0.5) < 1e-2 and frozen["tp"] / frozen["1"] <= 0.51
+    assert frozen["ds"] == frozen["zero3"]  # DeepSpeed's stage 3 shards the reference as FSDP2 does
+    assert frozen["offload"] == 0 and got["offload"]["bytes"]["host_offloaded"] - frozen["zero3"] == json.loads(
+        _run("--model=debug", "--precision=32-true", "--seq-len=64", "--json", "--strategy=zero3_offload",
+             "--devices=2")[1])["bytes"]["host_offloaded"]
     for report in got.values():  # counted in the model states, as parameters only
         b = report["bytes"]
         assert b["model_states"] == b["params"] + b["grads"] + b["optim"] + b["frozen"]

@@ -209,11 +209,11 @@ def main(argv: list[str] | None = None) -> int:
         setup = setup_peak_bytes(share, param_bytes=bytes_per_param(sargs["engine"], a.precision)[0],
                                  from_checkpoint=(a.init or ("checkpoint" if Path(a.model).expanduser().is_dir()
                                                            else "random")) == "checkpoint")
-        setup += est.frozen  # a frozen copy is materialized beside the model, in the same shards
         if a.quantize:  # loaded whole (quantized) on every rank, block by block
             setup = quantized_setup_peak_bytes(config, numel=numel, quantized=Quantized(a.quantize,
                                                QuantizationConfig()), param_bytes=bytes_per_param(
                                                sargs["engine"], a.precision)[0])
+        setup += est.frozen  # a frozen copy is materialized beside the model, in the same shards
     except (ValueError, FileNotFoundError) as e:
         print(f"lightning_llm estimate: error: {e}", file=sys.stderr)
         return 2
