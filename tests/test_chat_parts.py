@@ -95,6 +95,34 @@ def test_content_parts_train_to_the_rows_of_string_contents(tokenizer: str, tmp_
     assert seen["parts"][-1][1]["prompt"] == "Hello\n there! How are you today?"  # a reward reads the joined text
 
 
+# Parts rendered for the user only: the assistant's content is printed as it is (a list would print as its repr).
+USER_PARTS_TEMPLATE = ("{{ bos_token }}{% for message in messages %}{{ '<turn>' + message['role'] + '\n' }}{% if "
+                       "message['role'] == 'user' %}" + _TEXT + "{% else %}{{ message['content'] }}{% endif %}"
+                       "{{ '<end_turn>\n' }}{% endfor %}" + _PROMPT)
+
+
+def test_a_template_rendering_parts_for_some_roles_gets_them_there_only(tmp_path: Path) -> None:
+    """A template that loops over the user's parts but prints the assistant's content as a string: the user's
+    messages are given as parts, the assistant's joined into a string, so the learned reply is its text (not the
+    list's repr): the rows equal those of the conversation given that way, and no part structure is rendered."""
+    from transformers import AutoTokenizer
+
+    tok = build_tokenizer(tmp_path / "tok", "user-parts", spec={**PARTS_SPEC, "template": USER_PARTS_TEMPLATE})
+    hf = AutoTokenizer.from_pretrained(str(tok))
+    msgs = _as_parts(conversation())
+    data = write_jsonl(tmp_path / "chat.jsonl", [{"messages": msgs}])
+    dm = InstructionDataModule(str(data), str(tok), cutoff_len=512)
+    dm.setup("fit")
+    row = dm.datasets["fit"][0]
+    assert dm.chat.takes_parts == {"user"}
+    given = [m if m["role"] == "user" else {**m, "content": PART_SEPARATOR.join(p["text"] for p in m["content"])}
+             for m in msgs]
+    assert row["input_ids"] == hf.apply_chat_template(given)["input_ids"]
+    learned = hf.decode([t for t in row["labels"] if t != -100])
+    assert "'type'" not in hf.decode(row["input_ids"]) and PART_SEPARATOR.join(
+        p["text"] for p in msgs[-1]["content"]) in learned
+
+
 def test_a_template_that_renders_parts_gets_them(tmp_path: Path) -> None:
     """A template that renders text parts itself (each trimmed, as Gemma 3's) is given the parts: the row's ids are
     transformers' apply_chat_template of the parts, the learned tokens what its return_assistant_tokens_mask marks,

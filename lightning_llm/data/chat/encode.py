@@ -112,8 +112,9 @@ class ChatEncoder:
         # BERT-style vocabularies have no EOS token: their replies end with [SEP] (eos_and_pad_ids' choice).
         self._kwargs = {} if getattr(self.tokenizer, "eos_token", None) else {
             "eos_token": self.tokenizer.convert_ids_to_tokens(eos_token_id)}
-        self.takes_parts = self._renders_parts()
-        """Whether the template renders a message's text parts itself (they are passed as parts), or takes strings."""
+        self.takes_parts = self._roles_rendering_parts()
+        """The roles whose text parts the template renders itself (passed as parts); other roles' messages get their
+        parts joined into a string."""
         self.end_of_turn_id, self._stops_per_turn = self._probe()
         self.stop_token_ids = list(dict.fromkeys([self.end_of_turn_id, eos_token_id]))
 
@@ -155,18 +156,29 @@ class ChatEncoder:
             generation_prompt: bool = False, where: str = "") -> list[int]:
         return self.tokenize(self.render(messages, tools, generation_prompt=generation_prompt, where=where))
 
-    def _renders_parts(self) -> bool:
-        """Whether the template renders text parts itself (as multimodal models' templates do): a user message of two
-        text parts renders without error, both texts in order, and nothing of the parts' structure (a template that
-        takes strings prints the list, drops it, or fails)."""
-        first, second = _PROBE_USER, _PROBE_REPLY
+    def _roles_rendering_parts(self) -> frozenset[str]:
+        """The roles (system, user, assistant) whose text parts the template renders itself, as multimodal models'
+        templates do: a message of that role with two text parts renders without error, both texts in order, and
+        nothing of the parts' structure (a template that takes strings prints the list, drops it, or fails). Probed
+        per role: a template may loop over the user's parts and concatenate the assistant's content as a string."""
+        first, second = "Probe part one.", "Probe part two."
         parts = [{"type": "text", "text": first}, {"type": "text", "text": second}]
-        try:
-            text = self._render([{"role": "user", "content": parts}])
-        except DataError:
-            return False
-        flat = self._render([{"role": "user", "content": first + PART_SEPARATOR + second}])
-        return 0 <= text.find(first) < text.find(second) and text.count("type") == flat.count("type")
+        flat_text = first + PART_SEPARATOR + second
+        user = {"role": "user", "content": _PROBE_USER}
+
+        def probe(role: str, content: Any) -> list[dict[str, Any]]:  # a conversation with one message of ``role``
+            mine = {"role": role, "content": content}
+            return {"system": [mine, user], "user": [mine], "assistant": [user, mine]}[role]
+
+        roles = set()
+        for role in ("system", "user", "assistant"):
+            try:
+                text, flat = self._render(probe(role, parts)), self._render(probe(role, flat_text))
+            except DataError:
+                continue
+            if 0 <= text.find(first) < text.find(second) and text.count("type") == flat.count("type"):
+                roles.add(role)
+        return frozenset(roles)
 
     def _probe(self) -> tuple[int, int]:
         """(end-of-turn id, stop ids per assistant turn) from a one-turn probe conversation."""

@@ -143,12 +143,11 @@ def message_text(message: dict[str, Any]) -> str:
     return PART_SEPARATOR.join(_texts(message))
 
 
-def for_template(messages: list[dict[str, Any]], *, parts: bool) -> list[dict[str, Any]]:
-    """``messages`` as a template takes them: text parts as they are where it renders ``parts`` itself, else each
-    message's parts joined into a string (:func:`message_text`)."""
-    if parts:
-        return messages
-    return [{**m, "content": message_text(m)} if isinstance(m.get("content"), list) else m for m in messages]
+def for_template(messages: list[dict[str, Any]], *, parts: frozenset[str]) -> list[dict[str, Any]]:
+    """``messages`` as a template takes them: text parts as they are for the roles whose ``parts`` it renders
+    itself, else each message's parts joined into a string (:func:`message_text`)."""
+    return [{**m, "content": message_text(m)} if isinstance(m.get("content"), list) and m.get("role") not in parts
+            else m for m in messages]
 
 
 def cut_text(message: dict[str, Any], keep: int) -> dict[str, Any]:
