@@ -121,6 +121,12 @@ class Logged(LoggedLoss):
     def __init__(self) -> None:
         super().__init__()
         self.margins: list[float] = []
+        self.frozen_bytes = 0  # of the task's frozen models (a full fine-tune's on_the_fly reference) on this rank
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        from lightning_llm.strategies.zero.native import model_state_bytes
+
+        self.frozen_bytes = sum(model_state_bytes(m, [])["params"] for m in pl_module.frozen_models().values())
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
         super().on_train_batch_end(trainer, *args)
@@ -143,7 +149,8 @@ def _fit(layout: str, devices: int, out: Path, *, reference: str = "precomputed"
     trainer = table_trainer(out, strategy=strategy, devices=devices, max_steps=steps, callbacks=[rec],
                             save_every_step=True)
     trainer.fit(task, dm, ckpt_path=resume)
-    return {"losses": rec.losses, "margins": rec.margins, "ckpt": str(out / "ckpt" / "last.ckpt")}
+    return {"losses": rec.losses, "margins": rec.margins, "ckpt": str(out / "ckpt" / "last.ckpt"),
+            "frozen_bytes": rec.frozen_bytes}
 
 
 def _worker(mode: str, out: Path) -> None:
@@ -183,8 +190,13 @@ def test_layout_matches_one_device(runs: Path, layout: str) -> None:
             err = max_abs_err(losses, ref["losses"][3:])
         else:
             err = max(max_abs_err(losses, ref["losses"]), max_abs_err(row["margins"], ref["margins"]))
-        print(f"{layout}: max |train_loss, rewards/margins - one device| over {len(losses)} steps = {err:.2e}")
+        print(f"{layout}: max |train_loss, rewards/margins - one device| over {len(losses)} steps = {err:.2e}; "
+              f"frozen reference bytes {row['frozen_bytes']:,} (one device: {ref['frozen_bytes']:,})")
         assert err <= TOL, (losses, ref["losses"])
+        if layout.endswith("on_the_fly"):  # a full fine-tune's reference copy, placed like the policy
+            assert ref["frozen_bytes"] > 0
+            assert row["frozen_bytes"] <= (ref["frozen_bytes"] if layout.startswith("ddp") else
+                                           0.55 * ref["frozen_bytes"]), (layout, row["frozen_bytes"])
 
 
 def test_resume_refuses_a_reference_table_of_other_pairs(tmp_path: Path) -> None:

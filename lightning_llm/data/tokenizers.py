@@ -74,8 +74,11 @@ class ByteTokenizer:
         """``{"input_ids"}`` of a text or a list of texts (bytes only); with ``text_pair``, sentence pairs as BERT
         encodes them (see :meth:`encode_pair`), with ``token_type_ids``."""
         if text_pair is not None:
+            if truncation not in (False, True, "longest_first", "do_not_truncate"):
+                raise ValueError(f"truncation={truncation!r}: the byte tokenizer cuts sentence pairs longest_first "
+                                 "only (as BERT's default)")
             pairs = [(texts, text_pair)] if isinstance(texts, str) else list(zip(texts, text_pair, strict=True))
-            limit = max_length if truncation else None
+            limit = max_length if truncation not in (False, "do_not_truncate") else None
             encoded = [self.encode_pair(a, b, max_length=limit) for a, b in pairs]
             ids, types = [e[0] for e in encoded], [e[1] for e in encoded]
             return {"input_ids": ids[0], "token_type_ids": types[0]} if isinstance(texts, str) else \

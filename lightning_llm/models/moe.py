@@ -219,7 +219,7 @@ def dispatch_to_experts(experts: nn.Module, x: Tensor, ids: Tensor, weights: Ten
         # (not bincount: on CUDA it reads the largest id back to size its output, a host sync per layer)
         counts = torch.zeros(num_experts, dtype=torch.long, device=x.device).scatter_add_(0, flat, torch.ones_like(flat))
     out = experts(x.index_select(0, order // k), counts)  # [M, H] sorted by expert
-    by_token = torch.empty_like(out).index_copy(0, order, out).view(n, k, -1)  # [N, k, H]
+    by_token = torch.empty_like(out).index_copy_(0, order, out).view(n, k, -1)  # [N, k, H] (in place: no extra copy)
     return (by_token * weights.unsqueeze(-1)).sum(1).to(x.dtype)  # fp32 weights: the product and the sum in fp32
 
 
