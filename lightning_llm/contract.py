@@ -41,6 +41,7 @@ __all__ = [
     "declared_inputs",
     "declared_loss",
     "declared_step",
+    "decoding_copy",
     "decoding_session",
     "PACKED_INPUTS",
 ]
@@ -266,6 +267,14 @@ def decoding_session(strategy: Any, decoder: Any) -> Iterator[Any]:
         return
     with session(decoder) as inside:
         yield inside
+
+
+def decoding_copy(strategy: Any, module: Any) -> Any | None:
+    """What to call for ``module`` (the task's model, a frozen model, a submodule such as PPO's policy) inside a
+    decoding session that holds whole copies of them (tensor-parallel and pipeline layouts: the same calls as on one
+    device, no collective), else ``None``: call ``module`` the layout's way."""
+    lookup = getattr(strategy, "decoding_copy", None)
+    return lookup(module) if lookup is not None else None
 
 
 @torch.no_grad()

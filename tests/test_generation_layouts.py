@@ -6,9 +6,11 @@ and beam search (rows reordered between steps), through ``task.decoding_model()`
 parallelism (full logits on every tensor-parallel rank), the stages run token by token under a pipeline
 (``strategies/pipeline/decode.py``: micro-batches in flight for greedy and per-row sampled decoding, lock-step for
 beam search and decoding without a cache), the model under ZeRO-3 with its parameters gathered once per generation
-(counted: no all-gather per token) or, as the fallback, per layer in every step. Two torchrun launches: 2 processes
-(tp x2, pp x2, pp x2 with two interleaved stages per rank, zero3 x2 both ways) and 4 (3d dp2 x tp2, pp2 x tp2); the
-one-device reference runs in this process meanwhile.
+(counted: no all-gather per token) or, as the fallback, per layer in every step; and under tp and pp by default whole
+copies assembled once per generation (``strategies/decoding/copies.py``; counted: the same few collectives for every
+decoding, no message per token). Two torchrun launches: 2 processes (tp x2 and pp x2 both ways, pp x2 with two
+interleaved stages per rank, zero3 x2 both ways) and 4 (3d dp2 x tp2, pp2 x tp2 both ways); the one-device reference
+runs in this process meanwhile.
 """
 
 from __future__ import annotations
@@ -42,8 +44,9 @@ CONFIGS = {
     # rows end at different steps (about 4 in 10 tokens end a row), so pipeline micro-batches stop at their own step
     "sampled_eos": GenerationConfig(max_new_tokens=NEW, do_sample=True, eos_token_id=list(range(4, 100))),
 }
-LAYOUTS_2 = ["tp", "pp", "pp_interleaved", "zero3", "zero3_per_layer"]
-LAYOUTS_4 = ["dp2_tp2", "pp2_tp2"]
+LAYOUTS_2 = ["tp", "tp_shards", "pp", "pp_ring", "pp_interleaved", "zero3", "zero3_per_layer"]
+LAYOUTS_4 = ["dp2_tp2", "pp2_tp2", "pp2_tp2_ring"]
+COPIES = {"tp", "pp", "dp2_tp2", "pp2_tp2"}  # gather_for_decoding=auto: whole copies (they fit)
 
 
 def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,15 +63,21 @@ def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
 def _strategy(layout: str) -> Any:
     from lightning_llm.strategies import HybridParallelStrategy
 
-    # pp, pp_interleaved: micro-batches in flight, one per stage, as for a model with work enough for them; pp2_tp2
-    # keeps "auto", which decodes this tiny model's rows as one micro-batch
-    kw = {"tp": dict(tensor_parallel_size=2), "pp": dict(pipeline_parallel_size=2, decode_microbatches="stages"),
+    # tp, pp, dp2_tp2, pp2_tp2: whole copies (gather_for_decoding=auto, which they fit). The layouts' own decoding
+    # (per_layer): tp_shards through the shards; pp_ring, pp_interleaved with micro-batches in flight, one per stage,
+    # as for a model with work enough for them; pp2_tp2_ring keeps "auto", which decodes this tiny model's rows as one
+    # micro-batch
+    own = dict(gather_for_decoding="per_layer")
+    kw = {"tp": dict(tensor_parallel_size=2), "tp_shards": dict(tensor_parallel_size=2, **own),
+          "pp": dict(pipeline_parallel_size=2),
+          "pp_ring": dict(pipeline_parallel_size=2, decode_microbatches="stages", **own),
           "pp_interleaved": dict(pipeline_parallel_size=2, stages_per_rank=2, schedule="interleaved_1f1b",
-                                 decode_microbatches="stages"),
+                                 decode_microbatches="stages", **own),
           "zero3": dict(data_parallel_size=2, zero_stage=3),
           "zero3_per_layer": dict(data_parallel_size=2, zero_stage=3, gather_for_decoding="per_layer"),
           "dp2_tp2": dict(data_parallel_size=2, tensor_parallel_size=2),
-          "pp2_tp2": dict(pipeline_parallel_size=2, tensor_parallel_size=2)}[layout]
+          "pp2_tp2": dict(pipeline_parallel_size=2, tensor_parallel_size=2),
+          "pp2_tp2_ring": dict(pipeline_parallel_size=2, tensor_parallel_size=2, **own)}[layout]
     return HybridParallelStrategy(**kw)
 
 
@@ -86,11 +95,18 @@ class _Generate(pl.Callback):
         uniforms = torch.rand(4, NEW, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
         pl_module.eval()
         counter = CollectiveCounter()
+        with pl_module.decoding():  # a first session decides the plan (a collective) before anything is counted
+            pass
         for name, cfg in CONFIGS.items():
             with counter.counting() as calls, pl_module.decoding() as model:
                 out = generate(model, ids, mask, config=cfg, uniforms=uniforms if cfg.do_sample else None)
             self.tokens[name] = out.tolist()
             self.tokens[f"{name}:gathers"] = sum(1 for f, _, _ in calls if f.startswith("all_gather"))
+            self.tokens[f"{name}:calls"] = [f for f, _, _ in calls]
+            self.tokens["decoder"] = type(model).__name__  # what generate() was given: a whole copy, or not
+        copies = getattr(trainer.strategy, "_whole_copies", None)  # after the sessions: nothing of the copies stays allocated
+        self.tokens["copies_freed"] = copies is not None and all(
+            t.is_meta for skeleton in copies.skeletons.values() for t in [*skeleton.parameters(), *skeleton.buffers()])
         self.tokens["units"] = sum(isinstance(m, FSDPModule) for m in pl_module.model.modules())
         runner = pl_module.pipeline()
         self.tokens["microbatches"] = runner.decoder().microbatches_for(ids.shape[0]) if runner is not None else 0
@@ -148,7 +164,15 @@ def test_generation_equals_one_device(runs: Path, layout: str) -> None:
     units = results[0]["units"]
     # the rows decode in one micro-batch per stage where asked (2, or 4 for two stages per rank); "auto" keeps
     # debug's 4 rows in one (2 x its largest stage's ~50k parameters x 2 rows is below MICROBATCH_MIN_FLOPS)
-    assert results[0]["microbatches"] == {"pp": 2, "pp_interleaved": 4, "pp2_tp2": 1}.get(layout, 0)
+    assert results[0]["microbatches"] == {"pp_ring": 2, "pp_interleaved": 4}.get(
+        layout, 1 if layout.startswith("pp") else 0)
+    calls = {name: results[0][f"{name}:calls"] for name in CONFIGS}
+    if layout in COPIES:  # the copies' assembly only: the same few collectives whatever the decoding, none per token
+        print(f"{layout}: collectives of a generation with whole copies: {calls['greedy']}")
+        assert all(c == calls["greedy"] for c in calls.values()) and 1 <= len(calls["greedy"]) <= 4
+        assert results[0]["decoder"] in ("DecoderLM", "partial") and results[0]["copies_freed"]
+    else:  # no copies: the layout's own decoding
+        assert results[0]["decoder"] != "partial" and not results[0]["copies_freed"]
     if layout == "zero3":  # every unit gathered once when the generation starts, none per token
         assert units == 5 and all(results[0][f"{name}:gathers"] == units for name in CONFIGS)
     if layout == "zero3_per_layer":  # the fallback: every unit in every forward (the prefill + 5 steps)

@@ -256,7 +256,8 @@ def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("strategy", "fused"), [("ddp", True), ("zero3", True), ("zero3", False),
                                                 ("deepspeed_zero2", True), ("tp", True), ("tp", False),
-                                                ("dp2_tp2", True), ("pp", True), ("dp2_pp2", True)])
+                                                ("dp2_tp2", True), ("pp", True), ("pp_stages", True),
+                                                ("dp2_pp2", True)])
 def test_two_processes_match_one_device(single: tuple[Path, Path], tmp_path: Path, strategy: str, fused: bool) -> None:
     """Greedy rollouts (deterministic), global whitening, adaptive KL fed the global KL, losses normalized by the
     global token count: 2 ranks x 4 prompts must reproduce one device x 8 prompts, parameters included; under
@@ -265,8 +266,9 @@ def test_two_processes_match_one_device(single: tuple[Path, Path], tmp_path: Pat
     the KL was 0.4 off after two rollouts. DeepSpeed clips only inside engine.step(): max_grad_norm reaches its
     config (it was silently not applied). Tensor parallel: the two ranks share one replica's 8 prompts, generate
     the same tokens (full logits on both) and reduce their statistics over the one replica. Pipeline parallel: the
-    actor-critic is split with its value head on the last stage, rollouts decode through the stages and each
-    optimizer step runs micro-batch by micro-batch (losses that are shares of global sums add up)."""
+    actor-critic is split with its value head on the last stage, rollouts decode with whole copies of it (or, as
+    ``pp_stages``, through the stages, asked for the policy's logits alone) and each optimizer step runs
+    micro-batch by micro-batch (losses that are shares of global sums add up)."""
     prompts, single = single
     ddp = tmp_path / strategy
     flags, batch, nproc = RL_LAYOUTS.get(strategy, ([f"--trainer.strategy={strategy}"], 4, 2))
@@ -286,7 +288,7 @@ def test_two_processes_match_one_device(single: tuple[Path, Path], tmp_path: Pat
     assert two[-1]["episode"] == 32
     assert one[-1]["objective/kl_coef"] != 0.05  # the adaptive controller moved, identically on both ranks
     assert max(errs.values()) < 1e-5 and perr < 1e-4
-    check_rollouts_and_reference(single, ddp, sharded=strategy in ("zero3", "tp", "dp2_tp2", "pp", "dp2_pp2"),
+    check_rollouts_and_reference(single, ddp, sharded=strategy in ("zero3", "tp", "dp2_tp2", "pp", "pp_stages", "dp2_pp2"),
                                  zero3=strategy == "zero3")
 
 

@@ -57,7 +57,8 @@ from typing_extensions import override
 from lightning_llm.contract import Capabilities
 from lightning_llm.models.init import is_meta
 from lightning_llm.strategies.context import apply_context_parallel, slice_step
-from lightning_llm.strategies.decoding import DecodingSessions, GatherForDecoding, ZeroDecoding
+from lightning_llm.strategies.decoding import (DecodingSessions, GatherForDecoding, WholeCopies, ZeroDecoding,
+                                               copy_skeletons)
 from lightning_llm.strategies.engine_checkpoint import DefaultGroupCollectives, LayoutFreeCheckpointing
 from lightning_llm.strategies.engine_grads import EngineGradients
 from lightning_llm.strategies.engine_layout import LayoutArgs, PipelineStages
@@ -159,10 +160,12 @@ class ParallelEngine(EngineGradients, DecodingSessions, DefaultGroupCollectives,
             bucket_size_mb: Data-parallel gradient buckets (MiB; DDP's default): each bucket's all-reduce (ZeRO-2:
                 reduce to the owners) starts during backward as soon as its gradients are ready; also the bucket of
                 the ZeRO-1/2 parameter broadcast.
-            gather_for_decoding: ZeRO-3 generation (rollouts, evaluation): ``once`` all-gathers the parameters once
-                per generation and decodes without communication, ``per_layer`` keeps FSDP2's gather of every unit
-                in every decoding step, ``auto`` gathers once when that fits in half the free memory
-                (:mod:`.decoding`; the run summary names the choice).
+            gather_for_decoding: Generation (rollouts, evaluation): ``once`` gathers the model (and the task's frozen
+                models) once per generation or rollout and decodes without communication: under tp or pp whole
+                copies on every rank decode as one device does, under ZeRO-3 FSDP2's units stay gathered;
+                ``per_layer`` decodes the way the layout trains (ZeRO-3: every unit gathered in every step; tp: the
+                shards' collectives; pp: through the stages); ``auto`` gathers once where that fits in half the free
+                memory (:mod:`.decoding`; the run summary names the choice).
             decode_microbatches: Pipeline generation (``pp > 1``): ``stages`` decodes one micro-batch per stage in
                 flight, so every stage works; ``auto`` does so where a micro-batch's step is enough work to pay for
                 a stage call of its own (``pipeline.decode.MICROBATCH_MIN_FLOPS``), else one batch. Same tokens.
@@ -339,7 +342,11 @@ class ParallelEngine(EngineGradients, DecodingSessions, DefaultGroupCollectives,
             self.args.check_batch_size(trainer)
         self.precision_plugin.convert_module(module)
         frozen = frozen_models_of(module)
+        skeletons: dict[str, nn.Module] = {}
         if model is not self._pp_model:  # else already parallelized (e.g. trainer.validate() after fit)
+            skeletons, self._copies_layout = copy_skeletons(model, frozen, task=module, dims=self.dims,
+                                                            mode=self.gather_for_decoding,
+                                                            offload=self.offload_params)  # before the split
             self._parallelize(model, frozen=frozen, precision=precision)
             # Meta-device family models (built lazily under a sharding layout) get this rank's shards only.
             self.materialized_params = materialize_shards(
@@ -350,6 +357,11 @@ class ParallelEngine(EngineGradients, DecodingSessions, DefaultGroupCollectives,
             self._zero_decoding = ZeroDecoding([model, *frozen.values()], mode=self.gather_for_decoding,
                                                device=self.root_device, dp_group=self._dp_group,
                                                dtype=fsdp_mixed_precision(precision).param_dtype)
+        if skeletons:
+            self._whole_copies = WholeCopies(
+                {"model": model, **frozen}, skeletons, mode=self.gather_for_decoding, device=self.root_device,
+                pp_group=self._pp_group, pp_size=self.dims.pp,
+                dtype=fsdp_mixed_precision(precision).param_dtype if self.zero_stage == 3 else None)
         if self.pipelined:
             assert self.stages is not None
             self.stages.build_runner(model, params=self._params, device=self.root_device, step_stats=self.step_stats,

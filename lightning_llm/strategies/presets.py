@@ -64,6 +64,7 @@ class TensorParallelStrategy(ParallelEngine):
         save_distributed_checkpoint: bool = True,
         activation_checkpointing: bool = False,
         bucket_size_mb: float = DEFAULT_BUCKET_MB,
+        gather_for_decoding: GatherForDecoding = "auto",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -83,6 +84,11 @@ class TensorParallelStrategy(ParallelEngine):
             activation_checkpointing: Recompute each transformer block in backward.
             bucket_size_mb: Data-parallel gradient buckets in MiB (DDP's default): each bucket's reduction starts
                 during backward as soon as its gradients are ready.
+            gather_for_decoding: Generation (rollouts, evaluation): ``once`` assembles a whole copy of the model
+                (and the task's frozen models) on every rank once per generation or rollout and decodes as one
+                device does, without a collective per token; ``per_layer`` decodes through the shards (each layer's
+                collectives in every step); ``auto`` gathers once where the copies fit in half the free memory
+                (:mod:`.decoding`; the run summary names the choice).
             process_group_backend: ``nccl``/``gloo``; default from the device.
             timeout: Collective timeout.
         """
@@ -91,6 +97,7 @@ class TensorParallelStrategy(ParallelEngine):
                          loss_parallel=loss_parallel, plan=plan,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          activation_checkpointing=activation_checkpointing, bucket_size_mb=bucket_size_mb,
+                         gather_for_decoding=gather_for_decoding,
                          process_group_backend=process_group_backend, timeout=timeout)
 
 
@@ -113,6 +120,7 @@ class PipelineParallelStrategy(ParallelEngine):
         measure_activations: bool = False,
         bucket_size_mb: float = DEFAULT_BUCKET_MB,
         decode_microbatches: Literal["auto", "stages"] = "auto",
+        gather_for_decoding: GatherForDecoding = "auto",
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -132,7 +140,12 @@ class PipelineParallelStrategy(ParallelEngine):
                 during backward as soon as its gradients are ready.
             decode_microbatches: Generation (rollouts, evaluation): ``stages`` decodes one micro-batch per stage in
                 flight, so every stage works; ``auto`` does so where a micro-batch's step is enough work to pay for
-                a stage call of its own, else one batch (same tokens either way).
+                a stage call of its own, else one batch (same tokens either way). Used where generation decodes
+                through the stages (``gather_for_decoding``).
+            gather_for_decoding: Generation: ``once`` assembles a whole copy of the model (and the task's frozen
+                models) on every pipeline rank once per generation or rollout, the other stages' weights broadcast
+                by their owners, and every rank decodes as one device does, no message per token; ``per_layer``
+                decodes through the stages; ``auto`` gathers once where the copies fit in half the free memory.
             process_group_backend: ``nccl``/``gloo``; default from the device.
             timeout: Collective timeout.
         """
@@ -144,6 +157,7 @@ class PipelineParallelStrategy(ParallelEngine):
                          balance=balance, activation_checkpointing=activation_checkpointing,
                          log_pipeline_stats=log_pipeline_stats, measure_activations=measure_activations,
                          bucket_size_mb=bucket_size_mb, decode_microbatches=decode_microbatches,
+                         gather_for_decoding=gather_for_decoding,
                          process_group_backend=process_group_backend, timeout=timeout)
 
 

@@ -31,6 +31,7 @@ from lightning_llm.contract import (
     declared_inputs,
     declared_loss,
     declared_step,
+    decoding_copy,
     decoding_session,
     pipeline_runner,
     replica_loss,
@@ -324,9 +325,19 @@ class LLMTask(pl.LightningModule):
         ``None``."""
         return pipeline_runner(self.trainer.strategy) if self._trainer is not None else None
 
+    def whole_copy(self, module: nn.Module) -> Any | None:
+        """The whole copy of ``module`` (the model, a frozen model or a submodule of one) that the open decoding
+        session holds (tensor-parallel and pipeline layouts, ``contract.decoding_copy``): called as on one device,
+        without collectives. ``None`` outside such a session."""
+        return decoding_copy(self.trainer.strategy, module) if self._trainer is not None else None
+
     def run_model(self, *args: Any, **kwargs: Any) -> Any:
         """Call the model: directly, or as a forward-only pass through the pipeline when it is split in stages
-        (where ``self.model`` holds only this rank's stages and refuses direct calls)."""
+        (where ``self.model`` holds only this rank's stages and refuses direct calls); inside a decoding session
+        that holds a whole copy of it, the copy."""
+        whole = self.whole_copy(self.model) if self.model is not None else None
+        if whole is not None:
+            return whole(*args, **kwargs)
         runner = self.pipeline()
         if runner is not None:
             return runner.forward(*args, **kwargs)
@@ -342,7 +353,11 @@ class LLMTask(pl.LightningModule):
 
     def run_frozen(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """Call the frozen model ``name`` of :meth:`frozen_models`: directly, or as a forward-only pass through its
-        pipeline stages (a split frozen model refuses direct calls, as the split model does)."""
+        pipeline stages (a split frozen model refuses direct calls, as the split model does); inside a decoding
+        session that holds a whole copy of it, the copy."""
+        whole = self.whole_copy(self.frozen_models()[name])
+        if whole is not None:
+            return whole(*args, **kwargs)
         runner = self.pipeline()
         if runner is not None:
             return runner.frozen(name).forward(*args, **kwargs)

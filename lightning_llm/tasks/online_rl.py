@@ -287,7 +287,11 @@ class OnlineRLTask(DecoderTask):
 
     def call_policy(self, *args: Any, **kwargs: Any) -> Any:
         """The policy's output (no gradient needed): the policy itself, or a forward-only pass through the pipeline
-        (whose model is the task's model: the policy, with its value head for PPO)."""
+        (whose model is the task's model: the policy, with its value head for PPO); inside a rollout's decoding
+        session that holds whole copies (tp, pp), the policy's copy."""
+        whole = self.whole_copy(self.policy)
+        if whole is not None:
+            return whole(*args, **kwargs)
         runner = self.pipeline()
         return runner.forward(*args, **kwargs) if runner is not None else self.policy(*args, **kwargs)
 

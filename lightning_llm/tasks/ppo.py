@@ -125,6 +125,9 @@ class PPOTask(OnlineRLTask):
     @override
     def call_policy(self, *args: Any, **kwargs: Any) -> Any:
         # Under a pipeline the actor-critic is what runs: it is asked for the policy's output alone.
+        whole = self.whole_copy(self.policy)
+        if whole is not None:
+            return whole(*args, **kwargs)
         if self.capabilities.pipelined:
             return self.run_model(*args, values=False, **kwargs)
         return self.policy(*args, **kwargs)

@@ -352,11 +352,13 @@ RL_LAYOUTS: dict[str, tuple[list[str], int, int]] = {
     "dp2_tp2": (["--trainer.strategy=3d", "--trainer.strategy.data_parallel_size=2",
                  "--trainer.strategy.tensor_parallel_size=2"], 4, 4),
     "pp": (["--trainer.strategy=pp"], 8, 2),
+    "pp_stages": (["--trainer.strategy=pp", "--trainer.strategy.gather_for_decoding=per_layer"], 8, 2),
     "dp2_pp2": (["--trainer.strategy=3d", "--trainer.strategy.data_parallel_size=2",
                  "--trainer.strategy.pipeline_parallel_size=2"], 4, 4),
 }
 """The RL tests' layouts beyond a registered name: strategy flags, prompts per rank and processes for a global batch
-of 8 prompts (tensor- and pipeline-parallel ranks share their replica's prompts)."""
+of 8 prompts (tensor- and pipeline-parallel ranks share their replica's prompts). Rollouts under tp and pp decode
+with whole copies (``gather_for_decoding=auto``); ``pp_stages`` decodes through the pipeline's stages."""
 
 
 def rl_cli_args(task: list[str], out: Path, prompts: Path, *, batch: int, extra: list[str]) -> list[str]:

@@ -1,5 +1,4 @@
-"""What a layout does around one generation (a rollout batch, an evaluation's decoding): the engine's
-``decoding_session``.
+"""ZeRO-3's side of a decoding session (:mod:`lightning_llm.strategies.decoding`).
 
 Under ZeRO-3 every forward all-gathers each FSDP2 unit and frees it after (``reshard_after_forward=True``), so a
 generation of ``N`` tokens would move the whole model ``N + 1`` times. When the gathered parameters fit, they are
@@ -20,19 +19,19 @@ import logging
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
-import psutil
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lightning_llm.strategies.decoding.fit import MIB, fit_in_free_memory
+
 log = logging.getLogger(__name__)
 
-__all__ = ["DecodingSessions", "GatherForDecoding", "ZeroDecoding"]
+__all__ = ["GatherForDecoding", "ZeroDecoding", "gathered_extra_bytes"]
 
 GatherForDecoding = Literal["auto", "once", "per_layer"]
-MIB = 2**20
 
 
 def _fsdp_units(module: nn.Module) -> list[Any]:
@@ -48,13 +47,6 @@ def gathered_extra_bytes(module: nn.Module, *, dtype: torch.dtype | None) -> int
         if isinstance(p, DTensor):
             total += p.to_local().numel() * p.device_mesh.size(0) * (dtype or p.dtype).itemsize
     return total
-
-
-def free_memory_bytes(device: torch.device) -> int:
-    """Free memory of ``device``: the CUDA allocator's view, else the host's available memory."""
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0])
-    return int(psutil.virtual_memory().available)
 
 
 class _StopTogether:
@@ -91,13 +83,8 @@ class ZeroDecoding:
         """``("once" | "per_layer", why)``. With ``auto`` a collective over the data-parallel ranks the first time
         (a generation, which every rank runs): they take the least free memory of them, so all choose alike."""
         if self._plan is None:
-            free = torch.tensor([free_memory_bytes(self.device)], dtype=torch.long, device=self.device)
-            dist.all_reduce(free, op=dist.ReduceOp.MIN, group=self.dp_group)
-            least = int(free)
-            fits = self.extra <= least // 2
-            self._plan = ("once" if fits else "per_layer",
-                          f"{self.extra / MIB:.1f} MiB gathered {'fit' if fits else 'exceed'} half the {least / MIB:.0f}"
-                          " MiB free on the fullest rank")
+            fits, why = fit_in_free_memory(self.extra, device=self.device, group=self.dp_group)
+            self._plan = ("once" if fits else "per_layer", why)
             log.info("ZeRO-3 decoding: %s (%s)", *self._plan)
         return self._plan
 
@@ -142,24 +129,3 @@ class ZeroDecoding:
             for unit in units:
                 unit.reshard()
                 unit.set_reshard_after_forward(True, recurse=False)  # as the engine shards every unit
-
-
-class DecodingSessions:
-    """A layout's side of ``contract.decoding_session`` (a part of :class:`~.engine.ParallelEngine`): under ZeRO-3
-    ``_zero_decoding`` (set at set-up) gathers the parameters once per generation or keeps the per-layer fallback."""
-
-    _zero_decoding: ZeroDecoding | None = None
-
-    @contextlib.contextmanager
-    def decoding_session(self, decoder: Any) -> Iterator[Any]:
-        """What one generation decodes with: under ZeRO-3 the parameters gathered once for it, or the per-layer
-        fallback; ``decoder`` itself otherwise."""
-        if self._zero_decoding is None:
-            yield decoder
-            return
-        with self._zero_decoding.session(decoder) as inside:
-            yield inside
-
-    def decoding_note(self) -> str | None:
-        """How generation gathers ZeRO-3 parameters, for the run summary (``None``: nothing to say)."""
-        return self._zero_decoding.note() if self._zero_decoding is not None else None
