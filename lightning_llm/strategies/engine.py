@@ -66,7 +66,8 @@ from lightning_llm.strategies.expert import apply_expert_parallel, expert_blocke
 from lightning_llm.strategies.frozen import check_frozen_models, frozen_models_of, place_frozen_models
 from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB, GradReducer, reducer_for
 from lightning_llm.strategies.materialize import materialize_shards
-from lightning_llm.strategies.mesh import ParallelDims, device_type_of, mesh_coordinate, replica_mesh
+from lightning_llm.strategies.mesh import (ParallelDims, device_type_of, mesh_coordinate, model_parallel_mesh,
+                                          replica_mesh)
 from lightning_llm.strategies.parallelize import (
     apply_tensor_parallel,
     local_loss,
@@ -361,6 +362,7 @@ class ParallelEngine(EngineGradients, DecodingSessions, DefaultGroupCollectives,
             self._whole_copies = WholeCopies(
                 {"model": model, **frozen}, skeletons, mode=self.gather_for_decoding, device=self.root_device,
                 pp_group=self._pp_group, pp_size=self.dims.pp,
+                share_group=model_parallel_mesh(self._mesh).get_group(),
                 dtype=fsdp_mixed_precision(precision).param_dtype if self.zero_stage == 3 else None)
         if self.pipelined:
             assert self.stages is not None

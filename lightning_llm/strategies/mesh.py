@@ -122,6 +122,15 @@ def replica_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh["dp", "cp"]._flatten(REPLICA_DIM) if mesh.size(MESH_DIMS.index("cp")) > 1 else mesh["dp"]
 
 
+def model_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D mesh of one replica's model ranks (``pp x tp``, flattened when both are > 1): they hold the same
+    batch. Build it once and keep it."""
+    pp, tp = (mesh.size(MESH_DIMS.index(d)) for d in ("pp", "tp"))
+    if pp > 1 and tp > 1:
+        return mesh["pp", "tp"]._flatten("pp_tp")
+    return mesh["pp"] if pp > 1 else mesh["tp"]
+
+
 def mesh_coordinate(mesh: DeviceMesh, dim: str) -> tuple[int, int]:
     """``(rank within dim, size of dim)`` for this process."""
     return mesh.get_local_rank(dim), mesh.size(mesh.mesh_dim_names.index(dim))

@@ -20,8 +20,8 @@ from lightning_llm.strategies.decoding.copies import WholeCopies, copy_skeletons
 from lightning_llm.strategies.decoding.fit import fit_in_free_memory, free_memory_bytes
 from lightning_llm.strategies.decoding.zero import GatherForDecoding, ZeroDecoding, gathered_extra_bytes
 
-__all__ = ["DecodingSessions", "GatherForDecoding", "WholeCopies", "ZeroDecoding", "copy_skeletons", "fit_in_free_memory",
-           "free_memory_bytes", "gathered_extra_bytes", "meta_skeleton"]
+__all__ = ["DecodingSessions", "GatherForDecoding", "WholeCopies", "ZeroDecoding", "copy_skeletons",
+           "fit_in_free_memory", "free_memory_bytes", "gathered_extra_bytes", "meta_skeleton"]
 
 
 class DecodingSessions:
@@ -38,7 +38,7 @@ class DecodingSessions:
         parameters gathered once or the per-layer fallback, or ``decoder`` itself."""
         with contextlib.ExitStack() as stack:
             if self._whole_copies is not None and stack.enter_context(self._whole_copies.session()):
-                whole = self._whole_copies.copy_of(decoder)
+                whole = self._whole_copies.decoder_for(decoder)
                 yield decoder if whole is None else whole
                 return
             if self._zero_decoding is not None:

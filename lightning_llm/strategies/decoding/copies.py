@@ -9,7 +9,9 @@ frozen models fit (at most half the free memory of the fullest rank: :mod:`.fit`
 whole copy of each on every rank, once per session: tensor-parallel shards all-gathered (``full_tensor``; ZeRO-3
 shards of a 3-D layout as well, cast to its compute dtype), the tensors of the other pipeline stages broadcast by
 the rank owning them (one flat buffer per owner and dtype, all in flight together). Every rank of the group then
-decodes the same rows as one device would, with the same draws: no collective per token, the same tokens. The
+decodes the same rows as one device would, with the same draws: no collective per token, the same tokens; a
+generation whose tokens depend on each row's own draws (greedy, GRPO's per-prompt draws) is shared out, each rank
+decoding a contiguous share of the rows, and one all-gather gives every rank every row's tokens. The
 copies are skeletons on the meta device taken before the model is split; a session fills their registries (a rank's
 own whole tensors are shared, not copied) and empties them when it ends, so nothing stays allocated between
 rollouts. Sessions nest like ZeRO-3's, so a rollout's generation and no-grad forwards share one assembly.
@@ -35,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_llm.generation import generate
 from lightning_llm.strategies.decoding.fit import MIB, fit_in_free_memory
 from lightning_llm.strategies.pipeline.decode import PipelineDecoder
 
@@ -104,6 +107,40 @@ def _is_tuner(m: nn.Module) -> bool:
     return callable(getattr(m, "enable_adapters", None)) and isinstance(getattr(m, "disable_adapters", None), bool)
 
 
+class _RowShare:
+    """A whole copy that, in ``generate``'s row-wise loop (greedy or per-row draws), decodes only this rank's share
+    of the rows (the ranks of ``group`` decode the same batch: a contiguous share each), then every rank gets every
+    row's tokens by one all-gather. A row's tokens depend on its own logits and draws alone
+    (``TokenChooser.rowwise``), so they equal the whole batch decoded at once; calls (beam search, one generator's
+    draws) run the copy on the whole batch, as one device."""
+
+    def __init__(self, model: Any, group: Any, device: torch.device) -> None:
+        self.model, self.group, self.device = model, group, device
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model(*args, **kwargs)
+
+    def generate_rows(self, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: int,
+                      choose: Any) -> Tensor:
+        """New tokens [B, N'] of every row, the same on every rank of the group (``N'``: the longest share's)."""
+        size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        b = input_ids.shape[0]
+        per = -(-b // size)  # rows of the largest share
+        lo, hi = min(rank * per, b), min((rank + 1) * per, b)
+        out = torch.full((per, max_new_tokens + 1), choose.cfg.pad_token_id, dtype=torch.long, device=self.device)
+        out[:, -1] = 0  # the last column carries the share's N'
+        if hi > lo:
+            uniforms = choose.uniforms[lo:hi] if choose.uniforms is not None else None
+            mine = generate(self.model, input_ids[lo:hi], attention_mask[lo:hi], config=choose.cfg,
+                            uniforms=uniforms)
+            out[:hi - lo, :mine.shape[1]] = mine
+            out[:, -1] = mine.shape[1]
+        every = torch.empty(size * per, max_new_tokens + 1, dtype=torch.long, device=self.device)
+        dist.all_gather_into_tensor(every, out, group=self.group)
+        width = int(every[:, -1].max())
+        return every[:b, :width].clone()
+
+
 @dataclass
 class _Slot:
     """One tensor of a copy: every registry entry holding it (tied weights: several), where it comes from."""
@@ -123,13 +160,16 @@ class _Slot:
 class WholeCopies:
     """The whole copies of one engine set-up (see the module docstring). ``roots``: path (relative to the task) ->
     the live, split or sharded module; ``skeletons``: the same paths -> :func:`meta_skeleton` taken before the split.
-    ``dtype``: the compute dtype of floating parameters (ZeRO-3's mixed-precision ``param_dtype``), ``None``: theirs.
+    ``share_group``: the ranks that decode the same rows (a replica's pipeline and tensor-parallel ranks), which
+    share a row-wise generation's rows. ``dtype``: the compute dtype of floating parameters (ZeRO-3's
+    mixed-precision ``param_dtype``), ``None``: theirs.
     """
 
     def __init__(self, roots: dict[str, nn.Module], skeletons: dict[str, nn.Module], *, mode: str,
-                 device: torch.device, pp_group: Any, pp_size: int, dtype: torch.dtype | None) -> None:
+                 device: torch.device, pp_group: Any, pp_size: int, share_group: Any,
+                 dtype: torch.dtype | None) -> None:
         self.roots, self.skeletons, self.mode, self.device = roots, skeletons, mode, device
-        self.pp_group, self.pp_size, self.dtype = pp_group, pp_size, dtype
+        self.pp_group, self.pp_size, self.share_group, self.dtype = pp_group, pp_size, share_group, dtype
         self.slots = [s for path, skel in skeletons.items() for s in self._slots_of(path, skel)]
         self._cast = {id(s): s.is_param and s.meta.is_floating_point() and dtype is not None for s in self.slots}
         self.extra = sum(s.meta.numel() * (dtype.itemsize if self._cast[id(s)] and dtype else s.meta.element_size())
@@ -170,10 +210,10 @@ class WholeCopies:
     def note(self, layout: str) -> str:
         """The run summary's line (no collective)."""
         if self._plan is None:
-            return (f"generation under {layout}: whole copies of the model and its frozen models ({self.extra / MIB:.1f}"
-                    " MiB) assembled once per generation or rollout, decoded as on one device, if they fit in half the "
-                    f"free memory of every rank at the first generation, else through the {layout} layout itself "
-                    "(gather_for_decoding=auto; the choice is logged)")
+            return (f"generation under {layout}: whole copies of the model and its frozen models "
+                    f"({self.extra / MIB:.1f} MiB) assembled once per generation or rollout, decoded as on one "
+                    "device, if they fit in half the free memory of every rank at the first generation, else through "
+                    f"the {layout} layout itself (gather_for_decoding=auto; the choice is logged)")
         mode, why = self._plan
         if mode == "once":
             return (f"generation under {layout}: whole copies assembled once per generation or rollout, decoded as on "
@@ -288,6 +328,12 @@ class WholeCopies:
         self._follow_adapters(path)
         skeleton = self.skeletons[path]
         return skeleton.get_submodule(name) if name else skeleton
+
+    def decoder_for(self, decoder: Any) -> Any | None:
+        """What a session yields for ``decoder``: its copy, whose row-wise generation the ranks of ``share_group``
+        share (:class:`_RowShare`), or ``None`` (not a model the copies hold)."""
+        whole = self.copy_of(decoder)
+        return _RowShare(whole, self.share_group, self.device) if whole is not None else None
 
     def _follow_adapters(self, path: str) -> None:
         live, copies = self._tuners[path]
