@@ -172,9 +172,9 @@ def test_generation_equals_one_device(runs: Path, layout: str) -> None:
         # row-wise decodings (greedy with the cache, per-row draws) share the rows out: one all-gather of tokens
         assert calls["greedy_nocache"] == calls["beam"] and 1 <= len(calls["beam"]) <= 4
         assert calls["greedy"] == calls["sampled"] == calls["sampled_eos"] == [*calls["beam"], "all_gather_into_tensor"]
-        assert results[0]["decoder"] == "_RowShare" and results[0]["copies_freed"]
+        assert results[0]["decoder"] == "RowShare" and results[0]["copies_freed"]
     else:  # no copies: the layout's own decoding
-        assert results[0]["decoder"] != "_RowShare" and not results[0]["copies_freed"]
+        assert results[0]["decoder"] != "RowShare" and not results[0]["copies_freed"]
     if layout == "zero3":  # every unit gathered once when the generation starts, none per token
         assert units == 5 and all(results[0][f"{name}:gathers"] == units for name in CONFIGS)
     if layout == "zero3_per_layer":  # the fallback: every unit in every forward (the prefill + 5 steps)

@@ -38,7 +38,7 @@ class DecodingSessions:
         parameters gathered once or the per-layer fallback, or ``decoder`` itself."""
         with contextlib.ExitStack() as stack:
             if self._whole_copies is not None and stack.enter_context(self._whole_copies.session()):
-                whole = self._whole_copies.decoder_for(decoder)
+                whole = self._whole_copies.copy_of(decoder)
                 yield decoder if whole is None else whole
                 return
             if self._zero_decoding is not None:

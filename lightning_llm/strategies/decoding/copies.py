@@ -37,8 +37,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_llm.generation import generate
 from lightning_llm.strategies.decoding.fit import MIB, fit_in_free_memory
+from lightning_llm.strategies.decoding.shares import RowShare
 from lightning_llm.strategies.pipeline.decode import PipelineDecoder
 
 log = logging.getLogger(__name__)
@@ -105,40 +105,6 @@ def _even_shard(t: DTensor) -> int | None:
 def _is_tuner(m: nn.Module) -> bool:
     """A PEFT layer that can be switched off (``BaseTunerLayer``, ``ModulesToSaveWrapper``)."""
     return callable(getattr(m, "enable_adapters", None)) and isinstance(getattr(m, "disable_adapters", None), bool)
-
-
-class _RowShare:
-    """A whole copy that, in ``generate``'s row-wise loop (greedy or per-row draws), decodes only this rank's share
-    of the rows (the ranks of ``group`` decode the same batch: a contiguous share each), then every rank gets every
-    row's tokens by one all-gather. A row's tokens depend on its own logits and draws alone
-    (``TokenChooser.rowwise``), so they equal the whole batch decoded at once; calls (beam search, one generator's
-    draws) run the copy on the whole batch, as one device."""
-
-    def __init__(self, model: Any, group: Any, device: torch.device) -> None:
-        self.model, self.group, self.device = model, group, device
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.model(*args, **kwargs)
-
-    def generate_rows(self, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: int,
-                      choose: Any) -> Tensor:
-        """New tokens [B, N'] of every row, the same on every rank of the group (``N'``: the longest share's)."""
-        size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
-        b = input_ids.shape[0]
-        per = -(-b // size)  # rows of the largest share
-        lo, hi = min(rank * per, b), min((rank + 1) * per, b)
-        out = torch.full((per, max_new_tokens + 1), choose.cfg.pad_token_id, dtype=torch.long, device=self.device)
-        out[:, -1] = 0  # the last column carries the share's N'
-        if hi > lo:
-            uniforms = choose.uniforms[lo:hi] if choose.uniforms is not None else None
-            mine = generate(self.model, input_ids[lo:hi], attention_mask[lo:hi], config=choose.cfg,
-                            uniforms=uniforms)
-            out[:hi - lo, :mine.shape[1]] = mine
-            out[:, -1] = mine.shape[1]
-        every = torch.empty(size * per, max_new_tokens + 1, dtype=torch.long, device=self.device)
-        dist.all_gather_into_tensor(every, out, group=self.group)
-        width = int(every[:, -1].max())
-        return every[:b, :width].clone()
 
 
 @dataclass
@@ -314,13 +280,20 @@ class WholeCopies:
                 (module._parameters if slot.is_param else module._buffers)[leaf] = value
 
     # ------------------------------------------------------------------------------------------ use
-    def copy_of(self, module: Any) -> Any | None:
+    def copy_of(self, module: Any) -> RowShare | None:
         """What to call for ``module`` (a live root, a submodule of one, or a pipeline's decoder) while a session
-        holds the copies, else ``None``. A copy's PEFT layers follow the live ones (switched off or on)."""
+        holds the copies, else ``None``: its copy, whose work the ranks of ``share_group`` share out
+        (:class:`~.shares.RowShare`: forwards and row-wise generations). A copy's PEFT layers follow the live ones
+        (switched off or on)."""
         if not self._depth:
             return None
         if isinstance(module, PipelineDecoder):
-            return functools.partial(self.copy_of(self.roots["model"]), **module.extra)
+            whole: Any = functools.partial(self._copy(self.roots["model"]), **module.extra)
+        else:
+            whole = self._copy(module)
+        return RowShare(whole, self.share_group, self.device) if whole is not None else None
+
+    def _copy(self, module: Any) -> nn.Module | None:
         found = self._index.get(id(module))
         if found is None:
             return None
@@ -328,12 +301,6 @@ class WholeCopies:
         self._follow_adapters(path)
         skeleton = self.skeletons[path]
         return skeleton.get_submodule(name) if name else skeleton
-
-    def decoder_for(self, decoder: Any) -> Any | None:
-        """What a session yields for ``decoder``: its copy, whose row-wise generation the ranks of ``share_group``
-        share (:class:`_RowShare`), or ``None`` (not a model the copies hold)."""
-        whole = self.copy_of(decoder)
-        return _RowShare(whole, self.share_group, self.device) if whole is not None else None
 
     def _follow_adapters(self, path: str) -> None:
         live, copies = self._tuners[path]
