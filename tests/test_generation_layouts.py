@@ -8,8 +8,10 @@ parallelism (full logits on every tensor-parallel rank), the stages run token by
 beam search and decoding without a cache), the model under ZeRO-3 with its parameters gathered once per generation
 (counted: no all-gather per token) or, as the fallback, per layer in every step; and under tp and pp by default whole
 copies assembled once per generation (``strategies/decoding/copies.py``; counted: the same few collectives for every
-decoding, no message per token; row-wise decodings share the rows out over the ranks and all-gather the tokens). Two torchrun launches: 2 processes (tp x2 and pp x2 both ways, pp x2 with two
-interleaved stages per rank, zero3 x2 both ways) and 4 (3d dp2 x tp2, pp2 x tp2 both ways); the one-device reference
+decoding, no message per token; row-wise decodings share the rows out over the ranks and all-gather the tokens; also
+over FSDP2 x tp shards), or through the stages where ``auto`` finds the copies would not fit. Two torchrun launches: 2 processes (tp x2 and pp x2 both ways, pp x2 with two
+interleaved stages per rank, pp x2 without room for copies, zero3 x2 both ways) and 4 (3d dp2 x tp2 with and
+without ZeRO-3, pp2 x tp2 both ways); the one-device reference
 runs in this process meanwhile.
 """
 
@@ -25,6 +27,7 @@ import pytest
 import torch
 
 from lightning_llm.generation import GenerationConfig, generate
+from lightning_llm.strategies.decoding import fit
 from lightning_llm.testing import (
     CollectiveCounter,
     gathered,
@@ -44,9 +47,9 @@ CONFIGS = {
     # rows end at different steps (about 4 in 10 tokens end a row), so pipeline micro-batches stop at their own step
     "sampled_eos": GenerationConfig(max_new_tokens=NEW, do_sample=True, eos_token_id=list(range(4, 100))),
 }
-LAYOUTS_2 = ["tp", "tp_shards", "pp", "pp_ring", "pp_interleaved", "zero3", "zero3_per_layer"]
-LAYOUTS_4 = ["dp2_tp2", "pp2_tp2", "pp2_tp2_ring"]
-COPIES = {"tp", "pp", "dp2_tp2", "pp2_tp2"}  # gather_for_decoding=auto: whole copies (they fit)
+LAYOUTS_2 = ["tp", "tp_shards", "pp", "pp_ring", "pp_interleaved", "pp_nofit", "zero3", "zero3_per_layer"]
+LAYOUTS_4 = ["dp2_tp2", "dp2_tp2_zero3", "pp2_tp2", "pp2_tp2_ring"]
+COPIES = {"tp", "pp", "dp2_tp2", "dp2_tp2_zero3", "pp2_tp2"}  # gather_for_decoding=auto: whole copies (they fit)
 
 
 def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,19 +66,21 @@ def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
 def _strategy(layout: str) -> Any:
     from lightning_llm.strategies import HybridParallelStrategy
 
-    # tp, pp, dp2_tp2, pp2_tp2: whole copies (gather_for_decoding=auto, which they fit). The layouts' own decoding
+    # tp, pp, dp2_tp2, dp2_tp2_zero3 (FSDP2 x tp shards), pp2_tp2: whole copies (gather_for_decoding=auto, which
+    # they fit; pp_nofit: told the host has no free memory, so auto falls back). The layouts' own decoding
     # (per_layer): tp_shards through the shards; pp_ring, pp_interleaved with micro-batches in flight, one per stage,
     # as for a model with work enough for them; pp2_tp2_ring keeps "auto", which decodes this tiny model's rows as one
     # micro-batch
     own = dict(gather_for_decoding="per_layer")
     kw = {"tp": dict(tensor_parallel_size=2), "tp_shards": dict(tensor_parallel_size=2, **own),
-          "pp": dict(pipeline_parallel_size=2),
+          "pp": dict(pipeline_parallel_size=2), "pp_nofit": dict(pipeline_parallel_size=2),
           "pp_ring": dict(pipeline_parallel_size=2, decode_microbatches="stages", **own),
           "pp_interleaved": dict(pipeline_parallel_size=2, stages_per_rank=2, schedule="interleaved_1f1b",
                                  decode_microbatches="stages", **own),
           "zero3": dict(data_parallel_size=2, zero_stage=3),
           "zero3_per_layer": dict(data_parallel_size=2, zero_stage=3, gather_for_decoding="per_layer"),
           "dp2_tp2": dict(data_parallel_size=2, tensor_parallel_size=2),
+          "dp2_tp2_zero3": dict(data_parallel_size=2, tensor_parallel_size=2, zero_stage=3),
           "pp2_tp2": dict(pipeline_parallel_size=2, tensor_parallel_size=2),
           "pp2_tp2_ring": dict(pipeline_parallel_size=2, tensor_parallel_size=2, **own)}[layout]
     return HybridParallelStrategy(**kw)
@@ -120,10 +125,17 @@ def _run(layout: str, devices: int, out: Path) -> dict[str, list[list[int]]]:
     task = CausalLMTask("debug", dropout=0.0)
     dm = TextDataModule(block_size=16, batch_size=4, cache_dir=str(out / "cache"), generated_docs=40)
     cb = _Generate()
+    if layout == "pp_nofit":  # what auto decides when the copies do not fit: the stages (the run summary says so)
+        monkeypatch = pytest.MonkeyPatch()
+        monkeypatch.setattr(fit, "free_memory_bytes", lambda device: 1)
     trainer = table_trainer(out / layout, strategy=_strategy(layout) if devices > 1 else "auto", devices=devices,
                             max_steps=1, callbacks=[cb])
     trainer.limit_val_batches = 1
     trainer.validate(task, dm, verbose=False)
+    if layout == "pp_nofit":
+        monkeypatch.undo()
+    note = getattr(trainer.strategy, "decoding_note", lambda: None)()
+    cb.tokens["note"] = note or ""
     return cb.tokens
 
 
@@ -173,8 +185,12 @@ def test_generation_equals_one_device(runs: Path, layout: str) -> None:
         assert calls["greedy_nocache"] == calls["beam"] and 1 <= len(calls["beam"]) <= 4
         assert calls["greedy"] == calls["sampled"] == calls["sampled_eos"] == [*calls["beam"], "all_gather_into_tensor"]
         assert results[0]["decoder"] == "RowShare" and results[0]["copies_freed"]
+        assert "whole copies assembled once per generation" in results[0]["note"]
     else:  # no copies: the layout's own decoding
-        assert results[0]["decoder"] != "RowShare" and not results[0]["copies_freed"]
+        assert results[0]["decoder"] != "RowShare"
+    if layout == "pp_nofit":
+        print(f"pp_nofit: {results[0]['note']}")
+        assert "through the pp x2 layout itself, the fallback" in results[0]["note"]
     if layout == "zero3":  # every unit gathered once when the generation starts, none per token
         assert units == 5 and all(results[0][f"{name}:gathers"] == units for name in CONFIGS)
     if layout == "zero3_per_layer":  # the fallback: every unit in every forward (the prefill + 5 steps)
