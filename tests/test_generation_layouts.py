@@ -10,8 +10,8 @@ beam search and decoding without a cache), the model under ZeRO-3 with its param
 copies assembled once per generation (``strategies/decoding/copies.py``; counted: the same few collectives for every
 decoding, no message per token; row-wise decodings share the rows out over the ranks and all-gather the tokens; also
 over FSDP2 x tp shards), or through the stages where ``auto`` finds the copies would not fit. Two torchrun launches: 2 processes (tp x2 and pp x2 both ways, pp x2 with two
-interleaved stages per rank, pp x2 without room for copies, zero3 x2 both ways) and 4 (3d dp2 x tp2 with and
-without ZeRO-3, pp2 x tp2 both ways); the one-device reference
+interleaved stages per rank, pp x2 without room for copies, pp x2 of an MoE decoder, zero3 x2 both ways) and 4 (3d
+dp2 x tp2 with and without ZeRO-3, pp2 x tp2 both ways, pp x4 of a decoder whose head is tied to its embeddings); the one-device reference
 runs in this process meanwhile.
 """
 
@@ -47,9 +47,10 @@ CONFIGS = {
     # rows end at different steps (about 4 in 10 tokens end a row), so pipeline micro-batches stop at their own step
     "sampled_eos": GenerationConfig(max_new_tokens=NEW, do_sample=True, eos_token_id=list(range(4, 100))),
 }
-LAYOUTS_2 = ["tp", "tp_shards", "pp", "pp_ring", "pp_interleaved", "pp_nofit", "zero3", "zero3_per_layer"]
-LAYOUTS_4 = ["dp2_tp2", "dp2_tp2_zero3", "pp2_tp2", "pp2_tp2_ring"]
-COPIES = {"tp", "pp", "dp2_tp2", "dp2_tp2_zero3", "pp2_tp2"}  # gather_for_decoding=auto: whole copies (they fit)
+LAYOUTS_2 = ["tp", "tp_shards", "pp", "pp_ring", "pp_interleaved", "pp_nofit", "pp_moe", "zero3", "zero3_per_layer"]
+LAYOUTS_4 = ["dp2_tp2", "dp2_tp2_zero3", "pp2_tp2", "pp2_tp2_ring", "pp4_tied"]
+COPIES = {"tp", "pp", "pp_moe", "dp2_tp2", "dp2_tp2_zero3", "pp2_tp2", "pp4_tied"}  # auto: whole copies (they fit)
+BACKBONES = {"pp_moe": "debug-moe", "pp4_tied": "debug-qwen2"}  # else debug; each has its one-device reference
 
 
 def _prompts() -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,6 +75,7 @@ def _strategy(layout: str) -> Any:
     own = dict(gather_for_decoding="per_layer")
     kw = {"tp": dict(tensor_parallel_size=2), "tp_shards": dict(tensor_parallel_size=2, **own),
           "pp": dict(pipeline_parallel_size=2), "pp_nofit": dict(pipeline_parallel_size=2),
+          "pp_moe": dict(pipeline_parallel_size=2, schedule="gpipe"), "pp4_tied": dict(pipeline_parallel_size=4),
           "pp_ring": dict(pipeline_parallel_size=2, decode_microbatches="stages", **own),
           "pp_interleaved": dict(pipeline_parallel_size=2, stages_per_rank=2, schedule="interleaved_1f1b",
                                  decode_microbatches="stages", **own),
@@ -117,12 +119,12 @@ class _Generate(pl.Callback):
         self.tokens["microbatches"] = runner.decoder().microbatches_for(ids.shape[0]) if runner is not None else 0
 
 
-def _run(layout: str, devices: int, out: Path) -> dict[str, list[list[int]]]:
+def _run(layout: str, devices: int, out: Path, backbone: str = "debug") -> dict[str, list[list[int]]]:
     from lightning_llm.data import TextDataModule
     from lightning_llm.tasks import CausalLMTask
 
     pl.seed_everything(11)
-    task = CausalLMTask("debug", dropout=0.0)
+    task = CausalLMTask(backbone, dropout=0.0)
     dm = TextDataModule(block_size=16, batch_size=4, cache_dir=str(out / "cache"), generated_docs=40)
     cb = _Generate()
     if layout == "pp_nofit":  # what auto decides when the copies do not fit: the stages (the run summary says so)
@@ -141,10 +143,11 @@ def _run(layout: str, devices: int, out: Path) -> dict[str, list[list[int]]]:
 
 def _worker(mode: str, out: Path) -> None:
     if mode == "reference":
-        (out / "reference.json").write_text(json.dumps(_run("1", 1, out)))
+        refs = {b: _run(f"1-{b}", 1, out, b) for b in ("debug", *BACKBONES.values())}
+        (out / "reference.json").write_text(json.dumps(refs))
         return
     layouts = LAYOUTS_2 if mode == "2" else LAYOUTS_4
-    results = {layout: gathered(_run(layout, int(mode), out)) for layout in layouts}
+    results = {layout: gathered(_run(layout, int(mode), out, BACKBONES.get(layout, "debug"))) for layout in layouts}
     if torch.distributed.get_rank() == 0:
         (out / f"layouts-{mode}.json").write_text(json.dumps(results))
 
@@ -162,7 +165,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", [*LAYOUTS_2, *LAYOUTS_4])
 def test_generation_equals_one_device(runs: Path, layout: str) -> None:
-    ref = json.loads((runs / "reference.json").read_text())
+    ref = json.loads((runs / "reference.json").read_text())[BACKBONES.get(layout, "debug")]
     results = json.loads((runs / f"layouts-{2 if layout in LAYOUTS_2 else 4}.json").read_text())[layout]
     for name in CONFIGS:
         print(f"{layout} {name}: {results[0][name]}; all-gathers {results[0][name + ':gathers']}")
