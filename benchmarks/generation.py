@@ -49,10 +49,17 @@ ROOT = Path(__file__).resolve().parents[1]
 GROUPS = {"matmul": ("mm", "addmm", "bmm", "linear", "matmul"), "attention": ("scaled_dot_product", "attention"),
           "collectives": ("gloo", "all_reduce", "allreduce", "all_gather", "allgather", "broadcast", "send", "recv",
                           "c10d", "wait")}
-DECODE_LAYOUTS = {"1 device": None, "tp x2": dict(tensor_parallel_size=2), "pp x2": dict(pipeline_parallel_size=2),
+OWN = "gather_for_decoding"  # per_layer: the layout decodes as it trains (tp through its shards, pp its stages)
+DECODE_LAYOUTS = {"1 device": None, "tp x2": dict(tensor_parallel_size=2),
+                  "tp x2 (shards)": dict(tensor_parallel_size=2, **{OWN: "per_layer"}),
+                  "pp x2": dict(pipeline_parallel_size=2),
+                  "pp x2 (stages)": dict(pipeline_parallel_size=2, **{OWN: "per_layer"}),
                   "zero3 x2": dict(data_parallel_size=2, zero_stage=3)}
 GRPO_LAYOUTS = {"1 device": [], "ddp x2": ["--trainer.strategy=ddp"], "pp x2": ["--trainer.strategy=pp"],
-                "tp x2": ["--trainer.strategy=tp"], "zero3 x2": ["--trainer.strategy=zero3"]}
+                "pp x2 (stages)": ["--trainer.strategy=pp", f"--trainer.strategy.{OWN}=per_layer"],
+                "tp x2": ["--trainer.strategy=tp"],
+                "tp x2 (shards)": ["--trainer.strategy=tp", f"--trainer.strategy.{OWN}=per_layer"],
+                "zero3 x2": ["--trainer.strategy=zero3"]}
 
 
 def _prompts(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -197,8 +204,10 @@ def _grpo_run(layout: str, source: Path, a: argparse.Namespace) -> list[float]:
                  "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={out}"]
         cli = ["-m", "lightning_llm", "fit", "--config", str(ROOT / "configs" / "grpo.yaml"), *flags]
         if GRPO_LAYOUTS[layout]:
+            # an earlier tree (--compare) has no gather_for_decoding under tp and pp: it decodes as they train
+            layout_flags = [f for f in GRPO_LAYOUTS[layout] if source == ROOT or OWN not in f]
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-                   f"--master_port={free_port()}", *cli, "--trainer.devices=2", *GRPO_LAYOUTS[layout]]
+                   f"--master_port={free_port()}", *cli, "--trainer.devices=2", *layout_flags]
         else:
             cmd = [sys.executable, *cli]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(source)}
