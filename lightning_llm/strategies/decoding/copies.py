@@ -6,13 +6,14 @@ every token crosses the stages (and one stage works at a time unless micro-batch
 a stage call carries enough work). For a rollout batch (its generation, then the no-grad forwards of its old and
 reference log-probs) that is most of the time of small and mid-sized models. So, when the whole model and the task's
 frozen models fit (at most half the free memory of the fullest rank: :mod:`.fit`), a decoding session assembles a
-whole copy of each on every rank, once per session: tensor-parallel shards all-gathered (``full_tensor``; ZeRO-3
-shards of a 3-D layout as well, cast to its compute dtype), the tensors of the other pipeline stages broadcast by
-the rank owning them (one flat buffer per owner and dtype, all in flight together). Every rank of the group then
-decodes the same rows as one device would, with the same draws: no collective per token, the same tokens; a
-generation whose tokens depend on each row's own draws (greedy, GRPO's per-prompt draws) is shared out, each rank
-decoding a contiguous share of the rows, and one all-gather gives every rank every row's tokens. The
-copies are skeletons on the meta device taken before the model is split; a session fills their registries (a rank's
+whole copy of each on every rank, once per session: tensor-parallel shards all-gathered (one flat collective per
+mesh, shard dimension and dtype; other DTensors, e.g. ZeRO-3 x tp shards of a 3-D layout, by ``full_tensor``, cast to
+its compute dtype), the tensors of the other pipeline stages broadcast by the rank owning them (one flat buffer per
+owner and dtype, all in flight together). The ranks of a replica (``share_group``: pp x tp) then work as one device
+would, without a collective per token, sharing the rows out (:mod:`.shares`): a forward (old and reference
+log-probs) runs each rank's share and all-gathers the outputs; a generation whose tokens depend on each row's own
+logits and draws (greedy, GRPO's per-prompt draws) decodes each rank's share and all-gathers the tokens; beam search
+and one generator's draws decode the whole batch on every rank with the same draws. The copies are skeletons on the meta device taken before the model is split; a session fills their registries (a rank's
 own whole tensors are shared, not copied) and empties them when it ends, so nothing stays allocated between
 rollouts. Sessions nest like ZeRO-3's, so a rollout's generation and no-grad forwards share one assembly.
 
@@ -161,9 +162,10 @@ class WholeCopies:
 
     # ------------------------------------------------------------------------------------------ plan
     def plan(self) -> tuple[str, str]:
-        """``("once" | "per_layer", why)``; with ``auto`` decided at the first session by every rank together."""
+        """``("once" | "per_layer", why)``; with ``auto`` decided at the first session by the ranks that assemble the
+        copies together (``share_group``: each replica decides for itself)."""
         if self._plan is None:
-            fits, why = fit_in_free_memory(self.extra, device=self.device, group=None)
+            fits, why = fit_in_free_memory(self.extra, device=self.device, group=self.share_group)
             self._plan = ("once" if fits else "per_layer", why)
             log.info("decoding with whole copies: %s (%s)", *self._plan)
         return self._plan
