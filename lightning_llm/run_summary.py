@@ -41,7 +41,7 @@ from lightning_llm.models.attention import describe_attention
 from lightning_llm.models.moe import moe_parameters
 from lightning_llm.models.quantize import describe, is_quantized, quantized_bytes
 from lightning_llm.strategies import DeepSpeedZeroStrategy, ParallelEngine
-from lightning_llm.strategies.frozen import frozen_models_of
+from lightning_llm.strategies.frozen import frozen_models_of, scoring_models_of
 from lightning_llm.strategies.zero.native import model_state_bytes
 
 log = logging.getLogger(__name__)
@@ -330,12 +330,15 @@ def _memory_line(trainer: pl.Trainer, task: Any, layout: Layout, batch: int | No
 def _frozen_line(task: Any) -> str | None:
     """What this rank holds of the task's frozen models (placed like the model: ``task.frozen_models()``), measured
     (the memory line's "frozen copies" is their estimate)."""
-    frozen = frozen_models_of(task)
-    if not frozen:
-        return None
-    held = sum(model_state_bytes(m, [])["params"] for m in frozen.values())
-    return (f"frozen models placed like the model (forward only, no gradients or optimizer states): "
-            f"{', '.join(frozen)}; {held / MIB:.2f} MiB on this rank")
+    parts = []
+    for models, what in ((frozen_models_of(task), "frozen models placed like the model (forward only, no gradients "
+                                                  "or optimizer states)"),
+                         (scoring_models_of(task), "scoring models (tensor-parallel and ZeRO-3 shards, whole on a "
+                                                   "pipeline rank)")):
+        if models:
+            held = sum(model_state_bytes(m, [])["params"] for m in models.values())
+            parts.append(f"{what}: {', '.join(models)}; {held / MIB:.2f} MiB on this rank")
+    return "; ".join(parts) or None
 
 
 # ----------------------------------------------------------------------------------------------------- model summary

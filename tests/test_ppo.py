@@ -323,6 +323,58 @@ def test_clip_gradients_under_deepspeed_refuses_a_norm_the_engine_would_not_appl
     plugin.clip_gradients(None, 1.0)
 
 
+@pytest.fixture(scope="module")
+def reward_run(single: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """(the one-device PPO run scored by a reward model, the flags naming it): a `debug` encoder classifier saved as
+    an HF directory with its BERT vocabulary (random weights: its scores are what is compared)."""
+    from lightning_llm.models import build_model, save_hf
+    from lightning_llm.rl.synthetic import write_reward_pairs
+
+    out = tmp_path_factory.mktemp("ppo_reward")
+    write_reward_pairs(out / "pairs", n_train=4, n_val=2)
+    vocab = (out / "pairs" / "tokenizer" / "vocab.txt").read_text().splitlines()
+    vocab += [f"[unused{i}]" for i in range(-len(vocab) % 8)]  # as BERT's: a vocabulary tp can split
+    torch.manual_seed(0)
+    rm = build_model("debug", family="encoder", vocab_size=len(vocab), num_labels=2)
+    with torch.no_grad():
+        rm.classifier.weight.mul_(50.0)  # scores that differ from response to response (and from one rollout's mean)
+    save_hf(rm, out / "rm")
+    (out / "rm" / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    flags = [f"--model.reward={{fn: null, model: {out / 'rm'}, score: log_odds}}"]
+    assert main(_ppo_args(out / "one", single[0], batch=8, extra=["--trainer.devices=1", *flags])) == 0
+    return out / "one", flags
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["zero3", "tp", "pp"])
+def test_reward_model_is_placed_like_the_policy(single: tuple[Path, Path], reward_run: tuple[Path, list[str]],
+                                                tmp_path: Path, strategy: str) -> None:
+    """A reward model (an encoder classifier scoring the decoded texts) is sharded like the policy where its inputs
+    allow: its family's tensor-parallel plan under tp x2 (0.66x of its bytes per rank), ZeRO-3 shards under zero3 x2
+    (0.50x), whole on each rank of pp x2 (it is not split into the policy's stages); the scores, KL and parameters
+    equal one device's."""
+    one_dir, flags = reward_run
+    flags_layout, batch, nproc = RL_LAYOUTS.get(strategy, ([f"--trainer.strategy={strategy}"], 4, 2))
+    run_cli(_ppo_args(tmp_path / strategy, single[0], batch=batch,
+                      extra=[f"--trainer.devices={nproc}", *flags_layout, *flags]), nproc=nproc)
+    one, two = _logged(one_dir), _logged(tmp_path / strategy)
+    keys = ("objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "val/ratio")
+    err = max(abs(a[k] - b[k]) for a, b in zip(one, two) for k in keys)
+    p1, p2 = torch.load(one_dir / "steps.json.pt"), torch.load(tmp_path / strategy / "steps.json.pt")
+    perr = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
+    held = json.loads((tmp_path / strategy / "rollouts.json").read_text())["scoring_bytes"]
+    whole = json.loads((one_dir / "rollouts.json").read_text())["scoring_bytes"][0]
+    ratio = max(held) / whole
+    print(f"reward model under {strategy}: stats {err:.2e}, params {perr:.2e}; scores",
+          [round(r["objective/scores"], 4) for r in two], f"; reward model bytes per rank {held} vs {whole} "
+          f"({ratio:.3f}x)")
+    assert len(one) == len(two) == 4 and len({round(r["objective/scores"], 6) for r in one}) > 1
+    assert err < 1e-5 and perr < 1e-4
+    # tp: the encoder's plan keeps position/token-type embeddings, norms, pooler and classifier whole - a third of
+    # this tiny `debug` encoder (of bert-base: 3%)
+    assert ratio <= {"zero3": 0.55, "tp": 0.7, "pp": 1.0}[strategy] and (ratio == 1.0) == (strategy == "pp")
+
+
 @pytest.mark.multiprocess
 def test_lora_policy_under_pipeline_matches_one_device(single: tuple[Path, Path], tmp_path: Path) -> None:
     """A LoRA policy under pp x2: the reference is the policy with its adapters off, run through the pipeline (the

@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_llm.checkpoint import load_file
 from lightning_llm.data.base import load_tokenizer
@@ -137,7 +139,12 @@ def _load_classification_checkpoint(path: Path) -> tuple[nn.Module, dict[str, An
 
 class RewardModel:
     """A frozen sequence classifier scoring decoded (prompt, response) texts. Not an ``nn.Module`` on purpose: it
-    stays out of the policy's state dict, optimizer and DDP wrapper; call :meth:`to` to move it."""
+    stays out of the policy's state dict, optimizer and DDP wrapper; call :meth:`to` to move it. The RL tasks declare
+    its ``model`` as a scoring model (``task.scoring_models()``), which a layout shards with the family's
+    tensor-parallel plan and ZeRO-3; under ZeRO-3 every rank of ``lockstep`` (the data-parallel group, set by the
+    task) then runs the same number of forwards per call (one chunk more than it needs runs on a dummy row)."""
+
+    lockstep: Any = None
 
     def __init__(self, cfg: RewardConfig) -> None:
         assert cfg.model is not None
@@ -181,15 +188,28 @@ class RewardModel:
         enc = self.tokenizer(prompts, responses, **kw) if self.cfg.text == "pair" else self.tokenizer(responses, **kw)
         return {k: v.to(self.device) for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
 
+    def _forwards(self, n: int) -> int:
+        """Forwards a call of ``n`` chunks runs: ``n``, or under ZeRO-3 the most any rank of ``lockstep`` needs
+        (each forward all-gathers the shards, which every rank must join)."""
+        if self.lockstep is None or not any(isinstance(m, FSDPModule) for m in self.model.modules()):
+            return n
+        most = torch.tensor([n], device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.lockstep)
+        return int(most)
+
+    def _logits(self, prompts: list[str], responses: list[str]) -> Tensor:
+        enc = self._encode(prompts, responses)
+        return self.model(enc["input_ids"], attention_mask=enc.get("attention_mask"),
+                          token_type_ids=enc.get("token_type_ids")).float()  # [b, L]
+
     @torch.no_grad()
     def __call__(self, prompts: list[str], responses: list[str]) -> Tensor:
-        out = []
-        for i in range(0, len(responses), self.cfg.batch_size):
-            enc = self._encode(prompts[i:i + self.cfg.batch_size], responses[i:i + self.cfg.batch_size])
-            logits = self.model(enc["input_ids"], attention_mask=enc.get("attention_mask"),
-                                token_type_ids=enc.get("token_type_ids")).float()  # [b, L]
-            out.append(self._score(logits))
-        return torch.cat(out)
+        bs = self.cfg.batch_size
+        starts = range(0, len(responses), bs)
+        out = [self._score(self._logits(prompts[i:i + bs], responses[i:i + bs])) for i in starts]
+        for _ in range(self._forwards(len(starts)) - len(starts)):
+            self._logits([""], [""])  # joins the other ranks' all-gathers; the scores are not used
+        return torch.cat(out) if out else torch.zeros(0, device=self.device)
 
     def _score(self, logits: Tensor) -> Tensor:
         if self.num_labels == 1:

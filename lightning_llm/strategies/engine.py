@@ -63,7 +63,8 @@ from lightning_llm.strategies.engine_checkpoint import DefaultGroupCollectives, 
 from lightning_llm.strategies.engine_grads import EngineGradients
 from lightning_llm.strategies.engine_layout import LayoutArgs, PipelineStages
 from lightning_llm.strategies.expert import apply_expert_parallel, expert_blocker, expert_mesh
-from lightning_llm.strategies.frozen import check_frozen_models, frozen_models_of, place_frozen_models
+from lightning_llm.strategies.frozen import (check_frozen_models, frozen_models_of, place_frozen_models,
+                                             place_scoring_models, scoring_models_of)
 from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB, GradReducer, reducer_for
 from lightning_llm.strategies.materialize import materialize_shards
 from lightning_llm.strategies.mesh import (ParallelDims, device_type_of, mesh_coordinate, model_parallel_mesh,
@@ -430,6 +431,7 @@ class ParallelEngine(EngineGradients, DecodingSessions, DefaultGroupCollectives,
         place_frozen_models(module, frozen, specs=self.stages.specs if self.stages else None,
                             tp_mesh=self._mesh["tp"], sequence_parallel=self.sequence_parallel,
                             sharded_logits=self._sharded_logits, zero3=zero3)
+        place_scoring_models(scoring_models_of(module), tp_mesh=self._mesh["tp"], zero3=zero3)  # an RL reward model
 
     @override
     def model_to_device(self) -> None:

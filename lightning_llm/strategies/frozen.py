@@ -29,7 +29,8 @@ from lightning_llm.strategies.zero.native import apply_fsdp, fsdp_units
 
 log = logging.getLogger(__name__)
 
-__all__ = ["check_frozen_models", "frozen_models_of", "place_frozen_models"]
+__all__ = ["check_frozen_models", "frozen_models_of", "place_frozen_models", "place_scoring_models",
+           "scoring_models_of"]
 
 
 def frozen_models_of(task: Any) -> dict[str, nn.Module]:
@@ -43,6 +44,40 @@ def frozen_models_of(task: Any) -> dict[str, nn.Module]:
                              f"({', '.join(trained[:3])}, ...): a frozen model is placed without gradients or "
                              "optimizer states")
     return models
+
+
+def scoring_models_of(task: Any) -> dict[str, nn.Module]:
+    """``task.scoring_models()`` (name -> module: frozen models run on inputs of their own, an RL reward model),
+    checked frozen; ``{}`` for a task that declares none."""
+    declared = getattr(task, "scoring_models", None)
+    models = dict(declared()) if callable(declared) else {}
+    for name, module in models.items():
+        if any(p.requires_grad for p in module.parameters()):
+            raise ValueError(f"{type(task).__name__}.scoring_models()[{name!r}] has trainable parameters: a scoring "
+                             "model is placed without gradients or optimizer states")
+    return models
+
+
+def place_scoring_models(models: dict[str, nn.Module], *, tp_mesh: DeviceMesh, zero3: dict[str, Any] | None) -> None:
+    """Shard each of ``models`` in place as the model is sharded, where its inputs allow: its family's tensor-parallel
+    plan over ``tp_mesh`` (the ranks of a tensor-parallel group score the same inputs) and, with ``zero3``
+    (:func:`~.zero.native.apply_fsdp`'s keyword arguments but the units), FSDP2 over its units, resharded after every
+    forward; never split into pipeline stages (its inputs are not the model's), so whole on a pipeline rank. A model
+    the plan cannot split (heads not divisible by tp) stays whole on each rank, logged."""
+    if tp_mesh.size() == 1 and zero3 is None:
+        return
+    for name, module in models.items():
+        done = []
+        try:
+            apply_tensor_parallel(module, tp_mesh, sequence_parallel=False, loss_parallel=False)
+            done += ["tensor parallel"] if tp_mesh.size() > 1 else []
+        except ValueError as err:
+            log.warning("scoring model %s stays whole on every tensor-parallel rank: %s", name, err)
+        if zero3 is not None:
+            holder = nn.ModuleDict({"model": module})  # apply_fsdp shards units below a root
+            apply_fsdp(holder, units=fsdp_units(holder, "model"), **zero3)
+            done.append("ZeRO-3 shards")
+        log.info("scoring model %s placed like the model (%s)", name, ", ".join(done) or "whole")
 
 
 def _blocks(model: nn.Module) -> list[str]:

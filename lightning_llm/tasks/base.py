@@ -351,6 +351,14 @@ class LLMTask(pl.LightningModule):
         ZeRO-3 shards (forward only: no gradients, no optimizer states). Call them with :meth:`run_frozen`."""
         return {}
 
+    def scoring_models(self) -> dict[str, nn.Module]:
+        """Frozen models of a registered family the task runs on inputs of their own (name -> module; e.g. an RL
+        reward model on decoded texts), which a layout places as far as their inputs allow: the family's
+        tensor-parallel plan (the ranks of a tensor-parallel group call them with the same inputs) and ZeRO-3 shards
+        (forward only; every data-parallel rank must then call them the same number of times), never pipeline
+        stages (whole on a pipeline rank). Call them directly."""
+        return {}
+
     def run_frozen(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """Call the frozen model ``name`` of :meth:`frozen_models`: directly, or as a forward-only pass through its
         pipeline stages (a split frozen model refuses direct calls, as the split model does); inside a decoding

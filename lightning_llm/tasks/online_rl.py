@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_llm.generation import GenerationConfig, for_datamodule, generate, strip_after_eos
@@ -158,6 +158,11 @@ class OnlineRLTask(DecoderTask):
         super().configure_model()
         if self._reward is None:
             self._reward = build_reward(self.reward_config)
+
+    @override
+    def scoring_models(self) -> dict[str, nn.Module]:
+        """The reward model, where the reward is one (placed by tensor parallelism and ZeRO-3 like the policy)."""
+        return {"reward": self._reward.model} if isinstance(self._reward, RewardModel) else {}
 
     # ------------------------------------------------------------------------------------------ distributed helpers
     def _world(self) -> int:
@@ -378,6 +383,7 @@ class OnlineRLTask(DecoderTask):
     def on_fit_start(self) -> None:
         if isinstance(self._reward, RewardModel):
             self._reward.to(self.device)
+            self._reward.lockstep = self.capabilities.data_parallel_group if self._world() > 1 else None
         batch_size = getattr(self.trainer.datamodule, "batch_size", None)
         per_rank = (batch_size or 0) * self.rollouts_per_prompt
         if batch_size is not None and per_rank < self.update_schedule.num_mini_batches:
@@ -397,6 +403,7 @@ class OnlineRLTask(DecoderTask):
     def on_validation_start(self) -> None:
         if isinstance(self._reward, RewardModel):
             self._reward.to(self.device)
+            self._reward.lockstep = self.capabilities.data_parallel_group if self._world() > 1 else None
 
     @override
     def configure_optimizers(self) -> Any:

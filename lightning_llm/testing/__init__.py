@@ -77,21 +77,23 @@ class StepRecorder(pl.Callback):
 class RolloutRecorder(pl.Callback):
     """The tokens of every training rollout of an on-policy RL task, by the prompts' record ``index``, the
     all-gathers each rank's sampling ran (``CollectiveCounter``: ZeRO-3 gathers once per rollout, before it
-    samples), and the bytes each rank holds of the task's frozen models (``model_state_bytes``, at fit start).
+    samples), and the bytes each rank holds of the task's frozen and scoring models (``model_state_bytes``, at fit
+    start).
 
     Rank 0 writes ``{"rollouts": [{index: [[tokens of each response]]}, ...], "gathers": [[per rollout], per rank],
-    "frozen_bytes": [per rank]}`` to ``output`` as JSON at the end of ``fit``; tensor- and pipeline-parallel peers
+    "frozen_bytes": [per rank], "scoring_bytes": [per rank]}`` to ``output`` as JSON at the end of ``fit``; tensor- and pipeline-parallel peers
     must have drawn the same tokens (checked: their entries are merged and must agree)."""
 
     def __init__(self, output: str) -> None:
         self.output = output
         self.rollouts: list[dict[int, list[list[int]]]] = []
         self.gathers: list[int] = []
-        self.frozen_bytes = 0
+        self.frozen_bytes = self.scoring_bytes = 0
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.frozen_bytes = sum(model_state_bytes(m, [])["params"] for m in pl_module.frozen_models().values())
+        self.scoring_bytes = sum(model_state_bytes(m, [])["params"] for m in pl_module.scoring_models().values())
         sample = pl_module.sample
 
         def recorded(batch: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
@@ -108,18 +110,18 @@ class RolloutRecorder(pl.Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        mine = (self.rollouts, self.frozen_bytes, self.gathers)
+        mine = (self.rollouts, self.frozen_bytes, self.gathers, self.scoring_bytes)
         every = gathered(mine) if torch.distributed.is_initialized() else [mine]
         merged: list[dict[int, list[list[int]]]] = [{} for _ in self.rollouts]
-        for rollouts, _, _ in every:
+        for rollouts, *_ in every:
             for step, rows in zip(merged, rollouts, strict=True):
                 for index, tokens in rows.items():
                     if step.setdefault(index, tokens) != tokens:
                         raise AssertionError(f"ranks of one replica drew different tokens for prompt {index}")
         if trainer.global_rank == 0:
             with atomic_open(self.output, "w") as f:
-                json.dump({"rollouts": merged, "frozen_bytes": [b for _, b, _ in every],
-                           "gathers": [g for _, _, g in every]}, f)
+                json.dump({"rollouts": merged, "frozen_bytes": [b for _, b, _, _ in every],
+                           "gathers": [g for _, _, g, _ in every], "scoring_bytes": [s for *_, s in every]}, f)
 
 
 def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
