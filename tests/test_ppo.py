@@ -375,6 +375,38 @@ def test_reward_model_is_placed_like_the_policy(single: tuple[Path, Path], rewar
     assert ratio <= {"zero3": 0.55, "tp": 0.7, "pp": 1.0}[strategy] and (ratio == 1.0) == (strategy == "pp")
 
 
+@pytest.fixture(scope="module")
+def critic_run(single: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The one-device PPO run with a separate critic trunk (`--model.critic_backbone=debug`)."""
+    out = tmp_path_factory.mktemp("ppo_critic") / "one"
+    assert main(_ppo_args(out, single[0], batch=8, extra=["--trainer.devices=1", "--model.critic_backbone=debug"])) == 0
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["zero3", "tp"])
+def test_separate_critic_is_sharded_like_the_policy(single: tuple[Path, Path], critic_run: Path, tmp_path: Path,
+                                                    strategy: str) -> None:
+    """A separate critic trunk (trained, inside the actor-critic) gets its family's tensor-parallel plan and ZeRO-3
+    units like the policy (a rank holds at most 0.55x of its bytes; it was replicated); values, losses and parameters
+    equal one device's."""
+    flags, batch, nproc = RL_LAYOUTS.get(strategy, ([f"--trainer.strategy={strategy}"], 4, 2))
+    run_cli(_ppo_args(tmp_path / strategy, single[0], batch=batch,
+                      extra=[f"--trainer.devices={nproc}", *flags, "--model.critic_backbone=debug"]), nproc=nproc)
+    one, two = _logged(critic_run), _logged(tmp_path / strategy)
+    keys = ("objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "val/ratio")
+    err = max(abs(a[k] - b[k]) for a, b in zip(one, two) for k in keys)
+    p1, p2 = torch.load(critic_run / "steps.json.pt"), torch.load(tmp_path / strategy / "steps.json.pt")
+    perr = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
+    held = [parts["critic"] for parts in json.loads((tmp_path / strategy / "rollouts.json").read_text())["parts_bytes"]]
+    whole = json.loads((critic_run / "rollouts.json").read_text())["parts_bytes"][0]["critic"]
+    print(f"separate critic under {strategy}: stats {err:.2e}, params {perr:.2e} ({sum('critic' in k for k in p1)} "
+          f"critic tensors); critic bytes per rank {held} vs {whole} ({max(held) / whole:.3f}x); value loss",
+          [round(r["loss/value_avg"], 5) for r in two])
+    assert len(one) == len(two) == 4 and any("critic" in k for k in p1) and one[-1]["loss/value_avg"] > 0
+    assert err < 1e-5 and perr < 1e-4 and max(held) / whole <= 0.55
+
+
 @pytest.mark.multiprocess
 def test_lora_policy_under_pipeline_matches_one_device(single: tuple[Path, Path], tmp_path: Path) -> None:
     """A LoRA policy under pp x2: the reference is the policy with its adapters off, run through the pipeline (the

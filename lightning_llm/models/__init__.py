@@ -14,7 +14,7 @@ from .config import NAMED_SIZES, Family, ModelConfig, named_config
 from .decoder import DecoderLM
 from .encoder import EncoderModel
 from .hf import config_from_hf, config_to_hf, load_hf, save_hf
-from .parallel_spec import PARALLEL_SPECS, ParallelSpec, parallel_spec_of, routing_stats_of
+from .parallel_spec import PARALLEL_SPECS, ParallelSpec, family_roots, parallel_spec_of, routing_stats_of
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,7 @@ __all__ = [
     "ParallelSpec",
     "PARALLEL_SPECS",
     "parallel_spec_of",
+    "family_roots",
     "routing_stats_of",
 ]
 

@@ -46,8 +46,8 @@ from .encoder import EncoderModel
 from .layers import segment_positions
 from .rope import rope_type
 
-__all__ = ["ParallelSpec", "PARALLEL_SPECS", "TPPlan", "parallel_spec_of", "decoder_tp_plan", "encoder_tp_plan",
-           "routing_stats_of"]
+__all__ = ["ParallelSpec", "PARALLEL_SPECS", "TPPlan", "decoder_tp_plan", "encoder_tp_plan", "family_roots",
+           "parallel_spec_of", "routing_stats_of"]
 
 TPPlan = dict[str, ParallelStyle]
 """Module path (``parallelize_module`` syntax, ``*`` wildcards per path atom) -> parallel style."""
@@ -316,6 +316,21 @@ def parallel_spec_of(model: nn.Module) -> tuple[str, nn.Module, ParallelSpec] | 
             if isinstance(mod, cls):
                 return (f"{name}." if name else ""), mod, spec
     return None
+
+
+def family_roots(model: nn.Module) -> list[tuple[str, nn.Module, ParallelSpec]]:
+    """``(path prefix, backbone, spec)`` of every registered family inside ``model`` that is not inside another one
+    (PPO's actor-critic: the policy, then a separate critic trunk), in module order."""
+    found: list[tuple[str, nn.Module, ParallelSpec]] = []
+    for name, mod in model.named_modules():
+        if any(name.startswith(prefix) for prefix, _, _ in found):
+            continue
+        spec = next((s for cls, s in PARALLEL_SPECS.items() if isinstance(mod, cls)), None)
+        if spec is not None:
+            found.append(((f"{name}." if name else ""), mod, spec))
+            if not name:
+                break
+    return found
 
 
 def routing_stats_of(model: nn.Module) -> Any:

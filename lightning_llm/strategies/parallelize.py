@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_llm.contract import task_accepts_sharded_logits, user_task
+from lightning_llm.models import family_roots
 from lightning_llm.strategies.mesh import over_replicas
 from lightning_llm.strategies.plans import TPPlan, tp_plan, validate_tp_for
 
@@ -79,10 +80,15 @@ def apply_tensor_parallel(
     plan: TPPlan | None = None,
 ) -> nn.Module:
     """Shard ``model`` in place with ``parallelize_module`` following ``plan`` (default: our families' plan, which
-    tolerates modules removed by a pipeline split). Tied weights are re-tied to the sharded parameter."""
+    tolerates modules removed by a pipeline split). Tied weights are re-tied to the sharded parameter. With the
+    default plan a second family model inside ``model`` (PPO's separate critic trunk) gets its own family's plan,
+    without sequence parallelism or sharded logits (its output feeds a replicated value head)."""
     validate_tp_for(model, tp_mesh.size())
     if tp_mesh.size() == 1:
         return model
+    if plan is None:
+        for _, other, _ in family_roots(model)[1:]:
+            apply_tensor_parallel(other, tp_mesh, sequence_parallel=False, loss_parallel=False)
     plan = plan if plan is not None else tp_plan(model, sequence_parallel=sequence_parallel,
                                                  loss_parallel=loss_parallel)
     _refuse_wrapped_copies(model, plan)

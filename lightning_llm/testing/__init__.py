@@ -81,7 +81,8 @@ class RolloutRecorder(pl.Callback):
     start).
 
     Rank 0 writes ``{"rollouts": [{index: [[tokens of each response]]}, ...], "gathers": [[per rollout], per rank],
-    "frozen_bytes": [per rank], "scoring_bytes": [per rank]}`` to ``output`` as JSON at the end of ``fit``; tensor- and pipeline-parallel peers
+    "frozen_bytes": [per rank], "scoring_bytes": [per rank], "parts_bytes": [{child of task.model: bytes}, per
+    rank]}`` to ``output`` as JSON at the end of ``fit``; tensor- and pipeline-parallel peers
     must have drawn the same tokens (checked: their entries are merged and must agree)."""
 
     def __init__(self, output: str) -> None:
@@ -89,11 +90,13 @@ class RolloutRecorder(pl.Callback):
         self.rollouts: list[dict[int, list[list[int]]]] = []
         self.gathers: list[int] = []
         self.frozen_bytes = self.scoring_bytes = 0
+        self.parts_bytes: dict[str, int] = {}
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.frozen_bytes = sum(model_state_bytes(m, [])["params"] for m in pl_module.frozen_models().values())
         self.scoring_bytes = sum(model_state_bytes(m, [])["params"] for m in pl_module.scoring_models().values())
+        self.parts_bytes = {name: model_state_bytes(m, [])["params"] for name, m in pl_module.model.named_children()}
         sample = pl_module.sample
 
         def recorded(batch: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
@@ -110,7 +113,7 @@ class RolloutRecorder(pl.Callback):
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        mine = (self.rollouts, self.frozen_bytes, self.gathers, self.scoring_bytes)
+        mine = (self.rollouts, self.frozen_bytes, self.gathers, self.scoring_bytes, self.parts_bytes)
         every = gathered(mine) if torch.distributed.is_initialized() else [mine]
         merged: list[dict[int, list[list[int]]]] = [{} for _ in self.rollouts]
         for rollouts, *_ in every:
@@ -120,8 +123,8 @@ class RolloutRecorder(pl.Callback):
                         raise AssertionError(f"ranks of one replica drew different tokens for prompt {index}")
         if trainer.global_rank == 0:
             with atomic_open(self.output, "w") as f:
-                json.dump({"rollouts": merged, "frozen_bytes": [b for _, b, _, _ in every],
-                           "gathers": [g for _, _, g, _ in every], "scoring_bytes": [s for *_, s in every]}, f)
+                json.dump({"rollouts": merged, "frozen_bytes": [e[1] for e in every], "gathers": [e[2] for e in every],
+                           "scoring_bytes": [e[3] for e in every], "parts_bytes": [e[4] for e in every]}, f)
 
 
 def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 
 from lightning_llm.logs import PER_RANK
-from lightning_llm.models import parallel_spec_of
+from lightning_llm.models import family_roots
 from lightning_llm.strategies.mesh import over_experts
 from lightning_llm.strategies.grad_buckets import (
     DEFAULT_BUCKET_MB,
@@ -46,17 +46,18 @@ def fsdp_units(task: nn.Module, path: str = "model") -> tuple[str, ...]:
     """Stage-3 units, as module paths relative to the task (innermost first): the family's
     :attr:`~lightning_llm.models.parallel_spec.ParallelSpec.fsdp_units` of the model at ``path`` (``task.model``;
     each transformer block one all-gather/reduce-scatter unit; the backbone root takes the embeddings, final norm and
-    head, and keeps tied embedding/head weights in one unit), or that model whole for a model of no registered
-    family. A task's own modules outside ``task.model`` stay replicated (their gradients are averaged over ``dp``)."""
+    head, and keeps tied embedding/head weights in one unit) for every family model inside it (PPO's actor-critic:
+    the policy and a separate critic trunk), or that model whole for a model of no registered family. A task's own
+    modules outside these units (a value head, modules outside ``task.model``) stay replicated (their gradients are
+    averaged over ``dp``)."""
     try:
         model = task.get_submodule(path)
     except AttributeError:
         model = None
-    found = parallel_spec_of(model) if isinstance(model, nn.Module) else None
-    if found is None:
+    roots = family_roots(model) if isinstance(model, nn.Module) else []
+    if not roots:
         return (path,)
-    prefix, _, spec = found
-    return tuple(f"{path}.{prefix}{unit}".rstrip(".") for unit in spec.fsdp_units)
+    return tuple(f"{path}.{prefix}{unit}".rstrip(".") for prefix, _, spec in roots for unit in spec.fsdp_units)
 
 
 # ------------------------------------------------------------------------------------------------ stage 3 (FSDP2)
