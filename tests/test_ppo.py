@@ -340,7 +340,8 @@ def reward_run(single: tuple[Path, Path], tmp_path_factory: pytest.TempPathFacto
         rm.classifier.weight.mul_(50.0)  # scores that differ from response to response (and from one rollout's mean)
     save_hf(rm, out / "rm")
     (out / "rm" / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    flags = [f"--model.reward={{fn: null, model: {out / 'rm'}, score: log_odds}}"]
+    # as a user switches a config's reward function off for a model (jsonargparse once made "None" of this null)
+    flags = ["--model.reward.fn=null", f"--model.reward.model={out / 'rm'}", "--model.reward.score=log_odds"]
     assert main(_ppo_args(out / "one", single[0], batch=8, extra=["--trainer.devices=1", *flags])) == 0
     return out / "one", flags
 

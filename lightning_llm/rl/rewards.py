@@ -61,6 +61,13 @@ class RewardConfig:
     batch_size: int = 64
     """Reward-model forward batch size."""
 
+    def __post_init__(self) -> None:
+        # jsonargparse (4.53) turns `--model.reward.fn=null` into the string "None" inside a subclass's init args (a
+        # config's `fn` switched off on the command line for a reward model): no import path or file is named so.
+        for name in ("fn", "model", "tokenizer_dir"):
+            if getattr(self, name) in ("None", "null"):
+                setattr(self, name, None)
+
 
 torch.serialization.add_safe_globals([RewardConfig])  # saved in PPO checkpoints' hyper-parameters
 
