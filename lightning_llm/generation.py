@@ -170,6 +170,13 @@ class TokenChooser:
         """Whether every row ended (the one host synchronisation of a step; none without EOS ids)."""
         return bool(self.eos.numel()) and bool(finished.all())
 
+    def generate_rows(self, model: Any, input_ids: Tensor, attention_mask: Tensor, rows: slice) -> Tensor:
+        """New tokens [R, N'] of ``rows`` of the batch decoded by :func:`generate` on ``model`` with these settings
+        and those rows' own draws (a row-wise chooser: what a layout decoding a share of the rows calls)."""
+        uniforms = self.uniforms[rows] if self.uniforms is not None else None
+        return generate(model, input_ids[rows], attention_mask[rows], config=self.cfg, uniforms=uniforms,
+                        generator=None if self.rowwise else self.generator)
+
 
 class _Stepper:
     """Feeds the model one step at a time, with or without a KV cache. Rows may be reordered (beam search)."""

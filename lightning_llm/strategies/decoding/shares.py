@@ -12,8 +12,6 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_llm.generation import generate
-
 __all__ = ["RowShare", "share_bounds"]
 
 
@@ -87,12 +85,10 @@ class RowShare:
         share that ended earlier is padded, as rows that ended are in one batch)."""
         b = input_ids.shape[0]
         if self.size == 1 or b < self.size:
-            return generate(self.model, input_ids, attention_mask, config=choose.cfg, uniforms=choose.uniforms,
-                            generator=choose.generator)
+            return choose.generate_rows(self.model, input_ids, attention_mask, slice(None))
         bounds = share_bounds(b, self.size)
         lo, hi = bounds[dist.get_rank(self.group)], bounds[dist.get_rank(self.group) + 1]
-        uniforms = choose.uniforms[lo:hi] if choose.uniforms is not None else None
-        mine = generate(self.model, input_ids[lo:hi], attention_mask[lo:hi], config=choose.cfg, uniforms=uniforms)
+        mine = choose.generate_rows(self.model, input_ids, attention_mask, slice(lo, hi))
         out = torch.full((hi - lo, max_new_tokens + 1), choose.cfg.pad_token_id, dtype=torch.long,
                          device=self.device)
         out[:, :mine.shape[1]] = mine
