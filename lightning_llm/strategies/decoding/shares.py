@@ -26,13 +26,18 @@ def _batch_rows(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
     return firsts.pop() if len(firsts) == 1 else None
 
 
-def _gather_rows(out: Any, bounds: list[int], group: Any) -> Any | None:
+def _gather_rows(out: Any, bounds: list[int], group: Any, device: torch.device) -> Any | None:
     """Every rank's share of ``out`` (a pytree whose leaves are this share's per-row tensors) joined in row order,
     in one all-gather of bytes; ``None`` where a leaf is not per-row (every rank sees the same structure)."""
     rank, size = dist.get_rank(group), len(bounds) - 1
     mine, per = bounds[rank + 1] - bounds[rank], max(bounds[r + 1] - bounds[r] for r in range(size))
     leaves, spec = tree_flatten(out)
-    if not all(isinstance(t, Tensor) and t.dim() >= 1 and t.shape[0] == mine for t in leaves):
+    per_row = all(isinstance(t, Tensor) and t.dim() >= 1 and t.shape[0] == mine for t in leaves)
+    if bounds[-1] % size:  # shares of two sizes: a leaf of one share's size is not per-row; the ranks agree
+        flag = torch.tensor([int(per_row)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        per_row = bool(flag)
+    if not per_row:
         return None
     padded = [torch.nn.functional.pad(t.detach().contiguous(), (0, 0) * (t.dim() - 1) + (0, per - mine))
               if per > mine else t.detach().contiguous() for t in leaves]
@@ -76,7 +81,7 @@ class RowShare:
             return x[lo:hi] if isinstance(x, Tensor) and x.dim() >= 1 else x
 
         out = _gather_rows(self.model(*map(share, args), **{k: share(v) for k, v in kwargs.items()}), bounds,
-                           self.group)
+                           self.group, self.device)
         return out if out is not None else self.model(*args, **kwargs)
 
     def generate_rows(self, input_ids: Tensor, attention_mask: Tensor, *, max_new_tokens: int,
@@ -93,5 +98,5 @@ class RowShare:
                          device=self.device)
         out[:, :mine.shape[1]] = mine
         out[:, -1] = mine.shape[1]  # the last column carries the share's N'
-        every = _gather_rows(out, bounds, self.group)
+        every = _gather_rows(out, bounds, self.group, self.device)
         return every[:, :int(every[:, -1].max())].clone()
