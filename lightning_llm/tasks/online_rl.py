@@ -159,6 +159,12 @@ class OnlineRLTask(DecoderTask):
         if self._reward is None:
             self._reward = build_reward(self.reward_config)
 
+    def _ready_reward(self) -> None:
+        """A reward model on this device, its data-parallel ranks told to run the same number of forwards."""
+        if isinstance(self._reward, RewardModel):
+            self._reward.to(self.device)
+            self._reward.lockstep = self.capabilities.data_parallel_group if self._world() > 1 else None
+
     @override
     def scoring_models(self) -> dict[str, nn.Module]:
         """The reward model, where the reward is one (placed by tensor parallelism and ZeRO-3 like the policy)."""
@@ -381,9 +387,7 @@ class OnlineRLTask(DecoderTask):
     # ------------------------------------------------------------------------------------------ lifecycle
     @override
     def on_fit_start(self) -> None:
-        if isinstance(self._reward, RewardModel):
-            self._reward.to(self.device)
-            self._reward.lockstep = self.capabilities.data_parallel_group if self._world() > 1 else None
+        self._ready_reward()
         batch_size = getattr(self.trainer.datamodule, "batch_size", None)
         per_rank = (batch_size or 0) * self.rollouts_per_prompt
         if batch_size is not None and per_rank < self.update_schedule.num_mini_batches:
@@ -401,9 +405,7 @@ class OnlineRLTask(DecoderTask):
 
     @override
     def on_validation_start(self) -> None:
-        if isinstance(self._reward, RewardModel):
-            self._reward.to(self.device)
-            self._reward.lockstep = self.capabilities.data_parallel_group if self._world() > 1 else None
+        self._ready_reward()
 
     @override
     def configure_optimizers(self) -> Any:
