@@ -124,7 +124,8 @@ def _run(layout: str, devices: int, out: Path, backbone: str = "debug") -> dict[
     from lightning_llm.tasks import CausalLMTask
 
     pl.seed_everything(11)
-    task = CausalLMTask(backbone, dropout=0.0)
+    # dropout on in training: generation runs in eval mode, on the model and on whole copies alike
+    task = CausalLMTask(backbone, dropout=0.3)
     dm = TextDataModule(block_size=16, batch_size=4, cache_dir=str(out / "cache"), generated_docs=40)
     cb = _Generate()
     if layout == "pp_nofit":  # what auto decides when the copies do not fit: the stages (the run summary says so)

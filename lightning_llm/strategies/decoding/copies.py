@@ -296,13 +296,18 @@ class WholeCopies:
         return RowShare(whole, self.share_group, self.device) if whole is not None else None
 
     def _copy(self, module: Any) -> nn.Module | None:
+        """The copy of the live ``module``, in its mode: the skeleton was taken in the mode of set-up (training), and
+        dropout must be off where the task switched it off (``eval()`` before generating)."""
         found = self._index.get(id(module))
         if found is None:
             return None
         path, name = found
         self._follow_adapters(path)
         skeleton = self.skeletons[path]
-        return skeleton.get_submodule(name) if name else skeleton
+        whole = skeleton.get_submodule(name) if name else skeleton
+        if whole.training != module.training:
+            whole.train(module.training)
+        return whole
 
     def _follow_adapters(self, path: str) -> None:
         live, copies = self._tuners[path]
