@@ -13,9 +13,11 @@ owner and dtype, all in flight together). The ranks of a replica (``share_group`
 would, without a collective per token, sharing the rows out (:mod:`.shares`): a forward (old and reference
 log-probs) runs each rank's share and all-gathers the outputs; a generation whose tokens depend on each row's own
 logits and draws (greedy, GRPO's per-prompt draws) decodes each rank's share and all-gathers the tokens; beam search
-and one generator's draws decode the whole batch on every rank with the same draws. The copies are skeletons on the meta device taken before the model is split; a session fills their registries (a rank's
-own whole tensors are shared, not copied) and empties them when it ends, so nothing stays allocated between
-rollouts. Sessions nest like ZeRO-3's, so a rollout's generation and no-grad forwards share one assembly.
+and one generator's draws decode the whole batch on every rank with the same draws. The copies are skeletons on
+the meta device taken before the model is split; a session fills their registries (a rank's own whole tensors are
+shared, not copied) and empties them when it ends, so nothing stays allocated between rollouts. A copy runs in its
+live module's mode (dropout off after the task's ``eval()``). Sessions nest like ZeRO-3's, so a rollout's
+generation and no-grad forwards share one assembly.
 
 The task reaches the copies through ``contract.decoding_copy`` (its ``run_model``, ``run_frozen`` and policy
 calls) and through the decoder a session yields. PEFT adapters switched off on the policy (the reference of a LoRA
@@ -118,10 +120,7 @@ class _Slot:
     meta: Tensor  # the skeleton's own (restored when a session ends)
     entries: list[tuple[nn.Module, str]] = field(default_factory=list)
     owner: int = -1  # the pipeline rank that sends it; -1: every pipeline rank holds it
-
-    @property
-    def nbytes(self) -> int:
-        return self.meta.numel() * self.meta.element_size()
+    dtype: torch.dtype | None = None  # what the copy holds it in (a floating parameter: the compute dtype)
 
 
 class WholeCopies:
@@ -135,12 +134,12 @@ class WholeCopies:
     def __init__(self, roots: dict[str, nn.Module], skeletons: dict[str, nn.Module], *, mode: str,
                  device: torch.device, pp_group: Any, pp_size: int, share_group: Any,
                  dtype: torch.dtype | None) -> None:
-        self.roots, self.skeletons, self.mode, self.device = roots, skeletons, mode, device
-        self.pp_group, self.pp_size, self.share_group, self.dtype = pp_group, pp_size, share_group, dtype
+        self.roots, self.skeletons, self.device = roots, skeletons, device
+        self.pp_group, self.pp_size, self.share_group = pp_group, pp_size, share_group
         self.slots = [s for path, skel in skeletons.items() for s in self._slots_of(path, skel)]
-        self._cast = {id(s): s.is_param and s.meta.is_floating_point() and dtype is not None for s in self.slots}
-        self.extra = sum(s.meta.numel() * (dtype.itemsize if self._cast[id(s)] and dtype else s.meta.element_size())
-                         for s in self.slots)
+        for s in self.slots:
+            s.dtype = dtype if dtype is not None and s.is_param and s.meta.is_floating_point() else s.meta.dtype
+        self.extra = sum(s.meta.numel() * s.dtype.itemsize for s in self.slots)  # type: ignore[union-attr]
         self._index = {id(m): (path, name) for path, live in roots.items() for name, m in live.named_modules()}
         self._tuners = {path: ([m for m in roots[path].modules() if _is_tuner(m)],
                                [m for m in skel.modules() if _is_tuner(m)]) for path, skel in skeletons.items()}
@@ -203,9 +202,8 @@ class WholeCopies:
             assert live is not None
             if not isinstance(live, DTensor):
                 out[i] = live.detach()
-            elif _even_shard(live) is not None:
-                key = (id(live.device_mesh), _even_shard(live), live.dtype)
-                flat_groups.setdefault(key, []).append((i, live))
+            elif (dim := _even_shard(live)) is not None:
+                flat_groups.setdefault((id(live.device_mesh), dim, live.dtype), []).append((i, live))
             else:
                 out[i] = live.full_tensor().detach()
         pending = []
@@ -224,7 +222,7 @@ class WholeCopies:
                 pieces = gathered[:, offset:offset + n].reshape(gathered.shape[0], *local.shape)  # [ws, *local]
                 out[i] = pieces.movedim(0, dim).reshape(t.shape)  # rank r's block is the r-th along ``dim``
                 offset += n
-        return {i: t.to(self.dtype) if self._cast[id(self.slots[i])] else t for i, t in out.items()}
+        return {i: t.to(self.slots[i].dtype) for i, t in out.items()}  # a no-op where the dtype is the same
 
     def _find_owners(self) -> None:
         """Which pipeline rank sends each tensor (the lowest holding it; one object all-gather, the first time)."""
@@ -250,8 +248,7 @@ class WholeCopies:
         groups: dict[tuple[int, torch.dtype], list[int]] = {}
         for i, s in enumerate(self.slots):
             if s.owner != -1:
-                dtype = self.dtype if self._cast[id(s)] and self.dtype else s.meta.dtype
-                groups.setdefault((s.owner, dtype), []).append(i)
+                groups.setdefault((s.owner, s.dtype), []).append(i)  # type: ignore[arg-type]
         pending = []
         for (owner, dtype), idx in groups.items():
             if owner == me:

@@ -71,8 +71,10 @@ class RowShare:
         self.size = dist.get_world_size(group)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.size == 1 or "kv_cache" in kwargs:  # a decoding step (every token): straight to the copy
+            return self.model(*args, **kwargs)
         rows = _batch_rows(args, kwargs)
-        if self.size == 1 or "kv_cache" in kwargs or rows is None or rows < self.size:
+        if rows is None or rows < self.size:
             return self.model(*args, **kwargs)
         bounds = share_bounds(rows, self.size)
         lo, hi = bounds[dist.get_rank(self.group)], bounds[dist.get_rank(self.group) + 1]
