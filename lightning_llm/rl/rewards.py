@@ -182,7 +182,10 @@ class RewardModel:
                  meta.get("label_names") or "")
 
     def to(self, device: torch.device | str) -> RewardModel:
-        self.model.to(device)
+        """Move to ``device``; ZeRO-3 shards stay where FSDP2 put them (on the device, or on the host when
+        offloaded: moving them would defeat the offload)."""
+        if not any(isinstance(m, FSDPModule) for m in self.model.modules()):
+            self.model.to(device)
         return self
 
     @property
