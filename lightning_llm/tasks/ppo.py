@@ -124,13 +124,10 @@ class PPOTask(OnlineRLTask):
 
     @override
     def call_policy(self, *args: Any, **kwargs: Any) -> Any:
-        # Under a pipeline the actor-critic is what runs: it is asked for the policy's output alone.
-        whole = self.whole_copy(self.policy)
-        if whole is not None:
-            return whole(*args, **kwargs)
-        if self.capabilities.pipelined:
+        # Through a pipeline's stages the actor-critic is what runs: it is asked for the policy's output alone.
+        if self.capabilities.pipelined and self.whole_copy(self.policy) is None:
             return self.run_model(*args, values=False, **kwargs)
-        return self.policy(*args, **kwargs)
+        return super().call_policy(*args, **kwargs)
 
     @property
     @override
