@@ -345,10 +345,10 @@ class ParallelEngine(EngineGradients, DecodingSessions, DefaultGroupCollectives,
         self.precision_plugin.convert_module(module)
         frozen = frozen_models_of(module)
         skeletons: dict[str, nn.Module] = {}
+        layout = ""
         if model is not self._pp_model:  # else already parallelized (e.g. trainer.validate() after fit)
-            skeletons, self._copies_layout = copy_skeletons(model, frozen, task=module, dims=self.dims,
-                                                            mode=self.gather_for_decoding,
-                                                            offload=self.offload_params)  # before the split
+            skeletons, layout = copy_skeletons(model, frozen, task=module, dims=self.dims, offload=self.offload_params,
+                                               mode=self.gather_for_decoding)  # before the split
             self._parallelize(model, frozen=frozen, precision=precision)
             # Meta-device family models (built lazily under a sharding layout) get this rank's shards only.
             self.materialized_params = materialize_shards(
@@ -361,8 +361,8 @@ class ParallelEngine(EngineGradients, DecodingSessions, DefaultGroupCollectives,
                                                dtype=fsdp_mixed_precision(precision).param_dtype)
         if skeletons:
             self._whole_copies = WholeCopies(
-                {"model": model, **frozen}, skeletons, mode=self.gather_for_decoding, device=self.root_device,
-                pp_group=self._pp_group, pp_size=self.dims.pp,
+                {"model": model, **frozen}, skeletons, layout=layout, mode=self.gather_for_decoding,
+                device=self.root_device, pp_group=self._pp_group, pp_size=self.dims.pp,
                 share_group=model_parallel_mesh(self._mesh).get_group(),
                 dtype=fsdp_mixed_precision(precision).param_dtype if self.zero_stage == 3 else None)
         if self.pipelined:

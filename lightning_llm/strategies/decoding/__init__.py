@@ -30,7 +30,6 @@ class DecodingSessions:
 
     _zero_decoding: ZeroDecoding | None = None
     _whole_copies: WholeCopies | None = None
-    _copies_layout: str = ""  # how the run summary names the layout the copies stand in for ("tp x2", ...)
 
     @contextlib.contextmanager
     def decoding_session(self, decoder: Any) -> Iterator[Any]:
@@ -53,5 +52,5 @@ class DecodingSessions:
         """How generation runs under this layout, for the run summary (``None``: nothing to say)."""
         copies, zero = self._whole_copies, self._zero_decoding
         if copies is not None and not (zero is not None and copies.falls_back):
-            return copies.note(self._copies_layout)
+            return copies.note()
         return zero.note() if zero is not None else None

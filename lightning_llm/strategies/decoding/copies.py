@@ -125,16 +125,17 @@ class _Slot:
 
 class WholeCopies:
     """The whole copies of one engine set-up (see the module docstring). ``roots``: path (relative to the task) ->
-    the live, split or sharded module; ``skeletons``: the same paths -> :func:`meta_skeleton` taken before the split.
+    the live, split or sharded module; ``skeletons``: the same paths -> :func:`meta_skeleton` taken before the split;
+    ``layout``: how the run summary names the layout the copies stand in for (``pp x2 x tp x2``).
     ``share_group``: the ranks that decode the same rows (a replica's pipeline and tensor-parallel ranks), which
     share a row-wise generation's rows. ``dtype``: the compute dtype of floating parameters (ZeRO-3's
     mixed-precision ``param_dtype``), ``None``: theirs.
     """
 
-    def __init__(self, roots: dict[str, nn.Module], skeletons: dict[str, nn.Module], *, mode: str,
+    def __init__(self, roots: dict[str, nn.Module], skeletons: dict[str, nn.Module], *, layout: str, mode: str,
                  device: torch.device, pp_group: Any, pp_size: int, share_group: Any,
                  dtype: torch.dtype | None) -> None:
-        self.roots, self.skeletons, self.device = roots, skeletons, device
+        self.roots, self.skeletons, self.layout, self.device = roots, skeletons, layout, device
         self.pp_group, self.pp_size, self.share_group = pp_group, pp_size, share_group
         self.slots = [s for path, skel in skeletons.items() for s in self._slots_of(path, skel)]
         for s in self.slots:
@@ -174,8 +175,9 @@ class WholeCopies:
         """The plan is known and it is the layout's own decoding."""
         return self._plan is not None and self._plan[0] != "once"
 
-    def note(self, layout: str) -> str:
+    def note(self) -> str:
         """The run summary's line (no collective)."""
+        layout = self.layout
         if self._plan is None:
             return (f"generation under {layout}: whole copies of the model and its frozen models "
                     f"({self.extra / MIB:.1f} MiB) assembled once per generation or rollout, decoded as on one "
