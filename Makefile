@@ -19,12 +19,12 @@ test-fast:
 	$(PYTHON) -m pytest -q tests -m "not multiprocess"
 
 # GPU suite (kernel correctness + timings, fused linear CE, end-to-end fit runs): one command on a CUDA machine, writing
-# benchmarks/results/gpu-<device>.md. Wheels for a machine without network: benchmarks/gpu_wheels.sh (see its header).
+# benchmarks/results/gpu-<device>.md. Wheels for a machine without network: benchmarks/gpu/wheels.sh (see its header).
 .PHONY: bench-gpu bench-gpu-smoke
 
 bench-gpu:
-	$(PYTHON) benchmarks/gpu.py $(ARGS)
+	$(PYTHON) benchmarks/gpu/suite.py $(ARGS)
 
 # The same code path on CPU in about a minute (Triton interpreter, tiny shapes, debug backbones).
 bench-gpu-smoke:
-	$(PYTHON) benchmarks/gpu.py --smoke --out /tmp/lightning_llm-gpu-smoke.md $(ARGS)
+	$(PYTHON) benchmarks/gpu/suite.py --smoke --out /tmp/lightning_llm-gpu-smoke.md $(ARGS)

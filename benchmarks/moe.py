@@ -311,7 +311,7 @@ def part_step(a: argparse.Namespace, work: Path) -> str:
 
 
 def _fit_args(a: argparse.Namespace, ckpt: Path, out: Path, *, devices: int, work: Path) -> list[str]:
-    meter = json.dumps([{"class_path": "gpu_e2e.GpuMeter", "init_args": {"output": str(out)}}])
+    meter = json.dumps([{"class_path": "e2e.GpuMeter", "init_args": {"output": str(out)}}])
     args = ["fit", "--config", str(REPO / "configs" / "pretrain_debug.yaml"), f"--model.backbone={ckpt}",
             f"--data.block_size={a.seq}", f"--data.batch_size={a.batch // devices}", "--data.generated_docs=600",
             "--data.tokenizer_dir=byte", f"--data.cache_dir={work / 'cache'}", f"--trainer.max_steps={a.ep_steps}",
@@ -354,7 +354,7 @@ def part_ep(a: argparse.Namespace, work: Path) -> str:
         f"`configs/pretrain_debug.yaml` with `--model.backbone=<the checkpoint>`, generated text, fp32, "
         f"{a.ep_steps} steps per run (2 warm-up intervals left out), {a.ep_rounds} runs of each layout alternating; "
         f"load average before {load0}, after {load_average()}. Step = interval between train-batch ends "
-        "(`gpu_e2e.GpuMeter`), pooled over the runs.", "",
+        "(`e2e.GpuMeter`), pooled over the runs.", "",
         md_table(["layout", "steps", "step ms median (min-max)", "tokens/s", "vs one device"], rows)])
 
 

@@ -112,7 +112,7 @@ def dcp_object_checkpoint(engine: Path, root: Path, marker: Path, *, key: str = 
     ``weights_only=False``)."""
     import torch.distributed.checkpoint as dcp
 
-    from lightning_llm.strategies.hybrid_checkpoint import dcp_contents
+    from lightning_llm.strategies.engine.hybrid_checkpoint import dcp_contents
 
     dst = root / f"dcp_object_{key}" / engine.name
     dst.mkdir(parents=True)

@@ -84,7 +84,7 @@ def test_damaged_ckpt_file_is_one_line(tmp_path: Path, capsys: pytest.CaptureFix
 
 # ------------------------------------------------------------------------------------ 2. a damaged DCP directory
 def _engine_dir(tmp_path: Path) -> Path:
-    from lightning_llm.strategies.hybrid_checkpoint import from_lightning_checkpoint
+    from lightning_llm.strategies.engine.hybrid_checkpoint import from_lightning_checkpoint
 
     return from_lightning_checkpoint(_fake_checkpoint(tmp_path / "src.ckpt"), tmp_path / "sharded")
 

@@ -162,7 +162,7 @@ def _layouts(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from lightning_llm.strategies.hybrid_checkpoint import from_lightning_checkpoint
+    from lightning_llm.strategies.engine.hybrid_checkpoint import from_lightning_checkpoint
 
     out = tmp_path_factory.mktemp("eval")
     ckpt = _fit(out)

@@ -106,7 +106,7 @@ def test_other_layouts_export_the_same_weights(plain: tuple[Path, Any], tmp_path
     zero_dir = tmp_path / "zero"
     zero_dir.mkdir()
     torch.save(full, zero_dir / "model.pt")
-    from lightning_llm.strategies.hybrid_checkpoint import from_lightning_checkpoint
+    from lightning_llm.strategies.engine.hybrid_checkpoint import from_lightning_checkpoint
 
     hybrid_dir = from_lightning_checkpoint(ckpt, tmp_path / "3d")  # the .ckpt -> strategy=3d converter
     ref = load_file(str(_export(ckpt, tmp_path / "hf-plain") / "model.safetensors"))

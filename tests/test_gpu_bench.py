@@ -1,4 +1,4 @@
-"""benchmarks/gpu.py (the GPU suite) on CPU: its ``--smoke`` run end to end, and checks that the checks can fail.
+"""benchmarks/gpu/suite.py (the GPU suite) on CPU: its ``--smoke`` run end to end, and checks that the checks can fail.
 
 The smoke run is one subprocess (Triton interpreter, tiny shapes, fp32, ``debug`` backbones); its ``lightning_llm fit``
 children run one after another, single process each (the ZeRO presets with one rank), so no multiprocess mark.
@@ -18,7 +18,7 @@ import pytest
 import torch.nn.functional as F
 
 REPO = Path(__file__).resolve().parents[1]
-BENCH = REPO / "benchmarks"
+BENCH = REPO / "benchmarks" / "gpu"
 E2E_ROWS = [("encoder debug", "1 device", "auto", "4"), ("encoder debug", "zero1", "auto", "4"),
             ("encoder debug", "zero2", "auto", "4"), ("encoder debug", "zero3_offload", "auto", "1"),
             ("encoder debug", "deepspeed_zero3_offload", "auto", "1"), ("decoder debug", "1 device", "torch", "1"),
@@ -50,7 +50,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Complete
     out = tmp / "results" / "gpu-smoke.md"
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, str(BENCH / "gpu.py"), "--smoke", "--out", str(out), "--work",
+    proc = subprocess.run([sys.executable, str(BENCH / "suite.py"), "--smoke", "--out", str(out), "--work",
                            str(tmp / "work")], check=False, capture_output=True, text=True, env=env, cwd=REPO,
                           timeout=900)
     return proc, out, time.monotonic() - t0
@@ -60,7 +60,7 @@ def test_smoke_run_checks_every_kernel_and_runs_every_e2e_row(smoke: tuple) -> N
     proc, out, seconds = smoke
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-6000:]}"
     text = out.read_text()
-    assert "TRITON_INTERPRET=1" in text and "command: `python benchmarks/gpu.py --smoke" in text
+    assert "TRITON_INTERPRET=1" in text and "command: `python benchmarks/gpu/suite.py --smoke" in text
     assert not list(out.parent.glob("*.tmp")), "the results file is written through a temp file + rename"
 
     parts = {r[0]: r[1] for r in table_after(text, "- total:")}
@@ -71,7 +71,7 @@ def test_smoke_run_checks_every_kernel_and_runs_every_e2e_row(smoke: tuple) -> N
         checked[kernel] = float(err64.split()[0])
         assert dtype == "fp32" and result == "ok"
         assert checked[kernel] <= float(tol) and float(err_torch.split()[0]) <= float(tol)
-    kernels = bench_module("gpu_kernels")
+    kernels = bench_module("kernel_cases")
     assert set(checked) == set(kernels.SMOKE_SHAPES)
     for public in ("rms_norm", "layer_norm", "apply_rotary", "swiglu", "geglu", "cross_entropy",
                    "vocab_parallel_cross_entropy", "fused_linear_cross_entropy"):
@@ -104,7 +104,7 @@ def test_smoke_run_checks_every_kernel_and_runs_every_e2e_row(smoke: tuple) -> N
 
 
 def test_wrong_reference_fails_the_check() -> None:
-    G = bench_module("gpu_kernels")
+    G = bench_module("kernel_cases")
     import torch
 
     (case,) = [c for c in G.build_cases(G.SMOKE_SHAPES, with_liger=False) if c.name == "swiglu"]
@@ -127,7 +127,7 @@ def test_wrong_reference_fails_the_check() -> None:
 
 
 def test_failing_part_is_recorded_and_the_others_still_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    gpu = bench_module("gpu")
+    gpu = bench_module("suite")
 
     def crash(ctx: object) -> object:
         raise RuntimeError("planted failure")
@@ -142,7 +142,7 @@ def test_failing_part_is_recorded_and_the_others_still_run(tmp_path: Path, monke
 
 
 def test_batch_search_doubles_until_oom_and_halves_from_an_oom_start() -> None:
-    E = bench_module("gpu_e2e")
+    E = bench_module("e2e")
     fits = 16
 
     def measure(b: int, role: str) -> object:
@@ -159,7 +159,7 @@ def test_batch_search_doubles_until_oom_and_halves_from_an_oom_start() -> None:
 
 def test_mfu_counts_the_parameters_a_token_uses() -> None:
     """An MoE run's MFU counts its active parameters (6 N + 12 L A S, N without embeddings), a dense run's all."""
-    E = bench_module("gpu_e2e")
+    E = bench_module("e2e")
     record = {"step_ends": [0.0, 1.0, 2.0], "tokens_per_step": 1000, "total": 10_000, "active": 4_000,
               "embedding": 1_000, "layers": 2, "hidden": 64, "attention": 128, "peak_alloc": None,
               "peak_reserved": None, "rss_kib": 1}

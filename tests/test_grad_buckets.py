@@ -1,4 +1,4 @@
-"""Bucketed, asynchronous data-parallel gradient reduction (``strategies/grad_buckets.py``).
+"""Bucketed, asynchronous data-parallel gradient reduction (``strategies/engine/grad_buckets.py``).
 
 One torchrun launch (2 CPU processes, gloo) runs:
 
@@ -52,7 +52,7 @@ def _reducer_cases() -> dict[str, Any]:
     import torch.distributed as dist
     from torch import nn
 
-    from lightning_llm.strategies.grad_buckets import GradReducer
+    from lightning_llm.strategies.engine.grad_buckets import GradReducer
 
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
@@ -136,8 +136,8 @@ def _broadcast_cases() -> dict[str, Any]:
     import torch.distributed as dist
     from torch import nn
 
-    from lightning_llm.strategies.grad_buckets import OwnerBroadcast
-    from lightning_llm.strategies.hybrid_checkpoint import full_weights
+    from lightning_llm.strategies.engine.grad_buckets import OwnerBroadcast
+    from lightning_llm.strategies.engine.hybrid_checkpoint import full_weights
 
     rank, world = dist.get_rank(), dist.get_world_size()
     params = [nn.Parameter(torch.full((n,), float(i))) for i, n in enumerate((300, 70, 500, 11, 200))]

@@ -363,7 +363,7 @@ def test_lora_on_attention_and_experts_equals_peft_on_transformers_and_exports(t
 def test_expert_parallel_settings_are_refused_in_one_line() -> None:
     """Degrees and combinations expert parallelism cannot run, refused before anything is built."""
     from lightning_llm.peft import LoraArgs, PeftConfig
-    from lightning_llm.strategies.engine_layout import LayoutArgs
+    from lightning_llm.strategies.engine.layout import LayoutArgs
     from lightning_llm.strategies.expert import expert_blocker
     from lightning_llm.strategies.mesh import ParallelDims
     from lightning_llm.tasks.decoder import check_expert_adapter_layout

@@ -147,7 +147,7 @@ def test_layout_free_save_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     previous checkpoint in place, whole; the next save replaces it and leaves no staging directory behind."""
     import torch
 
-    from lightning_llm.strategies import hybrid_checkpoint as hc
+    from lightning_llm.strategies.engine import hybrid_checkpoint as hc
 
     module = torch.nn.Linear(4, 4)
     path = tmp_path / "last.ckpt"

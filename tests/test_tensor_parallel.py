@@ -118,7 +118,7 @@ def _comm_counts(out: dict[str, Any]) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from lightning_llm.models import build_model
-    from lightning_llm.strategies.plans import tp_plan
+    from lightning_llm.strategies.tensor.plans import tp_plan
 
     mesh = init_device_mesh("cpu", (2,))
     for sp in (False, True):
@@ -311,7 +311,7 @@ def test_block_communication_matches_megatron(tp_results: tuple[Path, dict[str, 
 
 @pytest.mark.multiprocess
 def test_sharded_checkpoint_resume_and_consolidation(tp_results: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
-    from lightning_llm.strategies.hybrid_checkpoint import consolidated_state_dict
+    from lightning_llm.strategies.engine.hybrid_checkpoint import consolidated_state_dict
 
     out_dir, res = tp_results
     assert ".metadata" in res["sharded_files"] and "meta.pt" in res["sharded_files"]
@@ -342,8 +342,8 @@ def test_modules_to_save_is_refused_by_name_before_sharding() -> None:
     refuses it naming the module and the layouts that keep it whole, instead of torch's NotImplementedError."""
     from lightning_llm.models import build_model
     from lightning_llm.peft import LoraArgs, PeftConfig, apply_peft
-    from lightning_llm.strategies.parallelize import _refuse_wrapped_copies
-    from lightning_llm.strategies.plans import tp_plan
+    from lightning_llm.strategies.tensor.parallelize import _refuse_wrapped_copies
+    from lightning_llm.strategies.tensor.plans import tp_plan
 
     model = apply_peft(build_model("debug-qwen2", family="decoder"),
                        PeftConfig(method="lora", lora=LoraArgs(r=4, modules_to_save=["embed_tokens", "lm_head"])))
@@ -355,7 +355,7 @@ def test_modules_to_save_is_refused_by_name_before_sharding() -> None:
 
 def test_validate_tp_names_the_dimension() -> None:
     from lightning_llm.models import named_config
-    from lightning_llm.strategies.plans import validate_tp
+    from lightning_llm.strategies.tensor.plans import validate_tp
 
     cfg = named_config("debug", family="decoder")
     validate_tp(cfg, 2)

@@ -38,7 +38,7 @@ from lightning_llm.export import (
 )
 from lightning_llm.models import ModelConfig, config_from_hf, model_from_config
 from lightning_llm.models.quantize import QuantizationConfig
-from lightning_llm.strategies import hybrid_checkpoint as hckpt
+from lightning_llm.strategies.engine import hybrid_checkpoint as hckpt
 from lightning_llm.tasks.causal_lm import CausalLMTask
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@ needed), from every layout our strategies write or wrote:
 
 * a plain Lightning ``.ckpt`` file (one device, DDP, ``strategy=tp`` with ``save_distributed_checkpoint=False``);
 * the engine's layout-free DCP directory (``3d``, and every native preset: any dp/tp/pp/ZeRO layout) -
-  :mod:`lightning_llm.strategies.hybrid_checkpoint`;
+  :mod:`lightning_llm.strategies.engine.hybrid_checkpoint`;
 * a DeepSpeed checkpoint directory (:func:`lightning_llm.strategies.zero.deepspeed.consolidated_checkpoint`);
 * the pre-engine layouts (:mod:`.legacy`): a ``strategy=tp`` / native ZeRO-3 DCP directory, a ``strategy=pp``
   directory (one file per pipeline rank), a native ZeRO-1/2 directory (``model.pt`` + optimizer shards).
@@ -16,7 +16,7 @@ from typing import Any
 
 from lightning_llm.checkpoint import load_file, verify_checkpoint
 from lightning_llm.export.legacy import consolidate_checkpoint, is_pipeline_checkpoint, read_sharded
-from lightning_llm.strategies import hybrid_checkpoint
+from lightning_llm.strategies.engine import hybrid_checkpoint
 from lightning_llm.strategies.zero.deepspeed import consolidated_checkpoint, is_deepspeed_checkpoint
 
 __all__ = ["read_checkpoint"]

@@ -1,5 +1,5 @@
 """Readers of the checkpoint formats our strategies wrote before the engine's layout-free format
-(:mod:`lightning_llm.strategies.hybrid_checkpoint`), kept so that ``lightning_llm export`` reads such directories
+(:mod:`lightning_llm.strategies.engine.hybrid_checkpoint`), kept so that ``lightning_llm export`` reads such directories
 (:func:`lightning_llm.export.checkpoint.read_checkpoint`); the writers are kept to make such directories in tests.
 
 * ``strategy=tp`` / native ZeRO-3 (Lightning's ``ModelParallelStrategy`` layout)::
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_llm.checkpoint import load_file
-from lightning_llm.strategies.hybrid_checkpoint import dcp_contents
+from lightning_llm.strategies.engine.hybrid_checkpoint import dcp_contents
 
 __all__ = ["CHECKPOINT_FILE", "METADATA_FILENAME", "consolidate_checkpoint", "is_pipeline_checkpoint",
            "is_sharded_checkpoint", "read_sharded", "save_sharded", "stage_checkpoint_file"]

@@ -1,14 +1,16 @@
 """Parallel strategies, registered in Lightning's StrategyRegistry on import.
 
 ``tp``, ``pp``, ``cp``, ``ep``, ``zero1/2/3(_offload)`` and ``3d`` are presets (:mod:`.presets`) of the one native engine
-(:class:`ParallelEngine`, :mod:`.engine` with the pieces beside it: :mod:`.mesh`, :mod:`.plans`, :mod:`.parallelize`,
-:mod:`.grad_buckets`, :mod:`.materialize`, layout-free checkpoints in :mod:`.hybrid_checkpoint`); its pipeline runtime
-is :mod:`.pipeline`, its context parallelism (attention across sequence slices) :mod:`.context`, its expert parallelism :mod:`.expert`, its ZeRO pieces and DeepSpeed's engine (``deepspeed_zero*``) are :mod:`.zero`.
+(:class:`~.engine.strategy.ParallelEngine`, :mod:`.engine`: its layout, gradients and buckets, checkpoint IO and the
+layout-free checkpoint format). Each parallel dimension has its folder: :mod:`.tensor` (plans, parallelize),
+:mod:`.pipeline`, :mod:`.context`, :mod:`.expert`, and :mod:`.zero` (native ZeRO and DeepSpeed's engine,
+``deepspeed_zero*``); :mod:`.decoding` is what a layout does around a generation. The root keeps what every dimension
+shares: :mod:`.mesh`, :mod:`.frozen` (frozen models placed like the model) and :mod:`.materialize`.
 """
 
 from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 
-from lightning_llm.strategies.engine import ParallelEngine
+from lightning_llm.strategies.engine.strategy import ParallelEngine
 from lightning_llm.strategies.presets import (
     ContextParallelStrategy,
     ExpertParallelStrategy,

@@ -23,7 +23,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from lightning_llm.strategies.parallelize import apply_tensor_parallel
+from lightning_llm.strategies.tensor.parallelize import apply_tensor_parallel
 from lightning_llm.strategies.pipeline.split import StageSpec, layout_of, module_at, prune_model
 from lightning_llm.strategies.zero.native import apply_fsdp, fsdp_units
 

@@ -1,4 +1,4 @@
-"""The registered presets of the one native engine (:class:`~lightning_llm.strategies.engine.ParallelEngine`): each
+"""The registered presets of the one native engine (:class:`~lightning_llm.strategies.engine.strategy.ParallelEngine`): each
 is an ``__init__`` that exposes one technique's arguments under its own name (the engine does the work).
 
 * ``tp``: :class:`TensorParallelStrategy`, Megatron-style tensor parallelism on DTensor. ``tensor_parallel_size=k``
@@ -37,10 +37,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_llm.strategies.decoding import GatherForDecoding
-from lightning_llm.strategies.engine import ParallelEngine
-from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB
+from lightning_llm.strategies.engine.strategy import ParallelEngine
+from lightning_llm.strategies.engine.grad_buckets import DEFAULT_BUCKET_MB
 from lightning_llm.strategies.pipeline.runtime import ScheduleName
-from lightning_llm.strategies.plans import TPPlan
+from lightning_llm.models.parallel_spec import TPPlan
 from lightning_llm.strategies.zero.common import Engine, check_adapter, validate_zero_args, write_export
 from lightning_llm.strategies.zero.deepspeed import DeepSpeedZeroStrategy
 

@@ -4,7 +4,7 @@ for a Mixture-of-Experts model, those a token uses) with the training FLOPs per 
 are :mod:`lightning_llm.memory`'s (the same the run summary logs at the start of fit); this module reads the command
 line and prints them.
 
-FLOPs per token of a training step (forward + backward), the convention of PaLM's MFU that ``benchmarks/gpu.py``
+FLOPs per token of a training step (forward + backward), the convention of PaLM's MFU that ``benchmarks/gpu/suite.py``
 reports: ``6 N + 12 L A S``, with ``N`` the parameters a token's matmuls use (no embedding tables; of an MoE layer's
 routed experts only its ``top_k``: :func:`~lightning_llm.models.moe.moe_parameters`), ``L`` layers, ``A`` the
 attention width (heads x head dim) and ``S`` the sequence length.

@@ -1,4 +1,4 @@
-"""Torch-native ZeRO engine pieces, applied by :class:`~lightning_llm.strategies.engine.ParallelEngine` (``zero*``).
+"""Torch-native ZeRO engine pieces, applied by :class:`~lightning_llm.strategies.engine.strategy.ParallelEngine` (``zero*``).
 
 Every function takes the data-parallel :class:`DeviceMesh` (the ``dp`` dim of ``ParallelDims``' mesh) explicitly, so
 the same pieces shard over a sub-group when tensor/pipeline parallel dims are added later.
@@ -34,7 +34,7 @@ from torch.optim import Optimizer
 from lightning_llm.logs import PER_RANK
 from lightning_llm.models import family_roots
 from lightning_llm.strategies.mesh import over_experts
-from lightning_llm.strategies.grad_buckets import (
+from lightning_llm.strategies.engine.grad_buckets import (
     DEFAULT_BUCKET_MB,
     GradReducer,
     OwnerBroadcast,

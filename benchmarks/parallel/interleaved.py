@@ -1,6 +1,6 @@
 """Step times of several data-parallel layouts, interleaved in one launch, for a machine whose load drifts.
 
-    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node=2 benchmarks/interleaved.py \\
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node=2 benchmarks/parallel/interleaved.py \\
         --layouts ddp 3d_dp2 zero1 zero2 deepspeed_zero1 deepspeed_zero2 --rounds 5 --size small
 
 The matrix (``matrix.py``) runs each layout once, minutes apart, so on a shared machine a change of load between two

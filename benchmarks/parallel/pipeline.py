@@ -2,7 +2,7 @@
 
 Run on 2 CPU processes (gloo)::
 
-    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node=2 benchmarks/pipeline.py \
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node=2 benchmarks/parallel/pipeline.py \
         --out benchmarks/results/pipeline-cpu.json
 
 For each schedule (GPipe, 1F1B) and micro-batch count m it trains a 4-block decoder for ``--steps`` steps and

@@ -2,7 +2,7 @@
 
 Run (CPU, gloo; about 10 minutes on 2 cores)::
 
-    python benchmarks/context_parallel.py --out benchmarks/results/context-parallel-cpu.md
+    python benchmarks/parallel/context_parallel.py --out benchmarks/results/context-parallel-cpu.md
 
 Each degree is a fresh ``torchrun`` launch of ``cp`` processes training ``CausalLMTask("small")`` (8 layers, hidden
 256, 8 query / 4 kv heads, vocabulary 8192; fp32, the fused LM-head loss) for one step on one row of ``--seq`` byte
@@ -130,7 +130,7 @@ def main() -> None:
     print(table)
     if args.out is not None:
         when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        cmd = "python benchmarks/context_parallel.py" + (f" --seq {args.seq}" if args.seq != 16384 else "") \
+        cmd = "python benchmarks/parallel/context_parallel.py" + (f" --seq {args.seq}" if args.seq != 16384 else "") \
               + f" --out {args.out}"
         args.out.write_text(f"# Context parallelism: activation memory per rank, `small`, one row of {args.seq} "
                             f"tokens (CPU)\n\n{when}, shared 2-core machine, gloo, `OMP_NUM_THREADS=1` per rank; "

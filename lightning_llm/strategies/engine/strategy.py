@@ -23,9 +23,9 @@ shards it: ``capabilities.deferred_init``):
    lazily loaded model or the family's init plan (:mod:`.materialize`), the same values a one-device build has.
 
 Written once here: process-group set-up, precision checks and the set-up above; beside it, also written once for
-every layout: a step's gradients (:mod:`.engine_grads`: data-parallel averaging bucketed and overlapping backward,
+every layout: a step's gradients (:mod:`.grads`: data-parallel averaging bucketed and overlapping backward,
 awaited once per optimizer step, global-norm clipping over every shard, stage and replica), what a generation
-decodes with (:mod:`.decoding`) and checkpoint IO (:mod:`.engine_checkpoint`: every layout saves the layout-free
+decodes with (:mod:`.decoding`) and checkpoint IO (:mod:`.checkpoint`: every layout saves the layout-free
 DCP format of :mod:`.hybrid_checkpoint`, keyed by global names, optimizer included, so any layout resumes from any
 other).
 """
@@ -59,24 +59,24 @@ from lightning_llm.models.init import is_meta
 from lightning_llm.strategies.context import apply_context_parallel, slice_step
 from lightning_llm.strategies.decoding import (DecodingSessions, GatherForDecoding, WholeCopies, ZeroDecoding,
                                                copy_skeletons)
-from lightning_llm.strategies.engine_checkpoint import DefaultGroupCollectives, LayoutFreeCheckpointing
-from lightning_llm.strategies.engine_grads import EngineGradients
-from lightning_llm.strategies.engine_layout import LayoutArgs, PipelineStages
+from lightning_llm.strategies.engine.checkpoint import DefaultGroupCollectives, LayoutFreeCheckpointing
+from lightning_llm.strategies.engine.grads import EngineGradients
+from lightning_llm.strategies.engine.layout import LayoutArgs, PipelineStages
 from lightning_llm.strategies.expert import apply_expert_parallel, expert_blocker, expert_mesh
 from lightning_llm.strategies.frozen import (check_frozen_models, frozen_models_of, place_frozen_models,
                                              place_scoring_models, scoring_models_of)
-from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB, GradReducer, reducer_for
+from lightning_llm.strategies.engine.grad_buckets import DEFAULT_BUCKET_MB, GradReducer, reducer_for
 from lightning_llm.strategies.materialize import materialize_shards
 from lightning_llm.strategies.mesh import (ParallelDims, device_type_of, mesh_coordinate, model_parallel_mesh,
                                           replica_mesh)
-from lightning_llm.strategies.parallelize import (
+from lightning_llm.strategies.tensor.parallelize import (
     apply_tensor_parallel,
     local_loss,
     sharded_logits_for,
 )
 from lightning_llm.strategies.pipeline.runtime import ScheduleName, checkpoint_blocks
 from lightning_llm.strategies.pipeline.split import StageSpec, layout_of, module_at
-from lightning_llm.strategies.plans import TPPlan
+from lightning_llm.models.parallel_spec import TPPlan
 from lightning_llm.strategies.zero.native import (
     apply_fsdp,
     fsdp_mixed_precision,

@@ -19,9 +19,9 @@ from torch import Tensor, nn
 from torch.distributed.tensor.parallel import loss_parallel as _loss_parallel_ctx
 from typing_extensions import override
 
-from lightning_llm.strategies.grad_buckets import GradReducer
+from lightning_llm.strategies.engine.grad_buckets import GradReducer
 from lightning_llm.strategies.mesh import ParallelDims
-from lightning_llm.strategies.parallelize import clip_grads_by_global_norm, reduce_partial_grads
+from lightning_llm.strategies.tensor.parallelize import clip_grads_by_global_norm, reduce_partial_grads
 from lightning_llm.strategies.zero.native import gradient_sync_paused
 
 __all__ = ["EngineGradients"]
@@ -32,7 +32,7 @@ class EngineGradients(ParallelStrategy):
 
     dims: ParallelDims | None
     zero_stage: int
-    stages: Any  # engine_layout.PipelineStages (pp > 1)
+    stages: Any  # layout.PipelineStages (pp > 1)
     _params: list[nn.Parameter]
     _reducer: GradReducer | None
     _sharded_logits: bool  # the task's loss receives vocab-sharded DTensor logits

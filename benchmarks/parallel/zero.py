@@ -2,7 +2,7 @@
 
 Run (2 CPU processes, gloo)::
 
-    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node=2 benchmarks/zero.py \
+    OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node=2 benchmarks/parallel/zero.py \
         --out benchmarks/results/zero-cpu.md
 
 For every configuration a fresh Trainer trains the ``debug`` decoder for 4 steps (batch 4 x 32 tokens per rank); after
@@ -112,7 +112,7 @@ def main() -> None:
     lines = [
         "# ZeRO model-state bytes per rank: measured vs theory (2 CPU processes, gloo)",
         "",
-        "Command: `OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node=2 benchmarks/zero.py "
+        "Command: `OMP_NUM_THREADS=1 python -m torch.distributed.run --nproc_per_node=2 benchmarks/parallel/zero.py "
         "--out benchmarks/results/zero-cpu.md`",
         "",
         f"Model: `debug` decoder, Ψ = {numel:,} parameters (vocabulary padded to 264), N = 2 ranks. Measured after "

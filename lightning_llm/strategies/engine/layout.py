@@ -1,4 +1,4 @@
-"""Pieces of :class:`~lightning_llm.strategies.engine.ParallelEngine` that are not Lightning hooks.
+"""Pieces of :class:`~lightning_llm.strategies.engine.strategy.ParallelEngine` that are not Lightning hooks.
 
 * :class:`LayoutArgs`: the layout's arguments and every check on them, run before any process starts or any step
   (degrees, ZeRO/offload combinations, pipeline schedule, precision, batch size).
@@ -27,9 +27,9 @@ from lightning_llm.contract import check_context_parallel, check_pipelinable
 from lightning_llm.logs import PER_RANK
 from lightning_llm.models import routing_stats_of
 from lightning_llm.models.init import canonical_name
-from lightning_llm.strategies.grad_buckets import DEFAULT_BUCKET_MB
+from lightning_llm.strategies.engine.grad_buckets import DEFAULT_BUCKET_MB
 from lightning_llm.strategies.mesh import ParallelDims
-from lightning_llm.strategies.parallelize import reduce_partial_grads
+from lightning_llm.strategies.tensor.parallelize import reduce_partial_grads
 from lightning_llm.strategies.pipeline.decode import MICROBATCH_MIN_FLOPS
 from lightning_llm.strategies.pipeline.runner import PipelineRunner
 from lightning_llm.strategies.pipeline.runtime import SCHEDULES, check_microbatches
@@ -42,7 +42,7 @@ from lightning_llm.strategies.pipeline.split import (
     stage_specs,
     tied_across_stages,
 )
-from lightning_llm.strategies.plans import TPPlan
+from lightning_llm.models.parallel_spec import TPPlan
 
 log = logging.getLogger(__name__)
 

@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
-# Wheels for running benchmarks/gpu.py on a GPU machine that has Python 3.12 (manylinux x86_64) with torch, triton,
+# Wheels for running benchmarks/gpu/suite.py on a GPU machine that has Python 3.12 (manylinux x86_64) with torch, triton,
 # transformers, peft, lightning (and torchmetrics, einops, msgpack, ninja, nvidia-ml-py, psutil, py-cpuinfo, numpy,
 # PyYAML, rich, click, joblib, regex, six, tqdm, typing-extensions) preinstalled and NO network. Run it here, where PyPI
 # is reachable, from anywhere in the repository:
 #
-#   bash benchmarks/gpu_wheels.sh            # -> .whl/ (git-ignored): the missing wheels + this project as a wheel
+#   bash benchmarks/gpu/wheels.sh            # -> .whl/ (git-ignored): the missing wheels + this project as a wheel
 #
 # Then, on the GPU machine, in the repository root (with .whl/ carried along):
 #
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
 #     && export PYTHONPATH=/tmp/site
-#   python benchmarks/gpu.py --out $OUT/gpu.md
+#   python benchmarks/gpu/suite.py --out $OUT/gpu.md
 #
 # (~20 min on an H100. Where one command may run at most 10 minutes, split it, each with its own budget:
-#   python benchmarks/gpu.py --only kernels --only flce --time-budget-s 540 --out $OUT/gpu-kernels.md
-#   python benchmarks/gpu.py --only e2e-encoder --time-budget-s 540 --out $OUT/gpu-e2e-encoder.md
-#   python benchmarks/gpu.py --only e2e-offload --only e2e-decoder --time-budget-s 540 --out $OUT/gpu-e2e-rest.md)
+#   python benchmarks/gpu/suite.py --only kernels --only flce --time-budget-s 540 --out $OUT/gpu-kernels.md
+#   python benchmarks/gpu/suite.py --only e2e-encoder --time-budget-s 540 --out $OUT/gpu-e2e-encoder.md
+#   python benchmarks/gpu/suite.py --only e2e-offload --only e2e-decoder --time-budget-s 540 --out $OUT/gpu-e2e-rest.md)
 #
 # Versions are the ones installed here (what the tests ran with); liger-kernel is not a dependency of the project and
 # is pinned below. DeepSpeed publishes only an sdist: if `pip download --only-binary=:all:` finds no wheel, a
@@ -24,7 +24,7 @@
 # `pip wheel --no-deps`.
 set -euo pipefail
 
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
 OUT=.whl

@@ -20,7 +20,7 @@ plan (``peers.TPPeerTask``) or with FSDP2 applied as Lightning documents it (``p
 ``FSDPStrategy`` wraps torch's FSDP1, which refuses to run without an accelerator), and the DeepSpeed engine in a
 plain torch loop (``peers.py deepspeed``). A row may have several peers (ratios in the same order).
 
-    python benchmarks/matrix.py --sizes debug small --steps 10 --out benchmarks/results/matrix-cpu.md
+    python benchmarks/parallel/matrix.py --sizes debug small --steps 10 --out benchmarks/results/matrix-cpu.md
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BENCH = Path(__file__).resolve().parent
 TP_CLS = "lightning_llm.strategies.presets.TensorParallelStrategy"
 PP_CLS = "lightning_llm.strategies.presets.PipelineParallelStrategy"
@@ -418,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = [run_config(c, size=size, steps=a.steps, warmup=a.warmup, measure_step=a.measure_step,
                        profile_steps=a.profile_steps, work=a.work, timeout=a.timeout, retries=a.retries)
             for size in a.sizes for c in configs]
-    command = "python benchmarks/matrix.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = "python benchmarks/parallel/matrix.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     table = to_markdown(rows, command=command, steps=a.steps, warmup=a.warmup, measure_step=a.measure_step,
                         profile_steps=a.profile_steps, load_before=load_before, load_after=os.getloadavg(), minutes=(time.perf_counter() - t0) / 60)
     print(table)

@@ -23,7 +23,7 @@ from typing_extensions import override
 
 from lightning_llm.checkpoint import check_engine_dir, check_torch_file, loading, verify_checkpoint
 from lightning_llm.reliability import SaveFault
-from lightning_llm.strategies import hybrid_checkpoint as hckpt
+from lightning_llm.strategies.engine import hybrid_checkpoint as hckpt
 
 __all__ = ["DefaultGroupCollectives", "LayoutFreeCheckpointing"]
 
@@ -126,7 +126,7 @@ class LayoutFreeCheckpointing(ParallelStrategy):
             raise FileNotFoundError(
                 f"--ckpt_path={path}: not a checkpoint directory of the parallel engine (tp, pp, zero1/2/3, 3d). "
                 "A plain Lightning .ckpt resumes with strategy=auto/ddp; convert it with "
-                "lightning_llm.strategies.hybrid_checkpoint.from_lightning_checkpoint (weights and loop state, fresh "
+                "lightning_llm.strategies.engine.hybrid_checkpoint.from_lightning_checkpoint (weights and loop state, fresh "
                 "optimizer state) to resume it here")
         return hckpt.load_hybrid(path, module=self.lightning_module, optimizers=self.optimizers if fitting else [],
                                  strict=self.lightning_module.strict_loading)

@@ -7,24 +7,24 @@
    vs the measured device-to-device copy bandwidth, and peak extra memory;
 2. flce: fused linear cross-entropy at 32k tokens x hidden 4096 x vocab 128256 (bf16) vs eager ``F.linear`` +
    ``F.cross_entropy``, ``torch.compile`` of that, and Liger's ``LigerFusedLinearCrossEntropyLoss``;
-3. e2e: ``lightning_llm fit`` runs (see ``gpu_e2e.py``): Erlangshen-1.3B-shaped encoder on AFQMC-shaped pairs (seq 512,
+3. e2e: ``lightning_llm fit`` runs (see ``e2e.py``): Erlangshen-1.3B-shaped encoder on AFQMC-shaped pairs (seq 512,
    bf16-mixed) at batch 4 and the largest batch that fits under 1 device / zero1 / zero2, ZeRO-3 offload peak GPU
    memory at batch 1 (native and DeepSpeed) vs 5 GB, and a ~1B Llama decoder (seq 2048) with torch vs Triton kernels;
-4. attention (see ``gpu_attention.py``): the varlen path vs the dense-mask path: SFT with packing (``llama-1b``,
+4. attention (see ``attention.py``): the varlen path vs the dense-mask path: SFT with packing (``llama-1b``,
    4 x 4096, bf16) and one GPU on a 32k-token row (``attention-sft``, ``attention-long``), and GQA without repeated
    keys/values (``attention-gqa``): step time, tokens/s, peak memory.
 5. moe: ``lightning_llm fit`` of a Qwen3-30B-A3B-shaped Mixture-of-Experts decoder with fewer layers (``--moe-layers``,
    128 experts top-8, bf16-mixed, the experts' GEMMs grouped): step time, tokens/s and MFU counted on the parameters
-   a token uses (``gpu_e2e.run_moe``).
+   a token uses (``e2e.run_moe``).
 
 Results: ``benchmarks/results/gpu-<device>.md`` (or ``--out``), written atomically; exit 1 if any part failed.
 
-    python benchmarks/gpu.py                                   # everything (~20 min on an H100)
-    python benchmarks/gpu.py --only kernels --only flce --out $OUT/gpu-kernels.md --time-budget-s 540
-    python benchmarks/gpu.py --only e2e --out $OUT/gpu-e2e.md --time-budget-s 540
-    python benchmarks/gpu.py --only attention --out $OUT/gpu-attention.md --time-budget-s 540
-    python benchmarks/gpu.py --only moe --out $OUT/gpu-moe.md --time-budget-s 540
-    python benchmarks/gpu.py --smoke --out /tmp/gpu-smoke.md   # CPU: Triton interpreter, tiny shapes, debug models
+    python benchmarks/gpu/suite.py                                   # everything (~20 min on an H100)
+    python benchmarks/gpu/suite.py --only kernels --only flce --out $OUT/gpu-kernels.md --time-budget-s 540
+    python benchmarks/gpu/suite.py --only e2e --out $OUT/gpu-e2e.md --time-budget-s 540
+    python benchmarks/gpu/suite.py --only attention --out $OUT/gpu-attention.md --time-budget-s 540
+    python benchmarks/gpu/suite.py --only moe --out $OUT/gpu-moe.md --time-budget-s 540
+    python benchmarks/gpu/suite.py --smoke --out /tmp/gpu-smoke.md   # CPU: Triton interpreter, tiny shapes, debug models
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 BENCH = Path(__file__).resolve().parent
-REPO = BENCH.parent
+REPO = BENCH.parents[1]
 ONLY = ("kernels", "flce", "e2e", "e2e-encoder", "e2e-offload", "e2e-decoder", "attention", "attention-sft",
         "attention-long", "attention-gqa", "moe")
 ATTENTION_GROUPS = ("sft", "long", "gqa")
@@ -183,7 +183,7 @@ def _check_section(rows: list[Any], failures: list[str], skipped: list[str], smo
 
 
 def part_kernels(ctx: Ctx) -> PartResult:
-    import gpu_kernels as G
+    import kernel_cases as G
     import kernels as KB
 
     a, res = ctx.a, PartResult("kernels")
@@ -239,7 +239,7 @@ def part_flce(ctx: Ctx) -> PartResult:
 
 
 def _e2e_config(ctx: Ctx) -> Any:
-    import gpu_e2e as E
+    import e2e as E
 
     a = ctx.a
     env = ({"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"} if a.smoke
@@ -292,7 +292,7 @@ def _e2e_sections(report: Any, cfg: Any) -> list[str]:
 
 
 def part_e2e(ctx: Ctx) -> PartResult:
-    import gpu_e2e as E
+    import e2e as E
 
     groups = {g for g in E2E_GROUPS if "e2e" in ctx.a.only or f"e2e-{g}" in ctx.a.only}
     cfg = _e2e_config(ctx)
@@ -309,7 +309,7 @@ def part_e2e(ctx: Ctx) -> PartResult:
 
 
 def part_attention(ctx: Ctx) -> PartResult:
-    import gpu_attention as A
+    import attention as A
 
     cfg = dict(A.SMOKE if ctx.a.smoke else A.FULL)
     groups = [g for g in ATTENTION_GROUPS if "attention" in ctx.a.only or f"attention-{g}" in ctx.a.only]
@@ -330,7 +330,7 @@ def part_attention(ctx: Ctx) -> PartResult:
 
 
 def part_moe(ctx: Ctx) -> PartResult:
-    import gpu_e2e as E
+    import e2e as E
 
     a, cfg = ctx.a, _e2e_config(ctx)
     r = E.run_moe(cfg, ctx.deadline, backbone=a.moe_backbone, layers=a.moe_layers, batch=a.moe_batch, seq=a.moe_seq)
@@ -405,7 +405,7 @@ def environment(ctx: Ctx, argv: list[str]) -> list[str]:
             f"({'interpreted: smoke run' if ctx.a.smoke else 'compiled kernels'})",
             f"- device-to-device copy bandwidth: {fnum(ctx.copy_gbps, '.0f')} GB/s (read + write of a "
             f"{ctx.a.copy_mib} MiB `copy_`); peak dense bf16 used for MFU: {fnum(ctx.peak_tflops, '.0f')} TFLOP/s",
-            f"- command: `{shlex.join(['python', 'benchmarks/gpu.py', *argv])}`",
+            f"- command: `{shlex.join(['python', 'benchmarks/gpu/suite.py', *argv])}`",
             f"- time budget: {ctx.a.time_budget_s:.0f} s"]
 
 
@@ -429,12 +429,12 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def make_ctx(a: argparse.Namespace) -> Ctx:
-    import gpu_e2e as E
+    import e2e as E
     import kernels as KB
     import torch
 
     if not a.smoke and not torch.cuda.is_available():
-        raise SystemExit("benchmarks/gpu.py needs a CUDA GPU; use --smoke for the CPU check")
+        raise SystemExit("benchmarks/gpu/suite.py needs a CUDA GPU; use --smoke for the CPU check")
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 checks against float64 need full fp32 matmuls (the default)
     device = torch.device("cpu" if a.smoke else "cuda")
     name = "CPU (smoke)" if a.smoke else torch.cuda.get_device_name()
@@ -455,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     wanted = [p for p in PARTS if p in a.only or any(o.startswith(f"{p}-") for o in a.only)]
     results = [run_part(name, PARTS[name], ctx) for name in wanted]
     slug = re.sub(r"[^a-z0-9]+", "-", ctx.device_name.lower()).strip("-")
-    out = a.out or BENCH / "results" / f"gpu-{slug}.md"
+    out = a.out or REPO / "benchmarks" / "results" / f"gpu-{slug}.md"
     write_atomic(out, render(ctx, results, argv, time.monotonic() - t0))
     failed = [r for r in results if r.status == "failed"]
     for r in results:

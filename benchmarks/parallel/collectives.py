@@ -1,7 +1,7 @@
 """Collective calls per optimizer step, by function and process group, under a layout of the native engine.
 
-    python -m torch.distributed.run --nproc_per_node=2 benchmarks/collectives.py --layouts zero1 zero2 --size small
-    python -m torch.distributed.run --nproc_per_node=4 benchmarks/collectives.py --layouts dp2_tp2 --size small
+    python -m torch.distributed.run --nproc_per_node=2 benchmarks/parallel/collectives.py --layouts zero1 zero2 --size small
+    python -m torch.distributed.run --nproc_per_node=4 benchmarks/parallel/collectives.py --layouts dp2_tp2 --size small
 
 Each layout trains ``lightning_llm``'s decoder (``--size``, byte tokenizer, batch 8 x 64 per data-parallel rank,
 AdamW, fp32) for ``--step + 1`` steps; optimizer step ``--step`` is counted two ways:
@@ -17,7 +17,7 @@ Rank 0 prints one markdown row per layout (and appends it to ``--out``).
 one flat buffer vs one call per tensor; median of 7), which is how ZeRO-2's reduce to owners was chosen over
 ``reduce_scatter_tensor`` on gloo::
 
-    python -m torch.distributed.run --nproc_per_node=2 benchmarks/collectives.py --primitives --size small
+    python -m torch.distributed.run --nproc_per_node=2 benchmarks/parallel/collectives.py --primitives --size small
 """
 
 from __future__ import annotations

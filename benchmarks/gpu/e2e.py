@@ -1,5 +1,5 @@
-"""End-to-end training runs for ``benchmarks/gpu.py``: ``lightning_llm fit`` in fresh processes, measured by
-:class:`GpuMeter` (loaded in the child as ``--trainer.callbacks=[{"class_path": "gpu_e2e.GpuMeter", ...}]``).
+"""End-to-end training runs for ``benchmarks/gpu/suite.py``: ``lightning_llm fit`` in fresh processes, measured by
+:class:`GpuMeter` (loaded in the child as ``--trainer.callbacks=[{"class_path": "e2e.GpuMeter", ...}]``).
 
 * encoder: ``ClassificationTask`` (``configs/afqmc.yaml``) on generated AFQMC-style pairs whose every pair fills
   ``--data.max_length`` tokens, bf16-mixed, under 1 device, ``zero1``, ``zero2`` at batch 4 and at the largest batch
@@ -38,7 +38,7 @@ from typing_extensions import override
 
 log = logging.getLogger(__name__)
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 BENCH = Path(__file__).resolve().parent
 PEAK_BF16_TFLOPS: tuple[tuple[str, float], ...] = (("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0),
                                                    ("A100", 312.0))
@@ -178,7 +178,7 @@ def prepare_pair_data(cfg: E2EConfig, n_train: int) -> Path:
 
 
 def _common(cfg: E2EConfig, steps: int, batch: int, output: Path) -> list[str]:
-    meter = json.dumps([{"class_path": "gpu_e2e.GpuMeter", "init_args": {"output": str(output)}}])
+    meter = json.dumps([{"class_path": "e2e.GpuMeter", "init_args": {"output": str(output)}}])
     return [f"--data.batch_size={batch}", f"--trainer.max_steps={steps}", f"--trainer.accelerator={cfg.accelerator}",
             "--trainer.devices=1", f"--trainer.precision={cfg.precision}", "--trainer.limit_val_batches=0",
             "--trainer.logger=false", "--trainer.enable_checkpointing=false", "--trainer.enable_progress_bar=false",

@@ -35,7 +35,7 @@ turns every parameter into a DTensor replicated over ``dp`` (tasks and checkpoin
 ZeRO-1/2; FSDP2 without resharding holds 4Ψ + 16Ψ/N at stage 2 (see :mod:`.zero.native`). ZeRO-2 reduces owner
 buckets rather than reduce-scattering flat partitions: parameters are owned whole (the optimizer keeps per-parameter
 state), and on gloo reducing each half of a 23 MiB buffer to its owner took 45-91 ms against 47-114 ms for
-``reduce_scatter_tensor`` (``benchmarks/collectives.py --primitives``, ``benchmarks/results/collectives-cpu.md``).
+``reduce_scatter_tensor`` (``benchmarks/parallel/collectives.py --primitives``, ``benchmarks/results/collectives-cpu.md``).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_llm.strategies.mesh import over_experts, over_replicas
-from lightning_llm.strategies.parallelize import reduce_partial_grads
+from lightning_llm.strategies.tensor.parallelize import reduce_partial_grads
 
 log = logging.getLogger(__name__)
 

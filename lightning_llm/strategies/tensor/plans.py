@@ -26,22 +26,13 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from lightning_llm.models.config import ModelConfig
-from lightning_llm.models.parallel_spec import (  # noqa: F401 - re-exported: the family plans' former home
-    _TP_DIVIDES,
-    TPPlan,
-    decoder_tp_plan,
-    encoder_tp_plan,
-    parallel_spec_of,
-)
+from lightning_llm.models.parallel_spec import _TP_DIVIDES, TPPlan, parallel_spec_of
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "ReplicateParallel",
-    "TPPlan",
     "adapt_plan_for_lora",
-    "decoder_tp_plan",
-    "encoder_tp_plan",
     "find_backbone",
     "tp_plan",
     "validate_tp",

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
 # One device session's GPU measurements in a single command (a session is lent ~15 minutes of device time, one
-# command at most 10): the parts of benchmarks/gpu.py by priority, each with its own time budget and results file,
+# command at most 10): the parts of benchmarks/gpu/suite.py by priority, each with its own time budget and results file,
 # so a part that runs long or fails leaves the others' results. Run on the GPU machine from the repository root with
-# .whl/ carried (bash benchmarks/gpu_wheels.sh builds it here):
+# .whl/ carried (bash benchmarks/gpu/wheels.sh builds it here):
 #
-#   bash benchmarks/gpu_session.sh $OUT          # ~9 minutes on an H200; results and a log under $OUT
+#   bash benchmarks/gpu/session.sh $OUT          # ~9 minutes on an H200; results and a log under $OUT
 #
 # Parts (each file $OUT/gpu-<part>.md): moe (Qwen3-30B-A3B-shaped, 4 layers: MFU on active parameters), kernels
 # (every Triton kernel compiled and checked, timings vs eager and Liger, the fused linear CE), decoder (the ~1B decoder
 # end to end with torch vs Triton kernels), attention-sft / -long / -gqa (packed SFT rows and a 32k-token row: dense
 # mask vs flash varlen; GQA without repeated keys/values).
 set -uo pipefail
-OUT="${1:?usage: gpu_session.sh OUT_DIR}"
+OUT="${1:?usage: session.sh OUT_DIR}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -22,7 +22,7 @@ python3 -c "import torch, triton, transformers; print('torch', torch.__version__
 run() {  # $1 = part name, $2 = hard limit (s), rest: gpu.py arguments (its own budget below the limit)
   local name="$1" limit="$2"; shift 2
   local t0=$SECONDS
-  timeout "$limit" python3 benchmarks/gpu.py --out "$OUT/gpu-$name.md" "$@" >>"$OUT/session.log" 2>&1
+  timeout "$limit" python3 benchmarks/gpu/suite.py --out "$OUT/gpu-$name.md" "$@" >>"$OUT/session.log" 2>&1
   echo "part $name: exit $? after $((SECONDS - t0)) s" | tee -a "$OUT/session.log"
 }
 run moe 140 --only moe --time-budget-s 120 --e2e-steps 8 --e2e-warmup 3 --run-timeout-s 120

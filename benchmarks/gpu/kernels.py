@@ -1,11 +1,11 @@
 """Kernel timings of lightning_llm.kernels vs torch eager, ``torch.compile`` and Liger-Kernel (when importable):
 median time of forward and of forward+backward (``triton.testing.do_bench``), GB/s of the ideal traffic, peak extra
-memory of one forward+backward. The library half of ``benchmarks/gpu.py`` (its ``kernels`` and ``flce`` parts; the
-cases and the correctness checks live in ``gpu_kernels.py``); as a script it times one set of shapes given on the
+memory of one forward+backward. The library half of ``benchmarks/gpu/suite.py`` (its ``kernels`` and ``flce`` parts; the
+cases and the correctness checks live in ``kernel_cases.py``); as a script it times one set of shapes given on the
 command line and writes ``benchmarks/results/kernels-<device>.md``. Needs CUDA; ``--help`` works on CPU.
 
-    python benchmarks/kernels.py --tokens 8192 --hidden 4096 --vocab 128256 --dtype bf16
-    python benchmarks/kernels.py --kernels cross_entropy fused_linear_cross_entropy --providers triton liger
+    python benchmarks/gpu/kernels.py --tokens 8192 --hidden 4096 --vocab 128256 --dtype bf16
+    python benchmarks/gpu/kernels.py --kernels cross_entropy fused_linear_cross_entropy --providers triton liger
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_kernels import (  # noqa: E402 - the helper module next to this file
+from kernel_cases import (  # noqa: E402 - the helper module next to this file
     DTYPES,
     PROVIDERS,
     Case,
@@ -278,7 +278,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warmup (ms)")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetitions (ms)")
-    p.add_argument("--out-dir", default=str(Path(__file__).resolve().parent / "results"))
+    p.add_argument("--out-dir", default=str(Path(__file__).resolve().parents[1] / "results"))
     return p.parse_args(argv)
 
 
@@ -299,8 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA GPU (the Triton interpreter is far too slow to time); "
-              "`python benchmarks/gpu.py --smoke` checks the code path on CPU.")
+        print("benchmarks/gpu/kernels.py needs a CUDA GPU (the Triton interpreter is far too slow to time); "
+              "`python benchmarks/gpu/suite.py --smoke` checks the code path on CPU.")
         return 1
     device = torch.device("cuda")
     bench = Bench(device, a.warmup, a.rep)

@@ -1,12 +1,12 @@
 """CPU benchmark of tensor parallelism: training step time and per-rank parameter bytes, tp=1 vs tp=2.
 
 One training step = forward + vocab-parallel cross-entropy + backward + AdamW step on a named decoder size, with the
-plan of :func:`lightning_llm.strategies.plans.tp_plan` (the one ``TensorParallelStrategy`` applies) and the same
+plan of :func:`lightning_llm.strategies.tensor.plans.tp_plan` (the one ``TensorParallelStrategy`` applies) and the same
 gradient finalisation. tp=1 runs in one process; tp=2 in two gloo processes (launched with torchrun by this script).
 Reports the median step time over ``--steps`` after ``--warmup`` steps (max over ranks), and parameter bytes held by
 rank 0. Prints a markdown table and writes it to ``--out`` when given.
 
-    python benchmarks/tp.py --sizes debug small --batch 8 --seq 128 --steps 10 --out benchmarks/results/tp-cpu.md
+    python benchmarks/parallel/tp.py --sizes debug small --batch 8 --seq 128 --steps 10 --out benchmarks/results/tp-cpu.md
 
 On CPU the point is correctness of the accounting (bytes halve, communication is per block), not speed: gloo
 all-reduces over loopback and 1-2 cores per rank make tp=2 slower than tp=1 here.
@@ -62,7 +62,7 @@ def run_one(args: argparse.Namespace) -> dict:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
-        from lightning_llm.strategies.plans import tp_plan, validate_tp
+        from lightning_llm.strategies.tensor.plans import tp_plan, validate_tp
 
         validate_tp(model.config, tp)
         mesh = init_device_mesh("cpu", (tp,))
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(json.loads(out.read_text()))
                 print(rows[-1], file=sys.stderr)
     base = {r["size"]: r for r in rows if r["tp"] == 1}
-    cmd_line = "python benchmarks/tp.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    cmd_line = "python benchmarks/parallel/tp.py " + " ".join(argv if argv is not None else sys.argv[1:])
     lines = [
         "# Tensor parallel on CPU (gloo): step time and per-rank parameter bytes",
         "",

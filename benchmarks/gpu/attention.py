@@ -1,4 +1,4 @@
-"""Attention parts of ``benchmarks/gpu.py``: the varlen path (``models/attention.py``) against the dense-mask path.
+"""Attention parts of ``benchmarks/gpu/suite.py``: the varlen path (``models/attention.py``) against the dense-mask path.
 
 Plain training loops on one device (no Lightning: what changes is the attention alone), each model built from the
 same seed for both paths, bf16 autocast over fp32 weights, the model's fused loss (``labels=``), AdamW (fused on
