@@ -15,7 +15,6 @@ import random
 import shutil
 import signal
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NoReturn
@@ -26,6 +25,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
+from lightning_llm.data.io import atomic_open, fresh_sibling
 from lightning_llm.logs import PER_RANK
 
 log = logging.getLogger(__name__)
@@ -207,23 +207,13 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: str | os.PathLike, storage_options: Any = None) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         self.fault.begin(path)
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(checkpoint, f)
-                if self.fault.hits("shards"):
-                    f.flush()
-                    f.truncate(max(1, f.tell() // 2))  # half-written, as a crash mid-write leaves it
-                    self.fault.shards_written(path)
+        with atomic_open(path, "wb") as f:
+            torch.save(checkpoint, f)
+            if self.fault.hits("shards"):
                 f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            if tmp.exists():
-                tmp.unlink()
+                f.truncate(max(1, f.tell() // 2))  # half-written, as a crash mid-write leaves it
+                self.fault.shards_written(path)
         self.fault.published(path)
 
 
@@ -301,14 +291,11 @@ def staged_directory(target: str | os.PathLike[str], *, flag: str) -> Iterator[P
         parent = parent.parent
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.partial-", dir=target.parent))
+        tmp = fresh_sibling(target, directory=True)  # as readable as a mkdir's (mkdtemp would make it 0700)
     except OSError as e:
         _remove_created(created)
         raise ValueError(f"{flag}={target}: cannot create the output directory ({e.strerror or e})") from e
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it 0700; the export should be as readable as a mkdir's
         yield tmp
         publish(tmp, target)
     except BaseException:

@@ -422,9 +422,8 @@ def render(ctx: Ctx, results: list[PartResult], argv: list[str], total_s: float)
 
 def write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")  # a plain open: the umask's mode (mkstemp's is 0600)
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import secrets
+import stat
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -103,25 +104,55 @@ def read_json(path: str | os.PathLike, *, name: str | None = None) -> Any:
         raise DataError(f"{label}:{e.lineno}: malformed JSON: {e.msg} (column {e.colno})") from None
 
 
-@contextmanager
-def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> Iterator[IO]:
-    """Open a temp file beside ``path``; on clean exit fsync and rename it over ``path``, else delete it.
+def fresh_sibling(path: str | os.PathLike, *, directory: bool = False) -> Path:
+    """A new, uniquely named hidden file (``directory=True``: directory) beside ``path``, made as a plain
+    ``open(path, "w")`` (``mkdir``) would make it: mode 0o666 (0o777) less the umask, a file replacing an existing
+    one keeps that one's mode. Every atomic write starts here: ``tempfile.mkstemp``/``mkdtemp`` make 0600/0700, which
+    the rename carries to the final name, and a teammate on a shared cluster could not read the export."""
+    path = Path(path)
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+        try:
+            if directory:
+                os.mkdir(tmp)
+            else:
+                os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:
+            continue
+        if not directory and path.is_file():
+            os.chmod(tmp, stat.S_IMODE(path.stat().st_mode))
+        return tmp
+    raise FileExistsError(f"{path}: no free temporary name beside it")
 
-    Readers never see a half-written file and a crash keeps the previous version intact.
-    """
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a :func:`fresh_sibling` of ``path`` for a writer that takes a path (safetensors, ``torch.save``); on a
+    clean exit fsync it and rename it over ``path``, else delete it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = fresh_sibling(path)
+    mode = stat.S_IMODE(tmp.stat().st_mode)
     try:
-        with os.fdopen(fd, mode, **kwargs) as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
+        yield tmp
+        os.chmod(tmp, mode)  # safetensors >= 0.8 writes a 0600 file of its own and renames it over ``tmp``
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        tmp.unlink(missing_ok=True)
         raise
+
+
+@contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "w", **kwargs: Any) -> Iterator[IO]:
+    """Open a temp file beside ``path`` (:func:`atomic_path`); on clean exit fsync and rename it over ``path``,
+    else delete it. Readers never see a half-written file and a crash keeps the previous version intact."""
+    with atomic_path(path) as tmp, open(tmp, mode, **kwargs) as f:
+        yield f
 
 
 def write_jsonl_atomic(path: str | os.PathLike, rows: Iterable[dict[str, Any]]) -> int:

@@ -25,7 +25,6 @@ import json
 import logging
 import os
 import re
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_llm.data.io import read_json
+from lightning_llm.data.io import atomic_path, read_json
 
 from .config import ModelConfig
 from .decoder import DecoderLM
@@ -414,16 +413,9 @@ def _decoder_kind(config: ModelConfig) -> str:
     return "llama"
 
 
-def _atomic_write(path: Path, write: Callable[[str], None]) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent))
-    os.close(fd)
-    try:
+def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    with atomic_path(path) as tmp:
         write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 _UNITS = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "KB": 10**3, "MB": 10**6, "GB": 10**9, "B": 1}

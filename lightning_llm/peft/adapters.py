@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_llm.data.io import read_json
+from lightning_llm.data.io import atomic_path, read_json
 from lightning_llm.data.tokenizer_files import write_tokenizer
 from lightning_llm.models.hf_decoders import adapter_tensor_from_hf, adapter_tensor_to_hf
 from lightning_llm.peft.apply import LoraArgs, PeftConfig, apply_peft
@@ -130,8 +130,8 @@ def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,
     peft_cfg.base_model_name_or_path = base_model_name_or_path
     with staged_directory(directory, flag="adapter directory") as tmp:
         peft_cfg.save_pretrained(str(tmp))
-        save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"),
-                  metadata={"format": "pt"})
+        with atomic_path(tmp / "adapter_model.safetensors") as f:  # the umask's mode (save_file's own is 0600)
+            save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(f), metadata={"format": "pt"})
         if quantization is not None:
             (tmp / QUANTIZATION_FILE).write_text(json.dumps(quantization, indent=1))
         if tokenizer is not None:  # a run with its own (e.g. extended) tokenizer: merge and PeftModel users need it

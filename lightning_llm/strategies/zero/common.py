@@ -16,6 +16,8 @@ from lightning.fabric.utilities.types import _PATH
 from torch import nn
 from typing_extensions import override
 
+from lightning_llm.data.io import atomic_open
+
 __all__ = ["Engine", "ExportWeights", "check_adapter", "validate_zero_args", "write_export"]
 
 log = logging.getLogger(__name__)
@@ -51,8 +53,8 @@ def write_export(sd: dict[str, torch.Tensor], path: _PATH, *, adapter_only: bool
         sd = {k: v for k, v in sd.items() if "lora_" in k}
     out = Path(path)
     if rank0:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(sd, out)
+        with atomic_open(out, "wb") as f:
+            torch.save(sd, f)
         log.info("exported %d tensors (%s elements) to %s", len(sd), f"{sum(v.numel() for v in sd.values()):,}", out)
     barrier()
     return out if rank0 else None
