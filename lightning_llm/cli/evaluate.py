@@ -65,8 +65,8 @@ def _parser() -> LightningArgumentParser:
                         "'{\"data_dir\": \"/data/ceval\"}' for configs/eval/ceval_format.yaml")
     parser.add_argument("--max_length", type=int, default=None, help="longest input in tokens (default: the "
                         "model's max_position_embeddings)")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the run's, as export "
-                        "finds it; an HF directory's own)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory, or byte for the built-in byte "
+                        "tokenizer (default: the run's, as export finds it; an HF directory's own)")
     parser.add_argument("--seed", type=int, default=1234, help="numpy/torch/few-shot seed (lm-eval's default)")
     parser.add_argument("--bootstrap_iters", type=int, default=100000, help="bootstrap iterations of the standard "
                         "errors (0: none)")

@@ -19,16 +19,23 @@ from lightning_llm.data.tokenizers import ByteTokenizer
 
 log = logging.getLogger(__name__)
 
+BYTE_TOKENIZER = "byte"
+"""``--data.tokenizer_dir=byte`` (``--tokenizer byte``): the built-in byte tokenizer (ids 0-258), chosen explicitly
+(named sizes, debug)."""
+
 
 def load_tokenizer(tokenizer_dir: str | None, *, param: str = "--data.tokenizer_dir") -> Any:
-    """Load a tokenizer from a local directory (never from a hub), with an error naming ``param``."""
+    """Load a tokenizer from a local directory (never from a hub), or the built-in byte tokenizer for ``"byte"``
+    (:data:`BYTE_TOKENIZER`, taken wherever a tokenizer directory is), with an error naming ``param``."""
     from transformers import AutoTokenizer, BertTokenizer
 
     if not tokenizer_dir:
-        raise ValueError(f"{param} is required (a local directory with vocab.txt or tokenizer.json)")
+        raise ValueError(f"{param} is required (a local directory with vocab.txt or tokenizer.json, or byte)")
+    if tokenizer_dir == BYTE_TOKENIZER:
+        return ByteTokenizer()
     path = Path(tokenizer_dir)
     if not path.is_dir():
-        raise FileNotFoundError(f"{param}={tokenizer_dir}: directory not found")
+        raise FileNotFoundError(f"{param}={tokenizer_dir}: directory not found (or byte: the built-in byte tokenizer)")
     files = {p.name for p in path.iterdir()}
     try:
         check_tokenizer_files(path)
@@ -61,17 +68,11 @@ def check_tokenizer_files(path: Path) -> None:
         read_text(path / "vocab.txt")
 
 
-BYTE_TOKENIZER = "byte"
-"""``--data.tokenizer_dir=byte``: the built-in byte tokenizer (ids 0-258), chosen explicitly (named sizes, debug)."""
-
-
 def tokenizer_or_bytes(tokenizer_dir: str | None, *, param: str = "--data.tokenizer_dir") -> Any:
     """:func:`load_tokenizer`, or the built-in byte tokenizer for ``"byte"`` / ``None``. On the command line ``None``
     means the backbone's own tokenizer (:func:`lightning_llm.vocab.default_tokenizer_dir` fills it in); a task on an
     HF backbone refuses an implicit byte tokenizer (:func:`lightning_llm.vocab.check_backbone_tokenizer`)."""
-    if tokenizer_dir is None or tokenizer_dir == BYTE_TOKENIZER:
-        return ByteTokenizer()
-    return load_tokenizer(tokenizer_dir, param=param)
+    return ByteTokenizer() if tokenizer_dir is None else load_tokenizer(tokenizer_dir, param=param)
 
 
 def eos_and_pad_ids(tokenizer: Any, tokenizer_dir: str | None) -> tuple[int, int]:

@@ -1,6 +1,7 @@
 """A Hugging Face tokenizer directory's files: whether a directory holds a tokenizer (:func:`has_tokenizer`), and
-putting the run's tokenizer into an exported model or adapter directory (:func:`write_tokenizer`), checked to encode
-identically once written, with the run's chat template (``chat_template.jinja``) when the tokenizer did not carry it.
+putting the run's tokenizer (a directory, or the byte tokenizer) into an exported model or adapter directory
+(:func:`write_tokenizer`), checked to encode identically once written, with the run's chat template
+(``chat_template.jinja``) when the tokenizer did not carry it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_llm.data.base import load_tokenizer
+from lightning_llm.data.tokenizers import ByteTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -30,20 +32,50 @@ def has_tokenizer(p: Path) -> bool:
     return any((p / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "tokenizer.model"))
 
 
-def _encodings(tok: Any) -> tuple[Any, ...]:
+def _encodings(tok: Any, specials: list[str]) -> tuple[Any, ...]:
+    """Ids of a probe text with ``specials`` written in it (read as their ids or as text, as the tokenizer does),
+    of a pair, and the vocabulary's size."""
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
     sample = " ".join(t for t, _ in vocab[:: max(1, len(vocab) // 50)][:50])  # tokens from the whole id range
-    return (tok(_PROBE)["input_ids"], tok(_PROBE, sample)["input_ids"], len(tok.get_vocab()))
+    return (tok(" x".join([_PROBE, *specials]))["input_ids"], tok(_PROBE, sample)["input_ids"], len(tok.get_vocab()))
 
 
-def write_tokenizer(source: Path, directory: Path, *, chat_template: str | None = None) -> None:
+def write_tokenizer(source: Path | ByteTokenizer, directory: Path, *, chat_template: str | None = None,
+                    token_type_ids: bool = False) -> None:
     """Put the tokenizer of ``source`` in ``directory``: its files copied verbatim, or, for a bare ``vocab.txt``
     (which ``AutoTokenizer`` cannot read without a ``tokenizer_config.json``), saved from the tokenizer loaded as the
-    run loaded it; ``chat_template`` (the run's, when the tokenizer does not carry it) as ``chat_template.jinja``,
-    the file transformers reads first. Raises ``ValueError`` if ``AutoTokenizer.from_pretrained(directory)`` then
-    encodes differently or renders another template."""
+    run loaded it; the byte tokenizer (a run on ``byte``) as ``tokenizer.json`` + ``tokenizer_config.json``
+    (:meth:`ByteTokenizer.save_pretrained`, returning ``token_type_ids`` if asked: an encoder's export);
+    ``chat_template`` (the run's, when the tokenizer does not carry it) as ``chat_template.jinja``, the file
+    transformers reads first. Raises ``ValueError`` if ``AutoTokenizer.from_pretrained(directory)`` then encodes
+    differently or renders another template."""
     from transformers import AutoTokenizer
 
+    if isinstance(source, ByteTokenizer):
+        ours = source
+        ours.save_pretrained(directory, token_type_ids=token_type_ids)
+    else:
+        ours = _copy_files(source, directory)
+    label = "the byte tokenizer" if isinstance(source, ByteTokenizer) else f"tokenizer from {source}"
+    if chat_template is not None:
+        (directory / "chat_template.json").unlink(missing_ok=True)
+        (directory / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
+    try:
+        theirs = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    except Exception as e:  # any loader failure: re-raised naming the source
+        raise ValueError(f"{label}: transformers cannot load the exported copy ({e}); pass --tokenizer DIR or "
+                         "--no-tokenizer") from e
+    specials = sorted(ours.added_tokens_encoder)
+    if _encodings(theirs, specials) != _encodings(ours, specials):
+        raise ValueError(f"{label}: AutoTokenizer loads the exported copy as {type(theirs).__name__}, which encodes "
+                         f"differently from the run's {type(ours).__name__}; pass --tokenizer DIR or --no-tokenizer")
+    if chat_template is not None and theirs.get_chat_template() != chat_template:
+        raise ValueError(f"{label}: the exported copy does not load the run's chat template")
+    log.info("%s written to %s", label, directory)
+
+
+def _copy_files(source: Path, directory: Path) -> Any:
+    """The tokenizer directory ``source``'s files in ``directory``; returns the tokenizer as the run loaded it."""
     if not has_tokenizer(source):
         raise ValueError(f"tokenizer directory {source}: no tokenizer.json, tokenizer_config.json or vocab.txt there")
     ours = load_tokenizer(str(source), param="tokenizer directory")
@@ -55,18 +87,4 @@ def write_tokenizer(source: Path, directory: Path, *, chat_template: str | None 
         ours.save_pretrained(str(directory))
         if (source / "vocab.txt").is_file():  # readers that want the plain WordPiece file still find it
             shutil.copy2(source / "vocab.txt", directory / "vocab.txt")
-    if chat_template is not None:
-        (directory / "chat_template.json").unlink(missing_ok=True)
-        (directory / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
-    try:
-        theirs = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    except Exception as e:  # any loader failure: re-raised naming the source
-        raise ValueError(f"tokenizer from {source}: transformers cannot load the exported copy ({e}); pass "
-                         "--tokenizer DIR or --no-tokenizer") from e
-    if _encodings(theirs) != _encodings(ours):
-        raise ValueError(f"tokenizer from {source}: AutoTokenizer loads the exported copy as {type(theirs).__name__}, "
-                         f"which encodes differently from the run's {type(ours).__name__}; pass --tokenizer DIR or "
-                         "--no-tokenizer")
-    if chat_template is not None and theirs.get_chat_template() != chat_template:
-        raise ValueError(f"tokenizer from {source}: the exported copy does not load the run's chat template")
-    log.info("tokenizer from %s written to %s", source, directory)
+    return ours

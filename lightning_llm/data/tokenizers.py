@@ -1,9 +1,12 @@
-"""A dependency-free byte-level tokenizer for runs without a tokenizer directory (debug models, tests)."""
+"""A dependency-free byte-level tokenizer for runs without a tokenizer directory (debug models, tests), and its
+files for ``transformers.AutoTokenizer`` (:meth:`ByteTokenizer.save_pretrained`: an export carries it)."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 
@@ -32,6 +35,10 @@ class ByteTokenizer:
         self._special = {**self._base_specials(), **{t: 259 + i for i, t in enumerate(self.added_tokens)}}
         longest_first = sorted(self._special, key=len, reverse=True)
         self._special_re = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
+
+    def settings(self) -> dict[str, Any]:
+        """Plain data that rebuilds this tokenizer (``ByteTokenizer(**settings)``): a checkpoint records it."""
+        return {"added_tokens": list(self.added_tokens), "split_special_tokens": self.split_special_tokens}
 
     @classmethod
     def _base_specials(cls) -> dict[str, int]:
@@ -114,6 +121,32 @@ class ByteTokenizer:
 
     def batch_decode(self, batch: list[list[int]], skip_special_tokens: bool = True) -> list[str]:
         return [self.decode(ids, skip_special_tokens) for ids in batch]
+
+    def save_pretrained(self, directory: str | Path, *, token_type_ids: bool = False) -> None:
+        """Write ``tokenizer.json`` (a ``tokenizers`` byte-fallback BPE without merges: the UTF-8 bytes of a text are
+        ids 0-255, the special and added tokens follow as here) and ``tokenizer_config.json``, which
+        ``AutoTokenizer.from_pretrained`` loads to give the same ids as this tokenizer: texts, sentence pairs
+        (``<bos> a <eos> b <eos>``) and special tokens read from text or not as here. ``token_type_ids``: the loaded
+        tokenizer returns them too (an encoder's export: BERT reads a pair's segments from them; a decoder's model
+        would refuse the argument). Decoding is the same for valid UTF-8 (each invalid byte decodes to U+FFFD there,
+        each invalid sequence here)."""
+        from tokenizers import AddedToken, Tokenizer, decoders, models, processors
+
+        tok = Tokenizer(models.BPE(vocab={f"<0x{i:02X}>": i for i in range(256)}, merges=[], byte_fallback=True))
+        tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+        names = sorted(self._special, key=self._special.__getitem__)  # ids 256, 257, ... in order
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in names])
+        tok.post_processor = processors.TemplateProcessing(
+            single="$A", pair=f"{self.bos_token} $A:0 {self.eos_token}:0 $B:1 {self.eos_token}:1",
+            special_tokens=[(self.bos_token, self.bos_token_id), (self.eos_token, self.eos_token_id)])
+        directory = Path(directory)
+        tok.save(str(directory / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **self.special_tokens_map,
+                  "split_special_tokens": self.split_special_tokens, "padding_side": self.padding_side,
+                  "clean_up_tokenization_spaces": False,
+                  "model_input_names": ["input_ids", *(["token_type_ids"] if token_type_ids else []),
+                                        "attention_mask"]}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
     def apply_chat_template(self, conversation: list[dict[str, Any]], *, chat_template: str,
                             tools: list[dict[str, Any]] | None = None, add_generation_prompt: bool = False,

@@ -113,10 +113,10 @@ def _tokenizer(checkpoint: dict[str, Any], tokenizer_dir: str | None, name: str)
     """The run's tokenizer (``--tokenizer`` overrides it) with the chat template it rendered with, and the export's
     sources (generation config, stop ids)."""
     sources = export_sources(checkpoint, tokenizer=tokenizer_dir)
-    if sources.tokenizer is not None:
+    if isinstance(sources.tokenizer, ByteTokenizer):
+        tokenizer = sources.tokenizer
+    elif sources.tokenizer is not None:
         tokenizer = load_tokenizer(str(sources.tokenizer), param="--tokenizer" if tokenizer_dir else name)
-    elif (checkpoint.get(CHECKPOINT_KEY) or {}).get("tokenizer") == "byte":
-        tokenizer = ByteTokenizer()
     else:
         raise ValueError(f"{name}: {sources.no_tokenizer_reason}")
     if sources.chat_template:  # a named or the user's template, not the tokenizer's own

@@ -19,9 +19,11 @@ from typing import Any
 
 from torch import nn
 
+from lightning_llm.data.base import BYTE_TOKENIZER
 from lightning_llm.data.io import read_json
 from lightning_llm.data.tokenizer_files import has_tokenizer, write_tokenizer
-from lightning_llm.export.meta import CHECKPOINT_KEY
+from lightning_llm.data.tokenizers import ByteTokenizer
+from lightning_llm.export.meta import CHECKPOINT_KEY, recorded_byte_tokenizer
 from lightning_llm.models import save_hf
 from lightning_llm.models.hf_config import SUPPORTED_ARCHITECTURES
 
@@ -33,9 +35,10 @@ __all__ = ["ExportSources", "export_sources", "generation_config_dict", "write_g
 
 @dataclass
 class ExportSources:
-    """Where the non-weight files come from. ``tokenizer``: a directory, or ``None`` with ``no_tokenizer_reason``."""
+    """Where the non-weight files come from. ``tokenizer``: a directory, the byte tokenizer (a run on ``byte``), or
+    ``None`` with ``no_tokenizer_reason``."""
 
-    tokenizer: Path | None = None
+    tokenizer: Path | ByteTokenizer | None = None
     no_tokenizer_reason: str = ""
     generation_config: dict[str, Any] | None = None
     backbone_dir: Path | None = None
@@ -55,7 +58,8 @@ def export_sources(checkpoint: dict[str, Any], *, base: str | None = None, token
     The tokenizer is the one the run trained with: ``--tokenizer``, else the directory the checkpoint records
     (``checkpoint["export"]["tokenizer"]``; if that moved and was the backbone, ``--base``). Checkpoints that record
     none fall back to the datamodule's saved ``tokenizer_dir`` hyper-parameter, then to the backbone directory. A run
-    on the built-in byte tokenizer has no Hugging Face tokenizer to write."""
+    on the built-in byte tokenizer (or ``--tokenizer byte``) exports it as files ``AutoTokenizer`` loads with the
+    same ids."""
     meta = checkpoint.get(CHECKPOINT_KEY) or {}
     hp = dict(checkpoint.get("hyper_parameters") or {})
     backbone = _resolved(hp.get("backbone"))
@@ -64,15 +68,15 @@ def export_sources(checkpoint: dict[str, Any], *, base: str | None = None, token
     if no_tokenizer:
         src.no_tokenizer_reason = "--no-tokenizer"
         return src
+    recorded = meta.get("tokenizer") if CHECKPOINT_KEY in checkpoint else None
+    if tokenizer == BYTE_TOKENIZER or (not tokenizer and recorded == BYTE_TOKENIZER):
+        src.tokenizer = recorded_byte_tokenizer(meta)
+        return src
     if tokenizer:
         if _resolved(tokenizer) is None:
-            raise FileNotFoundError(f"--tokenizer={tokenizer}: no such directory")
+            raise FileNotFoundError(f"--tokenizer={tokenizer}: no such directory (or byte: the built-in byte "
+                                    "tokenizer)")
         src.tokenizer = _resolved(tokenizer)
-        return src
-    recorded = meta.get("tokenizer") if CHECKPOINT_KEY in checkpoint else None
-    if recorded == "byte":
-        src.no_tokenizer_reason = ("the run used the built-in byte tokenizer (ids 0-258), which has no Hugging Face "
-                                   "files")
         return src
     if recorded:
         candidates = [recorded]
@@ -149,5 +153,6 @@ def write_model_directory(model: nn.Module, directory: Path, sources: ExportSour
     check_architecture(model, architecture)
     save_hf(model, directory, architecture=architecture)
     if sources.tokenizer is not None:
-        write_tokenizer(sources.tokenizer, directory, chat_template=sources.chat_template)
+        write_tokenizer(sources.tokenizer, directory, chat_template=sources.chat_template,
+                        token_type_ids=model.config.family == "encoder")  # type: ignore[union-attr]
     write_generation_config(model, directory, sources)

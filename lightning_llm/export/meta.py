@@ -3,8 +3,11 @@
 * ``model_config``: the whole model's :class:`~lightning_llm.models.ModelConfig` as a dict, so a full fine-tune is
   rebuilt from the checkpoint alone (the backbone directory may be gone); a PEFT run still needs the frozen base
   weights from the backbone (or ``--base``) unless the checkpoint holds them (``strategy=3d``).
-* ``tokenizer``: the run's tokenizer directory (absolute), ``"byte"`` for the built-in byte tokenizer (which has no
-  Hugging Face files), or ``None`` when the datamodule has no tokenizer we can name.
+* ``tokenizer``: the run's tokenizer directory (absolute), ``"byte"`` for the built-in byte tokenizer (exported as
+  files ``AutoTokenizer`` loads), or ``None`` when the datamodule has no tokenizer we can name.
+* ``byte_tokenizer``: with ``"byte"``, the byte tokenizer's ``settings()``: ``added_tokens`` (a chat template's
+  control tokens, ids 259, ...) and ``split_special_tokens`` (whether a special token written in a text is read as
+  bytes); :func:`recorded_byte_tokenizer` rebuilds it. ``None`` otherwise (and in older checkpoints).
 * ``generation_config``: the backbone's ``generation_config.json`` as read at save time (decoders), or ``None``.
 * ``chat_template``: the Jinja source of the chat template the datamodule rendered with, when it is not the
   tokenizer's own (a named or the user's template: the export writes it beside the tokenizer), else ``None``.
@@ -27,11 +30,12 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from lightning_llm.data.tokenizers import ByteTokenizer
 from lightning_llm.models import ModelConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CHECKPOINT_KEY", "ExportMetadata", "chat_template_source", "export_metadata"]
+__all__ = ["CHECKPOINT_KEY", "ExportMetadata", "chat_template_source", "export_metadata", "recorded_byte_tokenizer"]
 
 CHECKPOINT_KEY = "export"
 
@@ -41,12 +45,17 @@ def _tokenizer_source(datamodule: Any) -> str | None:
     if datamodule is None:
         return None
     tok = getattr(datamodule, "tokenizer", None)
-    if tok is not None and type(tok).__name__ == "ByteTokenizer":
+    if isinstance(tok, ByteTokenizer):
         return "byte"
     for candidate in (getattr(datamodule, "tokenizer_dir", None), getattr(tok, "name_or_path", None)):
         if candidate and Path(str(candidate)).is_dir():
             return str(Path(str(candidate)).resolve())
     return None
+
+
+def recorded_byte_tokenizer(meta: dict[str, Any]) -> ByteTokenizer:
+    """The byte tokenizer a run recorded in ``checkpoint["export"]``, with the tokens it gained."""
+    return ByteTokenizer(**(meta.get("byte_tokenizer") or {}))
 
 
 def chat_template_source(datamodule: Any) -> str | None:
@@ -81,9 +90,11 @@ def export_metadata(pl_module: pl.LightningModule) -> dict[str, Any] | None:
         return None
     trainer = pl_module._trainer  # None outside a Trainer (`.trainer` would raise)
     datamodule = trainer.datamodule if trainer is not None else None
+    tok = getattr(datamodule, "tokenizer", None)
     return {
         "model_config": config.to_dict(),
         "tokenizer": _tokenizer_source(datamodule),
+        "byte_tokenizer": tok.settings() if isinstance(tok, ByteTokenizer) else None,
         "generation_config": _generation_config(getattr(pl_module, "backbone", None)),
         "chat_template": chat_template_source(datamodule),
         "stop_token_ids": _stop_token_ids(datamodule),

@@ -73,7 +73,8 @@ def main(argv: list[str]) -> int:
                                        "the run's backbone)")
     parser.add_argument("--architecture", help="HF architecture (default: from the model family and head)")
     tok = parser.add_mutually_exclusive_group()
-    tok.add_argument("--tokenizer", help="tokenizer directory to write (default: the run's, from the checkpoint)")
+    tok.add_argument("--tokenizer", help="tokenizer directory to write, or byte for the built-in byte tokenizer "
+                     "(default: the run's, from the checkpoint)")
     tok.add_argument("--no-tokenizer", action="store_true", help="write no tokenizer files")
     args = parser.parse_args(argv)
     try:

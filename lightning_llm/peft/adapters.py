@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from lightning_llm.data.io import atomic_path, read_json
 from lightning_llm.data.tokenizer_files import write_tokenizer
+from lightning_llm.data.tokenizers import ByteTokenizer
 from lightning_llm.models.hf_decoders import adapter_tensor_from_hf, adapter_tensor_to_hf
 from lightning_llm.peft.apply import LoraArgs, PeftConfig, apply_peft
 from lightning_llm.peft.prompt import (
@@ -96,13 +97,13 @@ def _check_llama_layout(model: nn.Module) -> None:
 
 
 def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,
-                   base_model_name_or_path: str | None = None, tokenizer: str | Path | None = None,
+                   base_model_name_or_path: str | None = None, tokenizer: str | Path | ByteTokenizer | None = None,
                    chat_template: str | None = None, state: dict[str, Tensor] | None = None,
                    quantization: dict[str, Any] | None = None) -> Path:
     """Write ``adapter_config.json`` + ``adapter_model.safetensors`` (``modules_to_save`` weights included) loadable by
-    ``PeftModel.from_pretrained`` on the HF export of the base model, plus the files of ``tokenizer`` (a directory)
-    if given, with ``chat_template`` (the run's, when the tokenizer does not carry it). ``state``:
-    :func:`peft_state_dict` of ``model`` already gathered to full tensors (sharded layouts).
+    ``PeftModel.from_pretrained`` on the HF export of the base model, plus the files of ``tokenizer`` (a directory
+    or the byte tokenizer) if given, with ``chat_template`` (the run's, when the tokenizer does not carry it).
+    ``state``: :func:`peft_state_dict` of ``model`` already gathered to full tensors (sharded layouts).
     ``directory`` appears only once complete (``reliability.staged_directory``); an existing adapter or model
     directory there is replaced. A LoRA on Baichuan's ``W_pack`` is written in the checkpoint's row order."""
     from safetensors.torch import save_file
@@ -135,7 +136,8 @@ def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,
         if quantization is not None:
             (tmp / QUANTIZATION_FILE).write_text(json.dumps(quantization, indent=1))
         if tokenizer is not None:  # a run with its own (e.g. extended) tokenizer: merge and PeftModel users need it
-            write_tokenizer(Path(tokenizer), tmp, chat_template=chat_template)
+            write_tokenizer(tokenizer if isinstance(tokenizer, ByteTokenizer) else Path(tokenizer), tmp,
+                            chat_template=chat_template)
     log.info("adapter (%d tensors) written to %s", len(tensors), directory)
     return Path(directory)
 

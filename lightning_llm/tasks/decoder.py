@@ -306,7 +306,7 @@ class DecoderTask(LLMTask):
             backbone = self.backbone if Path(self.backbone).is_dir() else None
             tokenizer = _tokenizer_source(self.trainer.datamodule)
             export_adapter(self.policy, self.peft_config, directory, base_model_name_or_path=backbone,
-                           tokenizer=tokenizer if tokenizer not in (None, "byte") else None,
+                           tokenizer=self.trainer.datamodule.tokenizer if tokenizer == "byte" else tokenizer,
                            chat_template=chat_template_source(self.trainer.datamodule), state=state,
                            quantization=checkpoint_entry(self.quantize, self.quantization, self.policy) if self.quantize else None)
         except ValueError as e:  # e.g. a GPT-2 layout: no HF-named adapter; the checkpoint still has the weights
