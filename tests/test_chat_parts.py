@@ -173,3 +173,21 @@ def test_a_part_that_is_not_text_is_refused_naming_file_line_and_type(part: dict
     prompts = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": bad["messages"][:1]}])
     with pytest.raises(DataError, match=f"^{re.escape(str(prompts))}:1: message 1 'content' part 2 {re.escape(kind)}"):
         PromptDataModule(str(prompts), template="chatml").setup("fit")
+
+
+@pytest.mark.parametrize("logger", ["csv", "tensorboard"])
+def test_a_run_refused_for_its_data_leaves_no_run_directory(logger: str, tmp_path: Path, capsys) -> None:
+    """Lightning makes ``runs/NAME/version_N`` before the datamodule reads the data: the refused run removes what it
+    made (an empty CSV directory, TensorBoard's header-only event file), and leaves an earlier run's directory."""
+    bad = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]},
+                        {"role": "assistant", "content": "A cat."}]}
+    data = write_jsonl(tmp_path / "chat.jsonl", [bad])
+    config = Path(__file__).resolve().parents[1] / "configs" / "sft_chat.yaml"
+    flags = {"csv": [f"--trainer.logger.init_args.save_dir={tmp_path / 'runs'}"],
+             "tensorboard": ["--trainer.logger=true", f"--trainer.default_root_dir={tmp_path / 'runs'}"]}[logger]
+    earlier = tmp_path / "runs" / "earlier"
+    earlier.mkdir(parents=True)
+    for _ in range(2):
+        assert main(["fit", "--config", str(config), f"--data.train_path={data}", *flags]) == 2
+        assert "has type 'image_url'" in capsys.readouterr().err
+    assert [p.relative_to(tmp_path).as_posix() for p in sorted((tmp_path / "runs").rglob("*"))] == ["runs/earlier"]

@@ -31,6 +31,7 @@ from lightning_llm.checkpoint import (
     verify_checkpoint,
 )
 from lightning_llm.cli.args import expand_config, prepare_argv, register_parser_mode
+from lightning_llm.cli.run_dirs import fresh_run_dirs, remove_unused
 from lightning_llm.data.io import DataError, read_json
 from lightning_llm.logs import RankZeroFilter, is_global_zero
 from lightning_llm.reliability import leave_process, shutdown_process_group
@@ -137,10 +138,17 @@ class LLMCLI(LightningCLI):
     def _run_subcommand(self, subcommand: str) -> None:
         # The strategy is built now: a checkpoint directory given to one that reads a single file (ddp, one device)
         # is refused in one line naming the strategies that read it, not left to torch.load's IsADirectoryError.
+        # A run refused while it sets up (bad data, read in the datamodule's setup after Lightning made the log
+        # directories) leaves no empty runs/NAME/version_N behind (lightning_llm.cli.run_dirs).
         ckpt_path = self.config[subcommand].get("ckpt_path")
         if ckpt_path:
             check_strategy_reads(ckpt_path, self.trainer.strategy, name=f"--ckpt_path={ckpt_path}")
-        super()._run_subcommand(subcommand)
+        fresh = fresh_run_dirs(self.trainer) if is_global_zero() else []
+        try:
+            super()._run_subcommand(subcommand)
+        except BaseException:
+            remove_unused(fresh)
+            raise
 
 
 def _default_tokenizer(cfg: Any) -> None:
