@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -106,3 +107,18 @@ def test_lightning_misconfiguration_is_one_line(tmp_path: Path, capsys) -> None:
     err = capsys.readouterr().err
     assert rc == 2
     assert "lightning_llm: error: Trainer was configured with `enable_checkpointing=False`" in err
+
+
+@pytest.mark.parametrize(("bound", "title"), [(["--trainer.max_steps=2"], "Epoch 0"),
+                                              (["--trainer.max_steps=-1", "--trainer.max_epochs=2",
+                                                "--trainer.limit_train_batches=1"], "Epoch 1/1")])
+def test_progress_bar_counts_epochs_of_a_max_steps_run(bound: list[str], title: str, tmp_path: Path, capsys) -> None:
+    """The rich progress bar of a ``max_steps`` run reads "Epoch 0", not Lightning's "Epoch 0/-2" (max_epochs - 1 of
+    an unbounded run); a run of two epochs still reads "Epoch 1/1"."""
+    rc = main(["fit", "--config", str(REPO / "configs" / "pretrain_debug.yaml"), *bound, "--trainer.logger=false",
+               "--trainer.enable_checkpointing=false", "--trainer.limit_val_batches=0", "--trainer.callbacks=[]",
+               f"--trainer.default_root_dir={tmp_path}", f"--data.cache_dir={tmp_path / 'cache'}",
+               "--data.generated_docs=40"])
+    out = capsys.readouterr().out
+    titles = set(re.findall(r"Epoch [0-9/-]+", out))
+    assert rc == 0 and titles == {title}, titles

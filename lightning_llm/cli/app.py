@@ -31,6 +31,7 @@ from lightning_llm.checkpoint import (
     verify_checkpoint,
 )
 from lightning_llm.cli.args import expand_config, prepare_argv, register_parser_mode
+from lightning_llm.cli.progress import use_steps_progress_bar
 from lightning_llm.cli.run_dirs import fresh_run_dirs, remove_unused
 from lightning_llm.data.io import DataError, read_json
 from lightning_llm.logs import RankZeroFilter, is_global_zero
@@ -133,6 +134,12 @@ class LLMCLI(LightningCLI):
         with loading(name):
             return super()._parse_ckpt_path()
 
+
+    @override
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        trainer = super().instantiate_trainer(**kwargs)
+        use_steps_progress_bar(trainer)  # "Epoch 0", not Lightning's "Epoch 0/-2" of a max_steps run
+        return trainer
 
     @override
     def _run_subcommand(self, subcommand: str) -> None:
