@@ -1,12 +1,15 @@
 # One-command entry points for a fresh machine. `make install` never lets pip resolve a newer torch:
 # it installs torch==2.13.0 only when no torch is present, then pins whatever torch is installed.
 PYTHON ?= python3
-TORCH_PIN = $$($(PYTHON) -c "import torch; print(torch.__version__.split('+')[0])")
+# The installed torch's version, read from its metadata, not by importing torch: numpy comes with the package's
+# dependencies, after torch, and torch imported without it prints "Failed to initialize NumPy".
+TORCH_VERSION = $(PYTHON) -c "import importlib.metadata as m; print(m.version('torch').split('+')[0])"
+TORCH_PIN = $$($(TORCH_VERSION))
 
 .PHONY: install quickstart test test-fast
 
 install:
-	@$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install "torch==2.13.0"
+	@$(TORCH_VERSION) >/dev/null 2>&1 || $(PYTHON) -m pip install "torch==2.13.0"
 	$(PYTHON) -m pip install -e ".[dev]" "torch==$(TORCH_PIN)"
 
 quickstart: install
