@@ -40,6 +40,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import ModelConfig
+from .sinks import (cpu_sink_attention, eager_sink_attention, sink_corrected, varlen_sink_kernel,
+                    varlen_sinks_supported)
 
 try:  # torch >= 2.9; sliding windows and GQA arguments in the versions this project pins (2.13)
     from torch.nn.attention.varlen import varlen_attn
@@ -188,9 +190,10 @@ def contiguous_sequences(keep: Tensor | None, segment_ids: Tensor | None) -> boo
 
 # ---------------------------------------------------------------------------------------------------- the kernels
 def reference_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, *,
-                     window: int | None) -> Tensor:
+                     window: int | None, sinks: Tensor | None = None) -> Tensor:
     """What the varlen kernel computes, one sequence at a time with SDPA and an explicit mask: q [Rq, N, D], k/v
-    [Rk, K, D] -> [Rq, N, D]; causal from the bottom right, within ``window``; GQA heads repeated."""
+    [Rk, K, D] -> [Rq, N, D]; causal from the bottom right, within ``window``; GQA heads repeated; with ``sinks``
+    [N] the sink column of every head (``sinks.eager_sink_attention``)."""
     rep = q.shape[1] // k.shape[1]
     outs = []
     bounds = zip(cu_q.tolist()[:-1], cu_q.tolist()[1:], cu_k.tolist()[:-1], cu_k.tolist()[1:], strict=True)
@@ -202,12 +205,25 @@ def reference_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor
         allowed = cols <= last
         if window is not None:
             allowed = allowed & (cols > last - window)
-        outs.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=allowed).transpose(0, 1))
+        if sinks is not None:
+            outs.append(eager_sink_attention(qi[None], ki[None], vi[None], sinks, attn_mask=allowed,
+                                             is_causal=False)[0].transpose(0, 1))
+        else:
+            outs.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=allowed).transpose(0, 1))
     return torch.cat(outs)
 
 
-def _varlen_kernel(q: Tensor, k: Tensor, v: Tensor, call: VarlenCall, window: int | None) -> Tensor:
-    """flash varlen on CUDA (and on the meta device, which runs its shape function), the reference elsewhere."""
+def _varlen_kernel(q: Tensor, k: Tensor, v: Tensor, call: VarlenCall, window: int | None,
+                   sinks: Tensor | None = None) -> Tensor:
+    """flash varlen on CUDA (and on the meta device, which runs its shape function), the reference elsewhere; with
+    ``sinks`` the flash output corrected by its log-sum-exp (``sinks.py``; the meta device: the reference)."""
+    if sinks is not None:
+        if q.device.type == "cuda":
+            if not varlen_sinks_supported():
+                raise RuntimeError(f"attention sinks on the varlen path need torch's torch_attn._varlen_attn ops "
+                                   f"(torch 2.13); torch {torch.__version__} has not: use attention=sdpa")
+            return sink_corrected(q, k, v, sinks, varlen_sink_kernel(call, window))
+        return reference_varlen(q, k, v, call.cu_q.cpu(), call.cu_k.cpu(), window=window, sinks=sinks)
     if q.device.type in ("cuda", "meta"):
         if not _HAS_VARLEN or (window is not None and not _HAS_WINDOW_GQA):
             raise RuntimeError(f"attention=varlen needs torch.nn.attention.varlen.varlen_attn (torch 2.10; with a "
@@ -229,14 +245,15 @@ def _take(t: Tensor, rows: Rows) -> Tensor:
 
 
 @torch.compiler.disable  # a layout's ints and ranges change every batch: a compiled block would recompile each time
-def varlen_attention(q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout) -> Tensor:
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout, sinks: Tensor | None = None) -> Tensor:
     """Attention of q [B, N, S, D] on k, v [B, K, T, D] as ``layout`` says -> [B, N, S, D] (0 for a query in no
-    call: padding)."""
+    call: padding); ``sinks`` [N]: each head's sink logit."""
     b, n, s, d = q.shape
     qf = q.transpose(1, 2).reshape(b * s, n, d)  # a view of the projections' [B, S, N, D]
     kf = k.transpose(1, 2).reshape(-1, k.shape[1], d)
     vf = v.transpose(1, 2).reshape(-1, v.shape[1], d)
-    outs = [_varlen_kernel(_take(qf, c.q), _take(kf, c.k), _take(vf, c.k), c, layout.window) for c in layout.calls]
+    outs = [_varlen_kernel(_take(qf, c.q), _take(kf, c.k), _take(vf, c.k), c, layout.window, sinks)
+            for c in layout.calls]
     out = torch.cat(outs) if len(outs) > 1 else outs[0] if outs else qf.new_zeros(0, n, d)
     if layout.scatter is not None:
         out = qf.new_zeros(layout.rows, n, d).index_copy(0, layout.scatter, out)
@@ -269,6 +286,8 @@ def attention_path(config: ModelConfig, *, device: torch.device, dtype: torch.dt
         return "sdpa", f"torch {torch.__version__} has no varlen_attn"
     if config.sliding_layers and not _HAS_WINDOW_GQA:
         return "sdpa", f"sliding window: torch {torch.__version__}'s varlen_attn takes no window_size"
+    if config.attention_sinks and not varlen_sinks_supported():
+        return "sdpa", f"attention sinks: torch {torch.__version__} has no torch_attn._varlen_attn returning lse"
     if dtype not in _FLASH_DTYPES:
         return "sdpa", f"{dtype} (flash takes fp16/bf16)"
     if (config.head_dim or 0) > _FLASH_MAX_HEAD_DIM or (config.head_dim or 0) % 8:
@@ -297,10 +316,20 @@ def describe_attention(config: ModelConfig, *, device: torch.device, dtype: torc
                 f"({why})")
     heads = ("; GQA: kv heads not repeated" if _HAS_WINDOW_GQA else "; GQA: kv heads repeated for torch's varlen_attn") \
         if gqa and path == "varlen" else ""
+    if config.attention_sinks:
+        return _describe_sinks(path, why)
     if path == "varlen":
         return (f"flash varlen (torch.nn.attention.varlen.varlen_attn) for padded, packed and sliding-window rows, "
                 f"no [S, S] mask; plain rows: SDPA is_causal{heads} ({why})")
     return f"SDPA with a [B, 1, S, S] mask for padded, packed and sliding-window rows; plain rows: is_causal ({why})"
+
+
+def _describe_sinks(path: AttentionPath, why: str) -> str:
+    if path == "varlen":
+        return (f"attention sinks: flash varlen (torch_attn._varlen_attn) on every row, its output corrected by its "
+                f"log-sum-exp and the sink, the kernel's backward given the corrected output ({why})")
+    return (f"attention sinks: on the CPU its flash kernel with a [B, 1, S, S] mask (or causal), corrected by its "
+            f"log-sum-exp; elsewhere the scores materialised with the sink as a column ({why})")
 
 
 # ---------------------------------------------------------------------------------------------------- the core
@@ -340,7 +369,10 @@ class DotProductAttention(nn.Module):
         is_causal: bool,
         dropout_p: float,
         token_mask: TokenMask | None = None,  # the mask's ingredients (unused here: attn_mask is built from them)
+        sinks: Tensor | None = None,  # [N] each head's sink logit (models/sinks.py)
     ) -> Tensor:  # [B, N, S, D]
+        if sinks is not None:
+            return _sink_attention(q, k, v, attn_mask, is_causal=is_causal, dropout_p=dropout_p, sinks=sinks)
         if isinstance(attn_mask, VarlenLayout):
             if dropout_p:
                 raise ValueError(f"attention=varlen has no attention dropout (dropout={dropout_p}): use "
@@ -358,3 +390,17 @@ class DotProductAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal and attn_mask is None,
                                               enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _sink_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: AttentionMask, *, is_causal: bool, dropout_p: float,
+                    sinks: Tensor) -> Tensor:
+    """:class:`DotProductAttention` with a sink logit per head: the varlen layout's calls corrected by their
+    log-sum-exp, the CPU's flash kernel corrected likewise, else the eager scores (``sinks.py``)."""
+    if dropout_p:
+        raise ValueError(f"attention sinks with attention dropout ({dropout_p}) are not supported: set dropout 0")
+    if isinstance(attn_mask, VarlenLayout):
+        return varlen_attention(q, k, v, attn_mask, sinks=sinks)
+    out = cpu_sink_attention(q, k, v, sinks, attn_mask=attn_mask, is_causal=is_causal)
+    if out is None:
+        out = eager_sink_attention(q, k, v, sinks, attn_mask=attn_mask, is_causal=is_causal)
+    return out

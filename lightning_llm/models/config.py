@@ -31,10 +31,21 @@ class MoEConfig:
     """Experts each token is sent to (HF ``num_experts_per_tok``)."""
     intermediate_size: int = 256
     """Hidden width of each routed expert (HF ``moe_intermediate_size``; Mixtral's ``intermediate_size``)."""
-    scoring: Literal["softmax", "sigmoid"] = "softmax"
-    """Router scores: ``softmax`` over the experts (Mixtral, Qwen) or per-expert ``sigmoid`` (DeepSeek-V3)."""
+    scoring: Literal["softmax", "sigmoid", "softmax_topk"] = "softmax"
+    """Router scores: ``softmax`` over the experts (Mixtral, Qwen, OLMoE), per-expert ``sigmoid`` (DeepSeek-V3), or
+    ``softmax_topk``: the top-k logits chosen first, their softmax the weights (gpt-oss; ``norm_topk_prob`` does not
+    apply: the weights sum to 1)."""
     norm_topk_prob: bool = True
     """Renormalise the chosen experts' scores to sum to 1 (Mixtral always; Qwen2/3-MoE when the config says)."""
+    router_bias: bool = False
+    """A learned bias on the router logits (gpt-oss ``router.bias``): it chooses and weights the experts."""
+    expert_bias: bool = False
+    """Biases on the experts' projections (gpt-oss ``gate_up_proj_bias`` [E, 2I], ``down_proj_bias`` [E, H])."""
+    swiglu_limit: float | None = None
+    """gpt-oss's clamped SwiGLU in the experts: ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`` with
+    ``g = clamp(gate, max=limit)`` (HF ``swiglu_limit``); ``None``: the model's gated ``activation``."""
+    swiglu_alpha: float = 1.702
+    """The sigmoid's gain in the clamped SwiGLU (HF ``swiglu_alpha``; used with ``swiglu_limit``)."""
     num_groups: int = 1
     """Group-limited routing: experts form this many groups (DeepSeek-V3 ``n_group``)."""
     topk_groups: int = 1
@@ -76,7 +87,12 @@ class MoEConfig:
                    "group-limited routing ranks groups by their two best scores: >= 2 experts per group"),
                   (self.bias_update_rate == 0 or self.score_bias, "bias_update_rate needs score_bias=true"),
                   (self.aux_loss_coef >= 0 and self.bias_update_rate >= 0, "coefficients must be >= 0"),
-                  (self.experts_impl in ("auto", "grouped", "loop"), "experts_impl must be auto, grouped or loop")]
+                  (self.experts_impl in ("auto", "grouped", "loop"), "experts_impl must be auto, grouped or loop"),
+                  (self.scoring in ("softmax", "sigmoid", "softmax_topk"),
+                   "scoring must be softmax, sigmoid or softmax_topk"),
+                  (self.swiglu_limit is None or self.swiglu_limit > 0, "swiglu_limit must be > 0 (or None)"),
+                  (self.scoring != "softmax_topk" or (self.num_groups == 1 and not self.score_bias),
+                   "scoring=softmax_topk takes no group-limited routing and no score_bias")]
         bad = [msg for ok, msg in checks if not ok]
         if bad:
             raise ValueError(f"MoEConfig: {'; '.join(bad)} (got {self})")
@@ -123,7 +139,13 @@ class ModelConfig:
     o_bias: bool | None = None
     """Bias on the attention output projection; ``None`` means ``attention_bias`` (Qwen2: q/k/v biased, o not)."""
     qk_norm: bool = False
-    """Per-head RMSNorm of queries and keys over the head dim before rotary (Qwen3 ``q_norm``/``k_norm``)."""
+    """RMSNorm of queries and keys before rotary (Qwen3 ``q_norm``/``k_norm``: per head; see ``qk_norm_over``)."""
+    qk_norm_over: Literal["head", "projection"] = "head"
+    """What ``qk_norm`` normalises over: each head's ``head_dim`` (Qwen3) or the whole q / k projection, every head at
+    once (OLMoE: ``q_norm`` [N*D], ``k_norm`` [K*D])."""
+    attention_sinks: bool = False
+    """A learned logit per query head that joins every softmax as one more column and is then dropped (gpt-oss
+    ``sinks``): a query may give part of its attention to nothing (``models/sinks.py``)."""
     qkv_packed: bool = False
     """One fused ``W_pack`` projection for q, k, v (Baichuan), stored head-interleaved (see ``layers.Attention``);
     needs ``num_kv_heads == num_heads``."""
@@ -199,6 +221,8 @@ class ModelConfig:
         if self.qkv_packed and self.num_kv_heads != self.num_heads:
             raise ValueError(f"ModelConfig: qkv_packed=True (fused W_pack) needs num_kv_heads == num_heads, got "
                              f"num_kv_heads={self.num_kv_heads}, num_heads={self.num_heads}")
+        if self.qk_norm_over not in ("head", "projection"):
+            raise ValueError(f"ModelConfig: qk_norm_over={self.qk_norm_over!r} must be 'head' or 'projection'")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"ModelConfig: sliding_window={self.sliding_window} must be >= 1 (or None)")
         if self.layer_types is not None:

@@ -310,8 +310,9 @@ class DecoderLM(nn.Module):
         window = self._window(total)
         if window is not None and not contiguous_sequences(attention_mask, segment_ids):
             return None
-        layout = None if attention_mask is None and segment_ids is None else varlen_layout(
-            attention_mask, segment_ids, batch=b, seq=s, device=x.device)
+        plain = attention_mask is None and segment_ids is None and not self.config.attention_sinks
+        # (plain rows take SDPA is_causal; with sinks every row takes the kernel that returns its log-sum-exp)
+        layout = None if plain else varlen_layout(attention_mask, segment_ids, batch=b, seq=s, device=x.device)
         full: tuple[AttentionMask, bool] = (None, True) if layout is None else (layout, False)  # plain: SDPA causal
         if window is None:
             return full, full

@@ -45,7 +45,7 @@ from .hf_config import (
     config_to_hf,
 )
 from .hf_decoders import DECODER_KINDS, wpack_from_hf, wpack_to_hf
-from .hf_entries import Entry, Stacked, lin, moe_mlp_entries
+from .hf_entries import Entry, Fused, Stacked, lin, moe_mlp_entries
 from .hf_source import CheckpointFiles, HFWeightsSource, Mapped, StackedMapped
 from .init import materialize
 
@@ -92,10 +92,10 @@ def _conv1d(hf: str, ours: str) -> list[_Entry]:
     ]
 
 
-def _entries(config: ModelConfig, architecture: str) -> list[_Entry | Stacked]:
+def _entries(config: ModelConfig, architecture: str) -> list[_Entry | Stacked | Fused]:
     a = SUPPORTED_ARCHITECTURES[architecture]
     c = config
-    e: list[_Entry | Stacked] = []
+    e: list[_Entry | Stacked | Fused] = []
     ab, mb = c.attention_bias, c.mlp_bias
     if a.kind in DECODER_KINDS:
         e += _lin("embed_tokens", "embed_tokens", False)
@@ -114,6 +114,8 @@ def _entries(config: ModelConfig, architecture: str) -> list[_Entry | Stacked]:
             if c.qk_norm:
                 e += _lin(f"{p}.self_attn.q_norm", f"{q}.self_attn.q_norm", False)
                 e += _lin(f"{p}.self_attn.k_norm", f"{q}.self_attn.k_norm", False)
+            if c.attention_sinks:  # gpt-oss: a bare [N] tensor, our AttentionSinks module's weight
+                e.append(_Entry(f"{p}.self_attn.sinks", (f"{q}.self_attn.sinks.weight",)))
             if i in c.moe_layers:
                 e += moe_mlp_entries(c, a.kind, i)
             else:
@@ -218,6 +220,14 @@ def _map_to_ours(
     for e in _entries(config, architecture):
         if isinstance(e, Stacked):
             _map_stacked(e, files, stored, mapping, shapes, used, missing)
+            continue
+        if isinstance(e, Fused):
+            found = e.locate(files, stored)
+            if found is None:
+                missing.append(e.hf)
+            else:
+                mapping[e.ours], shapes[e.ours], keys = found  # type: ignore[assignment]
+                used.update(keys)
             continue
         if e.group == "lm_head" and config.tie_embeddings:
             used.add(e.hf)  # tied: a stored copy (if any) is redundant
@@ -367,7 +377,9 @@ def _save_entries(config: ModelConfig, architecture: str, sd: dict[str, Tensor])
     expert's gate and up projections: half each)."""
     out: list[_Entry] = []
     for e in _entries(config, architecture):
-        if isinstance(e, Stacked):
+        if isinstance(e, Fused):
+            out.append(e.save_entry())
+        elif isinstance(e, Stacked):
             t = sd.get(e.ours)
             if t is None:
                 out.append(_Entry(e.hf[0][0], (e.ours,)))  # reported missing below
@@ -404,6 +416,10 @@ def _decoder_kind(config: ModelConfig) -> str:
         return "gpt2"
     if config.qkv_packed or config.norm_head:
         return "baichuan"
+    if config.attention_sinks:
+        return "gpt_oss"
+    if config.qk_norm and config.qk_norm_over == "projection":
+        return "olmoe"
     if config.qk_norm:
         return "qwen3"
     if config.attention_bias and not config.o_bias:

@@ -17,7 +17,7 @@ __all__ = ["config_from_hf", "config_to_hf", "SUPPORTED_ARCHITECTURES"]
 
 @dataclass(frozen=True)
 class _Arch:
-    kind: str  # llama | qwen2 | qwen3 | mistral | baichuan | mixtral | qwen2_moe | qwen3_moe | gpt2 | bert | ...
+    kind: str  # llama | qwen2 | ... | qwen3_moe | olmoe | gpt_oss | gpt2 | bert | ...
     head: str  # base | lm | cls | mlm (mlm: load source only, its head is ignored)
 
 
@@ -37,6 +37,10 @@ SUPPORTED_ARCHITECTURES: dict[str, _Arch] = {
     "Qwen2MoeModel": _Arch("qwen2_moe", "base"),
     "Qwen3MoeForCausalLM": _Arch("qwen3_moe", "lm"),
     "Qwen3MoeModel": _Arch("qwen3_moe", "base"),
+    "OlmoeForCausalLM": _Arch("olmoe", "lm"),
+    "OlmoeModel": _Arch("olmoe", "base"),
+    "GptOssForCausalLM": _Arch("gpt_oss", "lm"),
+    "GptOssModel": _Arch("gpt_oss", "base"),
     "GPT2LMHeadModel": _Arch("gpt2", "lm"),
     "GPT2Model": _Arch("gpt2", "base"),
     "BertModel": _Arch("bert", "base"),
@@ -60,6 +64,8 @@ _DEFAULT_ARCH = {
     "mixtral": "MixtralForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "bert": "BertModel",
     "megatron-bert": "MegatronBertModel",
@@ -87,7 +93,7 @@ def _architecture_name(hf: dict[str, Any], where: str = "config") -> str:
     if arch.startswith(("DeepseekV2", "DeepseekV3")):
         raise ValueError(f"{where}: {arch} is not supported: its Multi-head Latent Attention (MLA) is not one of our "
                          "attention layers (its sigmoid, group-limited router is, through ModelConfig.moe); supported "
-                         f"Mixture-of-Experts families: Mixtral, Qwen2-MoE, Qwen3-MoE")
+                         f"Mixture-of-Experts families: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"{where}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -178,7 +184,8 @@ _HF_ACT = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
 _ARCH_FIELDS = (
     "family", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
     "max_position_embeddings", "norm", "norm_eps", "activation", "position", "rope_theta", "rope_scaling",
-    "attention_bias", "o_bias", "mlp_bias", "qk_norm", "qkv_packed", "norm_head", "tie_embeddings", "pre_norm",
+    "attention_bias", "o_bias", "mlp_bias", "qk_norm", "qk_norm_over", "attention_sinks", "qkv_packed", "norm_head",
+    "tie_embeddings", "pre_norm",
     "embedding_norm", "final_norm", "type_vocab_size", "position_offset", "sliding_layers", "window", "moe",
 )
 
@@ -188,6 +195,8 @@ def _arch_value(c: ModelConfig, field: str) -> Any:
         return c.sliding_window if c.sliding_layers else None
     if field == "moe":
         return moe_architecture(c)
+    if field == "qk_norm_over":  # only matters with qk_norm
+        return c.qk_norm_over if c.qk_norm else None
     if field == "intermediate_size" and c.moe is not None and not c.moe.dense_layers:
         return None  # no dense layer uses it (Mixtral's intermediate_size is its experts' width)
     return getattr(c, field)

@@ -1,4 +1,5 @@
-"""HF ``config.json`` <-> :class:`ModelConfig` for the LLaMA-layout decoders: llama, qwen2, qwen3, mistral, baichuan.
+"""HF ``config.json`` <-> :class:`ModelConfig` for the LLaMA-layout decoders: llama, qwen2, qwen3, mistral, baichuan,
+and the Mixture-of-Experts ones: mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss.
 
 They share LLaMA's module names (``model.layers.N.self_attn.q_proj``, ``mlp.gate_proj``, ``input_layernorm`` ...)
 and differ by switches of one :class:`~lightning_llm.models.DecoderLM`:
@@ -13,6 +14,11 @@ mistral    ``sliding_window`` on every layer (transformers' default 4096 when th
 baichuan   Baichuan2-7B (``BaichuanForCausalLM``, trust_remote_code): fused ``W_pack`` [3H, H] = q, k, v rows;
            ``NormHead`` (lm_head rows L2-normalised in forward); RoPE with base 10000 (hard-coded by its code);
            no biases; multi-head attention. The 13B layout (ALiBi, no ``max_position_embeddings``) is refused.
+olmoe      ``q_norm``/``k_norm`` over the whole q / k projection; softmax top-k without renormalisation (by default);
+           MoE on every layer; ``clip_qkv`` refused
+gpt_oss    attention sinks, q/k/v/o biases, sliding and full layers alternating (``layer_types``, ``sliding_window``),
+           YaRN (its defaults when absent); router with a bias, softmax over the chosen top-k logits; experts with
+           biases and the clamped SwiGLU (``swiglu_alpha``, ``swiglu_limit``), stored fused (or MXFP4: ``hf_entries``)
 =========  ==========================================================================================================
 
 ``W_pack`` is stored head-interleaved in our model (see :class:`~lightning_llm.models.layers.Attention`):
@@ -45,15 +51,21 @@ __all__ = [
     "adapter_tensor_from_hf",
 ]
 
-DECODER_KINDS = ("llama", "qwen2", "qwen3", "mistral", "baichuan", "mixtral", "qwen2_moe", "qwen3_moe")
-"""HF model types with LLaMA's module layout (weight names of ``hf._entries``); the last three have
+DECODER_KINDS = ("llama", "qwen2", "qwen3", "mistral", "baichuan", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
+                 "gpt_oss")
+"""HF model types with LLaMA's module layout (weight names of ``hf._entries``); the last five have
 Mixture-of-Experts feed-forward layers (:mod:`.hf_entries`)."""
 
 # transformers' defaults for keys a config.json may omit (its config classes' field defaults).
 _MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 131072, "mixtral": 131072,
-                  "qwen2_moe": 32768, "qwen3_moe": 32768}
+                  "qwen2_moe": 32768, "qwen3_moe": 32768, "olmoe": 4096, "gpt_oss": 131072}
+_NORM_EPS = {"olmoe": 1e-5, "gpt_oss": 1e-5}  # the others' default: 1e-6
 _MOE_DEFAULTS = {  # (experts, top_k, expert width, norm_topk_prob) of transformers' config classes
-    "mixtral": (8, 2, None, True), "qwen2_moe": (60, 4, 1408, False), "qwen3_moe": (128, 8, 768, False)}
+    "mixtral": (8, 2, None, True), "qwen2_moe": (60, 4, 1408, False), "qwen3_moe": (128, 8, 768, False),
+    "olmoe": (64, 8, None, False), "gpt_oss": (128, 4, None, False)}
+_GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                 "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
+"""GptOssConfig's rope parameters when a config.json has none (its ``default_theta`` 150000)."""
 _BAICHUAN_AUTO_MAP = {"AutoConfig": "configuration_baichuan.BaichuanConfig",
                       "AutoModelForCausalLM": "modeling_baichuan.BaichuanForCausalLM"}
 
@@ -106,15 +118,18 @@ def gated_act(name: str) -> str:
     return table[name]
 
 
-def rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def rope_from_hf(hf: dict[str, Any], *, default: dict[str, Any] | None = None) -> tuple[float, dict[str, Any] | None]:
     """``(rope_theta, rope_scaling)`` from ``rope_parameters`` (transformers 5) or legacy ``rope_theta`` +
-    ``rope_scaling``; ``original_max_position_embeddings`` defaults to ``max_position_embeddings`` as in
-    transformers' ``standardize_rope_params``."""
+    ``rope_scaling`` (``default``: the family's parameters when the config has neither); ``original_max_position_
+    embeddings`` defaults to ``max_position_embeddings`` as in transformers' ``standardize_rope_params``."""
     params = dict(hf.get("rope_parameters") or {})
     legacy = hf.get("rope_scaling")
     if legacy:
         params = {**dict(legacy), **params}
-    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    default = default or {}
+    if not params.get("rope_type", params.get("type")) and "rope_type" in default:
+        params = {**{k: v for k, v in default.items() if k != "rope_theta"}, **params}
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", default.get("rope_theta", 10000.0))))
     if "type" in params and "rope_type" not in params:
         params["rope_type"] = params.pop("type")
     params.pop("type", None)
@@ -138,6 +153,11 @@ def _sliding_from_hf(hf: dict[str, Any], kind: str, num_layers: int) -> tuple[in
     if kind in ("mistral", "mixtral"):
         window = hf.get("sliding_window", 4096 if kind == "mistral" else None)  # an explicit null disables it
         return (None, None) if window is None else (int(window), None)
+    if kind == "gpt_oss":  # GptOssConfig: every even layer slides unless layer_types says otherwise
+        window = hf.get("sliding_window", 128)
+        types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
+                                          for i in range(num_layers)]
+        return (None, None) if window is None else (int(window), list(types))
     if kind in ("qwen2_moe", "qwen3_moe"):
         window = hf.get("sliding_window", 4096)
         if not hf.get("use_sliding_window", False) or not window:
@@ -177,7 +197,7 @@ def decoder_config_from_hf(hf: dict[str, Any], kind: str, *, extra: dict[str, An
         theta, scaling = 10000.0, None
         kw.update(qkv_packed=True, norm_head=True, attention_bias=False, mlp_bias=False)
     else:
-        theta, scaling = rope_from_hf(hf)
+        theta, scaling = rope_from_hf(hf, default=_GPT_OSS_ROPE if kind == "gpt_oss" else None)
         window, types = _sliding_from_hf(hf, kind, layers)
         kw.update(sliding_window=window, layer_types=types)
         if kind == "llama":
@@ -188,23 +208,49 @@ def decoder_config_from_hf(hf: dict[str, Any], kind: str, *, extra: dict[str, An
             kw.update(attention_bias=bool(hf.get("attention_bias", False)), qk_norm=True)
         elif kind == "qwen2_moe":
             kw.update(attention_bias=bool(hf.get("qkv_bias", True)), o_bias=False)
+        elif kind == "olmoe":
+            kw.update(_olmoe_attention(hf, heads))
+        elif kind == "gpt_oss":
+            kw.update(attention_bias=bool(hf.get("attention_bias", True)), attention_sinks=True)
+            _check_gpt_oss_quantization(hf)
         if kind in MOE_KINDS:
             kw.update(moe=moe_from_hf(hf, kind, layers))
     head_dim = hf.get("head_dim")
-    if head_dim is None and kind == "qwen3":
-        head_dim = 128  # Qwen3Config's default, independent of hidden_size / heads
+    if head_dim is None and kind in ("qwen3", "gpt_oss"):
+        head_dim = {"qwen3": 128, "gpt_oss": 64}[kind]  # their configs' defaults, independent of hidden / heads
     return ModelConfig(
         family="decoder", vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
         num_layers=layers, num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=None if head_dim is None else int(head_dim), intermediate_size=int(hf["intermediate_size"]),
         max_position_embeddings=int(hf.get("max_position_embeddings", _MAX_POSITIONS.get(kind, 2048))),
-        norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", _NORM_EPS.get(kind, 1e-6))),
         activation=gated_act(hf.get("hidden_act", "silu")),  # type: ignore[arg-type]
         position="rope", rope_theta=theta, rope_scaling=scaling,
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)), pre_norm=True, embedding_norm=False,
         final_norm=True, dropout=float(hf.get("attention_dropout", 0.0)),
         initializer_range=float(hf.get("initializer_range", 0.02)), pad_token_id=pad, extra=extra, **kw,
     )
+
+
+def _olmoe_attention(hf: dict[str, Any], heads: int) -> dict[str, Any]:
+    """OLMoE's attention switches: q/k norms over the whole projections (sized ``hidden_size``, as its code sizes
+    them, so ``head_dim`` must be ``hidden_size / heads``); ``clip_qkv`` is refused."""
+    if hf.get("clip_qkv") is not None:
+        raise ValueError(f"OLMoE config: clip_qkv={hf['clip_qkv']} (q/k/v clamped in forward) is not supported; set "
+                         "it to null")
+    if hf.get("head_dim") not in (None, int(hf["hidden_size"]) // heads):
+        raise ValueError(f"OLMoE config: head_dim={hf['head_dim']} != hidden_size / num_attention_heads is not "
+                         "supported (OlmoeAttention sizes q_norm by hidden_size)")
+    return dict(attention_bias=bool(hf.get("attention_bias", False)), qk_norm=True, qk_norm_over="projection")
+
+
+def _check_gpt_oss_quantization(hf: dict[str, Any]) -> None:
+    """gpt-oss checkpoints are published with MXFP4 experts (dequantized on load); other quantizations are
+    refused."""
+    q = hf.get("quantization_config")
+    if q and q.get("quant_method") != "mxfp4":
+        raise ValueError(f"gpt-oss config: quantization_config.quant_method={q.get('quant_method')!r} is not "
+                         "supported (only mxfp4 experts, dequantized on load)")
 
 
 def moe_from_hf(hf: dict[str, Any], kind: str, num_layers: int) -> MoEConfig:
@@ -222,6 +268,15 @@ def moe_from_hf(hf: dict[str, Any], kind: str, num_layers: int) -> MoEConfig:
                               aux_loss_coef=float(hf.get("router_aux_loss_coef", 0.001)))
     if kind == "mixtral":
         kw.update(intermediate_size=int(hf.get("intermediate_size", 14336)), norm_topk_prob=True)
+    elif kind == "olmoe":  # every layer MoE, its intermediate_size the experts' width
+        kw.update(intermediate_size=int(hf.get("intermediate_size", 2048)), norm_topk_prob=bool(hf.get(
+            "norm_topk_prob", norm)))
+    elif kind == "gpt_oss":
+        if hf.get("swiglu_limit", 7.0) is None:
+            raise ValueError("gpt-oss config: swiglu_limit=null (an unclamped SwiGLU) is not supported")
+        kw.update(intermediate_size=int(hf.get("intermediate_size", 2880)), scoring="softmax_topk",
+                  norm_topk_prob=False, router_bias=True, expert_bias=True,
+                  swiglu_limit=float(hf.get("swiglu_limit", 7.0)), swiglu_alpha=float(hf.get("swiglu_alpha", 1.702)))
     else:
         step = int(hf.get("decoder_sparse_step", 1) or 1)
         only = {int(i) for i in hf.get("mlp_only_layers") or []}
@@ -239,7 +294,8 @@ def moe_architecture(c: ModelConfig) -> tuple[Any, ...] | None:
     if m is None:
         return None
     return (m.num_experts, m.top_k, m.intermediate_size, m.scoring, m.norm_topk_prob, m.num_groups, m.topk_groups,
-            m.routed_scaling_factor, m.score_bias, m.shared_intermediate_size, m.shared_gate, tuple(m.dense_layers))
+            m.routed_scaling_factor, m.score_bias, m.shared_intermediate_size, m.shared_gate, tuple(m.dense_layers),
+            m.router_bias, m.expert_bias, m.swiglu_limit, m.swiglu_alpha if m.swiglu_limit is not None else None)
 
 
 def _moe_to_hf(c: ModelConfig, kind: str) -> dict[str, Any]:
@@ -250,6 +306,13 @@ def _moe_to_hf(c: ModelConfig, kind: str) -> dict[str, Any]:
                               output_router_logits=False)
     if kind == "mixtral":  # its intermediate_size is the experts' width (it has no dense layer)
         hf.update(num_local_experts=m.num_experts, router_jitter_noise=0.0, intermediate_size=m.intermediate_size)
+        return hf
+    if kind == "olmoe":  # likewise
+        hf.update(num_experts=m.num_experts, intermediate_size=m.intermediate_size, norm_topk_prob=m.norm_topk_prob)
+        return hf
+    if kind == "gpt_oss":
+        hf.update(num_local_experts=m.num_experts, intermediate_size=m.intermediate_size,
+                  swiglu_limit=m.swiglu_limit, swiglu_alpha=m.swiglu_alpha)
         return hf
     hf.update(num_experts=m.num_experts, moe_intermediate_size=m.intermediate_size, norm_topk_prob=m.norm_topk_prob,
               decoder_sparse_step=1, mlp_only_layers=list(m.dense_layers))
@@ -286,6 +349,11 @@ def decoder_config_to_hf(c: ModelConfig, kind: str) -> dict[str, Any]:
         hf.update(_moe_to_hf(c, kind))
     if kind == "llama":
         hf.update(attention_bias=c.attention_bias, mlp_bias=c.mlp_bias)
+    elif kind == "olmoe":
+        hf.update(attention_bias=c.attention_bias, clip_qkv=None)
+    elif kind == "gpt_oss":
+        hf.update(attention_bias=c.attention_bias, sliding_window=c.sliding_window if sliding else None,
+                  layer_types=["sliding_attention" if i in sliding else "full_attention" for i in range(c.num_layers)])
     elif kind in ("mistral", "mixtral"):
         hf.update(sliding_window=c.sliding_window if sliding else None)
     elif kind in ("qwen2_moe", "qwen3_moe"):

@@ -6,6 +6,9 @@
   (``experts.N.gate_proj``/``up_proj``, Mixtral's ``experts.N.w1``/``w3``) and fused in memory (``gate_up_proj``
   [E, 2I, H]: expert ``e`` is the rows of its parts in order). A lazy read of some experts (an expert-parallel rank's)
   reads only their tensors (:class:`~.hf_source.StackedMapped`).
+* :class:`Fused`: one HF tensor holding every expert in another layout (gpt-oss: ``gate_up_proj`` [E, H, 2I], the
+  input dim first and the gate and up columns alternating), or its MXFP4 blocks and scales; read lazily by expert
+  (:class:`~.hf_source.PermutedMapped`, :class:`~.hf_source.Mxfp4Mapped`).
 
 :func:`moe_mlp_entries` gives the entries of one MoE layer's feed-forward for the HF families that have one.
 """
@@ -16,13 +19,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from .config import ModelConfig
+from .hf_source import CheckpointFiles, Mxfp4Mapped, PermutedMapped
 
-__all__ = ["Entry", "Stacked", "lin", "moe_mlp_entries", "MOE_KINDS"]
+__all__ = ["Entry", "Fused", "Stacked", "lin", "moe_mlp_entries", "MOE_KINDS", "interleave", "deinterleave"]
 
-MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe")
+MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
 """HF model types whose feed-forward layers may be Mixture-of-Experts blocks."""
 
 
@@ -60,6 +65,62 @@ class Stacked:
         return out
 
 
+def deinterleave(t: Tensor, dim: int) -> Tensor:
+    """Alternating gate/up entries along ``dim`` (``g0, u0, g1, u1, ...``) -> the gate half then the up half."""
+    pairs = t.unflatten(dim, (-1, 2))  # [..., I, 2, ...]: (gate, up) per j
+    return torch.cat([pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)], dim)
+
+
+def interleave(t: Tensor, dim: int) -> Tensor:
+    """Inverse of :func:`deinterleave`."""
+    gate, up = t.chunk(2, dim=dim)
+    return torch.stack([gate, up], dim=dim + 1).flatten(dim, dim + 1)
+
+
+@dataclass(frozen=True)
+class Fused:
+    """Our parameter ``ours`` from one HF tensor ``hf`` holding every expert: ours is ``hf.permute(dims)`` (our dim
+    ``d`` is the HF tensor's dim ``dims[d]``), and with ``interleaved`` our dim 1 holds the gate rows then the up rows
+    where the HF tensor alternates gate and up (gpt-oss's ``gate_up_proj`` columns). An MXFP4 checkpoint (gpt-oss as
+    published) stores a matrix as ``{hf}_blocks`` [E, R, C/32, 16] uint8 and ``{hf}_scales`` [E, R, C/32] uint8,
+    dequantized ``[E, R, C]``: the HF tensor transposed, i.e. our layout (``dims == (0, 2, 1)``)."""
+
+    ours: str
+    hf: str
+    dims: tuple[int, ...]
+    interleaved: bool = False
+    group: str = "base"
+
+    def to_hf(self, t: Tensor) -> Tensor:
+        """Our tensor in the HF tensor's layout."""
+        if self.interleaved:
+            t = interleave(t, 1)
+        inverse = sorted(range(len(self.dims)), key=lambda d: self.dims[d])
+        return t.permute(inverse).contiguous()
+
+    def save_entry(self) -> Entry:
+        return Entry(self.hf, (self.ours,), group=self.group, merge=lambda ts: self.to_hf(ts[0]))
+
+    def locate(self, files: CheckpointFiles, stored: dict[str, str]
+               ) -> tuple[PermutedMapped | Mxfp4Mapped, tuple[int, ...], tuple[str, ...]] | None:
+        """``(reader, our shape, the HF keys it reads)`` from a checkpoint holding the tensor or its MXFP4 blocks and
+        scales (``stored``: normalised key -> stored key); None where it holds neither."""
+        if self.hf in stored:
+            shape = files.meta(stored[self.hf]).shape
+            return (PermutedMapped(stored[self.hf], self.dims, self.interleaved), tuple(shape[d] for d in self.dims),
+                    (self.hf,))
+        blocks, scales = f"{self.hf}_blocks", f"{self.hf}_scales"
+        if self.dims != (0, 2, 1) or blocks not in stored or scales not in stored:
+            return None
+        b, sc = files.meta(stored[blocks]), files.meta(stored[scales])
+        if b.dtype != torch.uint8 or sc.dtype != torch.uint8 or b.dim() != 4 or b.shape[-1] != 16 \
+                or tuple(sc.shape) != tuple(b.shape[:3]):
+            raise ValueError(f"{blocks} {tuple(b.shape)} {b.dtype} / {scales} {tuple(sc.shape)} {sc.dtype}: not MXFP4 "
+                             "blocks [E, R, G, 16] and scales [E, R, G] of uint8")
+        return (Mxfp4Mapped(stored[blocks], stored[scales], self.interleaved), (b.shape[0], b.shape[1], b.shape[2] * 32),
+                (blocks, scales))
+
+
 def lin(hf: str, ours: str, bias: bool, **kw: Any) -> list[Entry]:
     out = [Entry(f"{hf}.weight", (f"{ours}.weight",), **kw)]
     if bias:
@@ -67,12 +128,30 @@ def lin(hf: str, ours: str, bias: bool, **kw: Any) -> list[Entry]:
     return out
 
 
-def moe_mlp_entries(config: ModelConfig, kind: str, layer: int) -> list[Entry | Stacked]:
-    """The feed-forward entries of MoE layer ``layer`` of an HF ``kind`` (Mixtral: ``block_sparse_moe`` with experts
-    ``w1`` gate, ``w3`` up, ``w2`` down; Qwen2/3-MoE: ``mlp`` with ``gate_proj``/``up_proj``/``down_proj`` experts,
-    Qwen2-MoE's ``shared_expert`` and ``shared_expert_gate``)."""
+def _gpt_oss_mlp_entries(config: ModelConfig, layer: int) -> list[Entry | Stacked | Fused]:
+    """gpt-oss: ``mlp.router`` (weight, bias) and the fused ``mlp.experts`` ([E, H, 2I] alternating gate/up columns,
+    [E, I, H], their biases [E, 2I] alternating and [E, H])."""
+    hf, ours = f"layers.{layer}.mlp", f"layers.{layer}.mlp"
     moe = config.moe
     assert moe is not None
+    out: list[Entry | Stacked | Fused] = [*lin(f"{hf}.router", f"{ours}.gate", moe.router_bias),
+                                          Fused(f"{ours}.experts.gate_up_proj", f"{hf}.experts.gate_up_proj", (0, 2, 1),
+                                                interleaved=True),
+                                          Fused(f"{ours}.experts.down_proj", f"{hf}.experts.down_proj", (0, 2, 1))]
+    if moe.expert_bias:
+        out += [Fused(f"{ours}.experts.gate_up_proj_bias", f"{hf}.experts.gate_up_proj_bias", (0, 1), interleaved=True),
+                Fused(f"{ours}.experts.down_proj_bias", f"{hf}.experts.down_proj_bias", (0, 1))]
+    return out
+
+
+def moe_mlp_entries(config: ModelConfig, kind: str, layer: int) -> list[Entry | Stacked | Fused]:
+    """The feed-forward entries of MoE layer ``layer`` of an HF ``kind`` (Mixtral: ``block_sparse_moe`` with experts
+    ``w1`` gate, ``w3`` up, ``w2`` down; Qwen2/3-MoE and OLMoE: ``mlp`` with ``gate_proj``/``up_proj``/``down_proj``
+    experts, Qwen2-MoE's ``shared_expert`` and ``shared_expert_gate``; gpt-oss: :func:`_gpt_oss_mlp_entries`)."""
+    moe = config.moe
+    assert moe is not None
+    if kind == "gpt_oss":
+        return _gpt_oss_mlp_entries(config, layer)
     ours = f"layers.{layer}.mlp"
     e = moe.num_experts
     if kind == "mixtral":
@@ -83,7 +162,7 @@ def moe_mlp_entries(config: ModelConfig, kind: str, layer: int) -> list[Entry | 
         hf = f"layers.{layer}.mlp"
         gate_up = tuple((f"{hf}.experts.{i}.gate_proj.weight", f"{hf}.experts.{i}.up_proj.weight") for i in range(e))
         down = tuple((f"{hf}.experts.{i}.down_proj.weight",) for i in range(e))
-    out: list[Entry | Stacked] = [*lin(f"{hf}.gate", f"{ours}.gate", False),
+    out: list[Entry | Stacked | Fused] = [*lin(f"{hf}.gate", f"{ours}.gate", False),
                                   Stacked(f"{ours}.experts.gate_up_proj", gate_up),
                                   Stacked(f"{ours}.experts.down_proj", down)]
     if moe.shared_intermediate_size:

@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -29,7 +29,8 @@ from lightning_llm.data.io import DataError, read_json
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointFiles", "HFWeightsSource", "Mapped", "StackedMapped"]
+__all__ = ["CheckpointFiles", "HFWeightsSource", "Mapped", "MappedReader", "Mxfp4Mapped", "PermutedMapped",
+           "StackedMapped", "dequantize_mxfp4"]
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -65,6 +66,8 @@ class CheckpointFiles:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         self.format, self.file_of = self._index(directory)
+        self.bytes_read = 0
+        """Bytes of tensor data read so far (what a sharded load saves is visible here)."""
         self._bin: dict[str, Tensor] = {}  # .bin checkpoints: key -> (memory-mapped) tensor
         self._meta: dict[str, Tensor] = {}
         if self.format == "safetensors":
@@ -106,6 +109,11 @@ class CheckpointFiles:
 
     def read(self, key: str, index: Sequence[Tensor] | None = None) -> Tensor:
         """The tensor ``key`` (whole, or the elements ``index``: one global index per dim), in its stored dtype."""
+        t = self._read(key, index)
+        self.bytes_read += t.numel() * t.element_size()
+        return t
+
+    def _read(self, key: str, index: Sequence[Tensor] | None) -> Tensor:
         if self.format == "bin":
             t = self._bin[key]
             if index is None:
@@ -170,6 +178,13 @@ class Mapped:
     split: Callable[[Tensor], Sequence[Tensor]] | None = None
 
 
+class MappedReader(Protocol):
+    """One of our parameters stored other than as one tensor to slice: it reads the elements ``index`` (one global
+    index per dim of our parameter) itself, reading only the stored elements they need."""
+
+    def read(self, files: CheckpointFiles, index: Sequence[Tensor]) -> Tensor: ...
+
+
 @dataclass(frozen=True)
 class StackedMapped:
     """One of our fused expert tensors [E, R, C] in the checkpoint: expert ``e`` is the row concatenation of the
@@ -191,20 +206,82 @@ class StackedMapped:
         return out
 
 
+def interleaved_rows(rows: Tensor, total: int) -> Tensor:
+    """Positions in a dim that alternates gate and up entries (``g0, u0, g1, ...``, ``total`` of them) of our rows
+    ``rows`` of the gate half then the up half."""
+    half = total // 2
+    return torch.where(rows < half, 2 * rows, 2 * (rows - half) + 1)
+
+
+@dataclass(frozen=True)
+class PermutedMapped:
+    """Our tensor = the stored tensor ``key`` with dims permuted (our dim ``d`` is its dim ``dims[d]``) and, with
+    ``interleaved``, our dim 1 in gate-then-up order where the stored dim alternates them (:class:`~.hf_entries.Fused`).
+    A read of some experts reads only theirs."""
+
+    key: str
+    dims: tuple[int, ...]
+    interleaved: bool = False
+
+    def read(self, files: CheckpointFiles, index: Sequence[Tensor]) -> Tensor:
+        stored: list[Tensor] = [torch.empty(0)] * len(self.dims)
+        shape = files.meta(self.key).shape
+        for d, i in enumerate(index):
+            i = i.cpu()
+            stored[self.dims[d]] = interleaved_rows(i, shape[self.dims[d]]) if self.interleaved and d == 1 else i
+        return files.read(self.key, stored).permute(*self.dims)
+
+
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The 16 values of an FP4 (E2M1) code, by code."""
+
+
+def dequantize_mxfp4(blocks: Tensor, scales: Tensor) -> Tensor:
+    """MXFP4 (OCP microscaling, as gpt-oss is published) -> float32: ``blocks`` [..., G, 16] uint8 hold 32 FP4 codes
+    per block, two per byte (the low nibble first), ``scales`` [..., G] uint8 one power of two per block (its exponent
+    + 127): [..., G * 32], every value exact (an FP4 value times a power of two)."""
+    lut = torch.tensor(_FP4_VALUES, dtype=torch.float32, device=blocks.device)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [..., G, 32]
+    values = torch.ldexp(lut[codes], (scales.to(torch.int32) - 127).unsqueeze(-1).float())
+    return values.flatten(-2)
+
+
+@dataclass(frozen=True)
+class Mxfp4Mapped:
+    """Our tensor [E, R, C] stored as MXFP4 ``blocks`` [E, R, C/32, 16] and ``scales`` [E, R, C/32] (our dim 1 in
+    gate-then-up order with ``interleaved``): a read dequantizes only the experts and rows it needs."""
+
+    blocks: str
+    scales: str
+    interleaved: bool = False
+
+    def read(self, files: CheckpointFiles, index: Sequence[Tensor]) -> Tensor:
+        experts, rows, cols = (i.cpu() for i in index)
+        g, b = files.meta(self.blocks).shape[2:]
+        if self.interleaved:
+            rows = interleaved_rows(rows, files.meta(self.blocks).shape[1])
+        blocks = files.read(self.blocks, (experts, rows, torch.arange(g), torch.arange(b)))
+        scales = files.read(self.scales, (experts, rows, torch.arange(g)))
+        return dequantize_mxfp4(blocks, scales).index_select(2, cols)
+
+
 class HFWeightsSource:
     """:class:`~lightning_llm.models.init.WeightsSource` of a local HF checkpoint (see the module docstring)."""
 
-    def __init__(self, files: CheckpointFiles, mapping: dict[str, Mapped | StackedMapped], *, where: str) -> None:
+    def __init__(self, files: CheckpointFiles, mapping: dict[str, Mapped | MappedReader], *, where: str) -> None:
         self.files, self.mapping, self.where = files, mapping, where
-        self.bytes_read = 0
+
+    @property
+    def bytes_read(self) -> int:
         """Bytes of tensor data read so far (what a sharded load saves is visible here)."""
+        return self.files.bytes_read
 
     def has(self, name: str) -> bool:
         return name in self.mapping
 
     def read(self, name: str, index: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
         m = self.mapping[name]
-        if isinstance(m, StackedMapped):
+        if not isinstance(m, Mapped):  # a reader of its own (experts: some of them, another layout)
             t = m.read(self.files, index)
         elif m.split is None:
             t = self.files.read(m.key, index)
@@ -212,8 +289,6 @@ class HFWeightsSource:
             whole = self.files.read(m.key)
             slices, picks = _as_slices(index)
             t = _pick(m.split(whole)[m.part][slices], picks)
-            self.bytes_read += whole.numel() * whole.element_size() - t.numel() * t.element_size()
-        self.bytes_read += t.numel() * t.element_size()
         return t.to(dtype)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> HFWeightsSource:

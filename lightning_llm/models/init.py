@@ -171,6 +171,8 @@ def plan_for_modules(model: nn.Module, *, std: float, tied: dict[str, str] | Non
                 plan[name] = Init.constant(1.0 if attr == "weight" else 0.0)
             elif attr in getattr(mod, "param_inits", ()):  # declared normal(std) weights (MoE routers, experts)
                 plan[name] = Init.normal(std, key=name)
+            elif attr in getattr(mod, "zero_inits", ()):  # declared zeros (gpt-oss's expert biases)
+                plan[name] = Init.constant(0.0)
             elif isinstance(mod, (nn.Linear, nn.Embedding)) and attr == "weight":
                 plan[name] = Init.normal(std, key=name)
             elif attr == "bias":

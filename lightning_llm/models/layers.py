@@ -25,6 +25,7 @@ from .attention import AttentionMask, DotProductAttention, TokenMask
 from .config import ModelConfig
 from .decoding import KVCache
 from .rope import apply_rotary, precompute_rope, rope_inv_freq, rotate_half
+from .sinks import AttentionSinks
 
 log = logging.getLogger(__name__)
 
@@ -190,8 +191,10 @@ class Attention(nn.Module):
     row shard of ``[q; k; v]`` would give rank 0 all of q and part of k. Checkpoints of every layout hold the one
     interleaved order, so they reshard freely.
 
-    ``q_norm``/``k_norm`` (Qwen3, ``config.qk_norm``): RMSNorm over the head dim of every head of q and k, before
-    rotary.
+    ``q_norm``/``k_norm`` (``config.qk_norm``): RMSNorm of q and k before rotary, over the head dim of every head
+    (Qwen3) or over the whole projection, every head at once (OLMoE, ``qk_norm_over="projection"``: weights [N*D],
+    [K*D]). ``sinks`` (gpt-oss, ``config.attention_sinks``): a learned logit per query head in the softmax
+    (:mod:`.sinks`), handed to the core.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -211,9 +214,13 @@ class Attention(nn.Module):
             self.q_proj = nn.Linear(h, config.num_heads * d, bias=config.attention_bias)
             self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.attention_bias)
             self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.attention_bias)
-        self.q_norm = RMSNorm(d, config.norm_eps, kernels=config.kernels) if config.qk_norm else None
-        self.k_norm = RMSNorm(d, config.norm_eps, kernels=config.kernels) if config.qk_norm else None
+        whole = config.qk_norm_over == "projection"
+        self.norm_heads: bool = not whole  # q_norm/k_norm over each head (else over the whole projection)
+        q_dim, k_dim = (config.num_heads * d, config.num_kv_heads * d) if whole else (d, d)
+        self.q_norm = RMSNorm(q_dim, config.norm_eps, kernels=config.kernels) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, config.norm_eps, kernels=config.kernels) if config.qk_norm else None
         self.o_proj = nn.Linear(config.num_heads * d, h, bias=bool(config.o_bias))
+        self.sinks = AttentionSinks(config.num_heads) if config.attention_sinks else None
         self.core = DotProductAttention()
 
     def reset_parameters(self, std: float) -> None:
@@ -223,12 +230,19 @@ class Attention(nn.Module):
         for norm in (self.q_norm, self.k_norm):
             if norm is not None:
                 norm.reset_parameters()
+        if self.sinks is not None:
+            nn.init.normal_(self.sinks.weight, std=std)
 
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:  # x [B, S, H] -> q [B, S, N, D], k, v [B, S, K, D]
         b, s, _ = x.shape
         if self.W_pack is not None:
             qkv = self.W_pack(x).view(b, s, -1, 3, self.head_dim)  # [B, S, N, 3, D]: head-interleaved rows
             q, k, v = qkv.unbind(3)
+        elif not self.norm_heads and self.q_norm is not None and self.k_norm is not None:
+            assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
+            q = self.q_norm(self.q_proj(x)).view(b, s, -1, self.head_dim)  # normed over [N*D], then split
+            k = self.k_norm(self.k_proj(x)).view(b, s, -1, self.head_dim)
+            return q, k, self.v_proj(x).view(b, s, -1, self.head_dim)
         else:
             assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
             q = self.q_proj(x).view(b, s, -1, self.head_dim)
@@ -257,7 +271,9 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, N|K, S, D]
         if kv_cache is not None:
             k, v = kv_cache.update(self, k, v)  # [B, K, T, D]
-        core_kw = {} if token_mask is None else {"token_mask": token_mask}
+        core_kw: dict[str, Any] = {} if token_mask is None else {"token_mask": token_mask}
+        if self.sinks is not None:  # only passed where the layer has sinks, so other cores keep their call
+            core_kw["sinks"] = self.sinks()
         out = self.core(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                         dropout_p=self.dropout if self.training else 0.0, **core_kw)  # [B, N, S, D]
         out = out.transpose(1, 2).reshape(b, s, -1)  # [B, S, N*D]

@@ -2,8 +2,10 @@
 
 Module tree of one MoE layer's ``mlp`` (the names transformers 5 holds in memory, so a checkpoint maps one to one)::
 
-    gate                  Router: weight [E, H] (logits in fp32); e_score_correction_bias [E] (buffer) with score_bias
-    experts               GroupedExperts: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]
+    gate                  Router: weight [E, H] (logits in fp32); bias [E] with router_bias (gpt-oss);
+                          e_score_correction_bias [E] (buffer) with score_bias
+    experts               GroupedExperts: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I];
+                          gate_up_proj_bias [E, 2I], down_proj_bias [E, H] with expert_bias (gpt-oss)
     shared_expert         MLP of shared_intermediate_size (optional; Qwen2-MoE, DeepSeek's shared experts)
     shared_expert_gate    Linear [1, H]: the shared expert's output times sigmoid of it (optional; Qwen2-MoE)
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -56,11 +59,16 @@ class RoutingInput:
 def route_scores(logits: Tensor, cfg: MoEConfig, bias: Tensor | None) -> tuple[Tensor, Tensor]:
     """``(expert ids [N, k], weights [N, k] fp32)`` from router logits [N, E] (fp32).
 
-    softmax: top-k of the softmax probabilities, renormalised with ``norm_topk_prob`` (Mixtral: always). sigmoid
+    softmax: top-k of the softmax probabilities, renormalised with ``norm_topk_prob`` (Mixtral: always).
+    softmax_topk (gpt-oss): the top-k logits, their softmax the weights. sigmoid
     (DeepSeek-V3): the correction ``bias`` is added to the scores to choose the experts only; group-limited choice
     keeps the ``topk_groups`` groups whose two best (biased) scores sum highest; the weights are the unbiased scores,
     renormalised with ``norm_topk_prob`` and times ``routed_scaling_factor``."""
     k = cfg.top_k
+    if cfg.scoring == "softmax_topk":
+        top, ids = logits.topk(k, dim=-1)  # [N, k]: transformers' GptOssTopKRouter
+        weights = torch.softmax(top, dim=-1)
+        return ids, weights * cfg.routed_scaling_factor if cfg.routed_scaling_factor != 1.0 else weights
     if cfg.scoring == "softmax":
         scores = torch.softmax(logits, dim=-1)
         choice = scores if bias is None else scores + bias
@@ -97,6 +105,9 @@ class Router(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router_bias else None
+        if cfg.router_bias:
+            self.param_inits = ("weight", "bias")  # transformers inits gpt-oss's router bias normal(std) too
         self.e_score_correction_bias: Tensor | None
         if cfg.score_bias:
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
@@ -107,7 +118,7 @@ class Router(nn.Module):
         device = x.device.type
         autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
         with torch.autocast(device, enabled=False) if autocast else contextlib.nullcontext():
-            return F.linear(x.float(), self.weight.float())
+            return F.linear(x.float(), self.weight.float(), None if self.bias is None else self.bias.float())
 
     def route(self, logits: Tensor) -> tuple[Tensor, Tensor]:
         bias = self.e_score_correction_bias
@@ -140,9 +151,37 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return x.dtype
 
 
-def expert_ffn(tokens: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor, *, act: str, impl: str) -> Tensor:
+def _glu(act: str, gate: Tensor, up: Tensor, clamp: tuple[float, float] | None) -> Tensor:
+    """The gated activation: ``act(gate) * up``, or gpt-oss's clamped SwiGLU with ``clamp = (alpha, limit)``:
+    ``(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)``, ``g = clamp(gate, max=limit)`` (transformers'
+    ``GptOssExperts._apply_gate``, in its order of operations)."""
+    if clamp is None:
+        return activation(act, gate) * up
+    alpha, limit = clamp
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def describe_ffn(ffn: dict[str, Any]) -> str:
+    clamp = ffn["clamp"]
+    act = ffn["act"] if clamp is None else f"clamped swiglu (alpha={clamp[0]}, limit={clamp[1]})"
+    return f"act={act}, impl={ffn['impl']}"
+
+
+def _per_row(bias: Tensor, counts: Tensor, rows: int) -> Tensor:
+    """Each row's expert's bias [M, C] from ``bias`` [E, C] and the rows per expert ``counts`` [E]."""
+    expert = torch.repeat_interleave(torch.arange(counts.shape[0], device=counts.device), counts, output_size=rows)
+    return bias.index_select(0, expert)
+
+
+def expert_ffn(tokens: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor, *, act: str, impl: str,
+               gate_up_bias: Tensor | None = None, down_bias: Tensor | None = None,
+               clamp: tuple[float, float] | None = None) -> Tensor:
     """The experts' gated MLPs on ``tokens`` [M, H] sorted by expert, ``counts`` [E] rows per expert (summing to M):
-    ``down_e(act(gate_e(x)) * up_e(x))`` with ``gate_up`` [E, 2I, H] (gate rows first) and ``down`` [E, H, I].
+    ``down_e(glu(gate_e(x), up_e(x)))`` with ``gate_up`` [E, 2I, H] (gate rows first) and ``down`` [E, H, I], plus
+    the biases ``gate_up_bias`` [E, 2I] and ``down_bias`` [E, H] where given; ``glu``: ``act(gate) * up``, or with
+    ``clamp = (alpha, limit)`` gpt-oss's clamped SwiGLU (:func:`_glu`).
 
     ``impl``: ``grouped`` (two ``torch._grouped_mm`` calls over every expert's rows), ``loop`` (one pair of GEMMs per
     expert: the reference) or ``auto``. Under autocast both run in its dtype (grouped GEMMs have no autocast rule).
@@ -150,6 +189,8 @@ def expert_ffn(tokens: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor, *,
     dtype = _compute_dtype(tokens)
     tokens = tokens.to(dtype)
     gate_up, down = gate_up.to(dtype), down.to(dtype)
+    gate_up_bias = None if gate_up_bias is None else gate_up_bias.to(dtype)
+    down_bias = None if down_bias is None else down_bias.to(dtype)
     if tokens.is_meta:  # FLOP counting: the counter has matmul formulas, and torch's meta grouped GEMM takes bf16 only
         impl = "loop"
     elif impl == "auto":
@@ -157,41 +198,64 @@ def expert_ffn(tokens: Tensor, counts: Tensor, gate_up: Tensor, down: Tensor, *,
     if impl == "grouped":
         offs = counts.cumsum(0).to(torch.int32)  # end row of each expert's group
         h = torch._grouped_mm(tokens, gate_up.transpose(-2, -1), offs=offs)  # [M, 2I]
+        if gate_up_bias is not None:
+            h = h + _per_row(gate_up_bias, counts, tokens.shape[0])
         gate, up = h.chunk(2, dim=-1)
-        return torch._grouped_mm((activation(act, gate) * up).contiguous(), down.transpose(-2, -1), offs=offs)
+        out = torch._grouped_mm(_glu(act, gate, up, clamp).contiguous(), down.transpose(-2, -1), offs=offs)
+        return out if down_bias is None else out + _per_row(down_bias, counts, tokens.shape[0])
     if tokens.is_meta:  # shapes only (FLOP counting): the loop needs the rows per expert as numbers
         per, rest = divmod(tokens.shape[0], counts.shape[0])
         sizes = [per + (e < rest) for e in range(counts.shape[0])]
     else:
         sizes = counts.tolist()
     outs = []
+    e = counts.shape[0]
     # unbind, not gate_up[e]: indexing one expert makes its backward fill a whole [E, 2I, H] gradient per expert
-    for part, w_in, w_out in zip(tokens.split(sizes), gate_up.unbind(0), down.unbind(0)):
-        gate, up = F.linear(part, w_in).chunk(2, dim=-1)  # [m_e, I] each
-        outs.append(F.linear(activation(act, gate) * up, w_out))
+    biases_in = gate_up_bias.unbind(0) if gate_up_bias is not None else (None,) * e
+    biases_out = down_bias.unbind(0) if down_bias is not None else (None,) * e
+    for part, w_in, w_out, b_in, b_out in zip(tokens.split(sizes), gate_up.unbind(0), down.unbind(0), biases_in,
+                                              biases_out):
+        gate, up = F.linear(part, w_in, b_in).chunk(2, dim=-1)  # [m_e, I] each
+        outs.append(F.linear(_glu(act, gate, up, clamp), w_out, b_out))
     return torch.cat(outs) if outs else tokens.new_zeros(0, down.shape[1])
 
 
 class GroupedExperts(nn.Module):
     """``experts``: the routed experts' weights fused per projection, ``forward(tokens sorted by expert [M, H], rows
-    per expert [E]) -> [M, H]`` (:func:`expert_ffn`)."""
+    per expert [E]) -> [M, H]`` (:func:`expert_ffn`). Every parameter is stacked over the experts (dim 0):
+    :attr:`expert_params` names them, and :attr:`ffn` holds the rest of the call (what expert parallelism copies)."""
 
     param_inits = ("gate_up_proj", "down_proj")
     """Parameters initialised normal(initializer_range), as transformers inits its experts (read by the init plan)."""
+    zero_inits = ("gate_up_proj_bias", "down_proj_bias")
+    """Parameters that start at zero (gpt-oss's expert biases, as transformers inits them)."""
 
     def __init__(self, hidden_size: int, cfg: MoEConfig, *, act: str) -> None:
         super().__init__()
-        self.act, self.impl = act, cfg.experts_impl
+        clamp = None if cfg.swiglu_limit is None else (cfg.swiglu_alpha, cfg.swiglu_limit)
+        self.ffn: dict[str, Any] = dict(act=act, impl=cfg.experts_impl, clamp=clamp)
         e, i = cfg.num_experts, cfg.intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(e, hidden_size, i))
+        self.gate_up_proj_bias: nn.Parameter | None = None
+        self.down_proj_bias: nn.Parameter | None = None
+        if cfg.expert_bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * i))
+            self.down_proj_bias = nn.Parameter(torch.empty(e, hidden_size))
+
+    @property
+    def expert_params(self) -> tuple[str, ...]:
+        """The parameters, each ``[E, ...]``: what an expert-parallel rank holds ``E / ep`` of."""
+        return tuple(n for n, _ in self.named_parameters(recurse=False))
 
     def forward(self, tokens: Tensor, counts: Tensor) -> Tensor:
-        return expert_ffn(tokens, counts, self.gate_up_proj, self.down_proj, act=self.act, impl=self.impl)
+        return expert_ffn(tokens, counts, self.gate_up_proj, self.down_proj, gate_up_bias=self.gate_up_proj_bias,
+                          down_bias=self.down_proj_bias, **self.ffn)
 
     def extra_repr(self) -> str:
         e, i2, h = self.gate_up_proj.shape
-        return f"experts={e}, hidden={h}, intermediate={i2 // 2}, act={self.act}, impl={self.impl}"
+        return f"experts={e}, hidden={h}, intermediate={i2 // 2}, {describe_ffn(self.ffn)}, " \
+               f"bias={self.gate_up_proj_bias is not None}"
 
 
 # ---------------------------------------------------------------------------------------------------- the block
@@ -264,10 +328,13 @@ class MoEBlock(nn.Module):
 
 def moe_parameters(config: ModelConfig) -> tuple[int, int]:
     """``(routed expert parameters of the whole model, those a token uses)``: ``E`` and ``top_k`` experts of
-    ``3 x I x H`` each per MoE layer (the rest of the model every token uses)."""
+    ``3 x I x H`` each (plus ``2I + H`` biases with ``expert_bias``) per MoE layer (the rest of the model every token
+    uses)."""
     moe = config.moe
     if moe is None:
         return 0, 0
     per_expert = 3 * moe.intermediate_size * config.hidden_size
+    if moe.expert_bias:
+        per_expert += 2 * moe.intermediate_size + config.hidden_size
     layers = len(config.moe_layers)
     return layers * moe.num_experts * per_expert, layers * moe.top_k * per_expert

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from lightning_llm.models.moe import expert_ffn
+from lightning_llm.models.moe import describe_ffn, expert_ffn
 from lightning_llm.strategies.expert.dispatch import combine, dispatch
 
 __all__ = ["ExpertParallelExperts"]
@@ -16,16 +16,18 @@ __all__ = ["ExpertParallelExperts"]
 
 class ExpertParallelExperts(nn.Module):
     """``experts`` of one MoE layer with this rank's ``E / ep`` experts: the same parameters (``gate_up_proj``
-    [E, 2I, H], ``down_proj`` [E, H, I] as DTensors ``Shard(0)`` over the ``ep`` mesh, meta or real) and the same
+    [E, 2I, H], ``down_proj`` [E, H, I], the experts' biases where they have them: every ``experts.expert_params``, as
+    DTensors ``Shard(0)`` over the ``ep`` mesh, meta or real) and the same
     call, ``(tokens sorted by expert [M, H], rows per expert [E]) -> [M, H]``: the rows go to their experts' ranks,
     through this rank's experts (:func:`~lightning_llm.models.moe.expert_ffn`) and back."""
 
     def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh) -> None:
         super().__init__()
-        self.act, self.impl = experts.act, experts.impl
+        self.ffn = dict(experts.ffn)
         self.ep_mesh, self.ep = ep_mesh, ep_mesh.size()
         self.group: Any = ep_mesh.get_group()
-        for name in ("gate_up_proj", "down_proj"):
+        self.expert_params: tuple[str, ...] = tuple(experts.expert_params)
+        for name in self.expert_params:
             p = getattr(experts, name)
             # local chunks only (src_data_rank=None: every rank built the same values, or meta tensors)
             shard = p if isinstance(p, DTensor) else distribute_tensor(p.data, ep_mesh, [Shard(0)], src_data_rank=None)
@@ -33,10 +35,11 @@ class ExpertParallelExperts(nn.Module):
 
     def forward(self, tokens: Tensor, counts: Tensor) -> Tensor:
         local, local_counts, state = dispatch(tokens, counts, group=self.group, ep=self.ep)
-        out = expert_ffn(local, local_counts, self.gate_up_proj.to_local(), self.down_proj.to_local(), act=self.act,
-                         impl=self.impl)
+        mine = {n: getattr(self, n).to_local() for n in self.expert_params}
+        out = expert_ffn(local, local_counts, mine["gate_up_proj"], mine["down_proj"],
+                         gate_up_bias=mine.get("gate_up_proj_bias"), down_bias=mine.get("down_proj_bias"), **self.ffn)
         return combine(out, state, group=self.group)
 
     def extra_repr(self) -> str:
         e, i2, h = self.gate_up_proj.shape
-        return f"experts={e} over ep={self.ep}, hidden={h}, intermediate={i2 // 2}, act={self.act}"
+        return f"experts={e} over ep={self.ep}, hidden={h}, intermediate={i2 // 2}, {describe_ffn(self.ffn)}"
