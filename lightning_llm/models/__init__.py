@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_llm.data.io import read_json
+
 from .config import NAMED_SIZES, Family, ModelConfig, named_config
 from .decoder import DecoderLM
 from .encoder import EncoderModel
@@ -28,6 +30,7 @@ __all__ = [
     "save_hf",
     "config_from_hf",
     "config_to_hf",
+    "backbone_config",
     "build_model",
     "model_from_config",
     "ParallelSpec",
@@ -78,3 +81,18 @@ def build_model(backbone: str, *, family: Family, lazy: bool = False, **override
         return model.train()  # load_hf returns eval mode (as from_pretrained); this builds models to train
     named_config(backbone, family=family)  # raises the "unknown size; known sizes: ..." error
     raise AssertionError("unreachable")
+
+
+def backbone_config(backbone: str, *, family: Family) -> ModelConfig | None:
+    """The config of a named size or of a local HF directory's ``config.json`` without building anything (what a
+    task checks its options against before data is prepared); None for anything else (left to :func:`build_model`).
+    An HF config this package refuses raises one line naming the file."""
+    if (family, backbone) in NAMED_SIZES:
+        return named_config(backbone, family=family)
+    path = Path(backbone).expanduser() / "config.json"
+    if not _looks_like_path(backbone) or not path.is_file():
+        return None
+    try:
+        return config_from_hf(read_json(path))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}" if str(path) not in str(e) else str(e)) from None

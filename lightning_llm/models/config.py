@@ -322,6 +322,26 @@ NAMED_SIZES: dict[tuple[str, str], dict[str, Any]] = {
         moe=dict(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True, aux_loss_coef=0.001),
         extra={"hf_model_type": "qwen3_moe"},
     ),
+    # gpt-oss- and OLMoE-shaped at test size: sinks, alternating sliding (window 8) and full layers, YaRN, biased
+    # router with a softmax over the chosen top-k, biased experts with the clamped SwiGLU; q/k norms over the whole
+    # projection and softmax top-k without renormalisation.
+    ("decoder", "debug-gpt-oss"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=32, max_position_embeddings=256, norm_eps=1e-5, rope_theta=150000.0,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                      "original_max_position_embeddings": 64},
+        attention_bias=True, attention_sinks=True, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        moe=dict(num_experts=8, top_k=2, intermediate_size=32, scoring="softmax_topk", norm_topk_prob=False,
+                 router_bias=True, expert_bias=True, swiglu_limit=7.0, aux_loss_coef=0.001),
+        extra={"hf_model_type": "gpt_oss"},
+    ),
+    ("decoder", "debug-olmoe"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=32, max_position_embeddings=256, norm_eps=1e-5, qk_norm=True, qk_norm_over="projection",
+        moe=dict(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=False, aux_loss_coef=0.01),
+        extra={"hf_model_type": "olmoe"},
+    ),
     ("decoder", "small-moe"): dict(
         _LLAMA, vocab_size=8192, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=32,
         intermediate_size=688, max_position_embeddings=1024, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torch import Tensor, nn
-from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -46,7 +47,7 @@ from .encoder import EncoderModel
 from .layers import segment_positions
 from .rope import rope_type
 
-__all__ = ["ParallelSpec", "PARALLEL_SPECS", "TPPlan", "decoder_tp_plan", "encoder_tp_plan", "family_roots",
+__all__ = ["HeadSharded", "ParallelSpec", "PARALLEL_SPECS", "TPPlan", "decoder_tp_plan", "encoder_tp_plan", "family_roots",
            "parallel_spec_of", "routing_stats_of"]
 
 TPPlan = dict[str, ParallelStyle]
@@ -98,6 +99,40 @@ class ParallelSpec:
 
 
 # ---------------------------------------------------------------------------------------------------- TP plans
+class HeadSharded(ParallelStyle):
+    """A module whose parameters are per-head vectors, split with the heads (each ``Shard(0)``): gpt-oss's attention
+    sinks [N] (``takes_input=False``: called with nothing, it returns its weight, handed to the core as this rank's
+    heads' logits [N/tp]) and OLMoE's q/k norms over the whole projection [N*D], [K*D] (``takes_input=True``: the
+    input is this rank's heads of the projection [B, S, N/tp*D], seen as the full tensor sharded on its last dim, so
+    the norm's mean of squares is all-reduced over the heads and is the whole projection's). The output is a local
+    tensor again."""
+
+    def __init__(self, *, takes_input: bool) -> None:
+        super().__init__()
+        self.takes_input = takes_input
+
+    def _partition(self, name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for attr, p in list(module.named_parameters(recurse=False)):
+            module.register_parameter(attr, nn.Parameter(
+                distribute_tensor(p, mesh, [Shard(0)], src_data_rank=self.src_data_rank),
+                requires_grad=p.requires_grad))
+
+    @staticmethod
+    def _input(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+        x = inputs[0]
+        if isinstance(x, DTensor):
+            return inputs
+        return (DTensor.from_local(x, mesh, [Shard(x.dim() - 1)], run_check=False), *inputs[1:])
+
+    @staticmethod
+    def _output(module: nn.Module, out: Any, mesh: DeviceMesh) -> Any:
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._partition, self._input if self.takes_input else None,
+                                 self._output)
+
+
 def _attention_plan(prefix: str, config: ModelConfig) -> TPPlan:
     """Column-parallel q/k/v (or the fused ``W_pack``), plus Qwen3's per-head ``q_norm``/``k_norm``.
 
@@ -114,7 +149,10 @@ def _attention_plan(prefix: str, config: ModelConfig) -> TPPlan:
         plan[f"{prefix}.self_attn.{name}"] = ColwiseParallel()
     if config.qk_norm:
         for name in ("q_norm", "k_norm"):
-            plan[f"{prefix}.self_attn.{name}"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+            plan[f"{prefix}.self_attn.{name}"] = HeadSharded(takes_input=True) if config.qk_norm_over == "projection" \
+                else SequenceParallel(sequence_dim=2, use_local_output=True)
+    if config.attention_sinks:
+        plan[f"{prefix}.self_attn.sinks"] = HeadSharded(takes_input=False)
     return plan
 
 
@@ -281,6 +319,8 @@ def _decoder_cp_blocker(model: nn.Module) -> str | None:
                 f"{list(config.sliding_layers)}) is not supported under context parallelism")
     if config.dropout:
         return f"dropout={config.dropout} is not supported under context parallelism (attention dropout)"
+    if config.attention_sinks:
+        return "attention sinks (gpt-oss) are not supported under context parallelism"
     return None
 
 

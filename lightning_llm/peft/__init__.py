@@ -17,6 +17,7 @@ from lightning_llm.peft.apply import (
     PeftConfig,
     PeftMethod,
     apply_peft,
+    check_expert_lora,
     count_parameters,
     enable_gradient_checkpointing,
     initialises_without_base,
@@ -32,6 +33,6 @@ from lightning_llm.peft.prompt import (
 )
 
 __all__ = ["INJECTED_METHODS", "PROMPT_METHODS", "QUANTIZATION_FILE", "LoraArgs", "PTuningLM", "PeftConfig", "PeftMethod", "PrefixTuningLM",
-           "PromptLearningLM", "PromptTuningLM", "apply_peft", "build_prompt_model", "check_prompt_layout",
+           "PromptLearningLM", "PromptTuningLM", "apply_peft", "build_prompt_model", "check_expert_lora", "check_prompt_layout",
            "count_parameters", "enable_gradient_checkpointing", "export_adapter", "hf_module_name",
            "initialises_without_base", "load_adapter", "merge_peft", "peft_state_dict"]

@@ -30,7 +30,8 @@ from lightning_llm.peft.prompt import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["INJECTED_METHODS", "LoraArgs", "PeftConfig", "PeftMethod", "apply_peft", "count_parameters",
+__all__ = ["INJECTED_METHODS", "LoraArgs", "PeftConfig", "PeftMethod", "apply_peft", "check_expert_lora",
+           "count_parameters",
            "enable_gradient_checkpointing", "init_adapters", "initialises_without_base"]
 
 PeftMethod = Literal["lora", "ia3", "loha", "lokr", "prompt_tuning", "p_tuning", "prefix_tuning"]
@@ -158,10 +159,25 @@ def apply_peft(model: nn.Module, cfg: PeftConfig) -> nn.Module:
     if absent:
         raise ValueError(f"{cfg.method}.target_parameters: {absent} not found in the model (a Mixture-of-Experts "
                          "model's fused experts are mlp.experts.gate_up_proj and mlp.experts.down_proj)")
+    check_expert_lora(getattr(model, "config", None), cfg)
     with torch.random.fork_rng(devices=[]):  # the adapters' values come from init_adapters, not torch's generator
         model = inject_adapter_in_model(peft_cfg, model)
     init_adapters(model, peft_cfg)
     return model
+
+
+def check_expert_lora(config: Any, cfg: PeftConfig | None) -> None:
+    """LoRA on the fused experts (``lora.target_parameters``) is peft's update of transformers' in-memory expert
+    tensors, so its adapter loads on transformers' model. gpt-oss's experts are held here as ``[E, 2I, H]`` with the
+    gate rows first (transformers: ``[E, H, 2I]``, gate and up columns alternating, with biases): such an adapter
+    would not be transformers', so it is refused."""
+    moe = getattr(config, "moe", None)
+    targets = cfg.lora.target_parameters if cfg is not None and cfg.method == "lora" else None
+    if targets and moe is not None and (moe.expert_bias or moe.swiglu_limit is not None):
+        raise ValueError(f"--model.lora.target_parameters={targets}: LoRA on gpt-oss's fused experts is not "
+                         "supported (they are held in another layout than transformers' [E, H, 2I] with alternating "
+                         "gate/up columns, so the adapter would not load in peft); adapt the attention projections "
+                         "(target_modules) instead")
 
 
 def initialises_without_base(cfg: PeftConfig | None) -> bool:

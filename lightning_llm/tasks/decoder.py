@@ -20,6 +20,7 @@ from typing_extensions import override
 
 from lightning_llm.contract import builds_lazily
 from lightning_llm.export.meta import _tokenizer_source, chat_template_source
+from lightning_llm.models import backbone_config
 from lightning_llm.models.moe import moe_parameters
 from lightning_llm.models.quantize import (
     QuantizationConfig,
@@ -37,6 +38,7 @@ from lightning_llm.peft import (
     LoraArgs,
     PeftConfig,
     apply_peft,
+    check_expert_lora,
     count_parameters,
     enable_gradient_checkpointing,
     export_adapter,
@@ -142,6 +144,8 @@ class DecoderTask(LLMTask):
         if lora is not None and peft is not None:
             raise ValueError("--model.lora and --model.peft are exclusive: use peft.method=lora with peft.lora")
         self.peft_config: PeftConfig | None = PeftConfig(method="lora", lora=lora) if lora is not None else peft
+        # the backbone's own options and what the PEFT method asks of it, refused before any data is prepared
+        check_expert_lora(backbone_config(backbone, family="decoder"), self.peft_config)
         self.quantize: QuantizeMode | None = quantize
         self.quantization = quantization or QuantizationConfig()
         if quantize is not None:
