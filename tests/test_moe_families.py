@@ -3,9 +3,9 @@ models, perturbed so that sinks, routers, biases and norms matter), batches with
 
 * logits on the real tokens of padded rows, the loss with transformers' load-balancing term
   (``output_router_logits=True``) and every gradient, eager and lazy loads;
-* gpt-oss's MXFP4 experts (``*_blocks``/``*_scales`` written here by our own quantizer in the checkpoint's layout):
-  loading equals transformers loading the same files with ``Mxfp4Config(dequantize=True)``, and a read of some
-  experts reads only their blocks;
+* gpt-oss's MXFP4 experts (``*_blocks``/``*_scales`` written by ``tools/tiny.py``'s quantizer in the published
+  layout): loading equals transformers loading the same files with ``Mxfp4Config(dequantize=True)`` (its own reader
+  of the layout), and a read of some experts reads only their blocks;
 * the export: transformers' own key set (gpt-oss's experts dequantized, no ``quantization_config``), reloaded by
   transformers with the same logits;
 * greedy and beam generation token for token (sliding windows and sinks in the KV-cache path);
@@ -35,7 +35,6 @@ from lightning_llm.models.init import materialize  # noqa: E402
 
 VOCAB = 96
 FAMILIES = ["gpt_oss", "olmoe"]
-FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 
 
 def _model(name: str) -> Any:
@@ -133,31 +132,13 @@ def test_logits_loss_aux_and_gradients_equal_transformers(tmp_path: Path, name: 
 # ---------------------------------------------------------------------------------------------------- MXFP4
 
 
-def quantize_mxfp4(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, R, C] -> MXFP4 blocks [E, R, C/32, 16] uint8 (two FP4 codes per byte, the low nibble first) and scales
-    [E, R, C/32] uint8 (a power of two per 32 values, its exponent + 127): each block's values divided by the
-    smallest power of two that brings them within +-6, rounded to the nearest FP4 value."""
-    e, r, c = d.shape
-    x = d.reshape(e, r, c // 32, 32)
-    exp = torch.ceil(torch.log2(x.abs().amax(-1).clamp(min=1e-30) / 6.0)).clamp(-127, 127)
-    codes = ((x / torch.pow(2.0, exp)[..., None])[..., None] - FP4).abs().argmin(-1).to(torch.uint8)
-    return codes[..., 0::2] | (codes[..., 1::2] << 4), (exp + 127).to(torch.uint8)
-
-
 def _write_mxfp4(out: Path) -> None:
     """A gpt-oss checkpoint as published: its experts' matrices as MXFP4 blocks and scales (the matrix transposed:
-    [E, 2I, H] with alternating gate/up rows, [E, H, I]) and a ``quantization_config``."""
-    from safetensors.torch import load_file, save_file
+    [E, 2I, H] with alternating gate/up rows, [E, H, I]) and a ``quantization_config`` (``tools/tiny.py``)."""
+    from lightning_llm.tools.tiny import to_mxfp4
 
     _write("gpt_oss", out, seed=3)
-    sd = load_file(str(out / "model.safetensors"))
-    for k in [k for k in sd if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
-        sd[f"{k}_blocks"], sd[f"{k}_scales"] = quantize_mxfp4(sd.pop(k).transpose(1, 2).float())
-    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = json.loads((out / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
-        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
-    (out / "config.json").write_text(json.dumps(config))
+    to_mxfp4(out)
 
 
 def _dequantized_by_transformers(path: Path) -> Any:

@@ -13,6 +13,11 @@ a router that sends every token to expert 0 (the other rank's experts receive no
 ep2, and without expert parallelism tp2 and zero3;
 4 processes: dp2 x ep2, ep2 x tp2, ep2 x pp2 (gpipe). Then an ep2 run saves after 3 steps and resumes at tp2 (2
 processes) and at ep1 (one process): steps 4-6 must be the uninterrupted one-device curve's.
+
+The same launches train the other MoE families' debug sizes (:data:`FAMILIES`: gpt-oss with its sinks, sliding
+window 8 < the 64-token blocks, biased router and experts; OLMoE with q/k norms over the whole projection) under
+ep2, ep2 with ZeRO-3, tp2 and cp2 x ep2 (OLMoE: gpt-oss's sinks and sliding windows refuse context parallelism), and
+ep2 x tp2 and ep2 x pp2, against one device, with the load-balancing loss at coefficient 0.1.
 """
 
 from __future__ import annotations
@@ -35,6 +40,11 @@ MOE = dict(num_experts=8, top_k=2, intermediate_size=32, scoring="sigmoid", num_
            shared_intermediate_size=32, dense_layers=[0])
 LAYOUTS2 = ["ep2", "ep2_zero3", "ep2_accum", "ep2_one_expert", "cp2_ep2", "tp2", "zero3"]
 LAYOUTS4 = ["dp2_ep2", "ep2_tp2", "ep2_pp2"]
+FAMILIES = {"gpt_oss": "debug-gpt-oss", "olmoe": "debug-olmoe"}
+"""family -> its named debug size, trained at the family layouts below (aux coefficient 0.1)."""
+FAMILY_LAYOUTS2 = {"gpt_oss": ["ep2", "ep2_zero3", "tp2"], "olmoe": ["ep2", "ep2_zero3", "tp2", "cp2_ep2"]}
+FAMILY_LAYOUTS4 = ["ep2_tp2", "ep2_pp2"]
+FAMILY_STEPS = 4
 
 
 def _strategy(name: str) -> tuple[Any, int]:
@@ -87,7 +97,7 @@ class Probe(pl.Callback):
 
 def _fit(strategy: Any, devices: int, out: Path, *, batch_size: int, accumulate: int = 1, steps: int = STEPS,
          one_expert: bool = False, save: bool = False, ckpt_path: Path | None = None,
-         custom: bool = True) -> dict[str, Any]:
+         custom: bool = True, family: str | None = None) -> dict[str, Any]:
     from lightning_llm.data import TextDataModule
     from lightning_llm.tasks import CausalLMTask, OptimConfig
     from lightning_llm.testing import LoggedLoss, table_trainer
@@ -96,8 +106,11 @@ def _fit(strategy: Any, devices: int, out: Path, *, batch_size: int, accumulate:
     moe = {**MOE, "top_k": 1, "bias_update_rate": 0.0} if one_expert else MOE
     dm = TextDataModule(block_size=64, batch_size=batch_size, cache_dir=str(out / "cache"), generated_docs=200,
                         val_fraction=0.0)
-    task = CausalLMTask("debug-moe", dropout=0.0, model_overrides={"moe": moe} if custom else {},
-                        optim=OptimConfig(lr=1e-2, scheduler="constant", eps=1e-6))
+    optim = OptimConfig(lr=1e-2, scheduler="constant", eps=1e-6)
+    if family is not None:
+        task = CausalLMTask(FAMILIES[family], dropout=0.0, router_aux_loss_coef=0.1, optim=optim)
+    else:
+        task = CausalLMTask("debug-moe", dropout=0.0, model_overrides={"moe": moe} if custom else {}, optim=optim)
     rec, probe = LoggedLoss(), Probe()
     callbacks: list[pl.Callback] = [rec, probe, *([OneExpert()] if one_expert else [])]
     trainer = table_trainer(out, strategy=strategy, devices=devices, max_steps=steps, callbacks=callbacks,
@@ -108,6 +121,12 @@ def _fit(strategy: Any, devices: int, out: Path, *, batch_size: int, accumulate:
     loads = out / "expert_load.csv"
     rows = [r for r in csv.reader(loads.open())][1:] if loads.exists() else []
     return {"losses": rec.losses, "grads": probe.grads, "biases": probe.biases, "start": rec.start, "loads": rows}
+
+
+def _family_fit(family: str, name: str, out: Path) -> dict[str, Any]:
+    strategy, batch_size = _strategy(name)
+    return _fit(strategy, int(os.environ.get("WORLD_SIZE", "1")), out / f"{family}_{name}", batch_size=batch_size,
+                steps=FAMILY_STEPS, family=family)
 
 
 def _layout_fit(name: str, out: Path) -> dict[str, Any]:
@@ -124,7 +143,9 @@ def _worker(mode: str, out: Path) -> None:
     if mode == "reference":
         torch.save({"main": _fit("auto", 1, out / "ref", batch_size=8),
                     "accum": _fit("auto", 1, out / "ref_accum", batch_size=4, accumulate=2),
-                    "one_expert": _fit("auto", 1, out / "ref_one", batch_size=8, steps=2, one_expert=True)},
+                    "one_expert": _fit("auto", 1, out / "ref_one", batch_size=8, steps=2, one_expert=True),
+                    **{f: _fit("auto", 1, out / f"ref_{f}", batch_size=8, steps=FAMILY_STEPS, family=f)
+                       for f in FAMILIES}},
                    out / "reference.pt")
         return
     if mode == "resume_tp2":
@@ -138,11 +159,16 @@ def _worker(mode: str, out: Path) -> None:
         write_json_on_rank0(out / "resume_single.json", {"start": one["start"], "losses": one["losses"]})
         return
     results = {}
-    for layout in LAYOUTS2 if mode == "layouts" else LAYOUTS4:
-        every = gathered(_layout_fit(layout, out))
-        results[layout] = {"losses": [r["losses"] for r in every], "loads": every[0]["loads"],
-                           "grads": {n: g for r in every for n, g in r["grads"].items()},
-                           "biases": {n: b for r in every for n, b in r["biases"].items()}}
+    runs = [(layout, lambda layout=layout: _layout_fit(layout, out)) for layout in
+            (LAYOUTS2 if mode == "layouts" else LAYOUTS4)]
+    runs += [(f"{family}/{layout}", lambda family=family, layout=layout: _family_fit(family, layout, out))
+             for family in FAMILIES
+             for layout in (FAMILY_LAYOUTS2[family] if mode == "layouts" else FAMILY_LAYOUTS4)]
+    for key, fit in runs:
+        every = gathered(fit())
+        results[key] = {"losses": [r["losses"] for r in every], "loads": every[0]["loads"],
+                        "grads": {n: g for r in every for n, g in r["grads"].items()},
+                        "biases": {n: b for r in every for n, b in r["biases"].items()}}
     if mode == "layouts":  # the checkpoint the resume runs read; a Qwen3-MoE-shaped one to export
         _fit(ExpertParallelStrategy(), 2, out / "ep2_save", batch_size=4, steps=HALF, save=True)
         _fit(ExpertParallelStrategy(), 2, out / "ep2_export", batch_size=4, steps=2, save=True, custom=False)
@@ -237,6 +263,24 @@ def test_moe_layout_equals_one_device(runs: Path, layout: str) -> None:
     assert run["loads"] == ref["loads"] and run["loads"]  # tokens per expert per layer and step, as logged
     if layout.endswith("one_expert"):
         assert all(int(r[3]) > 0 and all(int(x) == 0 for x in r[4:]) for r in run["loads"])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", [f"{f}/{layout}" for f in FAMILIES for layout in FAMILY_LAYOUTS2[f] + FAMILY_LAYOUTS4])
+def test_moe_family_layout_equals_one_device(runs: Path, layout: str) -> None:
+    """gpt-oss's and OLMoE's debug sizes: every rank's train_loss (with the aux term) at each step, every first-step
+    gradient (sinks, router biases, expert biases, whole-projection q/k norms among them) and the logged loads equal
+    one device's."""
+    family = layout.split("/")[0]
+    ref = torch.load(runs / "reference.pt")[family]
+    run = torch.load(runs / ("layouts4.pt" if layout.split("/")[1] in FAMILY_LAYOUTS4 else "layouts.pt"))[layout]
+    assert len(ref["losses"]) == FAMILY_STEPS and ref["losses"][0] - ref["losses"][-1] > 0.05  # it trains
+    loss = max(abs(a - b) for curve in run["losses"] for a, b in zip(curve, ref["losses"], strict=True))
+    assert set(run["grads"]) == set(ref["grads"])
+    grad = max((run["grads"][n] - g).abs().max().item() for n, g in ref["grads"].items())
+    print(f"{layout} vs one device: train_loss over {FAMILY_STEPS} steps {loss:.2e}, first-step gradients {grad:.2e}")
+    assert loss <= TOL and grad <= TOL
+    assert run["loads"] == ref["loads"] and run["loads"]
 
 
 @pytest.mark.multiprocess

@@ -24,6 +24,7 @@ from lightning_llm.contract import capabilities_of
 from lightning_llm.data.io import atomic_open
 from lightning_llm.reliability import leave_process, shutdown_process_group
 from lightning_llm.strategies.zero.native import model_state_bytes
+from lightning_llm.tools.tiny import write_bpe_tokenizer  # noqa: F401 (the package's API: tests write tokenizers)
 
 from .counters import COLLECTIVES, CollectiveCounter, StepTailCounter  # noqa: F401 (the package's API)
 
@@ -411,17 +412,3 @@ def logged_rows(out: Path, *, key: str) -> list[dict[str, float]]:
     return [{k: float(v) for k, v in r.items() if v} for r in csv.DictReader(path.open()) if r.get(key)]
 
 
-def write_bpe_tokenizer(out: str | Path, texts: list[str], *, vocab_size: int = 400) -> Path:
-    """A byte-level BPE tokenizer trained on ``texts`` with ``tokenizers`` and saved by transformers into ``out``
-    (``<pad>``=0, ``<s>``=1, ``</s>``=2, the EOS): a real tokenizer directory for tests, built in seconds."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<pad>", "<s>", "</s>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
-                            ).save_pretrained(str(out))
-    return Path(out)
