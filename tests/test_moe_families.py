@@ -382,3 +382,53 @@ def test_estimate_counts_gpt_oss_20b_and_olmoe_1b_7b_as_published() -> None:
         # up), the OLMoE paper with it
         lookup = r["embedding_parameters"] if name == "gpt_oss" else 0
         assert round((r["active_parameters"] - lookup) / 1e9, 2 if name == "gpt_oss" else 1) == active
+
+
+def _fit_lora(tmp: Path, backbone: Path, *, steps: int = 2, **task_kw: Any) -> tuple[list[float], Any]:
+    import lightning.pytorch as pl
+
+    from lightning_llm.data import TextDataModule
+    from lightning_llm.peft import LoraArgs
+    from lightning_llm.tasks import CausalLMTask, OptimConfig
+    from lightning_llm.testing import StepRecorder
+
+    pl.seed_everything(0)
+    task = CausalLMTask(str(backbone), optim=OptimConfig(lr=2e-2, weight_decay=0.0), lora=LoraArgs(
+        r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]), **task_kw)
+    dm = TextDataModule(tokenizer_dir=str(backbone), generated_docs=40, block_size=32, batch_size=4, val_fraction=0.0,
+                        cache_dir=str(tmp / "cache"))
+    rec = StepRecorder(str(tmp / "steps.json"))
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, default_root_dir=str(tmp), callbacks=[rec],
+                         enable_checkpointing=False)
+    trainer.fit(task, dm)
+    return rec.losses, task
+
+
+def test_qlora_on_gpt_oss_trains_like_lora_on_the_dequantized_projections(tmp_path: Path) -> None:
+    """QLoRA (nf4 q/k/v/o, LoRA on them) on the tiny MXFP4 gpt-oss checkpoint of ``tools/tiny.py``: its losses equal
+    LoRA's on a checkpoint whose projections are torchao's NF4 round trip of them (and differ from LoRA's on the
+    original weights: the comparison could fail)."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    from lightning_llm.models.quantize import QuantizationConfig, quantized_linears
+    from lightning_llm.tools.tiny import write_tiny
+
+    src = write_tiny("gpt_oss", tmp_path / "tiny")
+    model, _ = load_hf(src)
+    with torch.no_grad():
+        for _, lin in quantized_linears(model):
+            lin.weight.copy_(to_nf4(lin.weight.detach(), 64, 16).get_original_weight())
+    deq = save_hf(model, tmp_path / "deq")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (deq / name).write_bytes((src / name).read_bytes())
+    quantized, task = _fit_lora(tmp_path / "q", src, quantize="nf4",
+                                quantization=QuantizationConfig(block_size=64, scaler_block_size=16))
+    reference, _ = _fit_lora(tmp_path / "r", deq)
+    original, _ = _fit_lora(tmp_path / "o", src)
+    err, effect = max(abs(a - b) for a, b in zip(quantized, reference)), max(
+        abs(a - b) for a, b in zip(quantized, original))
+    print(f"gpt-oss QLoRA vs LoRA on the dequantized projections: {err:.2e} over {len(quantized)} steps (vs the "
+          f"original weights: {effect:.2e})")
+    assert len(quantized) == 2 and err <= 1e-5 < effect
+    assert len(quantized_linears(task.model)) == 4 * 4  # q, k, v, o of the 4 layers

@@ -220,8 +220,8 @@ def _varlen_kernel(q: Tensor, k: Tensor, v: Tensor, call: VarlenCall, window: in
     if sinks is not None:
         if q.device.type == "cuda":
             if not varlen_sinks_supported():
-                raise RuntimeError(f"attention sinks on the varlen path need torch's torch_attn._varlen_attn ops "
-                                   f"(torch 2.13); torch {torch.__version__} has not: use attention=sdpa")
+                raise RuntimeError(f"attention sinks on the varlen path need aten._flash_attention_forward with a "
+                                   f"window (torch 2.11); torch {torch.__version__} has not: use attention=sdpa")
             return sink_corrected(q, k, v, sinks, varlen_sink_kernel(call, window))
         return reference_varlen(q, k, v, call.cu_q.cpu(), call.cu_k.cpu(), window=window, sinks=sinks)
     if q.device.type in ("cuda", "meta"):
@@ -282,12 +282,13 @@ def attention_path(config: ModelConfig, *, device: torch.device, dtype: torch.dt
         return "varlen", "attention=varlen"
     if not _flash_device(device):
         return "sdpa", "no CUDA flash kernel" if device.type == "cuda" else f"{device.type} device"
-    if not _HAS_VARLEN:
+    if config.attention_sinks:  # every layer takes the sink kernel (sinks.py), whose flash call takes the window
+        if not varlen_sinks_supported():
+            return "sdpa", f"attention sinks: torch {torch.__version__}'s flash kernel takes no window"
+    elif not _HAS_VARLEN:
         return "sdpa", f"torch {torch.__version__} has no varlen_attn"
-    if config.sliding_layers and not _HAS_WINDOW_GQA:
+    elif config.sliding_layers and not _HAS_WINDOW_GQA:
         return "sdpa", f"sliding window: torch {torch.__version__}'s varlen_attn takes no window_size"
-    if config.attention_sinks and not varlen_sinks_supported():
-        return "sdpa", f"attention sinks: torch {torch.__version__} has no torch_attn._varlen_attn returning lse"
     if dtype not in _FLASH_DTYPES:
         return "sdpa", f"{dtype} (flash takes fp16/bf16)"
     if (config.head_dim or 0) > _FLASH_MAX_HEAD_DIM or (config.head_dim or 0) % 8:
@@ -326,8 +327,8 @@ def describe_attention(config: ModelConfig, *, device: torch.device, dtype: torc
 
 def _describe_sinks(path: AttentionPath, why: str) -> str:
     if path == "varlen":
-        return (f"attention sinks: flash varlen (torch_attn._varlen_attn) on every row, its output corrected by its "
-                f"log-sum-exp and the sink, the kernel's backward given the corrected output ({why})")
+        return (f"attention sinks: flash varlen (aten._flash_attention_forward) on every row, its output corrected by "
+                f"its log-sum-exp and the sink, the kernel's backward given the corrected output ({why})")
     return (f"attention sinks: on the CPU its flash kernel with a [B, 1, S, S] mask (or causal), corrected by its "
             f"log-sum-exp; elsewhere the scores materialised with the sink as a column ({why})")
 

@@ -15,8 +15,8 @@ Computed exactly in one of two ways (``attention.DotProductAttention`` picks):
   and ``D = rowsum(dO * O)``, which the sink's zero value leaves as it is, so ``dq, dk, dv`` are exact; the sink's
   gradient is ``-sum_i exp(sink - lse'_i) D_i``. No score matrix is kept. The kernels: the CPU flash kernel
   (``aten._scaled_dot_product_flash_attention_for_cpu``, with the dense additive mask or causal: the CPU's mask path)
-  and torch's flash varlen op on CUDA (``torch.ops.torch_attn._varlen_attn``: the varlen path, sliding windows and
-  GQA inside the kernel).
+  and flash attention on cumulative sequence lengths on CUDA (``aten._flash_attention_forward``/``_backward``, what
+  ``torch.nn.attention.varlen`` calls: the varlen path, sliding windows and GQA inside the kernel).
 
 Shape legend: B batch, N query heads, K kv heads, S queries, T keys, D head dim, R rows of a flattened token stream.
 """
@@ -87,8 +87,8 @@ def eager_sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, *, attn
 # ---------------------------------------------------------------------------------------------------- correction
 class _FlashKernel(Protocol):
     """A flash kernel pair: ``forward(q, k, v) -> (out, lse)`` and its backward given an output and log-sum-exp.
-    ``rows(t)`` turns an lse-shaped tensor into the output's layout without its last dim (``native`` back); ``heads_dim``
-    is the heads' dim there."""
+    ``rows(t)`` turns an lse-shaped tensor into the output's layout without its last dim (``native`` back);
+    ``heads_dim`` is the heads' dim there."""
 
     heads_dim: int
 
@@ -119,12 +119,12 @@ class _SinkCorrected(torch.autograd.Function):
         work = torch.promote_types(out.dtype, rows_lse.dtype)
         o = (out.to(work) * (rows_lse - total).exp().unsqueeze(-1)).to(out.dtype)
         ctx.kernel, ctx.sink_dtype = kernel, sinks.dtype
-        ctx.save_for_backward(q, k, v, o, lse, total, sinks)
+        ctx.save_for_backward(q, k, v, o, total, sinks)
         return o
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        q, k, v, o, lse, total, sinks = ctx.saved_tensors
+        q, k, v, o, total, sinks = ctx.saved_tensors
         kernel: _FlashKernel = ctx.kernel
         grad = grad.contiguous()
         dq, dk, dv = kernel.backward(grad, q, k, v, o, kernel.native(total))
@@ -137,7 +137,7 @@ class _SinkCorrected(torch.autograd.Function):
 
 
 def sink_corrected(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, kernel: _FlashKernel) -> Tensor:
-    """Attention of ``kernel``'s layout with the sink column, exact in forward and backward (:class:`_SinkCorrected`)."""
+    """Attention of ``kernel``'s layout with the sink column, exact forward and backward (:class:`_SinkCorrected`)."""
     return _SinkCorrected.apply(q, k, v, sinks, kernel)
 
 
@@ -187,34 +187,28 @@ def cpu_sink_attention(q: Tensor, k: Tensor, v: Tensor, sinks: Tensor, *, attn_m
 
 
 # ---------------------------------------------------------------------------------------------------- CUDA varlen
-try:  # registers torch's torch_attn ops (torch >= 2.10)
-    import torch.nn.attention.varlen  # noqa: F401
-except ImportError:
-    pass
-
-
-def _op_params(name: str) -> set[str]:
-    op = getattr(getattr(torch.ops, "torch_attn", None), name, None)
+def _op_params(op: Any) -> set[str]:
     try:
         return {a.name for a in op.default._schema.arguments}
     except (AttributeError, RuntimeError):
         return set()
 
 
-_HAS_VARLEN_SINKS = {"window_size", "enable_gqa"} <= _op_params("_varlen_attn") \
-    and "window_size" in _op_params("_varlen_attn_backward")
+_HAS_VARLEN_SINKS = {"window_size_left", "window_size_right"} <= _op_params(torch.ops.aten._flash_attention_forward) \
+    and {"window_size_left", "window_size_right"} <= _op_params(torch.ops.aten._flash_attention_backward)
 
 
 def varlen_sinks_supported() -> bool:
-    """Whether torch has the flash varlen op pair this module corrects (torch 2.13's ``torch_attn._varlen_attn``
-    returning the log-sum-exp, with a window and GQA, and its backward)."""
+    """Whether torch has the flash kernel pair this module corrects: ``aten._flash_attention_forward`` on cumulative
+    sequence lengths, returning its log-sum-exp, with a window (GQA is native to the kernel), and its backward (torch
+    2.11 on; what ``torch.nn.attention.varlen`` calls)."""
     return _HAS_VARLEN_SINKS
 
 
 @dataclass(frozen=True)
 class _VarlenFlash:
-    """torch's flash varlen op for one :class:`~.attention.VarlenCall` (q [Rq, N, D], k/v [Rk, K, D]; lse [N, Rq]):
-    causal from the bottom right, within ``window``."""
+    """Flash attention on one :class:`~.attention.VarlenCall` (q [Rq, N, D], k/v [Rk, K, D]; lse [N, Rq]): causal from
+    the bottom right, within ``window``; no dropout (so no random state: zeros, as ``torch.nn.attention.varlen``)."""
 
     call: Any
     window: int | None
@@ -222,23 +216,20 @@ class _VarlenFlash:
 
     def _args(self) -> tuple[Any, ...]:
         c = self.call
-        return c.cu_q, c.cu_k, c.max_q, c.max_k, self.window is None
+        return c.cu_q, c.cu_k, c.max_q, c.max_k, 0.0, self.window is None
 
-    def _window(self) -> list[int]:
-        return [-1 if self.window is None else self.window - 1, 0]
+    def _window(self) -> dict[str, int]:
+        return {"window_size_left": -1 if self.window is None else self.window - 1, "window_size_right": 0}
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        cu_q, cu_k, max_q, max_k, causal = self._args()
-        out, lse, _ = torch.ops.torch_attn._varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, causal, None,
-                                                         self._window(), k.shape[1] != q.shape[1])
+        out, lse, *_ = torch.ops.aten._flash_attention_forward(q, k, v, *self._args(), False, **self._window())
         return out, lse
 
     def backward(self, grad: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor
                  ) -> tuple[Tensor, Tensor, Tensor]:
-        cu_q, cu_k, max_q, max_k, causal = self._args()
-        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout
-        return torch.ops.torch_attn._varlen_attn_backward(grad, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal,
-                                                          rng, None, self._window())
+        rng, unused = torch.zeros(2, dtype=torch.uint64, device=q.device), torch.empty(0, device=q.device)
+        return torch.ops.aten._flash_attention_backward(grad, q, k, v, out, lse, *self._args(), rng, unused,
+                                                        **self._window())
 
     def rows(self, t: Tensor) -> Tensor:  # lse [N, Rq] -> [Rq, N]
         return t.transpose(0, 1)
