@@ -68,3 +68,21 @@ def _restore_environment():  # noqa: ANN202 - a generator fixture
     for key in set(os.environ) - set(before):
         del os.environ[key]
     os.environ.update(before)
+
+
+def peft_twin(ours: object, hf: object, cfg: object, *, seed: int = 3, scale: float = 0.1) -> object:
+    """Give every LoRA tensor of ``ours`` (a family model after ``apply_peft(cfg)``) random values and return peft's
+    model of ``hf`` (the transformers model of the same checkpoint) with the same adapter: what the LoRA tests compare
+    against."""
+    import peft
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    lora = [(n, p) for n, p in ours.named_parameters() if "lora_" in n]  # type: ignore[attr-defined]
+    ref = peft.get_peft_model(hf, cfg.peft_config())  # type: ignore[attr-defined]
+    theirs = dict(ref.named_parameters())
+    with torch.no_grad():
+        for n, p in lora:
+            p.copy_(torch.randn(p.shape, generator=g) * scale)
+            theirs[f"base_model.model.model.{n}"].copy_(p)
+    return ref

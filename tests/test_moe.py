@@ -16,6 +16,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from conftest import peft_twin  # noqa: E402
+
 from lightning_llm.models import build_model, load_hf, save_hf  # noqa: E402
 from lightning_llm.models.config import MoEConfig  # noqa: E402
 from lightning_llm.models.init import materialize  # noqa: E402
@@ -336,17 +338,8 @@ def test_lora_on_attention_and_experts_equals_peft_on_transformers_and_exports(t
                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     cfg = PeftConfig(method="lora", lora=args)
     ours = apply_peft(ours, cfg)
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for n, p in ours.named_parameters():
-            if "lora_" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    ref = peft.get_peft_model(hf, cfg.peft_config())
+    ref = peft_twin(ours, hf, cfg)
     theirs = dict(ref.named_parameters())
-    with torch.no_grad():
-        for n, p in ours.named_parameters():
-            if "lora_" in n:
-                theirs[f"base_model.model.model.{n}"].copy_(p)
     ids, mask, _ = _batch()
     keep = mask.bool()
     with torch.no_grad():

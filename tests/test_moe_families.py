@@ -29,6 +29,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from conftest import peft_twin  # noqa: E402
+from test_moe import _batch  # noqa: E402 (ids, mask with right and left padding, HF labels)
+
 from lightning_llm.models import build_model, load_hf, save_hf  # noqa: E402
 from lightning_llm.models.hf_entries import deinterleave  # noqa: E402
 from lightning_llm.models.init import materialize  # noqa: E402
@@ -64,19 +67,6 @@ def _write(name: str, out: Path, seed: int = 0) -> Any:
         warnings.simplefilter("ignore")
         model.save_pretrained(str(out))
     return model.eval()
-
-
-def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """ids, mask (row 1 right-padded, row 2 left-padded), HF labels (-100 on padding and after a padded input)."""
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(3, VOCAB, (3, 12), generator=g)
-    mask = torch.ones_like(ids)
-    mask[1, 9:] = 0
-    mask[2, :4] = 0
-    labels = ids.clone()
-    labels[mask == 0] = -100
-    labels[:, 1:][mask[:, :-1] == 0] = -100
-    return ids, mask, labels
 
 
 def _hf_grad(name: str, ours: str, hf_grads: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -287,17 +277,7 @@ def test_lora_on_projections_equals_peft_on_transformers_and_exports(tmp_path: P
     hf = _write(name, tmp_path / "hf")
     ours = apply_peft(load_hf(tmp_path / "hf")[0].eval(), cfg := PeftConfig(method="lora", lora=LoraArgs(
         r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])))
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for n, p in ours.named_parameters():
-            if "lora_" in n:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
-    ref = peft.get_peft_model(hf, cfg.peft_config())
-    theirs = dict(ref.named_parameters())
-    with torch.no_grad():
-        for n, p in ours.named_parameters():
-            if "lora_" in n:
-                theirs[f"base_model.model.model.{n}"].copy_(p)
+    ref = peft_twin(ours, hf, cfg)
     ids, mask, _ = _batch()
     keep = mask.bool()
     with torch.no_grad():
