@@ -319,8 +319,8 @@ def test_options_not_built_are_refused_in_one_line(tmp_path: Path) -> None:
              (lambda: CausalLMTask(str(tmp_path / "gpt_oss"), lora=experts), "--model.lora.target_parameters="),
              (lambda: apply_peft(build_model("debug-gpt-oss", family="decoder"), PeftConfig(lora=experts)),
               "LoRA on gpt-oss's fused experts is not supported"),
-             (lambda: build_model("debug-gpt-oss", family="decoder", dropout=0.1).train()(
-                 torch.zeros(1, 4, dtype=torch.long)), "attention sinks with attention dropout (0.1)")]
+             (lambda: CausalLMTask("debug-gpt-oss", dropout=0.1), "backbone=debug-gpt-oss: ModelConfig: dropout=0.1 "
+              "with attention_sinks (gpt-oss) is not supported")]
     for build, text in cases:
         with pytest.raises(ValueError) as e:
             build()

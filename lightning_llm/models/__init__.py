@@ -83,16 +83,18 @@ def build_model(backbone: str, *, family: Family, lazy: bool = False, **override
     raise AssertionError("unreachable")
 
 
-def backbone_config(backbone: str, *, family: Family) -> ModelConfig | None:
-    """The config of a named size or of a local HF directory's ``config.json`` without building anything (what a
-    task checks its options against before data is prepared); None for anything else (left to :func:`build_model`).
-    An HF config this package refuses raises one line naming the file."""
+def backbone_config(backbone: str, *, family: Family, **overrides: Any) -> ModelConfig | None:
+    """The config of a named size or of a local HF directory's ``config.json`` with ``overrides``, without building
+    anything (what a task checks its options against before data is prepared); None for anything else (left to
+    :func:`build_model`). A config this package refuses raises one line naming the file (or the size)."""
     if (family, backbone) in NAMED_SIZES:
-        return named_config(backbone, family=family)
-    path = Path(backbone).expanduser() / "config.json"
-    if not _looks_like_path(backbone) or not path.is_file():
-        return None
+        where, read = f"backbone={backbone}", lambda: named_config(backbone, family=family, **overrides)
+    else:
+        path = Path(backbone).expanduser() / "config.json"
+        if not _looks_like_path(backbone) or not path.is_file():
+            return None
+        where, read = str(path), lambda: config_from_hf(read_json(path), where=str(path)).replace(**overrides)
     try:
-        return config_from_hf(read_json(path))
+        return read()
     except ValueError as e:
-        raise ValueError(f"{path}: {e}" if str(path) not in str(e) else str(e)) from None
+        raise ValueError(f"{where}: {e}" if where not in str(e) else str(e)) from None

@@ -115,10 +115,11 @@ def _plain_act(name: str) -> str:
     return table[name]
 
 
-def config_from_hf(hf_config: dict[str, Any]) -> ModelConfig:
-    """Our :class:`ModelConfig` from a HF ``config.json`` dict (architecture from ``architectures`` / ``model_type``)."""
+def config_from_hf(hf_config: dict[str, Any], *, where: str = "config") -> ModelConfig:
+    """Our :class:`ModelConfig` from a HF ``config.json`` dict (architecture from ``architectures`` / ``model_type``;
+    ``where`` names the file in an error)."""
     hf = hf_config
-    arch = _architecture_name(hf)
+    arch = _architecture_name(hf, where=where)
     a = SUPPORTED_ARCHITECTURES[arch]
     extra: dict[str, Any] = {"hf_architecture": arch, "hf_model_type": a.kind}
     for k in ("bos_token_id", "eos_token_id"):

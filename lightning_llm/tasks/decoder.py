@@ -145,7 +145,8 @@ class DecoderTask(LLMTask):
             raise ValueError("--model.lora and --model.peft are exclusive: use peft.method=lora with peft.lora")
         self.peft_config: PeftConfig | None = PeftConfig(method="lora", lora=lora) if lora is not None else peft
         # the backbone's own options and what the PEFT method asks of it, refused before any data is prepared
-        check_expert_lora(backbone_config(backbone, family="decoder"), self.peft_config)
+        changes = {} if dropout is None else {"dropout": dropout}
+        check_expert_lora(backbone_config(backbone, family="decoder", **changes), self.peft_config)
         self.quantize: QuantizeMode | None = quantize
         self.quantization = quantization or QuantizationConfig()
         if quantize is not None:
