@@ -173,28 +173,31 @@ class RNGState(pl.Callback):
 class SaveFault:
     """``kill:save=N[:rank=R][:at=MOMENT]`` (see :data:`FAULT_ENV`): a save calls :meth:`begin`, then
     :meth:`shards_written` and :meth:`published` as it gets there; the fault fires at this process's N-th save, at
-    its moment."""
+    its moment. A save finished in the background passes the number :meth:`begin` returned (later saves may have
+    begun meanwhile)."""
 
     def __init__(self) -> None:
         self.fault = parse_fault(os.environ.get(FAULT_ENV))
         self.saves = 0
 
-    def hits(self, moment: str) -> bool:
-        return _fault_hits(self.fault, "save", self.saves, _global_rank()) and self.fault.get("at", "shards") == moment
+    def hits(self, moment: str, save: int | None = None) -> bool:
+        n = self.saves if save is None else save
+        return _fault_hits(self.fault, "save", n, _global_rank()) and self.fault.get("at", "shards") == moment
 
-    def _at(self, moment: str, path: str | os.PathLike, what: str) -> None:
-        if self.hits(moment):
-            _trigger(self.fault, f"checkpoint save #{self.saves} ({Path(path).name}), {what}")
+    def _at(self, moment: str, path: str | os.PathLike, what: str, save: int | None) -> None:
+        if self.hits(moment, save):
+            _trigger(self.fault, f"checkpoint save #{self.saves if save is None else save} ({Path(path).name}), {what}")
 
-    def begin(self, path: str | os.PathLike) -> None:
+    def begin(self, path: str | os.PathLike) -> int:
         self.saves += 1
-        self._at("begin", path, "nothing written yet")
+        self._at("begin", path, "nothing written yet", None)
+        return self.saves
 
-    def shards_written(self, path: str | os.PathLike) -> None:
-        self._at("shards", path, "this rank's shards written, not published")
+    def shards_written(self, path: str | os.PathLike, save: int | None = None) -> None:
+        self._at("shards", path, "this rank's shards written, not published", save)
 
-    def published(self, path: str | os.PathLike) -> None:
-        self._at("published", path, "published, the save not yet returned")
+    def published(self, path: str | os.PathLike, save: int | None = None) -> None:
+        self._at("published", path, "published, the save not yet returned", save)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

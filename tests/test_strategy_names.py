@@ -171,3 +171,14 @@ def test_option_without_a_strategy_is_one_line(capsys: pytest.CaptureFixture[str
     assert line.startswith(f"{PREFIX}--trainer.strategy.zero_stage: no strategy to give it to; choose one first"), line
     line = _error(capsys, "--trainer.strategy=zero4", "--trainer.strategy.stage=1")
     assert line.startswith(f"{PREFIX}--trainer.strategy='zero4': unknown strategy; did you mean 'zero3'?"), line
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_async_save_on_every_native_name_refused_by_deepspeed(capsys: pytest.CaptureFixture[str], name: str) -> None:
+    """``--trainer.strategy.async_save=true`` builds every native preset with background saves; a DeepSpeed name
+    refuses it in one line (DeepSpeed writes its files itself, synchronously)."""
+    if name.startswith("deepspeed_"):
+        line = _error(capsys, f"--trainer.strategy={name}", "--trainer.strategy.async_save=true")
+        assert "async_save=true is not available with DeepSpeed" in line, line
+    else:
+        assert _strategy(f"--trainer.strategy={name}", "--trainer.strategy.async_save=true").async_save is True

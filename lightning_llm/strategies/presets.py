@@ -62,6 +62,7 @@ class TensorParallelStrategy(ParallelEngine):
         loss_parallel: bool = True,
         plan: PlanArg = None,
         save_distributed_checkpoint: bool = True,
+        async_save: bool = False,
         activation_checkpointing: bool = False,
         bucket_size_mb: float = DEFAULT_BUCKET_MB,
         gather_for_decoding: GatherForDecoding = "auto",
@@ -81,6 +82,8 @@ class TensorParallelStrategy(ParallelEngine):
                 import path ``"pkg.module:function"``. Default: the plan of the model's family.
             save_distributed_checkpoint: Sharded layout-free checkpoints (``True``) or one file of full weights from
                 rank 0 (for export/inference).
+            async_save: Write checkpoints in the background (staged in host memory, written while training goes on,
+                published only complete: :mod:`~lightning_llm.strategies.engine.async_save`).
             activation_checkpointing: Recompute each transformer block in backward.
             bucket_size_mb: Data-parallel gradient buckets in MiB (DDP's default): each bucket's reduction starts
                 during backward as soon as its gradients are ready.
@@ -95,7 +98,7 @@ class TensorParallelStrategy(ParallelEngine):
         super().__init__(data_parallel_size=1 if tensor_parallel_size == -1 else -1,
                          tensor_parallel_size=tensor_parallel_size, sequence_parallel=sequence_parallel,
                          loss_parallel=loss_parallel, plan=plan,
-                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         save_distributed_checkpoint=save_distributed_checkpoint, async_save=async_save,
                          activation_checkpointing=activation_checkpointing, bucket_size_mb=bucket_size_mb,
                          gather_for_decoding=gather_for_decoding,
                          process_group_backend=process_group_backend, timeout=timeout)
@@ -118,6 +121,7 @@ class PipelineParallelStrategy(ParallelEngine):
         activation_checkpointing: bool = False,
         log_pipeline_stats: bool = True,
         measure_activations: bool = False,
+        async_save: bool = False,
         bucket_size_mb: float = DEFAULT_BUCKET_MB,
         decode_microbatches: Literal["auto", "stages"] = "auto",
         gather_for_decoding: GatherForDecoding = "auto",
@@ -136,6 +140,8 @@ class PipelineParallelStrategy(ParallelEngine):
             activation_checkpointing: Recompute each transformer block in backward.
             log_pipeline_stats: Log per-rank busy/idle time (and activation bytes) every training step.
             measure_activations: Count peak live saved-activation bytes per step (slower; for benchmarks).
+            async_save: Write checkpoints in the background (staged in host memory, written while training goes on,
+                published only complete: :mod:`~lightning_llm.strategies.engine.async_save`).
             bucket_size_mb: Data-parallel gradient buckets in MiB (DDP's default): each bucket's reduction starts
                 during backward as soon as its gradients are ready.
             decode_microbatches: Generation (rollouts, evaluation): ``stages`` decodes one micro-batch per stage in
@@ -156,8 +162,8 @@ class PipelineParallelStrategy(ParallelEngine):
                          schedule=schedule, stages_per_rank=stages_per_rank, split_points=split_points,
                          balance=balance, activation_checkpointing=activation_checkpointing,
                          log_pipeline_stats=log_pipeline_stats, measure_activations=measure_activations,
-                         bucket_size_mb=bucket_size_mb, decode_microbatches=decode_microbatches,
-                         gather_for_decoding=gather_for_decoding,
+                         async_save=async_save, bucket_size_mb=bucket_size_mb,
+                         decode_microbatches=decode_microbatches, gather_for_decoding=gather_for_decoding,
                          process_group_backend=process_group_backend, timeout=timeout)
 
 
@@ -173,6 +179,7 @@ class ContextParallelStrategy(ParallelEngine):
         zero_stage: int = 0,
         activation_checkpointing: bool = False,
         save_distributed_checkpoint: bool = True,
+        async_save: bool = False,
         bucket_size_mb: float = DEFAULT_BUCKET_MB,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -185,13 +192,15 @@ class ContextParallelStrategy(ParallelEngine):
             activation_checkpointing: Recompute each transformer block in backward.
             save_distributed_checkpoint: Sharded layout-free checkpoints (``True``) or one file of full weights from
                 rank 0 (for export/inference).
+            async_save: Write checkpoints in the background (staged in host memory, written while training goes on,
+                published only complete: :mod:`~lightning_llm.strategies.engine.async_save`).
             bucket_size_mb: Gradient buckets in MiB (DDP's default) of the ``dp x cp`` reduction.
             process_group_backend: ``nccl``/``gloo``; default from the device.
             timeout: Collective timeout.
         """
         super().__init__(data_parallel_size=1 if context_parallel_size == -1 else -1,
                          context_parallel_size=context_parallel_size, zero_stage=zero_stage,
-                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         save_distributed_checkpoint=save_distributed_checkpoint, async_save=async_save,
                          activation_checkpointing=activation_checkpointing, bucket_size_mb=bucket_size_mb,
                          process_group_backend=process_group_backend, timeout=timeout)
 
@@ -209,6 +218,7 @@ class ExpertParallelStrategy(ParallelEngine):
         zero_stage: int = 0,
         activation_checkpointing: bool = False,
         save_distributed_checkpoint: bool = True,
+        async_save: bool = False,
         bucket_size_mb: float = DEFAULT_BUCKET_MB,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -222,12 +232,14 @@ class ExpertParallelStrategy(ParallelEngine):
             activation_checkpointing: Recompute each transformer block in backward.
             save_distributed_checkpoint: Sharded layout-free checkpoints (``True``) or one file of full weights from
                 rank 0 (for export/inference).
+            async_save: Write checkpoints in the background (staged in host memory, written while training goes on,
+                published only complete: :mod:`~lightning_llm.strategies.engine.async_save`).
             bucket_size_mb: Gradient buckets in MiB (DDP's default).
             process_group_backend: ``nccl``/``gloo``; default from the device.
             timeout: Collective timeout.
         """
         super().__init__(data_parallel_size=-1, expert_parallel_size=expert_parallel_size, zero_stage=zero_stage,
-                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         save_distributed_checkpoint=save_distributed_checkpoint, async_save=async_save,
                          activation_checkpointing=activation_checkpointing, bucket_size_mb=bucket_size_mb,
                          process_group_backend=process_group_backend, timeout=timeout)
 
@@ -276,6 +288,7 @@ class ZeroStrategy(_EngineChoice, ParallelEngine):
         optimizer: str | None = None,
         config: str | dict[str, Any] | None = None,
         save_distributed_checkpoint: bool = True,
+        async_save: bool = False,
         activation_checkpointing: bool = False,
         bucket_size_mb: float = DEFAULT_BUCKET_MB,
         gather_for_decoding: GatherForDecoding = "auto",
@@ -293,6 +306,8 @@ class ZeroStrategy(_EngineChoice, ParallelEngine):
             config: DeepSpeed engine only - a DeepSpeed JSON file (or dict) merged over the generated config.
             save_distributed_checkpoint: Sharded layout-free checkpoints (``True``) or one file of full weights from
                 rank 0 (for export/inference).
+            async_save: Write checkpoints in the background (staged in host memory, written while training goes on,
+                published only complete: :mod:`~lightning_llm.strategies.engine.async_save`).
             activation_checkpointing: Recompute each transformer block in backward.
             bucket_size_mb: Data-parallel gradient buckets in MiB (DDP's default): each bucket's reduction starts
                 during backward as soon as its gradients are ready.
@@ -309,8 +324,8 @@ class ZeroStrategy(_EngineChoice, ParallelEngine):
                              "engine='deepspeed' (the native engine uses the task's configure_optimizers)")
         super().__init__(data_parallel_size=-1, zero_stage=stage, offload_optimizer=offload_optimizer,
                          offload_params=offload_params, save_distributed_checkpoint=save_distributed_checkpoint,
-                         activation_checkpointing=activation_checkpointing, bucket_size_mb=bucket_size_mb,
-                         gather_for_decoding=gather_for_decoding,
+                         async_save=async_save, activation_checkpointing=activation_checkpointing,
+                         bucket_size_mb=bucket_size_mb, gather_for_decoding=gather_for_decoding,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.stage = stage
         self.engine = engine

@@ -19,6 +19,7 @@ Every function here that touches tensors is a collective: call it on all ranks.
 
 from __future__ import annotations
 
+import io
 import logging
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -49,13 +50,17 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "META_FILE",
+    "checkpoint_state",
     "consolidated_state_dict",
     "dcp_contents",
+    "every_rank_agrees",
     "from_lightning_checkpoint",
     "is_hybrid_checkpoint",
     "load_hybrid",
+    "meta_bytes",
     "optimizer_flat_state",
     "save_hybrid",
+    "write_hybrid",
 ]
 
 META_FILE = "meta.pt"
@@ -126,6 +131,28 @@ def _merge_kinds(local: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def checkpoint_state(module: nn.Module,
+                     optimizers: Sequence[Optimizer]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``(state, optimizer_meta)``: the live tensors DCP writes (``model`` and ``optim_<i>`` per parameter name) and
+    each optimizer's layout-free meta. A collective (the state keys' kinds are merged over the ranks)."""
+    state: dict[str, Any] = {"model": saved_model_state(module)}
+    opt_meta = []
+    for i, opt in enumerate(optimizers):
+        flat, meta = optimizer_flat_state(module, opt)
+        meta["kinds"] = _merge_kinds(meta["kinds"])
+        state[f"optim_{i}"] = flat
+        opt_meta.append(meta)
+    return state, opt_meta
+
+
+def meta_bytes(metadata: Mapping[str, Any], *, layout: Mapping[str, Any],
+               optimizer_meta: list[dict[str, Any]]) -> bytes:
+    """``meta.pt``'s content, serialized now: what it records cannot change while the shards are written later."""
+    buf = io.BytesIO()
+    torch.save({**metadata, "format": FORMAT, "layout": dict(layout), "optimizer_meta": optimizer_meta}, buf)
+    return buf.getvalue()
+
+
 def save_hybrid(
     path: str | Path,
     *,
@@ -134,38 +161,69 @@ def save_hybrid(
     metadata: Mapping[str, Any],
     layout: Mapping[str, Any],
     is_global_zero: bool,
-    barrier: Callable[[], None],
     on_shards_written: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write ``module``'s state dict and every optimizer's per-name state with DCP; rank 0 writes the metadata.
+    """Write ``module``'s state dict and every optimizer's per-name state with DCP; rank 0 writes the metadata
+    (:func:`write_hybrid`)."""
+    state, opt_meta = checkpoint_state(module, optimizers)
+    meta = meta_bytes(metadata, layout=layout, optimizer_meta=opt_meta) if is_global_zero else b""
+    return write_hybrid(path, state, meta, is_global_zero=is_global_zero, on_shards_written=on_shards_written)
 
-    Atomic: every rank writes into a staging directory beside ``path``; once all are done (barrier), rank 0 swaps it
-    in (:func:`~lightning_llm.reliability.publish`). A crash at any moment leaves the previous checkpoint whole."""
+
+def write_hybrid(path: str | Path, state: dict[str, Any], meta: bytes, *, is_global_zero: bool,
+                 group: dist.ProcessGroup | None = None,
+                 on_shards_written: Callable[[Path], None] | None = None) -> Path:
+    """Write ``state`` (:func:`checkpoint_state`, or a copy of it staged in host memory) with DCP and ``meta``
+    (rank 0's :func:`meta_bytes`) as ``meta.pt``, over ``group`` (default: the world).
+
+    Atomic: every rank writes into a staging directory beside ``path``; once all are done, rank 0 swaps it in
+    (:func:`~lightning_llm.reliability.publish`). A crash at any moment leaves the previous checkpoint whole. Every
+    step is agreed over the ranks (:func:`every_rank_agrees`): a failure on one rank (rank 0's metadata or swap, a
+    disk full on one rank) raises on all of them, none is left waiting for it."""
     p = Path(path)
     staged = staging_path(p)
-    if is_global_zero and (staged.exists() or staged.is_symlink()):  # left by a crashed save
-        shutil.rmtree(staged) if staged.is_dir() else staged.unlink()
-    barrier()
-    staged.mkdir(parents=True, exist_ok=True)
-    state: dict[str, Any] = {"model": saved_model_state(module)}
-    opt_meta = []
-    for i, opt in enumerate(optimizers):
-        flat, meta = optimizer_flat_state(module, opt)
-        meta["kinds"] = _merge_kinds(meta["kinds"])
-        state[f"optim_{i}"] = flat
-        opt_meta.append(meta)
-    dcp.save(state, checkpoint_id=staged)
-    if on_shards_written is not None:  # fault injection in tests
-        on_shards_written(p)
-    if is_global_zero:
-        with atomic_open(staged / META_FILE, "wb") as f:
-            torch.save({**metadata, "format": FORMAT, "layout": dict(layout), "optimizer_meta": opt_meta}, f)
-    barrier()  # every rank's shards are complete
-    if is_global_zero:
-        publish(staged, p)
-    barrier()
-    log.info("saved 3-D checkpoint to %s (layout %s)", p, dict(layout))
+
+    def prepare() -> None:
+        if is_global_zero and (staged.exists() or staged.is_symlink()):  # left by a crashed save
+            shutil.rmtree(staged) if staged.is_dir() else staged.unlink()
+
+    every_rank_agrees(prepare, group)
+    every_rank_agrees(lambda: staged.mkdir(parents=True, exist_ok=True), group)
+    dcp.save(state, checkpoint_id=staged, process_group=group)
+
+    def finish_shards() -> None:
+        if on_shards_written is not None:  # fault injection in tests
+            on_shards_written(p)
+        if is_global_zero:
+            with atomic_open(staged / META_FILE, "wb") as f:
+                f.write(meta)
+
+    every_rank_agrees(finish_shards, group)  # every rank's shards are complete
+    every_rank_agrees(lambda: publish(staged, p) if is_global_zero else None, group)
+    log.info("saved 3-D checkpoint to %s", p)
     return p
+
+
+def every_rank_agrees(fn: Callable[[], Any], group: dist.ProcessGroup | None = None) -> None:
+    """Run ``fn`` on every rank of ``group``, then agree: if it failed on any rank, raise on every rank (the
+    failing rank its own exception, the others one naming that rank and its error). A collective."""
+    error: Exception | None = None
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - any failure must reach the other ranks
+        error = e
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return
+    every: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, None if error is None else first_line(error), group=group)
+    if error is not None:
+        raise error
+    failed = [(rank, msg) for rank, msg in enumerate(every) if msg is not None]
+    if failed:
+        rank, msg = failed[0]
+        raise CheckpointError(f"saving the checkpoint failed on rank {rank} of its group ({msg})")
 
 
 def saved_model_state(module: nn.Module) -> dict[str, Any]:

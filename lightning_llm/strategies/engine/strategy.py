@@ -118,6 +118,7 @@ class ParallelEngine(EngineGradients, DecodingSessions, DefaultGroupCollectives,
         log_pipeline_stats: bool = False,
         measure_activations: bool = False,
         save_distributed_checkpoint: bool = True,
+        async_save: bool = False,
         bucket_size_mb: float = DEFAULT_BUCKET_MB,
         gather_for_decoding: GatherForDecoding = "auto",
         decode_microbatches: Literal["auto", "stages"] = "auto",
@@ -159,6 +160,10 @@ class ParallelEngine(EngineGradients, DecodingSessions, DefaultGroupCollectives,
             measure_activations: Count peak live saved-activation bytes per pipeline step (slower; benchmarks).
             save_distributed_checkpoint: ``False``: checkpoints are one consolidated file of full weights written by
                 rank 0 (for export and inference; no optimizer state, so not for resuming; ``pp=1`` only).
+            async_save: Write checkpoints in the background: a save stands still only while this rank's state is
+                copied to host memory (pinned on CUDA), DCP writes it while training goes on, and it appears under
+                its name only complete (:mod:`.async_save`). A save waits for the previous one; a failed write is
+                raised at the next step, save or the end of fit, which waits for the last write.
             bucket_size_mb: Data-parallel gradient buckets (MiB; DDP's default): each bucket's all-reduce (ZeRO-2:
                 reduce to the owners) starts during backward as soon as its gradients are ready; also the bucket of
                 the ZeRO-1/2 parameter broadcast.
@@ -192,7 +197,7 @@ class ParallelEngine(EngineGradients, DecodingSessions, DefaultGroupCollectives,
         self.split_points, self.balance = split_points, balance
         self.activation_checkpointing = activation_checkpointing
         self.log_pipeline_stats, self.measure_activations = log_pipeline_stats, measure_activations
-        self.save_distributed_checkpoint = save_distributed_checkpoint
+        self.save_distributed_checkpoint, self.async_save = save_distributed_checkpoint, async_save
         if gather_for_decoding not in ("auto", "once", "per_layer"):
             raise ValueError(f"gather_for_decoding={gather_for_decoding!r}: expected auto, once or per_layer")
         self.gather_for_decoding = gather_for_decoding
@@ -374,6 +379,7 @@ class ParallelEngine(EngineGradients, DecodingSessions, DefaultGroupCollectives,
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
+            self.setup_background_saves(trainer)
         self.setup_precision_plugin()
         if fitting and not self.offload_params:
             _optimizers_to_device(self.optimizers, self.root_device)

@@ -180,6 +180,7 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         zero_init: bool = False,
+        async_save: bool = False,
         **deepspeed_kwargs: Any,
     ) -> None:
         """
@@ -195,8 +196,14 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
                 models that do not fit one device). Off by default because partitioned placeholders report
                 ``p.ndim == 1``, so ``LLMTask``'s decay/no-decay grouping would put every weight in the no-decay group;
                 without it DeepSpeed partitions the (CPU-built) model in ``deepspeed.initialize``.
+            async_save: Refused: DeepSpeed writes its checkpoint files itself, synchronously (see the error).
             deepspeed_kwargs: Further ``lightning.pytorch.strategies.DeepSpeedStrategy`` arguments.
         """
+        if async_save:
+            raise ValueError("--trainer.strategy.async_save=true is not available with DeepSpeed: its "
+                             "engine.save_checkpoint writes every rank's files synchronously, and its decoupled writer "
+                             "(checkpoint.writer.decoupled) only moves the wait into the next engine.step(); use a "
+                             "native preset (zero1/2/3, zero*_offload) for background saves")
         validate_zero_args(stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params,
                            engine="deepspeed")
         check_optimizer(optimizer, on_cuda=torch.cuda.is_available())
