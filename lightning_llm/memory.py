@@ -17,7 +17,8 @@ deepspeed, AMP    2       2      12 (fp32 master 4 + m 4 + v 4; + a transient fp
 Stage 1 divides the optimizer column by N, stage 2 also gradients, stage 3 also parameters (DeepSpeed's stage 1
 already partitions gradients like its stage 2). E.g. native fp32:
 stage 1 = 4Ψ + 4Ψ + 8Ψ/N, stage 2 = 4Ψ + 12Ψ/N, stage 3 = 16Ψ/N; the ZeRO paper's mixed form is 2Ψ + 2Ψ + 12Ψ/N).
-Offloaded states are counted in host memory, not on the device. Activations are counted per transformer layer from
+Offloaded states are counted in host memory, not on the device (with ``offload_device="nvme"`` on disk, and DeepSpeed's
+swap buffers in host memory). Activations are counted per transformer layer from
 the tensors autograd saves (flash/memory-efficient attention: no S x S term), plus embeddings and the LM head/loss.
 
 What one rank holds under a tp x pp x dp layout (:func:`layout_share`): the local element count of every parameter is
@@ -58,6 +59,7 @@ from lightning_llm.models.init import FILL_SCRATCH_BYTES
 from lightning_llm.models.quantize import QuantizationConfig, QuantizeMode, bytes_per_weight, quantized_linears
 from lightning_llm.strategies.pipeline.split import split_layers
 from lightning_llm.strategies.zero.native import module_path_matches
+from lightning_llm.strategies.zero.nvme import swap_buffer_bytes
 
 FUSED_CHUNK_FP32_COPIES = 2
 """fp32 ``[chunk, V]`` buffers alive at once in the fused loss's torch path: the chunk's logits (overwritten by their
@@ -118,6 +120,9 @@ class Estimate:
     frozen: int = 0
     """Parameters of frozen copies of the model placed like it (an RL or DPO reference): no gradients or optimizer
     states (:func:`frozen_copy_bytes`)."""
+    disk: int = 0
+    """Bytes in swap files under ``nvme_path`` (``offload_device="nvme"``: what host memory holds under CPU offload;
+    the host then holds DeepSpeed's swap buffers, :func:`~lightning_llm.strategies.zero.nvme.swap_buffer_bytes`)."""
 
     @property
     def model_states(self) -> int:
@@ -206,16 +211,22 @@ def loss_peak_bytes(*, tokens: int, vocab: int, hidden: int, precision: str, fus
 
 def estimate(config: Any, *, numel: int, batch_size: int, seq_len: int, precision: str, devices: int, stage: int,
              engine: str, offload_optimizer: bool = False, offload_params: bool = False, fused_loss: bool = False,
-             tp: int = 1, cp: int = 1, quantized: Quantized | None = None) -> Estimate:
+             tp: int = 1, cp: int = 1, quantized: Quantized | None = None, offload_device: str = "cpu",
+             largest_param: int = 0) -> Estimate:
     """Per-device memory; ``fused_loss``: the loss path the run takes (the fused LM-head loss keeps no logits);
     ``cp``: ranks sharing each sequence (each holds ``seq_len / cp`` of its tokens). ``quantized``: the frozen block
     linears held quantized (``--model.quantize``): their bytes as stored, no gradients or optimizer states (the rest
-    still counts as trained: full fine-tuning figures)."""
+    still counts as trained: full fine-tuning figures). ``offload_device="nvme"``: the offloaded states in swap
+    files, DeepSpeed's swap buffers (sized by ``largest_param``, a rank's largest partition) in host memory."""
     q = quantized_numel(config) if quantized is not None else 0
     states = model_state_theory(numel=numel - q, stage=stage, dp=devices, precision=precision, engine=engine,
                                 offload_optimizer=offload_optimizer, offload_params=offload_params)
     full = model_state_theory(numel=numel - q, stage=stage, dp=devices, precision=precision, engine=engine)
     host = sum(full.values()) - sum(states.values())
+    disk = 0
+    if offload_device == "nvme":
+        disk, host = host, swap_buffer_bytes(largest=largest_param, rank_numel=-(-numel // devices),
+                                             param_bytes=bytes_per_param(engine, precision)[0])
     if quantized is not None:  # on the device (no layout that offloads parameters takes quantized weights)
         p_bytes = bytes_per_param(engine, precision)[0]
         per_weight = bytes_per_weight(quantized.mode, quantized.config, dtype_bytes=p_bytes,
@@ -225,7 +236,7 @@ def estimate(config: Any, *, numel: int, batch_size: int, seq_len: int, precisio
                                                 cp=cp)
     loss = loss_bytes(config, tokens=batch_size * seq_len // cp, precision=precision, fused=fused_loss, tp=tp)
     return Estimate(numel=numel, activations=per_sample * batch_size, activations_per_sample=per_sample, host=host,
-                    loss=loss, **states)
+                    loss=loss, disk=disk, **states)
 
 
 @dataclass(frozen=True)
@@ -264,6 +275,8 @@ class LayoutShare:
 
     numel: int
     read_peak: int
+    largest: int = 0
+    """The most elements of one parameter on the rank (what sizes DeepSpeed's NVMe swap buffers)."""
 
 
 def _tp_dim(style: Any, module: nn.Module, attr: str) -> int | None:
@@ -301,7 +314,7 @@ def layout_share(config: Any, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int 
               if module_path_matches(path, pattern)}
     best = LayoutShare(0, 0)
     for prefixes in _stage_prefixes(model, pp):
-        numel = read_peak = 0
+        numel = read_peak = largest = 0
         seen: set[int] = set()
         for name, p in model.named_parameters(remove_duplicate=False):  # the order materialize fills them in
             if id(p) in seen or not name.startswith(prefixes):
@@ -319,9 +332,9 @@ def layout_share(config: Any, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int 
                 shape[0] = math.ceil(shape[0] / shards)
             n = math.prod(shape)
             read_peak = max(read_peak, numel + 2 * n)  # filled so far + this one + its slice read from the file
-            numel += n
+            numel, largest = numel + n, max(largest, n)
         if numel > best.numel:
-            best = LayoutShare(numel, read_peak)
+            best = LayoutShare(numel, read_peak, largest)
     return best
 
 
@@ -371,7 +384,7 @@ def frozen_copy_bytes(share: LayoutShare, *, engine: str, precision: str, copies
 def estimate_layout(config: Any, *, tp: int, pp: int, dp: int, stage: int, engine: str, batch_size: int,
                     seq_len: int, precision: str, fused_loss: bool, offload_optimizer: bool = False,
                     offload_params: bool = False, cp: int = 1, ep: int = 1, quantized: Quantized | None = None,
-                    frozen_copies: int = 0) -> tuple[Estimate, LayoutShare]:
+                    frozen_copies: int = 0, offload_device: str = "cpu") -> tuple[Estimate, LayoutShare]:
     """Per-rank memory of ``config`` under a ``tp x pp x cp x dp`` layout with ZeRO ``stage`` (``engine``: native,
     deepspeed or ddp) and ``ep`` of the ``dp x cp`` ranks sharing each MoE layer's experts: what the ``estimate``
     tool prints and the run summary logs at the start of fit. Model states follow what a rank of the fullest stage
@@ -386,11 +399,14 @@ def estimate_layout(config: Any, *, tp: int, pp: int, dp: int, stage: int, engin
     local = share.numel * replicas if stage == 3 else share.numel
     est = estimate(config, numel=local, batch_size=batch_size, seq_len=seq_len, precision=precision, devices=replicas,
                    stage=stage, engine=engine, offload_optimizer=offload_optimizer, offload_params=offload_params,
-                   fused_loss=fused_loss, tp=tp, cp=cp, quantized=quantized)
+                   fused_loss=fused_loss, tp=tp, cp=cp, quantized=quantized, offload_device=offload_device,
+                   largest_param=share.largest)
     if frozen_copies:
         placed = share if ep == 1 else layout_share(config, tp=tp, pp=pp, dp=replicas, zero3=stage == 3)
         frozen = frozen_copy_bytes(placed, engine=engine, precision=precision, copies=frozen_copies)
-        if offload_params:  # ZeRO-3's shards live on the host, the frozen copies' as the model's
+        if offload_params and offload_device == "nvme":  # swapped like the model's shards
+            est.disk += frozen
+        elif offload_params:  # ZeRO-3's shards live on the host, the frozen copies' as the model's
             est.host += frozen
         else:
             est.frozen = frozen

@@ -66,6 +66,8 @@ class Layout:
     strategy the estimate does not model)."""
     offload_optimizer: bool = False
     offload_params: bool = False
+    offload_device: str = "cpu"
+    """Where the offloaded states are: host memory (``cpu``) or swap files (``nvme``, DeepSpeed's ZeRO-Infinity)."""
     n_microbatches: int = 1
     ep: int = 1
     """Expert-parallel degree (borrowed from ``dp x cp``: each rank holds ``1/ep`` of every MoE layer's experts)."""
@@ -80,7 +82,8 @@ def layout_of(trainer: pl.Trainer) -> Layout:
                       n_microbatches=s.n_microbatches if s.dims.pp > 1 else 1)
     if isinstance(s, DeepSpeedZeroStrategy):
         return Layout(dp=trainer.world_size, zero_stage=s.stage, engine="deepspeed",
-                      offload_optimizer=s.offload_optimizer, offload_params=s.offload_params)
+                      offload_optimizer=s.offload_optimizer, offload_params=s.offload_params,
+                      offload_device=s.offload_device)
     known = isinstance(s, (DDPStrategy, SingleDeviceStrategy))
     return Layout(dp=trainer.world_size, engine="ddp" if known else None)
 
@@ -310,12 +313,16 @@ def _memory_line(trainer: pl.Trainer, task: Any, layout: Layout, batch: int | No
                              engine=layout.engine, batch_size=batch, seq_len=int(ids.shape[-1]), precision=precision,
                              fused_loss=fused, offload_optimizer=layout.offload_optimizer,
                              offload_params=layout.offload_params, cp=layout.cp, ep=layout.ep,
-                             quantized=quantized, frozen_copies=copies)
+                             quantized=quantized, frozen_copies=copies, offload_device=layout.offload_device)
     frozen = [("frozen copies", est.frozen)] if copies else []
     parts = ", ".join(f"{name} {v / MIB:.1f}" for name, v in (
         ("parameters", est.params), ("gradients", est.grads), ("optimizer", est.optim), *frozen,
         ("activations", est.activations), ("loss", est.loss)))
     host = f"; {est.host / MIB:.1f} MiB offloaded to host" if est.host else ""
+    if est.disk:
+        nvme = getattr(trainer.strategy, "nvme_path", None)
+        host = (f"; {est.host / MIB:.1f} MiB on the host (swap buffers), {est.disk / MIB:.1f} MiB on disk "
+                f"(swap files under {nvme})")
     note = "; full fine-tuning figures: frozen weights need less" if getattr(task, "parameter_counts", (0, 0))[1] \
         != getattr(task, "parameter_counts", (0, 0))[0] else ""
     held = "; the estimate counts the quantized weights at full precision (pipeline)" if mode and not quantized else ""
@@ -323,8 +330,9 @@ def _memory_line(trainer: pl.Trainer, task: Any, layout: Layout, batch: int | No
         nbytes, numel = quantized_bytes(task.model)
         held += (f"; quantized frozen weights ({describe(mode, task.quantization)}): {numel:,} held in "
                 f"{nbytes / MIB:.2f} MiB on this rank = {nbytes / max(2 * numel, 1):.3f}x their bf16 bytes")
-    return (f"estimated memory per rank (lightning_llm estimate, {precision}): {est.total / MIB:.1f} MiB = {parts} "
-            f"MiB{host}{note}{held}")
+    device = " on the device" if est.disk else ""
+    return (f"estimated memory per rank (lightning_llm estimate, {precision}): {est.total / MIB:.1f} MiB{device} = "
+            f"{parts} MiB{host}{note}{held}")
 
 
 def _frozen_line(task: Any) -> str | None:

@@ -4,6 +4,7 @@ a misspelt option is one line naming it and the strategy (``lightning_llm.cli.ar
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from lightning_llm.cli.args import prepare_argv
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = str(REPO / "configs" / "pretrain_debug.yaml")
 PREFIX = "lightning_llm: error: "
+NVME = str(Path(tempfile.gettempdir()) / "lightning_llm-test-strategy-names-nvme")
 
 
 def _native(stage: int, opt: bool = False, params: bool = False) -> Callable[[Any], bool]:
@@ -54,6 +56,9 @@ CASES: dict[str, tuple[str, str, Callable[[Any], bool]]] = {
     "deepspeed_zero2": ("optimizer", "adamw", _deepspeed(2)),
     "deepspeed_zero3": ("optimizer", "adamw", _deepspeed(3)),
     "deepspeed_zero3_offload": ("optimizer", "adamw", _deepspeed(3, opt=True, params=True)),
+    "deepspeed_zero3_nvme": ("nvme_path", NVME, lambda s: type(s).__name__ == "DeepSpeedZeroStrategy"
+                             and s.config["zero_optimization"]["offload_param"]["device"] == "nvme"
+                             and s.config["zero_optimization"]["offload_optimizer"]["nvme_path"] == NVME),
 }
 
 

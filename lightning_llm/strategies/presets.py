@@ -7,7 +7,8 @@ is an ``__init__`` that exposes one technique's arguments under its own name (th
 * ``pp``: :class:`PipelineParallelStrategy`, the pipeline runtime of :mod:`lightning_llm.strategies.pipeline` (how a
   step runs is told there).
 * ``zero1/2/3``, ``zero2_offload``, ``zero3_offload``: :class:`ZeroStrategy`, ZeRO over the ``dp`` mesh dim
-  (:mod:`lightning_llm.strategies.zero`); ``deepspeed_zero1/2/3(_offload)``: the same arguments with
+  (:mod:`lightning_llm.strategies.zero`); ``deepspeed_zero1/2/3(_offload)``, ``deepspeed_zero3_nvme`` (ZeRO-Infinity:
+  the states swapped to ``nvme_path``, :mod:`lightning_llm.strategies.zero.nvme`): the same arguments with
   ``engine="deepspeed"``, for which constructing ``ZeroStrategy`` returns a
   :class:`~lightning_llm.strategies.zero.deepspeed.DeepSpeedZeroStrategy`.
 * ``cp``: :class:`ContextParallelStrategy`, context parallelism (:mod:`lightning_llm.strategies.context`): the ranks
@@ -365,6 +366,8 @@ ZERO_PRESETS: dict[str, dict[str, Any]] = {
     "deepspeed_zero2": dict(stage=2, engine="deepspeed"),
     "deepspeed_zero3": dict(stage=3, engine="deepspeed"),
     "deepspeed_zero3_offload": dict(stage=3, engine="deepspeed", offload_optimizer=True, offload_params=True),
+    "deepspeed_zero3_nvme": dict(stage=3, engine="deepspeed", offload_optimizer=True, offload_params=True,
+                                 offload_device="nvme"),
 }
 """Registered ZeRO strategy names -> ZeroStrategy init args."""
 

@@ -106,8 +106,7 @@ def strategy_args(strategy: str) -> dict[str, Any]:
     if strategy not in ZERO_PRESETS:
         raise ValueError(f"--strategy={strategy}: choose ddp, {', '.join(ENGINE_PRESETS)} or one of "
                          f"{', '.join(ZERO_PRESETS)}")
-    args = {"engine": "native", "offload_optimizer": False, "offload_params": False, **ZERO_PRESETS[strategy]}
-    return args
+    return {"engine": "native", "offload_optimizer": False, "offload_params": False, **ZERO_PRESETS[strategy]}
 
 
 def _degrees(a: argparse.Namespace) -> tuple[int, int, int, int, int]:
@@ -152,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--devices", type=int, default=1, help="all devices; data-parallel = devices / (tp x pp) "
                         "(ZeRO shards over those)")
     parser.add_argument("--strategy", default="zero2", help="ddp, tp, pp, cp, ep, 3d, zero1, zero2, zero3, "
-                        "zero2_offload, zero3_offload, deepspeed_zero1/2/3, deepspeed_zero3_offload")
+                        "zero2_offload, zero3_offload, deepspeed_zero1/2/3, deepspeed_zero3_offload, "
+                        "deepspeed_zero3_nvme")
     parser.add_argument("--tp", type=int, default=None, help="tensor-parallel degree (default: all devices for "
                         "--strategy=tp, else 1)")
     parser.add_argument("--pp", type=int, default=None, help="pipeline-parallel degree (default: all devices for "
@@ -232,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         "bytes": {"params": est.params, "grads": est.grads, "optim": est.optim, "frozen": est.frozen,
                                   "activations": est.activations, "loss": est.loss,
                                   "model_states": est.model_states,
-                                  "total": est.total, "host_offloaded": est.host},
+                                  "total": est.total, "host_offloaded": est.host, "disk": est.disk},
         "activations_per_sample": est.activations_per_sample, "gpu_memory_gib": a.gpu_memory_gib,
         "fused_loss": fused, "loss_bytes": loss_paths,
         "max_batch_size": fit,
@@ -251,7 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     for label, v in (("parameters", est.params), ("gradients", est.grads), ("optimizer states", est.optim), *frozen,
                      ("activations", est.activations), ("loss + backward", est.loss), ("total", est.total)):
         print(f"  {label:18s}{_gib(v)}  ({v:,} B)")
-    if est.host:
+    if est.disk:
+        print(f"  {'host (swap buffers)':18s}{_gib(est.host)}  ({est.host:,} B)")
+        print(f"  {'disk (nvme_path)':18s}{_gib(est.disk)}  ({est.disk:,} B)")
+    elif est.host:
         print(f"  {'host (offloaded)':18s}{_gib(est.host)}")
     print(f"  loss path: {'fused LM-head loss' if fused else 'full logits'} (fused {_gib(loss_paths['fused']).strip()}"
           f", full logits {_gib(loss_paths['eager']).strip()})")

@@ -26,7 +26,7 @@ from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -43,6 +43,7 @@ from lightning_llm.checkpoint import check_deepspeed_dir, load_file, verify_chec
 from lightning_llm.checkpoint.safe_load import DEEPSPEED_GLOBALS
 from lightning_llm.reliability import SaveFault, publish, remove_path, staging_path
 from lightning_llm.strategies.zero.common import check_adapter, validate_zero_args, write_export
+from lightning_llm.strategies.zero.nvme import AioSettings, check_offload_device, nvme_config, partition_for_nvme
 
 log = logging.getLogger(__name__)
 
@@ -180,6 +181,9 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         zero_init: bool = False,
+        offload_device: Literal["cpu", "nvme"] = "cpu",
+        nvme_path: str | None = None,
+        aio: AioSettings | None = None,
         async_save: bool = False,
         **deepspeed_kwargs: Any,
     ) -> None:
@@ -196,6 +200,12 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
                 models that do not fit one device). Off by default because partitioned placeholders report
                 ``p.ndim == 1``, so ``LLMTask``'s decay/no-decay grouping would put every weight in the no-decay group;
                 without it DeepSpeed partitions the (CPU-built) model in ``deepspeed.initialize``.
+            offload_device: Where ``offload_optimizer``/``offload_params`` put the states: host memory (``cpu``) or
+                files under ``nvme_path`` through DeepSpeed's async I/O op (``nvme``: ZeRO-Infinity, stage 3; it
+                needs libaio, :mod:`.nvme`).
+            nvme_path: The directory of the swap files (``offload_device=nvme``): a fast local disk. Checked writable
+                before training; the files stay there after the run.
+            aio: DeepSpeed's async I/O settings for the swap files (``--trainer.strategy.aio.queue_depth=16``, ...).
             async_save: Refused: DeepSpeed writes its checkpoint files itself, synchronously (see the error).
             deepspeed_kwargs: Further ``lightning.pytorch.strategies.DeepSpeedStrategy`` arguments.
         """
@@ -209,6 +219,12 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
         check_optimizer(optimizer, on_cuda=torch.cuda.is_available())
         cfg = deepspeed_config(stage=stage, offload_optimizer=offload_optimizer, offload_params=offload_params,
                                pin_memory=torch.cuda.is_available())
+        self.nvme_path = check_offload_device(offload_device, nvme_path, stage=stage,
+                                              offloads=offload_optimizer and offload_params)
+        if self.nvme_path is not None:
+            cfg = merge_config(cfg, nvme_config(nvme_path=self.nvme_path, pin_memory=torch.cuda.is_available(),
+                                                aio=aio or AioSettings()))
+        self._user_config: dict[str, Any] = {}
         if config is not None:
             if not isinstance(config, dict):
                 path = Path(config)
@@ -219,10 +235,12 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
                 except json.JSONDecodeError as e:
                     raise ValueError(f"DeepSpeedZeroStrategy: config={path}: invalid JSON ({e})") from None
             cfg = merge_config(cfg, config)
+            self._user_config = config
         super().__init__(config=cfg, process_group_backend=process_group_backend, timeout=timeout, **deepspeed_kwargs)
         self.stage = int(cfg["zero_optimization"]["stage"])
         self.offload_optimizer = offload_optimizer
         self.offload_params = offload_params
+        self.offload_device = offload_device
         self.engine = "deepspeed"
         self.optimizer_name = optimizer
         self.zero_init = zero_init
@@ -305,6 +323,8 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
         # Trainable parameters also when optimizer is None: a user config's "optimizer" section builds it from them.
         params = [p for p in model.parameters() if p.requires_grad]
         self.config = self._with_manual_clipping(self.config)  # CheckedClipPrecision reads what the engine applies
+        if self.nvme_path is not None:
+            partition_for_nvme(model, self.config, user_config=self._user_config, world_size=self.world_size)
         return self._initialize(model, self.config, params=params, optimizer=optimizer, lr_scheduler=lr_scheduler)
 
     def _with_manual_clipping(self, config: dict[str, Any]) -> dict[str, Any]:
