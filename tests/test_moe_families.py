@@ -342,7 +342,8 @@ def test_estimate_counts_gpt_oss_20b_and_olmoe_1b_7b_as_published() -> None:
     from lightning_llm.cli import main
 
     published = {
-        "gpt_oss": (transformers.GptOssConfig(num_hidden_layers=24, num_local_experts=32, vocab_size=201088), 20.9, 3.61),
+        "gpt_oss": (transformers.GptOssConfig(num_hidden_layers=24, num_local_experts=32, vocab_size=201088), 20.9,
+                    3.61),
         "olmoe": (transformers.OlmoeConfig(intermediate_size=1024), 6.9, 1.3)}
     for name, (cfg, total, active) in published.items():
         with tempfile.TemporaryDirectory() as d:

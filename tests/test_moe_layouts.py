@@ -268,7 +268,7 @@ def test_moe_layout_equals_one_device(runs: Path, layout: str) -> None:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", [f"{f}/{layout}" for f in FAMILIES for layout in FAMILY_LAYOUTS2[f] + FAMILY_LAYOUTS4])
+@pytest.mark.parametrize("layout", [f"{f}/{lay}" for f in FAMILIES for lay in FAMILY_LAYOUTS2[f] + FAMILY_LAYOUTS4])
 def test_moe_family_layout_equals_one_device(runs: Path, layout: str) -> None:
     """gpt-oss's and OLMoE's debug sizes: every rank's train_loss (with the aux term) at each step, every first-step
     gradient (sinks, router biases, expert biases, whole-projection q/k norms among them) and the logged loads equal

@@ -222,8 +222,8 @@ class ModelConfig:
             raise ValueError(f"ModelConfig: qkv_packed=True (fused W_pack) needs num_kv_heads == num_heads, got "
                              f"num_kv_heads={self.num_kv_heads}, num_heads={self.num_heads}")
         if self.attention_sinks and self.dropout:
-            raise ValueError(f"ModelConfig: dropout={self.dropout} with attention_sinks (gpt-oss) is not supported: the "
-                             "sink kernels have no attention dropout; set dropout 0")
+            raise ValueError(f"ModelConfig: dropout={self.dropout} with attention_sinks (gpt-oss) is not supported: "
+                             "the sink kernels have no attention dropout; set dropout 0")
         if self.qk_norm_over not in ("head", "projection"):
             raise ValueError(f"ModelConfig: qk_norm_over={self.qk_norm_over!r} must be 'head' or 'projection'")
         if self.sliding_window is not None and self.sliding_window < 1:

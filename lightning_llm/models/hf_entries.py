@@ -117,8 +117,8 @@ class Fused:
                 or tuple(sc.shape) != tuple(b.shape[:3]):
             raise ValueError(f"{blocks} {tuple(b.shape)} {b.dtype} / {scales} {tuple(sc.shape)} {sc.dtype}: not MXFP4 "
                              "blocks [E, R, G, 16] and scales [E, R, G] of uint8")
-        return (Mxfp4Mapped(stored[blocks], stored[scales], self.interleaved), (b.shape[0], b.shape[1], b.shape[2] * 32),
-                (blocks, scales))
+        shape = (b.shape[0], b.shape[1], b.shape[2] * 32)
+        return Mxfp4Mapped(stored[blocks], stored[scales], self.interleaved), shape, (blocks, scales)
 
 
 def lin(hf: str, ours: str, bias: bool, **kw: Any) -> list[Entry]:

@@ -47,8 +47,8 @@ from .encoder import EncoderModel
 from .layers import segment_positions
 from .rope import rope_type
 
-__all__ = ["HeadSharded", "ParallelSpec", "PARALLEL_SPECS", "TPPlan", "decoder_tp_plan", "encoder_tp_plan", "family_roots",
-           "parallel_spec_of", "routing_stats_of"]
+__all__ = ["HeadSharded", "ParallelSpec", "PARALLEL_SPECS", "TPPlan", "decoder_tp_plan", "encoder_tp_plan",
+           "family_roots", "parallel_spec_of", "routing_stats_of"]
 
 TPPlan = dict[str, ParallelStyle]
 """Module path (``parallelize_module`` syntax, ``*`` wildcards per path atom) -> parallel style."""
