@@ -151,10 +151,27 @@ def head_cross_entropy(
     docstring.
 
     ``reduction="none"`` returns per-token losses ``[B, S]`` (0 where ignored; the fused path then recomputes each
-    chunk's logits in backward). ``fused=False`` always calls the head. ``with_entropy`` (per-token only) also
-    returns the entropy ``[B, S]`` (see :class:`TokenScores`)."""
+    chunk's logits in backward), tensors of their own, never views: a model returns them, and FSDP2 hooks its
+    pre-backward all-gather on a module's outputs, which an in-place op on a view would silently detach (it warns
+    of every view output). ``fused=False`` always calls the head. ``with_entropy`` (per-token only) also returns the
+    entropy ``[B, S]`` (see :class:`TokenScores`)."""
     if with_entropy and reduction != "none":
         raise ValueError(f"with_entropy=True needs reduction='none', got {reduction!r}")
+    out = _head_loss(hidden, head, labels, reduction=reduction, temperature=temperature, fused=fused,
+                     backend=backend, with_entropy=with_entropy)
+    if reduction != "none":
+        return out
+    return tuple(map(_not_a_view, out)) if with_entropy else _not_a_view(out)
+
+
+def _not_a_view(t: Tensor) -> Tensor:
+    """``t``, or a copy when it is a view (every path's per-token rows are ``[B*S].view(B, S)``: B*S numbers)."""
+    return t if t._base is None else t.clone()
+
+
+def _head_loss(hidden: Tensor, head: nn.Module, labels: Tensor, *, reduction: Literal["mean", "sum", "none"],
+               temperature: float, fused: bool, backend: Backend, with_entropy: bool
+               ) -> Tensor | tuple[Tensor, Tensor]:
     found = fusable_head(head) if fused else None
     if found is None and fused and not with_entropy:
         sharded = vocab_sharded_head(head, hidden, labels)
