@@ -14,6 +14,7 @@ import pytest
 
 from lightning_llm.cli import main as cli_main
 from lightning_llm.data import ByteTokenizer
+from lightning_llm.testing import table_trainer
 
 TEXTS = ["Hello, world!", "蚂蚁借呗怎么还款？ naïve café", "a<eos>b <pad><bos>", "x<|im_start|>user\nhi<|im_end|>\n",
          "<0x41> \t\n  emoji 🙂 end", ""]
@@ -62,9 +63,7 @@ def _fit_chat(out: Path) -> Path:
     pl.seed_everything(0)
     task = SFTTask("debug", model_overrides={"num_layers": 1}, dropout=0.0)
     dm = InstructionDataModule(tokenizer_dir="byte", template="chatml", generated_conversations=32, batch_size=4)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         num_sanity_val_steps=0, default_root_dir=str(out))
+    trainer = table_trainer(out, strategy="auto", devices=1, max_steps=2, callbacks=[])
     trainer.fit(task, dm)
     trainer.save_checkpoint(out / "chat.ckpt")
     return out / "chat.ckpt"
@@ -121,9 +120,7 @@ def test_eval_scores_the_export_as_the_checkpoint(tmp_path: Path) -> None:
     task = CausalLMTask("debug", model_overrides={"num_layers": 1}, dropout=0.0)
     dm = TextDataModule(tokenizer_dir="byte", block_size=32, batch_size=4, cache_dir=str(tmp_path / "cache"),
                         generated_docs=50)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                         num_sanity_val_steps=0, default_root_dir=str(tmp_path))
+    trainer = table_trainer(tmp_path, strategy="auto", devices=1, max_steps=2, callbacks=[])
     trainer.fit(task, dm)
     trainer.save_checkpoint(tmp_path / "model.ckpt")
     assert cli_main(["export", str(tmp_path / "model.ckpt"), "--to", str(tmp_path / "hf")]) == 0
