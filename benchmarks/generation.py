@@ -1,10 +1,20 @@
-"""Rollout speed on CPU: batched generation with the KV cache per layout (and against transformers' ``generate``),
-and the GRPO rollout time of ``configs/grpo.yaml`` per layout.
+"""Rollout speed: batched generation with the KV cache per layout (and against transformers' ``generate``), the GRPO
+rollout time of ``configs/grpo.yaml`` per layout, and the static cache with a compiled decoding step (issue 57).
 
-    python benchmarks/generation.py --out benchmarks/results/generation-cpu.md            # every part
+    python benchmarks/generation.py --out benchmarks/results/generation-cpu.md            # every CPU part
     python benchmarks/generation.py --part decode --size small --batch 8 --new 32         # decoding only
     python benchmarks/generation.py --part grpo --compare /tmp/base                       # + another source tree
     python -m torch.distributed.run --nproc_per_node=2 benchmarks/generation.py --layout tp   # one layout by hand
+    python benchmarks/generation.py --part static --out benchmarks/results/generation-static-cpu.md   # CPU rows
+    python benchmarks/generation.py --part gpu --device cuda --budget-s 240 --out $OUT/generation-gpu.md  # GPU
+
+**Static cache + compiled step** (``--part static`` on the CPU, ``--part gpu`` on a CUDA machine;
+``benchmarks/decode_speed.py``): in one process, our eager decoding (the dynamic cache) against our static cache with
+the compiled step, and transformers' ``generate`` on the same weights with its dynamic cache and with its static cache
++ ``torch.compile``; greedy, no EOS, prompts of 32-64 tokens; each row's warm-up (compilation, CUDA-graph recording)
+timed apart. ``--part gpu``: ``llama-1b`` in bf16 at batch 8, 1 and 64 (that order), 256 new tokens, then the GRPO
+rollout time of ``configs/grpo.yaml`` at a ~0.5B size (``--grpo-overrides``) with each of our settings. Every row is
+guarded and the whole part keeps to ``--budget-s`` (rows that do not fit say so).
 
 **Decoding.** The ``small`` decoder (random weights; ``--size``) continues ``--batch`` left-padded prompts of 32-64
 tokens for ``--new`` tokens greedily (every row runs to the end: no EOS), through ``task.decoding()`` under the
@@ -45,6 +55,8 @@ import torch
 from lightning_llm.generation import GenerationConfig, generate
 from lightning_llm.testing import free_port, run_worker
 
+import decode_speed  # noqa: E402 (benchmarks/decode_speed.py, beside this script)
+
 ROOT = Path(__file__).resolve().parents[1]
 GROUPS = {"matmul": ("mm", "addmm", "bmm", "linear", "matmul"), "attention": ("scaled_dot_product", "attention"),
           "collectives": ("gloo", "all_reduce", "allreduce", "all_gather", "allgather", "broadcast", "send", "recv",
@@ -72,6 +84,15 @@ def _prompts(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         ids[row, width - n:] = torch.randint(4, 250, (n,), generator=g)
         mask[row, width - n:] = 1
     return ids, mask
+
+
+def _version(name: str) -> str:
+    try:
+        import importlib.metadata
+
+        return importlib.metadata.version(name)
+    except Exception:  # noqa: BLE001
+        return "?"
 
 
 def _group(name: str) -> str:
@@ -282,29 +303,102 @@ def reference_table(a: argparse.Namespace) -> list[str]:
     return [*lines, ""]
 
 
+# ---------------------------------------------------------------------------------------------------- static + compiled
+GRPO_05B = ("{num_layers: 28, hidden_size: 1024, num_heads: 16, num_kv_heads: 4, intermediate_size: 4352, "
+            "max_position_embeddings: 1024}")
+"""``--grpo-overrides`` of ``--part gpu``: a Qwen2.5-0.5B-like shape on the byte vocabulary (448M parameters)."""
+
+
+def static_part(a: argparse.Namespace) -> list[str]:
+    """Our eager vs static + compiled decoding against transformers' (one process), then GRPO rollouts with each."""
+    device = torch.device(a.device)
+    budget = decode_speed.Budget(a.budget_s)
+    gpu, part_gpu = device.type == "cuda", a.part == "gpu"  # --part gpu --device cpu: its code path on the CPU
+    dtype = torch.bfloat16 if gpu else torch.float32
+    size = a.gpu_size if part_gpu else a.size
+    batches = a.batches or ([8, 1, 64] if part_gpu else [a.batch])
+    new = a.new if a.new_set else (256 if part_gpu else 32)
+    if not gpu:
+        torch.set_num_threads(1)
+    model = decode_speed.build(size, device, dtype)
+    hf = None
+    try:
+        hf = decode_speed.transformers_twin(model, a.work, dtype, device)
+    except Exception as e:  # noqa: BLE001 - the rows of ours still run
+        print(f"[decode] transformers twin failed: {e}", flush=True)
+    rows = decode_speed.decode_rows(model, hf, batches=batches, new=new, device=device, budget=budget,
+                                    repeats=a.repeats, static_eager=not part_gpu)
+    where = torch.cuda.get_device_name(device) if gpu else "the 2-core CPU, 1 thread"
+    cmd = " ".join(["python", *sys.argv]).replace(str(ROOT) + "/", "")
+    lines = decode_speed.decode_table(rows, title=f"Decoding `{size}` ({str(dtype).removeprefix('torch.')}) on "
+                                      f"{where}: {new} new tokens, greedy", command=cmd)
+    del model, hf
+    if gpu:
+        torch.cuda.empty_cache()
+    flags = [f"--trainer.accelerator={'gpu' if gpu else 'cpu'}", "--trainer.devices=1"]
+    if gpu:
+        flags += ["--trainer.precision=bf16-mixed"]
+    if part_gpu:
+        flags += [f"--model.model_overrides={a.grpo_overrides}"]
+    runs: dict[str, tuple[list[float], str]] = {}
+    for name, settings in (("dynamic", {}), ("static + compile",
+                                           {"cache_implementation": "static", "compile": "true"})):
+        need = 90.0 if gpu else 60.0
+        if budget.left() < need:
+            runs[name] = ([], f"skipped: {budget.left():.0f} s of the budget left, about {need:.0f} s needed")
+            continue
+        t0 = time.perf_counter()
+        try:
+            runs[name] = decode_speed.grpo_rollouts(flags=flags, settings=settings, rollouts=a.rollouts, work=a.work,
+                                                    timeout_s=max(budget.left(), 30.0))
+        except Exception as e:  # noqa: BLE001 - a timeout or failure is the row's result
+            runs[name] = ([], f"failed: {type(e).__name__}: {str(e)[:200]}")
+        print(f"[grpo] {name}: {runs[name]} ({time.perf_counter() - t0:.0f} s; {budget.left():.0f} s left)",
+              flush=True)
+    shape = f"model_overrides `{a.grpo_overrides}`" if part_gpu else "its 2-layer `debug`"
+    lines += decode_speed.grpo_table(runs, title=f"GRPO rollout time (`configs/grpo.yaml`, {shape}, "
+                                     f"{a.rollouts} rollouts of 64 responses x 12 tokens, `time/rollout_s`)",
+                                     command=cmd)
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=["decode", "grpo", "reference", "all"], default="all")
+    p.add_argument("--part", choices=["decode", "grpo", "reference", "all", "static", "gpu"], default="all")
+    p.add_argument("--device", default="cpu", help="--part static/gpu: the device (cuda for the GPU rows)")
+    p.add_argument("--budget-s", type=float, default=240.0, help="--part static/gpu: seconds for all its rows")
+    p.add_argument("--gpu-size", default="llama-1b", help="--part gpu: the decoder of the decoding rows")
+    p.add_argument("--batches", type=int, nargs="*", default=None, help="--part static/gpu: batch sizes, in order")
+    p.add_argument("--grpo-overrides", default=GRPO_05B, help="--part gpu: model_overrides of the GRPO run")
     p.add_argument("--reference-size", default="small", help="the backbone of --part reference")
     p.add_argument("--layout", default=None, help=argparse.SUPPRESS)
     p.add_argument("--size", default="small")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--new", type=int, default=32)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--rollouts", type=int, default=6, help="GRPO rollouts per run")
+    p.add_argument("--rollouts", type=int, default=6, help="GRPO rollouts per run (--part static/gpu: 4)")
     p.add_argument("--rounds", type=int, default=3, help="GRPO runs per layout (in turn)")
     p.add_argument("--compare", default=None, help="GRPO: another source tree to time beside this one (before)")
     p.add_argument("--work", default="/tmp/lightning_llm-generation-bench")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args()
+    a.new_set = "--new" in sys.argv
+    if a.part in ("static", "gpu") and "--rollouts" not in sys.argv:
+        a.rollouts = 4
     Path(a.work).mkdir(parents=True, exist_ok=True)
     if a.worker:
         run_worker(measure, a) if DECODE_LAYOUTS[a.layout] else measure(a)
         return
     lines = ["# Rollout speed on CPU", "", f"Measured {time.strftime('%Y-%m-%d')} on the shared 2-core development "
              f"machine (gloo; load average at the start {os.getloadavg()[0]:.1f}).", ""]
+    if a.part in ("static", "gpu"):
+        lines = [f"# Decoding with the static cache and a compiled step ({a.device})", "",
+                 f"Measured {time.strftime('%Y-%m-%d')}: torch {torch.__version__}, transformers {_version('transformers')}"
+                 f", load average at the start {os.getloadavg()[0]:.1f}.", ""]
     t0 = time.perf_counter()
+    if a.part in ("static", "gpu"):
+        lines += static_part(a)
     if a.part in ("decode", "all"):
         lines += decode_table(a)
     if a.part in ("grpo", "all"):

@@ -46,6 +46,10 @@ CONFIGS = {
     "beam": GenerationConfig(max_new_tokens=NEW, num_beams=2, eos_token_id=3),
     # rows end at different steps (about 4 in 10 tokens end a row), so pipeline micro-batches stop at their own step
     "sampled_eos": GenerationConfig(max_new_tokens=NEW, do_sample=True, eos_token_id=list(range(4, 100))),
+    # the static cache (issue 57; its steps eagerly: compiling is one device's code on a whole copy): the same tokens
+    "greedy_static": GenerationConfig(max_new_tokens=NEW, eos_token_id=None, cache_implementation="static"),
+    "sampled_eos_static": GenerationConfig(max_new_tokens=NEW, do_sample=True, eos_token_id=list(range(4, 100)),
+                                           cache_implementation="static"),
 }
 LAYOUTS_2 = ["tp", "tp_shards", "pp", "pp_ring", "pp_interleaved", "pp_nofit", "pp_moe", "zero3", "zero3_per_layer"]
 LAYOUTS_4 = ["dp2_tp2", "dp2_tp2_zero3", "pp2_tp2", "pp2_tp2_ring", "pp4_tied"]
@@ -173,7 +177,8 @@ def test_generation_equals_one_device(runs: Path, layout: str) -> None:
         assert len(ref[name]) == 4 and len(ref[name][0]) >= 1
         for rank, tokens in enumerate(results):
             assert tokens[name] == ref[name], (layout, name, rank, tokens[name], ref[name])
-    assert ref["greedy"] == ref["greedy_nocache"]
+    assert ref["greedy"] == ref["greedy_nocache"] == ref["greedy_static"]
+    assert ref["sampled_eos"] == ref["sampled_eos_static"]
     assert ref["sampled"] != ref["greedy"]  # the draws matter, so equal samples across layouts mean something
     ends = [row[-1] == 0 for row in ref["sampled_eos"]]  # rows padded after their EOS, and rows still going
     assert len(ref["sampled_eos"][0]) >= 2 and any(ends) and not all(ends)
@@ -188,6 +193,7 @@ def test_generation_equals_one_device(runs: Path, layout: str) -> None:
         # row-wise decodings (greedy with the cache, per-row draws) share the rows out: one all-gather of tokens
         assert calls["greedy_nocache"] == calls["beam"] and 1 <= len(calls["beam"]) <= 4
         assert calls["greedy"] == calls["sampled"] == calls["sampled_eos"] == [*calls["beam"], "all_gather_into_tensor"]
+        assert calls["greedy_static"] == calls["sampled_eos_static"] == calls["greedy"]
         assert results[0]["decoder"] == "RowShare" and results[0]["copies_freed"]
         assert "whole copies assembled once per generation" in results[0]["note"]
     else:  # no copies: the layout's own decoding

@@ -17,7 +17,8 @@ import torch
 
 from lightning_llm.cli import main
 from lightning_llm.data import PromptDataModule
-from lightning_llm.generation import GenerationConfig, _inverse_cdf, generate
+from lightning_llm.generation import GenerationConfig, generate
+from lightning_llm.generation.sampling import inverse_cdf
 from lightning_llm.peft import LoraArgs
 from lightning_llm.rl import GRPOConfig, RewardConfig, group_advantages, grpo_loss
 from lightning_llm.rl.core import logprobs_from_logits
@@ -191,7 +192,7 @@ def test_per_prompt_sampling_does_not_depend_on_the_batch() -> None:
     """Inverse-CDF sampling from pre-drawn uniforms: the right distribution, and a row samples the same tokens alone
     as beside other rows (what makes 2 ranks x B prompts sample what 1 device x 2B prompts samples)."""
     probs = torch.tensor([[0.1, 0.0, 0.6, 0.3]]).expand(200_000, 4)
-    tokens = _inverse_cdf(probs, torch.rand(200_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
+    tokens = inverse_cdf(probs, torch.rand(200_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64))
     freq = torch.bincount(tokens, minlength=4).double() / tokens.numel()
     assert freq[1] == 0 and float((freq - probs[0].double()).abs().max()) < 0.005
     task = _task()

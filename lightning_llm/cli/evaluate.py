@@ -61,6 +61,10 @@ def _parser() -> LightningArgumentParser:
     parser.add_argument("--system_instruction", default=None, help="a system message before every prompt")
     parser.add_argument("--gen_kwargs", default=None, help="generation settings over every generation task's, as "
                         "lm-eval takes them: 'temperature=0.7,do_sample=True' or JSON")
+    parser.add_argument("--cache_implementation", choices=["dynamic", "static"], default="dynamic",
+                        help="generate_until's KV cache: static preallocates one per batch size and length bucket")
+    parser.add_argument("--compile", type=bool, default=False, help="compile generate_until's one-token decoding "
+                        "step (CUDA graphs on CUDA; needs --cache_implementation static)")
     parser.add_argument("--metadata", default=None, help="JSON (or key=value,...) passed to every task, e.g. "
                         "'{\"data_dir\": \"/data/ceval\"}' for configs/eval/ceval_format.yaml")
     parser.add_argument("--max_length", type=int, default=None, help="longest input in tokens (default: the "
@@ -97,6 +101,7 @@ def eval_config(cfg: Namespace) -> EvalConfig:
         limit=cfg.limit, num_fewshot=cfg.num_fewshot, batch_size=cfg.batch_size,
         apply_chat_template=cfg.apply_chat_template, fewshot_as_multiturn=cfg.fewshot_as_multiturn,
         system_instruction=cfg.system_instruction, gen_kwargs=_settings(cfg.gen_kwargs, flag="--gen_kwargs"),
+        cache_implementation=cfg.cache_implementation, compile=cfg.compile,
         metadata=_settings(cfg.metadata, flag="--metadata"), log_samples=cfg.log_samples,
         output_path=cfg.output_path, max_length=cfg.max_length, bootstrap_iters=cfg.bootstrap_iters, seed=cfg.seed)
 
@@ -114,7 +119,8 @@ class _ScoreAtStart(pl.Callback):
         pl_module.load_weights(self.source)
         lm = HarnessLM(pl_module, tokenizer=self.source.tokenizer, max_length=self.cfg.max_length or
                        self.source.max_length, eos_token_ids=self.source.eos_token_ids,
-                       batch_size=self.cfg.batch_size, seed=self.cfg.seed, show_progress=trainer.is_global_zero)
+                       batch_size=self.cfg.batch_size, seed=self.cfg.seed, show_progress=trainer.is_global_zero,
+                       cache_implementation=self.cfg.cache_implementation, compile=self.cfg.compile)
         tracker = tracker_for(self.cfg) if trainer.is_global_zero else None
         results = score(lm, self.manager, self.tasks, self.cfg, model_name=str(self.source.path), tracker=tracker)
         error = None

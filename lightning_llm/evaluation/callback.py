@@ -15,7 +15,7 @@ and the random generators lm-eval seeds are restored, so training goes on exactl
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 from typing_extensions import override
@@ -36,6 +36,7 @@ class LMEvalCallback(pl.Callback):
                  limit: float | None = None, num_fewshot: int | None = None, batch_size: int = 8,
                  apply_chat_template: bool = False, metadata: dict[str, Any] | None = None,
                  tokenizer_dir: str | None = None, max_length: int | None = None, bootstrap_iters: int = 0,
+                 cache_implementation: Literal["dynamic", "static"] = "dynamic", compile: bool = False,
                  prefix: str = "lm_eval/") -> None:
         """
         Args:
@@ -51,6 +52,8 @@ class LMEvalCallback(pl.Callback):
             tokenizer_dir: The tokenizer (default: the datamodule's).
             max_length: Longest input in tokens (default: the model's ``max_position_embeddings``).
             bootstrap_iters: Bootstrap iterations of the standard errors (0: none, the fast default here).
+            cache_implementation: ``generate_until``'s KV cache (``static``: one per batch size and length bucket).
+            compile: Compile ``generate_until``'s decoding step (needs ``cache_implementation="static"``).
             prefix: Start of every logged name.
         """
         require_lm_eval()
@@ -58,7 +61,8 @@ class LMEvalCallback(pl.Callback):
             raise ValueError(f"LMEvalCallback: every_n_steps must be >= 1, got {every_n_steps}")
         self.cfg = EvalConfig(tasks=list(tasks), include_path=list(include_path or []), limit=limit,
                               num_fewshot=num_fewshot, batch_size=batch_size, apply_chat_template=apply_chat_template,
-                              metadata=metadata, max_length=max_length, bootstrap_iters=bootstrap_iters)
+                              metadata=metadata, max_length=max_length, bootstrap_iters=bootstrap_iters,
+                              cache_implementation=cache_implementation, compile=compile)
         self.every_n_steps, self.tokenizer_dir, self.prefix = every_n_steps, tokenizer_dir, prefix
         self._loaded: tuple[Any, list[Any]] | None = None
         self._last_step = -1
@@ -105,7 +109,8 @@ class LMEvalCallback(pl.Callback):
         stops = getattr(dm, "stop_token_ids", None) or []
         lm = HarnessLM(pl_module, tokenizer=self._tokenizer(trainer), eos_token_ids=list(stops),
                        max_length=self.cfg.max_length, batch_size=self.cfg.batch_size, seed=self.cfg.seed,
-                       show_progress=False)
+                       show_progress=False, cache_implementation=self.cfg.cache_implementation,
+                       compile=self.cfg.compile)
         results = score(lm, manager, tasks, self.cfg, model_name=type(pl_module).__name__)
         values = metric_values(results) if trainer.is_global_zero and results is not None else None
         return trainer.strategy.broadcast(values, src=0)

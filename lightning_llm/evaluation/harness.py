@@ -72,7 +72,8 @@ class HarnessLM(TemplateLM):
 
     def __init__(self, task: Any, *, tokenizer: Any, max_length: int | None = None,
                  eos_token_ids: list[int] | None = None,
-                 batch_size: int = 8, max_gen_toks: int = 256, seed: int = 1234, show_progress: bool = True) -> None:
+                 batch_size: int = 8, max_gen_toks: int = 256, seed: int = 1234, show_progress: bool = True,
+                 cache_implementation: str = "dynamic", compile: bool = False) -> None:
         """
         Args:
             task: The LightningModule holding the model (set up by its Trainer: ``run_model``/``decoding_model``).
@@ -86,6 +87,8 @@ class HarnessLM(TemplateLM):
             seed: Seed of the uniform draws of sampled generation (the same on every rank, so every rank picks the
                 same tokens).
             show_progress: Show progress bars (global rank 0).
+            cache_implementation: ``generate_until``'s KV cache (``GenerationConfig.cache_implementation``).
+            compile: Compile ``generate_until``'s decoding step (``GenerationConfig.compile``).
         """
         super().__init__()
         if batch_size < 1:
@@ -99,6 +102,7 @@ class HarnessLM(TemplateLM):
         eos = [] if tokenizer.eos_token_id is None else [int(tokenizer.eos_token_id)]
         self.eos_ids = list(dict.fromkeys([*eos, *map(int, eos_token_ids or [])]))
         self._seed, self._draws = int(seed), 0
+        self._decoding = dict(cache_implementation=cache_implementation, compile=compile)  # GenerationConfig's
         # Pipelines build one schedule per input shape: lengths rounded up to a multiple of this bound their number.
         self._pad_multiple = 32 if task.capabilities.pipelined else 1
 
@@ -248,7 +252,8 @@ class HarnessLM(TemplateLM):
             settings = {k: v for k, v in settings.items() if k not in ("temperature", "top_k", "top_p")}
         pad = getattr(self.tokenizer, "pad_token_id", None)
         return GenerationConfig(max_new_tokens=max_new_tokens, do_sample=do_sample, eos_token_id=self.eos_ids,
-                                pad_token_id=self.eot_token_id if pad is None else int(pad), **settings)
+                                pad_token_id=self.eot_token_id if pad is None else int(pad), **settings,
+                                **self._decoding)
 
     def _prompts(self, contexts: list[str], max_context: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded prompt ids and mask [B, S], each context cut from the left to ``max_context`` tokens."""

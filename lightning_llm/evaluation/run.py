@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from lightning_llm.checkpoint import first_line
 
@@ -63,6 +63,12 @@ class EvalConfig:
     """A system message prepended to every prompt."""
     gen_kwargs: dict[str, Any] | None = None
     """Generation settings overriding every generation task's ``generation_kwargs``."""
+    cache_implementation: Literal["dynamic", "static"] = "dynamic"
+    """``generate_until``'s KV cache (:class:`~lightning_llm.generation.GenerationConfig`'s): ``static``
+    preallocates one per batch size and length bucket."""
+    compile: bool = False
+    """Compile ``generate_until``'s one-token decoding step (CUDA graphs on CUDA; needs
+    ``cache_implementation="static"``)."""
     metadata: dict[str, Any] | None = None
     """Passed to every task (e.g. ``{"data_dir": ...}`` of configs/eval/ceval_format.yaml)."""
     log_samples: bool = False
@@ -81,6 +87,9 @@ class EvalConfig:
             raise ValueError("--tasks: name at least one task")
         if self.log_samples and not self.output_path:
             raise ValueError("--log_samples writes the samples under --output_path: pass --output_path DIR")
+        if self.compile and self.cache_implementation != "static":
+            raise ValueError("--compile compiles the decoding step of the static cache: pass --cache_implementation "
+                             "static as well")
         if self.limit is not None and self.limit <= 0:
             raise ValueError(f"--limit must be > 0, got {self.limit}")
         for path in self.include_path:

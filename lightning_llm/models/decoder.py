@@ -57,6 +57,8 @@ class DecoderLM(nn.Module):
 
     computes_loss: ClassVar[bool] = True
     """``forward(..., labels=)`` returns the token cross-entropy (what a task's fused loss path asks for)."""
+    static_kv_cache: ClassVar[bool] = True
+    """``forward(..., kv_cache=)`` takes a :class:`~.decoding.StaticKVCache` (``cache_implementation="static"``)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -187,19 +189,24 @@ class DecoderLM(nn.Module):
                 raise ValueError("DecoderLM.forward: pass exactly one of input_ids and inputs_embeds")
             x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds  # [B, S, H]
         b, s = x.shape[0], x.shape[1]
-        past = kv_cache.seq_len if kv_cache is not None else 0
-        total = past + s
-        if past and attention_mask is None:
+        # total: the key columns (T); past: the first new token's column (a 0-dim tensor in a static cache's steps)
+        total, past = kv_cache.columns(s) if kv_cache is not None else (s, 0)
+        cached = not isinstance(past, int) or past > 0
+        if cached and attention_mask is None:
+            if not isinstance(past, int):
+                raise ValueError("DecoderLM.forward: a static KV cache's decoding steps need the attention_mask of its "
+                                 "columns")
             # SDPA's is_causal aligns the mask top-left, which is wrong for S < T: build an explicit mask.
             attention_mask = torch.ones(b, total, dtype=torch.bool, device=x.device)
-        if segment_ids is not None and (past or (attention_mask is not None and attention_mask.dim() != 2)):
+        if segment_ids is not None and (cached or (attention_mask is not None and attention_mask.dim() != 2)):
             raise ValueError("DecoderLM.forward: segment_ids (packed rows) take a [B, S] attention_mask and no KV "
                              "cache")
         given = position_ids is not None  # the caller's (a context-parallel slice's are global: past its length)
         if position_ids is None and segment_ids is not None:
             position_ids = segment_positions(segment_ids)  # each example's own positions
         elif position_ids is None:
-            position_ids = torch.arange(past, total, device=x.device).unsqueeze(0).expand(b, s)  # [B, S]
+            position_ids = (torch.arange(past, total, device=x.device) if isinstance(past, int)
+                            else past + torch.arange(s, device=x.device)).unsqueeze(0).expand(b, s)  # [B, S]
         elif position_ids.dim() == 1:
             position_ids = position_ids.unsqueeze(0).expand(b, s)
         if self.embed_tokens is not None:
@@ -212,7 +219,8 @@ class DecoderLM(nn.Module):
                 x = x + self.embed_positions(position_ids)
             x = self.dropout(x)
 
-        rope = self._rope(position_ids, bound=total, read=given)  # cos, sin [B, S, D] each, or None
+        # With a cache the positions count real tokens among the T columns, so they stay below T: no host read
+        rope = self._rope(position_ids, bound=total, read=given and kv_cache is None)  # cos, sin [B, S, D], or None
         varlen = kv_cache is None and (attention_mask is None or attention_mask.dim() == 2) \
             and uses_varlen(self.config, x)
         cache_kw: dict[str, object] = {} if kv_cache is None else {"kv_cache": kv_cache}  # absent unless decoding
@@ -222,7 +230,7 @@ class DecoderLM(nn.Module):
         else:
             layouts = self._layouts(attention_mask, segment_ids, x, total) if varlen else None
             full, sliding = layouts or self._shared_masks(
-                self._masks(attention_mask, segment_ids, s, total, x.device), x)
+                self._masks(attention_mask, segment_ids, s, total, x.device, first=past), x)
         windowed = set(self.config.sliding_layers)
         routing = self._routing_input(attention_mask, segment_ids, b * s) if self.routing is not None else None
         moe = set(self.config.moe_layers)
@@ -233,7 +241,7 @@ class DecoderLM(nn.Module):
         if self.routing is not None and any(block.training for block in self.layers.values()):
             self.routing.forward_done()  # a step's last expected forward starts the statistics' reduction
         if kv_cache is not None:
-            kv_cache.seq_len = total
+            kv_cache.advance(s)
         if self.norm is not None:
             x = self.norm(x)
         if self.lm_head is None:
@@ -333,9 +341,16 @@ class DecoderLM(nn.Module):
         return (full_add, full_causal), (sliding_add, sliding_causal)
 
     def _masks(self, attention_mask: Tensor | None, segment_ids: Tensor | None, s: int, total: int,
-               device: torch.device) -> tuple[tuple[Tensor | None, bool], tuple[Tensor | None, bool]]:
-        """``(attn_mask, is_causal)`` of the full-attention layers and of the sliding-window layers."""
+               device: torch.device, *, first: int | Tensor = 0
+               ) -> tuple[tuple[Tensor | None, bool], tuple[Tensor | None, bool]]:
+        """``(attn_mask, is_causal)`` of the full-attention layers and of the sliding-window layers; ``first``: the
+        column of the first query (a tensor in a static cache's decoding steps, which pass a [B, T] mask)."""
         window = self._window(total)
+        if not isinstance(first, int):
+            assert attention_mask is not None and attention_mask.dim() == 2 and segment_ids is None
+            full = (causal_padding_mask(attention_mask, s, offset=first), False)
+            return full, full if window is None else (causal_padding_mask(attention_mask, s, window, offset=first),
+                                                      False)
         if segment_ids is not None:  # packed rows: block-diagonal, padding (segment 0) sees no real token
             keep = segment_ids > 0 if attention_mask is None else attention_mask.bool() & (segment_ids > 0)
             full = (causal_padding_mask(keep, s, segment_ids=segment_ids), False)  # [B, 1, S, S]

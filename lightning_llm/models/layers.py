@@ -387,7 +387,7 @@ class TransformerBlock(nn.Module):
 
 
 def causal_padding_mask(attention_mask: Tensor, seq_len: int, sliding_window: int | None = None, *,
-                        segment_ids: Tensor | None = None) -> Tensor:
+                        segment_ids: Tensor | None = None, offset: Tensor | None = None) -> Tensor:
     """Boolean attend-mask [B, 1, S, T] = causal AND key-not-padding (AND within the sliding window) (AND same
     segment), from a padding mask [B, T] (1/True = token).
 
@@ -397,11 +397,21 @@ def causal_padding_mask(attention_mask: Tensor, seq_len: int, sliding_window: in
     packed row columns and positions differ by the same offset).
     ``segment_ids`` [B, S] (packed rows, ``T == S``): a query attends only to keys of its own segment, so the mask is
     block-diagonal (one causal block per example).
+    ``offset`` (a 0-dim long tensor: a static KV cache's decoding step): the column of the first query, where the S
+    queries are not the last S of the T columns (the columns after them are not written yet).
     Query rows that would attend to nothing (left-padded positions, padding of a packed row) are allowed to attend
     to themselves, so SDPA never produces NaN; their outputs are meaningless and should be ignored by the loss.
     """
     device = attention_mask.device
     total = attention_mask.shape[-1]
+    if offset is not None:  # by comparisons with the device-side column: no host value, one shape per (S, T)
+        cols = torch.arange(total, device=device)  # [T]
+        rows = offset + torch.arange(seq_len, device=device)  # [S] the queries' columns
+        mask = cols <= rows[:, None]  # [S, T]
+        if sliding_window is not None:
+            mask = mask & (cols > rows[:, None] - sliding_window)
+        mask = mask[None, None] & attention_mask.bool()[:, None, None, :]  # [B, 1, S, T]
+        return mask | (~mask.any(dim=-1, keepdim=True) & (cols == rows[:, None])[None, None])
     offset = total - seq_len  # cached positions before the first query
     keep = attention_mask.bool()[:, None, None, :]  # [B, 1, 1, T]
     mask = causal_mask(seq_len, total, sliding_window, device=device)[None, None] & keep  # [B, 1, S, T]

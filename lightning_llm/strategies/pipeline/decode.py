@@ -50,6 +50,7 @@ Measured on the 2-core CPU (``benchmarks/generation.py``, pp x2): ``configs/grpo
 (4e6 per micro-batch of 32): a rollout's sampling 46 ms with two micro-batches, 26 ms with one; ``small``, 8 rows
 (4e7): 0.30 vs 0.29 s for 32 tokens; 32 rows (1.7e8): 0.56 vs 0.72 s (one device: 0.71 s)."""
 
+_LOGGED: list[bool] = []  # the static cache's fallback here was logged (once per process)
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64]
 _HEADER = 12  # kind, micro-batch, stage, step, dtype index, ndim, up to 6 sizes
 _HIDDEN, _TOKENS, _DONE, _END = 1, 2, 3, 4  # message kinds of the ring
@@ -192,6 +193,10 @@ class PipelineDecoder:
         """New tokens [B, N] of left-padded prompts, decoded in micro-batches in flight (see the module docstring),
         the same on every pipeline rank; ``choose``: ``generate``'s :class:`~lightning_llm.generation.TokenChooser`
         (its choice for a row depends on that row alone)."""
+        if choose.cfg.cache_implementation == "static" and not _LOGGED:
+            _LOGGED.append(True)
+            log.warning("generation: decoding through the pipeline stages uses the dynamic cache, eagerly (each token "
+                        "crosses the stages); cache_implementation=static and compile apply to whole copies")
         ring = _Ring(self, input_ids, attention_mask, max_new=max_new_tokens, choose=choose,
                      microbatches=self.microbatches_for(input_ids.shape[0]))
         if self.pp_rank == self.owners[0]:

@@ -1,0 +1,261 @@
+"""Decoding speed in one process: our ``generate`` eager (the dynamic cache) and with the static cache + compiled step,
+against transformers' ``generate`` on the same weights (its dynamic cache, and its static cache with its own
+``torch.compile``); and the GRPO rollout time of ``configs/grpo.yaml`` with each of our settings. Used by
+``benchmarks/generation.py --part static`` (CPU rows) and ``--part gpu`` (one command on a CUDA machine).
+
+Every row is guarded: a row that fails or does not fit the time budget writes its reason and the others go on. A
+row's first call (compilation, CUDA-graph recording, caches) is timed apart as its warm-up; tokens/s is the median of
+the timed calls after it (``torch.cuda.synchronize`` around each). Each of our compiled rows states how many of its
+tokens equal our eager decoding's (on the CPU in fp32: all; in bf16 on a GPU the compiled kernels round differently,
+so a near tie may go the other way and the rest of that row follows it).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_llm.generation import GenerationConfig, generate
+
+ROOT = Path(__file__).resolve().parents[1]
+COMPILED = dict(cache_implementation="static", compile=True)
+
+
+@dataclass
+class Budget:
+    """Seconds left for the rows of one command; a row asks before it starts."""
+
+    seconds: float
+    start: float = field(default_factory=time.perf_counter)
+
+    def left(self) -> float:
+        return self.seconds - (time.perf_counter() - self.start)
+
+
+@dataclass
+class Row:
+    what: str
+    batch: int
+    new: int
+    seconds: float | None = None
+    warmup_s: float | None = None
+    same_tokens: str = ""
+    note: str = ""
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return None if self.seconds is None else self.batch * self.new / self.seconds
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return time.perf_counter() - t0, out
+
+
+def prompts(batch: int, vocab: int, device: torch.device, *, lo: int = 32, hi: int = 64, seed: int = 0
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``batch`` random prompts of ``lo``..``hi`` tokens, left-padded."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(lo, hi + 1, (batch,), generator=g)
+    width = int(lengths.max())
+    ids = torch.zeros(batch, width, dtype=torch.long)
+    mask = torch.zeros(batch, width, dtype=torch.long)
+    for row, n in enumerate(lengths.tolist()):
+        ids[row, width - n:] = torch.randint(4, vocab, (n,), generator=g)
+        mask[row, width - n:] = 1
+    return ids.to(device), mask.to(device)
+
+
+def build(size: str, device: torch.device, dtype: torch.dtype, **overrides: Any) -> Any:
+    """Our decoder of a named size, random weights (seeded), in ``dtype`` on ``device``, in eval mode."""
+    from lightning_llm.models import DecoderLM, named_config
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = DecoderLM(named_config(size, family="decoder", **overrides))
+    return model.to(dtype).eval()
+
+
+def transformers_twin(model: Any, work: str, dtype: torch.dtype, device: torch.device) -> Any:
+    """The same weights as a transformers model (``save_hf`` -> ``from_pretrained``, SDPA attention)."""
+    import transformers
+
+    from lightning_llm.models import save_hf
+
+    path = Path(work) / "hf-twin"
+    save_hf(model, path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", dtype=dtype)
+    return hf.to(device).eval()
+
+
+def _agreement(got: torch.Tensor, ref: torch.Tensor) -> str:
+    if got.shape != ref.shape:
+        return f"shape {tuple(got.shape)} vs {tuple(ref.shape)}"
+    same = (got == ref).float().mean().item()
+    rows = (got == ref).all(-1).float().mean().item()
+    return "all" if same == 1.0 else f"{same:.0%} ({rows:.0%} of rows)"
+
+
+def _measure(row: Row, fn: Callable[[], Any], device: torch.device, repeats: int, budget: Budget,
+             warmup: Callable[[], Any] | None = None) -> Any:
+    """Warm-up (timed apart), then ``repeats`` timed calls while the budget allows; returns the last output."""
+    row.warmup_s, out = timed(warmup or fn, device)
+    times = []
+    for _ in range(repeats):
+        if times and budget.left() < 2 * max(times):
+            row.note += f" {len(times)} of {repeats} timed calls (budget)"
+            break
+        t, out = timed(fn, device)
+        times.append(t)
+    row.seconds = statistics.median(times)
+    return out
+
+
+def _guarded(rows: list[Row], row: Row, budget: Budget, need_s: float, body: Callable[[Row], None]) -> None:
+    """Run ``body(row)`` unless the budget has less than ``need_s`` left; a failure becomes the row's note."""
+    rows.append(row)
+    if budget.left() < need_s:
+        row.note = f"skipped: {budget.left():.0f} s of the budget left, the row needs about {need_s:.0f} s"
+        print(f"[decode] {row.what} batch {row.batch}: {row.note}", flush=True)
+        return
+    t0 = time.perf_counter()
+    try:
+        body(row)
+    except Exception as e:  # noqa: BLE001 - a row's failure is its result; the other rows go on
+        row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        traceback.print_exc()
+    print(f"[decode] {row.what} batch {row.batch}: {row.tokens_per_s or 0:.1f} tokens/s, warm-up "
+          f"{row.warmup_s or 0:.1f} s, same tokens {row.same_tokens or '-'} {row.note} "
+          f"({time.perf_counter() - t0:.0f} s; {budget.left():.0f} s left)", flush=True)
+
+
+def decode_rows(model: Any, hf: Any | None, *, batches: list[int], new: int, device: torch.device, budget: Budget,
+                repeats: int, static_eager: bool = False) -> list[Row]:
+    """Rows per batch size (in the order given): ours eager, (ours static eagerly,) ours static + compiled,
+    transformers dynamic, transformers static + compile. Greedy, no EOS: every row generates ``new`` tokens."""
+    rows: list[Row] = []
+    vocab = model.config.vocab_size
+    for b in batches:
+        ids, mask = prompts(b, vocab, device, seed=b)
+        ref: dict[str, torch.Tensor] = {}
+
+        def ours(**settings: Any) -> Callable[[], torch.Tensor]:
+            cfg = GenerationConfig(max_new_tokens=new, eos_token_id=None, **settings)
+            return lambda: generate(model, ids, mask, config=cfg)
+
+        short = GenerationConfig(max_new_tokens=4, eos_token_id=None)
+
+        def eager(row: Row) -> None:
+            ref["eager"] = _measure(row, ours(), device, repeats, budget,
+                                    warmup=lambda: generate(model, ids, mask, config=short))
+
+        def compiled(row: Row, **settings: Any) -> None:
+            from torch._dynamo.utils import counters
+
+            skips = counters["inductor"].get("cudagraph_skips", 0)
+            out = _measure(row, ours(**settings), device, repeats, budget)
+            if "eager" in ref:
+                row.same_tokens = _agreement(out, ref["eager"])
+            if settings.get("compile"):
+                row.note += f" graphs so far: {counters['stats'].get('unique_graphs', 0)}"
+                if counters["inductor"].get("cudagraph_skips", 0) > skips:
+                    row.note += " (CUDA graphs skipped: see the log)"
+
+        eager_s = 4.0 * new / 32  # a rough bound of an eager call (0.1 s per token, few calls)
+        _guarded(rows, Row("ours, dynamic cache (eager)", b, new), budget, eager_s, eager)
+        if static_eager:
+            _guarded(rows, Row("ours, static cache (eager steps)", b, new), budget, eager_s,
+                     lambda row: compiled(row, cache_implementation="static"))
+        _guarded(rows, Row("ours, static cache + compiled step", b, new), budget, 60.0,
+                 lambda row: compiled(row, **COMPILED))
+        if hf is None:
+            continue
+
+        def theirs(static: bool) -> Callable[[Row], None]:
+            extra = dict(cache_implementation="static") if static else {}
+
+            def body(row: Row) -> None:
+                def call(n: int = new) -> torch.Tensor:
+                    with torch.no_grad():
+                        out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                          do_sample=False, num_beams=1, pad_token_id=0, eos_token_id=None, **extra)
+                    return out[:, ids.shape[1]:]
+
+                out = _measure(row, call, device, repeats, budget, warmup=None if static else lambda: call(4))
+                if "eager" in ref:
+                    row.same_tokens = _agreement(out, ref["eager"])
+                if static and device.type != "cuda":
+                    row.note += " (transformers compiles on CUDA only: its static cache ran eagerly here)"
+            return body
+
+        _guarded(rows, Row("transformers, dynamic cache", b, new), budget, 2 * eager_s, theirs(False))
+        _guarded(rows, Row("transformers, static cache + torch.compile", b, new), budget, 60.0, theirs(True))
+    return rows
+
+
+def decode_table(rows: list[Row], *, title: str, command: str) -> list[str]:
+    lines = [f"## {title}", "", f"`{command}`", "",
+             "| rows | decoding | tokens/s | vs ours eager | warm-up (s) | median call (s) | tokens equal to ours eager "
+             "| note |", "|---|---|---|---|---|---|---|---|"]
+    eager = {r.batch: r.tokens_per_s for r in rows if r.what.startswith("ours, dynamic") and r.tokens_per_s}
+    for r in rows:
+        tps = r.tokens_per_s
+        vs = f"{tps / eager[r.batch]:.2f}x" if tps and r.batch in eager else "-"
+        lines.append(f"| {r.batch} | {r.what} | {f'{tps:.1f}' if tps else '-'} | {vs} | "
+                     f"{f'{r.warmup_s:.1f}' if r.warmup_s is not None else '-'} | "
+                     f"{f'{r.seconds:.3f}' if r.seconds is not None else '-'} | {r.same_tokens or '-'} | "
+                     f"{r.note.strip() or ''} |")
+    return [*lines, ""]
+
+
+# ---------------------------------------------------------------------------------------------------- GRPO rollouts
+def grpo_rollouts(*, flags: list[str], settings: dict[str, str], rollouts: int, work: str, timeout_s: float
+                  ) -> tuple[list[float], str]:
+    """``time/rollout_s`` of every rollout of one ``lightning_llm fit --config configs/grpo.yaml`` with ``flags`` and
+    the generation ``settings``, and a note (the first rollout compiles where ``compile`` is on)."""
+    with tempfile.TemporaryDirectory(dir=work) as out:
+        cli = [sys.executable, "-m", "lightning_llm", "fit", "--config", str(ROOT / "configs" / "grpo.yaml"),
+               f"--trainer.max_steps={4 * rollouts}", f"--trainer.logger.init_args.save_dir={out}",
+               "--trainer.enable_checkpointing=false", "--trainer.callbacks=[]", "--trainer.limit_val_batches=0",
+               "--trainer.enable_progress_bar=false", f"--trainer.default_root_dir={out}", *flags,
+               *(f"--model.generation.{k}={v}" for k, v in settings.items())]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+        if "--trainer.accelerator=cpu" in flags:
+            env["OMP_NUM_THREADS"] = "1"  # the shared 2-core machine: more threads than cores stall every matmul
+        done = subprocess.run(cli, capture_output=True, text=True, env=env, cwd=work, timeout=timeout_s)
+        if done.returncode:
+            return [], f"failed: {done.stderr.strip().splitlines()[-1][:300] if done.stderr.strip() else done.returncode}"
+        path = next(Path(out).rglob("metrics.csv"))
+        return [float(r["time/rollout_s"]) for r in csv.DictReader(path.open()) if r.get("time/rollout_s")], ""
+
+
+def grpo_table(runs: dict[str, tuple[list[float], str]], *, title: str, command: str) -> list[str]:
+    lines = [f"## {title}", "", f"`{command}`", "",
+             "| generation | first rollout (s) | later rollouts, median (s) | vs dynamic | note |", "|---|---|---|---|---|"]
+    base = statistics.median(runs["dynamic"][0][1:]) if len(runs.get("dynamic", ([], ""))[0]) > 1 else None
+    for name, (times, note) in runs.items():
+        later = statistics.median(times[1:]) if len(times) > 1 else None
+        vs = f"{base / later:.2f}x faster" if base and later else "-"
+        lines.append(f"| {name} | {f'{times[0]:.3f}' if times else '-'} | {f'{later:.3f}' if later else '-'} | "
+                     f"{vs} | {note} |")
+    return [*lines, ""]
