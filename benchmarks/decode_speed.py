@@ -228,6 +228,63 @@ def decode_table(rows: list[Row], *, title: str, command: str) -> list[str]:
     return [*lines, ""]
 
 
+# ---------------------------------------------------------------------------------------------------- parity
+class HostReads:
+    """Counts host reads of tensor values (``item``, ``tolist``, ``bool``/``int``/``float`` of a tensor, ``cpu``)."""
+
+    NAMES = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
+
+    def __enter__(self) -> HostReads:
+        self.count, self._saved = 0, {n: getattr(torch.Tensor, n) for n in self.NAMES}
+
+        def counted(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def read(*args: Any, **kwargs: Any) -> Any:
+                self.count += 1
+                return fn(*args, **kwargs)
+            return read
+
+        for n, fn in self._saved.items():
+            setattr(torch.Tensor, n, counted(fn))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for n, fn in self._saved.items():
+            setattr(torch.Tensor, n, fn)
+
+
+def parity_lines(device: torch.device, budget: Budget, *, size: str = "debug") -> list[str]:
+    """fp32 tokens of our compiled static decoding against our eager decoding on ``device`` (greedy with EOS ids that
+    end rows at different steps, and per-row sampling), and the host reads of a 64-token compiled generation."""
+    lines = [f"## fp32 parity on {device.type}: `{size}`, batch 8, 64 new tokens", ""]
+    if budget.left() < 60:
+        return [*lines, f"skipped: {budget.left():.0f} s of the budget left", ""]
+    try:
+        model = build(size, device, torch.float32)
+        ids, mask = prompts(8, model.config.vocab_size, device, lo=8, hi=24, seed=1)
+        first = generate(model, ids, mask, config=GenerationConfig(max_new_tokens=64, eos_token_id=None))
+        eos = sorted({int(t) for t in first[:, 20:].flatten().tolist()})[:4]  # tokens the model picks: rows end
+        uniforms = torch.rand(8, 64, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(device)
+        for name, settings, draws in (("greedy, EOS", dict(eos_token_id=eos), None),
+                                      ("sampled (per-row draws), EOS", dict(do_sample=True, top_k=50,
+                                                                           eos_token_id=eos), uniforms)):
+            eager = generate(model, ids, mask, config=GenerationConfig(max_new_tokens=64, **settings),
+                             uniforms=draws)
+            cfg = GenerationConfig(max_new_tokens=64, **settings, **COMPILED)
+            compiled = generate(model, ids, mask, config=cfg, uniforms=draws)
+            lines.append(f"- {name}: compiled static tokens {'equal' if torch.equal(compiled, eager) else 'DIFFER'}"
+                         f" to eager ({_agreement(compiled, eager)}; {tuple(eager.shape)})")
+        never = GenerationConfig(max_new_tokens=64, eos_token_id=[model.config.vocab_size], **COMPILED)
+        generate(model, ids, mask, config=never)
+        with HostReads() as reads:
+            generate(model, ids, mask, config=never)
+        lines.append(f"- host reads of a compiled 64-token generation with EOS ids: {reads.count} (at most 12 asked)")
+    except Exception as e:  # noqa: BLE001 - the rest of the part goes on
+        traceback.print_exc()
+        lines.append(f"- failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+    print("\n".join(lines), flush=True)
+    return [*lines, ""]
+
+
 # ---------------------------------------------------------------------------------------------------- GRPO rollouts
 def grpo_rollouts(*, flags: list[str], settings: dict[str, str], rollouts: int, work: str, timeout_s: float
                   ) -> tuple[list[float], str]:

@@ -320,6 +320,7 @@ def static_part(a: argparse.Namespace) -> list[str]:
     new = a.new if a.new_set else (256 if part_gpu else 32)
     if not gpu:
         torch.set_num_threads(1)
+    parity = decode_speed.parity_lines(device, budget) if part_gpu else []
     model = decode_speed.build(size, device, dtype)
     hf = None
     try:
@@ -330,7 +331,7 @@ def static_part(a: argparse.Namespace) -> list[str]:
                                     repeats=a.repeats, static_eager=not part_gpu)
     where = torch.cuda.get_device_name(device) if gpu else "the 2-core CPU, 1 thread"
     cmd = " ".join(["python", *sys.argv]).replace(str(ROOT) + "/", "")
-    lines = decode_speed.decode_table(rows, title=f"Decoding `{size}` ({str(dtype).removeprefix('torch.')}) on "
+    lines = parity + decode_speed.decode_table(rows, title=f"Decoding `{size}` ({str(dtype).removeprefix('torch.')}) on "
                                       f"{where}: {new} new tokens, greedy", command=cmd)
     del model, hf
     if gpu:
