@@ -13,6 +13,7 @@ so a near tie may go the other way and the rest of that row follows it).
 from __future__ import annotations
 
 import csv
+import logging
 import os
 import statistics
 import subprocess
@@ -116,100 +117,124 @@ def _agreement(got: torch.Tensor, ref: torch.Tensor) -> str:
     return "all" if same == 1.0 else f"{same:.0%} ({rows:.0%} of rows)"
 
 
-def _measure(row: Row, fn: Callable[[], Any], device: torch.device, repeats: int, budget: Budget,
-             warmup: Callable[[], Any] | None = None) -> Any:
-    """Warm-up (timed apart), then ``repeats`` timed calls while the budget allows; returns the last output."""
-    row.warmup_s, out = timed(warmup or fn, device)
-    times = []
-    for _ in range(repeats):
-        if times and budget.left() < 2 * max(times):
-            row.note += f" {len(times)} of {repeats} timed calls (budget)"
-            break
-        t, out = timed(fn, device)
-        times.append(t)
-    row.seconds = statistics.median(times)
-    return out
+class _Said(logging.Handler):
+    """What our generation logged while a row ran (a fallback, a step compiled in pieces)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage()[:300])
 
 
-def _guarded(rows: list[Row], row: Row, budget: Budget, need_s: float, body: Callable[[Row], None]) -> None:
-    """Run ``body(row)`` unless the budget has less than ``need_s`` left; a failure becomes the row's note."""
-    rows.append(row)
-    if budget.left() < need_s:
-        row.note = f"skipped: {budget.left():.0f} s of the budget left, the row needs about {need_s:.0f} s"
-        print(f"[decode] {row.what} batch {row.batch}: {row.note}", flush=True)
-        return
-    t0 = time.perf_counter()
+@dataclass
+class _Variant:
+    """One row's calls: ``call`` timed ``wanted`` times after ``warmup`` (default: ``call``)."""
+
+    row: Row
+    call: Callable[[], Any]
+    wanted: int
+    need_s: float
+    warmup: Callable[[], Any] | None = None
+    times: list[float] = field(default_factory=list)
+    out: Any = None
+    ok: bool = False
+
+
+def _attempt(v: _Variant, fn: Callable[[], Any], device: torch.device) -> float | None:
+    """``fn`` timed; a failure becomes the row's note (and the row stops); what our generation logs is noted."""
+    said = _Said()
+    logging.getLogger("lightning_llm.generation").addHandler(said)
     try:
-        body(row)
+        t, v.out = timed(fn, device)
+        return t
     except Exception as e:  # noqa: BLE001 - a row's failure is its result; the other rows go on
-        row.note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        v.row.note += f" failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        v.ok = False
         traceback.print_exc()
-    print(f"[decode] {row.what} batch {row.batch}: {row.tokens_per_s or 0:.1f} tokens/s, warm-up "
-          f"{row.warmup_s or 0:.1f} s, same tokens {row.same_tokens or '-'} {row.note} "
-          f"({time.perf_counter() - t0:.0f} s; {budget.left():.0f} s left)", flush=True)
+        return None
+    finally:
+        logging.getLogger("lightning_llm.generation").removeHandler(said)
+        v.row.note += "".join(f" [logged: {m}]" for m in said.messages)
+
+
+def _run_variants(variants: list[_Variant], device: torch.device, budget: Budget) -> None:
+    """Every row's warm-up (in order, each if the budget has its ``need_s``), then the timed calls in rounds, one
+    call of each row per round (so a drift of a shared machine hits every row alike)."""
+    for v in variants:
+        if budget.left() < v.need_s:
+            v.row.note = f"skipped: {budget.left():.0f} s of the budget left, the row needs about {v.need_s:.0f} s"
+        else:
+            v.ok = True
+            v.row.warmup_s = _attempt(v, v.warmup or v.call, device)
+        print(f"[decode] {v.row.what} batch {v.row.batch}: warm-up {v.row.warmup_s or 0:.1f} s{v.row.note} "
+              f"({budget.left():.0f} s left)", flush=True)
+    for _ in range(max((v.wanted for v in variants), default=0)):
+        for v in variants:
+            if not v.ok or len(v.times) >= v.wanted:
+                continue
+            if v.times and budget.left() < 2 * max(v.times):
+                v.row.note += f" {len(v.times)} of {v.wanted} timed calls (budget)"
+                v.wanted = len(v.times)
+                continue
+            t = _attempt(v, v.call, device)
+            if t is not None:
+                v.times.append(t)
+                v.row.seconds = statistics.median(v.times)
+    for v in variants:
+        print(f"[decode] {v.row.what} batch {v.row.batch}: {v.row.tokens_per_s or 0:.1f} tokens/s over "
+              f"{len(v.times)} calls{v.row.note}", flush=True)
 
 
 def decode_rows(model: Any, hf: Any | None, *, batches: list[int], new: int, device: torch.device, budget: Budget,
                 repeats: int, static_eager: bool = False) -> list[Row]:
     """Rows per batch size (in the order given): ours eager, (ours static eagerly,) ours static + compiled,
-    transformers dynamic, transformers static + compile. Greedy, no EOS: every row generates ``new`` tokens."""
+    transformers dynamic, transformers static + compile. Greedy, no EOS: every row generates ``new`` tokens. The
+    eager rows (one kernel launch after another: slow calls) are timed half as often."""
+    from torch._dynamo.utils import counters
+
     rows: list[Row] = []
     vocab = model.config.vocab_size
+    eager_s = 4.0 * new / 32  # a rough bound of an eager row (0.1 s per token, few calls)
+    slow = max(1, repeats // 2)
     for b in batches:
         ids, mask = prompts(b, vocab, device, seed=b)
-        ref: dict[str, torch.Tensor] = {}
 
-        def ours(**settings: Any) -> Callable[[], torch.Tensor]:
-            cfg = GenerationConfig(max_new_tokens=new, eos_token_id=None, **settings)
+        def ours(n: int = new, **settings: Any) -> Callable[[], torch.Tensor]:
+            cfg = GenerationConfig(max_new_tokens=n, eos_token_id=None, **settings)
             return lambda: generate(model, ids, mask, config=cfg)
 
-        short = GenerationConfig(max_new_tokens=4, eos_token_id=None)
-
-        def eager(row: Row) -> None:
-            ref["eager"] = _measure(row, ours(), device, repeats, budget,
-                                    warmup=lambda: generate(model, ids, mask, config=short))
-
-        def compiled(row: Row, **settings: Any) -> None:
-            from torch._dynamo.utils import counters
-
-            skips = counters["inductor"].get("cudagraph_skips", 0)
-            out = _measure(row, ours(**settings), device, repeats, budget)
-            if "eager" in ref:
-                row.same_tokens = _agreement(out, ref["eager"])
-            if settings.get("compile"):
-                row.note += f" graphs so far: {counters['stats'].get('unique_graphs', 0)}"
-                if counters["inductor"].get("cudagraph_skips", 0) > skips:
-                    row.note += " (CUDA graphs skipped: see the log)"
-
-        eager_s = 4.0 * new / 32  # a rough bound of an eager call (0.1 s per token, few calls)
-        _guarded(rows, Row("ours, dynamic cache (eager)", b, new), budget, eager_s, eager)
+        variants = [_Variant(Row("ours, dynamic cache (eager)", b, new), ours(), slow, eager_s, warmup=ours(4))]
         if static_eager:
-            _guarded(rows, Row("ours, static cache (eager steps)", b, new), budget, eager_s,
-                     lambda row: compiled(row, cache_implementation="static"))
-        _guarded(rows, Row("ours, static cache + compiled step", b, new), budget, 60.0,
-                 lambda row: compiled(row, **COMPILED))
-        if hf is None:
-            continue
-
-        def theirs(static: bool) -> Callable[[Row], None]:
-            extra = dict(cache_implementation="static") if static else {}
-
-            def body(row: Row) -> None:
-                def call(n: int = new) -> torch.Tensor:
+            variants.append(_Variant(Row("ours, static cache (eager steps)", b, new),
+                                     ours(cache_implementation="static"), slow, eager_s))
+        variants.append(_Variant(Row("ours, static cache + compiled step", b, new), ours(**COMPILED), repeats, 60.0))
+        if hf is not None:
+            def theirs(n: int = new, **extra: Any) -> Callable[[], torch.Tensor]:
+                def call() -> torch.Tensor:
                     with torch.no_grad():
                         out = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
                                           do_sample=False, num_beams=1, pad_token_id=0, eos_token_id=None, **extra)
                     return out[:, ids.shape[1]:]
+                return call
 
-                out = _measure(row, call, device, repeats, budget, warmup=None if static else lambda: call(4))
-                if "eager" in ref:
-                    row.same_tokens = _agreement(out, ref["eager"])
-                if static and device.type != "cuda":
-                    row.note += " (transformers compiles on CUDA only: its static cache ran eagerly here)"
-            return body
-
-        _guarded(rows, Row("transformers, dynamic cache", b, new), budget, 2 * eager_s, theirs(False))
-        _guarded(rows, Row("transformers, static cache + torch.compile", b, new), budget, 60.0, theirs(True))
+            variants.append(_Variant(Row("transformers, dynamic cache", b, new), theirs(), slow, 2 * eager_s,
+                                     warmup=theirs(4)))
+            variants.append(_Variant(Row("transformers, static cache + torch.compile", b, new),
+                                     theirs(cache_implementation="static"), repeats, 60.0))
+        graphs = counters["stats"].get("unique_graphs", 0)
+        _run_variants(variants, device, budget)
+        eager = variants[0].out if variants[0].times else None
+        for v in variants[1:]:
+            if eager is not None and v.out is not None and v.times:
+                v.row.same_tokens = _agreement(v.out, eager)
+        compiled = next(v for v in variants if v.row.what.startswith("ours, static cache + compiled"))
+        if compiled.ok:
+            compiled.row.note += f" (graphs: {counters['stats'].get('unique_graphs', 0) - graphs} new)"
+        if hf is not None and device.type != "cuda":
+            variants[-1].row.note += " (transformers compiles on CUDA only: its static cache ran eagerly here)"
+        rows += [v.row for v in variants]
     return rows
 
 
@@ -308,11 +333,12 @@ def grpo_rollouts(*, flags: list[str], settings: dict[str, str], rollouts: int, 
 
 def grpo_table(runs: dict[str, tuple[list[float], str]], *, title: str, command: str) -> list[str]:
     lines = [f"## {title}", "", f"`{command}`", "",
-             "| generation | first rollout (s) | later rollouts, median (s) | vs dynamic | note |", "|---|---|---|---|---|"]
+             "| generation | first rollout (s) | later rollouts, median (s) | speed-up vs dynamic | note |",
+             "|---|---|---|---|---|"]
     base = statistics.median(runs["dynamic"][0][1:]) if len(runs.get("dynamic", ([], ""))[0]) > 1 else None
     for name, (times, note) in runs.items():
         later = statistics.median(times[1:]) if len(times) > 1 else None
-        vs = f"{base / later:.2f}x faster" if base and later else "-"
+        vs = f"{base / later:.2f}x" if base and later else "-"
         lines.append(f"| {name} | {f'{times[0]:.3f}' if times else '-'} | {f'{later:.3f}' if later else '-'} | "
                      f"{vs} | {note} |")
     return [*lines, ""]

@@ -309,8 +309,10 @@ GRPO_05B = ("{num_layers: 28, hidden_size: 1024, num_heads: 16, num_kv_heads: 4,
 """``--grpo-overrides`` of ``--part gpu``: a Qwen2.5-0.5B-like shape on the byte vocabulary (448M parameters)."""
 
 
-def static_part(a: argparse.Namespace) -> list[str]:
-    """Our eager vs static + compiled decoding against transformers' (one process), then GRPO rollouts with each."""
+def static_part(a: argparse.Namespace, head: list[str]) -> list[str]:
+    """Our eager vs static + compiled decoding against transformers' (one process), and GRPO rollouts with each.
+    ``--part gpu``: fp32 parity first, then the first batch size's rows, the GRPO rollouts, the other batch sizes;
+    the results file is rewritten after each part (a later crash leaves what was measured)."""
     device = torch.device(a.device)
     budget = decode_speed.Budget(a.budget_s)
     gpu, part_gpu = device.type == "cuda", a.part == "gpu"  # --part gpu --device cpu: its code path on the CPU
@@ -318,24 +320,31 @@ def static_part(a: argparse.Namespace) -> list[str]:
     size = a.gpu_size if part_gpu else a.size
     batches = a.batches or ([8, 1, 64] if part_gpu else [a.batch])
     new = a.new if a.new_set else (256 if part_gpu else 32)
+    cmd = " ".join(["python", *sys.argv]).replace(str(ROOT) + "/", "")
     if not gpu:
         torch.set_num_threads(1)
-    parity = decode_speed.parity_lines(device, budget) if part_gpu else []
+    lines = list(head)
+
+    def write(*more: str) -> None:
+        lines.extend(more)
+        if a.out:
+            a.out.write_text("\n".join([*lines, f"{budget.seconds - budget.left():.0f} s of {budget.seconds:.0f} s "
+                                         "used so far.", ""]) + "\n")
+
+    if part_gpu:
+        write(*decode_speed.parity_lines(device, budget))
     model = decode_speed.build(size, device, dtype)
     hf = None
     try:
         hf = decode_speed.transformers_twin(model, a.work, dtype, device)
     except Exception as e:  # noqa: BLE001 - the rows of ours still run
         print(f"[decode] transformers twin failed: {e}", flush=True)
-    rows = decode_speed.decode_rows(model, hf, batches=batches, new=new, device=device, budget=budget,
-                                    repeats=a.repeats, static_eager=not part_gpu)
     where = torch.cuda.get_device_name(device) if gpu else "the 2-core CPU, 1 thread"
-    cmd = " ".join(["python", *sys.argv]).replace(str(ROOT) + "/", "")
-    lines = parity + decode_speed.decode_table(rows, title=f"Decoding `{size}` ({str(dtype).removeprefix('torch.')}) on "
-                                      f"{where}: {new} new tokens, greedy", command=cmd)
-    del model, hf
-    if gpu:
-        torch.cuda.empty_cache()
+    title = f"Decoding `{size}` ({str(dtype).removeprefix('torch.')}) on {where}: {new} new tokens, greedy"
+    rows = decode_speed.decode_rows(model, hf, batches=batches[:1], new=new, device=device, budget=budget,
+                                    repeats=a.repeats, static_eager=not part_gpu)
+    first, start = decode_speed.decode_table(rows, title=title, command=cmd), len(lines)
+    write(*first)
     flags = [f"--trainer.accelerator={'gpu' if gpu else 'cpu'}", "--trainer.devices=1"]
     if gpu:
         flags += ["--trainer.precision=bf16-mixed"]
@@ -344,22 +353,26 @@ def static_part(a: argparse.Namespace) -> list[str]:
     runs: dict[str, tuple[list[float], str]] = {}
     for name, settings in (("dynamic", {}), ("static + compile",
                                            {"cache_implementation": "static", "compile": "true"})):
-        need = 90.0 if gpu else 60.0
+        need = 60.0 if gpu else 90.0
+        t0 = time.perf_counter()
         if budget.left() < need:
             runs[name] = ([], f"skipped: {budget.left():.0f} s of the budget left, about {need:.0f} s needed")
-            continue
-        t0 = time.perf_counter()
-        try:
-            runs[name] = decode_speed.grpo_rollouts(flags=flags, settings=settings, rollouts=a.rollouts, work=a.work,
-                                                    timeout_s=max(budget.left(), 30.0))
-        except Exception as e:  # noqa: BLE001 - a timeout or failure is the row's result
-            runs[name] = ([], f"failed: {type(e).__name__}: {str(e)[:200]}")
+        else:
+            try:
+                runs[name] = decode_speed.grpo_rollouts(flags=flags, settings=settings, rollouts=a.rollouts,
+                                                        work=a.work, timeout_s=max(budget.left(), 30.0))
+            except Exception as e:  # noqa: BLE001 - a timeout or failure is the row's result
+                runs[name] = ([], f"failed: {type(e).__name__}: {str(e)[:200]}")
         print(f"[grpo] {name}: {runs[name]} ({time.perf_counter() - t0:.0f} s; {budget.left():.0f} s left)",
               flush=True)
     shape = f"model_overrides `{a.grpo_overrides}`" if part_gpu else "its 2-layer `debug`"
-    lines += decode_speed.grpo_table(runs, title=f"GRPO rollout time (`configs/grpo.yaml`, {shape}, "
-                                     f"{a.rollouts} rollouts of 64 responses x 12 tokens, `time/rollout_s`)",
-                                     command=cmd)
+    write(*decode_speed.grpo_table(runs, title=f"GRPO rollout time (`configs/grpo.yaml`, {shape}, {a.rollouts} "
+                                   "rollouts of 64 responses x 12 tokens, `time/rollout_s`)", command=cmd))
+    if len(batches) > 1:
+        rows += decode_speed.decode_rows(model, hf, batches=batches[1:], new=new, device=device, budget=budget,
+                                         repeats=a.repeats, static_eager=not part_gpu)
+        lines[start:start + len(first)] = decode_speed.decode_table(rows, title=title, command=cmd)  # every batch's
+        write()
     return lines
 
 
@@ -387,6 +400,8 @@ def main() -> None:
     a.new_set = "--new" in sys.argv
     if a.part in ("static", "gpu") and "--rollouts" not in sys.argv:
         a.rollouts = 4
+    if a.part in ("static", "gpu") and "--repeats" not in sys.argv:
+        a.repeats = 2 if a.part == "gpu" else 4  # timed calls of a compiled row (eager rows: half)
     Path(a.work).mkdir(parents=True, exist_ok=True)
     if a.worker:
         run_worker(measure, a) if DECODE_LAYOUTS[a.layout] else measure(a)
@@ -399,7 +414,7 @@ def main() -> None:
                  f", load average at the start {os.getloadavg()[0]:.1f}.", ""]
     t0 = time.perf_counter()
     if a.part in ("static", "gpu"):
-        lines += static_part(a)
+        lines = static_part(a, lines)
     if a.part in ("decode", "all"):
         lines += decode_table(a)
     if a.part in ("grpo", "all"):
@@ -408,9 +423,11 @@ def main() -> None:
         lines += reference_table(a)
     lines += [f"Load average at the end {os.getloadavg()[0]:.1f}; {time.perf_counter() - t0:.0f} s in all.", ""]
     text = "\n".join(lines) + "\n"
-    print(text)
     if a.out:
         a.out.write_text(text)
+    print(text, flush=True)
+    if a.part in ("static", "gpu"):  # torch 2.11 once segfaulted tearing CUDA-graph pools down: the file is written
+        os._exit(0)
 
 
 if __name__ == "__main__":

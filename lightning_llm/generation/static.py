@@ -213,32 +213,43 @@ def _step(model: Any, st: StaticState, cfg: GenerationConfig, with_uniforms: boo
     _commit(st, token, finished)
 
 
-_compiled: dict[tuple[str, str], Any] = {}
+_compiled: dict[tuple[str, str, bool], Any] = {}
+_partial: set[str] = set()  # step functions that do not trace as one graph here (compiled in pieces from then on)
 
 
-def _compile(fn: Any, device: torch.device) -> Any:
+def _compile(fn: Any, device: torch.device, *, fullgraph: bool) -> Any:
     """``fn`` compiled for ``device`` (CUDA graphs on CUDA), once per process."""
     mode = "reduce-overhead" if device.type == "cuda" else "default"
-    key = (fn.__name__, mode)
+    key = (fn.__name__, mode, fullgraph)
     if key not in _compiled:
-        _compiled[key] = torch.compile(fn, mode=mode, dynamic=False)
+        _compiled[key] = torch.compile(fn, mode=mode, dynamic=False, fullgraph=fullgraph)
     return _compiled[key]
 
 
 class _Runner:
-    """Calls a step function: compiled (each call a new CUDA-graph step) or as it is."""
+    """Calls a step function compiled (each call a new CUDA-graph step) or as it is. The step is compiled whole
+    (``fullgraph``); where dynamo cannot trace it whole (another torch's dynamo, a model's own code) it is compiled
+    in pieces instead, which is logged once with the reason (nothing ran when tracing failed)."""
 
     def __init__(self, fn: Any, device: torch.device, compiled: bool) -> None:
-        self.fn = _compile(fn, device) if compiled else fn
-        self.compiled, self.cuda = compiled, device.type == "cuda"
+        self.plain, self.device, self.compiled = fn, device, compiled
 
     def __call__(self, *args: Any) -> Any:
         if not self.compiled:
-            return self.fn(*args)
-        if self.cuda:
+            return self.plain(*args)
+        if self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
+        whole = self.plain.__name__ not in _partial
         with torch._dynamo.config.patch(recompile_limit=max(RECOMPILE_LIMIT, torch._dynamo.config.recompile_limit)):
-            return self.fn(*args)
+            try:
+                return _compile(self.plain, self.device, fullgraph=whole)(*args)
+            except torch._dynamo.exc.Unsupported as e:
+                if not whole:
+                    raise
+                _partial.add(self.plain.__name__)
+                log_once(f"compile=true: the decoding step does not trace as one graph here, so it is compiled in "
+                         f"pieces (slower): {str(e).splitlines()[0][:300]}")
+                return _compile(self.plain, self.device, fullgraph=False)(*args)
 
 
 # ---------------------------------------------------------------------------------------------------- generation

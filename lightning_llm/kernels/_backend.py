@@ -43,8 +43,8 @@ def resolve_backend(backend: str, tensor: torch.Tensor) -> str:
     """
     if backend == "torch":
         return "torch"
-    if backend == "auto":
-        return "triton" if tensor.is_cuda and triton_available() and not torch.compiler.is_compiling() else "torch"
+    if backend == "auto":  # compiling first: dynamo then traces nothing else here (triton_available's find_spec breaks)
+        return "torch" if torch.compiler.is_compiling() or not tensor.is_cuda or not triton_available() else "triton"
     if backend != "triton":
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch', got {backend!r}")
     if not triton_available():

@@ -333,7 +333,8 @@ class DecoderLM(nn.Module):
         """The boolean masks as additive ones in the attention's dtype (autocast's, else the hidden states'), each
         converted once for all the layers that share it (``layers.additive_mask``)."""
         device = x.device.type
-        autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)  # not on meta
+        # not on meta; no torch.amp.is_autocast_available (torch 2.11's dynamo breaks the graph on it)
+        autocast = device != "meta" and torch.is_autocast_enabled(device)
         dtype = torch.get_autocast_dtype(device) if autocast else x.dtype
         (full, full_causal), (sliding, sliding_causal) = masks
         full_add = additive_mask(full, dtype)
