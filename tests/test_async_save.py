@@ -11,7 +11,6 @@ a background write.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import threading
 import time
@@ -20,48 +19,18 @@ from typing import Any
 
 import pytest
 
-from lightning_llm.reliability import FAULT_ENV, shutdown_process_group
+from lightning_llm.reliability import shutdown_process_group
 from lightning_llm.testing import (
-    LoggedLoss,
+    checkpointed_fit,
     gathered,
     max_abs_err,
     run_layouts_and_reference,
     run_worker,
-    table_trainer,
     write_json_on_rank0,
 )
 
 STEPS, HALF = 6, 3
 TOL = 1e-6
-
-
-def _fit(strategy: Any, devices: int, out: Path, *, steps: int, fault: str | None = None,
-         ckpt_path: str | None = None) -> dict[str, Any]:
-    import lightning.pytorch as pl
-
-    from lightning_llm.data import TextDataModule
-    from lightning_llm.tasks import CausalLMTask
-    from lightning_llm.tasks.base import OptimConfig
-
-    if fault:
-        os.environ[FAULT_ENV] = fault  # read when the strategy is built
-    try:
-        strategy = strategy() if callable(strategy) else strategy
-        batch = 4 if devices == 2 and getattr(strategy, "zero_stage", 0) == 3 else 8
-        pl.seed_everything(3)
-        task = CausalLMTask("debug", dropout=0.0, optim=OptimConfig(lr=3e-3, scheduler="constant"))
-        dm = TextDataModule(block_size=32, batch_size=batch, cache_dir=str(out.parent / "cache"), generated_docs=100)
-        rec = LoggedLoss()
-        trainer = table_trainer(out, strategy=strategy, devices=devices, max_steps=steps, callbacks=[rec],
-                                save_every_step=True)
-        row: dict[str, Any] = {}
-        try:
-            trainer.fit(task, dm, ckpt_path=ckpt_path)
-        except RuntimeError as e:
-            row["error"] = str(e)
-    finally:
-        os.environ.pop(FAULT_ENV, None)
-    return {**row, "losses": rec.losses, "start": rec.start}
 
 
 def _saved_step(path: Path) -> int:
@@ -71,25 +40,25 @@ def _saved_step(path: Path) -> int:
 
 
 def _worker(mode: str, out: Path) -> None:
-    from lightning_llm.strategies import TensorParallelStrategy, ZeroStrategy
+    from lightning_llm.strategies import HybridParallelStrategy, TensorParallelStrategy, ZeroStrategy
 
     if mode == "reference":
-        ref = {"uninterrupted": _fit("auto", 1, out / "ref", steps=STEPS)}
-        from lightning_llm.strategies import HybridParallelStrategy
-
+        ref = {"uninterrupted": checkpointed_fit(out / "ref", strategy="auto", devices=1, steps=STEPS, batch=8)}
         one = out / "one-failed"  # the write of save #2 (step 2) fails on the worker thread
-        ref["failed_write"] = _fit(lambda: HybridParallelStrategy(data_parallel_size=1, async_save=True), 1, one,
-                                   steps=STEPS, fault="raise:save=2:at=shards")
+        ref["failed_write"] = checkpointed_fit(one, strategy=lambda: HybridParallelStrategy(
+            data_parallel_size=1, async_save=True), devices=1, steps=STEPS, batch=8, fault="raise:save=2:at=shards")
         ref["failed_write"]["last_step"] = _saved_step(one / "ckpt" / "last.ckpt")
         shutdown_process_group()  # the one-process engine's group, in the pytest process
         (out / "reference.json").write_text(json.dumps(ref))
         return
-    runs = {"async": _fit(lambda: ZeroStrategy(stage=3, async_save=True), 2, out / "zero3", steps=HALF)}
-    runs["resumed_tp2"] = _fit(lambda: TensorParallelStrategy(tensor_parallel_size=2, async_save=True), 2,
-                               out / "tp2", steps=STEPS, ckpt_path=str(out / "zero3" / "ckpt" / "last.ckpt"))
+    zero3 = lambda: ZeroStrategy(stage=3, async_save=True)  # noqa: E731 - built while the fault is set
+    runs = {"async": checkpointed_fit(out / "zero3", strategy=zero3, devices=2, steps=HALF, batch=4)}
+    runs["resumed_tp2"] = checkpointed_fit(
+        out / "tp2", strategy=lambda: TensorParallelStrategy(tensor_parallel_size=2, async_save=True), devices=2,
+        steps=STEPS, batch=8, ckpt_path=str(out / "zero3" / "ckpt" / "last.ckpt"))
     failed = out / "zero3-failed"  # the last save's write fails: raised when fit ends
-    runs["failed_last"] = _fit(lambda: ZeroStrategy(stage=3, async_save=True), 2, failed, steps=HALF,
-                               fault=f"raise:save={HALF}:at=shards")
+    runs["failed_last"] = checkpointed_fit(failed, strategy=zero3, devices=2, steps=HALF, batch=4,
+                                           fault=f"raise:save={HALF}:at=shards")
     runs["failed_last"]["last_step"] = _saved_step(failed / "ckpt" / "last.ckpt")
     write_json_on_rank0(out / "layouts.json", gathered(runs))
 
@@ -193,6 +162,11 @@ def test_a_save_of_the_same_state_does_not_wait_a_new_one_does() -> None:
     state["w"].fill_(7.0)
     second = saves.stage(state, version=(2, 2))  # waits for the write reading the buffers it reuses
     assert time.perf_counter() - t >= 0.4 and float(second["w"][0]) == 7.0
+    assert second["w"].data_ptr() == first["w"].data_ptr() != state["w"].data_ptr()  # copied into the same buffer
+    state["v"] = torch.full((2,), 5.0)  # another structure (a new optimizer state): staged anew
+    third = saves.stage(state, version=(3, 3))
+    assert float(third["v"][1]) == 5.0 and float(third["w"][0]) == 7.0
+    assert third["v"].data_ptr() != state["v"].data_ptr()
     saves.close(raise_errors=True)
 
 

@@ -13,21 +13,19 @@ SIGKILLs, of all ranks and of one rank between the ranks' writes.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from lightning_llm.reliability import FAULT_ENV, SAVE_MOMENTS
+from lightning_llm.reliability import SAVE_MOMENTS
 from lightning_llm.testing import (
-    LoggedLoss,
+    checkpointed_fit,
     gathered,
     max_abs_err,
     run_layouts_and_reference,
     run_worker,
-    table_trainer,
     write_json_on_rank0,
 )
 
@@ -39,34 +37,14 @@ LAYOUTS = ["zero3", "pp", "3d", "deepspeed_zero2", "deepspeed_zero3"]
 
 def _fit(layout: str, devices: int, out: Path, *, fault: str | None = None, resume: bool = False) -> dict[str, Any]:
     """Train to ``STEPS`` (from ``last.ckpt`` when ``resume``); the losses logged and the step it started from."""
-    import lightning.pytorch as pl
-
-    from lightning_llm.data import TextDataModule
     from lightning_llm.strategies import HybridParallelStrategy
-    from lightning_llm.tasks import CausalLMTask
-    from lightning_llm.tasks.base import OptimConfig
 
-    if fault:
-        os.environ[FAULT_ENV] = fault  # read when the strategy and its checkpoint IO are built
-    try:
-        strategy: Any = ("auto" if layout == "1" else
-                         HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2) if layout == "3d" else
-                         layout)
-        batch = 8 if devices == 1 or layout in ("pp", "3d") else 4
-        pl.seed_everything(3)
-        task = CausalLMTask("debug", dropout=0.0, optim=OptimConfig(lr=3e-3, scheduler="constant"))
-        dm = TextDataModule(block_size=32, batch_size=batch, cache_dir=str(out.parent / "cache"), generated_docs=100)
-        rec = LoggedLoss()
-        trainer = table_trainer(out, strategy=strategy, devices=devices, max_steps=STEPS, callbacks=[rec],
-                                save_every_step=True)
-        row: dict[str, Any] = {}
-        try:
-            trainer.fit(task, dm, ckpt_path=str(out / "ckpt" / "last.ckpt") if resume else None)
-        except RuntimeError as e:
-            row["error"] = str(e)
-    finally:
-        os.environ.pop(FAULT_ENV, None)
-    return {**row, "losses": rec.losses, "start": rec.start}
+    strategy: Any = ("auto" if layout == "1" else
+                     (lambda: HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2)) if layout == "3d"
+                     else layout)
+    return checkpointed_fit(out, strategy=strategy, devices=devices, steps=STEPS, fault=fault,
+                            batch=8 if devices == 1 or layout in ("pp", "3d") else 4,
+                            ckpt_path=str(out / "ckpt" / "last.ckpt") if resume else None)
 
 
 def _cells(layout: str, devices: int, out: Path) -> dict[str, Any]:

@@ -21,9 +21,12 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_llm.contract import capabilities_of
+from lightning_llm.data import TextDataModule
 from lightning_llm.data.io import atomic_open
-from lightning_llm.reliability import leave_process, shutdown_process_group
+from lightning_llm.reliability import FAULT_ENV, leave_process, shutdown_process_group
 from lightning_llm.strategies.zero.native import model_state_bytes
+from lightning_llm.tasks import CausalLMTask
+from lightning_llm.tasks.base import OptimConfig
 from lightning_llm.tools.tiny import write_bpe_tokenizer  # noqa: F401 (the package's API: tests write tokenizers)
 
 from .counters import COLLECTIVES, CollectiveCounter, StepTailCounter  # noqa: F401 (the package's API)
@@ -212,6 +215,32 @@ def table_trainer(out: Path, *, strategy: Any, devices: int, max_steps: int, cal
     return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=False,
                       enable_checkpointing=save_every_step, enable_progress_bar=False, enable_model_summary=False,
                       limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=str(out))
+
+
+def checkpointed_fit(out: Path, *, strategy: Any, devices: int, steps: int, batch: int, fault: str | None = None,
+                     ckpt_path: str | None = None) -> dict[str, Any]:
+    """The fit of the checkpoint tests: the ``debug`` decoder (dropout 0, constant LR 3e-3) on the generated corpus,
+    ``out/ckpt/last.ckpt`` after every step (:func:`table_trainer`), from ``ckpt_path`` if given. ``strategy``, or a
+    callable building it, is built while ``LIGHTNING_LLM_FAULT=fault`` is set (strategies read it when built); a
+    ``RuntimeError`` of fit is returned as ``error``. Returns the losses logged and the step fit started from."""
+    if fault:
+        os.environ[FAULT_ENV] = fault
+    try:
+        strategy = strategy() if callable(strategy) else strategy
+        pl.seed_everything(3)
+        task = CausalLMTask("debug", dropout=0.0, optim=OptimConfig(lr=3e-3, scheduler="constant"))
+        dm = TextDataModule(block_size=32, batch_size=batch, cache_dir=str(out.parent / "cache"), generated_docs=100)
+        rec = LoggedLoss()
+        trainer = table_trainer(out, strategy=strategy, devices=devices, max_steps=steps, callbacks=[rec],
+                                save_every_step=True)
+        row: dict[str, Any] = {}
+        try:
+            trainer.fit(task, dm, ckpt_path=ckpt_path)
+        except RuntimeError as e:
+            row["error"] = str(e)
+    finally:
+        os.environ.pop(FAULT_ENV, None)
+    return {**row, "losses": rec.losses, "start": rec.start}
 
 
 def gathered(obj: Any) -> list[Any]:

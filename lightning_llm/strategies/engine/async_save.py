@@ -5,9 +5,9 @@ A save in two halves, the same two as ``torch.distributed.checkpoint.async_save`
 
 1. in the loop (the stand-still): the previous background save is awaited when it is still running (its host
    buffers are reused, and the checkpoints of one run are written in order), then the live tensors
-   (:func:`~.hybrid_checkpoint.checkpoint_state`) are copied by torch's ``DefaultStager`` into host buffers kept
-   from one save to the next (pinned on CUDA, the device-to-host copies non-blocking, then one synchronize), and
-   ``meta.pt`` is serialized;
+   (:func:`~.hybrid_checkpoint.checkpoint_state`) are copied into host buffers kept from one save to the next:
+   torch's ``DefaultStager`` builds them at the first save (pinned on CUDA), later saves copy into them with one
+   ``_foreach_copy_`` per device (non-blocking on CUDA, then one synchronize); and ``meta.pt`` is serialized;
 2. on one worker thread: :func:`~.hybrid_checkpoint.write_hybrid` writes the copy into ``.<name>.partial`` and
    publishes it, exactly as a synchronous save does, so a checkpoint appears under its name (``last.ckpt``, a
    top-k file, what ``--ckpt_path=last`` finds) only complete, and a crash at any moment leaves the previous one
@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.tensor import DTensor
 
 from lightning_llm.checkpoint import first_line
 
@@ -64,23 +65,30 @@ class BackgroundSaves:
         self.group: dist.ProcessGroup | None = None
         if dist.is_initialized():
             self.group = dist.new_group(backend="gloo", timeout=timeout)
-        cuda = device.type == "cuda"
+        self._cuda = cuda = device.type == "cuda"
         self._stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                     use_async_staging=False, use_non_blocking_copy=cuda))
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_llm-checkpoint")
         self._writes: list[_Write] = []
-        self._staged: tuple[Hashable, Any] | None = None
+        self._buffers: Any = None  # the staged copy, reused by the next save of the same structure
+        self._staged: tuple[Hashable, Any] | None = None  # (version, copy) of the last save
 
     def stage(self, state: Any, *, version: Hashable) -> Any:
         """A copy of ``state`` in host memory that training cannot change. The same copy again for the same
-        ``version`` (another checkpoint of the same state); a new one first waits for every pending write."""
+        ``version`` (another checkpoint of the same state); a new one first waits for every pending write, then
+        copies into the previous copy's buffers when ``state`` has its structure (one ``_foreach_copy_`` per
+        device), else stages it anew with torch's stager (the first save: it walks the state tensor by tensor)."""
         if self._staged is not None and self._staged[0] == version:
             return self._staged[1]
         self.wait()
-        self._staged = None
-        staged = self._stager.stage(state)
-        self._staged = (version, staged)
-        return staged
+        pairs = _pairs(self._buffers, state) if self._buffers is not None else None
+        if pairs is None:
+            self._buffers = None
+            self._buffers = self._stager.stage(state)
+        else:
+            _copy(pairs, non_blocking=self._cuda)
+        self._staged = (version, self._buffers)
+        return self._buffers
 
     def submit(self, path: str | Path, write: Callable[[], Any]) -> None:
         """Run ``write`` (it writes ``path``) on the worker, after the writes submitted before it."""
@@ -122,11 +130,49 @@ class BackgroundSaves:
                     log.error("%s", e)
         finally:
             self._worker.shutdown(wait=True)
-            self._staged = None
+            self._staged = self._buffers = None
             self._stager.close()
             if self.group is not None and dist.is_initialized():
                 dist.destroy_process_group(self.group)
             self.group = None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _pairs(staged: Any, live: Any) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """``(staged, live)`` local tensors at the same places of two states of one structure (same keys, tensor types,
+    shapes and dtypes); ``None`` where they differ."""
+    if isinstance(live, dict):
+        if not isinstance(staged, dict) or staged.keys() != live.keys():
+            return None
+        out: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for key, value in live.items():
+            sub = _pairs(staged[key], value)
+            if sub is None:
+                return None
+            out += sub
+        return out
+    if isinstance(live, torch.Tensor) and type(staged) is type(live):
+        s, t = _local(staged), _local(live)
+        if s.shape == t.shape and s.dtype == t.dtype and live.shape == staged.shape:
+            return [(s, t)]
+    return None
+
+
+@torch.no_grad()
+def _copy(pairs: list[tuple[torch.Tensor, torch.Tensor]], *, non_blocking: bool) -> None:
+    """The live tensors into their staged buffers: one ``_foreach_copy_`` per source device."""
+    by_device: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for dst, src in pairs:
+        dsts, srcs = by_device.setdefault(src.device, ([], []))
+        dsts.append(dst)
+        srcs.append(src)
+    for dsts, srcs in by_device.values():
+        torch._foreach_copy_(dsts, srcs, non_blocking=non_blocking)
+    if non_blocking:
+        torch.accelerator.synchronize()
 
 
 def _no_grad(write: Callable[[], Any]) -> Any:
