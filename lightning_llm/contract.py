@@ -277,22 +277,33 @@ def decoding_copy(strategy: Any, module: Any) -> Any | None:
     return lookup(module) if lookup is not None else None
 
 
+def device_scalar(value: float | Tensor, device: torch.device) -> Tensor:
+    """``value`` as an fp64 0-d tensor on ``device`` without a host read or a blocking copy (a number is filled in
+    on the device; a tensor is converted where it is)."""
+    if isinstance(value, Tensor):
+        return value.detach().to(device=device, dtype=torch.float64).reshape(())
+    return torch.full((), float(value), dtype=torch.float64, device=device)
+
+
 @torch.no_grad()
-def replica_mean(group: Any, values: Tensor, weight: float, *, dp: int) -> tuple[Tensor, float]:
+def replica_mean(group: Any, values: Tensor, weight: float | Tensor, *, dp: int) -> tuple[Tensor, Tensor]:
     """Means over ``dp`` data-parallel replicas of per-replica means ``values`` [k], each averaging over ``weight``
-    elements: ``(sum_r values_r * w_r / W, W)`` with ``W = sum_r w_r`` (one collective when ``dp > 1``)."""
+    elements (a number or a 0-d tensor, e.g. a token count left on the device): ``(sum_r values_r * w_r / W, W)``
+    with ``W = sum_r w_r`` an fp64 0-d tensor on ``values``' device (one collective when ``dp > 1``; nothing is read
+    back to the host)."""
     import torch.distributed as dist
 
     v = values.detach().to(torch.float64).reshape(-1)
+    w = device_scalar(weight, v.device).reshape(1)
     if dp <= 1 or not dist.is_initialized():
-        return v.float(), float(weight)
-    buf = torch.cat([v * weight, torch.tensor([float(weight)], dtype=torch.float64, device=v.device)])
+        return v.float(), w[0]
+    buf = torch.cat([v * w, w])
     dist.all_reduce(buf, group=group)
-    total = float(buf[-1])
-    return (buf[:-1] / max(total, 1e-12)).float(), total
+    total = buf[-1]
+    return (buf[:-1] / total.clamp(min=1e-12)).float(), total
 
 
-def replica_loss(group: Any, loss: Tensor, weight: float, *, dp: int) -> tuple[Tensor, float]:
+def replica_loss(group: Any, loss: Tensor, weight: float | Tensor, *, dp: int) -> tuple[Tensor, Tensor]:
     """The global batch's loss over ``dp`` data-parallel replicas whose mean losses average over ``weight`` elements
     each (tokens, samples): ``(sum_r loss_r * w_r / W, W)`` with ``W = sum_r w_r`` (a collective when ``dp > 1``).
 

@@ -43,7 +43,7 @@ from .layers import (
     segment_positions,
     use_fused_kernel,
 )
-from .rope import precompute_rope, rope_from_positions, rope_type
+from .rope import precompute_rope, rope_from_positions, rope_inv_freq, rope_type
 
 log = logging.getLogger(__name__)
 
@@ -293,16 +293,30 @@ class DecoderLM(nn.Module):
         if self.rope_cos is None or self.rope_sin is None:
             return None
         values = not position_ids.is_meta and position_ids.numel() > 0  # the meta device (FLOP counts) has none
-        longest = int(position_ids.max()) + 1 if read and values else bound
-        if longest <= self.rope_cos.shape[0]:  # every position is inside the precomputed table
-            return self.rope_cos[position_ids], self.rope_sin[position_ids]
-        # Past the table (transformers has no such limit): computed from the positions. `dynamic` rope picks its
-        # frequencies from this forward's longest position, as transformers' dynamic_rope_update does.
         c = self.config
+        dynamic = rope_type(c.rope_scaling) == "dynamic"
+        # The caller's positions are computed from (the table's values: the same fp32 product), not looked up, unless
+        # `dynamic` rope needs their longest: reading it would wait for the device in every forward.
+        longest = int(position_ids.max()) + 1 if read and values and dynamic else bound
+        if longest <= self.rope_cos.shape[0] and not (read and values and not dynamic):
+            return self.rope_cos[position_ids], self.rope_sin[position_ids]  # every position inside the table
+        # Past the table (transformers has no such limit), or the caller's: computed from the positions. `dynamic`
+        # rope picks its frequencies from this forward's longest position, as transformers' dynamic_rope_update does.
         assert c.head_dim is not None
-        seq_len = int(position_ids.max()) + 1 if rope_type(c.rope_scaling) == "dynamic" and values else longest
         return rope_from_positions(position_ids, c.head_dim, c.max_position_embeddings, c.rope_theta,
-                                   c.rope_scaling, seq_len=seq_len)
+                                   c.rope_scaling, seq_len=longest,
+                                   inv_freq=None if dynamic else self._inv_freq(position_ids.device))
+
+    def _inv_freq(self, device: torch.device) -> Tensor:
+        """The rope frequencies [D/2] (not ``dynamic``) on ``device``, copied there once (not a buffer: never saved)."""
+        cached = self.__dict__.get("_rope_inv_freq")
+        if cached is None or cached.device != device:
+            c = self.config
+            assert c.head_dim is not None
+            cached = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling,
+                                   max_positions=c.max_position_embeddings).to(device)
+            self.__dict__["_rope_inv_freq"] = cached
+        return cached
 
     def _window(self, total: int) -> int | None:
         """The sliding layers' window, None where it covers every key (plain causal attention)."""

@@ -175,11 +175,13 @@ def precompute_rope(
 
 def rope_from_positions(
     position_ids: Tensor, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None = None,
-    *, seq_len: int,
+    *, seq_len: int, inv_freq: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """cos, sin [B, S, D] in fp32 computed for ``position_ids`` [B, S] (positions beyond the precomputed table, and
-    ``dynamic`` frequencies for a forward of length ``seq_len`` = its longest position + 1)."""
-    inv_freq = rope_inv_freq(head_dim, theta, scaling, max_positions=max_positions, seq_len=seq_len)
+    ``dynamic`` frequencies for a forward of length ``seq_len`` = its longest position + 1). ``inv_freq``: the
+    frequencies already on the positions' device (not ``dynamic``), which spares a copy from the host."""
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(head_dim, theta, scaling, max_positions=max_positions, seq_len=seq_len)
     freqs = position_ids[..., None].float() * inv_freq.to(position_ids.device)  # [B, S, D/2], HF's product
     return _cos_sin(freqs, rope_attention_factor(scaling, max_positions))
 

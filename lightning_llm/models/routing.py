@@ -58,8 +58,9 @@ class RoutingStats:
         self.aux_loss_coef, self.bias_update_rate = aux_loss_coef, bias_update_rate
         self.reduce: Reduction | None = None
         """Supplied by a layout that splits the global batch's tokens or layers over ranks (``None``: one rank)."""
-        self.grad_scale = 1.0
-        """This rank's backward's factor on the global objective's gradient (set with :meth:`begin`)."""
+        self.grad_scale: float | Tensor = 1.0
+        """This rank's backward's factor on the global objective's gradient (set with :meth:`begin`, or in backward
+        as a 0-d tensor on the device: ``tasks.moe.attach_aux_loss``)."""
         self.window: Tensor | None = None
         """[L, E] loads summed over the steps since :meth:`take_window` (the aux-free bias update reads it)."""
         self._open = False
@@ -183,9 +184,9 @@ class RoutingStats:
         r = self.reduced()
         e = self.num_experts
         counts, rows = r[:, :e].sum(0), r[:, 2 * e].sum()
-        if rows <= 0:
-            return torch.zeros_like(counts)
-        return counts * (self.aux_loss_coef * self.grad_scale * e) / (rows * rows)
+        scale = self.aux_loss_coef * e * self.grad_scale  # a number, or a 0-d tensor read from the loss's gradient
+        # no real token anywhere: no gradient (decided on the device: a host read here would stall backward)
+        return torch.where(rows > 0, counts * scale / (rows * rows).clamp(min=1), 0.0)
 
     def take_window(self) -> Tensor | None:
         """The [L, E] loads summed since the last call (an optimizer step's), and start a new window."""

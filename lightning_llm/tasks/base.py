@@ -43,6 +43,7 @@ from lightning_llm.reliability import AtomicCheckpointIO, FaultInjector, RNGStat
 from lightning_llm.run_summary import RunSummary, replace_model_summary
 from lightning_llm.tasks.guard import NonFiniteGuard, NonFiniteLossError
 from lightning_llm.tasks.moe import MoEMonitor, attach_aux_loss, routing_stats
+from lightning_llm.tasks.progress import ProgressBar
 from lightning_llm.vocab import check_backbone_tokenizer, resize_embeddings
 
 log = logging.getLogger(__name__)
@@ -176,6 +177,8 @@ class LLMTask(pl.LightningModule):
         """FLOPs of one training batch's forward and backward on one replica (counted by :class:`RunSummary` at the
         first batch; ``None`` when not counted): tasks log FLOP/s and MFU from it."""
         self._run_summary: RunSummary | None = None
+        self.progress_bar = ProgressBar()
+        """Values shown in the progress bar from host copies (``loss``: the global ``train_loss``)."""
 
     # ------------------------------------------------------------------------------------------ to implement
     def build_model(self) -> nn.Module:
@@ -203,9 +206,10 @@ class LLMTask(pl.LightningModule):
         args, kwargs = declared_inputs(self, batch, stage)
         return self.loss_from_output(self.run_model(*args, **kwargs), batch, stage)
 
-    def loss_weight(self, batch: dict[str, torch.Tensor]) -> float:
+    def loss_weight(self, batch: dict[str, torch.Tensor]) -> float | torch.Tensor:
         """What the batch's mean loss averages over (samples by default; tokens for language modelling): the
-        logged ``train_loss`` is the mean over data-parallel replicas weighted by it."""
+        logged ``train_loss`` is the mean over data-parallel replicas weighted by it. A number, or a 0-d tensor
+        left on the device (a count of the batch's values: reading it on the host would wait for the device)."""
         return float(self._batch_size(batch))
 
     def update_metrics(self, stage: str, outputs: dict[str, Any], batch: dict[str, torch.Tensor]) -> None:
@@ -399,6 +403,14 @@ class LLMTask(pl.LightningModule):
             return runner.loss(self, batch, stage)
         return self.compute_loss(batch, stage)
 
+    def logging_step(self) -> bool:
+        """Whether the logger records this training step (Lightning's rule: every ``log_every_n_steps`` optimizer
+        steps). Values computed on the host (rates, timings) are logged then only: ``self.log`` of a number copies
+        it to the device, which on a GPU waits for the device (tensors logged every step are read at these steps
+        only)."""
+        connector = getattr(self.trainer, "_logger_connector", None) if self._trainer is not None else None
+        return bool(getattr(connector, "should_update_logs", True))
+
     def _batch_size(self, batch: dict[str, torch.Tensor]) -> int:
         return int(batch["input_ids"].shape[0])
 
@@ -414,32 +426,36 @@ class LLMTask(pl.LightningModule):
             aux = routing.aux_loss()
             self.log("train_aux_loss", aux.float(), on_step=True, on_epoch=False, batch_size=self._batch_size(batch))
             global_loss = global_loss + routing.aux_loss_coef * aux.to(global_loss)
-        if not self._loss_is_finite(loss):
-            return self._on_nonfinite_loss(loss, batch_idx)
-        self.log("train_loss", global_loss, prog_bar=True, on_step=True, on_epoch=False,
-                 batch_size=self._batch_size(batch))
+        if self.guard.steps_inside_engine(self):  # DeepSpeed steps inside its engine: decided before backward
+            if not self._loss_is_finite(loss):
+                return self._on_nonfinite_loss(loss, batch_idx)
+        else:  # decided on the device with the gradients, before the optimizer step (tasks.guard)
+            self.guard.note_loss(loss)
+        self.log("train_loss", global_loss, on_step=True, on_epoch=False, batch_size=self._batch_size(batch))
+        self.progress_bar.show(self, "loss", global_loss)  # a host copy: no read of the device per step
         if self.wants_train_outputs():
             self.log_train_outputs(outputs, batch)
         if caps.pipelined:
             return loss  # a pipeline weighs its micro-batch losses itself (the schedule already ran backward)
-        out = loss if caps.data_parallel_size == 1 else loss * (weight * caps.data_parallel_size / total)
+        out = loss if caps.data_parallel_size == 1 else loss * (weight * caps.data_parallel_size / total).to(loss)
         if routing is not None and routing.has_step:  # its gradient's factor: this loss's, read in backward
             attach_aux_loss(self, out, routing)
         return out
 
-    def global_train_loss(self, loss: torch.Tensor, weight: float) -> tuple[torch.Tensor, torch.Tensor, float]:
+    def global_train_loss(self, loss: torch.Tensor, weight: float | torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(loss, global_loss, total)``: this rank's loss, the global batch's (the replicas' losses weighted by what
         each averages over, so one run logs the same curve at any data-parallel degree; the same weights make the
-        averaged gradient the global mean's) and the summed weight (a collective when data parallel).
+        averaged gradient the global mean's) and the summed weight (an fp64 0-d tensor; a collective when data
+        parallel, no host read).
 
         A replica, slice or micro-batch without anything to average over has loss 0 with weight 0; when the whole
         global batch has none, the loss is NaN, as one device's mean over nothing is, so the non-finite guard sees
         the same batch at every layout (not a silent zero-gradient step that still moves Adam's moments)."""
         caps = self.capabilities
         global_loss, total = replica_loss(caps.data_parallel_group, loss, weight, dp=caps.data_parallel_size)
-        if total == 0:
-            loss, global_loss = loss + float("nan"), global_loss + float("nan")
-        return loss, global_loss, total
+        nothing = torch.where(total == 0, float("nan"), 0.0)  # decided on the device
+        return loss + nothing.to(loss), global_loss + nothing.to(global_loss), total
 
     def _loss_is_finite(self, loss: torch.Tensor) -> bool:
         return self.guard.loss_is_finite(self, loss)  # the same answer on every rank

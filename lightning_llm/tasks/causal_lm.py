@@ -82,8 +82,8 @@ class CausalLMTask(DecoderTask):
         return caps.context_parallel_size > 1 or caps.data_parallel_size > 1 or caps.pipelined
 
     @override
-    def loss_weight(self, batch: dict[str, torch.Tensor]) -> float:
-        return float((batch["labels"] != -100).sum())  # the loss is a mean over these tokens
+    def loss_weight(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return (batch["labels"] != -100).sum()  # the loss is a mean over these tokens (counted on the device)
 
     # ------------------------------------------------------------------------------------------ throughput
     @override
@@ -92,8 +92,8 @@ class CausalLMTask(DecoderTask):
 
     @override
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if self._step_start is None:
-            return
+        if self._step_start is None or not self.logging_step():
+            return  # host numbers are logged when the logger records them: each one is a copy the device waits for
         elapsed = max(time.perf_counter() - self._step_start, 1e-9)
         # Every data-parallel replica processes a batch of the same shape: global rate = local rate x replicas
         # (tensor- and pipeline-parallel ranks of one replica share its batch and must not be counted again).

@@ -163,8 +163,9 @@ class DPOTask(DecoderTask):
         values, _ = replica_mean(caps.data_parallel_group, torch.stack(list(means.values())), pairs,
                                  dp=caps.data_parallel_size)
         for name, value in zip(means, values):
-            self.log(name, value, on_step=True, on_epoch=False, prog_bar=name == "rewards/accuracies",
-                     batch_size=int(pairs))
+            self.log(name, value, on_step=True, on_epoch=False, batch_size=int(pairs))
+            if name == "rewards/accuracies":
+                self.progress_bar.show(self, "accuracy", value)
 
     @override
     def update_metrics(self, stage: str, outputs: dict[str, Any], batch: dict[str, Tensor]) -> None:

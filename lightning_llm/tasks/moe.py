@@ -6,7 +6,8 @@
   training batch (a pipeline opens them itself, per micro-batch forward); after the batch, logs the load per expert
   summed over the global batch (``train_expert_load_max``/``_min``: the most and least loaded expert of any layer
   as a multiple of the even share, 1.0 when balanced; ``train_dead_experts``: experts of any layer that got no
-  token) and appends every layer's loads to ``<log_dir>/expert_load.csv`` every ``log_every_n_steps``; applies the
+  token; device tensors, which the logger reads at its logging steps only) and appends every layer's loads to
+  ``<log_dir>/expert_load.csv`` every ``log_every_n_steps`` (the one read of them); applies the
   aux-free bias update (DeepSeek-V3) once per optimizer step, from the loads of its whole accumulation window.
 
 The load-balancing loss itself is part of :meth:`LLMTask.training_step`: its value joins ``train_loss`` (logged also
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from torch import Tensor
 from typing_extensions import override
@@ -61,7 +63,7 @@ def _scale_hook(stats: RoutingStats, replicas: int) -> Any:
     the load-balancing loss's injected gradient. Autograd reaches the returned loss before the routers."""
     def hook(grad: Tensor) -> None:
         g = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
-        stats.grad_scale = float(g) * replicas
+        stats.grad_scale = g.detach().to(torch.float64).reshape(()) * replicas  # stays on the device: no host read
     return hook
 
 
@@ -104,9 +106,10 @@ class MoEMonitor(pl.Callback):
         loads = stats.loads()  # [L, E]
         share = loads.sum(-1, keepdim=True) / loads.shape[-1]  # the even share per expert
         ratio = loads / share.clamp(min=1e-12)
-        pl_module.log("train_expert_load_max", float(ratio.max()), on_step=True, on_epoch=False)
-        pl_module.log("train_expert_load_min", float(ratio.min()), on_step=True, on_epoch=False)
-        pl_module.log("train_dead_experts", float((loads == 0).sum()), on_step=True, on_epoch=False)
+        # logged as device tensors: the logger reads them at its logging steps only (log_every_n_steps)
+        pl_module.log("train_expert_load_max", ratio.max().float(), on_step=True, on_epoch=False)
+        pl_module.log("train_expert_load_min", ratio.min().float(), on_step=True, on_epoch=False)
+        pl_module.log("train_dead_experts", (loads == 0).sum().float(), on_step=True, on_epoch=False)
         step = trainer.global_step
         if self._csv is not None and trainer.is_global_zero and step % max(trainer.log_every_n_steps, 1) == 0:
             self._append(step, batch_idx, stats, loads)

@@ -29,7 +29,7 @@ from lightning_llm.tasks import CausalLMTask
 from lightning_llm.tasks.base import OptimConfig
 from lightning_llm.tools.tiny import write_bpe_tokenizer  # noqa: F401 (the package's API: tests write tokenizers)
 
-from .counters import COLLECTIVES, CollectiveCounter, StepTailCounter  # noqa: F401 (the package's API)
+from .counters import COLLECTIVES, CollectiveCounter, HostReadCounter, StepTailCounter  # noqa: F401 (the package's API)
 
 
 class StepRecorder(pl.Callback):

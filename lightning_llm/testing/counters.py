@@ -1,11 +1,15 @@
 """Counters of what a training step does, for tests and benchmarks: the ``torch.distributed`` collectives it calls
-(:class:`CollectiveCounter`) and the aten calls of its tail after backward (:class:`StepTailCounter`)."""
+(:class:`CollectiveCounter`), the aten calls of its tail after backward (:class:`StepTailCounter`) and the reads of
+tensor values by the host (:class:`HostReadCounter`)."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
 import inspect
+import json
+import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,7 +19,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from typing_extensions import override
 
-__all__ = ["COLLECTIVES", "CollectiveCounter", "StepTailCounter"]
+__all__ = ["COLLECTIVES", "CollectiveCounter", "HOST_READS", "HostReadCounter", "StepTailCounter"]
 
 
 COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_single",
@@ -139,3 +143,185 @@ class StepTailCounter(pl.Callback):
             self._mode.__exit__(None, None, None)
             self.steps.append(self._mode.calls)
             self._mode = None
+
+
+HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "cpu", "numpy", "nonzero",
+              "masked_select", "argwhere", "unique", "bincount", "equal", "allclose", "repeat_interleave",
+              "__getitem__")
+"""What :class:`HostReadCounter` counts, as ``torch.Tensor`` methods (and the ``torch`` functions of the same name):
+the host reading a value (``item``, ``float(t)``, ``bool(t)``, ``tolist``, a copy to the host), and the ops whose
+output shape depends on the values, so that on a GPU they wait for it too (``nonzero``, a boolean-mask index,
+``repeat_interleave`` by a tensor without ``output_size``, ``unique``, ``bincount``). Also ``torch.cuda.synchronize``
+and :data:`_FROM_HOST`."""
+
+_TORCH_READS = ("nonzero", "masked_select", "argwhere", "unique", "bincount", "equal", "allclose",
+                "repeat_interleave")
+"""The functions of :data:`HOST_READS` also wrapped as ``torch.NAME``."""
+
+_FROM_HOST = ("tensor", "as_tensor", "asarray")
+"""``torch`` functions counted when they copy host data (numbers, lists) to a ``device=`` the caller names: a copy from
+pageable host memory that a GPU stream waits for (``LightningModule.log`` of a Python number makes one)."""
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_HOST_DIRS = (os.path.join(_TORCH_DIR, "utils", "data") + os.sep, os.path.join(_TORCH_DIR, "optim") + os.sep)
+"""Reads there are of host tensors by design: the data loader's (sampler, collate) and the step counters torch's
+non-fused optimizers keep on the host (``_get_value``)."""
+_OURS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # lightning_llm/
+_THIS_FILE = os.path.abspath(__file__)
+_LIGHTNING_LOOP = (os.sep + os.path.join("lightning", "pytorch", "trainer") + os.sep,
+                   os.sep + os.path.join("lightning", "pytorch", "loops") + os.sep)
+
+
+def _syncs(name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a call of ``name`` reads values (some only with certain arguments)."""
+    if name == "__getitem__":  # a boolean-mask (or bool tensor) index: its output size is the mask's count
+        index = args[1] if len(args) > 1 else None
+        parts = index if isinstance(index, tuple) else (index,)
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in parts)
+    if name in _FROM_HOST:  # host data copied to a device named by the caller (on a GPU: a blocking copy)
+        data = args[0] if args else kwargs.get("data", kwargs.get("obj"))
+        return kwargs.get("device") is not None and not isinstance(data, torch.Tensor)
+    if name == "repeat_interleave":  # by a tensor of repeats, without the output size
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        return isinstance(repeats, torch.Tensor) and repeats.numel() > 1 and kwargs.get("output_size") is None
+    return True
+
+
+def _read_owner(frame: Any) -> tuple[str, str]:
+    """``(owner, where)`` of a read made from ``frame``: ``lightning_llm`` when a frame of the package lies inward of
+    Lightning's trainer and loops (our hooks, our strategies, a Lightning utility our code called), ``lightning`` for
+    Lightning's own loop work (logging, the progress bar), ``data`` inside ``torch.utils.data`` (host tensors of the
+    loader), ``host`` for the host step counters of torch's non-fused optimizers, else ``other``; ``where`` is ``file:line`` of the innermost frame of that owner (outside torch)."""
+    outer = frame
+    while outer is not None:  # the data loader's work (its sampler, collate) is host work wherever it is written
+        if outer.f_code.co_filename.startswith(_HOST_DIRS[0]):
+            return "data", f"{outer.f_code.co_filename}:{outer.f_lineno}"
+        outer = outer.f_back
+    if frame.f_code.co_filename.startswith(_HOST_DIRS[1]):
+        return "host", f"{frame.f_code.co_filename}:{frame.f_lineno}"
+    first = None
+    while frame is not None:
+        path = frame.f_code.co_filename
+        if path != _THIS_FILE and not path.startswith(_TORCH_DIR):
+            here = f"{os.path.relpath(path, os.path.dirname(_OURS_DIR.rstrip(os.sep)))}:{frame.f_lineno}"
+            if path.startswith(_OURS_DIR):
+                return "lightning_llm", here
+            if any(part in path for part in _LIGHTNING_LOOP):
+                return "lightning", first or here
+            first = first or here
+        frame = frame.f_back
+    return "other", first or "?"
+
+
+class HostReadCounter(pl.Callback):
+    """Host reads of tensor values in each training batch (:data:`HOST_READS`): on a GPU each one waits for the device
+    to finish everything queued before it, and the device then idles while the host queues work again.
+
+    The methods and functions are wrapped from ``on_train_start`` to the end of ``fit``; a batch's reads are those
+    from its ``on_train_batch_start`` to the next batch's (its step, backward, optimizer step, logging, the progress
+    bar), counted for the batches in ``steps`` (numbered from 0 over the whole fit, epochs included); reads of the data loader (``torch.utils.data``: host tensors) are
+    left out. ``reads[batch]`` lists ``(owner, where, what)`` per read (:func:`_read_owner`). With ``output``, rank
+    0 writes every rank's ``{"reads": {batch: [[owner, where, what], ...]}}`` there as JSON at the end of ``fit``."""
+
+    def __init__(self, output: str | None = None, steps: tuple[int, int] = (3, 7)) -> None:
+        """
+        Args:
+            output: JSON file rank 0 writes every rank's reads to at the end of fit.
+            steps: First and last batch counted (numbered from 0 over the fit).
+        """
+        self.output = output
+        self.first, self.last = steps
+        self.reads: dict[int, list[tuple[str, str, str]]] = {}
+        self._batch: int | None = None
+        self._seen = -1
+        self._inside = False
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def per_batch(self, owner: str = "lightning_llm") -> dict[int, int]:
+        """Reads of ``owner`` in each counted batch."""
+        return {b: sum(1 for o, _, _ in rows if o == owner) for b, rows in sorted(self.reads.items())}
+
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self._batch is not None and not self._inside and _syncs(name, args, kwargs):
+                self._inside = True  # a read inside a read (torch's own Python) counts once
+                try:
+                    owner, where = _read_owner(sys._getframe(1))
+                    if owner not in ("data", "host"):
+                        self.reads[self._batch].append((owner, where, name))
+                    return fn(*args, **kwargs)
+                finally:
+                    self._inside = False
+            return fn(*args, **kwargs)
+
+        counted.__name__ = getattr(fn, "__name__", name)
+        return counted
+
+    @contextlib.contextmanager
+    def counting(self, batch: int = -1) -> Iterator[list[tuple[str, str, str]]]:
+        """Count the reads made inside the block as batch ``batch`` (the counter's own check); yields their list."""
+        self.reads[batch] = []
+        installed = not self._saved
+        if installed:
+            self._install()
+        previous, self._batch = self._batch, batch
+        try:
+            yield self.reads[batch]
+        finally:
+            self._batch = previous
+            if installed:
+                self._uninstall()
+
+    def _install(self) -> None:
+        targets: list[tuple[Any, str]] = [(torch.Tensor, name) for name in HOST_READS]
+        targets += [(torch, name) for name in (*_TORCH_READS, *_FROM_HOST)]
+        targets.append((torch.cuda, "synchronize"))
+        for owner, name in targets:
+            fn = getattr(owner, name)
+            self._saved.append((owner, name, owner.__dict__.get(name)))  # None: inherited (deleted again after)
+            setattr(owner, name, self._wrap(name, fn))
+
+    def _uninstall(self) -> None:
+        for owner, name, fn in reversed(self._saved):
+            if fn is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, fn)
+        self._saved = []
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install()
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self._seen += 1  # batches of the fit so far (batch_idx restarts with each epoch)
+        self._batch = self._seen if self.first <= self._seen <= self.last else None
+        if self._batch is not None:
+            self.reads[self._seen] = []
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._batch = None
+        self._uninstall()
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.output is None:
+            return
+        mine = {str(b): [list(r) for r in rows] for b, rows in self.reads.items()}
+        every = [mine]
+        if dist.is_available() and dist.is_initialized():
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+        if trainer.global_rank == 0:
+            tmp = self.output + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump({"reads": every}, f)
+            os.replace(tmp, self.output)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._batch = None
+        self._uninstall()

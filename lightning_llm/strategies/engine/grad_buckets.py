@@ -207,8 +207,11 @@ class GradReducer:
                     raise RuntimeError(f"{self._name(p)}: its gradient's local shape {tuple(g.shape)} differs from "
                                        f"the parameter's {tuple(_local(p).shape)}; cannot reduce it over dp")
                 parts.append(g.reshape(-1))
-        counts = [0.0 if p.grad is None else 1.0 for p in b.params]
-        parts.append(torch.tensor(counts, dtype=parts[0].dtype, device=parts[0].device))
+        like = {"dtype": parts[0].dtype, "device": parts[0].device}
+        # one count per parameter: filled on the device when every gradient is here (a list copied from the host
+        # would be a blocking copy per bucket and step)
+        parts.append(torch.tensor([0.0 if p.grad is None else 1.0 for p in b.params], **like) if missing
+                     else torch.ones(len(b.params), **like))
         b.flat, b.local_missing = torch.cat(parts), missing
         if b.owner is None:
             b.work = dist.all_reduce(b.flat, group=self.group, async_op=True)  # SUM, then / world: gloo has no AVG

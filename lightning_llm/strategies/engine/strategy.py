@@ -225,7 +225,8 @@ class ParallelEngine(EngineGradients, DecodingSessions, DefaultGroupCollectives,
         """Parameters this rank allocated from the meta device at set-up (its shards only; 0: built whole)."""
         self.step_stats: list[dict[str, Any]] = []
         """Per pipelined training step: ``busy_s``, ``wall_s``, ``idle_frac`` (lists over pipeline ranks), ``loss``
-        and, with ``measure_activations``, ``peak_act_bytes``/``act_bytes_per_mb`` per rank."""
+        and, with ``measure_activations``, ``peak_act_bytes``/``act_bytes_per_mb`` per rank; filled at logging steps
+        and when training ends (``pipeline.stats.StepStatsLog``)."""
 
     # ------------------------------------------------------------------------------------------ environment
     @property
@@ -497,6 +498,13 @@ class ParallelEngine(EngineGradients, DecodingSessions, DefaultGroupCollectives,
         assert self.dims is not None
         return {"dp": self.dims.dp, "tp": self.dims.tp, "pp": self.dims.pp, "cp": self.dims.cp, "ep": self.dims.ep,
                 "zero_stage": self.zero_stage}
+
+    @override
+    def on_train_end(self) -> None:
+        runner = self.stages.runner if self.stages is not None else None
+        if runner is not None:
+            runner.stats_log.flush()  # the steps since the last logging step (a collective of the pipeline group)
+        super().on_train_end()
 
     @override
     def teardown(self) -> None:

@@ -60,10 +60,14 @@ def dispatch(tokens: Tensor, counts: Tensor, *, group: Any, ep: int) -> tuple[Te
     send_counts = counts.reshape(ep, e_local)  # [ep, E_l] rows for each rank's each expert
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts.contiguous(), group=group)  # [ep, E_l]: from each source rank
-    send, recv = send_counts.sum(1).tolist(), recv_counts.sum(1).tolist()
+    # the split sizes on the host: the layer's one read (the rows' all-to-all needs them)
+    sizes = torch.cat([send_counts.sum(1), recv_counts.sum(1)]).tolist()
+    send, recv = sizes[:ep], sizes[ep:]
     received = _AllToAll.apply(tokens, recv, send, group)  # [R, H] by source rank, then local expert
     expert = torch.arange(e_local, device=counts.device).repeat(ep)  # the expert of each (source, expert) block
-    order = torch.argsort(expert.repeat_interleave(recv_counts.reshape(-1)), stable=True)
+    # output_size: known on the host already (without it, the device's repeat_interleave reads the sum again)
+    rows = expert.repeat_interleave(recv_counts.reshape(-1), output_size=sum(recv))
+    order = torch.argsort(rows, stable=True)
     return received.index_select(0, order), recv_counts.sum(0), Dispatched(send, recv, order)
 
 

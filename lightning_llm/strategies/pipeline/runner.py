@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
-from lightning_llm.contract import declared_inputs
+from lightning_llm.contract import declared_inputs, device_scalar
 from lightning_llm.strategies.pipeline.decode import MICROBATCH_MIN_FLOPS, PipelineDecoder
 from lightning_llm.strategies.pipeline.runtime import (
     build_schedule,
@@ -45,7 +45,8 @@ from lightning_llm.strategies.pipeline.split import StageSpec
 from lightning_llm.strategies.pipeline.stats import (
     ActivationMeter,
     BusyTimer,
-    gather_step_stats,
+    StepStatsLog,
+    last_stage_loss,
     log_step_stats,
 )
 
@@ -125,13 +126,16 @@ class PipelineRunner:
         self.device, self.pp_group, self.pp_size = device, pp_group, pp_size
         self.last_stage_rank, self.last_stage_pp_rank = last_stage_rank, last_stage_pp_rank
         self.step_stats, self.log_stats, self.measure_activations = step_stats, log_stats, measure_activations
+        self.stats_log = StepStatsLog(step_stats, last_pp_rank=last_stage_pp_rank, pp_size=pp_size, group=pp_group,
+                                      device=device)
         self._schedules: dict[tuple[Any, ...], Any] = {}
         self._timer = BusyTimer()
         self._meter: ActivationMeter | None = None
         self.dp_group, self.dp = dp_group, dp
         self._current: tuple[Any, Any, str] | None = None  # (task, batch, stage) whose micro-batch losses are asked
         self._scale: tuple[int, float] | None = None  # (micro-batches, loss weight of the global batch) in training
-        self._weighted: dict[int, tuple[Tensor, float]] = {}  # first row -> (micro-batch loss, its loss weight)
+        self._weighted: dict[int, tuple[Tensor, Tensor]] = {}  # first row -> (micro-batch loss, its loss weight)
+        self._target: Tensor | None = None  # the row numbers the current schedule split (see _first_row)
         self._outputs: dict[int, dict[str, Any]] | None = None  # first row -> micro-batch outputs (when asked for)
         self._grads: tuple[list[Tensor | None], list[Tensor | None]] | None = None
         self._decoder: PipelineDecoder | None = None
@@ -282,14 +286,14 @@ class PipelineRunner:
         mb = select_microbatch(batch, index.to(self.device))
         loss, outputs = task.loss_from_output(self._task_output(output), mb, stage)
         if self._outputs is not None:
-            self._outputs[int(index[0])] = _detached(outputs)
+            self._outputs[self._first_row(index)] = _detached(outputs)
         if self._scale is not None:
             # Weighted by what it averages over: after the schedule's 1/m and the replicas' 1/dp, the gradient is
             # that of the global batch's mean, as on one device, whatever the micro-batches' token counts.
             m, total = self._scale
-            weight = task.loss_weight(mb)
-            self._weighted[int(index[0])] = (loss.detach(), weight)  # keyed: a repeated call replaces, not adds
-            loss = loss * (weight * m * self.dp / total)
+            weight = device_scalar(task.loss_weight(mb), loss.device)
+            self._weighted[self._first_row(index)] = (loss.detach(), weight)  # keyed: a repeat replaces
+            loss = loss * (weight * m * self.dp / total).to(loss)
         self._timer.busy += time.perf_counter() - t0
         return loss
 
@@ -316,19 +320,18 @@ class PipelineRunner:
             self.routing.begin(forwards=m * len(self.specs), grad_scale=self.dp * m, chunks_only=True)
         t0 = time.perf_counter()
         with self._meter.hooks() if self._meter is not None else nullcontext():
-            run_schedule(sched, self.specs, args, kwargs, target=torch.arange(n, device=self.device), losses=losses)
+            run_schedule(sched, self.specs, args, kwargs, target=self._rows(n), losses=losses)
         wall = time.perf_counter() - t0
         self._current, self._scale = None, None
         if self._weighted:  # this rank's loss: its micro-batches' losses weighted as the gradient was
             weight = sum(w for _, w in self._weighted.values())
-            losses = [sum(loss * w for loss, w in self._weighted.values()) / max(weight, 1e-12)]
+            losses = [(sum(loss * w for loss, w in self._weighted.values()) / weight.clamp(min=1e-12)).float()]
         self._keep_schedule_grads(prev)
-        loss, row = gather_step_stats(losses=losses, busy=self._timer.busy, wall=wall, meter=self._meter,
-                                      n_microbatches=m, last_pp_rank=self.last_stage_pp_rank, pp_size=self.pp_size,
-                                      group=self.pp_group, device=self.device)
-        self.step_stats.append(row)
-        if self.log_stats:
-            log_step_stats(task, row, batch_size=n)
+        loss = last_stage_loss(losses, last_stage_rank=self.last_stage_rank, group=self.pp_group, device=self.device)
+        self.stats_log.add(loss, busy=self._timer.busy, wall=wall, meter=self._meter, n_microbatches=m)
+        # the step's numbers are gathered when the logger records them (a read of the device per step otherwise)
+        if self.log_stats and getattr(task, "logging_step", lambda: True)():
+            log_step_stats(task, self.stats_log.flush()[-1], batch_size=n)
         outputs: dict[str, Any] = {}
         if want_outputs:  # the last stage's micro-batch outputs, in row order, on every pipeline rank
             merged = _merge_outputs([self._outputs[k] for k in sorted(self._outputs)]) if self._outputs else {}
@@ -341,7 +344,7 @@ class PipelineRunner:
         loss_fn, m, parts = self._additive
         loss, stats = loss_fn(self._task_output(output), index.to(self.device))
         # keyed by the first row: torch's schedule may call the loss of a micro-batch again (a repeat replaces)
-        parts[int(index[0])] = (loss.detach(), {k: v.detach() for k, v in stats.items()})
+        parts[self._first_row(index)] = (loss.detach(), {k: v.detach() for k, v in stats.items()})
         return loss * m  # the schedule divides gradients by the micro-batch count; these losses add up instead
 
     def train_additive(self, loss_fn: AdditiveLoss, *args: Any, **kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
@@ -357,7 +360,7 @@ class PipelineRunner:
         prev = self._grads_aside()
         self._additive = (loss_fn, m, {})
         try:
-            run_schedule(sched, self.specs, args, kwargs, target=torch.arange(args[0].shape[0], device=self.device))
+            run_schedule(sched, self.specs, args, kwargs, target=self._rows(args[0].shape[0]))
             parts = self._additive[2]
         finally:
             self._additive = None
@@ -370,6 +373,21 @@ class PipelineRunner:
         loss, stats = self._broadcast_from_last(summed)
         return loss.to(self.device), {k: v.to(self.device) for k, v in stats.items()}
 
+    def _rows(self, n: int) -> Tensor:
+        """The target of a training schedule: the batch's row numbers, which torch's schedule splits into each
+        micro-batch's (views of it: :meth:`_first_row`)."""
+        self._target = torch.arange(n, device=self.device)
+        return self._target
+
+    def _first_row(self, index: Tensor) -> int:
+        """The first row of a micro-batch (its key), from where its ``index`` view starts in the target: no host
+        read of a device tensor (a copy, which torch's split does not make, is read)."""
+        target = self._target
+        if target is not None and index.numel() and index.untyped_storage().data_ptr() == \
+                target.untyped_storage().data_ptr():
+            return index.storage_offset() - target.storage_offset()
+        return int(index[0])
+
     def _grads_aside(self) -> list[Tensor | None]:
         """Take the gradients off the parameters (the schedule accumulates into ``.grad``: it starts from zero)."""
         prev = [p.grad for p in self.params]
@@ -381,13 +399,13 @@ class PipelineRunner:
         """Keep the schedule's gradients for the strategy's ``backward()`` (hidden from Lightning's zero_grad)."""
         self._grads = (prev, self._grads_aside())
 
-    def _global_weight(self, weight: float) -> float:
-        """The loss weight of the global batch: summed over the data-parallel replicas (a collective)."""
-        if self.dp == 1:
-            return float(weight)
-        t = torch.tensor(float(weight), dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=self.dp_group)
-        return float(t)
+    def _global_weight(self, weight: float | Tensor) -> Tensor:
+        """The loss weight of the global batch: summed over the data-parallel replicas (a collective), an fp64 0-d
+        tensor on the device (no host read)."""
+        t = device_scalar(weight, self.device)
+        if self.dp > 1:
+            dist.all_reduce(t, group=self.dp_group)
+        return t
 
     def take_grads(self) -> tuple[list[Tensor | None], list[Tensor | None]]:
         """``(gradients before the step, the schedule's gradients)``, once per training step."""

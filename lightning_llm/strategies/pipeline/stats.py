@@ -3,8 +3,9 @@
 * :class:`BusyTimer` adds up the time spent inside stage forward/backward and the loss; idle fraction of a rank
   = 1 - busy / step wall time (the pipeline bubble plus communication waits).
 * :class:`ActivationMeter` counts bytes of activations saved for backward that are alive, via saved-tensor hooks.
-* :func:`gather_step_stats` collects every pipeline rank's numbers into one row (and the last stage's loss);
-  :func:`log_step_stats` logs them through the task.
+* :func:`last_stage_loss` gives every pipeline rank the step's loss (on the device); :class:`StepStatsLog` keeps
+  each step's numbers and gathers every pipeline rank's into rows when they are read (logging steps, the end of
+  fit); :func:`log_step_stats` logs a row through the task.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["BusyTimer", "ActivationMeter", "gather_step_stats", "log_step_stats"]
+__all__ = ["BusyTimer", "ActivationMeter", "StepStatsLog", "last_stage_loss", "log_step_stats"]
 
 
 class BusyTimer:
@@ -97,37 +98,60 @@ class _Held:
         self.meter._release(self.ptr)
 
 
-def gather_step_stats(
-    *,
-    losses: list[Tensor],
-    busy: float,
-    wall: float,
-    meter: ActivationMeter | None,
-    n_microbatches: int,
-    last_pp_rank: int,
-    pp_size: int,
-    group: Any,
-    device: torch.device,
-) -> tuple[Tensor, dict[str, Any]]:
-    """All-gather this step's numbers over the pipeline group (a collective: every pipeline rank calls it).
+class StepStatsLog:
+    """Each pipelined training step's numbers, gathered over the pipeline group when they are read: the step's loss
+    (already the last stage's, a device tensor) and this rank's host numbers (busy and wall seconds, activation bytes)
+    wait in :attr:`pending`, and :meth:`flush` (at logging steps and when fit ends: every pipeline rank calls it at
+    the same steps) turns them into rows with one collective and one read, instead of a read in every step."""
 
-    Returns the step loss (the mean of the last stage's micro-batch losses, on every rank) and the stats row:
-    ``loss``, ``busy_s``, ``wall_s``, ``idle_frac`` (lists over pipeline ranks), ``n_microbatches`` and, with a
-    meter, ``peak_act_bytes``/``act_bytes_per_mb``.
-    """
+    def __init__(self, rows: list[dict[str, Any]], *, last_pp_rank: int, pp_size: int, group: Any,
+                 device: torch.device) -> None:
+        self.rows = rows
+        self.pending: list[tuple[Tensor, list[float], int]] = []  # (step loss, [busy, wall, peak, per mb], m)
+        self.last_pp_rank, self.pp_size, self.group, self.device = last_pp_rank, pp_size, group, device
+        self.measured = False  # the steps had an activation meter
+
+    def add(self, loss: Tensor, *, busy: float, wall: float, meter: ActivationMeter | None,
+            n_microbatches: int) -> None:
+        peak = float(meter.peak) if meter is not None else 0.0
+        per_mb = float(meter.packed) / n_microbatches if meter is not None else 0.0
+        self.pending.append((loss.detach().reshape(()), [busy, wall, peak, per_mb], n_microbatches))
+        self.measured = self.measured or meter is not None
+
+    def flush(self) -> list[dict[str, Any]]:
+        """Rows of the pending steps (appended to :attr:`rows`; a collective: every pipeline rank calls it):
+        ``loss``, ``busy_s``, ``wall_s``, ``idle_frac`` (lists over pipeline ranks), ``n_microbatches`` and, with a
+        meter, ``peak_act_bytes``/``act_bytes_per_mb``."""
+        if not self.pending:
+            return []
+        pending, self.pending = self.pending, []
+        numbers = torch.tensor([x for _, n, _ in pending for x in n], dtype=torch.float64)
+        local = numbers.pin_memory() if self.device.type == "cuda" else numbers
+        local = local.to(self.device, non_blocking=True)
+        gathered = [torch.zeros_like(local) for _ in range(self.pp_size)]
+        dist.all_gather(gathered, local, group=self.group)
+        losses = torch.stack([loss.to(self.device, torch.float64) for loss, _, _ in pending])
+        g = torch.cat([torch.stack(gathered).reshape(-1), losses]).cpu()  # the one read
+        per_rank = g[:-len(pending)].reshape(self.pp_size, len(pending), 4)  # [pp, steps, 4]
+        out = []
+        for i, (_, _, m) in enumerate(pending):
+            s = per_rank[:, i]  # [pp, 4]: busy, wall, peak bytes, bytes per micro-batch
+            row = {"loss": float(g[len(g) - len(pending) + i]), "busy_s": s[:, 0].tolist(), "wall_s": s[:, 1].tolist(),
+                   "idle_frac": (1 - s[:, 0] / s[:, 1]).tolist(), "n_microbatches": m}
+            if self.measured:
+                row.update(peak_act_bytes=s[:, 2].tolist(), act_bytes_per_mb=s[:, 3].tolist())
+            out.append(row)
+        self.rows.extend(out)
+        return out
+
+
+def last_stage_loss(losses: list[Tensor], *, last_stage_rank: int, group: Any, device: torch.device) -> Tensor:
+    """The step loss on every pipeline rank: the mean of the last stage's micro-batch losses, broadcast from it (a
+    device collective; nothing is read on the host)."""
     local = torch.stack([x.detach().float() for x in losses]).mean() if losses else torch.zeros(())
-    peak = float(meter.peak) if meter is not None else 0.0
-    per_mb = float(meter.packed) / n_microbatches if meter is not None else 0.0
-    stats = torch.tensor([local.item(), busy, wall, peak, per_mb], dtype=torch.float64, device=device)
-    gathered = [torch.zeros_like(stats) for _ in range(pp_size)]
-    dist.all_gather(gathered, stats, group=group)
-    g = torch.stack(gathered).cpu()  # [pp, 5]: loss, busy, wall, peak bytes, bytes per micro-batch
-    loss = g[last_pp_rank, 0]
-    row = {"loss": float(loss), "busy_s": g[:, 1].tolist(), "wall_s": g[:, 2].tolist(),
-           "idle_frac": (1 - g[:, 1] / g[:, 2]).tolist(), "n_microbatches": n_microbatches}
-    if meter is not None:
-        row.update(peak_act_bytes=g[:, 3].tolist(), act_bytes_per_mb=g[:, 4].tolist())
-    return loss, row
+    loss = local.to(device=device, dtype=torch.float32).reshape(1).contiguous()
+    dist.broadcast(loss, src=last_stage_rank, group=group)
+    return loss[0]
 
 
 def log_step_stats(module: pl.LightningModule, row: dict[str, Any], *, batch_size: int) -> None:

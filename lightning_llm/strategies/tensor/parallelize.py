@@ -8,7 +8,6 @@ strategies can share them.
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -174,48 +173,38 @@ def global_grad_norm(
     grads_sharded_over_dp: bool = False,
     skip: Iterable[nn.Parameter] = (),
     device: torch.device | None = None,
-) -> float:
+) -> Tensor:
     """The L2 norm of the full gradient of the whole model, across every TP shard, pipeline stage and ZeRO shard
-    (a collective over the default group; every rank gets the same value). ``skip``: local copies that are not
-    separate parameters (a tied LM head on the last pipeline stage).
+    (a collective over the default group; every rank gets the same value), as an fp64 0-d tensor on ``device``: no
+    host read. ``skip``: local copies that are not separate parameters (a tied LM head on the last pipeline stage).
 
     A constant number of kernels whatever the number of parameters: one ``torch._foreach_norm`` per device, dtype and
-    replication count, the squared norms summed in fp64. A tensor norm that overflows fp32 (|g| ~ 1e19) is
-    recomputed from its elements in fp64, so a finite gradient never reads as an infinite norm."""
+    replication count, each tensor's norm accumulated in fp64 (a gradient whose fp32 norm would overflow, |g| ~ 1e19,
+    gives a finite norm), the squares summed in fp64."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     groups = _local_grads(params, skip, world=world, pp=pp, dp=dp, grads_sharded_over_dp=grads_sharded_over_dp)
-
-    def summed(exact: bool) -> float:  # sum over every rank of the squared local norms / their copies (one sync)
-        sq = torch.zeros((), dtype=torch.float64, device=device)
-        for (_, _, n), grads in groups.items():
-            if exact:
-                for g in grads:
-                    sq += g.detach().double().pow(2).sum().to(sq.device) / n
-            else:
-                sq += torch.stack(torch._foreach_norm(grads, 2.0)).double().square().sum().to(sq.device) / n
-        if world > 1:
-            dist.all_reduce(sq)
-        return float(sq)
-
-    total = summed(exact=False)
-    if not math.isfinite(total):  # an fp32 overflow somewhere (or NaN/inf grads): every rank recomputes exactly
-        total = summed(exact=True)
-    return math.sqrt(total)
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for (_, _, n), grads in groups.items():  # the sum over every rank of the squared local norms / their copies
+        norms = torch._foreach_norm(grads, 2.0, dtype=torch.float64)
+        sq += torch.stack(norms).square().sum().to(sq.device) / n
+    if world > 1:
+        dist.all_reduce(sq)
+    return sq.sqrt()
 
 
 @torch.no_grad()
-def clip_grads_by_global_norm(params: list[nn.Parameter], max_norm: float, **norm_kwargs: Any) -> float:
-    """Scale every local gradient by ``max_norm / global norm`` when the global norm exceeds it (one
-    ``torch._foreach_mul_`` per device and dtype); returns the norm."""
+def clip_grads_by_global_norm(params: list[nn.Parameter], max_norm: float, **norm_kwargs: Any) -> Tensor:
+    """Scale every local gradient by ``min(1, max_norm / global norm)`` (one ``torch._foreach_mul_`` per device and
+    dtype, the factor a device tensor, as ``torch.nn.utils.clip_grad_norm_`` does: nothing is read on the host);
+    returns the norm (fp64 0-d tensor)."""
     params = list(params)
     total = global_grad_norm(params, **norm_kwargs)
-    scale = max_norm / (total + 1e-6)
-    if scale < 1.0:
-        by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-        for p in {id(p): p for p in params}.values():  # a parameter listed twice is scaled once
-            if p.grad is not None:
-                g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                by_kind.setdefault((g.device, g.dtype), []).append(g)
-        for grads in by_kind.values():
-            torch._foreach_mul_(grads, scale)
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    by_kind: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for p in {id(p): p for p in params}.values():  # a parameter listed twice is scaled once
+        if p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            by_kind.setdefault((g.device, g.dtype), []).append(g)
+    for (device, _), grads in by_kind.items():
+        torch._foreach_mul_(grads, scale.to(device=device, dtype=torch.float32))
     return total

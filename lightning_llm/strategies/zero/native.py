@@ -219,6 +219,13 @@ class PartitionedOptimizer(Optimizer):
     def owner(self, p: Tensor) -> int:
         return self._owner_of[id(p)]
 
+    @property
+    def skips_on_found_inf(self) -> bool:
+        """Whether a ``found_inf`` tensor set on this optimizer (the non-finite guard's flag, as a GradScaler sets it)
+        skips the step on the device: the owned parameters are stepped by torch's fused kernel where they live (not
+        offloaded to CPU masters, whose kernel would read a device flag before it arrives)."""
+        return not self.offload and bool(self.param_groups) and all(g.get("fused") for g in self.param_groups)
+
     # ------------------------------------------------------------------------------------------ optimizer API
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
@@ -233,7 +240,13 @@ class PartitionedOptimizer(Optimizer):
                 for p in self.owned:
                     m = self._master[id(p)]
                     m.grad = None if p.grad is None else _local(p.grad).to("cpu", torch.float32)
-            self.local_optimizer.step()
+            found_inf = getattr(self, "found_inf", None)
+            if found_inf is not None:  # handed to the fused kernel: 1.0 leaves every owned weight and moment
+                self.local_optimizer.found_inf = found_inf
+            try:
+                self.local_optimizer.step()
+            finally:
+                self.local_optimizer.__dict__.pop("found_inf", None)
             if self.offload:
                 for p in self.owned:
                     _local(p).copy_(self._master[id(p)])
