@@ -312,9 +312,9 @@ def test_fused_linear_cross_entropy(chunk_size, with_bias, reduction, dtype, bac
 def test_default_chunk_size():
     from lightning_llm.kernels.cross_entropy import default_chunk_size
 
-    assert default_chunk_size(32768, 128256, 4096) == 2048  # chunk logits ~ 2x hidden in size (2093 -> 2048)
-    assert default_chunk_size(8192, 128256, 4096) == 512  # 523 -> 512
-    assert default_chunk_size(8192, 128000, 2048) == 256  # 262 -> 256
+    assert default_chunk_size(32768, 128256, 4096) == 4096  # at least H tokens (the logits rule gives 2093)
+    assert default_chunk_size(8192, 151936, 2048) == 2048  # Qwen3-30B-A3B's head: 220 -> H = 2048 (4 chunks)
+    assert default_chunk_size(65536, 32000, 2048) == 8192  # chunk logits ~ 2x hidden in size (8388 -> 8192)
     assert default_chunk_size(8192, 128000, 64) == 256  # 8 -> at least MIN_CHUNK tokens
     assert default_chunk_size(3, 10, 100) == 3
     assert default_chunk_size(5, 10**6, 8) == 5
