@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from lightning_llm.generation import GenerationConfig, generate
+from lightning_llm.testing import HostReadCounter
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPILED = dict(cache_implementation="static", compile=True)
@@ -254,29 +255,6 @@ def decode_table(rows: list[Row], *, title: str, command: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------- parity
-class HostReads:
-    """Counts host reads of tensor values (``item``, ``tolist``, ``bool``/``int``/``float`` of a tensor, ``cpu``)."""
-
-    NAMES = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy")
-
-    def __enter__(self) -> HostReads:
-        self.count, self._saved = 0, {n: getattr(torch.Tensor, n) for n in self.NAMES}
-
-        def counted(fn: Callable[..., Any]) -> Callable[..., Any]:
-            def read(*args: Any, **kwargs: Any) -> Any:
-                self.count += 1
-                return fn(*args, **kwargs)
-            return read
-
-        for n, fn in self._saved.items():
-            setattr(torch.Tensor, n, counted(fn))
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        for n, fn in self._saved.items():
-            setattr(torch.Tensor, n, fn)
-
-
 def parity_lines(device: torch.device, budget: Budget, *, size: str = "debug") -> list[str]:
     """fp32 tokens of our compiled static decoding against our eager decoding on ``device`` (greedy with EOS ids that
     end rows at different steps, and per-row sampling), and the host reads of a 64-token compiled generation."""
@@ -300,9 +278,9 @@ def parity_lines(device: torch.device, budget: Budget, *, size: str = "debug") -
                          f" to eager ({_agreement(compiled, eager)}; {tuple(eager.shape)})")
         never = GenerationConfig(max_new_tokens=64, eos_token_id=[model.config.vocab_size], **COMPILED)
         generate(model, ids, mask, config=never)
-        with HostReads() as reads:
+        with HostReadCounter().counting() as reads:
             generate(model, ids, mask, config=never)
-        lines.append(f"- host reads of a compiled 64-token generation with EOS ids: {reads.count} (at most 12 asked)")
+        lines.append(f"- host reads of a compiled 64-token generation with EOS ids: {len(reads)} (at most 12 asked)")
     except Exception as e:  # noqa: BLE001 - the rest of the part goes on
         traceback.print_exc()
         lines.append(f"- failed: {type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")

@@ -10,9 +10,7 @@ check; every other check runs the static cache's steps eagerly (the same code, u
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -21,6 +19,7 @@ import torch
 from lightning_llm.generation import GenerationConfig, generate
 from lightning_llm.generation import static as static_decoding
 from lightning_llm.models import DecoderLM, named_config
+from lightning_llm.testing import HostReadCounter
 
 EOS = [44, 75, 130, 209]  # tokens the debug model often picks: its rows end at different steps
 STATIC = dict(cache_implementation="static")
@@ -58,28 +57,6 @@ def _reference(model: Any, ids: torch.Tensor, mask: torch.Tensor, new: int, eos:
         if eos and bool(ended.all()):
             break
     return torch.stack(out, 1)
-
-
-@contextlib.contextmanager
-def host_reads() -> Iterator[list[str]]:
-    """Every host read of a tensor value inside the block (the methods that make one, by name)."""
-    names = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "cpu")
-    saved = {n: getattr(torch.Tensor, n) for n in names}
-    reads: list[str] = []
-
-    def counted(name: str) -> Any:
-        def read(*args: Any, **kwargs: Any) -> Any:
-            reads.append(name)
-            return saved[name](*args, **kwargs)
-        return read
-
-    for n in names:
-        setattr(torch.Tensor, n, counted(n))
-    try:
-        yield reads
-    finally:
-        for n, fn in saved.items():
-            setattr(torch.Tensor, n, fn)
 
 
 def _generate(model: Any, ids: torch.Tensor, mask: torch.Tensor, seed: int | None = None, **settings: Any
@@ -194,7 +171,7 @@ def test_host_reads_per_generation(model: DecoderLM, settings: dict[str, Any]) -
     position read and an end check per token)."""
     ids, mask = _prompts(3, 9, seed=7)
     for eos in (None, [300]):  # EOS ids that never come: all 64 tokens
-        with host_reads() as reads:
+        with HostReadCounter().counting() as reads:
             out = _generate(model, ids, mask, max_new_tokens=64, eos_token_id=eos, **settings)
         print(f"{settings or 'dynamic'}, eos {eos}: {len(reads)} host reads {reads}")
         assert out.shape == (3, 64) and len(reads) <= 64 // 8 + 4
@@ -220,7 +197,7 @@ def compiled_runs() -> dict[str, Any]:
         runs["equal"].append(torch.equal(compiled, _generate(model, ids, mask, **settings)))
         runs["graphs"].append(counters["stats"]["unique_graphs"])
         if i == 0:
-            with host_reads() as reads:
+            with HostReadCounter().counting() as reads:
                 _generate(model, ids, mask, **settings, **COMPILED)
             runs["reads"] = list(reads)
     ids, mask = _prompts(4, 8, seed=20)
