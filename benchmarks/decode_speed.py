@@ -241,8 +241,8 @@ def decode_rows(model: Any, hf: Any | None, *, batches: list[int], new: int, dev
 
 def decode_table(rows: list[Row], *, title: str, command: str) -> list[str]:
     lines = [f"## {title}", "", f"`{command}`", "",
-             "| rows | decoding | tokens/s | vs ours eager | warm-up (s) | median call (s) | tokens equal to ours eager "
-             "| note |", "|---|---|---|---|---|---|---|---|"]
+             "| rows | decoding | tokens/s | vs ours eager | warm-up (s) | median call (s) | tokens equal to ours "
+             "eager | note |", "|---|---|---|---|---|---|---|---|"]
     eager = {r.batch: r.tokens_per_s for r in rows if r.what.startswith("ours, dynamic") and r.tokens_per_s}
     for r in rows:
         tps = r.tokens_per_s
@@ -304,7 +304,8 @@ def grpo_rollouts(*, flags: list[str], settings: dict[str, str], rollouts: int, 
             env["OMP_NUM_THREADS"] = "1"  # the shared 2-core machine: more threads than cores stall every matmul
         done = subprocess.run(cli, capture_output=True, text=True, env=env, cwd=work, timeout=timeout_s)
         if done.returncode:
-            return [], f"failed: {done.stderr.strip().splitlines()[-1][:300] if done.stderr.strip() else done.returncode}"
+            last = done.stderr.strip().splitlines()[-1][:300] if done.stderr.strip() else f"exit {done.returncode}"
+            return [], f"failed: {last}"
         path = next(Path(out).rglob("metrics.csv"))
         return [float(r["time/rollout_s"]) for r in csv.DictReader(path.open()) if r.get("time/rollout_s")], ""
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.metadata
 import json
 import os
 import statistics
@@ -88,11 +89,9 @@ def _prompts(batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _version(name: str) -> str:
     try:
-        import importlib.metadata
-
         return importlib.metadata.version(name)
-    except Exception:  # noqa: BLE001
-        return "?"
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def _group(name: str) -> str:
@@ -380,7 +379,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--part", choices=["decode", "grpo", "reference", "all", "static", "gpu"], default="all")
     p.add_argument("--device", default="cpu", help="--part static/gpu: the device (cuda for the GPU rows)")
-    p.add_argument("--budget-s", type=float, default=200.0, help="--part static/gpu: seconds for all its rows (a row that would not fit is skipped, saying so)")
+    p.add_argument("--budget-s", type=float, default=200.0,
+                   help="--part static/gpu: seconds for all its rows (a row that would not fit is skipped, saying so)")
     p.add_argument("--gpu-size", default="llama-1b", help="--part gpu: the decoder of the decoding rows")
     p.add_argument("--batches", type=int, nargs="*", default=None, help="--part static/gpu: batch sizes, in order")
     p.add_argument("--grpo-overrides", default=GRPO_05B, help="--part gpu: model_overrides of the GRPO run")
@@ -410,8 +410,8 @@ def main() -> None:
              f"machine (gloo; load average at the start {os.getloadavg()[0]:.1f}).", ""]
     if a.part in ("static", "gpu"):
         lines = [f"# Decoding with the static cache and a compiled step ({a.device})", "",
-                 f"Measured {time.strftime('%Y-%m-%d')}: torch {torch.__version__}, transformers {_version('transformers')}"
-                 f", load average at the start {os.getloadavg()[0]:.1f}.", ""]
+                 f"Measured {time.strftime('%Y-%m-%d')}: torch {torch.__version__}, transformers "
+                 f"{_version('transformers')}, load average at the start {os.getloadavg()[0]:.1f}.", ""]
     t0 = time.perf_counter()
     if a.part in ("static", "gpu"):
         lines = static_part(a, lines)

@@ -100,18 +100,18 @@ def plan_static(model: Any, input_ids: Tensor, cfg: GenerationConfig) -> StaticP
     module = decoder_module(model)
     if module is None or not getattr(module, "static_kv_cache", False):
         log_once(f"cache_implementation=static: {type(module or model).__name__} takes no static KV cache; decoding "
-              "with the dynamic cache")
+                 "with the dynamic cache")
         return None
     if cfg.compile and (why := _sharded(module)) is not None:
-        log_once(f"compile=true: the decoder holds {why} here, which a compiled step does not trace; decoding eagerly "
-              "with the dynamic cache")
+        log_once(f"compile=true: the decoder holds {why} here, which a compiled step does not trace; decoding "
+                 "eagerly with the dynamic cache")
         return None
     columns = input_ids.shape[1] + cfg.max_new_tokens
     limit = getattr(getattr(module, "config", None), "max_position_embeddings", None)
     capacity = capacity_bucket(columns)
     if limit is not None and columns > limit:
         log_once(f"cache_implementation=static: a prompt of {input_ids.shape[1]} columns + {cfg.max_new_tokens} new "
-              f"tokens passes the largest bucket (max_position_embeddings={limit}); decoding with the dynamic cache")
+                 f"tokens passes the largest bucket (max_position_embeddings={limit}); decoding with the dynamic cache")
         return None
     return StaticPlan(capacity=min(capacity, limit) if limit is not None else capacity, compiled=cfg.compile)
 
