@@ -41,10 +41,11 @@ class _SummaryLines(logging.Handler):
         self.lines: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.lines += [ln for ln in record.getMessage().splitlines() if "estimated memory per rank" in ln]
+        self.lines += [ln for ln in record.getMessage().splitlines()
+                       if "estimated memory per rank" in ln or "this run saves checkpoints" in ln]
 
 
-def _fit(strategy: Any, out: Path) -> dict[str, Any]:
+def _fit(strategy: Any, out: Path, *, save: bool = False) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from lightning_llm.data import TextDataModule
@@ -62,7 +63,8 @@ def _fit(strategy: Any, out: Path) -> dict[str, Any]:
     logger.addHandler(summary)
     logger.setLevel(logging.INFO)
     try:
-        trainer = table_trainer(out, strategy=strategy, devices=2, max_steps=STEPS, callbacks=[rec])
+        trainer = table_trainer(out, strategy=strategy, devices=2, max_steps=STEPS, callbacks=[rec],
+                                save_every_step=save)
         trainer.fit(task, dm)
     finally:
         logger.removeHandler(summary)
@@ -87,7 +89,8 @@ def _worker(mode: str, out: Path) -> None:
 
     runs = {"zero3": _fit("deepspeed_zero3", out / "zero3"),
             "nvme": _fit(DeepSpeedZeroStrategy(stage=3, offload_optimizer=True, offload_params=True,
-                                               offload_device="nvme", nvme_path=str(out / "nvme")), out / "run")}
+                                               offload_device="nvme", nvme_path=str(out / "nvme")), out / "run",
+                         save=True)}
     write_json_on_rank0(out / "runs.json", gathered(runs))
 
 
@@ -125,11 +128,28 @@ def test_nvme_trains_the_deepspeed_zero3_curve_and_leaves_its_swap_files(runs: t
         assert 0.95 * est["disk"] <= row["nvme"]["disk"] <= est["disk"]
         assert 0.9 * est["host"] <= row["nvme"]["host_buffers"] <= 1.1 * est["host"]
     assert (out / "nvme" / "zero_stage_3" / "optimizer" / "rank1").is_dir()  # left where DeepSpeed put them
-    line = ranks[0]["nvme"]["summary"][0]
+    line = next(ln for ln in ranks[0]["nvme"]["summary"] if "estimated memory per rank" in ln)
     mib = 2**20
     assert "MiB on the device = parameters 0.0, gradients 0.0, optimizer 0.0" in line, line
     assert (f"{est['host'] / mib:.1f} MiB on the host (swap buffers), {est['disk'] / mib:.1f} MiB on disk "
             f"(swap files under {out / 'nvme'})") in line, line
+
+
+@pytest.mark.multiprocess
+def test_nvme_checkpoints_are_refused_when_read(runs: tuple[Path, Any]) -> None:
+    """DeepSpeed 0.19.8 resumed an NVMe checkpoint with its unswapped optimizer sub-groups and the parameters at their
+    initial values (the resumed loss was the initial one) and its zero files lack the swapped fp32 weights: the run
+    is warned when it saves, and reading one (resume, export, evaluation) is refused in one line."""
+    from lightning_llm.checkpoint import CheckpointError
+    from lightning_llm.export import read_checkpoint
+
+    out, ranks = runs
+    assert any("this run saves checkpoints, but DeepSpeed 0.19.8 cannot resume" in ln
+               for ln in ranks[0]["nvme"]["summary"])
+    last = out / "run" / "ckpt" / "last.ckpt"
+    assert (last / "checkpoint" / "offloaded_tensors").is_dir()
+    with pytest.raises(CheckpointError, match="a deepspeed_zero3_nvme checkpoint: DeepSpeed 0.19.8 cannot resume"):
+        read_checkpoint(last)
 
 
 def test_estimate_states_device_host_and_disk_bytes() -> None:

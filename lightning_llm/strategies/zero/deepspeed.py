@@ -44,6 +44,7 @@ from lightning_llm.checkpoint.safe_load import DEEPSPEED_GLOBALS
 from lightning_llm.reliability import SaveFault, publish, remove_path, staging_path
 from lightning_llm.strategies.zero.common import check_adapter, validate_zero_args, write_export
 from lightning_llm.strategies.zero.nvme import AioSettings, check_offload_device, nvme_config, partition_for_nvme
+from lightning_llm.strategies.zero.nvme import refuse_nvme_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -324,7 +325,8 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
         params = [p for p in model.parameters() if p.requires_grad]
         self.config = self._with_manual_clipping(self.config)  # CheckedClipPrecision reads what the engine applies
         if self.nvme_path is not None:
-            partition_for_nvme(model, self.config, user_config=self._user_config, world_size=self.world_size)
+            partition_for_nvme(model, self.config, user_config=self._user_config, world_size=self.world_size,
+                               checkpoints=bool(self.lightning_module.trainer.checkpoint_callbacks))
         return self._initialize(model, self.config, params=params, optimizer=optimizer, lr_scheduler=lr_scheduler)
 
     def _with_manual_clipping(self, config: dict[str, Any]) -> dict[str, Any]:
@@ -379,6 +381,7 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         # DeepSpeed unpickles its files in full (weights_only=False): every one is checked first, on every rank.
         verify_checkpoint(checkpoint_path, name=f"--ckpt_path={checkpoint_path}")
+        refuse_nvme_checkpoint(checkpoint_path, name=f"--ckpt_path={checkpoint_path}")
         if not self.load_full_weights and not self.config.get("checkpoint", {}).get("load_universal"):
             # Every rank checks every file before DeepSpeed reads its own, so all ranks stop with the same error
             # (a rank failing alone left its peers to die in a gloo error). Only a resume loads the per-rank
@@ -441,6 +444,7 @@ def consolidated_checkpoint(path: _PATH) -> dict[str, Any]:
     from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
 
     verify_checkpoint(path, name=str(path))  # Lightning's converter and DeepSpeed's reader unpickle in full
+    refuse_nvme_checkpoint(path, name=str(path))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "consolidated.ckpt"
         convert_zero_checkpoint_to_fp32_state_dict(str(path), str(out))

@@ -18,6 +18,7 @@ The swap files stay under ``nvme_path`` after the run as DeepSpeed leaves them (
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,9 +26,13 @@ from typing import Any
 
 from torch import nn
 
+from lightning_llm.checkpoint import CheckpointError
+
+log = logging.getLogger(__name__)
+
 __all__ = ["AioSettings", "LIBAIO_INSTALL", "SUB_GROUP_SIZE", "check_libaio", "check_nvme_path", "check_offload_device",
-           "nvme_config", "partition_for_nvme", "rank_partition_numel", "swap_buffer_bytes", "swap_buffer_numel",
-           "swap_file_bytes"]
+           "nvme_config", "partition_for_nvme", "rank_partition_numel", "refuse_nvme_checkpoint", "swap_buffer_bytes",
+           "swap_buffer_numel", "swap_file_bytes"]
 
 LIBAIO_INSTALL = "apt-get install -y libaio-dev"
 """The one command that installs the system library DeepSpeed's async I/O op builds against (Debian, Ubuntu)."""
@@ -35,6 +40,12 @@ LIBAIO_INSTALL = "apt-get install -y libaio-dev"
 SUB_GROUP_SIZE = 100_000_000
 """Elements per optimizer sub-group (DeepSpeed's ``sub_group_size``; its default 1e9 would size every swap buffer like
 a rank's whole partition)."""
+
+UNRESUMABLE = ("DeepSpeed 0.19.8 cannot resume or consolidate one whole (it restores only the optimizer states it "
+               "swapped to disk, the rest from their initial values, and its zero files lack the swapped fp32 "
+               "weights); train with deepspeed_zero3_offload where checkpoints must resume")
+"""Why ``deepspeed_zero3_nvme`` checkpoints are refused when read (measured: a resume's first loss was the initial
+one), and what its runs that save checkpoints are warned of."""
 
 PARAM_BUFFERS, OPTIMIZER_BUFFERS = 5, 4  # DeepSpeed's defaults of offload_param / offload_optimizer buffer_count
 
@@ -137,7 +148,7 @@ def rank_partition_numel(model: nn.Module, world: int) -> tuple[int, int]:
 
 
 def partition_for_nvme(model: nn.Module, config: dict[str, Any], *, user_config: dict[str, Any],
-                       world_size: int) -> None:
+                       world_size: int, checkpoints: bool) -> None:
     """Before ``deepspeed.initialize``: size the parameter swap buffers to ``model`` (unless ``user_config`` does) and
     partition it with ``deepspeed.zero.Init(module=...)`` reading the dtype from ``config``. ``deepspeed.initialize``
     would pass the module's dtype, which DeepSpeed 0.19.8's ``Init._set_dtype`` drops on its CPU accelerator (no fp16
@@ -145,6 +156,8 @@ def partition_for_nvme(model: nn.Module, config: dict[str, Any], *, user_config:
     (measured: the loss moved 1.4e-5 at step 0, 2.8e-4 at step 2)."""
     import deepspeed
 
+    if checkpoints:
+        log.warning("deepspeed_zero3_nvme: this run saves checkpoints, but %s", UNRESUMABLE)
     zero = config["zero_optimization"]
     user = user_config.get("zero_optimization", {}).get("offload_param", {})
     if "offload_param" in zero and "buffer_size" not in user:
@@ -152,6 +165,15 @@ def partition_for_nvme(model: nn.Module, config: dict[str, Any], *, user_config:
         zero["offload_param"]["buffer_size"] = swap_buffer_numel(
             largest=largest, rank_numel=total, sub_group_size=int(zero.get("sub_group_size", SUB_GROUP_SIZE)))
     deepspeed.zero.Init(module=model, config_dict_or_path=config)
+
+
+def refuse_nvme_checkpoint(path: str | os.PathLike, *, name: str) -> None:
+    """Refuse (one line) a checkpoint DeepSpeed wrote with its optimizer states on NVMe (``offloaded_tensors/`` in its
+    tag directory). DeepSpeed 0.19.8 restores from it only the optimizer sub-groups it swapped (of >= 1 MiB): the
+    others, and the parameters built from them, restart from their initial values (measured: the resumed loss was
+    the initial one), and its zero files hold no fp32 weights of the swapped ones, so they cannot be consolidated."""
+    if any(Path(path).glob("*/offloaded_tensors")):
+        raise CheckpointError(f"{name}: a deepspeed_zero3_nvme checkpoint: {UNRESUMABLE}")
 
 
 def swap_file_bytes(nvme_path: str | os.PathLike, rank: int) -> int:
