@@ -292,7 +292,8 @@ def _transformers(case: Case, work: Path, device: Any, total: int, clock: Clock)
     if case.precision == "bf16-true":
         model = model.to(torch.bfloat16)
     model.train()
-    _loop(case, work, device, total, clock, model, lambda b: model(input_ids=b["input_ids"], labels=b["input_ids"]).loss)
+    _loop(case, work, device, total, clock, model,
+          lambda b: model(input_ids=b["input_ids"], labels=b["input_ids"]).loss)
     return note
 
 
@@ -322,7 +323,7 @@ def _kernels(device: Any) -> dict[str, Any]:
     token (``index_select``'s backward, a scatter-add, against the gather + sum)."""
     import torch
 
-    from lightning_llm.kernels.cross_entropy import default_chunk_size, fused_linear_cross_entropy
+    from lightning_llm.kernels.cross_entropy import chunk_size_for, fused_linear_cross_entropy
     from lightning_llm.models.moe import _TokensByExpert
 
     cuda = device.type == "cuda"
@@ -350,8 +351,8 @@ def _kernels(device: Any) -> dict[str, Any]:
             fused_linear_cross_entropy(hidden, weight, target, chunk_size=chunk).backward()
         return run
 
-    out = {"head_old_ms": timed(head(256)), "head_new_ms": timed(head(None)), "head_chunk": default_chunk_size(n, v, h),
-           "shape": [n, h, v]}
+    out = {"head_old_ms": timed(head(256)), "head_new_ms": timed(head(None)),
+           "head_chunk": chunk_size_for(n, v, h, device), "shape": [n, h, v]}
     k = 8
     x = torch.randn(n, h, device=device, generator=g, dtype=torch.bfloat16).requires_grad_()
     order = torch.argsort(torch.randint(0, 128, (n * k,), device=device, generator=g), stable=True)
@@ -458,13 +459,13 @@ def _markdown(args: argparse.Namespace, rows: list[Row], total_s: float, device:
         plain = next((p for p in rows if p.case == r.case and p.path == "plain" and p.step_ms), None)
         ratio = f"{r.step_ms / plain.step_ms:.3f}x" if plain and r.step_ms else "-"
         lines.append(f"| {r.case} | {r.path} | {r.status} | {_fmt(r.step_ms, '.1f')} | {_fmt(r.wall_ms, '.1f')} | "
-                     f"{_fmt(r.tokens_per_s, ',.0f')} | {_fmt(r.tflops, '.1f')} | "
+                     f"{_fmt(r.tokens_per_s, ',.0f')} | {_fmt(r.tflops, '.3g')} | "
                      f"{_fmt(r.mfu * 100 if r.mfu is not None else None, '.1f')}{'%' if r.mfu else ''} | {ratio} | "
                      f"{_fmt(r.syncs, '.1f')} | {_fmt(r.peak_gib, '.1f')} | {r.seconds:.0f} | {r.note} |")
     origins = [(r, r.extra.get("sync_origins")) for r in rows if r.extra.get("sync_origins")]
     if origins:
-        lines += ["", "Synchronising CUDA calls per step by origin (`torch.cuda.set_sync_debug_mode`, two steps after the "
-                  "timed ones):", ""]
+        lines += ["", "Synchronising CUDA calls per step by origin (`torch.cuda.set_sync_debug_mode`, two steps "
+                  "after the timed ones):", ""]
         lines += [f"- {r.case} {r.path}: " + "; ".join(f"{v:g} x {k}" for k, v in o.items()) for r, o in origins]
     lines += ["", *_goals(rows), ""]
     return "\n".join(lines)

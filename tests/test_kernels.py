@@ -312,12 +312,25 @@ def test_fused_linear_cross_entropy(chunk_size, with_bias, reduction, dtype, bac
 def test_default_chunk_size():
     from lightning_llm.kernels.cross_entropy import default_chunk_size
 
-    assert default_chunk_size(32768, 128256, 4096) == 4096  # at least H tokens (the logits rule gives 2093)
-    assert default_chunk_size(8192, 151936, 2048) == 2048  # Qwen3-30B-A3B's head: 220 -> H = 2048 (4 chunks)
-    assert default_chunk_size(65536, 32000, 2048) == 8192  # chunk logits ~ 2x hidden in size (8388 -> 8192)
+    assert default_chunk_size(32768, 128256, 4096) == 2048  # chunk logits ~ 2x hidden in size (2093 -> 2048)
+    assert default_chunk_size(8192, 128256, 4096) == 512  # 523 -> 512
+    assert default_chunk_size(8192, 128000, 2048) == 256  # 262 -> 256
     assert default_chunk_size(8192, 128000, 64) == 256  # 8 -> at least MIN_CHUNK tokens
     assert default_chunk_size(3, 10, 100) == 3
     assert default_chunk_size(5, 10**6, 8) == 5
+
+
+def test_chunks_on_cuda_cover_the_hidden_size():
+    """On CUDA a chunk covers at least H tokens (the head's fp32 weight gradient is read and written once per chunk);
+    the CPU keeps the memory rule. Sizes only: no device is touched."""
+    from lightning_llm.kernels.cross_entropy import chunk_size_for
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert chunk_size_for(8192, 151936, 2048, cuda) == 2048  # Qwen3-30B-A3B's head: 256 -> 2048 (4 chunks, not 32)
+    assert chunk_size_for(8192, 151936, 2048, cpu) == 256
+    assert chunk_size_for(32768, 128256, 4096, cuda) == 4096  # the logits rule gives 2048
+    assert chunk_size_for(65536, 32000, 2048, cuda) == 8192  # the logits rule is larger: kept
+    assert chunk_size_for(1000, 151936, 2048, cuda) == 1000  # at most the tokens there are
 
 
 def test_zz_report_max_errors():

@@ -186,16 +186,24 @@ on CPU: 64-token chunks of a 32k vocabulary took 1.3x the time of 1024-token one
 
 
 def default_chunk_size(n: int, vocab: int, hidden: int) -> int:
-    """Tokens per chunk (a power of two, rounded down; at least :data:`MIN_CHUNK`, at most ``n``): the larger of
-
-    * a chunk whose logits ``[C, V]`` hold about 2x the elements of the hidden states ``[N, H]`` (at 32k tokens x
-      4096 x 128256: 2048 tokens, 512 MiB of bf16 logits, ``benchmarks/loss_memory.py``), and
-    * ``H`` tokens: each chunk adds its product into the fp32 gradient of the head's weight (a read and a write of
-      ``8 V H`` bytes), so that traffic is ``N / C`` passes; at ``C = H`` a chunk's bf16 logits are half the bytes of
-      that buffer, which exists anyway. (Qwen3-30B-A3B's head, 8192 tokens x 2048 x 151936: 256-token chunks made 32
-      passes over its 1.2 GiB buffer, 29 ms of a 121 ms step on an H200; 2048 tokens make 4.)"""
-    target = max(1, (2 * n * hidden) // max(vocab, 1), hidden)
+    """Tokens per chunk so a chunk's logits ``[C, V]`` hold about 2x the elements of the hidden states ``[N, H]`` (a
+    power of two, rounded down; at least :data:`MIN_CHUNK`). At 32k tokens x 4096 x 128256 that is 2048 tokens: 512 MiB
+    of bf16 logits per chunk, 16 chunks (``benchmarks/loss_memory.py``)."""
+    target = max(1, (2 * n * hidden) // max(vocab, 1))
     return max(1, min(n, max(MIN_CHUNK, 1 << (target.bit_length() - 1))))
+
+
+def chunk_size_for(n: int, vocab: int, hidden: int, device: torch.device) -> int:
+    """The fused loss's tokens per chunk on ``device``: :func:`default_chunk_size`, and on CUDA at least ``H`` tokens
+    (capped at ``n``). Each chunk adds its product into the head's fp32 weight gradient with one fp32-output GEMM,
+    reading and writing ``8 V H`` bytes, so that traffic takes ``N / C`` passes; at ``C = H`` a chunk's bf16 logits
+    are half that buffer's bytes, which exists anyway. (Qwen3-30B-A3B's head, 8192 tokens x 2048 x 151936 on an H200:
+    256-token chunks made 32 passes over its 1.2 GiB buffer, 29 ms of a 121 ms step; 2048 tokens make 4.) The CPU
+    keeps the memory rule: its GEMMs, not that traffic, bound the loss there."""
+    chunk = default_chunk_size(n, vocab, hidden)
+    if device.type != "cuda":
+        return chunk
+    return max(chunk, min(n, 1 << (max(hidden, 1).bit_length() - 1)))
 
 
 def _entropy(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -330,7 +338,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
         h2 = hidden.reshape(-1, H)
         t = target.reshape(-1).contiguous()
         N, V = h2.shape[0], weight.shape[0]
-        chunk = chunk_size or default_chunk_size(N, V, H)
+        chunk = chunk_size or chunk_size_for(N, V, H, h2.device)
         n_valid, scale = _mean_scale(t, ignore_index, reduction)
         need = [grad_enabled and n for n in ctx.needs_input_grad]
         if reduction == "none":  # per-row upstream grads are unknown yet: recompute in backward
@@ -390,7 +398,7 @@ def fused_linear_cross_entropy(
     """``cross_entropy(hidden @ weight.T + bias, target)`` without materialising the ``[N, V]`` logits.
 
     ``hidden`` ``[..., H]``, ``weight`` ``[V, H]`` (the LM head), ``bias`` ``[V]`` or None, ``target`` ``[...]``.
-    ``chunk_size`` tokens per chunk (None: :func:`default_chunk_size`, about ``2 N H / V`` tokens). Each chunk's
+    ``chunk_size`` tokens per chunk (None: :func:`chunk_size_for`, about ``2 N H / V`` tokens, on CUDA at least ``H``). Each chunk's
     logits are in ``hidden.dtype``, the compute dtype: ``weight``/``bias`` share it, or are fp32 masters of bf16/fp16
     hidden states (cast once here, their gradients fp32 sums; see the module docstring). For
     ``reduction="none"`` the chunks are recomputed in backward.

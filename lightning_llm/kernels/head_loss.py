@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ._backend import Backend
-from .cross_entropy import default_chunk_size, fused_linear_cross_entropy
+from .cross_entropy import chunk_size_for, fused_linear_cross_entropy
 from .tp_cross_entropy import vocab_parallel_fused_linear_cross_entropy
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ def _vocab_parallel_loss(hidden: Tensor, weight: Tensor, bias: Tensor | None, la
         hidden, b = hidden / temperature, (b / temperature if b is not None else None)
     per_rank = -(-weight.shape[0] // mesh.size())  # torch.chunk's split of the vocabulary rows (the widest shard)
     # Chunks sized by the widest shard: every rank runs the same chunk loop (each chunk all-reduces).
-    chunk = default_chunk_size(hidden.numel() // hidden.shape[-1], per_rank, hidden.shape[-1])
+    chunk = chunk_size_for(hidden.numel() // hidden.shape[-1], per_rank, hidden.shape[-1], hidden.device)
     with torch.autocast(hidden.device.type, enabled=False):
         return vocab_parallel_fused_linear_cross_entropy(
             hidden, w, labels, vocab_start=min(mesh.get_local_rank() * per_rank, weight.shape[0]),

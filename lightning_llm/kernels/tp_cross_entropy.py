@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ._backend import Backend, resolve_backend
-from .cross_entropy import _grad_buffers, _mean_scale, chunk_logits, compute_operands, contract_chunk, default_chunk_size
+from .cross_entropy import _grad_buffers, _mean_scale, chunk_logits, compute_operands, contract_chunk, chunk_size_for
 
 
 def _stats_torch(x: torch.Tensor, target: torch.Tensor, vocab_start: int):
@@ -218,7 +218,7 @@ def vocab_parallel_fused_linear_cross_entropy(
         width = torch.tensor([weight.shape[0]], device=hidden.device)
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(width, op=dist.ReduceOp.MAX, group=group)
-        chunk_size = default_chunk_size(hidden.numel() // hidden.shape[-1], int(width), hidden.shape[-1])
+        chunk_size = chunk_size_for(hidden.numel() // hidden.shape[-1], int(width), hidden.shape[-1], hidden.device)
     return VocabParallelFusedLinearCrossEntropyFunction.apply(
         hidden, weight, target, bias, group, int(vocab_start), ignore_index, reduction, chunk_size,
         resolve_backend(backend, hidden), torch.is_grad_enabled())
