@@ -354,5 +354,5 @@ class NonFiniteGuard(pl.Callback):
         if self.in_a_row > self.max_consecutive_skips:
             raise NonFiniteLossError(
                 f"{self.in_a_row} optimizer steps in a row were skipped for NaN/inf loss or gradients, the last at "
-                f"{where or self.where(task)} (--model.optim.max_consecutive_skips={self.max_consecutive_skips}): the run has "
-                f"diverged. {self._last_good(task, 'a lower --model.optim.lr')}")
+                f"{where or self.where(task)} (--model.optim.max_consecutive_skips={self.max_consecutive_skips}): "
+                f"the run has diverged. {self._last_good(task, 'a lower --model.optim.lr')}")

@@ -28,7 +28,56 @@ COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_in
 """The ``torch.distributed`` functions :class:`CollectiveCounter` counts."""
 
 
-class CollectiveCounter(pl.Callback):
+class _Wrapping(pl.Callback):
+    """Functions wrapped by a counter from ``on_train_start`` to the end of ``fit`` (or inside a ``with`` block):
+    :meth:`_targets` names ``(owner, attribute)`` pairs, :meth:`_wrap` makes each wrapper; an attribute the owner
+    only inherited is deleted again afterwards."""
+
+    def __init__(self) -> None:
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def _targets(self) -> list[tuple[Any, str]]:
+        raise NotImplementedError
+
+    def _wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        raise NotImplementedError
+
+    def _install(self) -> None:
+        for owner, name in self._targets():
+            fn = getattr(owner, name)
+            self._saved.append((owner, name, vars(owner).get(name)))
+            setattr(owner, name, self._wrap(name, fn))
+
+    def _uninstall(self) -> None:
+        for owner, name, fn in reversed(self._saved):
+            if fn is None:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, fn)
+        self._saved = []
+
+    @contextlib.contextmanager
+    def _installed(self) -> Iterator[None]:
+        """Wrapped inside the block, unless they already are."""
+        installed = not self._saved
+        if installed:
+            self._install()
+        try:
+            yield
+        finally:
+            if installed:
+                self._uninstall()
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._install()
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._uninstall()
+
+
+class CollectiveCounter(_Wrapping):
     """Calls of ``torch.distributed``'s collectives in each training step (forward, backward, optimizer step):
     ``steps[i]`` lists ``(function, group ranks, elements)`` per call of batch ``i``.
 
@@ -37,9 +86,9 @@ class CollectiveCounter(pl.Callback):
     C++ reducer nor DTensor's functional collectives (tensor-parallel communication inside the model)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.steps: list[list[tuple[str, str, int]]] = []
         self._current: list[tuple[str, str, int]] | None = None
-        self._saved: dict[str, Any] = {}
 
     def count(self, step: int, fn: str, *, group: str | None = None, min_elements: int = 0) -> int:
         """Calls of ``fn`` in batch ``step`` (over ``group``: its ranks joined by commas), each moving at least
@@ -61,16 +110,9 @@ class CollectiveCounter(pl.Callback):
 
         return counted
 
-    def _install(self) -> None:
-        for name in COLLECTIVES:
-            if hasattr(dist, name):  # all_gather_single / reduce_scatter_single: FSDP2's, torch >= 2.10
-                self._saved[name] = getattr(dist, name)
-                setattr(dist, name, self._wrap(name, self._saved[name]))
-
-    def _uninstall(self) -> None:
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-        self._saved = {}
+    def _targets(self) -> list[tuple[Any, str]]:
+        # all_gather_single / reduce_scatter_single: FSDP2's, torch >= 2.10
+        return [(dist, name) for name in COLLECTIVES if hasattr(dist, name)]
 
     @contextlib.contextmanager
     def counting(self) -> Iterator[list[tuple[str, str, int]]]:
@@ -78,19 +120,11 @@ class CollectiveCounter(pl.Callback):
         ``(function, group ranks, elements)`` it fills."""
         calls: list[tuple[str, str, int]] = []
         previous, self._current = self._current, calls
-        installed = not self._saved
-        if installed:
-            self._install()
         try:
-            yield calls
+            with self._installed():
+                yield calls
         finally:
             self._current = previous
-            if installed:
-                self._uninstall()
-
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._install()
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -103,10 +137,6 @@ class CollectiveCounter(pl.Callback):
         if self._current is not None:
             self.steps.append(self._current)
         self._current = None
-
-    @override
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._uninstall()
 
 
 class _AtenCalls(TorchDispatchMode):
@@ -191,7 +221,8 @@ def _read_owner(frame: Any) -> tuple[str, str]:
     """``(owner, where)`` of a read made from ``frame``: ``lightning_llm`` when a frame of the package lies inward of
     Lightning's trainer and loops (our hooks, our strategies, a Lightning utility our code called), ``lightning`` for
     Lightning's own loop work (logging, the progress bar), ``data`` inside ``torch.utils.data`` (host tensors of the
-    loader), ``host`` for the host step counters of torch's non-fused optimizers, else ``other``; ``where`` is ``file:line`` of the innermost frame of that owner (outside torch)."""
+    loader), ``host`` for the host step counters of torch's non-fused optimizers, else ``other``; ``where`` is
+    ``file:line`` of the innermost frame of that owner (outside torch)."""
     outer = frame
     while outer is not None:  # the data loader's work (its sampler, collate) is host work wherever it is written
         if outer.f_code.co_filename.startswith(_HOST_DIRS[0]):
@@ -213,15 +244,16 @@ def _read_owner(frame: Any) -> tuple[str, str]:
     return "other", first or "?"
 
 
-class HostReadCounter(pl.Callback):
+class HostReadCounter(_Wrapping):
     """Host reads of tensor values in each training batch (:data:`HOST_READS`): on a GPU each one waits for the device
     to finish everything queued before it, and the device then idles while the host queues work again.
 
     The methods and functions are wrapped from ``on_train_start`` to the end of ``fit``; a batch's reads are those
     from its ``on_train_batch_start`` to the next batch's (its step, backward, optimizer step, logging, the progress
-    bar), counted for the batches in ``steps`` (numbered from 0 over the whole fit, epochs included); reads of the data loader (``torch.utils.data``: host tensors) are
-    left out. ``reads[batch]`` lists ``(owner, where, what)`` per read (:func:`_read_owner`). With ``output``, rank
-    0 writes every rank's ``{"reads": {batch: [[owner, where, what], ...]}}`` there as JSON at the end of ``fit``."""
+    bar), counted for the batches in ``steps`` (numbered from 0 over the whole fit, epochs included); reads of the
+    data loader (``torch.utils.data``: host tensors) are left out. ``reads[batch]`` lists ``(owner, where, what)``
+    per read (:func:`_read_owner`). With ``output``, rank 0 writes every rank's ``{"reads": {batch: [[owner, where,
+    what], ...]}}`` there as JSON at the end of ``fit``."""
 
     def __init__(self, output: str | None = None, steps: tuple[int, int] = (3, 7)) -> None:
         """
@@ -229,13 +261,13 @@ class HostReadCounter(pl.Callback):
             output: JSON file rank 0 writes every rank's reads to at the end of fit.
             steps: First and last batch counted (numbered from 0 over the fit).
         """
+        super().__init__()
         self.output = output
         self.first, self.last = steps
         self.reads: dict[int, list[tuple[str, str, str]]] = {}
         self._batch: int | None = None
         self._seen = -1
         self._inside = False
-        self._saved: list[tuple[Any, str, Any]] = []
 
     def per_batch(self, owner: str = "lightning_llm") -> dict[int, int]:
         """Reads of ``owner`` in each counted batch."""
@@ -261,37 +293,16 @@ class HostReadCounter(pl.Callback):
     def counting(self, batch: int = -1) -> Iterator[list[tuple[str, str, str]]]:
         """Count the reads made inside the block as batch ``batch`` (the counter's own check); yields their list."""
         self.reads[batch] = []
-        installed = not self._saved
-        if installed:
-            self._install()
         previous, self._batch = self._batch, batch
         try:
-            yield self.reads[batch]
+            with self._installed():
+                yield self.reads[batch]
         finally:
             self._batch = previous
-            if installed:
-                self._uninstall()
 
-    def _install(self) -> None:
-        targets: list[tuple[Any, str]] = [(torch.Tensor, name) for name in HOST_READS]
-        targets += [(torch, name) for name in (*_TORCH_READS, *_FROM_HOST)]
-        targets.append((torch.cuda, "synchronize"))
-        for owner, name in targets:
-            fn = getattr(owner, name)
-            self._saved.append((owner, name, owner.__dict__.get(name)))  # None: inherited (deleted again after)
-            setattr(owner, name, self._wrap(name, fn))
-
-    def _uninstall(self) -> None:
-        for owner, name, fn in reversed(self._saved):
-            if fn is None:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, fn)
-        self._saved = []
-
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._install()
+    def _targets(self) -> list[tuple[Any, str]]:
+        return [*((torch.Tensor, name) for name in HOST_READS),
+                *((torch, name) for name in (*_TORCH_READS, *_FROM_HOST)), (torch.cuda, "synchronize")]
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
@@ -324,4 +335,4 @@ class HostReadCounter(pl.Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._batch = None
-        self._uninstall()
+        super().teardown(trainer, pl_module, stage)
