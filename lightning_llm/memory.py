@@ -67,8 +67,8 @@ gradient) and their shifted exponentials (``benchmarks/loss_memory.py``)."""
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 __all__ = ["Estimate", "LayoutShare", "PRECISIONS", "Quantized", "quantized_numel", "quantized_setup_peak_bytes",
-           "activation_bytes_per_sample", "bytes_per_param", "check_expert_parallel", "estimate", "estimate_layout",
-           "frozen_copy_bytes", "layout_share", "loss_bytes", "loss_peak_bytes", "max_batch_size",
+           "activation_bytes_per_sample", "attention_elements_per_token", "attention_width", "bytes_per_param",
+           "check_expert_parallel", "estimate", "estimate_layout", "frozen_copy_bytes", "layout_share", "loss_bytes", "loss_peak_bytes", "max_batch_size",
            "model_state_theory", "moe_layer_bytes_per_token", "setup_peak_bytes"]
 
 
@@ -145,16 +145,15 @@ def activation_bytes_per_sample(config: Any, *, seq_len: int, precision: str, fu
     keys and values of the whole sequence its attention gathered (kv heads: ``2 S K D``)."""
     b = _act_bytes(precision)
     h, i = config.hidden_size, config.intermediate_size
-    kv = config.num_kv_heads * config.head_dim
-    q = config.num_heads * config.head_dim
-    # Per token and layer: norm input + output (2H), q/k/v (q + 2kv), rotated q/k (q + kv), attention output (q),
-    # MLP norm input + output (2H), MLP: gate/up (+ activation and product for gated MLPs) or up + activation.
+    attention, gathered = attention_elements_per_token(config)
+    # Per token and layer: norm input + output (2H), the attention's, MLP norm input + output (2H), MLP: gate/up
+    # (+ activation and product for gated MLPs) or up + activation.
     mlp = 4 * i if config.gated else 2 * i
-    per_token_layer = b * (4 * h + 3 * q + 3 * kv + mlp)
+    per_token_layer = b * (4 * h + attention + mlp)
     if config.dropout > 0:
         per_token_layer += 3 * h  # 1-byte dropout masks on attention/residual paths (probabilities not counted)
     local = seq_len // cp
-    per_layer = per_token_layer * local + (2 * b * kv * seq_len if cp > 1 else 0)
+    per_layer = per_token_layer * local + (b * gathered * seq_len if cp > 1 else 0)
     moe_layers = len(getattr(config, "moe_layers", ()))
     # An MoE layer: the dense MLP's term replaced by the router's and the experts' (the largest layer is reported).
     per_moe_layer = per_layer + local * (moe_layer_bytes_per_token(config, precision=precision) - b * mlp) \
@@ -164,6 +163,36 @@ def activation_bytes_per_sample(config: Any, *, seq_len: int, precision: str, fu
     head = local * (b * 3 * h + (0 if fused_loss else (b + 4) * vocab))
     layers = per_layer * (config.num_layers - moe_layers) + per_moe_layer * moe_layers
     return max(per_layer, per_moe_layer), layers + head
+
+
+def attention_elements_per_token(config: Any) -> tuple[int, int]:
+    """``(elements autograd keeps per token in one attention layer, elements per token of the keys and values a
+    context-parallel rank gathers)``.
+
+    q/k/v projections: q/k/v (``q + 2kv``), rotated q/k (``q + kv``), the attention output (``q``); gathered ``2kv``.
+    Multi-head Latent Attention (measured on the layer in ``tests/test_mla.py``): the query path's down-projection,
+    norm statistics, normed latent and the up-projection's input (``3 Rq + 1``), the key/value latent with the rotary
+    key, its norm statistics, normed latent and input copy (``3 Rkv + Dr + 1``), the keys, queries, values padded to
+    the keys' width and the padded output (``4 N Dqk``), the log-sum-exp (``N``) and o_proj's input (``N Dv``);
+    gathered: keys and padded values ``2 N Dqk``."""
+    mla = getattr(config, "mla", None)
+    if mla is None:
+        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        return 3 * q + 3 * kv, 2 * kv
+    n, qk = config.num_heads, mla.qk_head_dim
+    query = 3 * mla.q_lora_rank + 1 if mla.q_lora_rank is not None else 0
+    latent = 3 * mla.kv_lora_rank + mla.qk_rope_head_dim + 1
+    return query + latent + 4 * n * qk + n + n * mla.v_head_dim, 2 * n * qk
+
+
+def attention_width(config: Any) -> int:
+    """``A`` of the attention FLOPs ``12 L A S`` per token (``tools/estimate.train_flops_per_token``): the query/key
+    width of the scores and the value width of their product with the values, averaged (``N D``; MLA:
+    ``N (Dqk + Dv) / 2``)."""
+    mla = getattr(config, "mla", None)
+    if mla is None:
+        return config.num_heads * config.head_dim
+    return config.num_heads * (mla.qk_head_dim + mla.v_head_dim) // 2
 
 
 def moe_layer_bytes_per_token(config: Any, *, precision: str) -> int:

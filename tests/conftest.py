@@ -25,6 +25,23 @@ def pair_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return generate_pair_dataset(tmp_path_factory.mktemp("pairs"), n_train=64, n_val=32, n_test=24, seed=0)
 
 
+def padded_lm_batch(vocab: int, seq: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids [3, seq], attention mask (row 1 right-padded from 3/4 of the row, row 2 left-padded by 4) and HF labels:
+    the input ids, -100 where a label is padding or follows a padded input (a padded query's output is not a model's
+    value on either side)."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, vocab, (3, seq), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, seq * 3 // 4:] = 0
+    mask[2, :4] = 0
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    labels[:, 1:][mask[:, :-1] == 0] = -100
+    return ids, mask, labels
+
+
 def tiny_hf_llama(out: Path, *, tie_word_embeddings: bool = False, max_new_tokens: int | None = None,
                   max_position_embeddings: int = 128) -> Path:
     """Write a tiny random ``LlamaForCausalLM`` (GQA, 2 layers, vocabulary 304) and a BPE tokenizer trained with

@@ -255,6 +255,8 @@ WRITTEN = {
     "qlora_sft_csl": {"runs/qlora_sft_csl/version_0/adapter/quantization.json": '"quantize": "nf4"'},
     "pretrain_lora": {"runs/pretrain_lora/version_0/adapter/adapter_config.json": '"r": 64',
                       "merged/config.json": '"LlamaForCausalLM"'},
+    "lora_deepseek_v3": {"runs/lora_deepseek_v3/version_0/adapter/adapter_config.json": '"kv_b_proj"',
+                         "runs/tiny-deepseek-v3/config.json": '"DeepseekV3ForCausalLM"'},
 }
 """Files a header says its commands write, and a piece of their text."""
 

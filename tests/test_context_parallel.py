@@ -14,8 +14,9 @@ batches on one device. Compared (bound 1e-5):
 Then a cp2 run saves after 3 steps and resumes at tp2 (2 processes) and on one process: steps 4-6 must be the
 uninterrupted one-device curve's. The 2- and 4-process launches also call the model directly at cp2 and cp4 in float64
 on both attention paths (``attention=sdpa``: the CPU's masks; ``attention=varlen``: the device path's layouts with the
-CPU reference kernel) against one device: packed rows with padding, and rows four times longer than the position
-tables (1024 tokens, tables of 256: cp4's slices of 256 look nothing up past them). One-process tests check the slicing, the block attention against float64 and the
+CPU reference kernel) against one device, the ``debug`` decoder and the Multi-head Latent Attention of
+``debug-deepseek-v3``: packed rows with padding, and rows four times longer than the position tables (1024 tokens,
+tables of 256: cp4's slices of 256 look nothing up past them). One-process tests check the slicing, the block attention against float64 and the
 task declaration; 2-process CLI runs check the one-line refusals.
 """
 
@@ -153,6 +154,9 @@ def _resume(mode: str, out: Path) -> None:
 
 
 DIRECT_TOL = 1e-9  # float64
+DIRECT_MODELS = {"debug": "", "debug-deepseek-v3": "mla "}
+"""Models called directly at cp (dense: float64 throughout): GQA, and Multi-head Latent Attention (values narrower
+than the keys, its own softmax scale)."""
 
 
 def _direct_batches() -> dict[str, dict[str, torch.Tensor]]:
@@ -212,12 +216,13 @@ def _direct(out: Path) -> None:
 
     results = {}
     for attention in ("sdpa", "varlen"):
-        torch.manual_seed(0)
-        one = build_model("debug", family="decoder", dropout=0.0, attention=attention).double()
-        split = copy.deepcopy(one)
-        apply_context_parallel(split, group=dist.group.WORLD, cp=dist.get_world_size(), rank=dist.get_rank())
-        for rows, batch in _direct_batches().items():
-            results[f"{rows} {attention}"] = _direct_errors(one, split, batch)
+        for backbone, prefix in DIRECT_MODELS.items():
+            torch.manual_seed(0)
+            one = build_model(backbone, family="decoder", dropout=0.0, attention=attention, moe=None).double()
+            split = copy.deepcopy(one)
+            apply_context_parallel(split, group=dist.group.WORLD, cp=dist.get_world_size(), rank=dist.get_rank())
+            for rows, batch in _direct_batches().items():
+                results[f"{prefix}{rows} {attention}"] = _direct_errors(one, split, batch)
     if dist.get_rank() == 0:
         (out / f"direct_cp{dist.get_world_size()}.json").write_text(json.dumps(results))
 
@@ -304,7 +309,8 @@ def test_model_under_cp_equals_one_device_on_both_attention_paths(runs: Path, cp
     import json
 
     errors = json.loads((runs / f"direct_cp{cp}.json").read_text())
-    assert set(errors) == {f"{r} {a}" for r in ("packed_padded", "past_tables") for a in ("sdpa", "varlen")}
+    assert set(errors) == {f"{m}{r} {a}" for m in DIRECT_MODELS.values() for r in ("packed_padded", "past_tables")
+                           for a in ("sdpa", "varlen")}
     for case, (tokens, grads) in errors.items():
         print(f"cp{cp} {case}: per-token losses {tokens:.1e}, gradients {grads:.1e}")
         assert tokens <= DIRECT_TOL and grads <= DIRECT_TOL
@@ -334,26 +340,30 @@ def test_slices_and_their_order() -> None:
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_block_attention_equals_causal_attention_in_float64(cp: int) -> None:
     """The causal path (CPU flash blocks merged by log-sum-exp, GQA heads repeated per block; backward per block
-    from the merged output) against float64 SDPA on the whole row: every rank's output and the summed gradients."""
+    from the merged output) against float64 SDPA on the whole row: every rank's output and the summed gradients; with
+    a softmax scale of its own (MLA's) too."""
     from lightning_llm.strategies.context.attention import _CausalChunks
     from lightning_llm.strategies.context.sharding import local_columns
 
     torch.manual_seed(0)
     b, n, k, s, d = 2, 4, 2, 64, 16
     q, key, v = (torch.randn(b, h, s, d, requires_grad=True) for h in (n, k, k))
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        q.double(), key.double().repeat_interleave(n // k, 1), v.double().repeat_interleave(n // k, 1),
-        is_causal=True)
-    go = torch.randn_like(ref)
-    want = torch.autograd.grad(ref, (q, key, v), go)
-    got = [torch.zeros_like(t) for t in (q, key, v)]
-    for r in range(cp):
-        cols = local_columns(s, cp, r)
-        out = _CausalChunks.apply(q[:, :, cols], key, v, (r, 2 * cp - 1 - r), s // (2 * cp))
-        assert (out.double() - ref[:, :, cols]).abs().max() < 1e-6
-        for acc, g in zip(got, torch.autograd.grad(out, (q, key, v), go[:, :, cols].float()), strict=True):
-            acc += g
-    assert max((g.double() - w).abs().max().item() for g, w in zip(got, want, strict=True)) < 2e-6
+    for scale in (None, 0.4):
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q.double(), key.double().repeat_interleave(n // k, 1), v.double().repeat_interleave(n // k, 1),
+            is_causal=True, scale=scale)
+        go = torch.randn_like(ref)
+        want = torch.autograd.grad(ref, (q, key, v), go)
+        got = [torch.zeros_like(t) for t in (q, key, v)]
+        for r in range(cp):
+            cols = local_columns(s, cp, r)
+            out = _CausalChunks.apply(q[:, :, cols], key, v, (r, 2 * cp - 1 - r), s // (2 * cp), scale)
+            assert (out.double() - ref[:, :, cols]).abs().max() < 1e-6
+            for acc, g in zip(got, torch.autograd.grad(out, (q, key, v), go[:, :, cols].float()), strict=True):
+                acc += g
+        # fp32 flash blocks against float64: relative to each gradient's largest value (scale 0.4 sharpens the scores)
+        assert max(((g.double() - w).abs().max() / w.abs().max()).item()
+                   for g, w in zip(got, want, strict=True)) < 1e-6
 
 
 def test_the_mask_across_slices_is_built_once_per_forward_and_dropped_with_it() -> None:

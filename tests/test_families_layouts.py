@@ -3,7 +3,8 @@
 
 One torchrun launch (2 CPU processes, gloo) fits each family's debug size (:data:`TRAIN_FAMILIES`: Qwen2, Qwen3,
 Mistral with a sliding window shorter than the block, Baichuan2 with its head-interleaved W_pack and NormHead, LLaMA
-with dynamic rope past max_position_embeddings, YaRN, gelu_pytorch_tanh) for ``STEPS`` steps under each layout of
+with dynamic rope past max_position_embeddings, YaRN, gelu_pytorch_tanh, DeepSeek-V3 with Multi-head Latent Attention,
+GLM-4.5) for ``STEPS`` steps under each layout of
 :data:`LAYOUTS`, while the pytest process runs the same steps on one device. Compared per step: the ``train_loss``
 every rank logs against the one-device loss, bound 1e-5 (fp32, dropout 0). About 35 s on 2 cores.
 """
@@ -31,6 +32,10 @@ TRAIN_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama_yarn": ("debug", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                               "original_max_position_embeddings": 64}}),
     "llama_gelu_tanh": ("debug", {"activation": "geglu_tanh"}),
+    # Multi-head Latent Attention (tp: heads split after its up-projections, latents replicated) and DeepSeek-V3's
+    # router with a shared expert; GLM-4.5's partial rotary, q/k norms and q/k/v biases with the same router
+    "deepseek_v3": ("debug-deepseek-v3", {}),
+    "glm4_moe": ("debug-glm4-moe", {}),
 }
 LAYOUTS = ["tp", "tp_sp", "pp", "zero3"]
 

@@ -1,9 +1,12 @@
 """Mixture-of-Experts training under expert parallelism (and with tp, pp, ZeRO-3) equals one device.
 
-The model (``debug-moe`` with overrides): 4 layers, the first dense, 3 MoE layers of 8 experts, top-2, DeepSeek-V3's
+The model (``debug-deepseek-v3`` with overrides): 4 layers of Multi-head Latent Attention (a query low-rank path, the
+compressed key/value latent, decoupled rotary dims), the first dense, 3 MoE layers of 8 experts, top-2, DeepSeek-V3's
 router (sigmoid scores, 2 groups of which 1 is chosen, a correction bias for the choice moved by the aux-free update
-after every optimizer step) plus a shared expert, and transformers' load-balancing loss at coefficient 0.01 (so its
-gradient matters). ``CausalLMTask`` on generated text, 8 rows of 64 byte tokens per optimizer step, fp32, 6 steps,
+after every optimizer step) plus a shared expert, and transformers' load-balancing loss at coefficient 1.0 (so its
+gradient matters), AdamW at lr 3e-3 (at 1e-2 the MLA model's loss oscillates, and fp32 reduction-order noise of
+5e-6 at step 2 grew to 1e-4 by step 4 under every layout, with every routing decision and first-step gradient
+equal). ``CausalLMTask`` on generated text, 8 rows of 64 byte tokens per optimizer step, fp32, 6 steps,
 under each layout (torchrun, CPU, gloo) while the pytest process trains the same batches on one device. Compared
 (bound 1e-5): ``train_loss`` (which includes the aux loss) at every step on every rank, every first-step gradient,
 the routers' correction biases after the last step, and the per-expert loads written to ``expert_load.csv``.
@@ -108,11 +111,13 @@ def _fit(strategy: Any, devices: int, out: Path, *, batch_size: int, accumulate:
     moe = {**MOE, "top_k": 1, "bias_update_rate": 0.0} if one_expert else MOE
     dm = TextDataModule(block_size=64, batch_size=batch_size, cache_dir=str(out / "cache"), generated_docs=200,
                         val_fraction=0.0)
-    optim = OptimConfig(lr=1e-2, scheduler="constant", eps=1e-6)
     if family is not None:
-        task = CausalLMTask(FAMILIES[family], dropout=0.0, router_aux_loss_coef=0.1, optim=optim)
+        task = CausalLMTask(FAMILIES[family], dropout=0.0, router_aux_loss_coef=0.1,
+                            optim=OptimConfig(lr=1e-2, scheduler="constant", eps=1e-6))
     else:
-        task = CausalLMTask("debug-moe", dropout=0.0, model_overrides={"moe": moe} if custom else {}, optim=optim)
+        task = CausalLMTask("debug-deepseek-v3" if custom else "debug-moe", dropout=0.0,
+                            model_overrides={"moe": moe} if custom else {},
+                            optim=OptimConfig(lr=3e-3, scheduler="constant", eps=1e-6))
     rec, probe = LoggedLoss(), Probe()
     callbacks: list[pl.Callback] = [rec, probe, *([OneExpert()] if one_expert else [])]
     trainer = table_trainer(out, strategy=strategy, devices=devices, max_steps=steps, callbacks=callbacks,
@@ -174,14 +179,18 @@ def _worker(mode: str, out: Path) -> None:
     if mode == "layouts":  # the checkpoint the resume runs read; a Qwen3-MoE-shaped one to export
         _fit(ExpertParallelStrategy(), 2, out / "ep2_save", batch_size=4, steps=HALF, save=True)
         _fit(ExpertParallelStrategy(), 2, out / "ep2_export", batch_size=4, steps=2, save=True, custom=False)
-        results["lazy"] = gathered(_lazy_read(out))
+        results["lazy"] = {name: gathered(_lazy_read(out, name)) for name in LAZY}
     if torch.distributed.get_rank() == 0:
         torch.save(results, out / f"{mode}.pt")
 
 
-def _lazy_read(out: Path) -> dict[str, int]:
-    """One ep2 step from the HF checkpoint ``out/hf`` (built lazily: each rank reads its own experts' tensors only):
-    the bytes this rank read, and the bytes of the checkpoint's routed experts and of everything else."""
+LAZY = ("hf", "hf_deepseek_v3")
+"""HF checkpoints read lazily under ep2: a Qwen3-MoE and a DeepSeek-V3 (MLA, its routers' correction biases)."""
+
+
+def _lazy_read(out: Path, name: str) -> dict[str, int]:
+    """One ep2 step from the HF checkpoint ``out/<name>`` (built lazily: each rank reads its own experts' tensors
+    only): the bytes this rank read, and the bytes of the checkpoint's routed experts and of everything else."""
     from safetensors import safe_open
 
     from lightning_llm.data import TextDataModule
@@ -190,12 +199,12 @@ def _lazy_read(out: Path) -> dict[str, int]:
     from lightning_llm.testing import table_trainer
 
     pl.seed_everything(11)
-    hf = out / "hf"
-    dm = TextDataModule(tokenizer_dir=str(hf), block_size=32, batch_size=2, cache_dir=str(out / "cache_hf"),
+    hf = out / name
+    dm = TextDataModule(tokenizer_dir=str(hf), block_size=32, batch_size=2, cache_dir=str(out / f"cache_{name}"),
                         generated_docs=50, val_fraction=0.0)
     task = CausalLMTask(str(hf), dropout=0.0)
-    table_trainer(out / "ep2_lazy", strategy=ExpertParallelStrategy(), devices=2, max_steps=1, callbacks=[]).fit(
-        task, dm)
+    table_trainer(out / f"ep2_lazy_{name}", strategy=ExpertParallelStrategy(), devices=2, max_steps=1,
+                  callbacks=[]).fit(task, dm)
     sizes = {"experts": 0, "rest": 0}
     with safe_open(str(hf / "model.safetensors"), "pt") as f:
         for key in f.keys():
@@ -208,9 +217,11 @@ def _lazy_read(out: Path) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from lightning_llm.testing import launch, run_reference_meanwhile, wait
+    from lightning_llm.tools.tiny import write_tiny
 
     out = tmp_path_factory.mktemp("moe_layouts")
     _write_hf_checkpoint(out / "hf")
+    write_tiny("deepseek_v3", out / "hf_deepseek_v3")
     two = launch(__file__, 2, "layouts", str(out))
     run_reference_meanwhile(two, lambda: _worker("reference", out), timeout=1200)
     wait(launch(__file__, 4, "layouts4", str(out)), timeout=1200)
@@ -298,31 +309,39 @@ def test_ep2_checkpoint_resumes_at_other_layouts(runs: Path, target: str) -> Non
 
 
 @pytest.mark.multiprocess
-def test_ep2_checkpoint_exports_transformers_key_set_and_reloads(runs: Path, tmp_path: Path) -> None:
-    """A checkpoint saved under ep2 (experts saved whole) exports as Qwen3MoeForCausalLM with exactly the keys
-    transformers' own save_pretrained writes, and transformers reloads it with our model's logits."""
+@pytest.mark.parametrize(("run", "arch"), [("ep2_export", "Qwen3MoeForCausalLM"),
+                                           ("ep2_save", "DeepseekV3ForCausalLM")])
+def test_ep2_checkpoint_exports_transformers_key_set_and_reloads(runs: Path, tmp_path: Path, run: str,
+                                                                  arch: str) -> None:
+    """A checkpoint saved under ep2 (experts saved whole) exports with exactly the keys transformers' own
+    save_pretrained writes, and transformers reloads it with our model's logits: a Qwen3-MoE, and the MLA model whose
+    routers' correction biases the aux-free update moved for 3 steps (exported, they route transformers' tokens)."""
     import warnings
 
+    import transformers
     from safetensors import safe_open
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from lightning_llm.export.checkpoint import read_checkpoint
     from lightning_llm.export.model import rebuild_model
     from lightning_llm.export.to_hf import export_checkpoint
 
-    ckpt = runs / "ep2_export" / "ckpt" / "last.ckpt"
+    ckpt = runs / run / "ckpt" / "last.ckpt"
     export_checkpoint(ckpt, tmp_path / "hf")
+    cls = getattr(transformers, arch)
+    config_cls = getattr(transformers, arch.replace("ForCausalLM", "Config"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        Qwen3MoeForCausalLM(Qwen3MoeConfig.from_pretrained(str(tmp_path / "hf"))).save_pretrained(str(tmp_path / "own"))
-        reloaded = Qwen3MoeForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+        cls(config_cls.from_pretrained(str(tmp_path / "hf"))).save_pretrained(str(tmp_path / "own"))
+        reloaded = cls.from_pretrained(str(tmp_path / "hf")).eval()
     keys = [set(safe_open(str(d / "model.safetensors"), "pt").keys()) for d in (tmp_path / "hf", tmp_path / "own")]
     assert keys[0] == keys[1] and any(".mlp.experts.7.down_proj." in k for k in keys[0])
     ours, _ = rebuild_model(read_checkpoint(ckpt))
+    biases = [b for n, b in ours.named_buffers() if n.endswith("e_score_correction_bias")]
+    assert all(b.abs().max() > 0.005 for b in biases) and (arch == "DeepseekV3ForCausalLM") == bool(biases)
     ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         err = (reloaded(input_ids=ids).logits - ours.eval()(ids)).abs().max().item()
-    print(f"ep2 checkpoint -> Qwen3MoeForCausalLM: {len(keys[0])} keys as save_pretrained's, logits {err:.2e}")
+    print(f"ep2 checkpoint -> {arch}: {len(keys[0])} keys as save_pretrained's, logits {err:.2e}")
     assert err < 1e-5
 
 
@@ -342,10 +361,11 @@ def test_pipeline_with_the_aux_loss_needs_gpipe(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_ep2_reads_only_its_experts_from_a_hf_checkpoint(runs: Path) -> None:
+@pytest.mark.parametrize("name", LAZY)
+def test_ep2_reads_only_its_experts_from_a_hf_checkpoint(runs: Path, name: str) -> None:
     """Built lazily under ep2, each rank reads its half of the routed experts' tensors and all the rest."""
-    for rank in torch.load(runs / "layouts.pt")["lazy"]:
-        print(f"ep2 lazy load: read {rank['read']:,} bytes of {rank['experts'] + rank['rest']:,} "
+    for rank in torch.load(runs / "layouts.pt")["lazy"][name]:
+        print(f"ep2 lazy load of {name}: read {rank['read']:,} bytes of {rank['experts'] + rank['rest']:,} "
               f"(experts {rank['experts']:,})")
         assert rank["read"] == rank["rest"] + rank["experts"] // 2
 

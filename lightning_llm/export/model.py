@@ -128,14 +128,16 @@ def _from_config(config: Any, plain: dict[str, Tensor], *, base_dir: str | None,
     missing = [k for k in shapes if k not in plain]
     if missing:
         plain = {**_base_weights(base_dir, config, shapes, missing, peft=peft), **plain}
-    model.load_state_dict({k: plain[k] for k in shapes}, strict=True, assign=True)
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()  # assign=True gave lm_head its own tensor; equal values, so re-tie the Parameter
     for module in model.modules():  # non-persistent buffers (rope tables) are not in the state dict: compute them
         for name, buf in module._buffers.items():
             if buf is not None and buf.is_meta:
                 module._buffers[name] = torch.empty_like(buf, device="cpu")
     model.init_buffers()  # type: ignore[operator]
+    # then the checkpoint's state, persistent buffers included (init_buffers would zero the routers' correction biases
+    # that a DeepSeek-V3 run moved)
+    model.load_state_dict({k: plain[k] for k in shapes}, strict=True, assign=True)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # assign=True gave lm_head its own tensor; equal values, so re-tie the Parameter
     still_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if still_meta:
         raise ValueError(f"rebuilt model has uninitialised tensors {still_meta[:3]}")

@@ -51,8 +51,8 @@ except ImportError:  # an older torch: the mask path only
 log = logging.getLogger(__name__)
 
 __all__ = ["AttentionMask", "DotProductAttention", "TokenMask", "VarlenCall", "VarlenLayout", "attention_path",
-           "contiguous_sequences", "describe_attention", "reference_varlen", "uses_varlen", "varlen_attention",
-           "varlen_layout"]
+           "contiguous_sequences", "describe_attention", "reference_varlen", "uses_varlen", "values_as_keys",
+           "varlen_attention", "varlen_layout"]
 
 AttentionPath = Literal["varlen", "sdpa"]
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -190,10 +190,11 @@ def contiguous_sequences(keep: Tensor | None, segment_ids: Tensor | None) -> boo
 
 # ---------------------------------------------------------------------------------------------------- the kernels
 def reference_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, *,
-                     window: int | None, sinks: Tensor | None = None) -> Tensor:
+                     window: int | None, sinks: Tensor | None = None, scale: float | None = None) -> Tensor:
     """What the varlen kernel computes, one sequence at a time with SDPA and an explicit mask: q [Rq, N, D], k/v
     [Rk, K, D] -> [Rq, N, D]; causal from the bottom right, within ``window``; GQA heads repeated; with ``sinks``
-    [N] the sink column of every head (``sinks.eager_sink_attention``)."""
+    [N] the sink column of every head (``sinks.eager_sink_attention``); softmax scale ``scale`` (default
+    ``1/sqrt(D)``; with sinks only the default)."""
     rep = q.shape[1] // k.shape[1]
     outs = []
     bounds = zip(cu_q.tolist()[:-1], cu_q.tolist()[1:], cu_k.tolist()[:-1], cu_k.tolist()[1:], strict=True)
@@ -209,12 +210,12 @@ def reference_varlen(q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor
             outs.append(eager_sink_attention(qi[None], ki[None], vi[None], sinks, attn_mask=allowed,
                                              is_causal=False)[0].transpose(0, 1))
         else:
-            outs.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=allowed).transpose(0, 1))
+            outs.append(F.scaled_dot_product_attention(qi, ki, vi, attn_mask=allowed, scale=scale).transpose(0, 1))
     return torch.cat(outs)
 
 
 def _varlen_kernel(q: Tensor, k: Tensor, v: Tensor, call: VarlenCall, window: int | None,
-                   sinks: Tensor | None = None) -> Tensor:
+                   sinks: Tensor | None = None, scale: float | None = None) -> Tensor:
     """flash varlen on CUDA (and on the meta device, which runs its shape function), the reference elsewhere; with
     ``sinks`` the flash output corrected by its log-sum-exp (``sinks.py``; the meta device: the reference)."""
     if sinks is not None:
@@ -228,16 +229,28 @@ def _varlen_kernel(q: Tensor, k: Tensor, v: Tensor, call: VarlenCall, window: in
         if not _HAS_VARLEN or (window is not None and not _HAS_WINDOW_GQA):
             raise RuntimeError(f"attention=varlen needs torch.nn.attention.varlen.varlen_attn (torch 2.10; with a "
                                f"sliding window 2.13); torch {torch.__version__} has not: use attention=sdpa")
+        scaled: dict[str, float] = {}
+        if scale is not None and "scale" in _VARLEN_PARAMS:
+            scaled = {"scale": scale}
+        elif scale is not None:  # a torch whose kernel takes no scale: the queries carry its ratio to 1/sqrt(D)
+            q = q * (scale * q.shape[-1] ** 0.5)
         if _HAS_WINDOW_GQA:
             return varlen_attn(q, k, v, call.cu_q, call.cu_k, call.max_q, call.max_k,
                                window_size=(-1 if window is None else window - 1, 0),
-                               enable_gqa=k.shape[1] != q.shape[1])
+                               enable_gqa=k.shape[1] != q.shape[1], **scaled)
         rep = q.shape[1] // k.shape[1]  # [T, K, D]: torch < 2.13 takes as many kv heads as query heads
         if rep > 1:
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         causal = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}
-        return varlen_attn(q, k, v, call.cu_q, call.cu_k, call.max_q, call.max_k, **causal)
-    return reference_varlen(q, k, v, call.cu_q.cpu(), call.cu_k.cpu(), window=window)
+        return varlen_attn(q, k, v, call.cu_q, call.cu_k, call.max_q, call.max_k, **causal, **scaled)
+    return reference_varlen(q, k, v, call.cu_q.cpu(), call.cu_k.cpu(), window=window, scale=scale)
+
+
+def values_as_keys(v: Tensor, width: int) -> Tensor:
+    """Values ``[..., Dv]`` zero-padded to the keys' head width ``[..., width]`` for a kernel that takes one head size
+    (flash varlen; the context-parallel blocks): the attention of the padded values is the real one followed by
+    zeros, which the caller cuts off (MLA: values of ``v_head_dim`` beside query/key heads of ``qk_head_dim``)."""
+    return v if v.shape[-1] == width else F.pad(v, (0, width - v.shape[-1]))
 
 
 def _take(t: Tensor, rows: Rows) -> Tensor:
@@ -245,19 +258,22 @@ def _take(t: Tensor, rows: Rows) -> Tensor:
 
 
 @torch.compiler.disable  # a layout's ints and ranges change every batch: a compiled block would recompile each time
-def varlen_attention(q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout, sinks: Tensor | None = None) -> Tensor:
-    """Attention of q [B, N, S, D] on k, v [B, K, T, D] as ``layout`` says -> [B, N, S, D] (0 for a query in no
-    call: padding); ``sinks`` [N]: each head's sink logit."""
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, layout: VarlenLayout, sinks: Tensor | None = None, *,
+                     scale: float | None = None) -> Tensor:
+    """Attention of q [B, N, S, D] on k [B, K, T, D] and v [B, K, T, Dv] (Dv <= D) as ``layout`` says -> [B, N, S, Dv]
+    (0 for a query in no call: padding); ``sinks`` [N]: each head's sink logit; softmax scale ``scale`` (default
+    ``1/sqrt(D)``)."""
     b, n, s, d = q.shape
+    dv = v.shape[-1]
     qf = q.transpose(1, 2).reshape(b * s, n, d)  # a view of the projections' [B, S, N, D]
     kf = k.transpose(1, 2).reshape(-1, k.shape[1], d)
-    vf = v.transpose(1, 2).reshape(-1, v.shape[1], d)
-    outs = [_varlen_kernel(_take(qf, c.q), _take(kf, c.k), _take(vf, c.k), c, layout.window, sinks)
+    vf = values_as_keys(v.transpose(1, 2).reshape(-1, v.shape[1], dv), d)
+    outs = [_varlen_kernel(_take(qf, c.q), _take(kf, c.k), _take(vf, c.k), c, layout.window, sinks, scale)
             for c in layout.calls]
     out = torch.cat(outs) if len(outs) > 1 else outs[0] if outs else qf.new_zeros(0, n, d)
     if layout.scatter is not None:
         out = qf.new_zeros(layout.rows, n, d).index_copy(0, layout.scatter, out)
-    return out.view(b, s, n, d).transpose(1, 2)
+    return out.view(b, s, n, d)[..., :dv].transpose(1, 2)
 
 
 # ---------------------------------------------------------------------------------------------------- the choice
@@ -353,7 +369,8 @@ class TokenMask:
 class DotProductAttention(nn.Module):
     """The attention core of ``layers.Attention`` (no parameters): ``softmax(q k^T / sqrt(D)) v`` by SDPA (GQA kv
     heads repeated on the CPU under autograd, ``enable_gqa`` elsewhere), or by the varlen kernel when given a
-    :class:`VarlenLayout`. A declared hook (``ParallelSpec.attention_cores``): a layout that splits the sequence
+    :class:`VarlenLayout`. A layer may pass its own softmax ``scale`` and values narrower than the keys (MLA: zero-padded
+    to the keys' width for the fused kernels, the output cut back). A declared hook (``ParallelSpec.attention_cores``): a layout that splits the sequence
     replaces this module by its attention across the slices, with the same call."""
 
     needs_token_mask: bool = False
@@ -364,21 +381,29 @@ class DotProductAttention(nn.Module):
         self,
         q: Tensor,  # [B, N, S, D]
         k: Tensor,  # [B, K, T, D] (K divides N)
-        v: Tensor,  # [B, K, T, D]
+        v: Tensor,  # [B, K, T, Dv] (Dv: the values' head width, D unless MLA)
         *,
         attn_mask: AttentionMask,  # bool (True = attend) or additive, broadcastable to [B, N, S, T]; or the layout
         is_causal: bool,
         dropout_p: float,
         token_mask: TokenMask | None = None,  # the mask's ingredients (unused here: attn_mask is built from them)
         sinks: Tensor | None = None,  # [N] each head's sink logit (models/sinks.py)
-    ) -> Tensor:  # [B, N, S, D]
+        scale: float | None = None,  # softmax scale; None: 1/sqrt(D) (a layer with another one passes it: MLA)
+    ) -> Tensor:  # [B, N, S, Dv]
         if sinks is not None:
+            if scale is not None or v.shape[-1] != q.shape[-1]:
+                raise ValueError("attention sinks with a softmax scale of the layer's own or values narrower than "
+                                 "the keys (MLA) are not supported")
             return _sink_attention(q, k, v, attn_mask, is_causal=is_causal, dropout_p=dropout_p, sinks=sinks)
+        dv = v.shape[-1]
+        if dv != q.shape[-1]:  # the fused kernels take one head width: else SDPA's math path keeps [S, T] scores
+            return self(q, k, values_as_keys(v, q.shape[-1]), attn_mask=attn_mask, is_causal=is_causal,
+                        dropout_p=dropout_p, token_mask=token_mask, scale=scale)[..., :dv]
         if isinstance(attn_mask, VarlenLayout):
             if dropout_p:
                 raise ValueError(f"attention=varlen has no attention dropout (dropout={dropout_p}): use "
                                  "attention=sdpa or dropout 0")
-            return varlen_attention(q, k, v, attn_mask)
+            return varlen_attention(q, k, v, attn_mask, scale=scale)
         if attn_mask is not None and attn_mask.is_floating_point() and attn_mask.dtype != q.dtype:
             attn_mask = attn_mask.to(q.dtype)  # built for another compute dtype than this layer's (rare)
         n_rep = q.shape[1] // k.shape[1]
@@ -390,7 +415,7 @@ class DotProductAttention(nn.Module):
             v = v.repeat_interleave(n_rep, dim=1)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal and attn_mask is None,
-                                              enable_gqa=k.shape[1] != q.shape[1])
+                                              enable_gqa=k.shape[1] != q.shape[1], scale=scale)
 
 
 def _sink_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: AttentionMask, *, is_causal: bool, dropout_p: float,

@@ -19,7 +19,7 @@ Family = Literal["decoder", "encoder"]
 
 @dataclass
 class MoEConfig:
-    """Mixture-of-Experts feed-forward layers of a decoder (Mixtral, Qwen2-MoE, Qwen3-MoE; DeepSeek-V3's router).
+    """Mixture-of-Experts feed-forward layers of a decoder (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GLM-4.5).
 
     Each MoE layer routes every token to ``top_k`` of ``num_experts`` gated MLPs (dropless: every token is computed,
     as transformers does) and adds their outputs weighted by the router; optionally a shared expert sees every token.
@@ -47,10 +47,13 @@ class MoEConfig:
     swiglu_alpha: float = 1.702
     """The sigmoid's gain in the clamped SwiGLU (HF ``swiglu_alpha``; used with ``swiglu_limit``)."""
     num_groups: int = 1
-    """Group-limited routing: experts form this many groups (DeepSeek-V3 ``n_group``)."""
+    """Group-limited routing: experts form this many groups (DeepSeek ``n_group``)."""
     topk_groups: int = 1
-    """Groups a token may choose from: ranked by the sum of each group's two best scores (DeepSeek-V3
-    ``topk_group``)."""
+    """Groups a token may choose from (DeepSeek ``topk_group``), ranked as ``group_score`` says."""
+    group_score: Literal["top2_sum", "max"] = "top2_sum"
+    """How group-limited routing ranks a group: the sum of its two best (biased) scores, the other groups' experts
+    excluded (DeepSeek-V3, GLM-4.5), or its best score, the other groups' scores zeroed (DeepSeek-V2's
+    ``group_limited_greedy``)."""
     routed_scaling_factor: float = 1.0
     """Factor on the routed experts' weights after renormalisation (DeepSeek-V3)."""
     score_bias: bool = False
@@ -83,8 +86,9 @@ class MoEConfig:
                   (self.num_groups >= 1 and self.num_experts % self.num_groups == 0,
                    "num_groups must divide num_experts"),
                   (1 <= self.topk_groups <= self.num_groups, "topk_groups must be in 1..num_groups"),
-                  (self.num_groups == 1 or self.num_experts // self.num_groups >= 2,
+                  (self.num_groups == 1 or self.group_score == "max" or self.num_experts // self.num_groups >= 2,
                    "group-limited routing ranks groups by their two best scores: >= 2 experts per group"),
+                  (self.group_score in ("top2_sum", "max"), "group_score must be top2_sum or max"),
                   (self.bias_update_rate == 0 or self.score_bias, "bias_update_rate needs score_bias=true"),
                   (self.aux_loss_coef >= 0 and self.bias_update_rate >= 0, "coefficients must be >= 0"),
                   (self.experts_impl in ("auto", "grouped", "loop"), "experts_impl must be auto, grouped or loop"),
@@ -96,6 +100,43 @@ class MoEConfig:
         bad = [msg for ok, msg in checks if not ok]
         if bad:
             raise ValueError(f"MoEConfig: {'; '.join(bad)} (got {self})")
+
+
+@dataclass
+class MLAConfig:
+    """Multi-head Latent Attention (DeepSeek-V2/V3, Kimi-K2; ``models/mla.py``): keys and values of every head
+    expanded from one compressed latent per token, queries through an optional low-rank path, and the rotary part of
+    each query/key head (one rotary key shared by the heads) decoupled from the rest. With it, ``ModelConfig.head_dim``
+    is the query/key head size ``qk_nope_head_dim + qk_rope_head_dim`` and ``num_kv_heads`` is ``num_heads``."""
+
+    kv_lora_rank: int = 512
+    """Width of the compressed key/value latent (``kv_a_proj_with_mqa`` -> RMSNorm -> ``kv_b_proj``)."""
+    q_lora_rank: int | None = 1536
+    """Width of the query's low-rank path (``q_a_proj`` -> RMSNorm -> ``q_b_proj``); ``None``: one ``q_proj``."""
+    qk_nope_head_dim: int = 128
+    """Per-head query/key dims without rotary embedding."""
+    qk_rope_head_dim: int = 64
+    """Per-head query/key dims with rotary embedding (the key's are shared by every head)."""
+    v_head_dim: int = 128
+    """Per-head value width (the attention output per head)."""
+    rope_interleave: bool = True
+    """The rotary dims pair up as ``(x0, x1), (x2, x3), ...`` (DeepSeek's layout; DeepSeek-V2 always) instead of
+    LLaMA's halves ``(x_i, x_{i+D/2})``."""
+    latent_norm_eps: float = 1e-6
+    """Epsilon of the two latent RMSNorms (transformers builds them with their default 1e-6, not ``rms_norm_eps``)."""
+
+    def __post_init__(self) -> None:
+        checks = [(self.kv_lora_rank >= 1, "kv_lora_rank must be >= 1"),
+                  (self.q_lora_rank is None or self.q_lora_rank >= 1, "q_lora_rank must be >= 1 or None"),
+                  (self.qk_nope_head_dim >= 0 and self.v_head_dim >= 1, "head dims must be positive"),
+                  (self.qk_rope_head_dim >= 2 and self.qk_rope_head_dim % 2 == 0, "qk_rope_head_dim must be even")]
+        bad = [msg for ok, msg in checks if not ok]
+        if bad:
+            raise ValueError(f"MLAConfig: {'; '.join(bad)} (got {self})")
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass
@@ -134,6 +175,9 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None
     """RoPE frequency scaling as in HF ``rope_parameters`` minus ``rope_theta`` (``{"rope_type": "linear" | "llama3"
     | "dynamic" | "yarn", "factor": ..., ...}``); ``None`` means plain RoPE."""
+    partial_rotary_factor: float = 1.0
+    """Rotary embedding on the first ``int(head_dim * factor)`` dims of each query/key head, the rest unrotated
+    (GLM-4.5: 0.5); see :attr:`rotary_dim`."""
     attention_bias: bool = False
     """Biases on the q/k/v projections (and on o_proj unless ``o_bias`` says otherwise)."""
     o_bias: bool | None = None
@@ -192,12 +236,18 @@ class ModelConfig:
     sdpa elsewhere. Decoding with a KV cache always takes sdpa."""
     moe: MoEConfig | None = None
     """Mixture-of-Experts feed-forward layers (decoders); ``None``: every layer has a dense MLP."""
+    mla: MLAConfig | None = None
+    """Multi-head Latent Attention in every layer (DeepSeek-V2/V3, Kimi-K2); ``None``: q/k/v projections."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form metadata kept through save/load (e.g. the HF architecture name)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.moe, dict):  # from a checkpoint's or the command line's plain data
             self.moe = MoEConfig(**self.moe)
+        if isinstance(self.mla, dict):
+            self.mla = MLAConfig(**self.mla)
+        if self.mla is not None:
+            self._check_mla(self.mla)
         if self.moe is not None:
             if self.family != "decoder":
                 raise ValueError("ModelConfig: moe= (Mixture-of-Experts layers) needs family='decoder'")
@@ -234,10 +284,35 @@ class ModelConfig:
             if bad or len(self.layer_types) != self.num_layers:
                 raise ValueError(f"ModelConfig: layer_types must list num_layers={self.num_layers} entries of "
                                  f"full_attention / sliding_attention, got {self.layer_types}")
+        rotary = self.rotary_dim
+        if self.position == "rope" and (not 0 < self.partial_rotary_factor <= 1 or rotary < 2 or rotary % 2):
+            raise ValueError(f"ModelConfig: partial_rotary_factor={self.partial_rotary_factor} of head_dim="
+                             f"{self.head_dim} gives {rotary} rotary dims: it must be in (0, 1] and give an even "
+                             "number >= 2")
+
+    def _check_mla(self, mla: MLAConfig) -> None:
+        """MLA sets the q/k head size and has one key/value head per query head (expanded from the latent)."""
+        bad = [f"{name}={got} (MLA needs {want})" for name, got, want in (
+            ("head_dim", self.head_dim, mla.qk_head_dim), ("num_kv_heads", self.num_kv_heads, self.num_heads),
+            ("partial_rotary_factor", self.partial_rotary_factor, 1.0), ("qk_norm", self.qk_norm, False),
+            ("qkv_packed", self.qkv_packed, False), ("position", self.position, "rope"),
+            ("family", self.family, "decoder")) if got not in (None, want)]
+        if bad:
+            raise ValueError(f"ModelConfig: mla= (Multi-head Latent Attention) with {'; '.join(bad)}")
+        self.head_dim, self.num_kv_heads = mla.qk_head_dim, self.num_heads
 
     @property
     def gated(self) -> bool:
         return self.activation in ("swiglu", "geglu", "geglu_tanh")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Rotary dims of each query/key head: MLA's ``qk_rope_head_dim``, else ``int(head_dim *
+        partial_rotary_factor)`` (transformers' rounding)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        assert self.head_dim is not None
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -265,6 +340,12 @@ class ModelConfig:
             changes["num_kv_heads"] = None
         if "o_bias" not in changes and "attention_bias" in changes:
             changes["o_bias"] = None
+        for name in ("moe", "mla"):  # a partial dict changes those fields of the existing one (a loaded backbone's)
+            if isinstance(changes.get(name), dict) and getattr(self, name) is not None:
+                changes[name] = dataclasses.replace(getattr(self, name), **changes[name])
+        if self.mla is not None or changes.get("mla") is not None:  # derived from mla: recomputed from the new one
+            changes.setdefault("head_dim", None)
+            changes.setdefault("num_kv_heads", None)
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -356,6 +437,38 @@ NAMED_SIZES: dict[tuple[str, str], dict[str, Any]] = {
         intermediate_size=6144, max_position_embeddings=40960, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
         moe=dict(num_experts=128, top_k=8, intermediate_size=768, norm_topk_prob=True, aux_loss_coef=0.001),
         extra={"hf_model_type": "qwen3_moe"},
+    ),
+    # DeepSeek-V3-shaped (MLA with a query low-rank path, sigmoid router with groups and a correction bias, a shared
+    # expert, the first layer dense) and GLM-4.5-shaped (partial rotary, q/k norms, q/k/v biases, the same router) at
+    # test sizes; the shape of DeepSeek-V3 itself (estimates: 671B parameters, 37B active).
+    ("decoder", "debug-deepseek-v3"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, intermediate_size=128,
+        max_position_embeddings=256, norm_eps=1e-6,
+        mla=dict(kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16),
+        moe=dict(num_experts=8, top_k=2, intermediate_size=32, scoring="sigmoid", num_groups=2, topk_groups=1,
+                 norm_topk_prob=True, routed_scaling_factor=2.5, score_bias=True, shared_intermediate_size=32,
+                 dense_layers=[0], aux_loss_coef=0.0),
+        extra={"hf_model_type": "deepseek_v3"},
+    ),
+    ("decoder", "debug-glm4-moe"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
+        intermediate_size=128, max_position_embeddings=256, norm_eps=1e-5, partial_rotary_factor=0.5, qk_norm=True,
+        attention_bias=True, o_bias=False,
+        moe=dict(num_experts=8, top_k=2, intermediate_size=32, scoring="sigmoid", num_groups=2, topk_groups=1,
+                 norm_topk_prob=True, routed_scaling_factor=1.0, score_bias=True, shared_intermediate_size=32,
+                 dense_layers=[0], aux_loss_coef=0.0),
+        extra={"hf_model_type": "glm4_moe"},
+    ),
+    ("decoder", "deepseek-v3"): dict(
+        _LLAMA, vocab_size=129280, hidden_size=7168, num_layers=61, num_heads=128, intermediate_size=18432,
+        max_position_embeddings=163840, norm_eps=1e-6,
+        rope_scaling={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        mla=dict(kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128),
+        moe=dict(num_experts=256, top_k=8, intermediate_size=2048, scoring="sigmoid", num_groups=8, topk_groups=4,
+                 norm_topk_prob=True, routed_scaling_factor=2.5, score_bias=True, shared_intermediate_size=2048,
+                 dense_layers=[0, 1, 2], aux_loss_coef=0.0),
+        extra={"hf_model_type": "deepseek_v3"},
     ),
     ("decoder", "small"): dict(
         _LLAMA, vocab_size=8192, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4,

@@ -10,8 +10,10 @@ Module tree (uniform so that parallel plans are data keyed by module path)::
                                                         a NormHead when config.norm_head: rows L2-normalised)
 
 Variants are config switches of this one module tree (so every family shares one parallel spec): fused ``W_pack``
-and ``q_norm``/``k_norm`` in the attention (``layers.Attention``), a sliding window on the layers of
-``config.sliding_layers`` (a band in the attention mask), rope types of ``rope.py``. Attention takes SDPA over one
+and ``q_norm``/``k_norm`` in the attention (``layers.Attention``), partial rotary (``partial_rotary_factor``), a
+sliding window on the layers of ``config.sliding_layers`` (a band in the attention mask), rope types of ``rope.py``,
+Multi-head Latent Attention as every layer's ``self_attn`` (``config.mla``: ``mla.LatentAttention``), Mixture-of-Experts
+feed-forwards (``config.moe``: ``moe.MoEBlock``). Attention takes SDPA over one
 mask per forward, or the varlen flash kernel over one layout per forward (``attention.py``: ``config.attention``).
 
 Shape legend: B batch, S sequence, H hidden, V vocab, D head dim.
@@ -29,7 +31,8 @@ from lightning_llm.kernels.head_loss import TokenScores, head_cross_entropy, hea
 
 from .attention import AttentionMask, TokenMask, contiguous_sequences, uses_varlen, varlen_layout
 from .config import ModelConfig
-from .init import InitPlan, WeightsSource, draw_init_seed, init_whole, materialize, plan_for_modules
+from .init import InitPlan, WeightsSource, draw_init_seed, full_index, init_whole, materialize, plan_for_modules
+from .mla import LatentAttention
 from .moe import MoEBlock, RoutingInput
 from .routing import RoutingStats
 from .layers import (
@@ -78,18 +81,18 @@ class DecoderLM(nn.Module):
             )
             self.dropout = nn.Dropout(config.dropout)
             moe = set(config.moe_layers)
-            self.layers = nn.ModuleDict({str(i): TransformerBlock(config, mlp=MoEBlock(config, i) if i in moe else None)
-                                         for i in range(config.num_layers)})
+            self.layers = nn.ModuleDict({str(i): TransformerBlock(
+                config, mlp=MoEBlock(config, i) if i in moe else None, attn=_attention_layer(config))
+                for i in range(config.num_layers)})
             self.norm: nn.Module | None = build_norm(config) if config.final_norm else None
             head_cls = NormHead if config.norm_head else nn.Linear
             self.lm_head: nn.Linear | None = head_cls(h, config.vocab_size, bias=False)
             self.rope_cos: Tensor | None
             self.rope_sin: Tensor | None
             if config.position == "rope":
-                assert config.head_dim is not None
-                table = (config.max_position_embeddings, config.head_dim)
-                self.register_buffer("rope_cos", torch.empty(table, dtype=torch.float32), persistent=False)  # [P, D]
-                self.register_buffer("rope_sin", torch.empty(table, dtype=torch.float32), persistent=False)  # [P, D]
+                table = (config.max_position_embeddings, config.rotary_dim)
+                self.register_buffer("rope_cos", torch.empty(table, dtype=torch.float32), persistent=False)  # [P, R]
+                self.register_buffer("rope_sin", torch.empty(table, dtype=torch.float32), persistent=False)  # [P, R]
             else:
                 self.rope_cos = None
                 self.rope_sin = None
@@ -110,8 +113,7 @@ class DecoderLM(nn.Module):
 
     def _rope_tables(self, device: torch.device | None) -> tuple[Tensor, Tensor]:
         c = self.config
-        assert c.head_dim is not None
-        return precompute_rope(c.head_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device=device)
+        return precompute_rope(c.rotary_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device=device)
 
     def tie_weights(self) -> None:
         """Make ``lm_head.weight`` the very same Parameter as ``embed_tokens.weight`` when ``tie_embeddings``."""
@@ -120,15 +122,22 @@ class DecoderLM(nn.Module):
 
     def init_buffers(self) -> None:
         """Recompute the (non-persistent) rotary tables in place, on their current device (after ``to_empty``), and
-        start the MoE routers' correction biases at zero (a checkpoint loaded afterwards brings its own)."""
+        fill the MoE routers' correction biases from the HF checkpoint being loaded (``weights_source``), else zero
+        (a checkpoint loaded afterwards brings its own)."""
         with torch.no_grad():
             if self.rope_cos is not None and self.rope_sin is not None and not self.rope_cos.is_meta:
                 cos, sin = self._rope_tables(device=self.rope_cos.device)
                 self.rope_cos.copy_(cos)
                 self.rope_sin.copy_(sin)
-            for block in self.layers.values():
+            source = self.weights_source
+            for key, block in self.layers.items():
                 bias = getattr(getattr(block.mlp, "gate", None), "e_score_correction_bias", None)
-                if bias is not None and not bias.is_meta:
+                if bias is None or bias.is_meta:
+                    continue
+                name = f"layers.{key}.mlp.gate.e_score_correction_bias"
+                if source is not None and source.has(name):
+                    bias.copy_(source.read(name, full_index(bias.shape, bias.device), bias.dtype))
+                else:
                     bias.zero_()
 
     @torch.no_grad()
@@ -302,18 +311,16 @@ class DecoderLM(nn.Module):
             return self.rope_cos[position_ids], self.rope_sin[position_ids]  # every position inside the table
         # Past the table (transformers has no such limit), or the caller's: computed from the positions. `dynamic`
         # rope picks its frequencies from this forward's longest position, as transformers' dynamic_rope_update does.
-        assert c.head_dim is not None
-        return rope_from_positions(position_ids, c.head_dim, c.max_position_embeddings, c.rope_theta,
+        return rope_from_positions(position_ids, c.rotary_dim, c.max_position_embeddings, c.rope_theta,
                                    c.rope_scaling, seq_len=longest,
                                    inv_freq=None if dynamic else self._inv_freq(position_ids.device))
 
     def _inv_freq(self, device: torch.device) -> Tensor:
-        """The rope frequencies [D/2] (not ``dynamic``) on ``device``, copied there once (not a buffer: never saved)."""
+        """The rope frequencies [R/2] (not ``dynamic``) on ``device``, copied there once (not a buffer: never saved)."""
         cached = self.__dict__.get("_rope_inv_freq")
         if cached is None or cached.device != device:
             c = self.config
-            assert c.head_dim is not None
-            cached = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling,
+            cached = rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling,
                                    max_positions=c.max_position_embeddings).to(device)
             self.__dict__["_rope_inv_freq"] = cached
         return cached
@@ -386,3 +393,8 @@ class DecoderLM(nn.Module):
         if window is None:
             return (mask, False), (mask, False)
         return (mask, False), (mask & causal_mask(s, mask.shape[-1], window, device=device), False)
+
+
+def _attention_layer(config: ModelConfig) -> nn.Module | None:
+    """The kind of attention layer of a block (None: the block's default, ``layers.Attention``)."""
+    return LatentAttention(config) if config.mla is not None else None

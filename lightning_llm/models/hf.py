@@ -44,6 +44,7 @@ from .hf_config import (
     config_from_hf,
     config_to_hf,
 )
+from .hf_deepseek import MTP_KINDS
 from .hf_decoders import DECODER_KINDS, wpack_from_hf, wpack_to_hf
 from .hf_entries import Entry, Fused, Stacked, lin, moe_mlp_entries
 from .hf_source import CheckpointFiles, HFWeightsSource, Mapped, StackedMapped
@@ -92,6 +93,16 @@ def _conv1d(hf: str, ours: str) -> list[_Entry]:
     ]
 
 
+def _mla_entries(hf: str, ours: str, c: ModelConfig) -> list[_Entry]:
+    """Multi-head Latent Attention's projections and latent norms (``mla.LatentAttention``: transformers' names)."""
+    assert c.mla is not None
+    bias = c.attention_bias  # on the down-projections from the hidden state (and o_proj: o_bias)
+    names = [("q_proj", False)] if c.mla.q_lora_rank is None else [
+        ("q_a_proj", bias), ("q_a_layernorm", False), ("q_b_proj", False)]
+    names += [("kv_a_proj_with_mqa", bias), ("kv_a_layernorm", False), ("kv_b_proj", False)]
+    return [entry for name, b in names for entry in _lin(f"{hf}.{name}", f"{ours}.{name}", b)]
+
+
 def _entries(config: ModelConfig, architecture: str) -> list[_Entry | Stacked | Fused]:
     a = SUPPORTED_ARCHITECTURES[architecture]
     c = config
@@ -102,7 +113,9 @@ def _entries(config: ModelConfig, architecture: str) -> list[_Entry | Stacked | 
         n = c.num_heads
         for i in range(c.num_layers):
             p, q = f"layers.{i}", f"layers.{i}"
-            if c.qkv_packed:  # [q; k; v] rows in the checkpoint, head-interleaved in our W_pack (layers.Attention)
+            if c.mla is not None:
+                e += _mla_entries(f"{p}.self_attn", f"{q}.self_attn", c)
+            elif c.qkv_packed:  # [q; k; v] rows in the checkpoint, head-interleaved in our W_pack (layers.Attention)
                 for t in ("weight", "bias") if ab else ("weight",):
                     e.append(_Entry(f"{p}.self_attn.W_pack.{t}", (f"{q}.self_attn.W_pack.{t}",),
                                     split=lambda w, n=n: (wpack_from_hf(w, n),),
@@ -246,7 +259,12 @@ def _map_to_ours(
             shapes[name] = tuple(part.shape)
     rest = [k for k in stored if k not in used and not _IGNORED.search(k)]
     heads = [k for k in rest if _HEAD_KEYS[kind].match(k)]
-    unexpected = [k for k in rest if k not in heads]
+    mtp = [k for k in rest if kind in MTP_KINDS and (m := re.match(r"layers\.(\d+)\.", k)) is not None
+           and int(m.group(1)) >= config.num_layers]
+    if mtp:  # as transformers: DeepSeek-V3's and GLM-4.5's multi-token-prediction layers are not built
+        log.warning("%s: ignoring %d keys of the multi-token-prediction layers (num_nextn_predict_layers), which "
+                    "transformers does not build either", where, len(mtp))
+    unexpected = [k for k in rest if k not in heads and k not in mtp]
     if missing or unexpected:
         parts_ = []
         if missing:
@@ -344,7 +362,7 @@ def load_hf(
         raise FileNotFoundError(f"load_hf: {str(cfg_file)!r} not found")
     hf = read_json(cfg_file)
     arch = _architecture_name(hf, where=str(cfg_file))
-    config = config_from_hf(hf)
+    config = config_from_hf(hf, where=str(cfg_file))
     if config_overrides.get("num_labels", 0) > 0 and "pooler" not in config_overrides:
         config_overrides = {**config_overrides, "pooler": True}  # HF classification heads sit on the pooler
     if config_overrides:
@@ -414,6 +432,8 @@ def _decoder_kind(config: ModelConfig) -> str:
     """The HF family a decoder of no recorded origin is saved as: the one whose switches it uses."""
     if config.position != "rope":
         return "gpt2"
+    if config.mla is not None:
+        return "deepseek_v3"
     if config.qkv_packed or config.norm_head:
         return "baichuan"
     if config.attention_sinks:

@@ -41,6 +41,12 @@ SUPPORTED_ARCHITECTURES: dict[str, _Arch] = {
     "OlmoeModel": _Arch("olmoe", "base"),
     "GptOssForCausalLM": _Arch("gpt_oss", "lm"),
     "GptOssModel": _Arch("gpt_oss", "base"),
+    "DeepseekV2ForCausalLM": _Arch("deepseek_v2", "lm"),
+    "DeepseekV2Model": _Arch("deepseek_v2", "base"),
+    "DeepseekV3ForCausalLM": _Arch("deepseek_v3", "lm"),  # DeepSeek-V3/R1, Kimi-K2
+    "DeepseekV3Model": _Arch("deepseek_v3", "base"),
+    "Glm4MoeForCausalLM": _Arch("glm4_moe", "lm"),  # GLM-4.5/4.6
+    "Glm4MoeModel": _Arch("glm4_moe", "base"),
     "GPT2LMHeadModel": _Arch("gpt2", "lm"),
     "GPT2Model": _Arch("gpt2", "base"),
     "BertModel": _Arch("bert", "base"),
@@ -66,6 +72,9 @@ _DEFAULT_ARCH = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe": "Glm4MoeForCausalLM",
     "gpt2": "GPT2LMHeadModel",
     "bert": "BertModel",
     "megatron-bert": "MegatronBertModel",
@@ -90,10 +99,6 @@ def _architecture_name(hf: dict[str, Any], where: str = "config") -> str:
                 f"{', '.join(sorted(_DEFAULT_ARCH))}"
             )
         arch = _DEFAULT_ARCH[mt]
-    if arch.startswith(("DeepseekV2", "DeepseekV3")):
-        raise ValueError(f"{where}: {arch} is not supported: its Multi-head Latent Attention (MLA) is not one of our "
-                         "attention layers (its sigmoid, group-limited router is, through ModelConfig.moe); supported "
-                         f"Mixture-of-Experts families: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"{where}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -116,8 +121,8 @@ def _plain_act(name: str) -> str:
 
 
 def config_from_hf(hf_config: dict[str, Any], *, where: str = "config") -> ModelConfig:
-    """Our :class:`ModelConfig` from a HF ``config.json`` dict (architecture from ``architectures`` / ``model_type``;
-    ``where`` names the file in an error)."""
+    """Our :class:`ModelConfig` from a HF ``config.json`` dict (architecture from ``architectures`` / ``model_type``);
+    ``where`` (the file) is named by the errors of unsupported architectures and options."""
     hf = hf_config
     arch = _architecture_name(hf, where=where)
     a = SUPPORTED_ARCHITECTURES[arch]
@@ -131,7 +136,7 @@ def config_from_hf(hf_config: dict[str, Any], *, where: str = "config") -> Model
     pad = 0 if pad is None else int(pad)
 
     if a.kind in DECODER_KINDS:
-        return decoder_config_from_hf(hf, a.kind, extra=extra, pad=pad)
+        return decoder_config_from_hf(hf, a.kind, extra=extra, pad=pad, where=where)
 
     if a.kind == "gpt2":
         if hf.get("scale_attn_by_inverse_layer_idx", False) or not hf.get("scale_attn_weights", True):
@@ -187,7 +192,8 @@ _ARCH_FIELDS = (
     "max_position_embeddings", "norm", "norm_eps", "activation", "position", "rope_theta", "rope_scaling",
     "attention_bias", "o_bias", "mlp_bias", "qk_norm", "qk_norm_over", "attention_sinks", "qkv_packed", "norm_head",
     "tie_embeddings", "pre_norm",
-    "embedding_norm", "final_norm", "type_vocab_size", "position_offset", "sliding_layers", "window", "moe",
+    "embedding_norm", "final_norm", "type_vocab_size", "position_offset", "sliding_layers", "window", "moe", "mla",
+    "partial_rotary_factor",
 )
 
 

@@ -33,6 +33,7 @@ from typing import Any
 from torch import Tensor
 
 from .config import ModelConfig, MoEConfig
+from .hf_deepseek import DEEPSEEK_KINDS, deepseek_from_hf, deepseek_to_hf
 from .hf_entries import MOE_KINDS
 from .rope import ROPE_TYPES
 
@@ -49,12 +50,15 @@ __all__ = [
     "wpack_to_hf",
     "adapter_tensor_to_hf",
     "adapter_tensor_from_hf",
+    "module_name_to_hf",
+    "module_name_from_hf",
 ]
 
 DECODER_KINDS = ("llama", "qwen2", "qwen3", "mistral", "baichuan", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-                 "gpt_oss")
-"""HF model types with LLaMA's module layout (weight names of ``hf._entries``); the last five have
-Mixture-of-Experts feed-forward layers (:mod:`.hf_entries`)."""
+                 "gpt_oss", *DEEPSEEK_KINDS)
+"""HF model types with LLaMA's module layout (weight names of ``hf._entries``); those of :data:`MOE_KINDS` have
+Mixture-of-Experts feed-forward layers (:mod:`.hf_entries`), DeepSeek's and GLM's are converted by
+:mod:`.hf_deepseek`."""
 
 # transformers' defaults for keys a config.json may omit (its config classes' field defaults).
 _MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 131072, "mixtral": 131072,
@@ -107,6 +111,29 @@ def adapter_tensor_from_hf(config: ModelConfig, name: str, t: Tensor) -> Tensor:
     return t
 
 
+_HF_MODULE_NAMES = {kind: ((".mlp.shared_expert.", ".mlp.shared_experts."),) for kind in DEEPSEEK_KINDS}
+"""Family -> (our module path piece, the HF one): where a family's HF names differ from ours below the block."""
+
+
+def _kind(config: ModelConfig) -> str | None:
+    return (config.extra or {}).get("hf_model_type")
+
+
+def module_name_to_hf(config: ModelConfig, name: str) -> str:
+    """Our module path inside the decoder -> the HF model's (``model.`` prefix not added): DeepSeek's and GLM's
+    shared experts are ``shared_experts`` there (a peft adapter's keys name them so)."""
+    for ours, hf in _HF_MODULE_NAMES.get(_kind(config) or "", ()):
+        name = name.replace(ours, hf)
+    return name
+
+
+def module_name_from_hf(config: ModelConfig, name: str) -> str:
+    """Inverse of :func:`module_name_to_hf`."""
+    for ours, hf in _HF_MODULE_NAMES.get(_kind(config) or "", ()):
+        name = name.replace(hf, ours)
+    return name
+
+
 # ---------------------------------------------------------------------------------------------------- from HF
 
 
@@ -118,10 +145,12 @@ def gated_act(name: str) -> str:
     return table[name]
 
 
-def rope_from_hf(hf: dict[str, Any], *, default: dict[str, Any] | None = None) -> tuple[float, dict[str, Any] | None]:
+def rope_from_hf(hf: dict[str, Any], *, default: dict[str, Any] | None = None,
+                 partial: bool = False) -> tuple[float, dict[str, Any] | None]:
     """``(rope_theta, rope_scaling)`` from ``rope_parameters`` (transformers 5) or legacy ``rope_theta`` +
     ``rope_scaling`` (``default``: the family's parameters when the config has neither); ``original_max_position_
-    embeddings`` defaults to ``max_position_embeddings`` as in transformers' ``standardize_rope_params``."""
+    embeddings`` defaults to ``max_position_embeddings`` as in transformers' ``standardize_rope_params``.
+    ``partial``: the family reads ``partial_rotary_factor`` itself (else a value other than 1 is refused)."""
     params = dict(hf.get("rope_parameters") or {})
     legacy = hf.get("rope_scaling")
     if legacy:
@@ -136,8 +165,10 @@ def rope_from_hf(hf: dict[str, Any], *, default: dict[str, Any] | None = None) -
     kind = params.get("rope_type", "default")
     if kind not in ROPE_TYPES:
         raise ValueError(f"unsupported rope scaling rope_type={kind!r} (supported: {', '.join(ROPE_TYPES)})")
-    if float(params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) or 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1.0 (rotary on part of the head dim) is not supported")
+    factor = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if not partial and float(factor or 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor={factor} (rotary on part of the head dim) is not supported for "
+                         f"{hf.get('model_type')} (only GLM-4.5's glm4_moe)")
     if kind == "default":
         return theta, None
     if kind in ("llama3", "yarn") and "original_max_position_embeddings" not in params:
@@ -179,8 +210,10 @@ def _sliding_from_hf(hf: dict[str, Any], kind: str, num_layers: int) -> tuple[in
     return None, None
 
 
-def decoder_config_from_hf(hf: dict[str, Any], kind: str, *, extra: dict[str, Any], pad: int) -> ModelConfig:
-    """:class:`ModelConfig` of a LLaMA-layout decoder (``kind`` in :data:`DECODER_KINDS`)."""
+def decoder_config_from_hf(hf: dict[str, Any], kind: str, *, extra: dict[str, Any], pad: int,
+                           where: str = "config") -> ModelConfig:
+    """:class:`ModelConfig` of a LLaMA-layout decoder (``kind`` in :data:`DECODER_KINDS`; ``where`` names the file in
+    errors)."""
     heads = int(hf["num_attention_heads"])
     layers = int(hf["num_hidden_layers"])
     kw: dict[str, Any] = {}
@@ -197,7 +230,8 @@ def decoder_config_from_hf(hf: dict[str, Any], kind: str, *, extra: dict[str, An
         theta, scaling = 10000.0, None
         kw.update(qkv_packed=True, norm_head=True, attention_bias=False, mlp_bias=False)
     else:
-        theta, scaling = rope_from_hf(hf, default=_GPT_OSS_ROPE if kind == "gpt_oss" else None)
+        theta, scaling = rope_from_hf(hf, default=_GPT_OSS_ROPE if kind == "gpt_oss" else None,
+                                      partial=kind == "glm4_moe")
         window, types = _sliding_from_hf(hf, kind, layers)
         kw.update(sliding_window=window, layer_types=types)
         if kind == "llama":
@@ -213,12 +247,12 @@ def decoder_config_from_hf(hf: dict[str, Any], kind: str, *, extra: dict[str, An
         elif kind == "gpt_oss":
             kw.update(attention_bias=bool(hf.get("attention_bias", True)), attention_sinks=True)
             _check_gpt_oss_quantization(hf)
-        if kind in MOE_KINDS:
+        if kind in MOE_KINDS and kind not in DEEPSEEK_KINDS:
             kw.update(moe=moe_from_hf(hf, kind, layers))
     head_dim = hf.get("head_dim")
     if head_dim is None and kind in ("qwen3", "gpt_oss"):
         head_dim = {"qwen3": 128, "gpt_oss": 64}[kind]  # their configs' defaults, independent of hidden / heads
-    return ModelConfig(
+    fields: dict[str, Any] = dict(
         family="decoder", vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
         num_layers=layers, num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
         head_dim=None if head_dim is None else int(head_dim), intermediate_size=int(hf["intermediate_size"]),
@@ -230,6 +264,9 @@ def decoder_config_from_hf(hf: dict[str, Any], kind: str, *, extra: dict[str, An
         final_norm=True, dropout=float(hf.get("attention_dropout", 0.0)),
         initializer_range=float(hf.get("initializer_range", 0.02)), pad_token_id=pad, extra=extra, **kw,
     )
+    if kind in DEEPSEEK_KINDS:
+        fields.update(deepseek_from_hf(hf, kind, layers, where=where))
+    return ModelConfig(**fields)
 
 
 def _olmoe_attention(hf: dict[str, Any], heads: int) -> dict[str, Any]:
@@ -294,8 +331,9 @@ def moe_architecture(c: ModelConfig) -> tuple[Any, ...] | None:
     if m is None:
         return None
     return (m.num_experts, m.top_k, m.intermediate_size, m.scoring, m.norm_topk_prob, m.num_groups, m.topk_groups,
-            m.routed_scaling_factor, m.score_bias, m.shared_intermediate_size, m.shared_gate, tuple(m.dense_layers),
-            m.router_bias, m.expert_bias, m.swiglu_limit, m.swiglu_alpha if m.swiglu_limit is not None else None)
+            m.group_score if m.num_groups > 1 else None, m.routed_scaling_factor, m.score_bias,
+            m.shared_intermediate_size, m.shared_gate, tuple(m.dense_layers), m.router_bias, m.expert_bias,
+            m.swiglu_limit, m.swiglu_alpha if m.swiglu_limit is not None else None)
 
 
 def _moe_to_hf(c: ModelConfig, kind: str) -> dict[str, Any]:
@@ -342,10 +380,14 @@ def decoder_config_to_hf(c: ModelConfig, kind: str) -> dict[str, Any]:
     rope = {"rope_type": "default", "rope_theta": c.rope_theta}
     if c.rope_scaling:
         rope = {**dict(c.rope_scaling), "rope_theta": c.rope_theta}
+    if kind == "glm4_moe":  # always written: its absence means 0.5
+        rope["partial_rotary_factor"] = c.partial_rotary_factor
     hf.update(num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rope_parameters=rope,
               attention_dropout=c.dropout)
     sliding = c.sliding_layers
-    if kind in MOE_KINDS:
+    if kind in DEEPSEEK_KINDS:
+        hf.update(deepseek_to_hf(c, kind))
+    elif kind in MOE_KINDS:
         hf.update(_moe_to_hf(c, kind))
     if kind == "llama":
         hf.update(attention_bias=c.attention_bias, mlp_bias=c.mlp_bias)

@@ -23,11 +23,12 @@ import torch
 from torch import Tensor
 
 from .config import ModelConfig
+from .hf_deepseek import DEEPSEEK_KINDS
 from .hf_source import CheckpointFiles, Mxfp4Mapped, PermutedMapped
 
 __all__ = ["Entry", "Fused", "Stacked", "lin", "moe_mlp_entries", "MOE_KINDS", "interleave", "deinterleave"]
 
-MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss")
+MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe")
 """HF model types whose feed-forward layers may be Mixture-of-Experts blocks."""
 
 
@@ -146,8 +147,9 @@ def _gpt_oss_mlp_entries(config: ModelConfig, layer: int) -> list[Entry | Stacke
 
 def moe_mlp_entries(config: ModelConfig, kind: str, layer: int) -> list[Entry | Stacked | Fused]:
     """The feed-forward entries of MoE layer ``layer`` of an HF ``kind`` (Mixtral: ``block_sparse_moe`` with experts
-    ``w1`` gate, ``w3`` up, ``w2`` down; Qwen2/3-MoE and OLMoE: ``mlp`` with ``gate_proj``/``up_proj``/``down_proj``
-    experts, Qwen2-MoE's ``shared_expert`` and ``shared_expert_gate``; gpt-oss: :func:`_gpt_oss_mlp_entries`)."""
+    ``w1`` gate, ``w3`` up, ``w2`` down; Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3 and GLM-4.5: ``mlp`` with ``gate_proj``/
+    ``up_proj``/``down_proj`` experts, Qwen2-MoE's ``shared_expert`` and ``shared_expert_gate``, DeepSeek's and GLM's
+    ``shared_experts`` and ``gate.e_score_correction_bias``; gpt-oss: :func:`_gpt_oss_mlp_entries`)."""
     moe = config.moe
     assert moe is not None
     if kind == "gpt_oss":
@@ -163,11 +165,14 @@ def moe_mlp_entries(config: ModelConfig, kind: str, layer: int) -> list[Entry | 
         gate_up = tuple((f"{hf}.experts.{i}.gate_proj.weight", f"{hf}.experts.{i}.up_proj.weight") for i in range(e))
         down = tuple((f"{hf}.experts.{i}.down_proj.weight",) for i in range(e))
     out: list[Entry | Stacked | Fused] = [*lin(f"{hf}.gate", f"{ours}.gate", False),
-                                  Stacked(f"{ours}.experts.gate_up_proj", gate_up),
-                                  Stacked(f"{ours}.experts.down_proj", down)]
+                                          Stacked(f"{ours}.experts.gate_up_proj", gate_up),
+                                          Stacked(f"{ours}.experts.down_proj", down)]
+    if moe.score_bias:  # a buffer (DeepSeek-V3, GLM-4.5: the correction bias of the aux-free balancing)
+        out.append(Entry(f"{hf}.gate.e_score_correction_bias", (f"{ours}.gate.e_score_correction_bias",)))
     if moe.shared_intermediate_size:
+        shared = "shared_experts" if kind in DEEPSEEK_KINDS else "shared_expert"
         for name in ("gate_proj", "up_proj", "down_proj"):
-            out += lin(f"{hf}.shared_expert.{name}", f"{ours}.shared_expert.{name}", False)
+            out += lin(f"{hf}.{shared}.{name}", f"{ours}.shared_expert.{name}", config.mlp_bias)
         if moe.shared_gate:
             out += lin(f"{hf}.shared_expert_gate", f"{ours}.shared_expert_gate", False)
     return out

@@ -256,7 +256,7 @@ class Attention(nn.Module):
         self,
         x: Tensor,  # [B, S, H]
         *,
-        rope: tuple[Tensor, Tensor] | None = None,  # cos, sin [B, S, D]
+        rope: tuple[Tensor, Tensor] | None = None,  # cos, sin [B, S, R] (R = config.rotary_dim <= D)
         attn_mask: AttentionMask = None,  # bool [B, N, S, T]-broadcastable (True = attend; T = past + S), or a layout
         is_causal: bool = False,
         kv_cache: KVCache | None = None,  # incremental decoding: past keys/values, appended in place
@@ -264,7 +264,7 @@ class Attention(nn.Module):
     ) -> Tensor:  # [B, S, H]
         b, s, _ = x.shape
         q, k, v = self._qkv(x)  # [B, S, N|K, D]
-        if rope is not None and use_fused_kernel(self.kernels, q):
+        if rope is not None and use_fused_kernel(self.kernels, q) and rope[0].shape[-1] == q.shape[-1]:
             q, k = fused.apply_rotary(q, k, rope[0].to(q.dtype), rope[1].to(q.dtype), backend="triton")
         elif rope is not None:
             q, k = apply_rotary(q, k, rope[0], rope[1])
@@ -337,13 +337,14 @@ class TransformerBlock(nn.Module):
     """One layer. pre_norm: x + attn(norm(x)), x + mlp(norm(x)); post_norm (BERT): norm(x + attn(x)), norm(x + mlp(x)).
 
     ``mlp``: the feed-forward, default a dense :class:`MLP`; a decoder's MoE layers pass their
-    :class:`~lightning_llm.models.moe.MoEBlock`, which takes the forward's ``routing=`` input."""
+    :class:`~lightning_llm.models.moe.MoEBlock`, which takes the forward's ``routing=`` input. ``attn``: the attention
+    layer, default :class:`Attention`; a decoder passes another kind (``mla.LatentAttention``) with the same call."""
 
-    def __init__(self, config: ModelConfig, *, mlp: nn.Module | None = None) -> None:
+    def __init__(self, config: ModelConfig, *, mlp: nn.Module | None = None, attn: nn.Module | None = None) -> None:
         super().__init__()
         self.pre_norm: bool = config.pre_norm
         self.attn_norm = build_norm(config)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config) if attn is None else attn
         self.mlp_norm = build_norm(config)
         self.mlp = MLP(config) if mlp is None else mlp
         self.dropout = nn.Dropout(config.dropout)

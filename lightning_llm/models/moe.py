@@ -1,4 +1,4 @@
-"""Mixture-of-Experts feed-forward layers (Mixtral, Qwen2-MoE, Qwen3-MoE; DeepSeek-V3's router): no parallel code.
+"""Mixture-of-Experts feed-forward layers (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3, GLM-4.5): no parallel code.
 
 Module tree of one MoE layer's ``mlp`` (the names transformers 5 holds in memory, so a checkpoint maps one to one)::
 
@@ -6,7 +6,7 @@ Module tree of one MoE layer's ``mlp`` (the names transformers 5 holds in memory
                           e_score_correction_bias [E] (buffer) with score_bias
     experts               GroupedExperts: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I];
                           gate_up_proj_bias [E, 2I], down_proj_bias [E, H] with expert_bias (gpt-oss)
-    shared_expert         MLP of shared_intermediate_size (optional; Qwen2-MoE, DeepSeek's shared experts)
+    shared_expert         MLP of shared_intermediate_size (optional; Qwen2-MoE, DeepSeek's and GLM's shared_experts)
     shared_expert_gate    Linear [1, H]: the shared expert's output times sigmoid of it (optional; Qwen2-MoE)
 
 A token's output is ``sum_k w_k * expert_{e_k}(x)`` over its ``top_k`` experts (dropless: no capacity, no token is
@@ -59,29 +59,33 @@ class RoutingInput:
 def route_scores(logits: Tensor, cfg: MoEConfig, bias: Tensor | None) -> tuple[Tensor, Tensor]:
     """``(expert ids [N, k], weights [N, k] fp32)`` from router logits [N, E] (fp32).
 
-    softmax: top-k of the softmax probabilities, renormalised with ``norm_topk_prob`` (Mixtral: always).
-    softmax_topk (gpt-oss): the top-k logits, their softmax the weights. sigmoid
-    (DeepSeek-V3): the correction ``bias`` is added to the scores to choose the experts only; group-limited choice
-    keeps the ``topk_groups`` groups whose two best (biased) scores sum highest; the weights are the unbiased scores,
-    renormalised with ``norm_topk_prob`` and times ``routed_scaling_factor``."""
+    softmax: top-k of the softmax probabilities, renormalised with ``norm_topk_prob`` (Mixtral: always; DeepSeek-V2:
+    never). softmax_topk (gpt-oss): the top-k logits, their softmax the weights. sigmoid (DeepSeek-V3, GLM-4.5): the
+    correction ``bias`` is added to the scores to choose the experts only. Group-limited choice keeps the
+    ``topk_groups`` best groups: ranked by the sum of their two best (biased) scores, the other groups' experts
+    excluded (``group_score=top2_sum``: DeepSeek-V3), or by their best score, the other groups' scores zeroed
+    (``max``: DeepSeek-V2's ``group_limited_greedy``). The weights are the unbiased scores, renormalised with
+    ``norm_topk_prob`` and times ``routed_scaling_factor``."""
     k = cfg.top_k
     if cfg.scoring == "softmax_topk":
         top, ids = logits.topk(k, dim=-1)  # [N, k]: transformers' GptOssTopKRouter
         weights = torch.softmax(top, dim=-1)
         return ids, weights * cfg.routed_scaling_factor if cfg.routed_scaling_factor != 1.0 else weights
-    if cfg.scoring == "softmax":
-        scores = torch.softmax(logits, dim=-1)
-        choice = scores if bias is None else scores + bias
-    else:
-        scores = logits.sigmoid()
-        choice = scores if bias is None else scores + bias
+    scores = torch.softmax(logits, dim=-1) if cfg.scoring == "softmax" else logits.sigmoid()
+    choice = scores if bias is None else scores + bias
     if cfg.num_groups > 1:
         n, e = choice.shape
         grouped = choice.view(n, cfg.num_groups, e // cfg.num_groups)
-        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
+        if cfg.group_score == "max":
+            group_scores = grouped.max(dim=-1).values  # [N, G]
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(-1)
         keep = torch.zeros_like(group_scores, dtype=torch.bool)
         keep.scatter_(1, group_scores.topk(cfg.topk_groups, dim=-1, sorted=False).indices, True)
-        choice = choice.masked_fill(~keep.repeat_interleave(e // cfg.num_groups, dim=1), float("-inf"))
+        fill = 0.0 if cfg.group_score == "max" else float("-inf")
+        choice = choice.masked_fill(~keep.repeat_interleave(e // cfg.num_groups, dim=1), fill)
+        if cfg.group_score == "max":
+            scores = choice  # (unbiased) transformers' weights are the zeroed scores
     if bias is None and cfg.num_groups == 1:
         weights, ids = scores.topk(k, dim=-1)  # [N, k]: the order transformers' routers return
     else:
@@ -113,6 +117,15 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
         else:
             self.e_score_correction_bias = None
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Router:
+        # The correction bias stays fp32 whatever dtype the model is cast to (transformers keeps it so:
+        # _keep_in_fp32_modules_strict): the aux-free update's steps (1e-3) would vanish in a 16-bit bias.
+        super()._apply(fn, recurse)
+        bias = self.e_score_correction_bias
+        if bias is not None and bias.dtype != torch.float32:
+            self.e_score_correction_bias = bias.float()
+        return self
 
     def logits(self, x: Tensor) -> Tensor:  # [N, H] -> [N, E] fp32
         device = x.device.type

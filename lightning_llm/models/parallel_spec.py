@@ -30,7 +30,15 @@ from typing import Any
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -133,6 +141,21 @@ class HeadSharded(ParallelStyle):
                                  self._output)
 
 
+class SumGradOverRanks(ParallelStyle):
+    """A module's input that each tensor-parallel rank uses for its part of a sum (MLA's rotary key, shared by the
+    heads that the ranks split): identity forward; backward sums its gradient over the ranks (Megatron's *f*), as
+    DTensor sums a column-parallel linear's input gradient: the input is seen as replicated and its local gradient as
+    a partial sum (``to_local(grad_placements=Partial)``), which the replicated input's backward all-reduces."""
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        def pre_hook(_: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+            x = DTensor.from_local(inputs[0], device_mesh, (Replicate(),), run_check=False)
+            return (x.to_local(grad_placements=(Partial(),)), *inputs[1:])
+
+        module.register_forward_pre_hook(pre_hook)
+        return module
+
+
 def _attention_plan(prefix: str, config: ModelConfig) -> TPPlan:
     """Column-parallel q/k/v (or the fused ``W_pack``), plus Qwen3's per-head ``q_norm``/``k_norm``.
 
@@ -144,6 +167,8 @@ def _attention_plan(prefix: str, config: ModelConfig) -> TPPlan:
     for sequence-parallel norms).
     """
     plan: TPPlan = {}
+    if config.mla is not None:
+        return _latent_attention_plan(prefix, config)
     names = ("W_pack",) if config.qkv_packed else ("q_proj", "k_proj", "v_proj")
     for name in names:
         plan[f"{prefix}.self_attn.{name}"] = ColwiseParallel()
@@ -154,6 +179,21 @@ def _attention_plan(prefix: str, config: ModelConfig) -> TPPlan:
     if config.attention_sinks:
         plan[f"{prefix}.self_attn.sinks"] = HeadSharded(takes_input=False)
     return plan
+
+
+def _latent_attention_plan(prefix: str, config: ModelConfig) -> TPPlan:
+    """Multi-head Latent Attention (``mla.LatentAttention``): heads split after the up-projections. The queries'
+    ``q_proj`` or ``q_b_proj`` [N*Dqk, Rq] and ``kv_b_proj`` [N*(Dn+Dv), Rkv] are column-parallel over whole heads
+    (their rows are head-major): out [B, S, N/tp*...]; ``o_proj`` is row-parallel (in ``_block_plan``). The
+    down-projections ``q_a_proj``, ``kv_a_proj_with_mqa`` and the latent norms are replicated: every rank computes the
+    latents [B, S, Rq | Rkv + Dr] of its tokens whole (a plain tensor input: the block hands the attention its input
+    as a local tensor), and each column-parallel up-projection all-reduces the gradient of its latent input (``Rq``,
+    ``Rkv`` wide, narrower than H) in backward; so does ``rope_key`` for the rotary key its heads share
+    (:class:`SumGradOverRanks`: without it a rank's key gradient holds its own heads' part only)."""
+    assert config.mla is not None
+    up = "q_proj" if config.mla.q_lora_rank is None else "q_b_proj"
+    return {f"{prefix}.self_attn.{up}": ColwiseParallel(), f"{prefix}.self_attn.kv_b_proj": ColwiseParallel(),
+            f"{prefix}.self_attn.rope_key": SumGradOverRanks()}
 
 
 def _block_plan(prefix: str, config: ModelConfig, *, sequence_parallel: bool, mlp: bool = True) -> TPPlan:
@@ -171,8 +211,11 @@ def _block_plan(prefix: str, config: ModelConfig, *, sequence_parallel: bool, ml
     # Row-parallel output: all-reduce (no SP) or reduce-scatter to sequence shards (SP, kept as DTensor so the
     # residual add and the next norm stay sharded).
     row = RowwiseParallel(output_layouts=resid, use_local_output=not sequence_parallel)
+    # MLA's replicated down-projections take the input as a plain tensor (its up-projections make it a DTensor)
+    attn_input = half_input if config.mla is None else PrepareModuleInput(
+        input_layouts=(resid,), desired_input_layouts=(Replicate(),), use_local_output=True)
     plan: TPPlan = {
-        f"{prefix}.self_attn": half_input,
+        f"{prefix}.self_attn": attn_input,
         **_attention_plan(prefix, config),
         f"{prefix}.self_attn.o_proj": row,
     }

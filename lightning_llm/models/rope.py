@@ -29,6 +29,8 @@ __all__ = [
     "rope_type",
     "rope_inv_freq",
     "rope_attention_factor",
+    "yarn_softmax_factor",
+    "pairs_to_halves",
     "precompute_rope",
     "rope_from_positions",
     "rotate_half",
@@ -155,6 +157,18 @@ def rope_attention_factor(scaling: dict[str, Any] | None, max_positions: int | N
     return mscale(factor)
 
 
+def yarn_softmax_factor(scaling: dict[str, Any] | None) -> float:
+    """Factor on the attention's softmax scale that DeepSeek's MLA adds with scaled RoPE: ``mscale(factor,
+    mscale_all_dim)**2`` when the rope type is not ``default`` and ``mscale_all_dim`` is set, else 1.0
+    (transformers' ``yarn_apply_mscale`` in ``modeling_deepseek_v3``; the cos/sin factor is
+    :func:`rope_attention_factor`)."""
+    if rope_type(scaling) == "default" or not scaling or not scaling.get("mscale_all_dim"):
+        return 1.0
+    factor = float(scaling["factor"])
+    m = 1.0 if factor <= 1 else 0.1 * float(scaling["mscale_all_dim"]) * math.log(factor) + 1.0
+    return m * m
+
+
 def _cos_sin(freqs: Tensor, attention_factor: float) -> tuple[Tensor, Tensor]:
     emb = torch.cat((freqs, freqs), dim=-1)  # [..., D]: HF layout, frequencies repeated
     if attention_factor == 1.0:
@@ -192,8 +206,21 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def pairs_to_halves(x: Tensor) -> Tensor:
+    """Rotary dims stored as interleaved pairs ``(x0, x1), (x2, x3), ...`` (DeepSeek) -> LLaMA's halves ``[x0, x2, ...,
+    x1, x3, ...]`` over the last dim, so :func:`apply_rotary` rotates each pair by its frequency. Queries and keys
+    both permuted: their dot product is unchanged (the result is transformers' ``apply_rotary_pos_emb_interleave``)."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
 def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-    """Rotate q [B, S, N, D] and k [B, S, K, D] with cos/sin [B, S, D] (already gathered by position)."""
-    cos = cos.unsqueeze(2).to(q.dtype)  # [B, S, 1, D]
+    """Rotate q [B, S, N, D] and k [B, S, K, D] with cos/sin [B, S, R] (already gathered by position): all D dims when
+    R == D, else the first R (partial rotary, transformers' ``apply_rotary_pos_emb`` of GLM), the rest unchanged."""
+    cos = cos.unsqueeze(2).to(q.dtype)  # [B, S, 1, R]
     sin = sin.unsqueeze(2).to(q.dtype)
+    r = cos.shape[-1]
+    if r < q.shape[-1]:
+        (q_rot, q_pass), (k_rot, k_pass) = q.split([r, q.shape[-1] - r], -1), k.split([r, k.shape[-1] - r], -1)
+        return (torch.cat((q_rot * cos + rotate_half(q_rot) * sin, q_pass), -1),
+                torch.cat((k_rot * cos + rotate_half(k_rot) * sin, k_pass), -1))
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

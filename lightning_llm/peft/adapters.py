@@ -22,7 +22,12 @@ from torch import Tensor, nn
 from lightning_llm.data.io import atomic_path, read_json
 from lightning_llm.data.tokenizer_files import write_tokenizer
 from lightning_llm.data.tokenizers import ByteTokenizer
-from lightning_llm.models.hf_decoders import adapter_tensor_from_hf, adapter_tensor_to_hf
+from lightning_llm.models.hf_decoders import (
+    adapter_tensor_from_hf,
+    adapter_tensor_to_hf,
+    module_name_from_hf,
+    module_name_to_hf,
+)
 from lightning_llm.peft.apply import LoraArgs, PeftConfig, apply_peft
 from lightning_llm.peft.prompt import (
     PROMPT_METHODS,
@@ -56,19 +61,24 @@ def peft_state_dict(model: nn.Module, cfg: PeftConfig) -> dict[str, Tensor]:
     return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model, adapter_name="default").items()}
 
 
-def hf_module_name(name: str) -> str:
+def hf_module_name(name: str, config: Any = None) -> str:
     """Our decoder parameter/module name -> the HF name (``layers.0.mlp.up_proj`` -> ``model.layers.0.mlp.up_proj``).
 
-    One mapping for every LLaMA-layout family (llama, qwen2, qwen3, mistral, baichuan): projection names are the HF
-    ones (``q_proj``, Qwen3's ``q_norm``, Baichuan's ``W_pack``); only the base-model prefix differs."""
+    One mapping for every LLaMA-layout family (llama, qwen2, qwen3, mistral, baichuan, the MoE families): projection
+    names are the HF ones (``q_proj``, Qwen3's ``q_norm``, Baichuan's ``W_pack``, MLA's ``kv_b_proj``); the base-model
+    prefix differs, and with ``config`` the family's own module names (DeepSeek's and GLM's ``shared_experts``:
+    ``models.hf_decoders.module_name_to_hf``)."""
+    if config is not None:
+        name = module_name_to_hf(config, name)
     if name.startswith(("layers.", "embed_tokens", "norm.")) or name == "norm":
         return "model." + name
     return name
 
 
-def _our_module_name(hf_name: str) -> str:
+def _our_module_name(hf_name: str, config: Any) -> str:
     """Inverse of :func:`hf_module_name`."""
-    return hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+    name = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+    return module_name_from_hf(config, name)
 
 
 def _wpack_rows(config: Any, state: dict[str, Tensor], *, to_hf: bool, where: str) -> dict[str, Tensor]:
@@ -81,6 +91,24 @@ def _wpack_rows(config: Any, state: dict[str, Tensor], *, to_hf: bool, where: st
                          "LoRA on W_pack is converted to Baichuan's row order; merge with `lightning_llm merge --ckpt`")
     convert = adapter_tensor_to_hf if to_hf else adapter_tensor_from_hf
     return {k: convert(config, k, v) for k, v in state.items()}
+
+
+_PEFT_REROUTED_KINDS = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "olmoe")
+"""HF model types whose LoRA adapters peft (0.21, ``convert_peft_config_for_transformers``) loads with the targets
+``gate_proj``/``up_proj``/``down_proj`` moved to the fused experts of transformers 5 (transformers'
+``_MODEL_TO_CONVERSION_PATTERN``): a LoRA on a dense or shared MLP of these names would not load as trained."""
+_PEFT_REROUTED = ("gate_proj", "up_proj", "down_proj")
+
+
+def _check_peft_loads_as_trained(model: nn.Module) -> None:
+    kind = (getattr(getattr(model, "config", None), "extra", None) or {}).get("hf_model_type")
+    adapted = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")}
+                     & set(_PEFT_REROUTED))
+    if kind in _PEFT_REROUTED_KINDS and adapted:
+        raise ValueError(f"adapter export: LoRA on the MLP projections {adapted} of a {kind} model would not load as "
+                         f"trained in peft's PeftModel, which moves those targets to the fused experts of transformers "
+                         f"5's {kind}; the checkpoint holds the weights: merge them with `lightning_llm export CKPT` "
+                         "or `lightning_llm merge --ckpt`")
 
 
 def _check_llama_layout(model: nn.Module) -> None:
@@ -110,6 +138,7 @@ def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,
 
     base = model.base if isinstance(model, PromptLearningLM) else model
     _check_llama_layout(base)
+    _check_peft_loads_as_trained(base)
     state = peft_state_dict(model, cfg) if state is None else state
     if cfg.method == "prompt_tuning":
         from peft import PromptTuningConfig
@@ -127,7 +156,7 @@ def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,
         peft_cfg = cfg.peft_config()
         # Baichuan's W_pack: lora_B rows back to the checkpoint's [q; k; v] order (ours are head-interleaved)
         state = _wpack_rows(base.config, state, to_hf=True, where="adapter export")
-        tensors = {"base_model.model." + hf_module_name(k): v for k, v in state.items()}
+        tensors = {"base_model.model." + hf_module_name(k, base.config): v for k, v in state.items()}
     peft_cfg.base_model_name_or_path = base_model_name_or_path
     with staged_directory(directory, flag="adapter directory") as tmp:
         peft_cfg.save_pretrained(str(tmp))
@@ -166,7 +195,8 @@ def load_adapter(model: nn.Module, directory: str | Path) -> tuple[nn.Module, Pe
     grow_base(model, trained_vocab_size(tensors), cfg, where=f"--adapter={directory}")
     model = apply_peft(model, cfg)
     prefix = "base_model.model."
-    ours = _wpack_rows(model.config, {_our_module_name(k.removeprefix(prefix)): v for k, v in tensors.items()},
+    ours = _wpack_rows(model.config, {_our_module_name(k.removeprefix(prefix), model.config): v
+                                      for k, v in tensors.items()},
                        to_hf=False, where=f"--adapter={directory}")
     result = set_peft_model_state_dict(model, ours, adapter_name="default")
     unexpected = getattr(result, "unexpected_keys", [])

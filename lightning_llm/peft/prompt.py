@@ -76,6 +76,10 @@ def peft_prompt_config(method: str, num_virtual_tokens: int, options: dict[str, 
                               token_dim=c.hidden_size, num_layers=c.num_layers, num_attention_heads=c.num_heads,
                               num_transformer_submodules=1)
     if method == "prefix_tuning":
+        if getattr(c, "mla", None) is not None:
+            raise ValueError("peft.method=prefix_tuning is not supported for Multi-head Latent Attention models "
+                             "(DeepSeek-V2/V3): their cache holds compressed latents, not per-head keys and values for "
+                             "a prefix; use lora, prompt_tuning or p_tuning")
         kw.update(token_dim=c.num_kv_heads * c.head_dim, num_attention_heads=c.num_kv_heads)
     if method == "prompt_tuning":
         kw["prompt_tuning_init"] = "SAMPLE_VOCAB" if prompt_init == "vocab" else "RANDOM"

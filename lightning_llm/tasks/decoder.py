@@ -203,6 +203,11 @@ class DecoderTask(LLMTask):
         if self.quantize is not None:
             check_quantize_layout(self.quantize, self.trainer.strategy if self._trainer else None, self.capabilities)
         model = self.build_decoder()
+        moe = getattr(model.config, "moe", None)
+        if self.peft_config is not None and moe is not None and moe.bias_update_rate > 0:
+            raise ValueError(f"moe.bias_update_rate={moe.bias_update_rate} with --model.{self.peft_config.method}: the "
+                             "aux-free update moves the routers' correction biases, which a PEFT run's checkpoints and "
+                             "adapters do not hold (only its trainable weights); set it to 0, or fine-tune in full")
         if self.quantize is not None:
             _check_trained_copies(model, self.peft_config)
         if added_rows(model):

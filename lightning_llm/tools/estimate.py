@@ -27,6 +27,7 @@ from lightning_llm.data.io import read_json
 from lightning_llm.memory import (
     PRECISIONS,
     Quantized,
+    attention_width,
     bytes_per_param,
     estimate_layout,
     loss_bytes,
@@ -54,7 +55,7 @@ def load_config(model: str, family: str) -> Any:
         cfg = p / "config.json"
         if not cfg.is_file():
             raise FileNotFoundError(f"--model={model}: no config.json in that directory")
-        return config_from_hf(read_json(cfg))
+        return config_from_hf(read_json(cfg), where=str(cfg))
     known = sorted(n for f, n in NAMED_SIZES if f == family)
     raise ValueError(f"--model={model}: neither a named {family} size ({', '.join(known)}) nor a local HF directory")
 
@@ -221,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                          loss=lambda batch: loss_bytes(config, tokens=batch * seq // cp, precision=a.precision,
                                                         fused=fused, tp=tp))
     flops = train_flops_per_token(params=counts.active - counts.embedding, layers=config.num_layers,
-                                  attention_width=config.num_heads * config.head_dim, seq_len=seq)
+                                  attention_width=attention_width(config), seq_len=seq)
     report = {
         "model": a.model, "parameters": numel, "active_parameters": counts.active,
         "expert_parameters": counts.experts, "embedding_parameters": counts.embedding, "train_flops_per_token": flops,

@@ -3,9 +3,12 @@ configs' headers fine-tune and the tests load.
 
     python -m lightning_llm.tools.tiny gpt_oss OUT_DIR     # GptOssForCausalLM, experts as MXFP4 (as published)
     python -m lightning_llm.tools.tiny olmoe OUT_DIR       # OlmoeForCausalLM
+    python -m lightning_llm.tools.tiny deepseek_v3 OUT_DIR # DeepseekV3ForCausalLM (Multi-head Latent Attention)
+    python -m lightning_llm.tools.tiny glm4_moe OUT_DIR    # Glm4MoeForCausalLM
 
 ``OUT_DIR`` gets ``config.json`` and ``model.safetensors`` from ``save_pretrained`` of transformers' model of the
-family's debug size (``debug-gpt-oss`` / ``debug-olmoe``: 4 layers, hidden 64, 8 experts, top-2) and a byte-level BPE
+family's debug size (``debug-gpt-oss`` / ``debug-olmoe`` / ``debug-deepseek-v3`` / ``debug-glm4-moe``: 4 layers,
+hidden 64, 8 experts, top-2; the routers' correction biases, which transformers starts at 0, drawn) and a byte-level BPE
 tokenizer of 300 ids trained on the generated corpus (``<pad>`` 0, ``<s>`` 1, ``</s>`` 2). gpt-oss's experts are then
 stored as openai/gpt-oss-20b is published: their matrices as MXFP4 ``*_blocks``/``*_scales`` (:func:`quantize_mxfp4`)
 with a ``quantization_config`` (``--plain`` keeps them in fp32). The directory is built beside ``OUT_DIR`` and swapped
@@ -32,7 +35,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["FAMILIES", "main", "quantize_mxfp4", "to_mxfp4", "write_bpe_tokenizer", "write_tiny"]
 
-FAMILIES = {"gpt_oss": ("debug-gpt-oss", "GptOssForCausalLM"), "olmoe": ("debug-olmoe", "OlmoeForCausalLM")}
+FAMILIES = {"gpt_oss": ("debug-gpt-oss", "GptOssForCausalLM"), "olmoe": ("debug-olmoe", "OlmoeForCausalLM"),
+            "deepseek_v3": ("debug-deepseek-v3", "DeepseekV3ForCausalLM"),
+            "glm4_moe": ("debug-glm4-moe", "Glm4MoeForCausalLM")}
 """family -> (our debug size, the transformers class written)."""
 VOCAB = 304
 """The model's vocabulary: the tokenizer's 300 ids rounded up to a multiple of 8."""
@@ -95,6 +100,10 @@ def write_tiny(family: str, out: str | Path, *, mxfp4: bool = True, seed: int = 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = cls(config)
+            with torch.no_grad():  # a checkpoint's own biases (zeros would not show that they are read)
+                for name, buf in model.named_buffers():
+                    if name.endswith("e_score_correction_bias"):
+                        buf.copy_(torch.randn(buf.shape) * 0.05)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.save_pretrained(str(tmp))

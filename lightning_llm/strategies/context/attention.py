@@ -45,7 +45,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_llm.models.attention import VarlenLayout, varlen_attention, varlen_layout
+from lightning_llm.models.attention import VarlenLayout, values_as_keys, varlen_attention, varlen_layout
 from lightning_llm.models.layers import additive_mask
 from lightning_llm.strategies.context.sharding import local_columns, order_gathered
 
@@ -88,21 +88,22 @@ class _CausalChunks(torch.autograd.Function):
     stay at their kv heads (saved for backward as gathered); each block repeats them for its grouped query heads."""
 
     @staticmethod
-    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, chunks: tuple[int, int], c: int) -> Tensor:
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, chunks: tuple[int, int], c: int,
+                scale: float | None) -> Tensor:
         # q [B, N, 2c, D]; k, v [B, K, S, D] in column order
         rep = q.shape[1] // k.shape[1]
         outs, lses = [], []
         for i, j in enumerate(chunks):
             qj = q[:, :, i * c:(i + 1) * c]
-            o, lse = _flash(qj, *_heads(k, v, slice(j * c, (j + 1) * c), rep), 0.0, True)
+            o, lse = _flash(qj, *_heads(k, v, slice(j * c, (j + 1) * c), rep), 0.0, True, scale=scale)
             if j:  # the chunks before: every key visible
-                o_prev, lse_prev = _flash(qj, *_heads(k, v, slice(0, j * c), rep), 0.0, False)
+                o_prev, lse_prev = _flash(qj, *_heads(k, v, slice(0, j * c), rep), 0.0, False, scale=scale)
                 o, lse = _merge(o, lse, o_prev, lse_prev)
             outs.append(o)
             lses.append(lse)
         out = torch.cat(outs, dim=2)
         ctx.save_for_backward(q, k, v, out, *lses)
-        ctx.chunks, ctx.c, ctx.rep = chunks, c, rep
+        ctx.chunks, ctx.c, ctx.rep, ctx.scale = chunks, c, rep, scale
         return out
 
     @staticmethod
@@ -120,12 +121,12 @@ class _CausalChunks(torch.autograd.Function):
             # global softmax restricted to the block, rowsum(dO * O) the global one.
             blocks = [(slice(j * c, (j + 1) * c), True)] + ([(slice(0, j * c), False)] if j else [])
             for cols, causal in blocks:
-                a, gk, gv = _flash_backward(g, qj, *_heads(k, v, cols, rep), oj, lse, 0.0, causal)
+                a, gk, gv = _flash_backward(g, qj, *_heads(k, v, cols, rep), oj, lse, 0.0, causal, scale=ctx.scale)
                 dq[:, :, rows] += a
                 # a kv head's gradient: the sum over the query heads it serves ([B, K, rep, L, D])
                 dk[:, :, cols] += gk.view(b, kv_heads, rep, -1, d).sum(2)
                 dv[:, :, cols] += gv.view(b, kv_heads, rep, -1, d).sum(2)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def _heads(k: Tensor, v: Tensor, cols: slice, rep: int) -> tuple[Tensor, Tensor]:
@@ -188,33 +189,36 @@ class ContextParallelAttention(nn.Module):
         return order_gathered(parts, dim=dim)
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, *, attn_mask: Tensor | None, is_causal: bool,
-                dropout_p: float, token_mask: Any = None) -> Tensor:  # [B, N, S/cp, D]
+                dropout_p: float, token_mask: Any = None, scale: float | None = None) -> Tensor:  # [B, N, S/cp, Dv]
         if token_mask is None:
             raise ValueError("context parallelism: the model called its attention core without a token_mask (the "
                              "mask's ingredients), so the mask across slices cannot be built")
         if dropout_p:
             raise ValueError(f"context parallelism: attention dropout ({dropout_p}) is not supported (the dropout "
                              "pattern of a slice would differ from one device's)")
-        s_local = q.shape[2]
+        s_local, dv = q.shape[2], v.shape[-1]
         seq = s_local * self.cp
         # one collective for both: [2, B, S/cp, K, D] -> [2, B, S, K, D] (only the kv heads travel), seen as
-        # [B, K, S, D]; token-major, so the varlen path takes its rows as views
+        # [B, K, S, D]; token-major, so the varlen path takes its rows as views. Values narrower than the keys (MLA)
+        # travel zero-padded to their width and the output is cut back to Dv.
+        v = values_as_keys(v, k.shape[-1])
         kv = self._gather(torch.stack([k.transpose(1, 2), v.transpose(1, 2)]), dim=2, differentiable=True)
         k_all, v_all = kv.transpose(2, 3).unbind(0)
         if token_mask.varlen:
             layout = self.shared.get(token_mask, VarlenLayout, lambda: self._layout(
                 token_mask, seq=seq, batch=q.shape[0], device=q.device))
-            return varlen_attention(q, k_all, v_all, layout)
+            return varlen_attention(q, k_all, v_all, layout, scale=scale)[..., :dv]
         plain = token_mask.keep is None and token_mask.segment_ids is None
         if plain and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16):
             c = s_local // 2
-            return _CausalChunks.apply(q, k_all, v_all, (self.rank, 2 * self.cp - 1 - self.rank), c)
+            return _CausalChunks.apply(q, k_all, v_all, (self.rank, 2 * self.cp - 1 - self.rank), c, scale)[..., :dv]
         # [B, 1, S/cp, S] additive (0 / -inf) in q's dtype, built by this forward's first layer: SDPA would turn a
         # boolean mask into such a tensor in every layer and save each for backward
         mask = self.shared.get(token_mask, q.dtype, lambda: additive_mask(
             self._mask(token_mask, seq=seq, batch=q.shape[0], device=q.device), q.dtype))
         rep = q.shape[1] // k.shape[1]
-        return F.scaled_dot_product_attention(q, *_heads(k_all, v_all, slice(None), rep), attn_mask=mask)
+        return F.scaled_dot_product_attention(q, *_heads(k_all, v_all, slice(None), rep), attn_mask=mask,
+                                              scale=scale)[..., :dv]
 
     def _layout(self, token_mask: Any, *, seq: int, batch: int, device: torch.device) -> VarlenLayout:
         """The varlen layout of this rank's two chunks against the whole rows' keys (keep and segment ids
