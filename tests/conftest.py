@@ -42,6 +42,21 @@ def padded_lm_batch(vocab: int, seq: int) -> tuple[torch.Tensor, torch.Tensor, t
     return ids, mask, labels
 
 
+def loaded_logits_error(path: Path, ids: torch.Tensor, mask: torch.Tensor, ref: torch.Tensor, *, lazy: bool) -> float:
+    """``max |logits - ref|`` on the real tokens (``mask``) of the checkpoint at ``path`` loaded by ``load_hf``
+    eagerly, or lazily (indexed) and then materialized, in eval mode."""
+    import torch
+
+    from lightning_llm.models import load_hf
+    from lightning_llm.models.init import materialize
+
+    model, _ = load_hf(path, lazy=lazy)
+    if lazy:
+        materialize(model, "cpu")
+    with torch.no_grad():
+        return float((model.eval()(ids, attention_mask=mask) - ref)[mask.bool()].abs().max())
+
+
 def tiny_hf_llama(out: Path, *, tie_word_embeddings: bool = False, max_new_tokens: int | None = None,
                   max_position_embeddings: int = 128) -> Path:
     """Write a tiny random ``LlamaForCausalLM`` (GQA, 2 layers, vocabulary 304) and a BPE tokenizer trained with

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 
-from conftest import padded_lm_batch  # noqa: E402
+from conftest import loaded_logits_error, padded_lm_batch  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -111,13 +111,10 @@ def test_logits_loss_and_gradients_equal_transformers(tmp_path: Path, name: str)
     with torch.no_grad():
         ref = hf(input_ids=ids, attention_mask=mask).logits
     for lazy in (False, True):
-        ours, _ = load_hf(tmp_path, lazy=lazy)
-        if lazy:
-            materialize(ours, "cpu")
-        with torch.no_grad():
-            err = _max_err(ours.eval()(ids, attention_mask=mask), ref, mask)
+        err = loaded_logits_error(tmp_path, ids, mask, ref, lazy=lazy)
         print(f"{name} ({'lazy' if lazy else 'eager'} load): logits {err:.2e}")
         assert err < TOL
+    ours, _ = load_hf(tmp_path)
     biases = [b for n, b in ours.named_buffers() if n.endswith("e_score_correction_bias")]
     if biases:  # the loaded correction biases choose experts: without them the logits differ
         assert all(b.dtype == torch.float32 and b.abs().max() > 0.01 for b in biases)

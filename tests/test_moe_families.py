@@ -29,7 +29,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from conftest import peft_twin  # noqa: E402
+from conftest import loaded_logits_error, peft_twin  # noqa: E402
 from test_moe import _batch  # noqa: E402 (ids, mask with right and left padding, HF labels)
 
 from lightning_llm.models import build_model, load_hf, save_hf  # noqa: E402
@@ -86,15 +86,10 @@ def _hf_grad(name: str, ours: str, hf_grads: dict[str, torch.Tensor]) -> torch.T
 def test_logits_loss_aux_and_gradients_equal_transformers(tmp_path: Path, name: str) -> None:
     hf = _write(name, tmp_path)
     ids, mask, labels = _batch()
-    keep = mask.bool()
     with torch.no_grad():
         ref = hf(input_ids=ids, attention_mask=mask).logits
     for lazy in (False, True):
-        ours, _ = load_hf(tmp_path, lazy=lazy)
-        if lazy:
-            materialize(ours, "cpu")
-        with torch.no_grad():
-            err = float((ours(ids, attention_mask=mask) - ref)[keep].abs().max())
+        err = loaded_logits_error(tmp_path, ids, mask, ref, lazy=lazy)
         print(f"{name} (lazy={lazy}): logits of padded rows {err:.2e} from transformers")
         assert err < 1e-5
 
