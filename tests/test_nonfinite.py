@@ -220,5 +220,24 @@ def test_all_finite_is_exact() -> None:
     assert not all_finite([torch.tensor([1.0, float("nan")], dtype=torch.bfloat16)])
 
 
+
+def test_gradient_check_is_exact_and_leaves_the_values() -> None:
+    """The per-step gradient check (one fused pass): NaN and inf anywhere are caught, huge finite values are not,
+    and every gradient keeps its exact values (-0.0, subnormals, fp32 and bf16)."""
+    from lightning_llm.tasks.guard import gradients_nonfinite
+
+    big = torch.full((4, 4), 3e38)
+    odd = torch.tensor([-0.0, 1e-45, -3e38, 1.0])
+    before = [big.clone(), odd.clone()]
+    assert not bool(gradients_nonfinite([big, None, torch.zeros(0), odd]))
+    assert all(torch.equal(a, b) and torch.equal(a.signbit(), b.signbit()) for a, b in zip([big, odd], before))
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        t = big.clone()
+        t[2, 3] = bad
+        assert bool(gradients_nonfinite([torch.ones(3), t]))
+    assert bool(gradients_nonfinite([torch.ones(2), torch.tensor([1.0, float("nan")], dtype=torch.bfloat16)]))
+    assert gradients_nonfinite([None]) is None
+
+
 if __name__ == "__main__":
     run_worker(_worker, sys.argv[1], Path(sys.argv[2]))

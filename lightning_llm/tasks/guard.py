@@ -60,14 +60,9 @@ def _local(t: Tensor) -> Tensor:
     return part if part is not None else t
 
 
-@torch.no_grad()
-def nonfinite_flag(tensors: Iterable[Tensor | None]) -> Tensor | None:
-    """A 0-d bool tensor on the device: whether an element of a tensor (its local part) is NaN or inf, in a number of
-    kernels that does not grow with the number of tensors: per device and dtype one ``torch._foreach_norm`` for the
-    infinity norm (max |x|: an inf is its own maximum, and a finite tensor's never overflows, as an L2 norm could) and
-    one for the L1 norm (a sum: NaN propagates through it whatever the device's max reduction does with NaN), then one
-    ``any`` over them all. Nothing is read back to the host; ``None`` without floating-point elements. Quantized
-    (frozen) weights are not read."""
+def _groups(tensors: Iterable[Tensor | None]) -> list[list[Tensor]]:
+    """The local parts of the distinct floating-point tensors with elements, by device and dtype (one foreach call
+    each). Quantized (frozen) weights are left out: torchao's tensors take no foreach kernels."""
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     seen: set[int] = set()
     for t in tensors:
@@ -75,22 +70,42 @@ def nonfinite_flag(tensors: Iterable[Tensor | None]) -> Tensor | None:
             continue
         seen.add(id(t))
         local = _local(t)
-        # torchao's quantized weights (frozen, never saved) take no foreach kernels: their plain parts are checked
         if local.numel() and local.is_floating_point() and not is_quantized(local):
             groups.setdefault((local.device, local.dtype), []).append(local)
-    if not groups:
-        return None
+    return list(groups.values())
+
+
+def _any(flags: list[Tensor]) -> Tensor:
+    device = flags[0].device
+    return torch.stack([f.reshape(()).to(device) for f in flags]).any()
+
+
+@torch.no_grad()
+def gradients_nonfinite(grads: Iterable[Tensor | None]) -> Tensor | None:
+    """A 0-d bool tensor on the device: whether an element of the gradients (their local parts) is NaN or inf, in one
+    pass per device and dtype: torch's fused check of a ``GradScaler`` (``_amp_foreach_non_finite_check_and_unscale_``)
+    at scale 1, exact element by element, which writes every gradient back unchanged (x * 1.0). Nothing is read back
+    to the host; ``None`` without floating-point elements. (Two read-only norms, as :func:`all_finite` takes, cost 17x
+    the time on the CPU: 97 against 5.8 ms over 27M fp32 elements, one thread.)"""
+    flags = []
+    for group in _groups(grads):
+        found = torch.zeros(1, dtype=torch.float32, device=group[0].device)
+        torch._amp_foreach_non_finite_check_and_unscale_(group, found, torch.ones_like(found))
+        flags.append(found > 0)
+    return _any(flags) if flags else None
+
+
+@torch.no_grad()
+def all_finite(tensors: Iterable[Tensor | None]) -> bool:
+    """Whether every element of every tensor (its local part) is finite, read-only (weights at a save), in a number of
+    kernels that does not grow with the number of tensors and one host read: per device and dtype one
+    ``torch._foreach_norm`` for the infinity norm (max |x|: an inf is its own maximum, and a finite tensor's never
+    overflows, as an L2 norm could) and one for the L1 norm (a sum: NaN propagates through it whatever the device's
+    max reduction does with NaN), then one ``isfinite`` over them all."""
     # A sum of finite |x| is never NaN (it overflows to inf at worst), so only its NaN-ness is read.
     bad = [(~torch.stack(torch._foreach_norm(group, float("inf"))).isfinite()
-            | torch.stack(torch._foreach_norm(group, 1.0)).isnan()).any() for group in groups.values()]
-    device = bad[0].device
-    return torch.stack([b.to(device) for b in bad]).any()
-
-
-def all_finite(tensors: Iterable[Tensor | None]) -> bool:
-    """Whether every element of every tensor is finite (:func:`nonfinite_flag`, read once)."""
-    flag = nonfinite_flag(tensors)
-    return flag is None or not bool(flag)
+            | torch.stack(torch._foreach_norm(group, 1.0)).isnan()).any() for group in _groups(tensors)]
+    return not bad or not bool(_any(bad))
 
 
 def skips_on_device(optimizer: Any) -> bool:
@@ -217,7 +232,7 @@ class NonFiniteGuard(pl.Callback):
             return  # the loss was non-finite: no backward ran, the step is already counted as skipped
         grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
         grads += [p.grad for p in task.parameters()]  # a wrapped optimizer may list flat or local copies instead
-        flags = self._flags(task, nonfinite_flag(grads))
+        flags = self._flags(task, gradients_nonfinite(grads))
         where = self.where(task)
         if self._on_device is None:
             self._on_device = self._skips_on_device(task, optimizer)
