@@ -177,7 +177,9 @@ class NonFiniteGuard(pl.Callback):
         step's flags on the device (no host read; backward runs, and a non-finite loss drops the step)."""
         self.skipping = False
         loss = loss.detach().float()
-        bad = ~torch.isfinite(loss).all()
+        # A tensor-parallel loss (vocab-parallel head) is a DTensor: its local part's flag is all-reduced in _flags
+        # with the rest (a DTensor would take the all-reduce as an op it has no sharding rule for).
+        bad = ~torch.isfinite(_local(loss)).all()
         first = self._loss_bad is None
         self._loss_bad = bad if first else self._loss_bad | bad
         self._loss = loss if first else torch.where(bad, loss, self._loss)
