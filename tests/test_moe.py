@@ -388,3 +388,19 @@ def test_recomputed_blocks_give_the_load_balancing_gradient_once(reentrant: bool
     worst = max(float((grads[0][n] - g).abs().max()) for n, g in grads[1].items())
     assert worst < 1e-6, worst
     assert float(grads[1]["layers.0.mlp.gate.weight"].abs().max()) > 0
+
+
+def test_expert_ffn_compiles_in_fp32_on_the_cpu() -> None:
+    """torch.compile traces with the grouped GEMM's meta kernel, which takes bf16 only: an fp32 graph on the CPU
+    (a compiled decoding step of an fp32 MoE model) takes the loop and gives the eager result (it raised
+    'Expected inputs of BF16 type' when tracing)."""
+    torch.manual_seed(0)
+    tokens, counts = torch.randn(6, 8), torch.tensor([2, 0, 3, 1])
+    gate_up, down = torch.randn(4, 16, 8), torch.randn(4, 8, 8)  # sizes the grouped kernel takes
+
+    def ffn(x: torch.Tensor) -> torch.Tensor:
+        return expert_ffn(x, counts, gate_up, down, act="silu", impl="auto")
+
+    torch._dynamo.reset()
+    got = torch.compile(ffn, backend="eager")(tokens)
+    torch.testing.assert_close(got, ffn(tokens), rtol=1e-5, atol=1e-5)

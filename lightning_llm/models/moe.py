@@ -146,12 +146,13 @@ class Router(nn.Module):
 
 
 def grouped_mm_supported(x: Tensor) -> bool:
-    """Whether torch has a grouped-GEMM kernel for ``x``'s device and dtype: the CPU (fp32, bf16; exact), and bf16 on
-    CUDA devices of compute capability 8.0 and newer."""
+    """Whether torch has a grouped-GEMM kernel for ``x``'s device and dtype: the CPU (fp32 eagerly, bf16; exact), and
+    bf16 on CUDA devices of compute capability 8.0 and newer."""
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x.device.type == "cpu":
-        return x.dtype in (torch.float32, torch.bfloat16)
+        # torch.compile traces with the meta kernel, which takes bf16 only: an fp32 graph takes the loop
+        return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and not torch.compiler.is_compiling())
     if x.device.type == "cuda":
         return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
     return False
