@@ -25,7 +25,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
-from lightning_llm.data.io import atomic_open, fresh_sibling
+from lightning_llm.files import atomic_open, fresh_sibling
 from lightning_llm.logs import PER_RANK
 
 log = logging.getLogger(__name__)

@@ -396,7 +396,8 @@ def _hf_generate(export: Path, prompt_ids: list[int], max_new_tokens: int) -> li
     """Greedy continuation by transformers on the export, with its generation_config.json (its stop ids)."""
     import warnings
 
-    from transformers import AutoModelForCausalLM, GenerationConfig as HFGenerationConfig
+    from transformers import AutoModelForCausalLM
+    from transformers import GenerationConfig as HFGenerationConfig
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -474,8 +475,8 @@ def test_csl_in_messages_form_trains_generates_and_scores_with_the_template(tmp_
 
     from transformers import AutoTokenizer
 
-    from lightning_llm.data.io import read_records
     from lightning_llm.export import export_checkpoint
+    from lightning_llm.files import read_records
     from lightning_llm.generation import generate, strip_after_eos
 
     recs = read_records(SHARED / "csl_title" / "dev.json")[:16]

@@ -1,6 +1,6 @@
 """Files the product writes atomically (exports, prepared data, checkpoints) end with the mode a plain ``open(path,
 "w")`` gives under the user's umask, as the files next to them do: on a shared cluster a teammate can read them.
-Every atomic write starts at ``data.io.fresh_sibling``; this checks each kind of output under two umasks."""
+Every atomic write starts at ``files.fresh_sibling``; this checks each kind of output under two umasks."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _plain(tmp_path: Path) -> tuple[int, int]:
 
 
 def test_atomic_open_gives_a_plain_writes_mode(tmp_path: Path, umask: int) -> None:
-    from lightning_llm.data.io import atomic_open
+    from lightning_llm.files import atomic_open
 
     file_mode, _ = _plain(tmp_path)
     assert file_mode == 0o666 & ~umask

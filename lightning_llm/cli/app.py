@@ -33,7 +33,7 @@ from lightning_llm.checkpoint import (
 from lightning_llm.cli.args import expand_config, prepare_argv, register_parser_mode
 from lightning_llm.cli.progress import use_steps_progress_bar
 from lightning_llm.cli.run_dirs import fresh_run_dirs, remove_unused
-from lightning_llm.data.io import DataError, read_json
+from lightning_llm.files import DataError, read_json
 from lightning_llm.logs import RankZeroFilter, is_global_zero
 from lightning_llm.reliability import leave_process, shutdown_process_group
 from lightning_llm.strategies import check_strategy_name, strategy_class

@@ -31,7 +31,7 @@ from typing import Any, NoReturn
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_llm.data.io import DataError
+from lightning_llm.files import DataError
 from lightning_llm.strategies import (  # importing it registers our names
     check_strategy_name,
     strategy_class,

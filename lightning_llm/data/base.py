@@ -14,8 +14,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, SequentialSampler
 
 from lightning_llm.checkpoint import first_line
-from lightning_llm.data.io import DataError, read_json, read_text
 from lightning_llm.data.tokenizers import ByteTokenizer
+from lightning_llm.files import DataError, read_json, read_text
 
 log = logging.getLogger(__name__)
 

@@ -34,6 +34,7 @@ from lightning_llm.data.base import (
     tokenizer_or_bytes,
     tokenizer_vocab_size,
 )
+from lightning_llm.data.chat.encode import ChatEncoder, infer_seqlen, labels_for
 from lightning_llm.data.chat.messages import (
     ChatColumns,
     Conversation,
@@ -41,10 +42,9 @@ from lightning_llm.data.chat.messages import (
     make_conversations,
     message_text,
 )
-from lightning_llm.data.chat.encode import ChatEncoder, infer_seqlen, labels_for
 from lightning_llm.data.chat.template import resolve_template
-from lightning_llm.data.io import DataError, read_records
 from lightning_llm.data.packing import pack_examples
+from lightning_llm.files import DataError, read_records
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_llm.data.base import EncodedDataset, LLMDataModule, tokenizer_or_bytes, tokenizer_vocab_size
-from lightning_llm.data.io import DataError, read_records
+from lightning_llm.files import DataError, read_records
 
 log = logging.getLogger(__name__)
 

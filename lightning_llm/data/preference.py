@@ -8,7 +8,7 @@ padding, so only the response is scored), plus ``pair_index`` [2b] (the pair's r
 look up precomputed reference log-probabilities).
 
 Prompts longer than ``max_prompt_len`` keep their last tokens; responses are cut to ``cutoff_len`` minus the prompt.
-Every problem with a file raises :class:`~lightning_llm.data.io.DataError` naming the file and line.
+Every problem with a file raises :class:`~lightning_llm.files.DataError` naming the file and line.
 
 With a chat template (``--data.template``: the tokenizer's own by default, or a named one; see
 :mod:`lightning_llm.data.chat.template`) a pair is a conversation: the prompt (a string: one user message; messages;
@@ -38,11 +38,11 @@ from lightning_llm.data.base import (
     tokenizer_or_bytes,
     tokenizer_vocab_size,
 )
-from lightning_llm.data.chat.messages import ChatColumns, Conversation, preference_conversation
 from lightning_llm.data.chat.encode import ChatEncoder, labels_for
+from lightning_llm.data.chat.messages import ChatColumns, Conversation, preference_conversation
 from lightning_llm.data.chat.template import resolve_template
-from lightning_llm.data.io import DataError, read_records, write_jsonl_atomic
 from lightning_llm.data.prompts import make_prompts
+from lightning_llm.files import DataError, read_records, write_jsonl_atomic
 
 log = logging.getLogger(__name__)
 

@@ -30,10 +30,10 @@ from lightning_llm.data.base import (
     tokenizer_or_bytes,
     tokenizer_vocab_size,
 )
-from lightning_llm.data.chat.messages import ChatColumns, Conversation, message_text, prompt_conversation
 from lightning_llm.data.chat.encode import ChatEncoder
+from lightning_llm.data.chat.messages import ChatColumns, Conversation, message_text, prompt_conversation
 from lightning_llm.data.chat.template import resolve_template
-from lightning_llm.data.io import DataError, read_records
+from lightning_llm.files import DataError, read_records
 
 log = logging.getLogger(__name__)
 

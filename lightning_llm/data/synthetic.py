@@ -13,8 +13,8 @@ import random
 from pathlib import Path
 
 from lightning_llm.data.base import check_batch_sizes
-from lightning_llm.data.io import atomic_open, write_jsonl_atomic
 from lightning_llm.data.pairs import SentencePairDataModule
+from lightning_llm.files import atomic_open, write_jsonl_atomic
 
 log = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset
 
 from lightning_llm.data.base import LLMDataModule, tokenizer_or_bytes, tokenizer_vocab_size
 from lightning_llm.data.corpus.documents import generated_corpus
-from lightning_llm.data.io import DataError
 from lightning_llm.data.corpus.mixture import MixtureDataset, parse_data_path
 from lightning_llm.data.corpus.prepare import CorpusSource, current_store, prepare_corpus
 from lightning_llm.data.corpus.token_store import TokenizerSpec, TokenStore
+from lightning_llm.files import DataError
 
 log = logging.getLogger(__name__)
 

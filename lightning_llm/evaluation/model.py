@@ -27,7 +27,6 @@ from typing_extensions import override
 
 from lightning_llm.checkpoint import first_line, load_file, read_dcp_metadata, verify_checkpoint
 from lightning_llm.data.base import load_tokenizer
-from lightning_llm.data.io import read_json
 from lightning_llm.data.tokenizers import ByteTokenizer
 from lightning_llm.export import (
     CHECKPOINT_KEY,
@@ -36,6 +35,7 @@ from lightning_llm.export import (
     peft_config_of,
     read_checkpoint,
 )
+from lightning_llm.files import read_json
 from lightning_llm.models import ModelConfig, config_from_hf, model_from_config
 from lightning_llm.models.quantize import QuantizationConfig
 from lightning_llm.strategies.engine import hybrid_checkpoint as hckpt

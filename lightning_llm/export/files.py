@@ -20,10 +20,10 @@ from typing import Any
 from torch import nn
 
 from lightning_llm.data.base import BYTE_TOKENIZER
-from lightning_llm.data.io import read_json
 from lightning_llm.data.tokenizer_files import has_tokenizer, write_tokenizer
 from lightning_llm.data.tokenizers import ByteTokenizer
 from lightning_llm.export.meta import CHECKPOINT_KEY, recorded_byte_tokenizer
+from lightning_llm.files import read_json
 from lightning_llm.models import save_hf
 from lightning_llm.models.hf_config import SUPPORTED_ARCHITECTURES
 

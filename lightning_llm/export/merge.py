@@ -10,10 +10,10 @@ import argparse
 import logging
 from pathlib import Path
 
-from lightning_llm.data.io import read_json
 from lightning_llm.data.tokenizer_files import has_tokenizer
 from lightning_llm.export.checkpoint import read_checkpoint
 from lightning_llm.export.files import ExportSources, export_sources, write_model_directory
+from lightning_llm.files import read_json
 from lightning_llm.models import load_hf
 from lightning_llm.models.quantize import requantize_as_trained
 from lightning_llm.peft import QUANTIZATION_FILE, PeftConfig, apply_peft, load_adapter, merge_peft

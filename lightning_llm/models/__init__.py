@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_llm.data.io import read_json
+from lightning_llm.files import read_json
 
 from .config import NAMED_SIZES, Family, ModelConfig, named_config
 from .decoder import DecoderLM

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_llm.data.io import atomic_path, read_json
+from lightning_llm.files import atomic_path, read_json
 
 from .config import ModelConfig
 from .decoder import DecoderLM
@@ -44,8 +44,8 @@ from .hf_config import (
     config_from_hf,
     config_to_hf,
 )
-from .hf_deepseek import MTP_KINDS
 from .hf_decoders import DECODER_KINDS, wpack_from_hf, wpack_to_hf
+from .hf_deepseek import MTP_KINDS
 from .hf_entries import Entry, Fused, Stacked, lin, moe_mlp_entries
 from .hf_source import CheckpointFiles, HFWeightsSource, Mapped, StackedMapped
 from .init import materialize

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_llm.checkpoint import check_torch_file, first_line, loading
-from lightning_llm.data.io import DataError, read_json
+from lightning_llm.files import DataError, read_json
 
 log = logging.getLogger(__name__)
 

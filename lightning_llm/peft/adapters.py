@@ -19,9 +19,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_llm.data.io import atomic_path, read_json
 from lightning_llm.data.tokenizer_files import write_tokenizer
 from lightning_llm.data.tokenizers import ByteTokenizer
+from lightning_llm.files import atomic_path, read_json
 from lightning_llm.models.hf_decoders import (
     adapter_tensor_from_hf,
     adapter_tensor_to_hf,

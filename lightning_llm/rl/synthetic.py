@@ -17,8 +17,8 @@ import random
 import string
 from pathlib import Path
 
-from lightning_llm.data.io import atomic_open, write_jsonl_atomic
 from lightning_llm.data.prompts import make_prompts
+from lightning_llm.files import atomic_open, write_jsonl_atomic
 from lightning_llm.rl.rewards import CHAR_SETS
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from torch import nn
 from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 from typing_extensions import override
 
-from lightning_llm.data.io import write_jsonl_atomic
+from lightning_llm.files import write_jsonl_atomic
 from lightning_llm.tasks.base import LLMTask, OptimConfig
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from lightning_llm.data.io import atomic_open, write_jsonl_atomic
+from lightning_llm.files import atomic_open, write_jsonl_atomic
 from lightning_llm.generation import GenerationConfig, for_datamodule, generate, strip_after_eos
 from lightning_llm.metrics.text import TextSimilarity, Tokenization
 from lightning_llm.tasks.causal_lm import CausalLMTask

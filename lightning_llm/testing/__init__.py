@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_llm.contract import capabilities_of
 from lightning_llm.data import TextDataModule
-from lightning_llm.data.io import atomic_open
+from lightning_llm.files import atomic_open
 from lightning_llm.reliability import FAULT_ENV, leave_process, shutdown_process_group
 from lightning_llm.strategies.zero.native import model_state_bytes
 from lightning_llm.tasks import CausalLMTask

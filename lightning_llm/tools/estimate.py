@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_llm.data.io import read_json
+from lightning_llm.files import read_json
 from lightning_llm.memory import (
     PRECISIONS,
     Quantized,

@@ -18,7 +18,7 @@ import re
 import sys
 from pathlib import Path
 
-from lightning_llm.data.io import atomic_open
+from lightning_llm.files import atomic_open
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from typing import Any
 import yaml
 from jsonargparse import ArgumentParser
 
-from lightning_llm.data.io import DataError
 from lightning_llm.data.text import TextDataModule
+from lightning_llm.files import DataError
 from lightning_llm.vocab import default_tokenizer_dir
 
 log = logging.getLogger(__name__)

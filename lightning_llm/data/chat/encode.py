@@ -42,7 +42,7 @@ from lightning_llm.data.chat.messages import (
 )
 from lightning_llm.data.chat.spans import TurnLocator, common_prefix, generation_spans, has_generation_blocks
 from lightning_llm.data.chat.template import ChatTemplate, chat_tokenizer
-from lightning_llm.data.io import DataError
+from lightning_llm.files import DataError
 
 log = logging.getLogger(__name__)
 

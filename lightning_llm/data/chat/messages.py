@@ -18,7 +18,7 @@ by :data:`PART_SEPARATOR` where it takes strings (:func:`for_template`); a part 
 refused, naming the file, line and the part's type.
 
 Column, tag and role names are configurable (:class:`ChatColumns`, as LLaMA-Factory's ``dataset_info.json``). Every
-problem raises :class:`~lightning_llm.data.io.DataError` naming the file and line: an unknown role, a system message
+problem raises :class:`~lightning_llm.files.DataError` naming the file and line: an unknown role, a system message
 after the start, turns that do not alternate between the user side (``user``, ``tool``) and the assistant, a
 conversation that does not end where the task needs it to.
 """
@@ -29,7 +29,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from lightning_llm.data.io import DataError
+from lightning_llm.files import DataError
 
 __all__ = ["PART_SEPARATOR", "ChatColumns", "Conversation", "check_turns", "cut_text", "for_template",
            "load_conversation", "make_conversations", "marked", "message_text", "preference_conversation",

@@ -33,7 +33,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning_llm.data.chat.messages import marked, text_pieces
-from lightning_llm.data.io import DataError
+from lightning_llm.files import DataError
 
 __all__ = ["TurnLocator", "common_prefix", "generation_spans", "has_generation_blocks", "token_at"]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_llm.data.io import DataError, check_record, parse_json_line, read_records
+from lightning_llm.files import DataError, check_record, parse_json_line, read_records
 
 log = logging.getLogger(__name__)
 

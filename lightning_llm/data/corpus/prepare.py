@@ -30,11 +30,7 @@ from typing import Any
 import torch.distributed as dist
 from filelock import FileLock, Timeout
 
-# The module, not its names: importing lightning_llm.reliability first runs lightning_llm/data/__init__.py (for
-# data/io.py) before reliability defines them, and that imports this module.
-from lightning_llm import reliability
 from lightning_llm.data.corpus.documents import Task, generated_tasks, plan_tasks, resolve_inputs
-from lightning_llm.data.io import DataError, atomic_open
 from lightning_llm.data.corpus.token_store import (
     DOCUMENTS,
     FORMAT,
@@ -45,7 +41,9 @@ from lightning_llm.data.corpus.token_store import (
     TokenStore,
     tokenize_task,
 )
+from lightning_llm.files import DataError, atomic_open
 from lightning_llm.logs import PER_RANK
+from lightning_llm.reliability import publish, remove_path, staging_path
 
 log = logging.getLogger(__name__)
 
@@ -266,8 +264,8 @@ class _Progress:
 
 def _build(source: CorpusSource, target: Path, *, inputs: list[dict[str, Any]], spec: TokenizerSpec,
            text_field: str, num_proc: int) -> None:
-    staging = reliability.staging_path(target)
-    reliability.remove_path(staging)  # an interrupted preparation's leftovers
+    staging = staging_path(target)
+    remove_path(staging)  # an interrupted preparation's leftovers
     staging.mkdir(parents=True)
     try:
         tasks = _tasks(source, text_field=text_field, num_proc=num_proc)
@@ -299,9 +297,9 @@ def _build(source: CorpusSource, target: Path, *, inputs: list[dict[str, Any]], 
                     "tokens_sha256": sha.hexdigest(), "workers": workers, "seconds": round(seconds, 3)}
         with atomic_open(staging / MANIFEST, "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=1)
-        reliability.publish(staging, target)
+        publish(staging, target)
     except BaseException:
-        reliability.remove_path(staging)
+        remove_path(staging)
         raise
     log.info("prepared %s: %s documents, %s tokens in %.1f s (%.2f M tokens/s, %d workers) -> %s%s", source.label,
              f"{n_docs:,}", f"{n_tokens:,}", seconds, n_tokens / max(seconds, 1e-9) / 1e6, workers, target, _rank(),

@@ -25,7 +25,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from lightning_llm.data.corpus.documents import BATCH_CHARS, BATCH_DOCS, Task, read_task
-from lightning_llm.data.io import DataError
+from lightning_llm.files import DataError
 
 log = logging.getLogger(__name__)
 

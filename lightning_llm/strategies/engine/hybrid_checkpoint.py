@@ -42,7 +42,7 @@ from lightning_llm.checkpoint import (
     load_file,
     read_dcp_metadata,
 )
-from lightning_llm.data.io import atomic_open
+from lightning_llm.files import atomic_open
 from lightning_llm.models.quantize import is_quantized
 from lightning_llm.reliability import publish, staging_path
 

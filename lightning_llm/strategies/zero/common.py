@@ -16,7 +16,7 @@ from lightning.fabric.utilities.types import _PATH
 from torch import nn
 from typing_extensions import override
 
-from lightning_llm.data.io import atomic_open
+from lightning_llm.files import atomic_open
 
 __all__ = ["Engine", "ExportWeights", "check_adapter", "validate_zero_args", "write_export"]
 

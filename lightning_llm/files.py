@@ -1,4 +1,6 @@
-"""Reading JSON/JSONL records with errors that name the file and line, and atomic writes."""
+"""Files the package reads and writes: JSON/JSONL records with errors that name the file and line, and atomic writes
+that end with the mode a plain write gives (every checkpoint, export and prepared store goes through them). A module of
+its own, at the lowest layer, so that reliability, checkpoints and exports use it without importing the datamodules."""
 
 from __future__ import annotations
 
