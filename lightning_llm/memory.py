@@ -203,7 +203,8 @@ def moe_layer_bytes_per_token(config: Any, *, precision: str) -> int:
       aux gradient's input); the fp32 copy of its input ``[H]`` when the block runs in a 16-bit dtype; their sum;
     * per assignment: three ``[H]`` in the compute dtype (the token's copy sorted by expert, the expert's output,
       that output in token order, which the fp32 weighting keeps), the expert's gate/up output ``[2I]``, activation
-      ``[I]`` and product ``[I]`` (compute dtype), and its id, weight and sorting indices (32 bytes);
+      ``[I]`` and product ``[I]`` (compute dtype), and its id, weight and sorting order (24 bytes: the order is
+      saved once, both for the gather of the tokens and for putting the outputs back);
     * a shared expert: a dense gated MLP of its width, and its sigmoid gate's ``[H + 1]``; under autocast each of
       its linears reading the fp32 input saves its own cast ``[H]``."""
     moe = config.moe
@@ -211,7 +212,7 @@ def moe_layer_bytes_per_token(config: Any, *, precision: str) -> int:
     block = 2 if precision in ("bf16-true", "16-true") else 4  # the residual stream's dtype (fp32 under AMP)
     h, e, k, i = config.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size
     router = 4 * e * (2 if moe.aux_loss_coef > 0 else 1) + (4 * h if block != 4 else 0) + 4
-    assignment = 3 * b * h + 4 * i * b + 32
+    assignment = 3 * b * h + 4 * i * b + 24
     shared = 0
     if moe.shared_intermediate_size:
         linears = 3 if moe.shared_gate else 2  # gate, up (and the sigmoid gate) read the block input

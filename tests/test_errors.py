@@ -210,7 +210,7 @@ def test_unknown_strategy_lists_ours_with_a_suggestion(tmp_path: Path, capsys: p
     line = _run_main(capsys, _fit_args(tmp_path, "--trainer.strategy=zero4"))
     assert line.startswith(f"{PREFIX}--trainer.strategy='zero4': unknown strategy; did you mean 'zero3'? "
                            "lightning_llm's: tp, pp, cp, ep, 3d, zero1, zero2, zero3, zero2_offload, zero3_offload, "
-                           "deepspeed_zero1, deepspeed_zero2, deepspeed_zero3, deepspeed_zero3_offload; "
+                           "deepspeed_zero1, deepspeed_zero2, deepspeed_zero3, deepspeed_zero3_offload, deepspeed_zero3_nvme; "
                            "Lightning's: auto, ddp, "), line
     assert "fsdp" in line and "single_tpu" not in line
 

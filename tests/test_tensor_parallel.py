@@ -366,7 +366,7 @@ def test_validate_tp_names_the_dimension() -> None:
     with pytest.raises(ValueError, match="intermediate_size=129"):
         validate_tp(cfg.replace(intermediate_size=129), 2)
     with pytest.raises(ValueError, match="num_heads=3"):
-        validate_tp(named_config("debug", family="decoder", num_heads=3, num_kv_heads=3, hidden_size=63), 2)
+        validate_tp(named_config("debug", family="decoder", num_heads=3, num_kv_heads=3, hidden_size=66), 2)
 
 
 def test_tp_size_must_divide_devices() -> None:
