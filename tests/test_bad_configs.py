@@ -1,7 +1,7 @@
 """Bad configurations fail before training with ONE clear line naming the parameter, and no Python traceback.
 
-Each case runs the real CLI in a subprocess (``python -m lightning_llm fit --config configs/pretrain_debug.yaml ...``),
-so what is checked is exactly what a user sees on stderr. Layout errors (unknown strategy, degrees that do not fit
+Each case runs the real CLI in a fresh process (``lightning_llm fit --config configs/pretrain_debug.yaml ...``, forked
+by the tests' zygote as ``python -m lightning_llm`` runs it), so what is checked is exactly what a user sees on stderr. Layout errors (unknown strategy, degrees that do not fit
 the device count) must also fail before any process group is initialised.
 """
 
@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from lightning_llm.testing import cli_process
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "pretrain_debug.yaml"
@@ -21,12 +22,12 @@ PP = "lightning_llm.strategies.presets.PipelineParallelStrategy"
 
 
 def _fit(tmp_path: Path, *args: str, timeout: float = 150) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "lightning_llm", "fit", "--config", str(CONFIG), "--trainer.max_steps=1",
+    cmd = ["fit", "--config", str(CONFIG), "--trainer.max_steps=1",
            "--trainer.logger=false", "--trainer.enable_checkpointing=false", f"--trainer.default_root_dir={tmp_path}",
            f"--data.cache_dir={tmp_path / 'cache'}", "--data.generated_docs=40", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
     env.pop("LIGHTNING_LLM_DEBUG", None)
-    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env)
+    return cli_process(cmd, timeout=timeout, cwd=tmp_path, env=env, replace_env=True)
 
 
 def _assert_one_line_error(proc: subprocess.CompletedProcess, *expected: str) -> str:

@@ -95,8 +95,10 @@ def test_nan_loss_stops_with_step_and_keeps_checkpoint(pair_data: Path, tmp_path
 
 
 @pytest.mark.multiprocess
-def test_dead_rank_fails_whole_job_naming_it(pair_data: Path, tmp_path: Path) -> None:
-    """Rank 1 is killed mid-run: the job exits non-zero quickly and the launcher names the failed rank."""
+def test_dead_rank_fails_whole_job_naming_it(pair_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 1 is killed mid-run: the job exits non-zero quickly and the launcher names the failed rank (torchrun, the
+    launcher users run, not the tests' zygote)."""
+    monkeypatch.setenv("LIGHTNING_LLM_TEST_LAUNCHER", "torchrun")
     with pytest.raises(RuntimeError) as info:
         run_cli(_args(pair_data, tmp_path / "r", batch=4, extra=["--trainer.devices=2", "--trainer.strategy=ddp"]),
                 nproc=2, env={"LIGHTNING_LLM_FAULT": "kill:step=2:rank=1"}, timeout=180)

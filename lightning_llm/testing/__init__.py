@@ -29,6 +29,7 @@ from lightning_llm.tasks import CausalLMTask
 from lightning_llm.tasks.base import OptimConfig
 from lightning_llm.tools.tiny import write_bpe_tokenizer  # noqa: F401 (the package's API: tests write tokenizers)
 
+from . import zygote
 from .counters import COLLECTIVES, CollectiveCounter, HostReadCounter, StepTailCounter  # noqa: F401 (the package's API)
 
 
@@ -169,6 +170,8 @@ def launch(script: str | Path, nproc: int, *args: str, extra: list[str] | None =
     """Start ``python -m torch.distributed.run --nproc_per_node=NPROC SCRIPT ARGS`` on this machine (1 thread per
     process, output captured); pair it with :func:`wait`. The one launcher of the multi-process tests."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    if zygote.enabled() and not extra:  # forked from the pre-imported zygote (see lightning_llm.testing.zygote)
+        return zygote.Job(str(script), list(args), nproc=nproc, env=env, port=free_port())  # type: ignore[return-value]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", *(extra or []), str(script), *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -327,11 +330,9 @@ CLI_ERROR = "lightning_llm: error: "
 def torchrun_cli_fails(args: list[str], cwd: str | Path, *, nproc: int = 2, timeout: float = 300) -> str:
     """Run ``lightning_llm ARGS`` on ``nproc`` processes under torchrun; it must fail. Returns the output of every
     rank (stdout + stderr)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "lightning_llm", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = dict(os.environ)
     env.pop("LIGHTNING_LLM_DEBUG", None)
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+    proc = cli_process(args, nproc=nproc, cwd=cwd, env=env, timeout=timeout, replace_env=True)
     out = proc.stdout + proc.stderr
     if proc.returncode == 0:
         raise AssertionError(f"expected the run to fail:\n{out[-3000:]}")
@@ -345,29 +346,48 @@ def one_error_line_from_ranks(out: str) -> str:
     problems = [] if len(lines) == 1 else [f"{len(lines)} error lines"]
     if [ln for ln in out.splitlines() if ln.startswith("[rank") and "Traceback" in ln]:
         problems.append("a worker traceback")
-    if "exitcode  : 2" not in out:
+    if "exitcode  : 2" not in out and zygote.exit_line(2) not in out:  # torchrun's summary, or the zygote's
         problems.append("no worker exited with code 2")
     if problems:
         raise AssertionError(f"{', '.join(problems)}:\n{out[-4000:]}")
     return lines[0]
 
 
-def run_cli(args: list[str], *, nproc: int = 1, nnodes: int = 1, timeout: float = 600, cwd: str | Path | None = None,
-            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run ``lightning_llm ARGS`` in fresh processes: one process, or ``nproc`` per node under torchrun.
-
-    Raises ``RuntimeError`` with the captured output when the command fails.
-    """
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+def cli_process(args: list[str], *, nproc: int = 1, nnodes: int = 1, timeout: float = 600,
+                cwd: str | Path | None = None, env: dict[str, str] | None = None,
+                replace_env: bool = False) -> subprocess.CompletedProcess:
+    """Run ``lightning_llm ARGS`` in fresh processes (one, or ``nproc`` per node as torchrun starts them: forked from
+    the :mod:`~lightning_llm.testing.zygote` where it serves) with ``OMP_NUM_THREADS=1`` and ``env`` added to this
+    process's environment (``replace_env``: ``env`` alone); stdout and stderr apart, whatever the exit code."""
+    full_env = {**({} if replace_env else os.environ), "OMP_NUM_THREADS": "1", **(env or {})}
+    cwd = str(cwd or os.getcwd())
+    if zygote.enabled() and nnodes == 1:
+        job = zygote.Job("lightning_llm", list(args), nproc=nproc, env=full_env, cwd=cwd, module=True, stderr=True,
+                         port=free_port(), distributed=nproc > 1)
+        try:
+            out, err = job.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            job.kill()
+            raise
+        return subprocess.CompletedProcess(job.args, job.returncode, out, err or "")
     if nproc == 1 and nnodes == 1:
         cmd = [sys.executable, "-m", "lightning_llm", *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", f"--nnodes={nnodes}",
                "--master_addr=127.0.0.1", f"--master_port={free_port()}", "-m", "lightning_llm", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=full_env)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=full_env, check=False)
+
+
+def run_cli(args: list[str], *, nproc: int = 1, nnodes: int = 1, timeout: float = 600, cwd: str | Path | None = None,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run ``lightning_llm ARGS`` in fresh processes (:func:`cli_process`): one process, or ``nproc`` per node.
+
+    Raises ``RuntimeError`` with the captured output when the command fails.
+    """
+    proc = cli_process(args, nproc=nproc, nnodes=nnodes, timeout=timeout, cwd=cwd, env=env)
     if proc.returncode != 0:
-        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(cmd)}\n--- stdout\n{proc.stdout[-4000:]}"
-                           f"\n--- stderr\n{proc.stderr[-8000:]}")
+        raise RuntimeError(f"command failed ({proc.returncode}): {' '.join(map(str, proc.args))}\n--- stdout\n"
+                           f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-8000:]}")
     return proc
 
 
