@@ -112,6 +112,25 @@ def test_damaged_engine_directory_names_what_is_missing(tmp_path: Path, damage: 
     assert str(info.value).startswith("X: " + message.format(size=size, full=full))
 
 
+def test_converted_engine_directory_is_written_whole(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``from_lightning_checkpoint`` stages the directory and publishes it at the end: a conversion that fails
+    midway (here the metadata write) leaves the previous conversion intact and no staging directory behind."""
+    import lightning_llm.strategies.engine.hybrid_checkpoint as hc
+
+    d = _engine_dir(tmp_path)
+    before = sorted(p.name for p in d.iterdir())
+
+    def full_disk(path: Path) -> None:
+        raise OSError(f"{path}: disk full")
+
+    monkeypatch.setattr(hc, "atomic_path", full_disk)
+    with pytest.raises(OSError, match="disk full"):
+        hc.from_lightning_checkpoint(tmp_path / "src.ckpt", d)
+    assert sorted(p.name for p in d.iterdir()) == before
+    check_engine_dir(d, name="X")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sharded", "src.ckpt"]
+
+
 def test_damaged_engine_directory_through_the_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The check runs in the engine's load_checkpoint, before DCP reads a byte (strategy=zero3 on one device)."""
     d = _engine_dir(tmp_path)

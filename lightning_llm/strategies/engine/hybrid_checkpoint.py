@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import io
 import logging
-import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,9 +41,9 @@ from lightning_llm.checkpoint import (
     load_file,
     read_dcp_metadata,
 )
-from lightning_llm.files import atomic_open
+from lightning_llm.files import atomic_open, atomic_path
 from lightning_llm.models.quantize import is_quantized
-from lightning_llm.reliability import publish, staging_path
+from lightning_llm.reliability import publish, remove_path, staging_path
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +184,7 @@ def write_hybrid(path: str | Path, state: dict[str, Any], meta: bytes, *, is_glo
 
     def prepare() -> None:
         if is_global_zero and (staged.exists() or staged.is_symlink()):  # left by a crashed save
-            shutil.rmtree(staged) if staged.is_dir() else staged.unlink()
+            remove_path(staged)
 
     every_rank_agrees(prepare, group)
     every_rank_agrees(lambda: staged.mkdir(parents=True, exist_ok=True), group)
@@ -373,9 +372,18 @@ def from_lightning_checkpoint(ckpt: str | Path, output: str | Path) -> Path:
     resume the ``.ckpt`` once with ``strategy=3d`` on one device and save from there."""
     src = load_file(Path(ckpt), name=str(ckpt))
     out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    dcp.save({"model": dict(src["state_dict"])}, checkpoint_id=out, no_dist=True)
-    meta = {k: v for k, v in src.items() if k not in ("state_dict", "optimizer_states")}
-    torch.save({**meta, "format": FORMAT, "layout": {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 0},
-                "optimizer_meta": []}, out / META_FILE)
+    staged = staging_path(out)  # written whole, then published: a crash leaves no directory that looks complete
+    if staged.exists() or staged.is_symlink():  # left by a crashed conversion
+        remove_path(staged)
+    staged.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        dcp.save({"model": dict(src["state_dict"])}, checkpoint_id=staged, no_dist=True)
+        meta = {k: v for k, v in src.items() if k not in ("state_dict", "optimizer_states")}
+        with atomic_path(staged / META_FILE) as tmp:
+            torch.save({**meta, "format": FORMAT, "layout": {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 0},
+                        "optimizer_meta": []}, tmp)
+        publish(staged, out)
+    except BaseException:
+        remove_path(staged)
+        raise
     return out
