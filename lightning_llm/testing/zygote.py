@@ -40,6 +40,7 @@ _server: tuple[subprocess.Popen, str] | None = None
 
 # --------------------------------------------------------------------------------------------------- the zygote
 def _serve(path: str) -> NoReturn:
+    parent = os.getppid()
     import lightning_llm.cli  # noqa: F401 (the imports every launched process needs, done once)
     import lightning_llm.testing  # noqa: F401
 
@@ -48,8 +49,15 @@ def _serve(path: str) -> NoReturn:
     srv.bind(path + ".tmp")
     os.rename(path + ".tmp", path)  # clients connect once the imports are done
     srv.listen(64)
+    srv.settimeout(2)
     while True:
-        conn, _ = srv.accept()
+        try:
+            conn, _ = srv.accept()
+        except TimeoutError:
+            if os.getppid() != parent:  # the test session ended without stopping us (killed): never linger
+                os._exit(0)
+            continue
+        conn.settimeout(None)
         msg, fds, _, _ = socket.recv_fds(conn, _MAX_MESSAGE, 2)
         if not msg:
             os._exit(0)
@@ -169,14 +177,18 @@ def _address() -> str:
     if _server is not None and _server[0].poll() is None:
         return _server[1]
     path = os.path.join(tempfile.mkdtemp(prefix="lightning_llm-zygote-"), "socket")
-    proc = subprocess.Popen([sys.executable, "-c", f"from {__name__} import _serve; _serve({path!r})"],
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL)
+    log = Path(path).with_name("zygote.log")  # its own output (not the session's: no pipe of the caller held open)
+    with open(log, "wb") as f:
+        proc = subprocess.Popen([sys.executable, "-c", f"from {__name__} import _serve; _serve({path!r})"],
+                                env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL, stdout=f,
+                                stderr=subprocess.STDOUT)
     _server = (proc, path)
     atexit.register(_shutdown, proc)
     deadline = time.monotonic() + 300
     while not os.path.exists(path):
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the test launcher's zygote did not start (exit code {proc.poll()})")
+            raise RuntimeError(f"the test launcher's zygote did not start (exit code {proc.poll()}):\n"
+                               f"{log.read_text(errors='replace')[-4000:]}")
         time.sleep(0.05)
     return path
 
