@@ -1,8 +1,9 @@
 """Bad configurations fail before training with ONE clear line naming the parameter, and no Python traceback.
 
-Each case runs the real CLI in a fresh process (``lightning_llm fit --config configs/pretrain_debug.yaml ...``, forked
-by the tests' zygote as ``python -m lightning_llm`` runs it), so what is checked is exactly what a user sees on stderr. Layout errors (unknown strategy, degrees that do not fit
-the device count) must also fail before any process group is initialised.
+Each case runs the real CLI in a fresh process (``lightning_llm fit --config configs/pretrain_debug.yaml ...``,
+forked by the tests' zygote as ``python -m lightning_llm`` runs it), so what is checked is exactly what a user sees
+on stderr. Layout errors (unknown strategy, degrees that do not fit the device count) must also fail before any
+process group is initialised.
 """
 
 from __future__ import annotations

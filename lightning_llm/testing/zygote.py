@@ -99,7 +99,7 @@ def _agent(conn: socket.socket, job: dict[str, Any], fds: list[int]) -> NoReturn
         rc = os.waitstatus_to_exitcode(status)
         rank = ranks.pop(pid)
         if rc != 0 and code == 0:  # as torchrun: the first failure ends the job and names the rank
-            code = rc if rc > 0 else 1
+            code = rc if rc > 0 or not job["distributed"] else 1  # torchrun's 1; a plain process's own code
             if job["distributed"]:  # a plain ``python -m lightning_llm`` run prints nothing of its own
                 print(f"zygote launch: rank {rank} (pid {pid}) failed: {exit_line(rc)}; stopping the others",
                       file=sys.stderr, flush=True)
