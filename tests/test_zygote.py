@@ -72,3 +72,16 @@ def test_a_cli_error_reaches_the_caller(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="--trainer.strategy='zero4': unknown strategy"):
         run_cli(["fit", "--config", str(Path(__file__).parents[1] / "configs" / "pretrain_debug.yaml"),
                  "--trainer.strategy=zero4"], cwd=tmp_path)
+
+
+def test_a_launch_with_other_import_time_variables_takes_a_fresh_interpreter() -> None:
+    """The zygote imported with this process's environment: a launch asking for another value of a variable read at
+    import is not forked from it."""
+    import os
+
+    from lightning_llm.testing import zygote
+
+    env = dict(os.environ)
+    assert zygote.enabled(env)
+    env["TRITON_INTERPRET"] = "0" if os.environ.get("TRITON_INTERPRET") == "1" else "1"
+    assert not zygote.enabled(env)

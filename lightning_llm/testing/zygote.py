@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 _MAX_MESSAGE = 1 << 20
-_server: tuple[subprocess.Popen, str] | None = None
+_server: tuple[subprocess.Popen, str, dict[str, str]] | None = None
 
 
 # --------------------------------------------------------------------------------------------------- the zygote
@@ -167,9 +167,18 @@ def _rank(job: dict[str, Any], rank: int) -> NoReturn:
 
 
 # --------------------------------------------------------------------------------------------------- the client
-def enabled() -> bool:
-    """Launches go through the zygote (``LIGHTNING_LLM_TEST_LAUNCHER`` unset or ``zygote``) on a system with fork."""
-    return os.environ.get("LIGHTNING_LLM_TEST_LAUNCHER", "zygote") == "zygote" and hasattr(os, "fork")
+IMPORT_TIME_ENV = ("PYTHONPATH", "PYTHONHASHSEED", "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "HF_HUB_OFFLINE",
+                   "TRANSFORMERS_OFFLINE", "TORCHDYNAMO_DISABLE")
+"""Variables read while the package imports: the zygote imported with this process's values, so a launch asking
+for others takes a fresh interpreter (never a fork that silently keeps the old ones)."""
+
+
+def enabled(env: dict[str, str] | None = None) -> bool:
+    """Launches go through the zygote (``LIGHTNING_LLM_TEST_LAUNCHER`` unset or ``zygote``) on a system with fork,
+    when ``env`` agrees with this process's environment on :data:`IMPORT_TIME_ENV`."""
+    imported = _server[2] if _server is not None else os.environ  # what the zygote imported (or will) with
+    same = env is None or all(env.get(k) == imported.get(k) for k in IMPORT_TIME_ENV)
+    return os.environ.get("LIGHTNING_LLM_TEST_LAUNCHER", "zygote") == "zygote" and hasattr(os, "fork") and same
 
 
 def _address() -> str:
@@ -182,7 +191,7 @@ def _address() -> str:
         proc = subprocess.Popen([sys.executable, "-c", f"from {__name__} import _serve; _serve({path!r})"],
                                 env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL, stdout=f,
                                 stderr=subprocess.STDOUT)
-    _server = (proc, path)
+    _server = (proc, path, dict(os.environ))
     atexit.register(_shutdown, proc)
     deadline = time.monotonic() + 300
     while not os.path.exists(path):
