@@ -9,6 +9,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -90,16 +91,28 @@ def tiny_hf_llama(out: Path, *, tie_word_embeddings: bool = False, max_new_token
     return out
 
 
-@pytest.fixture(autouse=True)
-def _restore_environment():  # noqa: ANN202 - a generator fixture
-    """Undo what a test's in-process run left in ``os.environ``: Lightning and DeepSpeed set ``MASTER_PORT`` (and
-    ``PL_GLOBAL_SEED``, ``RANK``, ...) when a 1-device run initializes a process group, and the port can stay bound
-    by this process; every later subprocess (torchrun tests, the CLI) would inherit it and fail with EADDRINUSE."""
+def _restored_environment() -> Iterator[None]:
     before = dict(os.environ)
     yield
     for key in set(os.environ) - set(before):
         del os.environ[key]
     os.environ.update(before)
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment() -> Iterator[None]:
+    """Undo what a test's in-process run left in ``os.environ``: Lightning and DeepSpeed set ``MASTER_PORT`` (and
+    ``PL_GLOBAL_SEED``, ``RANK``, ...) when a 1-device run initializes a process group, and the port can stay bound
+    by this process; every later subprocess (torchrun tests, the CLI) would inherit it and fail with EADDRINUSE."""
+    yield from _restored_environment()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _restore_environment_after_module() -> Iterator[None]:
+    """The same around a module: its module-scoped fixtures run before a test's own restore starts (``lightning_llm
+    eval`` in-process sets ``HF_HUB_OFFLINE=1``). Left in place, such a variable read at import would send every later
+    launch to a fresh interpreter instead of the zygote (:func:`lightning_llm.testing.zygote.enabled`)."""
+    yield from _restored_environment()
 
 
 def peft_twin(ours: object, hf: object, cfg: object, *, seed: int = 3, scale: float = 0.1) -> object:

@@ -8,6 +8,7 @@ that fails ends the job (the other rank, sleeping, is stopped), and a CLI run's 
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -74,14 +75,36 @@ def test_a_cli_error_reaches_the_caller(tmp_path: Path) -> None:
                  "--trainer.strategy=zero4"], cwd=tmp_path)
 
 
-def test_a_launch_with_other_import_time_variables_takes_a_fresh_interpreter() -> None:
-    """The zygote imported with this process's environment: a launch asking for another value of a variable read at
-    import is not forked from it."""
-    import os
+PROBE = '''
+import json, sys
+import huggingface_hub.constants
 
-    from lightning_llm.testing import zygote
+with open(sys.argv[1], "w") as f:
+    json.dump({"offline": huggingface_hub.constants.HF_HUB_OFFLINE, "path": sys.path}, f)
+'''
 
-    env = dict(os.environ)
-    assert zygote.enabled(env)
-    env["TRITON_INTERPRET"] = "0" if os.environ.get("TRITON_INTERPRET") == "1" else "1"
-    assert not zygote.enabled(env)
+
+@pytest.mark.multiprocess
+def test_a_launch_sees_its_own_import_time_variables(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A zygote keeps what it read at start and import (``sys.path`` from ``PYTHONPATH``, huggingface_hub's
+    ``HF_HUB_OFFLINE``): a launch asking for other values gets a zygote started with them, and the next launch with
+    the session's values still gets the session's."""
+    (tmp_path / "probe.py").write_text(PROBE)
+    extra = tmp_path / "on_path"
+    extra.mkdir()
+
+    def probe(name: str) -> dict:
+        wait(launch(tmp_path / "probe.py", 1, str(tmp_path / name)), 300)
+        return json.loads((tmp_path / name).read_text())
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    before = probe("before.json")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(extra), os.environ.get("PYTHONPATH")])))
+    other = probe("other.json")
+    monkeypatch.undo()
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    after = probe("after.json")
+    assert other["offline"] is True and str(extra) in other["path"]
+    assert before["offline"] is after["offline"] is False
+    assert str(extra) not in before["path"] and str(extra) not in after["path"]

@@ -170,7 +170,7 @@ def launch(script: str | Path, nproc: int, *args: str, extra: list[str] | None =
     """Start ``python -m torch.distributed.run --nproc_per_node=NPROC SCRIPT ARGS`` on this machine (1 thread per
     process, output captured); pair it with :func:`wait`. The one launcher of the multi-process tests."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    if zygote.enabled(env) and not extra:  # forked from the pre-imported zygote (see lightning_llm.testing.zygote)
+    if zygote.enabled() and not extra:  # forked from the pre-imported zygote (see lightning_llm.testing.zygote)
         return zygote.Job(str(script), list(args), nproc=nproc, env=env, port=free_port())  # type: ignore[return-value]
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", *(extra or []), str(script), *args]
@@ -361,7 +361,7 @@ def cli_process(args: list[str], *, nproc: int = 1, nnodes: int = 1, timeout: fl
     process's environment (``replace_env``: ``env`` alone); stdout and stderr apart, whatever the exit code."""
     full_env = {**({} if replace_env else os.environ), "OMP_NUM_THREADS": "1", **(env or {})}
     cwd = str(cwd or os.getcwd())
-    if zygote.enabled(full_env) and nnodes == 1:
+    if zygote.enabled() and nnodes == 1:
         job = zygote.Job("lightning_llm", list(args), nproc=nproc, env=full_env, cwd=cwd, module=True, stderr=True,
                          port=free_port(), distributed=nproc > 1)
         try:

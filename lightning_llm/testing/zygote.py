@@ -35,7 +35,6 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 _MAX_MESSAGE = 1 << 20
-_server: tuple[subprocess.Popen, str, dict[str, str]] | None = None
 
 
 # --------------------------------------------------------------------------------------------------- the zygote
@@ -169,29 +168,36 @@ def _rank(job: dict[str, Any], rank: int) -> NoReturn:
 # --------------------------------------------------------------------------------------------------- the client
 IMPORT_TIME_ENV = ("PYTHONPATH", "PYTHONHASHSEED", "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "HF_HUB_OFFLINE",
                    "TRANSFORMERS_OFFLINE", "TORCHDYNAMO_DISABLE")
-"""Variables read while the package imports: the zygote imported with this process's values, so a launch asking
-for others takes a fresh interpreter (never a fork that silently keeps the old ones)."""
+"""Variables read at interpreter start or while the package imports: a zygote keeps the values it imported with, so
+each set of values a launch asks for gets its own zygote (never a fork that silently keeps other values)."""
+_MAX_ZYGOTES = 3
+_zygotes: dict[tuple[str | None, ...], tuple[subprocess.Popen, str]] = {}
+"""Running zygotes by their :data:`IMPORT_TIME_ENV` values, least recently used first."""
 
 
-def enabled(env: dict[str, str] | None = None) -> bool:
-    """Launches go through the zygote (``LIGHTNING_LLM_TEST_LAUNCHER`` unset or ``zygote``) on a system with fork,
-    when ``env`` agrees with this process's environment on :data:`IMPORT_TIME_ENV`."""
-    imported = _server[2] if _server is not None else os.environ  # what the zygote imported (or will) with
-    same = env is None or all(env.get(k) == imported.get(k) for k in IMPORT_TIME_ENV)
-    return os.environ.get("LIGHTNING_LLM_TEST_LAUNCHER", "zygote") == "zygote" and hasattr(os, "fork") and same
+def enabled() -> bool:
+    """Launches go through a zygote (``LIGHTNING_LLM_TEST_LAUNCHER`` unset or ``zygote``) on a system with fork."""
+    return os.environ.get("LIGHTNING_LLM_TEST_LAUNCHER", "zygote") == "zygote" and hasattr(os, "fork")
 
 
-def _address() -> str:
-    global _server
-    if _server is not None and _server[0].poll() is None:
-        return _server[1]
+def _address(env: dict[str, str]) -> str:
+    """The socket of the zygote that imported with ``env``'s :data:`IMPORT_TIME_ENV` values (started if none)."""
+    key = tuple(env.get(k) for k in IMPORT_TIME_ENV)
+    running = _zygotes.pop(key, None)
+    if running is not None and running[0].poll() is None:
+        _zygotes[key] = running
+        return running[1]
+    while len(_zygotes) >= _MAX_ZYGOTES:  # a rarely used set of values (a test's own PYTHONPATH) gives way
+        _shutdown(_zygotes.pop(next(iter(_zygotes)))[0])
     path = os.path.join(tempfile.mkdtemp(prefix="lightning_llm-zygote-"), "socket")
     log = Path(path).with_name("zygote.log")  # its own output (not the session's: no pipe of the caller held open)
+    own = {k: v for k, v in os.environ.items() if k not in IMPORT_TIME_ENV}  # this session's, as a zygote's start
+    own.update({k: v for k, v in zip(IMPORT_TIME_ENV, key, strict=True) if v is not None})
     with open(log, "wb") as f:
         proc = subprocess.Popen([sys.executable, "-c", f"from {__name__} import _serve; _serve({path!r})"],
-                                env={**os.environ, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL, stdout=f,
+                                env={**own, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL, stdout=f,
                                 stderr=subprocess.STDOUT)
-    _server = (proc, path, dict(os.environ))
+    _zygotes[key] = (proc, path)
     atexit.register(_shutdown, proc)
     deadline = time.monotonic() + 300
     while not os.path.exists(path):
@@ -222,7 +228,7 @@ class Job:
         job = {"nproc": nproc, "env": env, "cwd": cwd or os.getcwd(), "module": module, "target": target,
                "args": list(args), "port": port, "distributed": distributed}
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self._conn.connect(_address())
+        self._conn.connect(_address(env))
         socket.send_fds(self._conn, [json.dumps(job).encode()], [out_w] + ([err_w] if err_w is not None else []))
         os.close(out_w)
         if err_w is not None:
