@@ -49,7 +49,7 @@ class TorchaoImportFilter(logging.Filter):
     """Drops exactly two kinds of records torchao's import causes, on every device:
 
     * torchao's "Failed to load .../torchao/_C*.so": its optional compiled kernels (MX-FP8, CUTLASS sm90a) built for
-      a CUDA torch; ``--model.quantize`` (NF4Tensor, Int8Tensor) never calls them (``tests/test_import_noise.py``
+      a CUDA torch; ``--model.quantize`` (NF4Tensor, Int8Tensor) never calls them (``tests/cli/test_import_noise.py``
       quantizes and runs a linear with them unloaded);
     * torch's "<enum 'torchao...'> is an Enum subclass ... register_constant() ... is deprecated": torchao's own
       call of a torch API, nothing a run can act on.

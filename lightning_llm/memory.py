@@ -170,7 +170,7 @@ def attention_elements_per_token(config: Any) -> tuple[int, int]:
     context-parallel rank gathers)``.
 
     q/k/v projections: q/k/v (``q + 2kv``), rotated q/k (``q + kv``), the attention output (``q``); gathered ``2kv``.
-    Multi-head Latent Attention (measured on the layer in ``tests/test_mla.py``): the query path's down-projection,
+    Multi-head Latent Attention (measured on the layer in ``tests/models/test_mla.py``): the query path's down-projection,
     norm statistics, normed latent and the up-projection's input (``3 Rq + 1``), the key/value latent with the rotary
     key, its norm statistics, normed latent and input copy (``3 Rkv + Dr + 1``), the keys, queries, values padded to
     the keys' width and the padded output (``4 N Dqk``), the log-sum-exp (``N``) and o_proj's input (``N Dv``);
@@ -197,7 +197,7 @@ def attention_width(config: Any) -> int:
 
 def moe_layer_bytes_per_token(config: Any, *, precision: str) -> int:
     """Bytes autograd saves per token in one MoE layer's feed-forward (``config.moe``; measured on the block in
-    ``tests/test_estimate.py``), with the ``top_k`` assignments of a token:
+    ``tests/cli/test_estimate.py``), with the ``top_k`` assignments of a token:
 
     * router: its probabilities ``[E]`` fp32 and, with the load-balancing loss on, its logits ``[E]`` fp32 (the
       aux gradient's input); the fp32 copy of its input ``[H]`` when the block runs in a 16-bit dtype; their sum;

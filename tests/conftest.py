@@ -8,6 +8,11 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The suite is a package (``tests/<concern>/test_*.py``) whose modules import helpers as ``tests.*``: pytest puts the
+# repository root on its own path; the scripts the tests launch (ranks, ``python tests/.../x.py`` runs) get it here.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    dict.fromkeys(filter(None, [_ROOT, *os.environ.get("PYTHONPATH", "").split(os.pathsep)])))
 
 from collections.abc import Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402

@@ -1,4 +1,4 @@
-"""Crafted checkpoints for tests/test_safe_load.py: real checkpoints of short runs (one device, the native engine,
+"""Crafted checkpoints for tests/checkpoints/test_safe_load.py: real checkpoints of short runs (one device, the native engine,
 DeepSpeed) and the pre-engine layouts, each with one object added whose unpickling runs a shell command that writes a
 marker file, as a checkpoint crafted by someone else would."""
 
@@ -59,7 +59,7 @@ def _add_to_metadata(directory: Path, marker: Path) -> None:
 
 def legacy_layouts(plain: Path, root: Path) -> dict[str, Path]:
     """The pre-engine layouts of ``plain``'s weights: a tp / ZeRO-3 DCP directory, pipeline-rank files, ZeRO-1/2's
-    ``model.pt`` directory (as tests/test_export.py writes them)."""
+    ``model.pt`` directory (as tests/checkpoints/test_export.py writes them)."""
     from lightning_llm.export.legacy import save_sharded, stage_checkpoint_file
 
     full = torch.load(plain, weights_only=True)

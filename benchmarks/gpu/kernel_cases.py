@@ -7,7 +7,7 @@ package's plain-torch path, run in the same dtype), ``fp64`` (an independent flo
 scripts (``benchmark/scripts/benchmark_*.py``: their x-value sweeps and ``extra_benchmark_configs``), see
 :data:`LIGER_SHAPES`; :data:`SMOKE_SHAPES` are tiny odd shapes for Triton's CPU interpreter.
 
-Error metric (as ``tests/test_kernels.py``): ``max|out - ref| / max|ref|`` per output/gradient tensor, computed in
+Error metric (as ``tests/kernels/test_kernels.py``): ``max|out - ref| / max|ref|`` per output/gradient tensor, computed in
 float64; a non-finite output counts as an infinite error.
 """
 

@@ -21,7 +21,7 @@ class StepsProgressBar(RichProgressBar):
 
     @override
     def _get_train_description(self, current_epoch: int) -> str:
-        # Lightning's hook (private; tests/test_cli.py notices if it stops being called)
+        # Lightning's hook (private; tests/cli/test_cli.py notices if it stops being called)
         last = self.trainer.max_epochs
         text = f"Epoch {current_epoch}" + (f"/{last - 1}" if last is not None and last > 0 else "")
         return f"{text:{len(self.validation_description)}}"  # as long as the validation bar's (no flicker)

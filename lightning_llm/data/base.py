@@ -168,7 +168,7 @@ def check_batch_sizes(batch_size: int, eval_batch_size: int | None) -> None:
 
 # Lightning warns on every mid-epoch resume that the training DataLoader "is not resumable" because the loader
 # itself has no state_dict. Ours is: the datamodule's state_dict records the consumed batches and the next loader's
-# sampler skips exactly those (see make_loader; tests/test_reliability.py checks the losses match an uninterrupted
+# sampler skips exactly those (see make_loader; tests/checkpoints/test_reliability.py checks the losses match an uninterrupted
 # run). The filter is installed only once such a skip is set up, and matches only that message.
 _NOT_RESUMABLE_WARNING = r"You're resuming from a checkpoint that ended before the epoch ended and your dataloader is"
 

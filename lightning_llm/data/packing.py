@@ -9,7 +9,7 @@ A packed row concatenates whole examples; it carries, besides ``input_ids`` and 
 
 Each example's labels are its own (pre-shifted: ``labels[t]`` is the token after ``t`` within the example, -100 where
 nothing is learned), so no token is trained to predict the first token of the next example. With both, the packed
-row's per-example losses and gradients equal the examples run one by one (``tests/test_packing.py``).
+row's per-example losses and gradients equal the examples run one by one (``tests/data/test_packing.py``).
 
 Examples are assigned to rows by best-fit decreasing (longest first, each into the fullest row it still fits; ties
 by creation order): deterministic, O(n log n), with first-fit decreasing's worst case (at most 11/9 of the optimal

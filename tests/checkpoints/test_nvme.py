@@ -1,0 +1,212 @@
+"""``deepspeed_zero3_nvme``: DeepSpeed's ZeRO-Infinity, parameters and optimizer states swapped to files under
+``--trainer.strategy.nvme_path`` through DeepSpeed's async I/O op, on 2 CPU processes.
+
+One torchrun launch trains the same model 4 steps under ``deepspeed_zero3`` and ``deepspeed_zero3_nvme`` (the
+``debug`` decoder with 8192-wide MLPs, so that its partitions reach DeepSpeed's 1 MiB swapping threshold). Asserted:
+the same curve (1e-5); the swap files are under ``nvme_path`` after the run, in the bytes ``estimate`` gives for the
+disk, and the host's swap buffers as estimated; the run summary states the device, host and disk bytes. In process:
+the one-line refusals without libaio, with an unwritable ``nvme_path`` or none.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lightning_llm.testing import (
+    LoggedLoss,
+    gathered,
+    max_abs_err,
+    run_worker,
+    table_trainer,
+    wait,
+    launch,
+    write_json_on_rank0,
+)
+
+STEPS = 4
+OVERRIDES = {"intermediate_size": 8192, "num_layers": 2}
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = str(REPO / "configs" / "pretrain_debug.yaml")
+
+
+class _SummaryLines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines += [ln for ln in record.getMessage().splitlines()
+                       if "estimated memory per rank" in ln or "this run saves checkpoints" in ln]
+
+
+def _fit(strategy: Any, out: Path, *, save: bool = False) -> dict[str, Any]:
+    import lightning.pytorch as pl
+
+    from lightning_llm.data import TextDataModule
+    from lightning_llm.strategies.zero.nvme import swap_file_bytes
+    from lightning_llm.tasks import CausalLMTask
+    from lightning_llm.tasks.base import OptimConfig
+
+    pl.seed_everything(3)
+    task = CausalLMTask("debug", dropout=0.0, model_overrides=OVERRIDES,
+                        optim=OptimConfig(lr=3e-3, scheduler="constant"))
+    dm = TextDataModule(block_size=32, batch_size=4, cache_dir=str(out.parent / "cache"), generated_docs=100)
+    rec, summary = LoggedLoss(), _SummaryLines()
+    logger = logging.getLogger("lightning_llm")
+    level = logger.level
+    logger.addHandler(summary)
+    logger.setLevel(logging.INFO)
+    try:
+        trainer = table_trainer(out, strategy=strategy, devices=2, max_steps=STEPS, callbacks=[rec],
+                                save_every_step=save)
+        trainer.fit(task, dm)
+    finally:
+        logger.removeHandler(summary)
+        logger.setLevel(level)
+    row: dict[str, Any] = {"losses": rec.losses, "summary": summary.lines}
+    nvme = getattr(trainer.strategy, "nvme_path", None)
+    if nvme is not None:
+        est = _estimate(task.model.config)  # the model as built: its vocabulary grown to the tokenizer's
+        row["estimate"] = {"disk": est.disk, "host": est.host}
+        engine = trainer.strategy.deepspeed_engine
+        swapper = next(p.nvme_swapper for p in engine.module.parameters() if getattr(p, "nvme_swapper", None))
+        buffers = engine.optimizer.optimizer_swapper.swap_buffer_manager.all_buffers
+        row["host_buffers"] = (swapper.buffers.numel() * swapper.buffers.element_size()
+                               + sum(b.numel() * b.element_size() for b in buffers))
+        row["disk"] = swap_file_bytes(nvme, trainer.global_rank)
+        row["files"] = sorted(str(p.relative_to(nvme)) for p in Path(nvme).rglob("*.swp"))
+    return row
+
+
+def _worker(mode: str, out: Path) -> None:
+    from lightning_llm.strategies.zero.deepspeed import DeepSpeedZeroStrategy
+
+    runs = {"zero3": _fit("deepspeed_zero3", out / "zero3"),
+            "nvme": _fit(DeepSpeedZeroStrategy(stage=3, offload_optimizer=True, offload_params=True,
+                                               offload_device="nvme", nvme_path=str(out / "nvme")), out / "run",
+                         save=True)}
+    write_json_on_rank0(out / "runs.json", gathered(runs))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("nvme")
+    wait(launch(__file__, 2, "layouts", str(out)), timeout=900)
+    return out, json.loads((out / "runs.json").read_text())
+
+
+def _estimate(config: Any) -> Any:
+    from lightning_llm.memory import estimate_layout
+
+    est, _ = estimate_layout(config, tp=1, pp=1, dp=2, stage=3, engine="deepspeed", batch_size=4, seq_len=32,
+                             precision="32-true", fused_loss=True, offload_optimizer=True, offload_params=True,
+                             offload_device="nvme")
+    return est
+
+
+@pytest.mark.multiprocess
+def test_nvme_trains_the_deepspeed_zero3_curve_and_leaves_its_swap_files(runs: tuple[Path, Any]) -> None:
+    out, ranks = runs
+    est = ranks[0]["nvme"]["estimate"]
+    for rank, row in enumerate(ranks):
+        err = max_abs_err(row["nvme"]["losses"], row["zero3"]["losses"])
+        files = row["nvme"]["files"]
+        print(f"rank {rank}: max |loss(nvme) - loss(deepspeed_zero3)| over {STEPS} steps {err:.2e}; {len(files)} swap "
+              f"files, {row['nvme']['disk']:,} B on disk (estimate {est['disk']:,}), host swap buffers "
+              f"{row['nvme']['host_buffers']:,} B (estimate {est['host']:,})")
+        assert len(row["nvme"]["losses"]) == STEPS and err <= 1e-5
+        params = [f for f in files if f.startswith(f"zero_stage_3/float32params/rank{rank}/")]
+        optim = [f for f in files if f.startswith(f"zero_stage_3/optimizer/rank{rank}/")]
+        assert len(params) == 2 * 3 and any("exp_avg_sq" in f for f in optim), files  # every MLP weight swapped
+        # DeepSpeed swaps tensors of >= 1 MiB: the rest (attention, norms, embeddings: 1.3% here) stays in memory.
+        assert 0.95 * est["disk"] <= row["nvme"]["disk"] <= est["disk"]
+        assert 0.9 * est["host"] <= row["nvme"]["host_buffers"] <= 1.1 * est["host"]
+    assert (out / "nvme" / "zero_stage_3" / "optimizer" / "rank1").is_dir()  # left where DeepSpeed put them
+    line = next(ln for ln in ranks[0]["nvme"]["summary"] if "estimated memory per rank" in ln)
+    mib = 2**20
+    assert "MiB on the device = parameters 0.0, gradients 0.0, optimizer 0.0" in line, line
+    assert (f"{est['host'] / mib:.1f} MiB on the host (swap buffers), {est['disk'] / mib:.1f} MiB on disk "
+            f"(swap files under {out / 'nvme'})") in line, line
+
+
+@pytest.mark.multiprocess
+def test_nvme_checkpoints_are_refused_when_read(runs: tuple[Path, Any]) -> None:
+    """DeepSpeed 0.19.8 resumed an NVMe checkpoint with its unswapped optimizer sub-groups and the parameters at their
+    initial values (the resumed loss was the initial one) and its zero files lack the swapped fp32 weights: the run
+    is warned when it saves, and reading one (resume, export, evaluation) is refused in one line."""
+    from lightning_llm.checkpoint import CheckpointError
+    from lightning_llm.export import read_checkpoint
+
+    out, ranks = runs
+    assert any("this run saves checkpoints, but DeepSpeed 0.19.8 cannot resume" in ln
+               for ln in ranks[0]["nvme"]["summary"])
+    last = out / "run" / "ckpt" / "last.ckpt"
+    assert (last / "checkpoint" / "offloaded_tensors").is_dir()
+    with pytest.raises(CheckpointError, match="a deepspeed_zero3_nvme checkpoint: DeepSpeed 0.19.8 cannot resume"):
+        read_checkpoint(last)
+
+
+def test_estimate_states_device_host_and_disk_bytes() -> None:
+    import contextlib
+    import io
+
+    from lightning_llm.cli import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["estimate", "--model", "llama2-7b", "--devices", "8", "--strategy", "deepspeed_zero3_nvme",
+                     "--seq-len", "2048", "--json"]) == 0
+    nvme = json.loads(buf.getvalue())["bytes"]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["estimate", "--model", "llama2-7b", "--devices", "8", "--strategy", "deepspeed_zero3_offload",
+                     "--seq-len", "2048", "--json"]) == 0
+    cpu = json.loads(buf.getvalue())["bytes"]
+    # the same device bytes; what CPU offload keeps in host memory is on disk; the host holds the swap buffers
+    assert nvme["total"] == cpu["total"] and nvme["disk"] == cpu["host_offloaded"] > 0 and cpu["disk"] == 0
+    assert 0 < nvme["host_offloaded"] < nvme["disk"] / 4
+
+
+def _one_line(capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    from lightning_llm.cli import main
+
+    assert main(["fit", "--config", CONFIG, "--trainer.logger=false", "--trainer.strategy=deepspeed_zero3_nvme",
+                 *args]) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("lightning_llm: error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err[-3000:]
+    return lines[0]
+
+
+def test_refusals_before_training(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from deepspeed.accelerator import get_accelerator
+
+    from lightning_llm.strategies.zero.deepspeed import DeepSpeedZeroStrategy
+
+    def nvme(path: Path | None) -> Any:
+        return DeepSpeedZeroStrategy(stage=3, offload_optimizer=True, offload_params=True, offload_device="nvme",
+                                     nvme_path=None if path is None else str(path))
+
+    with pytest.raises(ValueError, match=r"needs --trainer.strategy.nvme_path=DIR"):
+        nvme(None)
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(ValueError, match=rf"nvme_path={a_file / 'swap'}: cannot write swap files there"):
+        nvme(a_file / "swap")
+    # DeepSpeed's own probe for libaio (compiling and linking a call of io_submit) fails as on a machine without it:
+    # through the command line, one line before anything is built
+    builder = type(get_accelerator().create_op_builder("AsyncIOBuilder"))
+    monkeypatch.setattr(builder, "has_function", lambda *args, **kwargs: False)
+    line = _one_line(capsys, f"--trainer.strategy.nvme_path={tmp_path / 'swap'}")
+    assert "async I/O op needs libaio" in line and "apt-get install -y libaio-dev" in line, line
+
+
+if __name__ == "__main__":
+    run_worker(_worker, sys.argv[1], Path(sys.argv[2]))

@@ -1,0 +1,1 @@
+"""Data: sentence pairs, prepared corpora, packing, conversations and chat templates, tokenizers and vocabularies."""

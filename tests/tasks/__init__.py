@@ -1,0 +1,1 @@
+"""The training tasks (causal LM, classification, SFT, DPO, PPO, GRPO), user subclasses and the non-finite guard."""
