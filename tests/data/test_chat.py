@@ -326,7 +326,7 @@ def test_rl_prompts_render_with_the_generation_prompt_and_stop_at_the_end_of_tur
 
 
 class RecordingReward:
-    """A reward (``--model.reward.fn=test_chat:RecordingReward``) that keeps the prompts it was given."""
+    """A reward (``--model.reward.fn=tests.data.test_chat:RecordingReward``) that keeps the prompts it was given."""
 
     prompts: list[str] = []
 
@@ -344,7 +344,7 @@ def test_grpo_rolls_out_chat_prompts_and_stops_at_the_end_of_turn() -> None:
     from lightning_llm.tasks import GRPOTask, OptimConfig
 
     pl.seed_everything(0)
-    task = GRPOTask("debug", model_overrides={"num_layers": 1}, reward=RewardConfig(fn="test_chat:RecordingReward"),
+    task = GRPOTask("debug", model_overrides={"num_layers": 1}, reward=RewardConfig(fn="tests.data.test_chat:RecordingReward"),
                     generation=GenerationConfig(max_new_tokens=6, do_sample=True),
                     grpo=GRPOConfig(num_generations=2, epochs=1, num_mini_batches=1),
                     optim=OptimConfig(lr=1e-3, warmup_steps=0, scheduler="constant"))
