@@ -11,7 +11,6 @@ strategies' own ``load_checkpoint`` refuse too when the CLI's check is bypassed 
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,9 +22,7 @@ import lightning_llm.cli.app as cli_app
 from lightning_llm.checkpoint import TRUST_ENV, verify_checkpoint
 from lightning_llm.cli import main
 from lightning_llm.testing import one_error_line_from_ranks, torchrun_cli_fails
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tests.safe_load_fixtures import CRAFTED, craft, dcp_object_checkpoint, fit_args, legacy_layouts, saved_run  # noqa: E402
+from tests.safe_load_fixtures import CRAFTED, craft, dcp_object_checkpoint, fit_args, legacy_layouts, saved_run
 
 PREFIX = "lightning_llm: error: "
 EXPORT_PREFIX = "lightning_llm export: error: "

@@ -18,7 +18,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 transformers = pytest.importorskip("transformers")
 
 from tests.data.test_vocab import corpus_words, write_llama, write_tokenizer  # noqa: E402
