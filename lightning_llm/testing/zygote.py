@@ -22,6 +22,7 @@ import json
 import os
 import runpy
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -188,7 +189,7 @@ def _address(env: dict[str, str]) -> str:
         _zygotes[key] = running
         return running[1]
     while len(_zygotes) >= _MAX_ZYGOTES:  # a rarely used set of values (a test's own PYTHONPATH) gives way
-        _shutdown(_zygotes.pop(next(iter(_zygotes)))[0])
+        _shutdown(*_zygotes.pop(next(iter(_zygotes))))
     path = os.path.join(tempfile.mkdtemp(prefix="lightning_llm-zygote-"), "socket")
     log = Path(path).with_name("zygote.log")  # its own output (not the session's: no pipe of the caller held open)
     own = {k: v for k, v in os.environ.items() if k not in IMPORT_TIME_ENV}  # this session's, as a zygote's start
@@ -198,20 +199,23 @@ def _address(env: dict[str, str]) -> str:
                                 env={**own, "OMP_NUM_THREADS": "1"}, stdin=subprocess.DEVNULL, stdout=f,
                                 stderr=subprocess.STDOUT)
     _zygotes[key] = (proc, path)
-    atexit.register(_shutdown, proc)
+    atexit.register(_shutdown, proc, path)
     deadline = time.monotonic() + 300
     while not os.path.exists(path):
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the test launcher's zygote did not start (exit code {proc.poll()}):\n"
-                               f"{log.read_text(errors='replace')[-4000:]}")
+            text = log.read_text(errors="replace")[-4000:]
+            _shutdown(*_zygotes.pop(key))  # a zygote that never served is not kept for the next launch
+            raise RuntimeError(f"the test launcher's zygote did not start (exit code {proc.poll()}):\n{text}")
         time.sleep(0.05)
     return path
 
 
-def _shutdown(proc: subprocess.Popen) -> None:
+def _shutdown(proc: subprocess.Popen, path: str) -> None:
+    """Stop a zygote and remove the folder ``mkdtemp`` made for it alone (its socket ``path`` and log)."""
     with contextlib.suppress(Exception):
         proc.kill()
         proc.wait(5)
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
 
 
 class Job:
