@@ -6,7 +6,7 @@ PYTHON ?= python3
 TORCH_VERSION = $(PYTHON) -c "import importlib.metadata as m; print(m.version('torch').split('+')[0])"
 TORCH_PIN = $$($(TORCH_VERSION))
 
-.PHONY: install quickstart test test-fast
+.PHONY: install quickstart lint test test-fast
 
 install:
 	@$(TORCH_VERSION) >/dev/null 2>&1 || $(PYTHON) -m pip install "torch==2.13.0"
@@ -15,7 +15,11 @@ install:
 quickstart: install
 	lightning_llm fit --config configs/quickstart.yaml
 
-test: install
+# ruff's rules: pyproject.toml [tool.ruff]
+lint: install
+	$(PYTHON) -m ruff check lightning_llm tests benchmarks
+
+test: install lint
 	$(PYTHON) -m pytest -q tests
 
 test-fast:

@@ -227,7 +227,7 @@ def _transformers(case: Case, device: Any) -> tuple[Any, Any, str]:
 
     from lightning_llm.models import NAMED_SIZES
     from lightning_llm.models.config import ModelConfig
-    from lightning_llm.models.hf_config import config_to_hf
+    from lightning_llm.models.hf import config_to_hf
 
     note = f"transformers {transformers.__version__}"
     fields = {**NAMED_SIZES[("decoder", case.backbone)], **_overrides(case)}

@@ -15,9 +15,13 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
     dict.fromkeys(filter(None, [_ROOT, *os.environ.get("PYTHONPATH", "").split(os.pathsep)])))
 
 from collections.abc import Iterator  # noqa: E402
+from typing import TYPE_CHECKING  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+if TYPE_CHECKING:
+    import torch
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"

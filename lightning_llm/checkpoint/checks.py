@@ -130,7 +130,7 @@ def _world_size_message(name: str, path: Path, tag: str, saved: int, now: int) -
 # ---------------------------------------------------------------------------------------------- which strategy reads it
 def check_strategy_reads(path: str | Path, strategy: Any, *, name: str) -> None:
     """Raise :class:`CheckpointError` if ``path`` is a checkpoint directory and ``strategy`` reads one ``.ckpt`` file
-    only (Lightning's single-device and DDP strategies: ``Strategy.load_checkpoint`` ``torch.load``\ s the path, and
+    only (Lightning's single-device and DDP strategies: ``Strategy.load_checkpoint`` ``torch.load``-s the path, and
     a directory fails there with a traceback). The message says which strategies read the directory."""
     p = Path(path)
     if not p.is_dir() or type(strategy).load_checkpoint is not Strategy.load_checkpoint:

@@ -37,7 +37,8 @@ from lightning_llm.files import DataError, read_json
 from lightning_llm.logs import RankZeroFilter, is_global_zero
 from lightning_llm.reliability import leave_process, shutdown_process_group
 from lightning_llm.strategies import check_strategy_name, strategy_class
-from lightning_llm.tasks.base import LLMTask, NonFiniteLossError
+from lightning_llm.tasks.base import LLMTask
+from lightning_llm.tasks.guard import NonFiniteLossError
 from lightning_llm.vocab import default_tokenizer_dir
 
 log = logging.getLogger("lightning_llm")

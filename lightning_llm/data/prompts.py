@@ -31,7 +31,7 @@ from lightning_llm.data.base import (
     tokenizer_vocab_size,
 )
 from lightning_llm.data.chat.encode import ChatEncoder
-from lightning_llm.data.chat.messages import ChatColumns, Conversation, message_text, prompt_conversation
+from lightning_llm.data.chat.messages import ChatColumns, message_text, prompt_conversation
 from lightning_llm.data.chat.template import resolve_template
 from lightning_llm.files import DataError, read_records
 

@@ -205,7 +205,9 @@ class TextDataModule(LLMDataModule):
     def _check_same_data(self, saved: dict[str, Any]) -> None:
         """Refuse a resume whose data differs from the checkpoint's: its sample positions would mean other samples."""
         now = self.data_identity()
-        key = lambda d: [{k: v for k, v in c.items() if k != "corpus"} for c in d["corpora"]]
+        def key(d: dict[str, Any]) -> list[dict[str, Any]]:
+            return [{k: v for k, v in c.items() if k != "corpus"} for c in d["corpora"]]
+
         diffs = [f"{k} {saved[k]} -> {now[k]}" for k in ("block_size", "val_fraction") if saved.get(k) != now[k]]
         if key(saved) != key(now):
             diffs.append(f"corpora {_corpora(saved)} -> {_corpora(now)}")

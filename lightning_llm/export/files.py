@@ -25,7 +25,7 @@ from lightning_llm.data.tokenizers import ByteTokenizer
 from lightning_llm.export.meta import CHECKPOINT_KEY, recorded_byte_tokenizer
 from lightning_llm.files import read_json
 from lightning_llm.models import save_hf
-from lightning_llm.models.hf_config import SUPPORTED_ARCHITECTURES
+from lightning_llm.models.hf import SUPPORTED_ARCHITECTURES
 
 log = logging.getLogger(__name__)
 

@@ -204,7 +204,7 @@ def init_whole(model: nn.Module) -> None:
 
 
 class WeightsSource(Protocol):
-    """Where a lazily loaded model's weights come from (e.g. a local HF checkpoint, :mod:`.hf_source`)."""
+    """Where a lazily loaded model's weights come from (e.g. a local HF checkpoint, :mod:`.hf.source`)."""
 
     def has(self, name: str) -> bool:
         """Whether the checkpoint holds the parameter ``name`` (canonical, relative to the family model)."""

@@ -41,7 +41,7 @@ from lightning_llm.models import NAMED_SIZES, build_model
 from lightning_llm.models.compile import compile_blocks
 from lightning_llm.reliability import AtomicCheckpointIO, FaultInjector, RNGState
 from lightning_llm.run_summary import RunSummary, replace_model_summary
-from lightning_llm.tasks.guard import NonFiniteGuard, NonFiniteLossError
+from lightning_llm.tasks.guard import NonFiniteGuard
 from lightning_llm.tasks.moe import MoEMonitor, attach_aux_loss, routing_stats
 from lightning_llm.tasks.progress import ProgressBar
 from lightning_llm.vocab import check_backbone_tokenizer, resize_embeddings

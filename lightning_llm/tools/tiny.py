@@ -28,7 +28,7 @@ from torch import Tensor
 
 from lightning_llm.data.text import generated_corpus
 from lightning_llm.models import named_config
-from lightning_llm.models.hf_config import config_to_hf
+from lightning_llm.models.hf import config_to_hf
 from lightning_llm.reliability import staged_directory
 
 log = logging.getLogger(__name__)

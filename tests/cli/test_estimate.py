@@ -128,7 +128,7 @@ def test_moe_parameter_counts_and_flops_per_token() -> None:
     from torch.utils.flop_counter import FlopCounterMode
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from lightning_llm.models.hf_config import config_to_hf
+    from lightning_llm.models.hf import config_to_hf
 
     r = json.loads(_run("--model=qwen3-30b-a3b", "--seq-len=4096", "--json")[1])
     hf = {k: v for k, v in config_to_hf(named_config("qwen3-30b-a3b", family="decoder"),

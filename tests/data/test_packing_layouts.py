@@ -13,7 +13,6 @@ the pytest process trains the same examples unpacked (8 rows) on one device. Com
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import Any

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_llm.generation import GenerationConfig, TokenChooser, generate
+from lightning_llm.generation import GenerationConfig, generate
 from lightning_llm.models import build_model
 from lightning_llm.strategies.decoding.shares import RowShare, share_bounds
 from lightning_llm.testing import launch, run_worker, wait

@@ -18,7 +18,7 @@ olmoe      ``q_norm``/``k_norm`` over the whole q / k projection; softmax top-k 
            MoE on every layer; ``clip_qkv`` refused
 gpt_oss    attention sinks, q/k/v/o biases, sliding and full layers alternating (``layer_types``, ``sliding_window``),
            YaRN (its defaults when absent); router with a bias, softmax over the chosen top-k logits; experts with
-           biases and the clamped SwiGLU (``swiglu_alpha``, ``swiglu_limit``), stored fused (or MXFP4: ``hf_entries``)
+           biases and the clamped SwiGLU (``swiglu_alpha``, ``swiglu_limit``), stored fused (or MXFP4: ``entries``)
 =========  ==========================================================================================================
 
 ``W_pack`` is stored head-interleaved in our model (see :class:`~lightning_llm.models.layers.Attention`):
@@ -32,10 +32,10 @@ from typing import Any
 
 from torch import Tensor
 
-from .config import ModelConfig, MoEConfig
-from .hf_deepseek import DEEPSEEK_KINDS, deepseek_from_hf, deepseek_to_hf
-from .hf_entries import MOE_KINDS
-from .rope import ROPE_TYPES
+from ..config import ModelConfig, MoEConfig
+from .deepseek import DEEPSEEK_KINDS, deepseek_from_hf, deepseek_to_hf
+from .entries import MOE_KINDS
+from ..rope import ROPE_TYPES
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +52,16 @@ __all__ = [
     "adapter_tensor_from_hf",
     "module_name_to_hf",
     "module_name_from_hf",
+    "gated_act",
+    "plain_act",
+    "PLAIN_ACT_TO_HF",
 ]
 
 DECODER_KINDS = ("llama", "qwen2", "qwen3", "mistral", "baichuan", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
                  "gpt_oss", *DEEPSEEK_KINDS)
-"""HF model types with LLaMA's module layout (weight names of ``hf._entries``); those of :data:`MOE_KINDS` have
-Mixture-of-Experts feed-forward layers (:mod:`.hf_entries`), DeepSeek's and GLM's are converted by
-:mod:`.hf_deepseek`."""
+"""HF model types with LLaMA's module layout (weight names of ``weights.entries``); those of :data:`MOE_KINDS` have
+Mixture-of-Experts feed-forward layers (:mod:`.entries`), DeepSeek's and GLM's are converted by
+:mod:`.deepseek`."""
 
 # transformers' defaults for keys a config.json may omit (its config classes' field defaults).
 _MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 131072, "mixtral": 131072,
@@ -143,6 +146,19 @@ def gated_act(name: str) -> str:
     if name not in table:
         raise ValueError(f"unsupported gated activation hidden_act={name!r} (supported: {', '.join(table)})")
     return table[name]
+
+
+def plain_act(name: str) -> str:
+    """Our activation for a non-gated MLP's ``hidden_act`` / ``activation_function`` (GPT-2, the encoders)."""
+    table = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh",
+             "relu": "relu"}
+    if name not in table:
+        raise ValueError(f"unsupported hidden activation {name!r} (supported: {', '.join(table)})")
+    return table[name]
+
+
+PLAIN_ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu"}
+"""Inverse of :func:`plain_act`."""
 
 
 def rope_from_hf(hf: dict[str, Any], *, default: dict[str, Any] | None = None,

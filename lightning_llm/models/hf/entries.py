@@ -5,10 +5,10 @@
 * :class:`Stacked`: many HF keys <-> one of our parameters: an MoE layer's experts, stored per expert on disk
   (``experts.N.gate_proj``/``up_proj``, Mixtral's ``experts.N.w1``/``w3``) and fused in memory (``gate_up_proj``
   [E, 2I, H]: expert ``e`` is the rows of its parts in order). A lazy read of some experts (an expert-parallel rank's)
-  reads only their tensors (:class:`~.hf_source.StackedMapped`).
+  reads only their tensors (:class:`~.source.StackedMapped`).
 * :class:`Fused`: one HF tensor holding every expert in another layout (gpt-oss: ``gate_up_proj`` [E, H, 2I], the
   input dim first and the gate and up columns alternating), or its MXFP4 blocks and scales; read lazily by expert
-  (:class:`~.hf_source.PermutedMapped`, :class:`~.hf_source.Mxfp4Mapped`).
+  (:class:`~.source.PermutedMapped`, :class:`~.source.Mxfp4Mapped`).
 
 :func:`moe_mlp_entries` gives the entries of one MoE layer's feed-forward for the HF families that have one.
 """
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .config import ModelConfig
-from .hf_deepseek import DEEPSEEK_KINDS
-from .hf_source import CheckpointFiles, Mxfp4Mapped, PermutedMapped
+from ..config import ModelConfig
+from .deepseek import DEEPSEEK_KINDS
+from .source import CheckpointFiles, Mxfp4Mapped, PermutedMapped
 
 __all__ = ["Entry", "Fused", "Stacked", "lin", "moe_mlp_entries", "MOE_KINDS", "interleave", "deinterleave"]
 

@@ -1,0 +1,26 @@
+"""Local Hugging Face checkpoints in and out: ``config.json`` <-> :class:`~lightning_llm.models.ModelConfig`, weights
+<-> :class:`~lightning_llm.models.DecoderLM` / :class:`~lightning_llm.models.EncoderModel`; never downloads.
+
+========================  ============================================================================================
+``architectures.py``      the one table of supported HF classes (the docs' family list is generated from it)
+``config.py``             ``config.json`` <-> ``ModelConfig``: the dispatch per group of families, representability
+``decoders.py``           the LLaMA-layout decoders' configs (Llama, Qwen, Mistral, Baichuan, the MoE families)
+``deepseek.py``           DeepSeek-V2/V3, Kimi-K2 and GLM-4.5's configs (MLA, group-limited routers)
+``gpt2.py``               GPT-2's config and weights
+``encoders.py``           BERT, RoBERTa, MegatronBERT: configs and weights
+``weights.py``            the weight mapping's entries per config (the decoders'), dispatched per layout
+``entries.py``            the entry types (one key, per-expert keys, fused layouts, MXFP4) and the experts' entries
+``source.py``             reading checkpoint files lazily: only the elements a rank holds
+``options.py``            options of a family's config.json that are not built, refused by name
+``load.py`` / ``save.py``  ``load_hf`` / ``save_hf``
+========================  ============================================================================================
+"""
+
+from __future__ import annotations
+
+from .architectures import SUPPORTED_ARCHITECTURES
+from .config import config_from_hf, config_to_hf
+from .load import load_hf
+from .save import default_architecture, save_hf
+
+__all__ = ["load_hf", "save_hf", "config_from_hf", "config_to_hf", "default_architecture", "SUPPORTED_ARCHITECTURES"]

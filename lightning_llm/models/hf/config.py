@@ -1,0 +1,107 @@
+"""Hugging Face ``config.json`` <-> :class:`ModelConfig`: the dispatch to each group of families' conversion, and the
+check that a written config describes exactly the model."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from ..config import ModelConfig
+from .architectures import SUPPORTED_ARCHITECTURES, architecture_name
+from .decoders import DECODER_KINDS, decoder_config_from_hf, decoder_config_to_hf, moe_architecture
+from .encoders import encoder_config_from_hf, encoder_config_to_hf
+from .gpt2 import gpt2_config_from_hf, gpt2_config_to_hf
+
+log = logging.getLogger(__name__)
+
+__all__ = ["config_from_hf", "config_to_hf"]
+
+
+def config_from_hf(hf_config: dict[str, Any], *, where: str = "config") -> ModelConfig:
+    """Our :class:`ModelConfig` from a HF ``config.json`` dict (architecture from ``architectures`` / ``model_type``);
+    ``where`` (the file) is named by the errors of unsupported architectures and options."""
+    hf = hf_config
+    arch = architecture_name(hf, where=where)
+    a = SUPPORTED_ARCHITECTURES[arch]
+    extra: dict[str, Any] = {"hf_architecture": arch, "hf_model_type": a.kind}
+    for k in ("bos_token_id", "eos_token_id"):
+        if hf.get(k) is not None:
+            extra[k] = hf[k]
+    if a.head == "cls" and hf.get("id2label"):
+        extra["id2label"] = {str(k): v for k, v in hf["id2label"].items()}
+    pad = hf.get("pad_token_id")
+    pad = 0 if pad is None else int(pad)
+    if a.kind in DECODER_KINDS:
+        return decoder_config_from_hf(hf, a.kind, extra=extra, pad=pad, where=where)
+    if a.kind == "gpt2":
+        return gpt2_config_from_hf(hf, extra=extra, pad=pad)
+    return encoder_config_from_hf(hf, arch, a, extra=extra, pad=pad)
+
+
+_ARCH_FIELDS = (
+    "family", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+    "max_position_embeddings", "norm", "norm_eps", "activation", "position", "rope_theta", "rope_scaling",
+    "attention_bias", "o_bias", "mlp_bias", "qk_norm", "qk_norm_over", "attention_sinks", "qkv_packed", "norm_head",
+    "tie_embeddings", "pre_norm",
+    "embedding_norm", "final_norm", "type_vocab_size", "position_offset", "sliding_layers", "window", "moe", "mla",
+    "partial_rotary_factor",
+)
+
+
+def _arch_value(c: ModelConfig, field: str) -> Any:
+    if field == "window":  # the window only matters where some layer slides
+        return c.sliding_window if c.sliding_layers else None
+    if field == "moe":
+        return moe_architecture(c)
+    if field == "qk_norm_over":  # only matters with qk_norm
+        return c.qk_norm_over if c.qk_norm else None
+    if field == "intermediate_size" and c.moe is not None and not c.moe.dense_layers:
+        return None  # no dense layer uses it (Mixtral's intermediate_size is its experts' width)
+    return getattr(c, field)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _labels_to_hf(c: ModelConfig, architecture: str) -> dict[str, Any]:
+    if c.num_labels < 1:
+        raise ValueError(f"{architecture} needs num_labels >= 1, got {c.num_labels}")
+    id2label = (c.extra or {}).get("id2label")
+    if not id2label or len(id2label) != c.num_labels:
+        id2label = {str(i): f"LABEL_{i}" for i in range(c.num_labels)}
+    return {"id2label": dict(id2label), "label2id": {v: int(k) for k, v in id2label.items()}}
+
+
+def config_to_hf(config: ModelConfig, architecture: str, *, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """HF ``config.json`` dict for ``architecture``; raises ValueError if ``config`` is not representable there."""
+    if architecture not in SUPPORTED_ARCHITECTURES or SUPPORTED_ARCHITECTURES[architecture].head == "mlm":
+        savable = [n for n, a in SUPPORTED_ARCHITECTURES.items() if a.head != "mlm"]
+        raise ValueError(f"cannot save as {architecture!r}; supported: {', '.join(savable)}")
+    a = SUPPORTED_ARCHITECTURES[architecture]
+    c = config
+    ex = c.extra or {}
+    hf: dict[str, Any] = {"architectures": [architecture], "model_type": a.kind, "dtype": _dtype_name(dtype),
+                          "initializer_range": c.initializer_range, "pad_token_id": c.pad_token_id}
+    for k in ("bos_token_id", "eos_token_id"):
+        if k in ex:
+            hf[k] = ex[k]
+    if a.kind in DECODER_KINDS:
+        hf.update(decoder_config_to_hf(c, a.kind))
+    elif a.kind == "gpt2":
+        hf.update(gpt2_config_to_hf(c))
+    else:
+        hf.update(encoder_config_to_hf(c, architecture, a))
+    if a.head == "cls":
+        hf.update(_labels_to_hf(c, architecture))
+
+    # The written config must describe exactly this model.
+    back = config_from_hf(hf)
+    fields = list(_ARCH_FIELDS) + (["num_labels", "pooler"] if a.head == "cls" else [])
+    diffs = [f"{f}: ours={_arch_value(c, f)!r} {architecture}={_arch_value(back, f)!r}" for f in fields
+             if _arch_value(c, f) != _arch_value(back, f)]
+    if diffs:
+        raise ValueError(f"config is not representable as {architecture}: " + "; ".join(diffs))
+    return hf
