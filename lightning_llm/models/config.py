@@ -165,6 +165,9 @@ class ModelConfig:
     """Normalization layer type."""
     norm_eps: float = 1e-5
     """Epsilon of every norm."""
+    norm_offset: float = 0.0
+    """RMSNorms scale by ``norm_offset + weight`` (computed in fp32), their weights starting at ``1 - norm_offset``:
+    Gemma's and Qwen3-Next's ``(1 + weight)`` norms are ``1.0`` (weights stored around 0); 0 is LLaMA's norm."""
     activation: Literal["swiglu", "geglu", "geglu_tanh", "gelu", "gelu_tanh", "relu"] = "swiglu"
     """``swiglu``/``geglu``/``geglu_tanh`` are gated (gate_proj, up_proj, down_proj; HF ``hidden_act`` silu / gelu /
     gelu_pytorch_tanh); the others are plain (up_proj, down_proj)."""

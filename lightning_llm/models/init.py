@@ -160,7 +160,8 @@ def canonical_name(name: str) -> str:
 
 def plan_for_modules(model: nn.Module, *, std: float, tied: dict[str, str] | None = None) -> InitPlan:
     """The conventional transformer init of ``model``'s parameters by module type: linear and embedding weights
-    ``normal(std)``, biases zero, norm weights one (``RMSNorm``/``LayerNorm``), norm biases zero. ``tied`` maps a
+    ``normal(std)``, biases zero, norm weights one (``RMSNorm``/``LayerNorm``; an offset ``RMSNorm``'s ``1 - offset``),
+    norm biases zero. ``tied`` maps a
     parameter that shares another's storage to that one (it draws from the same stream)."""
     plan: InitPlan = {}
     for mod_name, mod in model.named_modules():
@@ -168,7 +169,7 @@ def plan_for_modules(model: nn.Module, *, std: float, tied: dict[str, str] | Non
         for attr, p in mod.named_parameters(recurse=False):
             name = prefix + attr
             if isinstance(mod, (RMSNorm, LayerNorm, nn.LayerNorm)):
-                plan[name] = Init.constant(1.0 if attr == "weight" else 0.0)
+                plan[name] = Init.constant(getattr(mod, "initial_weight", 1.0) if attr == "weight" else 0.0)
             elif attr in getattr(mod, "param_inits", ()):  # declared normal(std) weights (MoE routers, experts)
                 plan[name] = Init.normal(std, key=name)
             elif attr in getattr(mod, "zero_inits", ()):  # declared zeros (gpt-oss's expert biases)

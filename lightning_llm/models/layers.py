@@ -122,24 +122,35 @@ def init_embedding(emb: nn.Embedding, std: float) -> None:
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned scale ``weight`` [H]."""
+    """Root-mean-square norm with a learned scale ``weight`` [H]; with ``offset`` the scale is ``offset + weight``
+    taken in fp32 (Gemma's and Qwen3-Next's ``(1 + weight)``: ``offset=1``, the weight starting at 0)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, *, kernels: str = "torch") -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, *, kernels: str = "torch", offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
         self.kernels = kernels
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.offset = float(offset)
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - self.offset))
+
+    @property
+    def initial_weight(self) -> float:
+        """The weight's initial value: the scale starts at 1."""
+        return 1.0 - self.offset
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        nn.init.constant_(self.weight, self.initial_weight)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., H] -> [..., H]
-        if use_fused_kernel(self.kernels, x):
-            return fused.rms_norm(x, self.weight, self.eps, backend="triton")
-        return rms_norm(x, self.weight, self.eps)
+        if not self.offset:
+            if use_fused_kernel(self.kernels, x):
+                return fused.rms_norm(x, self.weight, self.eps, backend="triton")
+            return rms_norm(x, self.weight, self.eps)
+        # as Gemma's norm: the scale applied in fp32, then cast (LLaMA's casts first, then scales)
+        backend = "triton" if use_fused_kernel(self.kernels, x) else "torch"
+        return fused.rms_norm(x, self.weight.float() + self.offset, self.eps, backend=backend)
 
     def extra_repr(self) -> str:
-        return f"{self.weight.shape[0]}, eps={self.eps}"
+        return f"{self.weight.shape[0]}, eps={self.eps}" + (f", offset={self.offset:g}" if self.offset else "")
 
 
 class LayerNorm(nn.Module):
@@ -170,7 +181,7 @@ def build_norm(config: ModelConfig, dim: int | None = None) -> RMSNorm | LayerNo
     """The norm named by ``config.norm`` over ``dim`` (default ``hidden_size``)."""
     dim = config.hidden_size if dim is None else dim
     if config.norm == "rmsnorm":
-        return RMSNorm(dim, config.norm_eps, kernels=config.kernels)
+        return RMSNorm(dim, config.norm_eps, kernels=config.kernels, offset=config.norm_offset)
     if config.norm == "layernorm":
         return LayerNorm(dim, config.norm_eps, kernels=config.kernels)
     raise ValueError(f"unknown norm {config.norm!r}")
@@ -217,8 +228,9 @@ class Attention(nn.Module):
         whole = config.qk_norm_over == "projection"
         self.norm_heads: bool = not whole  # q_norm/k_norm over each head (else over the whole projection)
         q_dim, k_dim = (config.num_heads * d, config.num_kv_heads * d) if whole else (d, d)
-        self.q_norm = RMSNorm(q_dim, config.norm_eps, kernels=config.kernels) if config.qk_norm else None
-        self.k_norm = RMSNorm(k_dim, config.norm_eps, kernels=config.kernels) if config.qk_norm else None
+        qk = dict(kernels=config.kernels, offset=config.norm_offset)
+        self.q_norm = RMSNorm(q_dim, config.norm_eps, **qk) if config.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, config.norm_eps, **qk) if config.qk_norm else None
         self.o_proj = nn.Linear(config.num_heads * d, h, bias=bool(config.o_bias))
         self.sinks = AttentionSinks(config.num_heads) if config.attention_sinks else None
         self.core = DotProductAttention()

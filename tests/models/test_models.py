@@ -279,3 +279,34 @@ def test_one_additive_mask_is_saved_for_every_layer(rows: str, monkeypatch: pyte
         print(f"{rows}, autocast={autocast}: masks saved for backward {shared} (per-layer boolean: {per_layer})")
         assert shared == 1 and per_layer == model.config.num_layers
         assert torch.equal(out, ref_out) and torch.equal(grad, ref_grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_offset_rmsnorm_is_gemmas_one_plus_weight_norm(dtype: torch.dtype) -> None:
+    """``norm_offset=1``: the scale is ``1 + weight`` in fp32 (transformers' Gemma3RMSNorm, Qwen3NextRMSNorm), the
+    weight starts at 0 (eager and planned init alike), and its gradient is the plain norm's."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    from lightning_llm.models.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 16, generator=g).to(dtype)
+    ours, ref = RMSNorm(16, 1e-6, offset=1.0).to(dtype), Gemma3RMSNorm(16, eps=1e-6).to(dtype)
+    assert torch.equal(ours.weight, torch.zeros(16, dtype=dtype))
+    w = (torch.randn(16, generator=g) * 0.1).to(dtype)
+    with torch.no_grad():
+        ours.weight.copy_(w)
+        ref.weight.copy_(w)
+    assert torch.equal(ours(x), ref(x))
+    ours = ours.float()
+    ours(x.float()).square().sum().backward()
+    plain = RMSNorm(16, 1e-6)
+    with torch.no_grad():
+        plain.weight.copy_(w.float() + 1)
+    plain.to(torch.float32)(x.float()).square().sum().backward()
+    torch.testing.assert_close(ours.weight.grad.float(), plain.weight.grad, rtol=1e-5, atol=1e-6)
+    cfg = named_config("debug", family="decoder").replace(norm_offset=1.0, qk_norm=True)
+    with torch.device("meta"):
+        lazy = DecoderLM(cfg)
+    materialize(lazy, "cpu")
+    assert all(torch.equal(p, torch.zeros_like(p)) for n, p in lazy.named_parameters() if "norm" in n)

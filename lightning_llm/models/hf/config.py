@@ -42,7 +42,7 @@ def config_from_hf(hf_config: dict[str, Any], *, where: str = "config") -> Model
 
 _ARCH_FIELDS = (
     "family", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-    "max_position_embeddings", "norm", "norm_eps", "activation", "position", "rope_theta", "rope_scaling",
+    "max_position_embeddings", "norm", "norm_eps", "norm_offset", "activation", "position", "rope_theta", "rope_scaling",
     "attention_bias", "o_bias", "mlp_bias", "qk_norm", "qk_norm_over", "attention_sinks", "qkv_packed", "norm_head",
     "tie_embeddings", "pre_norm",
     "embedding_norm", "final_norm", "type_vocab_size", "position_offset", "sliding_layers", "window", "moe", "mla",
