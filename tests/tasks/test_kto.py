@@ -80,16 +80,18 @@ def test_kl_rows_borrow_another_examples_completion() -> None:
     assert batch["attention_mask"][:, -1].any() and batch["kl_attention_mask"][:, -1].any()  # each padded to its own
 
 
-def test_task_loss_and_kl_against_logits_computed_here() -> None:
-    """``_prepared`` (reference and KL rows, on the fly) and ``loss_from_output`` on a perturbed policy, against
-    log-probs taken here from the policy's and the frozen reference's logits in float64."""
+@pytest.mark.parametrize("moved", ["reference", "policy"])
+def test_task_loss_and_kl_against_logits_computed_here(moved: str) -> None:
+    """``_prepared`` (reference and KL rows, on the fly) and ``loss_from_output`` after the reference (KL estimate >
+    0) or the policy (< 0: clamped at 0) was moved by noise, against log-probs taken here from the policy's and the
+    frozen reference's logits in float64."""
     torch.manual_seed(0)
     beta = 0.5
     task = KTOTask("debug", model_overrides={"num_layers": 1, "vocab_size": 264},
                    kto=KTOConfig(beta=beta, reference="on_the_fly"))
     task.configure_model()
-    with torch.no_grad():  # the policy moves away from its reference
-        for p in task.model.parameters():
+    with torch.no_grad():  # noise makes a near-uniform model's log-probs of these rows lower
+        for p in (task.reference.frozen if moved == "reference" else task.model).parameters():
             p.add_(0.05 * torch.randn_like(p))
     dm = _data()
     batch = dm.collate([dm.split_dataset("fit")[i] for i in range(6)])
@@ -106,7 +108,7 @@ def test_task_loss_and_kl_against_logits_computed_here() -> None:
     raw = sum(p - r for p, r in zip(pol_kl, ref_kl)) / 6
     prepared = task._prepared(batch, "fit")
     print(f"KL estimate {float(prepared['kl'][0]):.6f}, from logits here max(0, {raw:.6f})")
-    assert abs(float(prepared["kl"][0]) - max(raw, 0.0)) <= 1e-4 and raw != 0
+    assert abs(float(prepared["kl"][0]) - max(raw, 0.0)) <= 1e-4 and (raw > 0.05 if moved == "reference" else raw < 0)
     assert max(abs(a - b) for a, b in zip(prepared["ref_logps"].tolist(), ref)) <= 1e-4
     loss, outputs = task.loss_from_output(task.model(*task.model_inputs(prepared, "train")[0],
                                                      **task.model_inputs(prepared, "train")[1]), prepared, "train")
