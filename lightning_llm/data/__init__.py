@@ -9,9 +9,11 @@ from lightning_llm.data.prompts import PromptDataModule
 from lightning_llm.data.synthetic import SyntheticPairDataModule, generate_pair_dataset
 from lightning_llm.data.text import TextDataModule, generated_corpus
 from lightning_llm.data.tokenizers import ByteTokenizer
+from lightning_llm.data.unpaired import UnpairedPreferenceDataModule, make_unpaired_records
 from lightning_llm.files import DataError, atomic_open, read_records, write_jsonl_atomic
 
 __all__ = [
     "ByteTokenizer", "InstructionDataModule", "DataError", "TextDataModule", "generated_corpus", "LLMDataModule", "PreferenceDataModule", "PromptDataModule", "SentencePairDataModule", "SyntheticPairDataModule", "atomic_open",
     "generate_pair_dataset", "make_preference_pairs", "load_tokenizer", "pack_examples", "read_records", "write_jsonl_atomic",
+    "UnpairedPreferenceDataModule", "make_unpaired_records",
 ]

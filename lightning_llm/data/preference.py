@@ -227,9 +227,8 @@ class PreferenceDataModule(LLMDataModule):
         recs = recs[: self.limit_examples] if self.limit_examples else recs
         return [(r, f"{path}:{r['_line']}") for r in recs]
 
-    def setup(self, stage: str) -> None:
-        if stage not in ("fit", "validate") or "fit" in self.datasets:
-            return
+    def split_records(self) -> tuple[list[tuple[dict[str, Any], str]], list[tuple[dict[str, Any], str]]]:
+        """The training and validation ``(record, "file:line")`` (``val_fraction`` held out of the training file)."""
         train, val = self._records("fit"), self._records("validate")
         if self.paths["validate"] is None and self.paths["fit"] is not None and self.val_fraction > 0:
             g = torch.Generator().manual_seed(self.seed)
@@ -237,6 +236,12 @@ class PreferenceDataModule(LLMDataModule):
             held = set(order[: max(1, round(len(train) * self.val_fraction))])
             val = [r for i, r in enumerate(train) if i in held]
             train = [r for i, r in enumerate(train) if i not in held]
+        return train, val
+
+    def setup(self, stage: str) -> None:
+        if stage not in ("fit", "validate") or "fit" in self.datasets:
+            return
+        train, val = self.split_records()
         if stage == "fit" and not train:
             raise DataError(f"{self.paths['fit']}: no preference pairs")
         for split, recs in (("fit", train), ("validate", val)):

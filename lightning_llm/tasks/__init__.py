@@ -6,9 +6,10 @@ from lightning_llm.tasks.classification import ClassificationTask
 from lightning_llm.tasks.decoder import DecoderTask
 from lightning_llm.tasks.dpo import DPOTask
 from lightning_llm.tasks.grpo import GRPOTask
+from lightning_llm.tasks.kto import KTOTask
 from lightning_llm.tasks.online_rl import OnlineRLTask
 from lightning_llm.tasks.ppo import PPOTask
 from lightning_llm.tasks.sft import SFTTask
 
-__all__ = ["CausalLMTask", "ClassificationTask", "DPOTask", "DecoderTask", "GRPOTask", "LLMTask", "OnlineRLTask",
-           "OptimConfig", "PPOTask", "SFTTask"]
+__all__ = ["CausalLMTask", "ClassificationTask", "DPOTask", "DecoderTask", "GRPOTask", "KTOTask", "LLMTask",
+           "OnlineRLTask", "OptimConfig", "PPOTask", "SFTTask"]

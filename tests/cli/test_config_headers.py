@@ -40,7 +40,8 @@ STEPS = ["--trainer.max_steps=2", "--trainer.limit_val_batches=1", "--trainer.li
 ``last.ckpt`` is written at the end) and one test/predict batch."""
 FEWER_RECORDS = {"data.limit_examples": "64", "data.max_train_samples": "256", "data.generated_pairs": "32",
                  "data.generated_val_pairs": "8", "data.generated_prompts": "32", "data.generated_val_prompts": "8",
-                 "data.generated_conversations": "64"}
+                 "data.generated_conversations": "64", "data.generated_examples": "32",
+                 "data.generated_val_examples": "8"}
 """Appended where the datamodule has them: the first records of the user's files, fewer generated ones (encoding
 all 1,000 CSL records, or precomputing DPO's reference on 288 pairs, would take most of this test's time)."""
 
