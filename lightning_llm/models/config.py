@@ -466,6 +466,37 @@ NAMED_SIZES: dict[tuple[str, str], dict[str, Any]] = {
         moe=dict(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=False, aux_loss_coef=0.01),
         extra={"hf_model_type": "olmoe"},
     ),
+    # Phi-3-, GLM-4-, OLMo-3- and SmolLM3-shaped at test size: Phi-4-mini's partial rotary with LongRoPE whose short
+    # range (16) the 32-token blocks pass; GLM-4's rotary pairs, q/k/v biases and norms on both sides of each branch;
+    # OLMo 3's output norms, q/k norms over the projection, sliding layers (window 8) with plain RoPE beside YaRN on
+    # the full one; SmolLM3's layer without rotary embedding and tied head.
+    ("decoder", "debug-phi3"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=128,
+        max_position_embeddings=256, norm_eps=1e-5, partial_rotary_factor=0.75,
+        rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 16,
+                      "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                      "long_factor": [2.0 + 0.5 * i for i in range(6)]},
+        extra={"hf_model_type": "phi3"},
+    ),
+    ("decoder", "debug-glm4"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, max_position_embeddings=256, norm_eps=1e-5, partial_rotary_factor=0.5,
+        rope_interleave=True, attention_bias=True, o_bias=False, branch_output_norm=True,
+        extra={"hf_model_type": "glm4"},
+    ),
+    ("decoder", "debug-olmo3"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=128,
+        max_position_embeddings=256, norm_eps=1e-5, rope_theta=500000.0, qk_norm=True, qk_norm_over="projection",
+        branch_input_norm=False, branch_output_norm=True, norm_weight_fp32=True, sliding_window=8,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        sliding_rope={"rope_type": "default", "rope_theta": 500000.0}, extra={"hf_model_type": "olmo3"},
+    ),
+    ("decoder", "debug-smollm3"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=128,
+        max_position_embeddings=256, norm_eps=1e-6, rope_theta=2000000.0, nope_layers=[3], tie_embeddings=True,
+        extra={"hf_model_type": "smollm3"},
+    ),
     ("decoder", "small-moe"): dict(
         _LLAMA, vocab_size=8192, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=32,
         intermediate_size=688, max_position_embeddings=1024, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
