@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -143,7 +144,7 @@ def test_logits_loss_and_gradients_equal_transformers(tmp_path: Path, name: str)
 def test_each_family_switch_matters(tmp_path: Path) -> None:
     """The parity above could fail: each family's own switch turned off moves the logits far from transformers'."""
     ids, mask, _ = padded_lm_batch(VOCAB, 12)
-    switches = {"glm4": dict(rope_interleave=False), "olmo2": dict(norm_eps=1.0),
+    switches = {"glm4": dict(rope_interleave=False), "olmo2": dict(branch_input_norm=True),
                 "olmo3": dict(sliding_rope=None), "smollm3": dict(nope_layers=[]),
                 "phi3": dict(rope_scaling=None)}
     for name, change in switches.items():
@@ -328,6 +329,26 @@ def test_options_not_built_are_refused_in_one_line(tmp_path: Path) -> None:
             CausalLMTask(str(path))
         message = str(e.value)
         assert text in message and str(path / "config.json") in message and "\n" not in message, message
+    from lightning_llm.models import build_model
+
+    never = {"debug-glm4": "partial_rotary_factor=0.5", "debug-olmo3": "branch_input_norm: ours=False",
+             "debug-smollm3": "nope_layers: ours=[3]", "debug-phi3": "rope_type='longrope' for llama"}
+    for size, text in never.items():  # never written as another family
+        with pytest.raises(ValueError, match=re.escape(text)):
+            save_hf(build_model(size, family="decoder"), tmp_path / "never", architecture="LlamaForCausalLM")
+    for change, text in ((dict(branch_output_norm=True), "branch_output_norm: ours=True"),
+                         (dict(rope_interleave=True), "rope_interleave: ours=True"),
+                         (dict(norm_weight_fp32=True), "norm_weight_fp32: ours=True")):
+        with pytest.raises(ValueError, match=re.escape(text)):
+            save_hf(build_model("debug", family="decoder", **change), tmp_path / "never")
+    from lightning_llm.models.parallel_spec import PARALLEL_SPECS
+    from lightning_llm.strategies.context import slice_step
+
+    phi3 = build_model("debug-phi3", family="decoder")  # LongRoPE's factors follow the whole row's longest position
+    assert PARALLEL_SPECS[type(phi3)].position_limit(phi3) == 16
+    row = {"input_ids": torch.zeros(1, 32, dtype=torch.long), "labels": torch.zeros(1, 32, dtype=torch.long)}
+    with pytest.raises(ValueError, match="rows of 32 tokens .* LongRoPE the limit is its original_max_position_embedd"):
+        slice_step("training_step", (row, 0), {}, cp=2, rank=0, model=phi3)
     llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 8, "hidden_size": 8,
              "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 8}
     with pytest.raises(ValueError, match="rope_type='longrope' for llama"):

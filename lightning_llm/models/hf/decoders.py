@@ -215,7 +215,7 @@ def rope_from_hf(hf: dict[str, Any], *, default: dict[str, Any] | None = None,
     factor = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if not partial and float(factor or 1.0) != 1.0:
         raise ValueError(f"partial_rotary_factor={factor} (rotary on part of the head dim) is not supported for "
-                         f"{hf.get('model_type')} (only GLM-4.5's glm4_moe)")
+                         f"{hf.get('model_type')} (only Phi-3's, GLM-4's and GLM-4.5's)")
     if kind == "default":
         return theta, None
     if kind in ("llama3", "yarn") and "original_max_position_embeddings" not in params:
