@@ -13,7 +13,10 @@ Variants are config switches of this one module tree (so every family shares one
 and ``q_norm``/``k_norm`` in the attention (``layers.Attention``), partial rotary (``partial_rotary_factor``), a
 sliding window on the layers of ``config.sliding_layers`` (a band in the attention mask), rope types of ``rope.py``,
 Multi-head Latent Attention as every layer's ``self_attn`` (``config.mla``: ``mla.LatentAttention``), Mixture-of-Experts
-feed-forwards (``config.moe``: ``moe.MoEBlock``). Attention takes SDPA over one
+feed-forwards (``config.moe``: ``moe.MoEBlock``), norms on each branch's input and/or output (``branch_input_norm``,
+``branch_output_norm``: ``attn_out_norm``/``mlp_out_norm``), rotary dims in pairs (``rope_interleave``), layers without
+rotary embedding (``nope_layers``), the sliding layers' own rope (``sliding_rope``), LongRoPE's factors chosen per
+forward (``_longrope``). Attention takes SDPA over one
 mask per forward, or the varlen flash kernel over one layout per forward (``attention.py``: ``config.attention``).
 
 Shape legend: B batch, S sequence, H hidden, V vocab, D head dim.

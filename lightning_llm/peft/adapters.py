@@ -207,6 +207,11 @@ def load_adapter(model: nn.Module, directory: str | Path) -> tuple[nn.Module, Pe
                "on the HF base)") if kind in ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING") else ""
         raise ValueError(f"--adapter={directory}: only LoRA adapters can be loaded/merged, got {kind}{why}")
     targets = raw["target_modules"]
+    fused = sorted(set(targets if isinstance(targets, list) else [targets]) & set(fused_in_hf(model.config)))
+    if fused:
+        held = {name: fused_in_hf(model.config)[name] for name in fused}
+        raise ValueError(f"--adapter={directory}: targets {fused}, which this model holds apart as {held}: an adapter "
+                         "on a fused projection is not converted; merge it into the HF checkpoint with peft first")
     cfg = PeftConfig(method="lora", lora=LoraArgs(
         r=raw["r"], alpha=raw["lora_alpha"], dropout=raw.get("lora_dropout", 0.0),
         target_modules=sorted(targets) if isinstance(targets, list) else [targets],

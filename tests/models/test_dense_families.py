@@ -108,22 +108,64 @@ def _in_our_layout(name: str, hf: Any, tensors: dict[str, torch.Tensor]) -> dict
     return out
 
 
+def _generate(hf: Any, ours: Any, prompts: list[list[int]], beams: int, cache: str = "dynamic") -> str:
+    from lightning_llm.data.base import left_pad
+    from lightning_llm.generation import GenerationConfig, generate, strip_after_eos
+
+    ids, mask = left_pad(prompts, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, num_beams=beams, do_sample=False,
+                           pad_token_id=0, eos_token_id=2)[:, ids.shape[1]:]
+    got = generate(ours, ids, mask, config=GenerationConfig(max_new_tokens=10, num_beams=beams, eos_token_id=2,
+                                                             cache_implementation=cache))
+    rows = [strip_after_eos(t, [2]) for t in (got, want)]
+    assert rows[0] == rows[1] and max(len(r) for r in rows[0]) > 4, (beams, cache, rows)
+    return f"beams={beams} {cache}: {sum(map(len, rows[0]))} tokens as transformers'"
+
+
 @pytest.mark.parametrize("name", FAMILIES)
-def test_logits_loss_and_gradients_equal_transformers(tmp_path: Path, name: str) -> None:
-    hf = _write(name, tmp_path)
+def test_logits_loss_gradients_export_and_generation_equal_transformers(tmp_path: Path, name: str) -> None:
+    """Logits of padded rows (eager and lazy loads; Phi-3 also within its short range), loss and every gradient; the
+    export's key set and its logits reloaded by transformers; greedy (and for Phi-3 beam) generation from
+    left-padded prompts, 10 new tokens past the sliding windows of 4 (Phi-3's prompt of 9 columns passes its short
+    range of 8, so every step takes the long factors as transformers does; a generation crossing it is refused)."""
+    from safetensors import safe_open
+
+    hf = _write(name, tmp_path / "src")
     ids, mask, labels = padded_lm_batch(VOCAB, 12)
     with torch.no_grad():
         ref = hf(input_ids=ids, attention_mask=mask).logits
-    for lazy in (False, True):
-        err = loaded_logits_error(tmp_path, ids, mask, ref, lazy=lazy)
-        print(f"{name} (lazy={lazy}): logits of padded rows {err:.2e} from transformers")
-        assert err < 1e-5
-    ours = load_hf(tmp_path)[0]
+    ours = load_hf(tmp_path / "src")[0]
+    with torch.no_grad():
+        err = float((ours(ids, attention_mask=mask) - ref)[mask.bool()].abs().max())
+    err_lazy = loaded_logits_error(tmp_path / "src", ids, mask, ref, lazy=True)
+    print(f"{name}: logits of padded rows {err:.2e} from transformers (lazy load: {err_lazy:.2e})")
+    assert err < 1e-5 and err_lazy < 1e-5
     with torch.no_grad():  # a forward within the short factors' range: Phi-3 switches factors, the others do not
         short = ours(ids[:1, :6])
         err_short = float((hf(input_ids=ids[:1, :6]).logits - short).abs().max())
         switched = float((short - ours(ids[:1])[:, :6]).abs().max())
     assert err_short < 1e-5 and (switched > 1e-3) == (name == "phi3"), (err_short, switched)
+
+    save_hf(ours, tmp_path / "out")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        type(hf)(hf.config).save_pretrained(str(tmp_path / "own"))  # transformers' own key set
+        back = type(hf).from_pretrained(str(tmp_path / "out")).eval()
+    keys = [set(safe_open(str(d / "model.safetensors"), "pt").keys()) for d in (tmp_path / "out", tmp_path / "own")]
+    with torch.no_grad():
+        err = float((back(input_ids=ids, attention_mask=mask).logits - ref)[mask.bool()].abs().max())
+    print(f"{name}: export -> {type(hf).__name__} ({len(keys[0])} keys as save_pretrained's), logits {err:.2e}")
+    assert keys[0] == keys[1] and err < 1e-5
+
+    prompts = [[5, 9, 17, 3, 44, 7, 60, 11, 12], [7, 8], [50, 51, 52, 53]]
+    said = [_generate(hf, ours, prompts, beams=1)]
+    if name == "phi3":
+        said += [_generate(hf, ours, prompts, beams=3), _generate(hf, ours, prompts, beams=1, cache="static")]
+        with pytest.raises(ValueError, match="LongRoPE generation across original_max_position_embeddings=8"):
+            _generate(hf, ours, [[5, 9, 17], [7, 8]], beams=1)
+    print(f"{name}: generation {'; '.join(said)}")
 
     hf.train()
     out = hf(input_ids=ids, attention_mask=mask, labels=labels)
@@ -149,40 +191,12 @@ def test_each_family_switch_matters(tmp_path: Path) -> None:
                 "phi3": dict(rope_scaling=None)}
     for name, change in switches.items():
         hf = _write(name, tmp_path / name)
-        model, cfg = load_hf(tmp_path / name)
         wrong, _ = load_hf(tmp_path / name, **change)
         with torch.no_grad():
             ref = hf(input_ids=ids, attention_mask=mask).logits
             moved = float((wrong.eval()(ids, attention_mask=mask) - ref)[mask.bool()].abs().max())
         print(f"{name}: without {change}: logits {moved:.2e} from transformers")
         assert moved > 1e-3
-
-
-# ---------------------------------------------------------------------------------------------------- export
-
-
-@pytest.mark.parametrize("name", FAMILIES)
-def test_export_writes_transformers_key_set_and_reloads(tmp_path: Path, name: str) -> None:
-    from safetensors import safe_open
-
-    from lightning_llm.models.init import materialize
-
-    hf = _write(name, tmp_path / "src")
-    ours = load_hf(tmp_path / "src", lazy=True)[0]
-    materialize(ours, "cpu")
-    save_hf(ours.eval(), tmp_path / "out")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        type(hf)(hf.config).save_pretrained(str(tmp_path / "own"))  # transformers' own key set
-        back = type(hf).from_pretrained(str(tmp_path / "out")).eval()
-    keys = [set(safe_open(str(d / "model.safetensors"), "pt").keys()) for d in (tmp_path / "out", tmp_path / "own")]
-    assert keys[0] == keys[1]
-    ids, mask, _ = padded_lm_batch(VOCAB, 12)
-    with torch.no_grad():
-        err = float((back(input_ids=ids, attention_mask=mask).logits - ours(ids, attention_mask=mask))[mask.bool()]
-                    .abs().max())
-    print(f"{name}: export -> {type(hf).__name__} ({len(keys[0])} keys as save_pretrained's), logits {err:.2e}")
-    assert err < 1e-5
 
 
 def test_lazy_read_of_a_fused_projection_reads_its_rows_only(tmp_path: Path) -> None:
@@ -195,40 +209,6 @@ def test_lazy_read_of_a_fused_projection_reads_its_rows_only(tmp_path: Path) -> 
     part = source.read(name, (rows, cols), torch.float32)
     assert torch.equal(part, whole.get_parameter(name)[16:32].detach())
     assert source.bytes_read == 16 * 64 * 4
-
-
-# ---------------------------------------------------------------------------------------------------- decoding
-
-
-def _generate(hf: Any, ours: Any, prompts: list[list[int]], beams: int, cache: str = "dynamic") -> None:
-    from lightning_llm.data.base import left_pad
-    from lightning_llm.generation import GenerationConfig, generate, strip_after_eos
-
-    ids, mask = left_pad(prompts, 0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        want = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, num_beams=beams, do_sample=False,
-                           pad_token_id=0, eos_token_id=2)[:, ids.shape[1]:]
-    got = generate(ours, ids, mask, config=GenerationConfig(max_new_tokens=10, num_beams=beams, eos_token_id=2,
-                                                             cache_implementation=cache))
-    rows = [strip_after_eos(t, [2]) for t in (got, want)]
-    print(f"beams={beams} {cache}: ours={rows[0]} transformers={rows[1]}")
-    assert rows[0] == rows[1] and max(len(r) for r in rows[0]) > 4
-
-
-@pytest.mark.parametrize("name", FAMILIES)
-def test_greedy_and_beam_generation_match_transformers(tmp_path: Path, name: str) -> None:
-    """Left-padded prompts, 10 new tokens (past the sliding windows of 4); Phi-3's prompt (9 columns) passes its short
-    range (8), so every step takes the long factors, as transformers does."""
-    hf = _write(name, tmp_path)
-    ours = load_hf(tmp_path)[0].eval()
-    prompts = [[5, 9, 17, 3, 44, 7, 60, 11, 12], [7, 8], [50, 51, 52, 53]]
-    _generate(hf, ours, prompts, beams=1)
-    _generate(hf, ours, prompts, beams=3)
-    if name == "phi3":
-        _generate(hf, ours, prompts, beams=1, cache="static")
-        with pytest.raises(ValueError, match="LongRoPE generation across original_max_position_embeddings=8"):
-            _generate(hf, ours, [[5, 9, 17], [7, 8]], beams=1)
 
 
 # ---------------------------------------------------------------------------------------------------- LoRA
@@ -294,6 +274,17 @@ def test_lora_on_a_fused_projection_exports_merged_not_as_adapter(tmp_path: Path
         err = float((back(input_ids=ids, attention_mask=mask).logits - want)[mask.bool()].abs().max())
     print(f"phi3: LoRA on up_proj merged and exported, reloaded by transformers: logits {err:.2e}")
     assert err < 1e-5
+    import peft  # an adapter peft trained on transformers' fused qkv_proj is refused by name, not mis-loaded
+
+    from lightning_llm.peft import load_adapter
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        theirs = peft.get_peft_model(transformers.Phi3ForCausalLM.from_pretrained(str(tmp_path / "hf")),
+                                     peft.LoraConfig(r=2, target_modules=["qkv_proj"]))
+    theirs.save_pretrained(str(tmp_path / "theirs"))
+    with pytest.raises(ValueError, match=r"targets \['qkv_proj'\], which this model holds apart"):
+        load_adapter(load_hf(tmp_path / "hf")[0], tmp_path / "theirs")
 
 
 # ---------------------------------------------------------------------------------------------------- refusals

@@ -6,9 +6,9 @@ Mistral with a sliding window shorter than the block, Baichuan2 with its head-in
 with dynamic rope past max_position_embeddings, YaRN, gelu_pytorch_tanh, DeepSeek-V3 with Multi-head Latent Attention,
 GLM-4.5, Phi-3 with LongRoPE past its short range, GLM-4 with its branch output norms and rotary pairs, OLMo 3 with
 output norms only, q/k norms over the projection, sliding layers with their own rope, SmolLM3 with a NoPE layer) for
-``STEPS`` steps under each layout of :data:`LAYOUTS`, and some of them under :data:`EXTRA` (context parallelism: the
-rotary pairs, NoPE layers and LongRoPE's choice on slices; LoRA under tp; QLoRA under zero3), while the pytest process
-runs the same steps on one device. Compared per step: the ``train_loss`` every rank logs against the one-device loss,
+``STEPS`` steps under each layout of :data:`LAYOUTS` (the last four: at the layouts of :data:`EXTRA` that exercise
+what they add, with context parallelism, LoRA under tp, QLoRA under zero3), while the pytest process runs the same
+steps on one device. Compared per step: the ``train_loss`` every rank logs against the one-device loss,
 bound 1e-5 (fp32, dropout 0). About 70 s on 2 cores.
 """
 
@@ -39,12 +39,17 @@ TRAIN_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # router with a shared expert; GLM-4.5's partial rotary, q/k norms and q/k/v biases with the same router
     "deepseek_v3": ("debug-deepseek-v3", {}),
     "glm4_moe": ("debug-glm4-moe", {}),
+}
+LAYOUTS = ["tp", "tp_sp", "pp", "zero3"]
+DENSE_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("debug-phi3", {}),  # LongRoPE: the 32-token blocks pass its short range (16); fused projections split
     "glm4": ("debug-glm4", {}),  # norms on both sides of each branch (tp_sp: on sequence shards), rotary pairs
     "olmo3": ("debug-olmo3", {}),  # output norms only, q/k norms over the projection, sliding rope beside YaRN
     "smollm3": ("debug-smollm3", {}),  # layer 3 without rotary embedding, tied head
 }
-LAYOUTS = ["tp", "tp_sp", "pp", "zero3"]
+"""The families of models/hf/phi3.py, glm4.py, olmo.py, smollm3.py, trained at the layouts of :data:`EXTRA` that
+exercise what they add (tp_sp: every plan entry, their norms on sequence shards; pp: layer-indexed rope on the
+second stage; cp: rotary pairs, NoPE layers, LongRoPE's choice on slices)."""
 _LORA = {"lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                          "gate_proj", "up_proj", "down_proj"]}}
 VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
@@ -55,13 +60,17 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
                                           "short_factor": [1.0 + 0.1 * i for i in range(6)],
                                           "long_factor": [2.0 + 0.5 * i for i in range(6)]}}, {}),
     "phi3_lora": ("phi3", {}, _LORA),
-    "glm4_lora": ("glm4", {}, _LORA),
     # (scaler blocks of 16: a 64 x 64 projection's 64 blocks give 4 double-quantization blocks, split over 2 ranks)
     "phi3_qlora": ("phi3", {}, {**_LORA, "quantize": "nf4", "quantization": {"scaler_block_size": 16}}),
 }
 """Trainings beyond the families' plain ones (their one-device references run too)."""
-EXTRA = {"cp": ["glm4", "smollm3", "phi3_cp"], "tp_lora": ["phi3_lora", "glm4_lora"], "zero3_qlora": ["phi3_qlora"]}
-"""Layout -> the trainings (families or :data:`VARIANTS`) it runs beside :data:`LAYOUTS` x :data:`TRAIN_FAMILIES`."""
+EXTRA = {"tp": ["phi3_lora"], "tp_sp": list(DENSE_FAMILIES), "pp": ["phi3", "olmo3", "smollm3"],
+         "zero3": ["olmo3", "phi3_qlora"], "cp": ["glm4", "smollm3", "phi3_cp"]}
+"""Layout -> the trainings (:data:`DENSE_FAMILIES` or :data:`VARIANTS`) it runs beside :data:`TRAIN_FAMILIES`."""
+
+
+def _trainings(layout: str) -> list[str]:
+    return [*(TRAIN_FAMILIES if layout in LAYOUTS else []), *EXTRA.get(layout, [])]
 
 
 def _layout(name: str) -> tuple[Any, int]:
@@ -79,9 +88,7 @@ def _layout(name: str) -> tuple[Any, int]:
                       GLOBAL_BATCH),
             "pp": (PipelineParallelStrategy(schedule="1f1b", n_microbatches=2), GLOBAL_BATCH),
             "zero3": (ZeroStrategy(stage=3), GLOBAL_BATCH // 2),
-            "cp": (ContextParallelStrategy(), GLOBAL_BATCH),
-            "tp_lora": (TensorParallelStrategy(), GLOBAL_BATCH),
-            "zero3_qlora": (ZeroStrategy(stage=3), GLOBAL_BATCH // 2)}[name]
+            "cp": (ContextParallelStrategy(), GLOBAL_BATCH)}[name]
 
 
 def _fit(family: str, strategy: Any, devices: int, batch_size: int, out: Path) -> list[float]:
@@ -96,7 +103,7 @@ def _fit(family: str, strategy: Any, devices: int, batch_size: int, out: Path) -
     from lightning_llm.testing import LoggedLoss, table_trainer
 
     family, changes, task_kw = VARIANTS.get(family, (family, {}, {}))
-    backbone, overrides = TRAIN_FAMILIES[family]
+    backbone, overrides = {**TRAIN_FAMILIES, **DENSE_FAMILIES}[family]
     overrides = {**overrides, **changes}
     if "lora" in task_kw:
         task_kw = {**task_kw, "lora": LoraArgs(**task_kw["lora"])}
@@ -120,12 +127,12 @@ def _worker(mode: str, out: Path) -> None:
 
     if mode == "reference":
         (out / "reference.json").write_text(json.dumps({f: _fit(f, "auto", 1, GLOBAL_BATCH, out)
-                                                        for f in [*TRAIN_FAMILIES, *VARIANTS]}))
+                                                        for f in [*TRAIN_FAMILIES, *DENSE_FAMILIES, *VARIANTS]}))
         return
     results: dict[str, Any] = {}
-    for layout in [*LAYOUTS, *EXTRA]:
+    for layout in dict.fromkeys([*LAYOUTS, *EXTRA]):
         t0 = time.perf_counter()
-        for family in EXTRA.get(layout, TRAIN_FAMILIES):
+        for family in _trainings(layout):
             strategy, batch = _layout(layout)
             results[f"{layout}/{family}"] = gathered(_fit(family, strategy, 2, batch, out))
         results[f"seconds/{layout}"] = round(time.perf_counter() - t0, 1)
@@ -141,8 +148,8 @@ def layout_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout,family", [(layout, family) for layout in LAYOUTS for family in TRAIN_FAMILIES]
-                         + [(layout, family) for layout, families in EXTRA.items() for family in families])
+@pytest.mark.parametrize("layout,family", [(layout, family) for layout in dict.fromkeys([*LAYOUTS, *EXTRA])
+                                           for family in _trainings(layout)])
 def test_family_trains_under_layout_like_one_device(layout_runs: Path, family: str, layout: str) -> None:
     """Every rank's logged ``train_loss`` equals the one-device run's at each of ``STEPS`` steps (fp32, dropout 0)."""
     from lightning_llm.testing import max_abs_err
@@ -152,7 +159,7 @@ def test_family_trains_under_layout_like_one_device(layout_runs: Path, family: s
     runs = json.loads((layout_runs / "layouts.json").read_text())
     err = max(max_abs_err(r, ref) for r in runs[f"{layout}/{family}"])
     print(f"{layout} x {family}: max |train_loss - one device| over {STEPS} steps = {err:.2e} "
-          f"({runs[f'seconds/{layout}']} s for the layout's {len(EXTRA.get(layout, TRAIN_FAMILIES))} families)")
+          f"({runs[f'seconds/{layout}']} s for the layout's {len(_trainings(layout))} families)")
     assert err <= 1e-5
 
 
