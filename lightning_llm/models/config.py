@@ -241,6 +241,23 @@ class ModelConfig:
     """Mixture-of-Experts feed-forward layers (decoders); ``None``: every layer has a dense MLP."""
     mla: MLAConfig | None = None
     """Multi-head Latent Attention in every layer (DeepSeek-V2/V3, Kimi-K2); ``None``: q/k/v projections."""
+    rope_interleave: bool = False
+    """The rotary dims of each head pair up as ``(x0, x1), (x2, x3), ...`` (GLM-4's layout) instead of LLaMA's halves
+    ``(x_i, x_{i+R/2})``."""
+    nope_layers: list[int] = field(default_factory=list)
+    """Layers whose attention applies no rotary embedding (SmolLM3's NoPE layers: HF ``no_rope_layers[i] == 0``)."""
+    sliding_rope: dict[str, Any] | None = None
+    """RoPE of the sliding-window layers where it differs from the other layers' (OLMo 3: YaRN on the full layers
+    only), as HF ``rope_parameters`` (``{"rope_type": ..., "rope_theta": ..., ...}``); ``None``: every layer's is
+    ``rope_theta`` / ``rope_scaling``."""
+    branch_input_norm: bool = True
+    """Pre-LN blocks norm each branch's input (``attn_norm``, ``mlp_norm``); ``False``: they do not (OLMo 2/3)."""
+    branch_output_norm: bool = False
+    """Pre-LN blocks norm each branch's output before the residual add (``attn_out_norm``, ``mlp_out_norm``: GLM-4's
+    ``post_self_attn_layernorm``/``post_mlp_layernorm``, OLMo 2/3's ``post_attention``/``post_feedforward`` norms)."""
+    norm_weight_fp32: bool = False
+    """RMSNorms multiply by their weight in fp32 and cast afterwards (OLMo 2/3: ``(weight * x).to(dtype)``); ``False``:
+    LLaMA's order, cast first (the same in fp32)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form metadata kept through save/load (e.g. the HF architecture name)."""
 
@@ -287,11 +304,31 @@ class ModelConfig:
             if bad or len(self.layer_types) != self.num_layers:
                 raise ValueError(f"ModelConfig: layer_types must list num_layers={self.num_layers} entries of "
                                  f"full_attention / sliding_attention, got {self.layer_types}")
+        self._check_block_layout()
         rotary = self.rotary_dim
         if self.position == "rope" and (not 0 < self.partial_rotary_factor <= 1 or rotary < 2 or rotary % 2):
             raise ValueError(f"ModelConfig: partial_rotary_factor={self.partial_rotary_factor} of head_dim="
                              f"{self.head_dim} gives {rotary} rotary dims: it must be in (0, 1] and give an even "
                              "number >= 2")
+
+    def _check_block_layout(self) -> None:
+        """The per-layer rotary switches and the branch norms: indices in range, norms only in pre-LN blocks."""
+        self.nope_layers = sorted(int(i) for i in self.nope_layers)
+        bad = [msg for ok, msg in (
+            (all(0 <= i < self.num_layers for i in self.nope_layers),
+             f"nope_layers={self.nope_layers} must be layer indices in 0..{self.num_layers - 1}"),
+            (self.pre_norm or (self.branch_input_norm and not self.branch_output_norm),
+             "branch_input_norm=false / branch_output_norm=true need pre_norm=true (post-LN blocks norm the sum)"),
+            (self.branch_input_norm or self.branch_output_norm,
+             "branch_input_norm=false needs branch_output_norm=true (a block without norms)"),
+            (self.sliding_rope is None or self.position == "rope", "sliding_rope needs position='rope'"),
+            (self.sliding_rope is None or str(self.sliding_rope.get("rope_type", "default")) in (
+                "default", "linear", "llama3", "yarn"), f"sliding_rope={self.sliding_rope}: its rope_type must be "
+             "default, linear, llama3 or yarn (frequencies that do not follow the forward's length)"),
+            (not (self.rope_interleave or self.nope_layers or self.sliding_rope) or self.mla is None,
+             "rope_interleave / nope_layers / sliding_rope do not apply to mla= (its own rotary layout)")) if not ok]
+        if bad:
+            raise ValueError(f"ModelConfig: {'; '.join(bad)}")
 
     def _check_mla(self, mla: MLAConfig) -> None:
         """MLA sets the q/k head size and has one key/value head per query head (expanded from the latent)."""
@@ -428,6 +465,37 @@ NAMED_SIZES: dict[tuple[str, str], dict[str, Any]] = {
         intermediate_size=32, max_position_embeddings=256, norm_eps=1e-5, qk_norm=True, qk_norm_over="projection",
         moe=dict(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=False, aux_loss_coef=0.01),
         extra={"hf_model_type": "olmoe"},
+    ),
+    # Phi-3-, GLM-4-, OLMo-3- and SmolLM3-shaped at test size: Phi-4-mini's partial rotary with LongRoPE whose short
+    # range (16) the 32-token blocks pass; GLM-4's rotary pairs, q/k/v biases and norms on both sides of each branch;
+    # OLMo 3's output norms, q/k norms over the projection, sliding layers (window 8) with plain RoPE beside YaRN on
+    # the full one; SmolLM3's layer without rotary embedding and tied head.
+    ("decoder", "debug-phi3"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=128,
+        max_position_embeddings=256, norm_eps=1e-5, partial_rotary_factor=0.75,
+        rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 16,
+                      "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                      "long_factor": [2.0 + 0.5 * i for i in range(6)]},
+        extra={"hf_model_type": "phi3"},
+    ),
+    ("decoder", "debug-glm4"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, max_position_embeddings=256, norm_eps=1e-5, partial_rotary_factor=0.5,
+        rope_interleave=True, attention_bias=True, o_bias=False, branch_output_norm=True,
+        extra={"hf_model_type": "glm4"},
+    ),
+    ("decoder", "debug-olmo3"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=128,
+        max_position_embeddings=256, norm_eps=1e-5, rope_theta=500000.0, qk_norm=True, qk_norm_over="projection",
+        branch_input_norm=False, branch_output_norm=True, norm_weight_fp32=True, sliding_window=8,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+        sliding_rope={"rope_type": "default", "rope_theta": 500000.0}, extra={"hf_model_type": "olmo3"},
+    ),
+    ("decoder", "debug-smollm3"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=128,
+        max_position_embeddings=256, norm_eps=1e-6, rope_theta=2000000.0, nope_layers=[3], tie_embeddings=True,
+        extra={"hf_model_type": "smollm3"},
     ),
     ("decoder", "small-moe"): dict(
         _LLAMA, vocab_size=8192, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=32,

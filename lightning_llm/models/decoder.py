@@ -13,7 +13,10 @@ Variants are config switches of this one module tree (so every family shares one
 and ``q_norm``/``k_norm`` in the attention (``layers.Attention``), partial rotary (``partial_rotary_factor``), a
 sliding window on the layers of ``config.sliding_layers`` (a band in the attention mask), rope types of ``rope.py``,
 Multi-head Latent Attention as every layer's ``self_attn`` (``config.mla``: ``mla.LatentAttention``), Mixture-of-Experts
-feed-forwards (``config.moe``: ``moe.MoEBlock``). Attention takes SDPA over one
+feed-forwards (``config.moe``: ``moe.MoEBlock``), norms on each branch's input and/or output (``branch_input_norm``,
+``branch_output_norm``: ``attn_out_norm``/``mlp_out_norm``), rotary dims in pairs (``rope_interleave``), layers without
+rotary embedding (``nope_layers``), the sliding layers' own rope (``sliding_rope``), LongRoPE's factors chosen per
+forward (``_longrope``). Attention takes SDPA over one
 mask per forward, or the varlen flash kernel over one layout per forward (``attention.py``: ``config.attention``).
 
 Shape legend: B batch, S sequence, H hidden, V vocab, D head dim.
@@ -46,7 +49,7 @@ from .layers import (
     segment_positions,
     use_fused_kernel,
 )
-from .rope import precompute_rope, rope_from_positions, rope_inv_freq, rope_type
+from .rope import longrope_original, precompute_rope, rope_from_positions, rope_inv_freq, rope_type
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +232,11 @@ class DecoderLM(nn.Module):
             x = self.dropout(x)
 
         # With a cache the positions count real tokens among the T columns, so they stay below T: no host read
-        rope = self._rope(position_ids, bound=total, read=given and kv_cache is None)  # cos, sin [B, S, D], or None
+        rope = self._rope(position_ids, bound=total, read=given and kv_cache is None,  # cos, sin [B, S, D], or None
+                          exact=segment_ids is not None or not isinstance(past, int))
+        if kv_cache is not None and rope_type(self.config.rope_scaling) == "longrope":
+            self._check_longrope_cache(kv_cache, past, total)
+        ropes = self._layer_ropes(rope, position_ids, bound=total)
         varlen = kv_cache is None and (attention_mask is None or attention_mask.dim() == 2) \
             and uses_varlen(self.config, x)
         cache_kw: dict[str, object] = {} if kv_cache is None else {"kv_cache": kv_cache}  # absent unless decoding
@@ -246,7 +253,7 @@ class DecoderLM(nn.Module):
         for key, layer in self.layers.items():
             mask, is_causal = sliding if int(key) in windowed else full
             layer_kw = {**cache_kw, "routing": routing} if routing is not None and int(key) in moe else cache_kw
-            x = layer(x, rope=rope, attn_mask=mask, is_causal=is_causal, **layer_kw)
+            x = layer(x, rope=ropes.get(key, rope), attn_mask=mask, is_causal=is_causal, **layer_kw)
         if self.routing is not None and any(block.training for block in self.layers.values()):
             self.routing.forward_done()  # a step's last expected forward starts the statistics' reduction
         if kv_cache is not None:
@@ -296,13 +303,17 @@ class DecoderLM(nn.Module):
         return TokenMask(keep=None if attention_mask is None else attention_mask.bool(), segment_ids=segment_ids,
                          varlen=varlen)
 
-    def _rope(self, position_ids: Tensor, *, bound: int, read: bool) -> tuple[Tensor, Tensor] | None:
+    def _rope(self, position_ids: Tensor, *, bound: int, read: bool, exact: bool = False
+              ) -> tuple[Tensor, Tensor] | None:
         """cos, sin [B, S, D] for ``position_ids`` [B, S] of a forward of ``bound`` columns; ``read``: the
-        caller's positions, which may pass ``bound`` (a context-parallel slice's are global)."""
+        caller's positions, which may pass ``bound`` (a context-parallel slice's are global); ``exact``: ``bound``
+        may exceed the longest position + 1 (packed rows, a static cache's capacity)."""
         if self.rope_cos is None or self.rope_sin is None:
             return None
         values = not position_ids.is_meta and position_ids.numel() > 0  # the meta device (FLOP counts) has none
         c = self.config
+        if rope_type(c.rope_scaling) == "longrope":
+            return self._longrope(position_ids, bound=bound, on_device=read or exact)
         dynamic = rope_type(c.rope_scaling) == "dynamic"
         # The caller's positions are computed from (the table's values: the same fp32 product), not looked up, unless
         # `dynamic` rope needs their longest: reading it would wait for the device in every forward.
@@ -315,15 +326,65 @@ class DecoderLM(nn.Module):
                                    c.rope_scaling, seq_len=longest,
                                    inv_freq=None if dynamic else self._inv_freq(position_ids.device))
 
-    def _inv_freq(self, device: torch.device) -> Tensor:
-        """The rope frequencies [R/2] (not ``dynamic``) on ``device``, copied there once (not a buffer: never saved)."""
-        cached = self.__dict__.get("_rope_inv_freq")
+    def _inv_freq(self, device: torch.device, which: str = "full") -> Tensor:
+        """The rope frequencies [R/2] (not ``dynamic``) on ``device``, copied there once (not a buffer: never saved):
+        ``full`` (LongRoPE's short factors), ``long`` (LongRoPE's long ones) or ``sliding`` (``config.sliding_rope``)."""
+        cache = self.__dict__.setdefault("_rope_inv_freqs", {})
+        cached = cache.get(which)
         if cached is None or cached.device != device:
             c = self.config
-            cached = rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling,
-                                   max_positions=c.max_position_embeddings).to(device)
-            self.__dict__["_rope_inv_freq"] = cached
+            theta, scaling = c.rope_theta, c.rope_scaling
+            if which == "sliding":
+                scaling = {k: v for k, v in (c.sliding_rope or {}).items() if k != "rope_theta"}
+                theta = float((c.sliding_rope or {}).get("rope_theta", c.rope_theta))
+            seq = longrope_original(scaling) + 1 if which == "long" else None
+            cached = rope_inv_freq(c.rotary_dim, theta, scaling or None, max_positions=c.max_position_embeddings,
+                                   seq_len=seq).to(device)
+            cache[which] = cached
         return cached
+
+    def _longrope(self, position_ids: Tensor, *, bound: int, on_device: bool) -> tuple[Tensor, Tensor]:
+        """LongRoPE as transformers' ``dynamic_rope_update`` picks it per forward: the long factors when the longest
+        position + 1 passes ``original_max_position_embeddings``, else the short ones (the table's); ``on_device``:
+        chosen from the positions on the device (no host read), where ``bound`` is not that length."""
+        c = self.config
+        assert self.rope_cos is not None and self.rope_sin is not None
+        original = longrope_original(c.rope_scaling)
+        if not on_device and bound <= min(original, self.rope_cos.shape[0]):
+            return self.rope_cos[position_ids], self.rope_sin[position_ids]
+        short, long = self._inv_freq(position_ids.device), self._inv_freq(position_ids.device, "long")
+        inv_freq = torch.where(position_ids.max() + 1 > original, long, short) if on_device \
+            else (long if bound > original else short)
+        return rope_from_positions(position_ids, c.rotary_dim, c.max_position_embeddings, c.rope_theta,
+                                   c.rope_scaling, seq_len=bound, inv_freq=inv_freq)
+
+    def _check_longrope_cache(self, kv_cache: KVCache, past: int | Tensor, total: int) -> None:
+        """Refuse a generation whose keys would mix LongRoPE's factors: cached with the short ones, continued past
+        ``original_max_position_embeddings`` (where transformers' ``generate`` recomputes the whole sequence with the
+        long ones)."""
+        if not isinstance(past, int):
+            return  # a static cache's steps: refused at its prefill
+        original = longrope_original(self.config.rope_scaling)
+        end = max(total, kv_cache.capacity or 0)
+        if (total if past == 0 else past) <= original < end:
+            raise ValueError(f"DecoderLM: LongRoPE generation across original_max_position_embeddings={original} "
+                             f"(keys cached up to column {total if past == 0 else past}, the generation reaching "
+                             f"{end}) is not supported: transformers recomputes the whole sequence with the long "
+                             "factors there; keep prompt + max_new_tokens within it, or the prompt past it")
+
+    def _layer_ropes(self, rope: tuple[Tensor, Tensor] | None, position_ids: Tensor, *, bound: int
+                     ) -> dict[str, tuple[Tensor, Tensor] | None]:
+        """The rope of the layers whose rope is not ``rope``: ``nope_layers`` none, the sliding layers
+        ``config.sliding_rope``'s (computed from the positions, which are HF's fp32 product)."""
+        c = self.config
+        out: dict[str, tuple[Tensor, Tensor] | None] = {str(i): None for i in c.nope_layers}
+        if rope is None or c.sliding_rope is None or not c.sliding_layers:
+            return out
+        theta = float(c.sliding_rope.get("rope_theta", c.rope_theta))
+        scaling = {k: v for k, v in c.sliding_rope.items() if k != "rope_theta"} or None
+        sliding = rope_from_positions(position_ids, c.rotary_dim, c.max_position_embeddings, theta, scaling,
+                                      seq_len=bound, inv_freq=self._inv_freq(position_ids.device, "sliding"))
+        return {**{str(i): sliding for i in c.sliding_layers}, **out}
 
     def _window(self, total: int) -> int | None:
         """The sliding layers' window, None where it covers every key (plain causal attention)."""

@@ -24,7 +24,7 @@ from lightning_llm.kernels import resolve_backend
 from .attention import AttentionMask, DotProductAttention, TokenMask
 from .config import ModelConfig
 from .decoding import KVCache
-from .rope import apply_rotary, precompute_rope, rope_inv_freq, rotate_half
+from .rope import apply_rotary, precompute_rope, rope_inv_freq, rotary_pairs_to_halves, rotate_half
 from .sinks import AttentionSinks
 
 log = logging.getLogger(__name__)
@@ -123,13 +123,16 @@ def init_embedding(emb: nn.Embedding, std: float) -> None:
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm with a learned scale ``weight`` [H]; with ``offset`` the scale is ``offset + weight``
-    taken in fp32 (Gemma's and Qwen3-Next's ``(1 + weight)``: ``offset=1``, the weight starting at 0)."""
+    taken in fp32 (Gemma's and Qwen3-Next's ``(1 + weight)``: ``offset=1``, the weight starting at 0); with
+    ``weight_fp32`` the scale is applied in fp32 before the cast (OLMo 2/3's norm), as it is with an offset."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, *, kernels: str = "torch", offset: float = 0.0) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, *, kernels: str = "torch", offset: float = 0.0,
+                 weight_fp32: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.kernels = kernels
         self.offset = float(offset)
+        self.weight_fp32 = bool(weight_fp32)
         self.weight = nn.Parameter(torch.full((dim,), 1.0 - self.offset))
 
     @property
@@ -141,13 +144,14 @@ class RMSNorm(nn.Module):
         nn.init.constant_(self.weight, self.initial_weight)
 
     def forward(self, x: Tensor) -> Tensor:  # [..., H] -> [..., H]
-        if not self.offset:
+        if not self.offset and not self.weight_fp32:
             if use_fused_kernel(self.kernels, x):
                 return fused.rms_norm(x, self.weight, self.eps, backend="triton")
             return rms_norm(x, self.weight, self.eps)
         # as Gemma's norm: the scale applied in fp32, then cast (LLaMA's casts first, then scales)
         backend = "triton" if use_fused_kernel(self.kernels, x) else "torch"
-        return fused.rms_norm(x, self.weight.float() + self.offset, self.eps, backend=backend)
+        scale = self.weight.float() + self.offset if self.offset else self.weight.float()
+        return fused.rms_norm(x, scale, self.eps, backend=backend)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}" + (f", offset={self.offset:g}" if self.offset else "")
@@ -181,7 +185,8 @@ def build_norm(config: ModelConfig, dim: int | None = None) -> RMSNorm | LayerNo
     """The norm named by ``config.norm`` over ``dim`` (default ``hidden_size``)."""
     dim = config.hidden_size if dim is None else dim
     if config.norm == "rmsnorm":
-        return RMSNorm(dim, config.norm_eps, kernels=config.kernels, offset=config.norm_offset)
+        return RMSNorm(dim, config.norm_eps, kernels=config.kernels, offset=config.norm_offset,
+                       weight_fp32=config.norm_weight_fp32)
     if config.norm == "layernorm":
         return LayerNorm(dim, config.norm_eps, kernels=config.kernels)
     raise ValueError(f"unknown norm {config.norm!r}")
@@ -201,6 +206,9 @@ class Attention(nn.Module):
     sharded the same way) then holds each of its heads' q, k and v, for every degree dividing the heads; a plain
     row shard of ``[q; k; v]`` would give rank 0 all of q and part of k. Checkpoints of every layout hold the one
     interleaved order, so they reshard freely.
+
+    ``rope_interleave`` (GLM-4): the rotary dims of q and k are reordered from pairs to halves before the rotation
+    (:func:`~.rope.rotary_pairs_to_halves`), which rotates each pair by its frequency.
 
     ``q_norm``/``k_norm`` (``config.qk_norm``): RMSNorm of q and k before rotary, over the head dim of every head
     (Qwen3) or over the whole projection, every head at once (OLMoE, ``qk_norm_over="projection"``: weights [N*D],
@@ -228,11 +236,12 @@ class Attention(nn.Module):
         whole = config.qk_norm_over == "projection"
         self.norm_heads: bool = not whole  # q_norm/k_norm over each head (else over the whole projection)
         q_dim, k_dim = (config.num_heads * d, config.num_kv_heads * d) if whole else (d, d)
-        qk = dict(kernels=config.kernels, offset=config.norm_offset)
+        qk = dict(kernels=config.kernels, offset=config.norm_offset, weight_fp32=config.norm_weight_fp32)
         self.q_norm = RMSNorm(q_dim, config.norm_eps, **qk) if config.qk_norm else None
         self.k_norm = RMSNorm(k_dim, config.norm_eps, **qk) if config.qk_norm else None
         self.o_proj = nn.Linear(config.num_heads * d, h, bias=bool(config.o_bias))
         self.sinks = AttentionSinks(config.num_heads) if config.attention_sinks else None
+        self.rope_interleave: bool = config.rope_interleave  # GLM-4's rotary pairs (x0, x1), (x2, x3), ...
         self.core = DotProductAttention()
 
     def reset_parameters(self, std: float) -> None:
@@ -276,6 +285,8 @@ class Attention(nn.Module):
     ) -> Tensor:  # [B, S, H]
         b, s, _ = x.shape
         q, k, v = self._qkv(x)  # [B, S, N|K, D]
+        if rope is not None and self.rope_interleave:  # pairs -> halves, q and k alike: their dot product is kept
+            q, k = rotary_pairs_to_halves(q, rope[0].shape[-1]), rotary_pairs_to_halves(k, rope[0].shape[-1])
         if rope is not None and use_fused_kernel(self.kernels, q) and rope[0].shape[-1] == q.shape[-1]:
             q, k = fused.apply_rotary(q, k, rope[0].to(q.dtype), rope[1].to(q.dtype), backend="triton")
         elif rope is not None:
@@ -345,8 +356,14 @@ def _same(x: Tensor) -> Tensor:
     return x
 
 
+def _normed(norm: nn.Module | None, x: Tensor) -> Tensor:
+    return x if norm is None else norm(x)
+
+
 class TransformerBlock(nn.Module):
     """One layer. pre_norm: x + attn(norm(x)), x + mlp(norm(x)); post_norm (BERT): norm(x + attn(x)), norm(x + mlp(x)).
+    Pre-LN blocks may also norm each branch's output (``branch_output_norm``: x + out_norm(attn(norm(x))), GLM-4) and
+    leave its input unnormed (``branch_input_norm=False``: x + out_norm(attn(x)), OLMo 2/3); absent norms are None.
 
     ``mlp``: the feed-forward, default a dense :class:`MLP`; a decoder's MoE layers pass their
     :class:`~lightning_llm.models.moe.MoEBlock`, which takes the forward's ``routing=`` input. ``attn``: the attention
@@ -355,16 +372,20 @@ class TransformerBlock(nn.Module):
     def __init__(self, config: ModelConfig, *, mlp: nn.Module | None = None, attn: nn.Module | None = None) -> None:
         super().__init__()
         self.pre_norm: bool = config.pre_norm
-        self.attn_norm = build_norm(config)
+        inputs = config.branch_input_norm or not config.pre_norm
+        self.attn_norm: nn.Module | None = build_norm(config) if inputs else None
         self.self_attn = Attention(config) if attn is None else attn
-        self.mlp_norm = build_norm(config)
+        self.attn_out_norm: nn.Module | None = build_norm(config) if config.branch_output_norm else None
+        self.mlp_norm: nn.Module | None = build_norm(config) if inputs else None
         self.mlp = MLP(config) if mlp is None else mlp
+        self.mlp_out_norm: nn.Module | None = build_norm(config) if config.branch_output_norm else None
         self.dropout = nn.Dropout(config.dropout)
 
     def reset_parameters(self, std: float) -> None:
-        self.attn_norm.reset_parameters()
+        for norm in (self.attn_norm, self.attn_out_norm, self.mlp_norm, self.mlp_out_norm):
+            if norm is not None:
+                norm.reset_parameters()
         self.self_attn.reset_parameters(std)
-        self.mlp_norm.reset_parameters()
         self.mlp.reset_parameters(std)
 
     def forward(
@@ -386,9 +407,10 @@ class TransformerBlock(nn.Module):
             attn["token_mask"] = token_mask
         drop = self.dropout if self.training else _same  # eval (decoding): no module call for an identity
         if self.pre_norm:
-            x = x + drop(self.self_attn(self.attn_norm(x), **attn))
-            x = x + drop(self.mlp(self.mlp_norm(x), **mlp))
+            x = x + drop(_normed(self.attn_out_norm, self.self_attn(_normed(self.attn_norm, x), **attn)))
+            x = x + drop(_normed(self.mlp_out_norm, self.mlp(_normed(self.mlp_norm, x), **mlp)))
         else:
+            assert self.attn_norm is not None and self.mlp_norm is not None
             x = self.attn_norm(x + drop(self.self_attn(x, **attn)))
             x = self.mlp_norm(x + drop(self.mlp(x, **mlp)))
         return x

@@ -53,7 +53,7 @@ from .config import ModelConfig
 from .decoder import DecoderLM
 from .encoder import EncoderModel
 from .layers import segment_positions
-from .rope import rope_type
+from .rope import longrope_original, rope_type
 
 __all__ = ["HeadSharded", "ParallelSpec", "PARALLEL_SPECS", "TPPlan", "decoder_tp_plan", "encoder_tp_plan",
            "family_roots", "parallel_spec_of", "routing_stats_of"]
@@ -221,9 +221,12 @@ def _block_plan(prefix: str, config: ModelConfig, *, sequence_parallel: bool, ml
     }
     if mlp:
         plan.update(_mlp_plan(prefix, config, sequence_parallel=sequence_parallel))
-    if sequence_parallel:
-        plan[f"{prefix}.attn_norm"] = SequenceParallel()
-        plan[f"{prefix}.mlp_norm"] = SequenceParallel()
+    if sequence_parallel:  # every norm of the block runs on sequence shards: on the input, and on each branch's
+        # reduce-scattered output before the residual add (branch_output_norm)
+        norms = [("attn_norm", "mlp_norm")] if config.branch_input_norm or not config.pre_norm else []
+        norms += [("attn_out_norm", "mlp_out_norm")] if config.branch_output_norm else []
+        for name in (n for pair in norms for n in pair):
+            plan[f"{prefix}.{name}"] = SequenceParallel()
         # The block's residual dropout needs no entry: it receives the reduce-scattered DTensor [B, S/tp, H].
     return plan
 
@@ -369,6 +372,8 @@ def _decoder_cp_blocker(model: nn.Module) -> str | None:
 
 def _decoder_position_limit(model: nn.Module) -> int | None:
     config: ModelConfig = model.config  # type: ignore[assignment]
+    if rope_type(config.rope_scaling) == "longrope":  # the factors follow the whole row's longest position
+        return longrope_original(config.rope_scaling)
     whole_row = config.position == "learned" or rope_type(config.rope_scaling) == "dynamic"
     return config.max_position_embeddings if whole_row else None
 

@@ -1,8 +1,11 @@
 """Rotary position embeddings: inverse frequencies of every supported HF ``rope_type``, cos/sin tables, rotation.
 
 Supported ``rope_type`` (HF ``rope_parameters``): ``default``, ``linear``, ``llama3``, ``yarn`` (static frequencies
-plus an attention factor that scales cos and sin) and ``dynamic`` (NTK-aware: the base grows with the sequence length
-once it exceeds ``max_position_embeddings``). Every formula is transformers' (``modeling_rope_utils``), written with
+plus an attention factor that scales cos and sin), ``dynamic`` (NTK-aware: the base grows with the sequence length
+once it exceeds ``max_position_embeddings``) and ``longrope`` (Phi-3's: per-frequency ``short_factor`` /
+``long_factor`` divisors, the long ones for a forward whose longest position + 1 passes
+``original_max_position_embeddings``, as transformers 5.24's ``dynamic_rope_update`` chooses per forward, and an
+attention factor on cos and sin in both cases). Every formula is transformers' (``modeling_rope_utils``), written with
 the same tensor operations in the same order so that the frequencies are bit-identical.
 
 ``dynamic`` is stateless here: the frequencies of a forward depend on that forward's longest position only
@@ -29,15 +32,17 @@ __all__ = [
     "rope_type",
     "rope_inv_freq",
     "rope_attention_factor",
+    "longrope_original",
     "yarn_softmax_factor",
     "pairs_to_halves",
+    "rotary_pairs_to_halves",
     "precompute_rope",
     "rope_from_positions",
     "rotate_half",
     "apply_rotary",
 ]
 
-ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "dynamic", "yarn", "longrope")
 
 
 def rope_type(scaling: dict[str, Any] | None) -> str:
@@ -109,13 +114,34 @@ def _dynamic(head_dim: int, theta: float, s: dict[str, Any], max_positions: int,
     return _default_inv_freq(dim, base)
 
 
+def longrope_original(scaling: dict[str, Any] | None) -> int:
+    """LongRoPE's ``original_max_position_embeddings``: the longest position + 1 its short factors serve."""
+    if not scaling or scaling.get("original_max_position_embeddings") is None:
+        raise ValueError("rope_type='longrope' needs original_max_position_embeddings")
+    return int(scaling["original_max_position_embeddings"])
+
+
+def _longrope(head_dim: int, theta: float, s: dict[str, Any], seq_len: int | None) -> Tensor:
+    """LongRoPE frequencies (transformers' ``_compute_longrope_parameters``): ``1 / (ext * theta^(2i/D))`` with
+    ``ext`` the long factors for a forward of ``seq_len`` past the original length, else the short ones."""
+    long = seq_len is not None and seq_len > longrope_original(s)
+    factors = s.get("long_factor" if long else "short_factor")
+    if factors is None or len(factors) != head_dim // 2:
+        raise ValueError(f"rope_type='longrope': {'long' if long else 'short'}_factor must list {head_dim // 2} "
+                         f"numbers (rotary dims / 2), got {None if factors is None else len(factors)}")
+    ext = torch.tensor(factors, dtype=torch.float32)
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (ext * theta**shape)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None, *,
                   max_positions: int | None = None, seq_len: int | None = None) -> Tensor:
     """Inverse frequencies [D/2] in fp32, bit-identical to transformers' for every type of :data:`ROPE_TYPES`.
 
     ``max_positions`` (the model's ``max_position_embeddings``) is needed by ``yarn`` (default factor / original
-    length) and ``dynamic``; ``seq_len`` is the longest position + 1 of the forward (``dynamic`` only: at or below
-    ``max_positions`` the frequencies are the plain ones).
+    length) and ``dynamic``; ``seq_len`` is the longest position + 1 of the forward (``dynamic``: at or below
+    ``max_positions`` the frequencies are the plain ones; ``longrope``: past ``original_max_position_embeddings`` the
+    long factors, else (and without it) the short ones).
     """
     kind = rope_type(scaling)
     if kind not in ROPE_TYPES:
@@ -129,6 +155,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = 
         return _default_inv_freq(head_dim, theta) / float(scaling["factor"])
     if kind == "llama3":
         return _llama3(_default_inv_freq(head_dim, theta), scaling)
+    if kind == "longrope":
+        return _longrope(head_dim, theta, scaling, seq_len)
     if max_positions is None:
         raise ValueError(f"rope_type={kind!r} needs max_positions (the model's max_position_embeddings)")
     if kind == "yarn":
@@ -140,7 +168,16 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = 
 
 def rope_attention_factor(scaling: dict[str, Any] | None, max_positions: int | None = None) -> float:
     """Factor multiplying cos and sin: YaRN's ``attention_factor`` (``0.1 ln(factor) + 1`` unless given, or the
-    ratio of the two mscales when ``mscale`` and ``mscale_all_dim`` are set); 1.0 for the other types."""
+    ratio of the two mscales when ``mscale`` and ``mscale_all_dim`` are set), LongRoPE's (``sqrt(1 + ln(factor) /
+    ln(original))`` unless given, ``factor`` defaulting to ``max_positions / original``); 1.0 for the other types."""
+    if rope_type(scaling) == "longrope":
+        assert scaling is not None
+        if scaling.get("attention_factor") is not None:
+            return float(scaling["attention_factor"])
+        original = longrope_original(scaling)
+        factor = scaling.get("factor")
+        factor = float(factor) if factor is not None else (max_positions or original) / original
+        return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     if rope_type(scaling) != "yarn":
         return 1.0
     assert scaling is not None
@@ -211,6 +248,14 @@ def pairs_to_halves(x: Tensor) -> Tensor:
     x1, x3, ...]`` over the last dim, so :func:`apply_rotary` rotates each pair by its frequency. Queries and keys
     both permuted: their dot product is unchanged (the result is transformers' ``apply_rotary_pos_emb_interleave``)."""
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+def rotary_pairs_to_halves(x: Tensor, rotary: int) -> Tensor:
+    """:func:`pairs_to_halves` of the first ``rotary`` dims of ``x`` [..., D], the rest unchanged (GLM-4's partial
+    rotary: transformers' ``apply_rotary_pos_emb`` of ``modeling_glm4`` rotates those pairs)."""
+    if rotary == x.shape[-1]:
+        return pairs_to_halves(x)
+    return torch.cat((pairs_to_halves(x[..., :rotary]), x[..., rotary:]), dim=-1)
 
 
 def apply_rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:

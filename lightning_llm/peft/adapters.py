@@ -25,6 +25,7 @@ from lightning_llm.files import atomic_path, read_json
 from lightning_llm.models.hf.decoders import (
     adapter_tensor_from_hf,
     adapter_tensor_to_hf,
+    fused_in_hf,
     module_name_from_hf,
     module_name_to_hf,
 )
@@ -111,6 +112,25 @@ def _check_peft_loads_as_trained(model: nn.Module) -> None:
                          "or `lightning_llm merge --ckpt`")
 
 
+def _check_not_fused_in_hf(model: nn.Module) -> None:
+    """An adapter on a projection the HF model fuses with others (Phi-3's q/k/v in ``qkv_proj``, its and GLM-4's
+    gate/up in ``gate_up_proj``) is not written: peft would hold it on the fused module, where it is another adapter."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    config = getattr(model, "config", None)
+    fused = fused_in_hf(config) if config is not None else {}
+    held = {ours: hf for hf, parts in fused.items() for ours in parts}
+    adapted = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                      if isinstance(m, (BaseTunerLayer, ModulesToSaveWrapper))} & set(held))
+    if adapted:
+        kind = (config.extra or {}).get("hf_model_type")
+        raise ValueError(f"adapter export: an adapter on {adapted} of a {kind} model is not written in peft's format: "
+                         f"transformers' {kind} fuses them ({', '.join(sorted({held[a] for a in adapted}))}), where "
+                         "peft's adapter would be another one; export the merged model (`lightning_llm export CKPT` "
+                         "or `lightning_llm merge --ckpt`), or target the unfused projections")
+
+
 def _check_llama_layout(model: nn.Module) -> None:
     config = getattr(model, "config", None)
     if config is None or config.family != "decoder" or config.position != "rope" or config.norm != "rmsnorm":
@@ -139,6 +159,7 @@ def export_adapter(model: nn.Module, cfg: PeftConfig, directory: str | Path, *,
     base = model.base if isinstance(model, PromptLearningLM) else model
     _check_llama_layout(base)
     _check_peft_loads_as_trained(base)
+    _check_not_fused_in_hf(base)
     state = peft_state_dict(model, cfg) if state is None else state
     if cfg.method == "prompt_tuning":
         from peft import PromptTuningConfig
@@ -186,6 +207,11 @@ def load_adapter(model: nn.Module, directory: str | Path) -> tuple[nn.Module, Pe
                "on the HF base)") if kind in ("PROMPT_TUNING", "P_TUNING", "PREFIX_TUNING") else ""
         raise ValueError(f"--adapter={directory}: only LoRA adapters can be loaded/merged, got {kind}{why}")
     targets = raw["target_modules"]
+    fused = sorted(set(targets if isinstance(targets, list) else [targets]) & set(fused_in_hf(model.config)))
+    if fused:
+        held = {name: fused_in_hf(model.config)[name] for name in fused}
+        raise ValueError(f"--adapter={directory}: targets {fused}, which this model holds apart as {held}: an adapter "
+                         "on a fused projection is not converted; merge it into the HF checkpoint with peft first")
     cfg = PeftConfig(method="lora", lora=LoraArgs(
         r=raw["r"], alpha=raw["lora_alpha"], dropout=raw.get("lora_dropout", 0.0),
         target_modules=sorted(targets) if isinstance(targets, list) else [targets],

@@ -4,9 +4,12 @@
 One torchrun launch (2 CPU processes, gloo) fits each family's debug size (:data:`TRAIN_FAMILIES`: Qwen2, Qwen3,
 Mistral with a sliding window shorter than the block, Baichuan2 with its head-interleaved W_pack and NormHead, LLaMA
 with dynamic rope past max_position_embeddings, YaRN, gelu_pytorch_tanh, DeepSeek-V3 with Multi-head Latent Attention,
-GLM-4.5) for ``STEPS`` steps under each layout of
-:data:`LAYOUTS`, while the pytest process runs the same steps on one device. Compared per step: the ``train_loss``
-every rank logs against the one-device loss, bound 1e-5 (fp32, dropout 0). About 35 s on 2 cores.
+GLM-4.5, Phi-3 with LongRoPE past its short range, GLM-4 with its branch output norms and rotary pairs, OLMo 3 with
+output norms only, q/k norms over the projection, sliding layers with their own rope, SmolLM3 with a NoPE layer) for
+``STEPS`` steps under each layout of :data:`LAYOUTS` (the last four: at the layouts of :data:`EXTRA` that exercise
+what they add, with context parallelism, LoRA under tp, QLoRA under zero3), while the pytest process runs the same
+steps on one device. Compared per step: the ``train_loss`` every rank logs against the one-device loss,
+bound 1e-5 (fp32, dropout 0). About 70 s on 2 cores.
 """
 
 from __future__ import annotations
@@ -38,11 +41,42 @@ TRAIN_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "glm4_moe": ("debug-glm4-moe", {}),
 }
 LAYOUTS = ["tp", "tp_sp", "pp", "zero3"]
+DENSE_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "phi3": ("debug-phi3", {}),  # LongRoPE: the 32-token blocks pass its short range (16); fused projections split
+    "glm4": ("debug-glm4", {}),  # norms on both sides of each branch (tp_sp: on sequence shards), rotary pairs
+    "olmo3": ("debug-olmo3", {}),  # output norms only, q/k norms over the projection, sliding rope beside YaRN
+    "smollm3": ("debug-smollm3", {}),  # layer 3 without rotary embedding, tied head
+}
+"""The families of models/hf/phi3.py, glm4.py, olmo.py, smollm3.py, trained at the layouts of :data:`EXTRA` that
+exercise what they add (tp_sp: every plan entry, their norms on sequence shards; pp: layer-indexed rope on the
+second stage; cp: rotary pairs, NoPE layers, LongRoPE's choice on slices)."""
+_LORA = {"lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                         "gate_proj", "up_proj", "down_proj"]}}
+VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    # (family, model_overrides, task arguments): LongRoPE with a short range the 32-token rows stay in (context
+    # parallelism refuses rows past it: the factors follow the whole row's longest position)
+    "phi3_cp": ("phi3", {"rope_scaling": {"rope_type": "longrope",
+                                          "original_max_position_embeddings": 32,
+                                          "short_factor": [1.0 + 0.1 * i for i in range(6)],
+                                          "long_factor": [2.0 + 0.5 * i for i in range(6)]}}, {}),
+    "phi3_lora": ("phi3", {}, _LORA),
+    # (scaler blocks of 16: a 64 x 64 projection's 64 blocks give 4 double-quantization blocks, split over 2 ranks)
+    "phi3_qlora": ("phi3", {}, {**_LORA, "quantize": "nf4", "quantization": {"scaler_block_size": 16}}),
+}
+"""Trainings beyond the families' plain ones (their one-device references run too)."""
+EXTRA = {"tp": ["phi3_lora"], "tp_sp": list(DENSE_FAMILIES), "pp": ["phi3", "olmo3", "smollm3"],
+         "zero3": ["olmo3", "phi3_qlora"], "cp": ["glm4", "smollm3", "phi3_cp"]}
+"""Layout -> the trainings (:data:`DENSE_FAMILIES` or :data:`VARIANTS`) it runs beside :data:`TRAIN_FAMILIES`."""
+
+
+def _trainings(layout: str) -> list[str]:
+    return [*(TRAIN_FAMILIES if layout in LAYOUTS else []), *EXTRA.get(layout, [])]
 
 
 def _layout(name: str) -> tuple[Any, int]:
     """(strategy, per-rank batch size) of a 2-process layout."""
     from lightning_llm.strategies import (
+        ContextParallelStrategy,
         HybridParallelStrategy,
         PipelineParallelStrategy,
         TensorParallelStrategy,
@@ -53,7 +87,8 @@ def _layout(name: str) -> tuple[Any, int]:
             "tp_sp": (HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, sequence_parallel=True),
                       GLOBAL_BATCH),
             "pp": (PipelineParallelStrategy(schedule="1f1b", n_microbatches=2), GLOBAL_BATCH),
-            "zero3": (ZeroStrategy(stage=3), GLOBAL_BATCH // 2)}[name]
+            "zero3": (ZeroStrategy(stage=3), GLOBAL_BATCH // 2),
+            "cp": (ContextParallelStrategy(), GLOBAL_BATCH)}[name]
 
 
 def _fit(family: str, strategy: Any, devices: int, batch_size: int, out: Path) -> list[float]:
@@ -61,16 +96,24 @@ def _fit(family: str, strategy: Any, devices: int, batch_size: int, out: Path) -
     import lightning.pytorch as pl
 
     from lightning_llm.data import TextDataModule
+    from lightning_llm.models.quantize import QuantizationConfig
+    from lightning_llm.peft import LoraArgs
     from lightning_llm.tasks import CausalLMTask
     from lightning_llm.tasks.base import OptimConfig
     from lightning_llm.testing import LoggedLoss, table_trainer
 
-    backbone, overrides = TRAIN_FAMILIES[family]
+    family, changes, task_kw = VARIANTS.get(family, (family, {}, {}))
+    backbone, overrides = {**TRAIN_FAMILIES, **DENSE_FAMILIES}[family]
+    overrides = {**overrides, **changes}
+    if "lora" in task_kw:
+        task_kw = {**task_kw, "lora": LoraArgs(**task_kw["lora"])}
+    if "quantization" in task_kw:
+        task_kw = {**task_kw, "quantization": QuantizationConfig(**task_kw["quantization"])}
     pl.seed_everything(3)
     # eps=1e-6: with Adam's 1e-8, fp32 reduction-order noise in gradients near 1e-8 becomes +-lr steps, which moved the
     # next loss by 1.5e-5 for llama_yarn under tp (1e-6 with eps=1e-6; step 0 is bit-identical either way).
     task = CausalLMTask(backbone, dropout=0.0, model_overrides=overrides,
-                        optim=OptimConfig(lr=1e-2, scheduler="constant", eps=1e-6))
+                        optim=OptimConfig(lr=1e-2, scheduler="constant", eps=1e-6), **task_kw)
     dm = TextDataModule(block_size=32, batch_size=batch_size, cache_dir=str(out / "cache"), generated_docs=100)
     rec = LoggedLoss()
     table_trainer(out, strategy=strategy, devices=devices, max_steps=STEPS, callbacks=[rec]).fit(task, dm)
@@ -84,12 +127,12 @@ def _worker(mode: str, out: Path) -> None:
 
     if mode == "reference":
         (out / "reference.json").write_text(json.dumps({f: _fit(f, "auto", 1, GLOBAL_BATCH, out)
-                                                        for f in TRAIN_FAMILIES}))
+                                                        for f in [*TRAIN_FAMILIES, *DENSE_FAMILIES, *VARIANTS]}))
         return
     results: dict[str, Any] = {}
-    for layout in LAYOUTS:
+    for layout in dict.fromkeys([*LAYOUTS, *EXTRA]):
         t0 = time.perf_counter()
-        for family in TRAIN_FAMILIES:
+        for family in _trainings(layout):
             strategy, batch = _layout(layout)
             results[f"{layout}/{family}"] = gathered(_fit(family, strategy, 2, batch, out))
         results[f"seconds/{layout}"] = round(time.perf_counter() - t0, 1)
@@ -105,8 +148,8 @@ def layout_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("family", list(TRAIN_FAMILIES))
+@pytest.mark.parametrize("layout,family", [(layout, family) for layout in dict.fromkeys([*LAYOUTS, *EXTRA])
+                                           for family in _trainings(layout)])
 def test_family_trains_under_layout_like_one_device(layout_runs: Path, family: str, layout: str) -> None:
     """Every rank's logged ``train_loss`` equals the one-device run's at each of ``STEPS`` steps (fp32, dropout 0)."""
     from lightning_llm.testing import max_abs_err
@@ -116,7 +159,7 @@ def test_family_trains_under_layout_like_one_device(layout_runs: Path, family: s
     runs = json.loads((layout_runs / "layouts.json").read_text())
     err = max(max_abs_err(r, ref) for r in runs[f"{layout}/{family}"])
     print(f"{layout} x {family}: max |train_loss - one device| over {STEPS} steps = {err:.2e} "
-          f"({runs[f'seconds/{layout}']} s for the layout's {len(TRAIN_FAMILIES)} families)")
+          f"({runs[f'seconds/{layout}']} s for the layout's {len(_trainings(layout))} families)")
     assert err <= 1e-5
 
 

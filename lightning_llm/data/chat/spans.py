@@ -106,7 +106,10 @@ class TurnLocator:
         prompt_tail = self._render(before, generation_prompt=True).rpartition(mark)[2]
         rest = self.text[user_end:]
         header = common_prefix(prompt_tail, rest)
-        if not rest.startswith(tail) or header < len(tail):
+        # A template may end a conversation otherwise than a turn followed by a reply (Phi-3's writes EOS when no
+        # generation prompt follows): the whole generation prompt continuing the rendering places the reply too.
+        ends = rest.startswith(tail) and header >= len(tail)
+        if not ends and not rest.startswith(prompt_tail):
             raise self._refuse(i, f"the message before it ends differently ({rest[:len(tail)]!r}) than when it ends "
                                   f"the conversation ({tail!r})")
         pieces = text_pieces(self.messages[i], reasoning=False)
@@ -114,7 +117,8 @@ class TurnLocator:
             # (DeepSeek-R1) that its history turn lacks: the common prefix runs into the reply. The header then ends
             # where the reply's text starts, the latest start from which the overrun is the text's own beginning.
             first = pieces[0]
-            content = rest.rfind(first, max(len(tail), header - len(first)), header + len(first))
+            floor = len(tail) if ends else len(prompt_tail)
+            content = rest.rfind(first, max(floor, header - len(first)), header + len(first))
             header = content if content >= 0 else header
         start = user_end + header
         stops = [p for p in (self.text.find(s, start) for s in self._stops) if p >= 0]

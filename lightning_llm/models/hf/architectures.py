@@ -49,6 +49,11 @@ SUPPORTED_ARCHITECTURES: dict[str, Arch] = {
     **_decoder("deepseek_v2", "DeepseekV2"),
     **_decoder("deepseek_v3", "DeepseekV3"),  # DeepSeek-V3/R1, Kimi-K2
     **_decoder("glm4_moe", "Glm4Moe"),  # GLM-4.5/4.6
+    **_decoder("phi3", "Phi3"),  # Phi-3, Phi-3.5-mini, Phi-4, Phi-4-mini
+    **_decoder("glm4", "Glm4"),  # GLM-4-0414
+    **_decoder("olmo2", "Olmo2"),
+    **_decoder("olmo3", "Olmo3"),
+    **_decoder("smollm3", "SmolLM3"),
     "GPT2LMHeadModel": Arch("gpt2", "lm"),
     "GPT2Model": Arch("gpt2", "base"),
     "BertModel": Arch("bert", "base"),
@@ -76,7 +81,9 @@ written as by default)."""
 
 FAMILY_GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("Dense decoders", (("llama", "Llama 1-3"), ("qwen2", "Qwen2, Qwen2.5"), ("qwen3", "Qwen3"),
-                        ("mistral", "Mistral"), ("baichuan", "Baichuan2-7B"), ("gpt2", "GPT-2"))),
+                        ("mistral", "Mistral"), ("baichuan", "Baichuan2-7B"), ("gpt2", "GPT-2"),
+                        ("phi3", "Phi-3, Phi-4"), ("glm4", "GLM-4 (0414)"), ("olmo2", "OLMo 2"), ("olmo3", "OLMo 3"),
+                        ("smollm3", "SmolLM3"))),
     ("Mixture-of-Experts decoders", (("mixtral", "Mixtral"), ("qwen2_moe", "Qwen2-MoE"), ("qwen3_moe", "Qwen3-MoE"),
                                      ("olmoe", "OLMoE"), ("gpt_oss", "gpt-oss"), ("deepseek_v2", "DeepSeek-V2"),
                                      ("deepseek_v3", "DeepSeek-V3/R1, Kimi-K2"), ("glm4_moe", "GLM-4.5/4.6"))),

@@ -46,7 +46,8 @@ _ARCH_FIELDS = (
     "attention_bias", "o_bias", "mlp_bias", "qk_norm", "qk_norm_over", "attention_sinks", "qkv_packed", "norm_head",
     "tie_embeddings", "pre_norm",
     "embedding_norm", "final_norm", "type_vocab_size", "position_offset", "sliding_layers", "window", "moe", "mla",
-    "partial_rotary_factor",
+    "partial_rotary_factor", "rope_interleave", "nope_layers", "sliding_rope", "branch_input_norm", "branch_output_norm",
+    "norm_weight_fp32",
 )
 
 
@@ -55,6 +56,8 @@ def _arch_value(c: ModelConfig, field: str) -> Any:
         return c.sliding_window if c.sliding_layers else None
     if field == "moe":
         return moe_architecture(c)
+    if field == "sliding_rope":  # only matters where some layer slides
+        return c.sliding_rope if c.sliding_layers else None
     if field == "qk_norm_over":  # only matters with qk_norm
         return c.qk_norm_over if c.qk_norm else None
     if field == "intermediate_size" and c.moe is not None and not c.moe.dense_layers:

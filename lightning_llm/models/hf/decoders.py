@@ -19,6 +19,11 @@ olmoe      ``q_norm``/``k_norm`` over the whole q / k projection; softmax top-k 
 gpt_oss    attention sinks, q/k/v/o biases, sliding and full layers alternating (``layer_types``, ``sliding_window``),
            YaRN (its defaults when absent); router with a bias, softmax over the chosen top-k logits; experts with
            biases and the clamped SwiGLU (``swiglu_alpha``, ``swiglu_limit``), stored fused (or MXFP4: ``entries``)
+phi3       fused ``qkv_proj`` / ``gate_up_proj``, LongRoPE, partial rotary: :mod:`.phi3`
+glm4       norms on each branch's input and output, rotary pairs, fused ``gate_up_proj``: :mod:`.glm4`
+olmo2/3    norms on each branch's output only, q/k norms over the projection; OLMo 3's sliding layers and rope per
+           layer type: :mod:`.olmo`
+smollm3    layers without rotary embedding (``no_rope_layers``): :mod:`.smollm3`
 =========  ==========================================================================================================
 
 ``W_pack`` is stored head-interleaved in our model (see :class:`~lightning_llm.models.layers.Attention`):
@@ -35,12 +40,20 @@ from torch import Tensor
 from ..config import ModelConfig, MoEConfig
 from .deepseek import DEEPSEEK_KINDS, deepseek_from_hf, deepseek_to_hf
 from .entries import MOE_KINDS
-from ..rope import ROPE_TYPES
+from .glm4 import GLM4_FUSED, glm4_from_hf, glm4_to_hf
+from .olmo import OLMO_KINDS, olmo_from_hf, olmo_to_hf
+from .phi3 import PHI3_FUSED, phi3_from_hf, phi3_to_hf
+from .smollm3 import smollm3_from_hf, smollm3_to_hf
+from ..rope import ROPE_TYPES, rope_type
+from .options import refuse_unbuilt
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "DECODER_KINDS",
+    "DENSE_KINDS",
+    "fused_in_hf",
+    "layer_type_rope",
     "decoder_config_from_hf",
     "decoder_config_to_hf",
     "moe_architecture",
@@ -57,8 +70,15 @@ __all__ = [
     "PLAIN_ACT_TO_HF",
 ]
 
+_FAMILY_FILES = {"phi3": (phi3_from_hf, lambda c, kind: phi3_to_hf(c)),
+                 "glm4": (glm4_from_hf, lambda c, kind: glm4_to_hf(c)),
+                 **{kind: (olmo_from_hf, olmo_to_hf) for kind in OLMO_KINDS},
+                 "smollm3": (smollm3_from_hf, lambda c, kind: smollm3_to_hf(c))}
+"""Dense families converted by a file of their own: ``(from_hf(hf, kind, layers, where=) -> fields overriding the
+LLaMA-layout ones, to_hf(config, kind) -> config.json fields)``."""
+DENSE_KINDS = tuple(_FAMILY_FILES)
 DECODER_KINDS = ("llama", "qwen2", "qwen3", "mistral", "baichuan", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-                 "gpt_oss", *DEEPSEEK_KINDS)
+                 "gpt_oss", *DEEPSEEK_KINDS, *DENSE_KINDS)
 """HF model types with LLaMA's module layout (weight names of ``weights.entries``); those of :data:`MOE_KINDS` have
 Mixture-of-Experts feed-forward layers (:mod:`.entries`), DeepSeek's and GLM's are converted by
 :mod:`.deepseek`."""
@@ -67,6 +87,9 @@ Mixture-of-Experts feed-forward layers (:mod:`.entries`), DeepSeek's and GLM's a
 _MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 131072, "mixtral": 131072,
                   "qwen2_moe": 32768, "qwen3_moe": 32768, "olmoe": 4096, "gpt_oss": 131072}
 _NORM_EPS = {"olmoe": 1e-5, "gpt_oss": 1e-5}  # the others' default: 1e-6
+_ROPE_THETA = {"olmo3": 500000.0, "smollm3": 2000000.0}  # the config classes' default_theta (the others': 10000)
+_PARTIAL_ROTARY = ("glm4_moe", "glm4", "phi3")  # families that read partial_rotary_factor (phi3: in its own file)
+_FUSED_IN_HF = {"phi3": PHI3_FUSED, "glm4": GLM4_FUSED}
 _MOE_DEFAULTS = {  # (experts, top_k, expert width, norm_topk_prob) of transformers' config classes
     "mixtral": (8, 2, None, True), "qwen2_moe": (60, 4, 1408, False), "qwen3_moe": (128, 8, 768, False),
     "olmoe": (64, 8, None, False), "gpt_oss": (128, 4, None, False)}
@@ -130,6 +153,12 @@ def module_name_to_hf(config: ModelConfig, name: str) -> str:
     return name
 
 
+def fused_in_hf(config: ModelConfig) -> dict[str, tuple[str, ...]]:
+    """The HF projections of the config's family that fuse several of ours (Phi-3's ``qkv_proj`` = our q/k/v, its and
+    GLM-4's ``gate_up_proj`` = gate/up): a peft adapter on them is not the one on ours."""
+    return dict(_FUSED_IN_HF.get(_kind(config) or "", {}))
+
+
 def module_name_from_hf(config: ModelConfig, name: str) -> str:
     """Inverse of :func:`module_name_to_hf`."""
     for ours, hf in _HF_MODULE_NAMES.get(_kind(config) or "", ()):
@@ -179,12 +208,14 @@ def rope_from_hf(hf: dict[str, Any], *, default: dict[str, Any] | None = None,
         params["rope_type"] = params.pop("type")
     params.pop("type", None)
     kind = params.get("rope_type", "default")
-    if kind not in ROPE_TYPES:
-        raise ValueError(f"unsupported rope scaling rope_type={kind!r} (supported: {', '.join(ROPE_TYPES)})")
+    if kind not in ROPE_TYPES or kind == "longrope":  # LongRoPE: Phi-3's (its own file reads it)
+        supported = ", ".join(t for t in ROPE_TYPES if t != "longrope")
+        raise ValueError(f"unsupported rope scaling rope_type={kind!r} for {hf.get('model_type')} (supported: "
+                         f"{supported}; longrope for phi3)")
     factor = params.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if not partial and float(factor or 1.0) != 1.0:
         raise ValueError(f"partial_rotary_factor={factor} (rotary on part of the head dim) is not supported for "
-                         f"{hf.get('model_type')} (only GLM-4.5's glm4_moe)")
+                         f"{hf.get('model_type')} (only Phi-3's, GLM-4's and GLM-4.5's)")
     if kind == "default":
         return theta, None
     if kind in ("llama3", "yarn") and "original_max_position_embeddings" not in params:
@@ -193,6 +224,32 @@ def rope_from_hf(hf: dict[str, Any], *, default: dict[str, Any] | None = None,
     if kind in ("linear", "dynamic") and params.get("factor") is None:
         raise ValueError(f"rope_type={kind!r} needs a 'factor'")
     return theta, params
+
+
+def layer_type_rope(hf: dict[str, Any], kind: str, *, where: str) -> tuple[float, dict[str, Any] | None,
+                                                                          dict[str, Any] | None]:
+    """``(rope_theta, rope_scaling, sliding_rope)`` of a config whose ``rope_parameters`` are nested by layer type
+    (``full_attention`` / ``sliding_attention``, OLMo 3's; a legacy top-level ``rope_scaling`` applies to the full
+    layers, the sliding ones keeping plain RoPE, as ``Olmo3Config`` reads it): the full layers' are the model's, the
+    sliding layers' are ``sliding_rope`` where they differ."""
+    nested = hf.get("rope_parameters") or {}
+    default = {"rope_theta": _ROPE_THETA.get(kind, 10000.0)}
+    if nested and not {"full_attention", "sliding_attention"} & set(nested):
+        raise ValueError(f"{where}: rope_parameters={nested} is not nested by layer type (full_attention, "
+                         f"sliding_attention), as {kind} reads them")
+    full_params = nested.get("full_attention") or {**dict(hf.get("rope_scaling") or {}),
+                                                   "rope_theta": hf.get("rope_theta", default["rope_theta"])}
+    sliding_params = nested.get("sliding_attention") or {"rope_theta": hf.get("rope_theta", default["rope_theta"])}
+    ropes = []
+    for params in (full_params, sliding_params):
+        flat = {k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
+        theta, scaling = rope_from_hf({**flat, "rope_parameters": dict(params)}, default=default)
+        if rope_type(scaling) in ("dynamic", "longrope"):  # Olmo3RotaryEmbedding never updates its frequencies
+            raise ValueError(f"{where}: rope_type={rope_type(scaling)!r} is not supported for {kind} (its rotary "
+                             "embedding keeps the frequencies it starts with)")
+        ropes.append((theta, scaling))
+    (theta, scaling), sliding = ropes
+    return theta, scaling, None if sliding == ropes[0] else {"rope_theta": sliding[0], **(sliding[1] or {})}
 
 
 def _sliding_from_hf(hf: dict[str, Any], kind: str, num_layers: int) -> tuple[int | None, list[str] | None]:
@@ -245,9 +302,15 @@ def decoder_config_from_hf(hf: dict[str, Any], kind: str, *, extra: dict[str, An
                         "scaling), and so does this model")
         theta, scaling = 10000.0, None
         kw.update(qkv_packed=True, norm_head=True, attention_bias=False, mlp_bias=False)
+    elif kind == "phi3":  # LongRoPE and its legacy names: its own file reads them
+        theta, scaling = 10000.0, None
+    elif kind == "olmo3":
+        theta, scaling, sliding_rope = layer_type_rope(hf, kind, where=where)
+        kw.update(sliding_rope=sliding_rope)
     else:
-        theta, scaling = rope_from_hf(hf, default=_GPT_OSS_ROPE if kind == "gpt_oss" else None,
-                                      partial=kind == "glm4_moe")
+        default = _GPT_OSS_ROPE if kind == "gpt_oss" else {"rope_theta": _ROPE_THETA[kind]} if kind in _ROPE_THETA \
+            else None
+        theta, scaling = rope_from_hf(hf, default=default, partial=kind in _PARTIAL_ROTARY)
         window, types = _sliding_from_hf(hf, kind, layers)
         kw.update(sliding_window=window, layer_types=types)
         if kind == "llama":
@@ -282,6 +345,9 @@ def decoder_config_from_hf(hf: dict[str, Any], kind: str, *, extra: dict[str, An
     )
     if kind in DEEPSEEK_KINDS:
         fields.update(deepseek_from_hf(hf, kind, layers, where=where))
+    elif kind in _FAMILY_FILES:
+        refuse_unbuilt(hf, kind, where)
+        fields.update(_FAMILY_FILES[kind][0](hf, kind, layers, where=where))
     return ModelConfig(**fields)
 
 
@@ -398,11 +464,15 @@ def decoder_config_to_hf(c: ModelConfig, kind: str) -> dict[str, Any]:
         rope = {**dict(c.rope_scaling), "rope_theta": c.rope_theta}
     if kind == "glm4_moe":  # always written: its absence means 0.5
         rope["partial_rotary_factor"] = c.partial_rotary_factor
+    elif c.partial_rotary_factor != 1.0:
+        rope["partial_rotary_factor"] = c.partial_rotary_factor
     hf.update(num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rope_parameters=rope,
               attention_dropout=c.dropout)
     sliding = c.sliding_layers
     if kind in DEEPSEEK_KINDS:
         hf.update(deepseek_to_hf(c, kind))
+    elif kind in _FAMILY_FILES:
+        hf.update(_FAMILY_FILES[kind][1](c, kind))
     elif kind in MOE_KINDS:
         hf.update(_moe_to_hf(c, kind))
     if kind == "llama":

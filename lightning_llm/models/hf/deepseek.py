@@ -31,7 +31,7 @@ from .options import refuse_unbuilt
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEEPSEEK_KINDS", "MLA_KINDS", "MTP_KINDS", "deepseek_from_hf", "deepseek_to_hf"]
+__all__ = ["DEEPSEEK_KINDS", "MLA_KINDS", "MTP_KINDS", "deepseek_from_hf", "deepseek_to_hf", "partial_rotary_factor"]
 
 DEEPSEEK_KINDS = ("deepseek_v2", "deepseek_v3", "glm4_moe")
 MLA_KINDS = ("deepseek_v2", "deepseek_v3")
@@ -84,7 +84,7 @@ def _moe(hf: dict[str, Any], kind: str, num_layers: int) -> MoEConfig:
     return MoEConfig(**kw)
 
 
-def _partial_rotary(hf: dict[str, Any]) -> float:
+def partial_rotary_factor(hf: dict[str, Any]) -> float:
     """GLM-4.5's rotary share of a head: ``rope_parameters`` (transformers 5), else the top-level key, else 0.5
     (``Glm4MoeConfig``'s default)."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -107,7 +107,7 @@ def deepseek_from_hf(hf: dict[str, Any], kind: str, num_layers: int, *, where: s
             mlp_bias=bool(hf.get("mlp_bias", False)) if kind == "deepseek_v2" else False)
     else:
         kw.update(attention_bias=bool(hf.get("attention_bias", False)), o_bias=False,
-                  qk_norm=bool(_get(hf, kind, "use_qk_norm")), partial_rotary_factor=_partial_rotary(hf))
+                  qk_norm=bool(_get(hf, kind, "use_qk_norm")), partial_rotary_factor=partial_rotary_factor(hf))
     return kw
 
 

@@ -1,7 +1,8 @@
 """The weight-mapping vocabulary of :mod:`.hf`: one entry per Hugging Face key (or group of keys) and our parameters.
 
 * :class:`Entry`: one HF key <-> one or more of our parameters (``split`` on load, ``merge`` on save: GPT-2's fused
-  ``c_attn``, Baichuan's ``W_pack`` row order).
+  ``c_attn``, Baichuan's ``W_pack`` row order); :func:`row_split` for a tensor whose row blocks are our parameters
+  (Phi-3's ``qkv_proj``, ``gate_up_proj``), read lazily block by block (:class:`~.source.RowsMapped`).
 * :class:`Stacked`: many HF keys <-> one of our parameters: an MoE layer's experts, stored per expert on disk
   (``experts.N.gate_proj``/``up_proj``, Mixtral's ``experts.N.w1``/``w3``) and fused in memory (``gate_up_proj``
   [E, 2I, H]: expert ``e`` is the rows of its parts in order). A lazy read of some experts (an expert-parallel rank's)
@@ -26,7 +27,8 @@ from ..config import ModelConfig
 from .deepseek import DEEPSEEK_KINDS
 from .source import CheckpointFiles, Mxfp4Mapped, PermutedMapped
 
-__all__ = ["Entry", "Fused", "Stacked", "lin", "moe_mlp_entries", "MOE_KINDS", "interleave", "deinterleave"]
+__all__ = ["Entry", "Fused", "Stacked", "lin", "moe_mlp_entries", "MOE_KINDS", "interleave", "deinterleave",
+           "row_split"]
 
 MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe")
 """HF model types whose feed-forward layers may be Mixture-of-Experts blocks."""
@@ -40,6 +42,7 @@ class Entry:
     top: bool = False  # key lives at top level of a head model (lm_head.*, classifier.*)
     split: Callable[[Tensor], Sequence[Tensor]] | None = None
     merge: Callable[[Sequence[Tensor]], Tensor] | None = None
+    rows: tuple[int, ...] | None = None  # our parameters are these row blocks of the HF tensor (read block by block)
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,13 @@ class Fused:
                              "blocks [E, R, G, 16] and scales [E, R, G] of uint8")
         shape = (b.shape[0], b.shape[1], b.shape[2] * 32)
         return Mxfp4Mapped(stored[blocks], stored[scales], self.interleaved), shape, (blocks, scales)
+
+
+def row_split(hf: str, ours: tuple[str, ...], rows: tuple[int, ...]) -> Entry:
+    """One HF tensor whose dim-0 blocks of ``rows`` rows are our parameters ``ours`` in order (a fused projection's
+    weight or bias: Phi-3's ``qkv_proj`` = q, k, v rows; ``gate_up_proj`` = gate then up rows)."""
+    return Entry(hf, ours, split=lambda t: [x.contiguous() for x in t.split(list(rows), dim=0)],
+                 merge=lambda ts: torch.cat(list(ts), dim=0), rows=rows)
 
 
 def lin(hf: str, ours: str, bias: bool, **kw: Any) -> list[Entry]:

@@ -26,7 +26,7 @@ from .architectures import SUPPORTED_ARCHITECTURES, architecture_name
 from .config import config_from_hf
 from .deepseek import MTP_KINDS
 from .entries import Fused, Stacked
-from .source import CheckpointFiles, HFWeightsSource, Mapped, StackedMapped
+from .source import CheckpointFiles, HFWeightsSource, Mapped, RowsMapped, StackedMapped
 from .weights import BASE_PREFIX, HEAD_KEYS, IGNORED, entries
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ def _map_to_ours(
     read). Raises on missing or unexpected keys; parameters left out are initialised fresh (heads)."""
     kind = SUPPORTED_ARCHITECTURES[architecture].kind
     stored = _normalized_keys(files.keys(), kind)
-    mapping: dict[str, Mapped] = {}
+    mapping: dict[str, Mapped | RowsMapped] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     used: set[str] = set()
     missing: list[str] = []
@@ -89,7 +89,8 @@ def _map_to_ours(
         meta = files.meta(stored[e.hf])
         parts = e.split(meta) if e.split is not None else (meta,)  # on meta tensors: shapes only
         for i, (name, part) in enumerate(zip(e.ours, parts)):
-            mapping[name] = Mapped(stored[e.hf], i, e.split)
+            mapping[name] = Mapped(stored[e.hf], i, e.split) if e.rows is None else \
+                RowsMapped(stored[e.hf], sum(e.rows[:i]))  # a row block: read by rows
             shapes[name] = tuple(part.shape)
     rest = [k for k in stored if k not in used and not IGNORED.search(k)]
     heads = [k for k in rest if HEAD_KEYS[kind].match(k)]

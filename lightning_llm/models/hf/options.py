@@ -50,6 +50,7 @@ UNBUILT_OPTIONS: dict[str, tuple[Unbuilt, ...]] = {
         Unbuilt("num_experts_per_tok", lambda v: isinstance(v, int) and v >= 1, "a number of experts per token"),
     ),
     "glm4_moe": (_PLAIN_WEIGHTS,),
+    **{kind: (_PLAIN_WEIGHTS,) for kind in ("phi3", "glm4", "olmo2", "olmo3", "smollm3")},
 }
 """HF model type -> its options that are not built."""
 

@@ -30,7 +30,7 @@ from lightning_llm.files import DataError, read_json
 log = logging.getLogger(__name__)
 
 __all__ = ["CheckpointFiles", "HFWeightsSource", "Mapped", "MappedReader", "Mxfp4Mapped", "PermutedMapped",
-           "StackedMapped", "dequantize_mxfp4"]
+           "RowsMapped", "StackedMapped", "dequantize_mxfp4"]
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -204,6 +204,19 @@ class StackedMapped:
                     out[n, mine] = files.read(key, (rows[mine] - start, cols))
                 start += r
         return out
+
+
+@dataclass(frozen=True)
+class RowsMapped:
+    """Our parameter = the rows ``start ..`` of the stored tensor ``key`` (a block of a fused projection, e.g. Phi-3's
+    ``qkv_proj``): a read of some of its rows reads only those."""
+
+    key: str
+    start: int
+
+    def read(self, files: CheckpointFiles, index: Sequence[Tensor]) -> Tensor:
+        rows, *rest = (i.cpu() for i in index)
+        return files.read(self.key, (rows + self.start, *rest))
 
 
 def interleaved_rows(rows: Tensor, total: int) -> Tensor:

@@ -14,7 +14,10 @@ from .architectures import SUPPORTED_ARCHITECTURES
 from .decoders import DECODER_KINDS, wpack_from_hf, wpack_to_hf
 from .encoders import encoder_entries
 from .entries import Entry, Fused, Stacked, lin, moe_mlp_entries
+from .glm4 import GLM4_NORMS
 from .gpt2 import gpt2_entries
+from .olmo import OLMO_KINDS, OLMO_NORMS
+from .phi3 import phi3_attention_entries, phi3_mlp_entries
 
 __all__ = ["BASE_PREFIX", "IGNORED", "HEAD_KEYS", "entries", "save_entries"]
 
@@ -68,18 +71,26 @@ def _attention_entries(c: ModelConfig, p: str) -> list[Entry]:
     return e
 
 
+_LLAMA_NORMS = (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "mlp_norm"))
+BLOCK_NORMS = {"glm4": GLM4_NORMS, **{kind: OLMO_NORMS for kind in OLMO_KINDS}}
+"""A family's block norms ``(HF name, ours)`` where they are not LLaMA's ``input_layernorm`` / ``post_attention_
+layernorm`` (our ``attn_norm`` / ``mlp_norm``)."""
+
+
 def _decoder_entries(c: ModelConfig, kind: str, head: str) -> list[Entry | Stacked | Fused]:
     e: list[Entry | Stacked | Fused] = list(lin("embed_tokens", "embed_tokens", False))
     for i in range(c.num_layers):
         p = f"layers.{i}"
-        e += _attention_entries(c, p)
+        e += phi3_attention_entries(c, p) if kind == "phi3" else _attention_entries(c, p)
         if i in c.moe_layers:
             e += moe_mlp_entries(c, kind, i)
+        elif kind in ("phi3", "glm4"):  # one fused gate_up_proj
+            e += phi3_mlp_entries(c, p)
         else:
             for name in (("gate_proj", "up_proj", "down_proj") if c.gated else ("up_proj", "down_proj")):
                 e += lin(f"{p}.mlp.{name}", f"{p}.mlp.{name}", c.mlp_bias)
-        e += lin(f"{p}.input_layernorm", f"{p}.attn_norm", False)
-        e += lin(f"{p}.post_attention_layernorm", f"{p}.mlp_norm", False)
+        for hf_norm, ours in BLOCK_NORMS.get(kind, _LLAMA_NORMS):
+            e += lin(f"{p}.{hf_norm}", f"{p}.{ours}", False)
     e += lin("norm", "norm", False)
     if head != "base":  # Baichuan's NormHead stores the raw weight too (normalised in forward)
         e += lin("lm_head", "lm_head", False, group="lm_head", top=True)

@@ -90,4 +90,5 @@ def _check_length(batch: Any, *, limit: int | None, cp: int) -> None:
         raise ValueError(f"context_parallel_size={cp}: rows of {seq} tokens are longer than the model's "
                          f"max_position_embeddings={limit}, past which its positions depend on the whole row (a "
                          "learned position table ends there; dynamic RoPE's frequencies follow the row's longest "
-                         "position): keep rows within max_position_embeddings")
+                         "position; for LongRoPE the limit is its original_max_position_embeddings, past which its "
+                         "long factors apply): keep rows within it")
