@@ -3,6 +3,7 @@ check that a written config describes exactly the model."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -46,7 +47,7 @@ _ARCH_FIELDS = (
     "attention_bias", "o_bias", "mlp_bias", "qk_norm", "qk_norm_over", "attention_sinks", "qkv_packed", "norm_head",
     "tie_embeddings", "pre_norm",
     "embedding_norm", "final_norm", "type_vocab_size", "position_offset", "sliding_layers", "window", "moe", "mla",
-    "partial_rotary_factor",
+    "partial_rotary_factor", "linear_layers", "linear_attention", "attention_output_gate",
 )
 
 
@@ -55,6 +56,8 @@ def _arch_value(c: ModelConfig, field: str) -> Any:
         return c.sliding_window if c.sliding_layers else None
     if field == "moe":
         return moe_architecture(c)
+    if field == "linear_attention" and c.linear_attention is not None:  # its kernels are a training setting
+        return dataclasses.replace(c.linear_attention, kernels="auto")
     if field == "qk_norm_over":  # only matters with qk_norm
         return c.qk_norm_over if c.qk_norm else None
     if field == "intermediate_size" and c.moe is not None and not c.moe.dense_layers:

@@ -35,6 +35,7 @@ from torch import Tensor
 from ..config import ModelConfig, MoEConfig
 from .deepseek import DEEPSEEK_KINDS, deepseek_from_hf, deepseek_to_hf
 from .entries import MOE_KINDS
+from .qwen3_next import HYBRID_KINDS, hybrid_adapter_tensor, hybrid_from_hf, hybrid_module_name, hybrid_to_hf
 from ..rope import ROPE_TYPES
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ __all__ = [
 ]
 
 DECODER_KINDS = ("llama", "qwen2", "qwen3", "mistral", "baichuan", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-                 "gpt_oss", *DEEPSEEK_KINDS)
+                 "gpt_oss", *DEEPSEEK_KINDS, *HYBRID_KINDS)
 """HF model types with LLaMA's module layout (weight names of ``weights.entries``); those of :data:`MOE_KINDS` have
 Mixture-of-Experts feed-forward layers (:mod:`.entries`), DeepSeek's and GLM's are converted by
 :mod:`.deepseek`."""
@@ -104,14 +105,14 @@ def adapter_tensor_to_hf(config: ModelConfig, name: str, t: Tensor) -> Tensor:
     ``W_pack`` is un-permuted (its rows are W_pack's rows); every other tensor is returned unchanged."""
     if config.qkv_packed and _is_wpack_rows(name):
         return wpack_to_hf(t, config.num_heads)
-    return t
+    return hybrid_adapter_tensor(config, name, t, to_hf=True)
 
 
 def adapter_tensor_from_hf(config: ModelConfig, name: str, t: Tensor) -> Tensor:
     """Inverse of :func:`adapter_tensor_to_hf` (a peft adapter of the HF checkpoint -> our row order)."""
     if config.qkv_packed and _is_wpack_rows(name):
         return wpack_from_hf(t, config.num_heads)
-    return t
+    return hybrid_adapter_tensor(config, name, t, to_hf=False)
 
 
 _HF_MODULE_NAMES = {kind: ((".mlp.shared_expert.", ".mlp.shared_experts."),) for kind in DEEPSEEK_KINDS}
@@ -127,14 +128,14 @@ def module_name_to_hf(config: ModelConfig, name: str) -> str:
     shared experts are ``shared_experts`` there (a peft adapter's keys name them so)."""
     for ours, hf in _HF_MODULE_NAMES.get(_kind(config) or "", ()):
         name = name.replace(ours, hf)
-    return name
+    return hybrid_module_name(config, name, to_hf=True) if config.linear_attention is not None else name
 
 
 def module_name_from_hf(config: ModelConfig, name: str) -> str:
     """Inverse of :func:`module_name_to_hf`."""
     for ours, hf in _HF_MODULE_NAMES.get(_kind(config) or "", ()):
         name = name.replace(hf, ours)
-    return name
+    return hybrid_module_name(config, name, to_hf=False) if config.linear_attention is not None else name
 
 
 # ---------------------------------------------------------------------------------------------------- from HF
@@ -247,7 +248,7 @@ def decoder_config_from_hf(hf: dict[str, Any], kind: str, *, extra: dict[str, An
         kw.update(qkv_packed=True, norm_head=True, attention_bias=False, mlp_bias=False)
     else:
         theta, scaling = rope_from_hf(hf, default=_GPT_OSS_ROPE if kind == "gpt_oss" else None,
-                                      partial=kind == "glm4_moe")
+                                      partial=kind in ("glm4_moe", *HYBRID_KINDS))
         window, types = _sliding_from_hf(hf, kind, layers)
         kw.update(sliding_window=window, layer_types=types)
         if kind == "llama":
@@ -271,7 +272,8 @@ def decoder_config_from_hf(hf: dict[str, Any], kind: str, *, extra: dict[str, An
     fields: dict[str, Any] = dict(
         family="decoder", vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
         num_layers=layers, num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=None if head_dim is None else int(head_dim), intermediate_size=int(hf["intermediate_size"]),
+        head_dim=None if head_dim is None else int(head_dim), intermediate_size=int(
+            hf["intermediate_size"] if kind not in HYBRID_KINDS else hf.get("intermediate_size", 0)),
         max_position_embeddings=int(hf.get("max_position_embeddings", _MAX_POSITIONS.get(kind, 2048))),
         norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", _NORM_EPS.get(kind, 1e-6))),
         activation=gated_act(hf.get("hidden_act", "silu")),  # type: ignore[arg-type]
@@ -282,6 +284,8 @@ def decoder_config_from_hf(hf: dict[str, Any], kind: str, *, extra: dict[str, An
     )
     if kind in DEEPSEEK_KINDS:
         fields.update(deepseek_from_hf(hf, kind, layers, where=where))
+    if kind in HYBRID_KINDS:
+        fields.update(hybrid_from_hf(hf, kind, layers))
     return ModelConfig(**fields)
 
 
@@ -396,7 +400,7 @@ def decoder_config_to_hf(c: ModelConfig, kind: str) -> dict[str, Any]:
     rope = {"rope_type": "default", "rope_theta": c.rope_theta}
     if c.rope_scaling:
         rope = {**dict(c.rope_scaling), "rope_theta": c.rope_theta}
-    if kind == "glm4_moe":  # always written: its absence means 0.5
+    if kind in ("glm4_moe", *HYBRID_KINDS):  # always written: its absence means 0.5 / 0.25
         rope["partial_rotary_factor"] = c.partial_rotary_factor
     hf.update(num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rope_parameters=rope,
               attention_dropout=c.dropout)
@@ -405,6 +409,8 @@ def decoder_config_to_hf(c: ModelConfig, kind: str) -> dict[str, Any]:
         hf.update(deepseek_to_hf(c, kind))
     elif kind in MOE_KINDS:
         hf.update(_moe_to_hf(c, kind))
+    if kind in HYBRID_KINDS:
+        hybrid_to_hf(c, kind, hf)
     if kind == "llama":
         hf.update(attention_bias=c.attention_bias, mlp_bias=c.mlp_bias)
     elif kind == "olmoe":

@@ -15,6 +15,7 @@ from .decoders import DECODER_KINDS, wpack_from_hf, wpack_to_hf
 from .encoders import encoder_entries
 from .entries import Entry, Fused, Stacked, lin, moe_mlp_entries
 from .gpt2 import gpt2_entries
+from .qwen3_next import hybrid_attention_entries
 
 __all__ = ["BASE_PREFIX", "IGNORED", "HEAD_KEYS", "entries", "save_entries"]
 
@@ -72,7 +73,7 @@ def _decoder_entries(c: ModelConfig, kind: str, head: str) -> list[Entry | Stack
     e: list[Entry | Stacked | Fused] = list(lin("embed_tokens", "embed_tokens", False))
     for i in range(c.num_layers):
         p = f"layers.{i}"
-        e += _attention_entries(c, p)
+        e += hybrid_attention_entries(c, p) if i in c.linear_layers else _attention_entries(c, p)
         if i in c.moe_layers:
             e += moe_mlp_entries(c, kind, i)
         else:
