@@ -493,6 +493,29 @@ NAMED_SIZES: dict[tuple[str, str], dict[str, Any]] = {
         moe=dict(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=False, aux_loss_coef=0.01),
         extra={"hf_model_type": "olmoe"},
     ),
+    # Qwen3.5- and Qwen3-Next-shaped hybrids at test size: three Gated DeltaNet layers, then one gated attention layer
+    # (q/k norms, partial rotary 0.25, (1 + weight) norms); Qwen3.5's split projections and dense MLPs, Qwen3-Next's
+    # fused projections and MoE with a sigmoid-gated shared expert.
+    ("decoder", "debug-qwen3.5"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, max_position_embeddings=256, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
+        norm_offset=1.0, attention_output_gate=True, partial_rotary_factor=0.25,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_attention=dict(num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=16,
+                              conv_kernel_size=4, fused_projections=False),
+        extra={"hf_model_type": "qwen3_5_text"},
+    ),
+    ("decoder", "debug-qwen3-next"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, max_position_embeddings=256, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
+        norm_offset=1.0, attention_output_gate=True, partial_rotary_factor=0.25,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_attention=dict(num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=16,
+                              conv_kernel_size=4, fused_projections=True),
+        moe=dict(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True, shared_intermediate_size=32,
+                 shared_gate=True, aux_loss_coef=0.001),
+        extra={"hf_model_type": "qwen3_next"},
+    ),
     ("decoder", "small-moe"): dict(
         _LLAMA, vocab_size=8192, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=32,
         intermediate_size=688, max_position_embeddings=1024, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,

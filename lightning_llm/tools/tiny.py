@@ -1,14 +1,17 @@
-"""Tiny random checkpoints of the Mixture-of-Experts families, written by transformers (no download): what the
+"""Tiny random checkpoints of the Mixture-of-Experts and hybrid families, written by transformers (no download): what the
 configs' headers fine-tune and the tests load.
 
     python -m lightning_llm.tools.tiny gpt_oss OUT_DIR     # GptOssForCausalLM, experts as MXFP4 (as published)
     python -m lightning_llm.tools.tiny olmoe OUT_DIR       # OlmoeForCausalLM
     python -m lightning_llm.tools.tiny deepseek_v3 OUT_DIR # DeepseekV3ForCausalLM (Multi-head Latent Attention)
     python -m lightning_llm.tools.tiny glm4_moe OUT_DIR    # Glm4MoeForCausalLM
+    python -m lightning_llm.tools.tiny qwen3_5 OUT_DIR     # Qwen3_5ForCausalLM (Gated DeltaNet + gated attention)
+    python -m lightning_llm.tools.tiny qwen3_next OUT_DIR  # Qwen3NextForCausalLM (the same, MoE)
 
 ``OUT_DIR`` gets ``config.json`` and ``model.safetensors`` from ``save_pretrained`` of transformers' model of the
 family's debug size (``debug-gpt-oss`` / ``debug-olmoe`` / ``debug-deepseek-v3`` / ``debug-glm4-moe``: 4 layers,
-hidden 64, 8 experts, top-2; the routers' correction biases, which transformers starts at 0, drawn) and a byte-level BPE
+hidden 64, 8 experts, top-2; the routers' correction biases, which transformers starts at 0, drawn; ``debug-qwen3.5``
+/ ``debug-qwen3-next``: three Gated DeltaNet layers and one gated attention layer) and a byte-level BPE
 tokenizer of 300 ids trained on the generated corpus (``<pad>`` 0, ``<s>`` 1, ``</s>`` 2). gpt-oss's experts are then
 stored as openai/gpt-oss-20b is published: their matrices as MXFP4 ``*_blocks``/``*_scales`` (:func:`quantize_mxfp4`)
 with a ``quantization_config`` (``--plain`` keeps them in fp32). The directory is built beside ``OUT_DIR`` and swapped
@@ -37,7 +40,8 @@ __all__ = ["FAMILIES", "main", "quantize_mxfp4", "to_mxfp4", "write_bpe_tokenize
 
 FAMILIES = {"gpt_oss": ("debug-gpt-oss", "GptOssForCausalLM"), "olmoe": ("debug-olmoe", "OlmoeForCausalLM"),
             "deepseek_v3": ("debug-deepseek-v3", "DeepseekV3ForCausalLM"),
-            "glm4_moe": ("debug-glm4-moe", "Glm4MoeForCausalLM")}
+            "glm4_moe": ("debug-glm4-moe", "Glm4MoeForCausalLM"), "qwen3_5": ("debug-qwen3.5", "Qwen3_5ForCausalLM"),
+            "qwen3_next": ("debug-qwen3-next", "Qwen3NextForCausalLM")}
 """family -> (our debug size, the transformers class written)."""
 VOCAB = 304
 """The model's vocabulary: the tokenizer's 300 ids rounded up to a multiple of 8."""

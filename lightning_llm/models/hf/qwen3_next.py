@@ -65,7 +65,7 @@ def hybrid_from_hf(hf: dict[str, Any], kind: str, num_layers: int) -> dict[str, 
         head_dim=int(hf.get("head_dim") or 256), max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
         attention_bias=bool(hf.get("attention_bias", False)), qk_norm=True, norm_offset=1.0,
         attention_output_gate=True, partial_rotary_factor=_partial_rotary(hf), layer_types=list(types),
-        linear_attention=LinearAttentionConfig(
+        linear_attention=None if "linear_attention" not in types else LinearAttentionConfig(
             num_key_heads=int(hf.get("linear_num_key_heads", 16)),
             num_value_heads=int(hf.get("linear_num_value_heads", 32)),
             key_head_dim=int(hf.get("linear_key_head_dim", 128)),
@@ -101,12 +101,13 @@ def _moe(hf: dict[str, Any], kind: str, num_layers: int) -> MoEConfig:
 
 def hybrid_to_hf(c: ModelConfig, kind: str, hf: dict[str, Any]) -> None:
     """Complete the LLaMA-layout fields ``hf`` of a ``kind`` ``config.json`` (the caller checks representability)."""
-    la = _linear(c)
-    hf.update(
-        head_dim=c.head_dim, attention_bias=c.attention_bias, layer_types=list(c.layer_types or ()),
-        linear_num_key_heads=la.num_key_heads, linear_num_value_heads=la.num_value_heads,
-        linear_key_head_dim=la.key_head_dim, linear_value_head_dim=la.value_head_dim,
-        linear_conv_kernel_dim=la.conv_kernel_size)
+    hf.update(head_dim=c.head_dim, attention_bias=c.attention_bias,
+              layer_types=list(c.layer_types or ["full_attention"] * c.num_layers))
+    la = c.linear_attention
+    if la is not None:
+        hf.update(linear_num_key_heads=la.num_key_heads, linear_num_value_heads=la.num_value_heads,
+                  linear_key_head_dim=la.key_head_dim, linear_value_head_dim=la.value_head_dim,
+                  linear_conv_kernel_dim=la.conv_kernel_size)
     m = c.moe
     if kind in _MOE_DEFAULTS:
         if m is None:
