@@ -173,18 +173,20 @@ def activation_bytes_per_sample(config: Any, *, seq_len: int, precision: str, fu
 
 def deltanet_bytes(config: Any, *, tokens: int, precision: str) -> int:
     """Bytes autograd keeps for ``tokens`` tokens of one Gated DeltaNet layer on the torch path
-    (``kernels/delta_rule.py``; measured on the layer in ``tests/models/test_deltanet.py``), with ``Cc`` convolution
-    channels, ``Hv`` value heads, ``Dk``/``Dv`` head widths and chunks of ``C`` = 64: in the compute dtype the
-    convolution's input and output (``2 Cc``), the gates (``3 Hv``) and the gated norm's tensors and ``out_proj``'s
-    input (``6 Hv Dv``); in fp32 (the delta rule runs in fp32) the normalised q/k and their statistics, the chunks'
-    keys, queries and values (``12 Hv Dk + 3 Hv Dv + 6 Hv``) and, per padded token, the chunks' [C, C] matrices
-    (``5 Hv C``) and per chunk one state [Hv, Dk, Dv]. fla's kernels (CUDA) keep less."""
+    (``kernels/delta_rule.py``; measured on the layer in ``tests/models/test_deltanet.py``, within 8%: how many
+    copies the chunks' batched matmuls make of their keys depends on the shapes), with ``Cc`` convolution channels,
+    ``Hv`` value heads, ``Dk``/``Dv`` head widths and chunks of ``C`` = 64: in the compute dtype the convolution's
+    input and output (``2 Cc``), the gates (``3 Hv``), the gated norm's tensors and ``out_proj``'s input
+    (``5 Hv Dv``); in fp32 (the delta rule runs in fp32) the L2-normed q/k (``2 Hv Dk + 3 Hv``) and, per token
+    padded to whole chunks, the chunks' keys, queries, values and outputs (``8 Hv Dk + 4 Hv Dv + 3 Hv``) and [C, C]
+    matrices (``5 Hv C``), and one state [Hv, Dk, Dv] per chunk. fla's kernels (CUDA) keep less."""
     la = config.linear_attention
     hk, hv, dk, dv, c = la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim, 64
     conv = hk * 2 * dk + hv * dv
     padded = -(-tokens // c) * c
-    compute = tokens * (2 * conv + 3 * hv + 6 * hv * dv)
-    fp32 = tokens * (12 * hv * dk + 3 * hv * dv + 6 * hv) + padded * (5 * hv * c) + padded // c * hv * dk * dv
+    compute = tokens * (2 * conv + 3 * hv + 5 * hv * dv)
+    fp32 = tokens * (2 * hv * dk + 3 * hv) + padded * (8 * hv * dk + 4 * hv * dv + 3 * hv + 5 * hv * c) \
+        + padded // c * hv * dk * dv
     return _act_bytes(precision) * compute + 4 * fp32
 
 
