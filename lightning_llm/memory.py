@@ -58,6 +58,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from lightning_llm.kernels.cross_entropy import default_chunk_size
 from lightning_llm.models import model_from_config, parallel_spec_of
 from lightning_llm.models.init import FILL_SCRATCH_BYTES
+from lightning_llm.models.parallel_spec import HeadSharded
 from lightning_llm.models.quantize import QuantizationConfig, QuantizeMode, bytes_per_weight, quantized_linears
 from lightning_llm.strategies.pipeline.split import split_layers
 from lightning_llm.strategies.zero.native import module_path_matches
@@ -347,7 +348,7 @@ class LayoutShare:
 
 def _tp_dim(style: Any, module: nn.Module, attr: str) -> int | None:
     """The dim a tensor-parallel style shards parameter ``attr`` of ``module`` on (None: replicated)."""
-    if isinstance(style, ColwiseParallel):
+    if isinstance(style, (ColwiseParallel, HeadSharded)):  # HeadSharded: per-head rows (sinks, DeltaNet's conv)
         return 0
     if isinstance(style, RowwiseParallel):
         if isinstance(module, nn.Embedding):
