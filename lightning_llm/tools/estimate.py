@@ -132,8 +132,11 @@ def _flops_line(config: Any, counts: ParameterCounts, flops: int) -> str:
     used = (f"{counts.active:,} of them active per token (top-{config.moe.top_k} of {config.moe.num_experts} "
             f"experts on {len(config.moe_layers)} layers: {counts.experts:,} in routed experts); "
             if counts.experts else "")
+    linear = config.linear_layers
+    rule = (f" (the {config.num_layers - len(linear)} attention layers) + the {len(linear)} Gated DeltaNet layers' "
+            "delta rule" if linear else "")
     return (f"{used}training FLOPs per token: {flops:.3e} = 6 x {counts.active - counts.embedding:,} non-embedding "
-            "parameters a token uses + 12 x layers x attention width x sequence")
+            f"parameters a token uses + 12 x layers x attention width x sequence{rule}")
 
 
 def _gib(n: float) -> str:
