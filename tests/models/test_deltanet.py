@@ -14,7 +14,7 @@
   and merges back.
 * Greedy decoding from the recurrent states equals transformers' ``generate`` on left-padded prompts: the dynamic
   cache, the static cache, the static cache's step compiled (Qwen3.5), and the static cache reused by a second
-  generation of the same shapes.
+  generation of the same shapes; beam search (the states reordered with the rows) equals its beam search.
 """
 
 from __future__ import annotations
@@ -228,6 +228,12 @@ def test_greedy_decoding_equals_transformers_generate(family: str, tmp_path: Pat
             out = generate(ours, ids, mask, config=cfg)
             print(f"{family} {impl}{' compiled' if compiled else ''}: {out.tolist()} (transformers {ref.tolist()})")
             assert torch.equal(out, ref)
+    with torch.no_grad():  # beam search reorders the recurrent states with the rows
+        ref = hf.generate(input_ids=prompts[0], attention_mask=masks[0], max_new_tokens=8, num_beams=3,
+                          do_sample=False, pad_token_id=0, eos_token_id=None, early_stopping=True)[:, 9:]
+    out = generate(ours, prompts[0], masks[0], config=GenerationConfig(max_new_tokens=8, num_beams=3))
+    print(f"{family} beam search: {out.tolist()} (transformers {ref.tolist()})")
+    assert torch.equal(out, ref)
 
 
 # ------------------------------------------------------------------------------------------------ memory
@@ -290,3 +296,27 @@ def test_lora_adapter_loads_in_peft_on_transformers_model(tmp_path: Path) -> Non
     print(f"LoRA on Qwen3.5: peft on transformers' model vs ours {err:.1e}, merged back {merge_err:.1e} relative (the "
           f"adapter moved the logits by {moved:.2f})")
     assert moved > 0.1 and err <= 1e-5 and merge_err <= 1e-5
+
+
+def test_refusals_in_one_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from safetensors.torch import save_file
+
+    from lightning_llm.models import ModelConfig, build_model, named_config
+    from lightning_llm.peft.prompt import PrefixTuningLM
+
+    model = build_model("debug-qwen3.5", family="decoder", num_layers=2,
+                        layer_types=["linear_attention", "full_attention"])
+    with pytest.raises(ValueError, match="prefix_tuning: layers \\[0\\] are Gated DeltaNet layers"):
+        PrefixTuningLM(model, 4)
+    with pytest.raises(ValueError, match="not a 4-D mask"):
+        model(torch.zeros(1, 5, dtype=torch.long), attention_mask=torch.ones(1, 1, 5, 5, dtype=torch.bool))
+    fields = named_config("debug-qwen3.5", family="decoder").to_dict()
+    with pytest.raises(ValueError, match="go together"):
+        ModelConfig.from_dict({**fields, "layer_types": None})
+    _, path = write_hybrid("qwen3_5", tmp_path / "hf", num_hidden_layers=2, layer_types=["linear_attention",
+                                                                                         "full_attention"])
+    sd = load_file(str(path / "model.safetensors"))  # Qwen3.5's published checkpoints carry mtp.* (not built)
+    save_file({**sd, "mtp.fc.weight": torch.zeros(2, 2)}, str(path / "model.safetensors"))
+    with caplog.at_level("WARNING"):
+        load_hf(path)
+    assert "multi-token-prediction" in caplog.text
