@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["CHUNK_SIZE", "causal_conv1d", "causal_conv1d_torch", "chunk_gated_delta_rule_torch", "fla_available",
+__all__ = ["CHUNK_SIZE", "causal_conv1d", "causal_conv1d_torch", "chunk_gated_delta_rule_torch", "fla_applies",
+           "fla_available",
            "gated_delta_rule", "l2norm", "recurrent_gated_delta_rule_step", "sequence_starts"]
 
 CHUNK_SIZE = 64
@@ -155,8 +156,9 @@ def sequence_starts(segment_ids: Tensor, batch: int, seq: int) -> Tensor:
     return torch.cat([first, first.new_full((1,), batch * seq)]).to(torch.int32)
 
 
-def _use_fla(backend: str, x: Tensor) -> bool:
-    """``backend``: ``auto`` (fla where it runs), ``fla`` (or an error) or ``torch``."""
+def fla_applies(backend: str, x: Tensor) -> bool:
+    """Whether the dispatch takes fla's kernels for ``x``; ``backend``: ``auto`` (fla where it runs), ``fla`` (or an
+    error) or ``torch``."""
     if backend == "torch" or torch.compiler.is_compiling():
         return False
     ok = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and fla_available()
@@ -177,9 +179,9 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *
                      output_final_state: bool = False, segment_ids: Tensor | None = None,
                      cu_seqlens: Tensor | None = None, backend: str = "auto") -> tuple[Tensor, Tensor | None]:
     """The chunked gated delta rule (shapes of :func:`chunk_gated_delta_rule_torch`; q and k are L2-normed inside):
-    fla's kernel where :func:`_use_fla` says (``cu_seqlens`` from :func:`sequence_starts` for packed or padded rows),
+    fla's kernel where :func:`fla_applies` says (``cu_seqlens`` from :func:`sequence_starts` for packed or padded rows),
     else the torch form (``segment_ids`` restart the state)."""
-    if not _use_fla(backend, q):
+    if not fla_applies(backend, q):
         return chunk_gated_delta_rule_torch(q, k, v, g, beta, initial_state=initial_state,
                                             output_final_state=output_final_state, segment_ids=segment_ids)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
@@ -194,9 +196,9 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *
 
 def causal_conv1d(x: Tensor, weight: Tensor, *, state: Tensor | None = None, segment_ids: Tensor | None = None,
                   cu_seqlens: Tensor | None = None, backend: str = "auto") -> tuple[Tensor, Tensor]:
-    """:func:`causal_conv1d_torch`'s convolution (x [B, C, S]), by fla's ``causal_conv1d`` where :func:`_use_fla`
+    """:func:`causal_conv1d_torch`'s convolution (x [B, C, S]), by fla's ``causal_conv1d`` where :func:`fla_applies`
     says and no state is carried in (training, a prefill: the new state is then taken from x here)."""
-    if state is not None or not _use_fla(backend, x):
+    if state is not None or not fla_applies(backend, x):
         return causal_conv1d_torch(x, weight, state=state, segment_ids=segment_ids)
     from fla.modules.causal_conv1d import causal_conv1d as fla_conv
 

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from lightning_llm.kernels.delta_rule import (
     causal_conv1d,
+    fla_applies,
     gated_delta_rule,
     recurrent_gated_delta_rule_step,
     sequence_starts,
@@ -183,7 +184,7 @@ class GatedDeltaNet(nn.Module):
             qkv, z, beta, a = qkv * keep[..., None], z * keep[..., None, None], beta * keep[..., None], \
                 a * keep[..., None]
         seg = None if rows is None else rows.segment_ids
-        cu = None if rows is None else rows.cu_seqlens()
+        cu = rows.cu_seqlens() if rows is not None and fla_applies(la.kernels, qkv) else None  # fla: a host read
         past = kv_cache.state(self) if kv_cache is not None else None
         conv_state, state = past if past is not None else (None, None)
         mixed, conv_state = causal_conv1d(qkv.transpose(1, 2), self.conv1d(), state=conv_state, segment_ids=seg,

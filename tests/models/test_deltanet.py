@@ -70,6 +70,7 @@ def test_chunked_rule_and_step_equal_transformers() -> None:
     state4, x1 = torch.randn(B, 12, 4), torch.randn(B, 12, 1)
     step, _ = causal_conv1d_torch(x1, w, state=state4[..., 1:])
     errs.append((step - M.causal_conv1d_update(x1, state4.clone(), w[:, 0], None, "silu")).abs().max())
+    errs = [e.detach() for e in errs]
     print("max |ours - transformers| (outputs, state, grads q k v g beta, step, conv, step conv):",
           [f"{float(e):.1e}" for e in errs])
     assert max(errs) <= 1e-5
@@ -97,6 +98,7 @@ def test_packed_rows_restart_the_state_and_the_convolution() -> None:
     alone = torch.autograd.grad((alone_out * g_out).sum() + (alone_conv * g_conv).sum(), [*ins, x])
     errs = [(out - alone_out).abs().max(), (conv - alone_conv).abs().max()]
     errs += [(a - b).abs().max() for a, b in zip(packed, alone)]
+    errs = [e.detach() for e in errs]
     print("packed vs one by one (delta rule, conv, grads):", [f"{float(e):.1e}" for e in errs])
     assert max(errs) <= 1e-5
 
