@@ -20,7 +20,7 @@ lint: install
 	$(PYTHON) -m ruff check lightning_llm tests benchmarks
 
 test: install lint
-	$(PYTHON) -m pytest -q tests
+	$(PYTHON) -m pytest -q tests --durations=30
 
 test-fast:
 	$(PYTHON) -m pytest -q tests -m "not multiprocess"

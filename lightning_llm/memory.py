@@ -33,7 +33,9 @@ Mixture-of-Experts models (:mod:`lightning_llm.models.moe`): the routed experts 
 under ZeRO-3 sharded on dim 0 over the ``dp x cp / ep`` ranks holding the same experts (everything else over all
 ``dp x cp``). An MoE layer's activations per token replace the dense MLP's by what autograd saves for the router
 and the ``top_k`` assignments of the token (:func:`moe_layer_bytes_per_token`), with the tokens spread evenly over the
-experts (a rank of an expert-parallel group then computes as many assignments as its tokens made).
+experts (a rank of an expert-parallel group then computes as many assignments as its tokens made). A Gated DeltaNet
+layer's (Qwen3.5, Qwen3-Next) replace the attention's by what its chunked delta rule saves (:func:`deltanet_bytes`:
+projections, convolution, the chunks' [64, 64] matrices and one recurrent state per chunk).
 
 Set-up peak of a rank (sharded construction, :mod:`lightning_llm.models.init`): its parameters are allocated at
 once but become resident as they are filled, in order; the peak is the parameters plus the init generator's
@@ -56,6 +58,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from lightning_llm.kernels.cross_entropy import default_chunk_size
 from lightning_llm.models import model_from_config, parallel_spec_of
 from lightning_llm.models.init import FILL_SCRATCH_BYTES
+from lightning_llm.models.parallel_spec import HeadSharded
 from lightning_llm.models.quantize import QuantizationConfig, QuantizeMode, bytes_per_weight, quantized_linears
 from lightning_llm.strategies.pipeline.split import split_layers
 from lightning_llm.strategies.zero.native import module_path_matches
@@ -154,15 +157,48 @@ def activation_bytes_per_sample(config: Any, *, seq_len: int, precision: str, fu
         per_token_layer += 3 * h  # 1-byte dropout masks on attention/residual paths (probabilities not counted)
     local = seq_len // cp
     per_layer = per_token_layer * local + (b * gathered * seq_len if cp > 1 else 0)
-    moe_layers = len(getattr(config, "moe_layers", ()))
+    moe_layers = set(getattr(config, "moe_layers", ()))
+    linear_layers = set(getattr(config, "linear_layers", ()))
     # An MoE layer: the dense MLP's term replaced by the router's and the experts' (the largest layer is reported).
-    per_moe_layer = per_layer + local * (moe_layer_bytes_per_token(config, precision=precision) - b * mlp) \
-        if moe_layers else per_layer
+    moe_extra = local * (moe_layer_bytes_per_token(config, precision=precision) - b * mlp) if moe_layers else 0
+    # A Gated DeltaNet layer: the attention's term replaced by the layer's (its chunks padded to 64 tokens).
+    linear_extra = deltanet_bytes(config, tokens=local, precision=precision) - b * attention * local \
+        if linear_layers else 0
     vocab = config.vocab_size
     # Embedding output, final norm (2H), logits in the compute dtype + their fp32 copy for the loss.
     head = local * (b * 3 * h + (0 if fused_loss else (b + 4) * vocab))
-    layers = per_layer * (config.num_layers - moe_layers) + per_moe_layer * moe_layers
-    return max(per_layer, per_moe_layer), layers + head
+    each = [per_layer + (moe_extra if n in moe_layers else 0) + (linear_extra if n in linear_layers else 0)
+            for n in range(config.num_layers)]
+    return max(each), sum(each) + head
+
+
+def deltanet_bytes(config: Any, *, tokens: int, precision: str) -> int:
+    """Bytes autograd keeps for ``tokens`` tokens of one Gated DeltaNet layer on the torch path
+    (``kernels/delta_rule.py``; measured on the layer in ``tests/models/test_deltanet.py``, within 8%: how many
+    copies the chunks' batched matmuls make of their keys depends on the shapes), with ``Cc`` convolution channels,
+    ``Hv`` value heads, ``Dk``/``Dv`` head widths and chunks of ``C`` = 64: in the compute dtype the convolution's
+    input and output (``2 Cc``), the gates (``3 Hv``), the gated norm's tensors and ``out_proj``'s input
+    (``5 Hv Dv``); in fp32 (the delta rule runs in fp32) the L2-normed q/k (``2 Hv Dk + 3 Hv``) and, per token
+    padded to whole chunks, the chunks' keys, queries, values and outputs (``8 Hv Dk + 4 Hv Dv + 3 Hv``) and [C, C]
+    matrices (``5 Hv C``), and one state [Hv, Dk, Dv] per chunk. fla's kernels (CUDA) keep less."""
+    la = config.linear_attention
+    hk, hv, dk, dv, c = la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim, 64
+    conv = hk * 2 * dk + hv * dv
+    padded = -(-tokens // c) * c
+    compute = tokens * (2 * conv + 3 * hv + 5 * hv * dv)
+    fp32 = tokens * (2 * hv * dk + 3 * hv) + padded * (8 * hv * dk + 4 * hv * dv + 3 * hv + 5 * hv * c) \
+        + padded // c * hv * dk * dv
+    return _act_bytes(precision) * compute + 4 * fp32
+
+
+def deltanet_flops_per_token(config: Any) -> int:
+    """A training step's FLOPs per token of one Gated DeltaNet layer's delta rule (3x the forward's chunked form,
+    chunks of ``C`` = 64, per value head): the [C, C] products of keys with keys and with queries (``4 C Dk``), their
+    product with the values (``2 C Dv``), the two triangular solves (``C (Dk + Dv)``) and the state's reads and update
+    (``6 Dk Dv``); the projections are counted with the parameters."""
+    la = config.linear_attention
+    dk, dv, c = la.key_head_dim, la.value_head_dim, 64
+    return 3 * la.num_value_heads * (4 * c * dk + 2 * c * dv + c * (dk + dv) + 6 * dk * dv)
 
 
 def attention_elements_per_token(config: Any) -> tuple[int, int]:
@@ -178,7 +214,8 @@ def attention_elements_per_token(config: Any) -> tuple[int, int]:
     mla = getattr(config, "mla", None)
     if mla is None:
         q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        return 3 * q + 3 * kv, 2 * kv
+        gate = 3 * q if getattr(config, "attention_output_gate", False) else 0  # the gate, its sigmoid, the product
+        return 3 * q + 3 * kv + gate, 2 * kv
     n, qk = config.num_heads, mla.qk_head_dim
     query = 3 * mla.q_lora_rank + 1 if mla.q_lora_rank is not None else 0
     latent = 3 * mla.kv_lora_rank + mla.qk_rope_head_dim + 1
@@ -311,7 +348,7 @@ class LayoutShare:
 
 def _tp_dim(style: Any, module: nn.Module, attr: str) -> int | None:
     """The dim a tensor-parallel style shards parameter ``attr`` of ``module`` on (None: replicated)."""
-    if isinstance(style, ColwiseParallel):
+    if isinstance(style, (ColwiseParallel, HeadSharded)):  # HeadSharded: per-head rows (sinks, DeltaNet's conv)
         return 0
     if isinstance(style, RowwiseParallel):
         if isinstance(module, nn.Embedding):

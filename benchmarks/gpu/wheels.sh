@@ -17,8 +17,8 @@
 #   python benchmarks/gpu/suite.py --only e2e-encoder --time-budget-s 540 --out $OUT/gpu-e2e-encoder.md
 #   python benchmarks/gpu/suite.py --only e2e-offload --only e2e-decoder --time-budget-s 540 --out $OUT/gpu-e2e-rest.md)
 #
-# Versions are the ones installed here (what the tests ran with); liger-kernel is not a dependency of the project and
-# is pinned below. DeepSpeed publishes only an sdist: if `pip download --only-binary=:all:` finds no wheel, a
+# Versions are the ones installed here (what the tests ran with); liger-kernel and fla-core (the optional [fla] extra,
+# not installed here: CUDA only) are pinned below. DeepSpeed publishes only an sdist: if `pip download --only-binary=:all:` finds no wheel, a
 # pure-python wheel is built from the sdist with DS_BUILD_OPS=0 (its C++/CUDA ops are then JIT-built on first use,
 # which the runs above do not need). Every other sdist-only package (jieba) is built the same way with
 # `pip wheel --no-deps`.
@@ -29,6 +29,7 @@ cd "$ROOT"
 PY="${PYTHON:-python3}"
 OUT=.whl
 LIGER_VERSION="${LIGER_VERSION:-0.8.5}"
+FLA_VERSION="${FLA_VERSION:-0.6.0}"  # flash-linear-attention (the [fla] extra): benchmarks/gpu/hybrid.py
 # Missing on the GPU machine: the project's own dependencies, DeepSpeed's (hjson, pydantic and its parts), the test-only
 # metric references (rouge-chinese, jieba, nltk + defusedxml), and Liger-Kernel for the comparisons. typing-extensions
 # is there, in an unknown version: pydantic-core needs >= 4.14.1, so the (backward-compatible) one from here goes too.
@@ -58,6 +59,7 @@ for name in "${PACKAGES[@]}"; do
   fetch "$name" "$(version_here "$name")"
 done
 fetch liger-kernel "$LIGER_VERSION"
+fetch fla-core "$FLA_VERSION"
 # This project, from a copy of the working tree (tracked and untracked-not-ignored files), so that building leaves no
 # build/ or egg-info behind here.
 SRC="$(mktemp -d)"

@@ -140,6 +140,40 @@ class MLAConfig:
 
 
 @dataclass
+class LinearAttentionConfig:
+    """Gated DeltaNet layers (linear attention with a recurrent state: Qwen3.5, Qwen3-Next; ``models/deltanet.py``),
+    on the layers ``ModelConfig.layer_types`` names ``"linear_attention"``. Each key head serves
+    ``num_value_heads / num_key_heads`` value heads."""
+
+    num_key_heads: int = 16
+    """Query/key heads (HF ``linear_num_key_heads``)."""
+    num_value_heads: int = 32
+    """Value heads (HF ``linear_num_value_heads``); a multiple of ``num_key_heads``."""
+    key_head_dim: int = 128
+    """Per-head query/key width (HF ``linear_key_head_dim``)."""
+    value_head_dim: int = 128
+    """Per-head value width (HF ``linear_value_head_dim``)."""
+    conv_kernel_size: int = 4
+    """Width of the depthwise causal convolution over q, k, v (HF ``linear_conv_kernel_dim``)."""
+    fused_projections: bool = True
+    """Qwen3-Next's fused ``in_proj_qkvz`` / ``in_proj_ba``; ``False``: Qwen3.5's ``in_proj_qkv``, ``in_proj_z``,
+    ``in_proj_b``, ``in_proj_a``."""
+    kernels: Literal["auto", "fla", "torch"] = "auto"
+    """The delta rule and the convolution: flash-linear-attention's kernels (``fla``, the optional ``fla-core``
+    package: CUDA, bf16/fp16), the chunked torch form (``torch``), or fla where it runs (``auto``)."""
+
+    def __post_init__(self) -> None:
+        checks = [(min(self.num_key_heads, self.num_value_heads, self.key_head_dim, self.value_head_dim) >= 1,
+                   "head counts and widths must be >= 1"),
+                  (self.num_value_heads % self.num_key_heads == 0, "num_key_heads must divide num_value_heads"),
+                  (self.conv_kernel_size >= 1, "conv_kernel_size must be >= 1"),
+                  (self.kernels in ("auto", "fla", "torch"), "kernels must be auto, fla or torch")]
+        bad = [msg for ok, msg in checks if not ok]
+        if bad:
+            raise ValueError(f"LinearAttentionConfig: {'; '.join(bad)} (got {self})")
+
+
+@dataclass
 class ModelConfig:
     """Architecture of one transformer. Field names follow the LLaMA/BERT vocabulary."""
 
@@ -258,6 +292,11 @@ class ModelConfig:
     norm_weight_fp32: bool = False
     """RMSNorms multiply by their weight in fp32 and cast afterwards (OLMo 2/3: ``(weight * x).to(dtype)``); ``False``:
     LLaMA's order, cast first (the same in fp32)."""
+    linear_attention: LinearAttentionConfig | None = None
+    """Gated DeltaNet layers where ``layer_types`` says ``"linear_attention"`` (Qwen3.5, Qwen3-Next)."""
+    attention_output_gate: bool = False
+    """The attention output times ``sigmoid(gate)``, the gate from a second half of ``q_proj`` (per head ``[q_h,
+    gate_h]``: Qwen3.5's and Qwen3-Next's gated attention)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form metadata kept through save/load (e.g. the HF architecture name)."""
 
@@ -266,6 +305,8 @@ class ModelConfig:
             self.moe = MoEConfig(**self.moe)
         if isinstance(self.mla, dict):
             self.mla = MLAConfig(**self.mla)
+        if isinstance(self.linear_attention, dict):
+            self.linear_attention = LinearAttentionConfig(**self.linear_attention)
         if self.mla is not None:
             self._check_mla(self.mla)
         if self.moe is not None:
@@ -294,16 +335,24 @@ class ModelConfig:
         if self.attention_sinks and self.dropout:
             raise ValueError(f"ModelConfig: dropout={self.dropout} with attention_sinks (gpt-oss) is not supported: "
                              "the sink kernels have no attention dropout; set dropout 0")
+        if self.attention_output_gate and (self.qkv_packed or self.mla is not None
+                                           or (self.qk_norm and self.qk_norm_over != "head")):
+            raise ValueError("ModelConfig: attention_output_gate (a gate half in q_proj) takes separate q/k/v "
+                             "projections with per-head q/k norms (no qkv_packed, mla or qk_norm_over='projection')")
         if self.qk_norm_over not in ("head", "projection"):
             raise ValueError(f"ModelConfig: qk_norm_over={self.qk_norm_over!r} must be 'head' or 'projection'")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"ModelConfig: sliding_window={self.sliding_window} must be >= 1 (or None)")
         if self.layer_types is not None:
             self.layer_types = list(self.layer_types)
-            bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention"})
+            bad = sorted(set(self.layer_types) - {"full_attention", "sliding_attention", "linear_attention"})
             if bad or len(self.layer_types) != self.num_layers:
                 raise ValueError(f"ModelConfig: layer_types must list num_layers={self.num_layers} entries of "
-                                 f"full_attention / sliding_attention, got {self.layer_types}")
+                                 f"full_attention / sliding_attention / linear_attention, got {self.layer_types}")
+        if bool(self.linear_layers) != (self.linear_attention is not None):
+            raise ValueError("ModelConfig: linear_attention= (Gated DeltaNet layers) and layer_types entries "
+                             f"'linear_attention' go together (got linear_attention={self.linear_attention}, "
+                             f"layer_types={self.layer_types})")
         self._check_block_layout()
         rotary = self.rotary_dim
         if self.position == "rope" and (not 0 < self.partial_rotary_factor <= 1 or rotary < 2 or rotary % 2):
@@ -363,6 +412,21 @@ class ModelConfig:
         return tuple(i for i in range(self.num_layers) if i not in dense)
 
     @property
+    def linear_layers(self) -> tuple[int, ...]:
+        """Indices of the Gated DeltaNet layers (``layer_types`` entries ``"linear_attention"``)."""
+        return tuple(i for i, t in enumerate(self.layer_types or ()) if t == "linear_attention")
+
+    @property
+    def linear_key_heads(self) -> int | None:
+        """The DeltaNet layers' key heads (``None`` without them): tensor parallelism splits them."""
+        return None if self.linear_attention is None else self.linear_attention.num_key_heads
+
+    @property
+    def linear_value_heads(self) -> int | None:
+        """The DeltaNet layers' value heads (``None`` without them)."""
+        return None if self.linear_attention is None else self.linear_attention.num_value_heads
+
+    @property
     def sliding_layers(self) -> tuple[int, ...]:
         """Indices of the layers that use the sliding window (empty without ``sliding_window``)."""
         if self.sliding_window is None:
@@ -380,7 +444,7 @@ class ModelConfig:
             changes["num_kv_heads"] = None
         if "o_bias" not in changes and "attention_bias" in changes:
             changes["o_bias"] = None
-        for name in ("moe", "mla"):  # a partial dict changes those fields of the existing one (a loaded backbone's)
+        for name in ("moe", "mla", "linear_attention"):  # a partial dict changes those fields of the existing one (a loaded backbone's)
             if isinstance(changes.get(name), dict) and getattr(self, name) is not None:
                 changes[name] = dataclasses.replace(getattr(self, name), **changes[name])
         if self.mla is not None or changes.get("mla") is not None:  # derived from mla: recomputed from the new one
@@ -496,6 +560,29 @@ NAMED_SIZES: dict[tuple[str, str], dict[str, Any]] = {
         _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=128,
         max_position_embeddings=256, norm_eps=1e-6, rope_theta=2000000.0, nope_layers=[3], tie_embeddings=True,
         extra={"hf_model_type": "smollm3"},
+    ),
+    # Qwen3.5- and Qwen3-Next-shaped hybrids at test size: three Gated DeltaNet layers, then one gated attention layer
+    # (q/k norms, partial rotary 0.25, (1 + weight) norms); Qwen3.5's split projections and dense MLPs, Qwen3-Next's
+    # fused projections and MoE with a sigmoid-gated shared expert.
+    ("decoder", "debug-qwen3.5"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, max_position_embeddings=256, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
+        norm_offset=1.0, attention_output_gate=True, partial_rotary_factor=0.25,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_attention=dict(num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=16,
+                              conv_kernel_size=4, fused_projections=False),
+        extra={"hf_model_type": "qwen3_5_text"},
+    ),
+    ("decoder", "debug-qwen3-next"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, max_position_embeddings=256, norm_eps=1e-6, rope_theta=1e6, qk_norm=True,
+        norm_offset=1.0, attention_output_gate=True, partial_rotary_factor=0.25,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_attention=dict(num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=16,
+                              conv_kernel_size=4, fused_projections=True),
+        moe=dict(num_experts=8, top_k=2, intermediate_size=32, norm_topk_prob=True, shared_intermediate_size=32,
+                 shared_gate=True, aux_loss_coef=0.001),
+        extra={"hf_model_type": "qwen3_next"},
     ),
     ("decoder", "small-moe"): dict(
         _LLAMA, vocab_size=8192, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=32,

@@ -12,7 +12,9 @@ Module tree (uniform so that parallel plans are data keyed by module path)::
 Variants are config switches of this one module tree (so every family shares one parallel spec): fused ``W_pack``
 and ``q_norm``/``k_norm`` in the attention (``layers.Attention``), partial rotary (``partial_rotary_factor``), a
 sliding window on the layers of ``config.sliding_layers`` (a band in the attention mask), rope types of ``rope.py``,
-Multi-head Latent Attention as every layer's ``self_attn`` (``config.mla``: ``mla.LatentAttention``), Mixture-of-Experts
+Multi-head Latent Attention as every layer's ``self_attn`` (``config.mla``: ``mla.LatentAttention``), Gated DeltaNet
+as the ``self_attn`` of the layers ``config.linear_layers`` names (``deltanet.GatedDeltaNet``: Qwen3.5, Qwen3-Next,
+a recurrent state instead of keys and values), Mixture-of-Experts
 feed-forwards (``config.moe``: ``moe.MoEBlock``), norms on each branch's input and/or output (``branch_input_norm``,
 ``branch_output_norm``: ``attn_out_norm``/``mlp_out_norm``), rotary dims in pairs (``rope_interleave``), layers without
 rotary embedding (``nope_layers``), the sliding layers' own rope (``sliding_rope``), LongRoPE's factors chosen per
@@ -34,6 +36,7 @@ from lightning_llm.kernels.head_loss import TokenScores, head_cross_entropy, hea
 
 from .attention import AttentionMask, TokenMask, contiguous_sequences, uses_varlen, varlen_layout
 from .config import ModelConfig
+from .deltanet import GatedDeltaNet, recurrent_rows
 from .init import InitPlan, WeightsSource, draw_init_seed, full_index, init_whole, materialize, plan_for_modules
 from .mla import LatentAttention
 from .moe import MoEBlock, RoutingInput
@@ -85,7 +88,7 @@ class DecoderLM(nn.Module):
             self.dropout = nn.Dropout(config.dropout)
             moe = set(config.moe_layers)
             self.layers = nn.ModuleDict({str(i): TransformerBlock(
-                config, mlp=MoEBlock(config, i) if i in moe else None, attn=_attention_layer(config))
+                config, mlp=MoEBlock(config, i) if i in moe else None, attn=_attention_layer(config, i))
                 for i in range(config.num_layers)})
             self.norm: nn.Module | None = build_norm(config) if config.final_norm else None
             head_cls = NormHead if config.norm_head else nn.Linear
@@ -247,11 +250,12 @@ class DecoderLM(nn.Module):
             layouts = self._layouts(attention_mask, segment_ids, x, total) if varlen else None
             full, sliding = layouts or self._shared_masks(
                 self._masks(attention_mask, segment_ids, s, total, x.device, first=past), x)
-        windowed = set(self.config.sliding_layers)
+        windowed, linear = set(self.config.sliding_layers), set(self.config.linear_layers)
+        recurrent = (recurrent_rows(attention_mask, segment_ids, s), False) if linear else None
         routing = self._routing_input(attention_mask, segment_ids, b * s) if self.routing is not None else None
         moe = set(self.config.moe_layers)
         for key, layer in self.layers.items():
-            mask, is_causal = sliding if int(key) in windowed else full
+            mask, is_causal = recurrent if int(key) in linear else sliding if int(key) in windowed else full
             layer_kw = {**cache_kw, "routing": routing} if routing is not None and int(key) in moe else cache_kw
             x = layer(x, rope=ropes.get(key, rope), attn_mask=mask, is_causal=is_causal, **layer_kw)
         if self.routing is not None and any(block.training for block in self.layers.values()):
@@ -456,6 +460,8 @@ class DecoderLM(nn.Module):
         return (mask, False), (mask & causal_mask(s, mask.shape[-1], window, device=device), False)
 
 
-def _attention_layer(config: ModelConfig) -> nn.Module | None:
-    """The kind of attention layer of a block (None: the block's default, ``layers.Attention``)."""
+def _attention_layer(config: ModelConfig, layer: int) -> nn.Module | None:
+    """The kind of attention layer of block ``layer`` (None: the block's default, ``layers.Attention``)."""
+    if layer in config.linear_layers:
+        return GatedDeltaNet(config)
     return LatentAttention(config) if config.mla is not None else None

@@ -21,6 +21,10 @@ Latent Attention, plugs in through it):
   dimension 2) under its own identity and gets back all ``T`` cached columns of both: an attention's keys and values
   ``[B, K, S, D]`` after rotary, or a latent attention's compressed latent and rotary key. Columns not yet written
   (a static cache's tail) are zero; the mask hides them.
+* ``cache.state(owner) -> states | None`` and ``cache.set_state(owner, states)``: a recurrent layer's states (Gated
+  DeltaNet's convolution inputs and delta-rule state, ``models/deltanet.py``) after the tokens so far, kept per layer
+  beside the attention layers' keys and values (None before its first forward); a static cache writes them into
+  buffers of fixed addresses.
 * ``cache.advance(S)``: the forward is done (the model calls it after its layers).
 * ``cache.reorder(index)``: keep batch rows ``index`` (beam search; :class:`KVCache` only).
 
@@ -59,6 +63,7 @@ class KVCache:
         self.capacity = capacity
         self._kv: dict[int, tuple[Tensor, Tensor]] = {}  # id(owner) -> keys, values [B, K, filled, D]
         self._buffers: dict[int, tuple[Tensor, Tensor]] = {}  # id(owner) -> [B, K, capacity, D] (capacity only)
+        self._states: dict[int, tuple[Tensor, ...]] = {}  # id(owner) -> a recurrent layer's states [B, ...]
         self.seq_len = 0
         """Tokens cached so far (advanced by the model after each forward)."""
 
@@ -94,8 +99,17 @@ class KVCache:
         self._kv[key] = (kb[:, :, :end], vb[:, :, :end])
         return self._kv[key]
 
+    def state(self, owner: nn.Module) -> tuple[Tensor, ...] | None:
+        """A recurrent layer's states after the tokens so far (None before its first forward)."""
+        return self._states.get(id(owner))
+
+    def set_state(self, owner: nn.Module, states: tuple[Tensor, ...]) -> None:
+        """Keep ``owner``'s states [B, ...] after this forward's tokens."""
+        self._states[id(owner)] = states
+
     def reorder(self, index: Tensor) -> None:
         """Keep batch rows ``index`` [B'] (in that order) of every cached tensor."""
+        self._states = {key: tuple(t.index_select(0, index) for t in states) for key, states in self._states.items()}
         if self.capacity is None:
             self._kv = {key: (k.index_select(0, index), v.index_select(0, index)) for key, (k, v) in self._kv.items()}
             return
@@ -123,10 +137,30 @@ class StaticKVCache(KVCache):
         """Decoding steps: the column the next token's keys/values are written to (0-dim long); None while
         prefilling."""
         self._position: Tensor | None = None  # the tensor behind ``position``, kept across generations
+        self._state_buffers: dict[int, tuple[Tensor, ...]] = {}  # id(owner) -> recurrent states, fixed addresses
 
     def reset(self) -> None:
-        """Start a new generation (the buffers are kept: their stale columns are hidden by the mask)."""
-        self._kv, self.seq_len, self.position = {}, 0, None
+        """Start a new generation (the buffers are kept: their stale columns are hidden by the mask, the recurrent
+        states are overwritten by the prefill)."""
+        self._kv, self._states, self.seq_len, self.position = {}, {}, 0, None
+
+    def set_state(self, owner: nn.Module, states: tuple[Tensor, ...]) -> None:
+        """Copy ``states`` into ``owner``'s buffers (allocated by the prefill, kept across generations of the same
+        shapes), so a compiled step reads and writes the same addresses."""
+        key = id(owner)
+        kept = self._state_buffers.get(key)
+        if kept is None or any(a.shape != b.shape or a.dtype != b.dtype or a.device != b.device
+                               for a, b in zip(kept, states)):
+            if self.position is not None:
+                raise ValueError("StaticKVCache: a recurrent layer's states change shape in a decoding step")
+            kept = tuple(t.detach().clone() for t in states)
+            for t in kept:
+                torch._dynamo.mark_static_address(t, guard=False)
+            self._state_buffers[key] = kept
+        else:
+            for buf, t in zip(kept, states):
+                buf.copy_(t)
+        self._states[key] = kept
 
     def _allocate(self, k: Tensor, v: Tensor, size: int) -> tuple[Tensor, Tensor]:
         kb = k.new_zeros(*k.shape[:2], size, k.shape[3])  # zeros: masked columns must be finite (0 x NaN is NaN)
@@ -162,7 +196,7 @@ class StaticKVCache(KVCache):
         self.position = self._position
 
     def _device(self) -> torch.device:
-        return next(iter(self._buffers.values()))[0].device
+        return next(iter((*self._buffers.values(), *self._state_buffers.values())))[0].device
 
     def columns(self, new: int) -> tuple[int, int | Tensor]:
         if self.position is None:

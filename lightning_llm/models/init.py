@@ -93,9 +93,10 @@ def draw_init_seed() -> int:
 class Init:
     """How one parameter starts: ``normal`` (mean 0, ``std``) drawn from the stream of ``key``, or ``constant``."""
 
-    kind: str  # "normal" | "constant"
-    value: float = 0.0  # std of a normal, or the constant
+    kind: str  # "normal" | "constant" | "log_uniform"
+    value: float = 0.0  # std of a normal, the constant, or a log-uniform's upper bound
     key: str = ""  # the name whose random stream a normal draws from (the parameter's own; a tied head's source)
+    low: float = 0.0  # a log-uniform's lower bound
 
     @staticmethod
     def normal(std: float, key: str) -> Init:
@@ -104,6 +105,11 @@ class Init:
     @staticmethod
     def constant(value: float) -> Init:
         return Init("constant", value)
+
+    @staticmethod
+    def log_uniform(low: float, high: float, key: str) -> Init:
+        """``log(u)``, ``u`` uniform in ``[low, high)`` (Gated DeltaNet's decay rates ``A_log``)."""
+        return Init("log_uniform", high, key, low)
 
 
 InitPlan = dict[str, Init]
@@ -138,7 +144,11 @@ def fill_(local: Tensor, init: Init, *, seed: int, index: Sequence[Tensor], shap
     for a in range(0, rows.numel(), step):
         b = min(a + step, rows.numel())
         flat = (rows[a:b, None] + rest[None, :]).reshape(b - a, per_row)
-        vals = (normal_values(stream, flat) * init.value).to(local.dtype)
+        if init.kind == "log_uniform":  # the top 53 bits of SplitMix64's output as a uniform in [0, 1)
+            u = _shr(splitmix64(stream, flat), 11).double() * 2.0**-53
+            vals = torch.log(init.low + (init.value - init.low) * u).to(local.dtype)
+        else:
+            vals = (normal_values(stream, flat) * init.value).to(local.dtype)
         if flat_local is not None:
             flat_local[a:b].copy_(vals)
         else:
@@ -174,6 +184,8 @@ def plan_for_modules(model: nn.Module, *, std: float, tied: dict[str, str] | Non
                 plan[name] = Init.normal(std, key=name)
             elif attr in getattr(mod, "zero_inits", ()):  # declared zeros (gpt-oss's expert biases)
                 plan[name] = Init.constant(0.0)
+            elif attr in getattr(mod, "declared_inits", {}):  # (name, std) -> Init (Gated DeltaNet's A_log, ...)
+                plan[name] = mod.declared_inits[attr](name, std)
             elif isinstance(mod, (nn.Linear, nn.Embedding)) and attr == "weight":
                 plan[name] = Init.normal(std, key=name)
             elif attr == "bias":

@@ -220,6 +220,7 @@ class Attention(nn.Module):
         super().__init__()
         assert config.head_dim is not None and config.num_kv_heads is not None
         self.head_dim: int = config.head_dim
+        self.output_gate: bool = config.attention_output_gate
         self.dropout: float = config.dropout
         self.kernels: str = config.kernels
         h, d = config.hidden_size, config.head_dim
@@ -229,8 +230,9 @@ class Attention(nn.Module):
         self.v_proj: nn.Linear | None = None
         if config.qkv_packed:
             self.W_pack = nn.Linear(h, 3 * config.num_heads * d, bias=config.attention_bias)  # rows [N, 3, D]
-        else:
-            self.q_proj = nn.Linear(h, config.num_heads * d, bias=config.attention_bias)
+        else:  # with the output gate, each head's rows are [q_h; gate_h] (Qwen3.5, Qwen3-Next)
+            self.q_proj = nn.Linear(h, config.num_heads * d * (2 if config.attention_output_gate else 1),
+                                    bias=config.attention_bias)
             self.k_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.attention_bias)
             self.v_proj = nn.Linear(h, config.num_kv_heads * d, bias=config.attention_bias)
         whole = config.qk_norm_over == "projection"
@@ -284,7 +286,16 @@ class Attention(nn.Module):
         token_mask: TokenMask | None = None,  # what attn_mask is made of (for a core replacing the mask)
     ) -> Tensor:  # [B, S, H]
         b, s, _ = x.shape
-        q, k, v = self._qkv(x)  # [B, S, N|K, D]
+        gate = None
+        if self.output_gate:  # q_proj's rows per head: [q_h; gate_h] (the gate scales the output)
+            assert self.q_proj is not None and self.k_proj is not None and self.v_proj is not None
+            q, gate = self.q_proj(x).view(b, s, -1, 2 * self.head_dim).chunk(2, dim=-1)  # [B, S, N, D] each
+            k = self.k_proj(x).view(b, s, -1, self.head_dim)
+            v = self.v_proj(x).view(b, s, -1, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+        else:
+            q, k, v = self._qkv(x)  # [B, S, N|K, D]
         if rope is not None and self.rope_interleave:  # pairs -> halves, q and k alike: their dot product is kept
             q, k = rotary_pairs_to_halves(q, rope[0].shape[-1]), rotary_pairs_to_halves(k, rope[0].shape[-1])
         if rope is not None and use_fused_kernel(self.kernels, q) and rope[0].shape[-1] == q.shape[-1]:
@@ -300,6 +311,8 @@ class Attention(nn.Module):
         out = self.core(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                         dropout_p=self.dropout if self.training else 0.0, **core_kw)  # [B, N, S, D]
         out = out.transpose(1, 2).reshape(b, s, -1)  # [B, S, N*D]
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(b, s, -1))
         return self.o_proj(out)
 
 

@@ -196,12 +196,31 @@ def _latent_attention_plan(prefix: str, config: ModelConfig) -> TPPlan:
             f"{prefix}.self_attn.rope_key": SumGradOverRanks()}
 
 
-def _block_plan(prefix: str, config: ModelConfig, *, sequence_parallel: bool, mlp: bool = True) -> TPPlan:
+def _deltanet_plan(prefix: str, config: ModelConfig) -> TPPlan:
+    """A Gated DeltaNet layer (``deltanet.GatedDeltaNet``), split by key heads with their value heads: the input
+    projections column-parallel (their rows are per key head, or per value head: a row shard holds whole heads, out
+    [B, S, Hk/tp * ...]), the convolution's channels (per key head too), ``A_log`` and ``dt_bias`` split with the
+    heads (:class:`HeadSharded`, called with nothing); the gated norm's weight [Dv] replicated over its heads
+    [B, S, Hv/tp, Dv] (``SequenceParallel`` on dim 2, as Qwen3's per-head q/k norms); ``out_proj`` row-parallel (in
+    :func:`_block_plan`)."""
+    la = config.linear_attention
+    assert la is not None
+    names = ("in_proj_qkvz", "in_proj_ba") if la.fused_projections else ("in_proj_qkv", "in_proj_z", "in_proj_b",
+                                                                         "in_proj_a")
+    plan: TPPlan = {f"{prefix}.self_attn.{name}": ColwiseParallel() for name in names}
+    plan.update({f"{prefix}.self_attn.{name}": HeadSharded(takes_input=False) for name in ("conv1d", "A_log",
+                                                                                           "dt_bias")})
+    plan[f"{prefix}.self_attn.norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+    return plan
+
+
+def _block_plan(prefix: str, config: ModelConfig, *, sequence_parallel: bool, mlp: bool = True,
+                linear: bool = False) -> TPPlan:
     """Styles of every ``TransformerBlock`` under ``prefix`` (``layers.*``); same for both families (``mlp=False``:
     without the feed-forward's, which a model with MoE layers plans per layer: :func:`_moe_plan`).
 
     Shapes (local, per rank): q/k/v out [B, S, N/tp*D] (W_pack [B, S, N/tp*3*D]), o in [B, S, N/tp*D]; gate/up out
-    [B, S, I/tp].
+    [B, S, I/tp]. ``linear``: the blocks are Gated DeltaNet layers (:func:`_deltanet_plan`, ``out_proj``).
     """
     resid: Placement = Shard(1) if sequence_parallel else Replicate()
     # One conversion per block half: SP all-gathers [B, S/tp, H] -> [B, S, H] here; without SP it is free forward
@@ -216,8 +235,8 @@ def _block_plan(prefix: str, config: ModelConfig, *, sequence_parallel: bool, ml
         input_layouts=(resid,), desired_input_layouts=(Replicate(),), use_local_output=True)
     plan: TPPlan = {
         f"{prefix}.self_attn": attn_input,
-        **_attention_plan(prefix, config),
-        f"{prefix}.self_attn.o_proj": row,
+        **(_deltanet_plan(prefix, config) if linear else _attention_plan(prefix, config)),
+        f"{prefix}.self_attn.{'out_proj' if linear else 'o_proj'}": row,
     }
     if mlp:
         plan.update(_mlp_plan(prefix, config, sequence_parallel=sequence_parallel))
@@ -297,7 +316,14 @@ def decoder_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, loss_p
         plan.update(_embedding_plan(sequence_parallel=sequence_parallel, first_layer=keys[0] if keys else None))
     elif sequence_parallel and keys:
         plan.update(_split_sequence(keys[0]))  # a later pipeline stage: split the hidden state like stage 0 does
-    if keys and config.moe is None:
+    if keys and config.linear_layers:  # hybrid: each block's kind of attention and feed-forward
+        moe, linear = set(config.moe_layers), set(config.linear_layers)
+        for key in keys:
+            plan.update(_block_plan(f"layers.{key}", config, sequence_parallel=sequence_parallel, mlp=False,
+                                    linear=int(key) in linear))
+            layer_plan = _moe_plan if int(key) in moe else _mlp_plan
+            plan.update(layer_plan(f"layers.{key}", config, sequence_parallel=sequence_parallel))
+    elif keys and config.moe is None:
         plan.update(_block_plan("layers.*", config, sequence_parallel=sequence_parallel))
     elif keys:  # the feed-forward per layer: dense MLPs and MoE blocks split differently
         plan.update(_block_plan("layers.*", config, sequence_parallel=sequence_parallel, mlp=False))
@@ -354,7 +380,7 @@ def _tied_lm_head(model: nn.Module) -> tuple[tuple[str, str], ...]:
     return (("lm_head.weight", "embed_tokens.weight"),) if cfg is not None and cfg.tie_embeddings else ()
 
 
-_TP_DIVIDES = ("num_heads", "num_kv_heads", "hidden_size", "intermediate_size", "vocab_size")
+_TP_DIVIDES = ("num_heads", "num_kv_heads", "hidden_size", "intermediate_size", "vocab_size", "linear_key_heads")
 
 
 def _decoder_cp_blocker(model: nn.Module) -> str | None:
@@ -367,6 +393,10 @@ def _decoder_cp_blocker(model: nn.Module) -> str | None:
         return f"dropout={config.dropout} is not supported under context parallelism (attention dropout)"
     if config.attention_sinks:
         return "attention sinks (gpt-oss) are not supported under context parallelism"
+    if config.linear_layers:
+        return (f"Gated DeltaNet layers (linear attention on layers {list(config.linear_layers)}: Qwen3.5, Qwen3-Next) "
+                "are not supported under context parallelism: their recurrent state would have to pass from rank to "
+                "rank over the sequence shards")
     return None
 
 

@@ -94,7 +94,7 @@ def _wpack_rows(config: Any, state: dict[str, Tensor], *, to_hf: bool, where: st
     return {k: convert(config, k, v) for k, v in state.items()}
 
 
-_PEFT_REROUTED_KINDS = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "olmoe")
+_PEFT_REROUTED_KINDS = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "olmoe", "qwen3_next", "qwen3_5_moe_text")
 """HF model types whose LoRA adapters peft (0.21, ``convert_peft_config_for_transformers``) loads with the targets
 ``gate_proj``/``up_proj``/``down_proj`` moved to the fused experts of transformers 5 (transformers'
 ``_MODEL_TO_CONVERSION_PATTERN``): a LoRA on a dense or shared MLP of these names would not load as trained."""

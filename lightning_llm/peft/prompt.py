@@ -209,6 +209,11 @@ class PrefixTuningLM(PromptLearningLM):
         super().__init__(base, num_virtual_tokens)
         from peft.tuners.prefix_tuning import PrefixEncoder
 
+        linear = getattr(getattr(base, "config", None), "linear_layers", ())
+        if linear:
+            raise ValueError(f"peft.method=prefix_tuning: layers {list(linear)} are Gated DeltaNet layers (Qwen3.5, "
+                             "Qwen3-Next), which keep a recurrent state, not keys and values a prefix could fill; use "
+                             "prompt_tuning, p_tuning or lora")
         attn = self._attention_modules()
         if not attn or any(a is None for a in attn):
             raise ValueError("peft.method=prefix_tuning needs a decoder whose layers all have self_attn (got "

@@ -7,7 +7,8 @@ line and prints them.
 FLOPs per token of a training step (forward + backward), the convention of PaLM's MFU that ``benchmarks/gpu/suite.py``
 reports: ``6 N + 12 L A S``, with ``N`` the parameters a token's matmuls use (no embedding tables; of an MoE layer's
 routed experts only its ``top_k``: :func:`~lightning_llm.models.moe.moe_parameters`), ``L`` layers, ``A`` the
-attention width (heads x head dim) and ``S`` the sequence length.
+attention width (heads x head dim) and ``S`` the sequence length; Gated DeltaNet layers (Qwen3.5, Qwen3-Next) count
+their chunked delta rule instead of ``12 A S`` (:func:`~lightning_llm.memory.deltanet_flops_per_token`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from lightning_llm.memory import (
     Quantized,
     attention_width,
     bytes_per_param,
+    deltanet_flops_per_token,
     estimate_layout,
     loss_bytes,
     max_batch_size,
@@ -130,8 +132,11 @@ def _flops_line(config: Any, counts: ParameterCounts, flops: int) -> str:
     used = (f"{counts.active:,} of them active per token (top-{config.moe.top_k} of {config.moe.num_experts} "
             f"experts on {len(config.moe_layers)} layers: {counts.experts:,} in routed experts); "
             if counts.experts else "")
+    linear = config.linear_layers
+    rule = (f" (the {config.num_layers - len(linear)} attention layers) + the {len(linear)} Gated DeltaNet layers' "
+            "delta rule" if linear else "")
     return (f"{used}training FLOPs per token: {flops:.3e} = 6 x {counts.active - counts.embedding:,} non-embedding "
-            "parameters a token uses + 12 x layers x attention width x sequence")
+            f"parameters a token uses + 12 x layers x attention width x sequence{rule}")
 
 
 def _gib(n: float) -> str:
@@ -221,8 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     fit = max_batch_size(est, memory_bytes=a.gpu_memory_gib * GIB, reserve_bytes=a.reserve_gib * GIB,
                          loss=lambda batch: loss_bytes(config, tokens=batch * seq // cp, precision=a.precision,
                                                         fused=fused, tp=tp))
-    flops = train_flops_per_token(params=counts.active - counts.embedding, layers=config.num_layers,
+    linear = len(config.linear_layers)  # Gated DeltaNet layers: their delta rule instead of the attention's scores
+    flops = train_flops_per_token(params=counts.active - counts.embedding, layers=config.num_layers - linear,
                                   attention_width=attention_width(config), seq_len=seq)
+    flops += linear * deltanet_flops_per_token(config) if linear else 0
     report = {
         "model": a.model, "parameters": numel, "active_parameters": counts.active,
         "expert_parameters": counts.experts, "embedding_parameters": counts.embedding, "train_flops_per_token": flops,

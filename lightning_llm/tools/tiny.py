@@ -1,5 +1,5 @@
-"""Tiny random checkpoints of the Mixture-of-Experts families and of the dense families with layouts of their own,
-written by transformers (no download): what the configs' headers fine-tune and the tests load.
+"""Tiny random checkpoints of the Mixture-of-Experts families, the hybrid families and the dense families with layouts
+of their own, written by transformers (no download): what the configs' headers fine-tune and the tests load.
 
     python -m lightning_llm.tools.tiny gpt_oss OUT_DIR     # GptOssForCausalLM, experts as MXFP4 (as published)
     python -m lightning_llm.tools.tiny olmoe OUT_DIR       # OlmoeForCausalLM
@@ -9,11 +9,14 @@ written by transformers (no download): what the configs' headers fine-tune and t
     python -m lightning_llm.tools.tiny glm4 OUT_DIR        # Glm4ForCausalLM
     python -m lightning_llm.tools.tiny olmo3 OUT_DIR       # Olmo3ForCausalLM
     python -m lightning_llm.tools.tiny smollm3 OUT_DIR     # SmolLM3ForCausalLM
+    python -m lightning_llm.tools.tiny qwen3_5 OUT_DIR     # Qwen3_5ForCausalLM (Gated DeltaNet + gated attention)
+    python -m lightning_llm.tools.tiny qwen3_next OUT_DIR  # Qwen3NextForCausalLM (the same, MoE)
 
 ``OUT_DIR`` gets ``config.json`` and ``model.safetensors`` from ``save_pretrained`` of transformers' model of the
 family's debug size (``debug-gpt-oss`` / ``debug-olmoe`` / ``debug-deepseek-v3`` / ``debug-glm4-moe``: 4 layers,
 hidden 64, 8 experts, top-2; the routers' correction biases, which transformers starts at 0, drawn; ``debug-phi3`` /
-``debug-glm4`` / ``debug-olmo3`` / ``debug-smollm3``: 4 dense layers, hidden 64) and a byte-level BPE
+``debug-glm4`` / ``debug-olmo3`` / ``debug-smollm3``: 4 dense layers, hidden 64; ``debug-qwen3.5`` /
+``debug-qwen3-next``: three Gated DeltaNet layers and one gated attention layer) and a byte-level BPE
 tokenizer of 300 ids trained on the generated corpus (``<pad>`` 0, ``<s>`` 1, ``</s>`` 2). gpt-oss's experts are then
 stored as openai/gpt-oss-20b is published: their matrices as MXFP4 ``*_blocks``/``*_scales`` (:func:`quantize_mxfp4`)
 with a ``quantization_config`` (``--plain`` keeps them in fp32). The directory is built beside ``OUT_DIR`` and swapped
@@ -44,7 +47,8 @@ FAMILIES = {"gpt_oss": ("debug-gpt-oss", "GptOssForCausalLM"), "olmoe": ("debug-
             "deepseek_v3": ("debug-deepseek-v3", "DeepseekV3ForCausalLM"),
             "glm4_moe": ("debug-glm4-moe", "Glm4MoeForCausalLM"), "phi3": ("debug-phi3", "Phi3ForCausalLM"),
             "glm4": ("debug-glm4", "Glm4ForCausalLM"), "olmo3": ("debug-olmo3", "Olmo3ForCausalLM"),
-            "smollm3": ("debug-smollm3", "SmolLM3ForCausalLM")}
+            "smollm3": ("debug-smollm3", "SmolLM3ForCausalLM"), "qwen3_5": ("debug-qwen3.5", "Qwen3_5ForCausalLM"),
+            "qwen3_next": ("debug-qwen3-next", "Qwen3NextForCausalLM")}
 """family -> (our debug size, the transformers class written)."""
 VOCAB = 304
 """The model's vocabulary: the tokenizer's 300 ids rounded up to a multiple of 8."""

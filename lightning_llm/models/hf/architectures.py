@@ -54,6 +54,11 @@ SUPPORTED_ARCHITECTURES: dict[str, Arch] = {
     **_decoder("olmo2", "Olmo2"),
     **_decoder("olmo3", "Olmo3"),
     **_decoder("smollm3", "SmolLM3"),
+    "Qwen3_5ForCausalLM": Arch("qwen3_5_text", "lm"),  # hybrids: Gated DeltaNet and gated attention layers
+    "Qwen3_5TextModel": Arch("qwen3_5_text", "base"),
+    "Qwen3_5MoeForCausalLM": Arch("qwen3_5_moe_text", "lm"),
+    "Qwen3_5MoeTextModel": Arch("qwen3_5_moe_text", "base"),
+    **_decoder("qwen3_next", "Qwen3Next"),
     "GPT2LMHeadModel": Arch("gpt2", "lm"),
     "GPT2Model": Arch("gpt2", "base"),
     "BertModel": Arch("bert", "base"),
@@ -87,6 +92,9 @@ FAMILY_GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("Mixture-of-Experts decoders", (("mixtral", "Mixtral"), ("qwen2_moe", "Qwen2-MoE"), ("qwen3_moe", "Qwen3-MoE"),
                                      ("olmoe", "OLMoE"), ("gpt_oss", "gpt-oss"), ("deepseek_v2", "DeepSeek-V2"),
                                      ("deepseek_v3", "DeepSeek-V3/R1, Kimi-K2"), ("glm4_moe", "GLM-4.5/4.6"))),
+    ("Hybrid decoders (Gated DeltaNet and attention layers)", (("qwen3_5_text", "Qwen3.5"),
+                                                               ("qwen3_5_moe_text", "Qwen3.5-MoE"),
+                                                               ("qwen3_next", "Qwen3-Next"))),
     ("Encoders", (("bert", "BERT"), ("megatron-bert", "MegatronBERT (Erlangshen)"), ("roberta", "RoBERTa"))),
 )
 """The docs' family list: a title and its model types with the models they are, in the order the docs list them."""

@@ -3,6 +3,7 @@ check that a written config describes exactly the model."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -47,7 +48,7 @@ _ARCH_FIELDS = (
     "tie_embeddings", "pre_norm",
     "embedding_norm", "final_norm", "type_vocab_size", "position_offset", "sliding_layers", "window", "moe", "mla",
     "partial_rotary_factor", "rope_interleave", "nope_layers", "sliding_rope", "branch_input_norm", "branch_output_norm",
-    "norm_weight_fp32",
+    "norm_weight_fp32", "linear_layers", "linear_attention", "attention_output_gate",
 )
 
 
@@ -58,6 +59,8 @@ def _arch_value(c: ModelConfig, field: str) -> Any:
         return moe_architecture(c)
     if field == "sliding_rope":  # only matters where some layer slides
         return c.sliding_rope if c.sliding_layers else None
+    if field == "linear_attention" and c.linear_attention is not None:  # its kernels are a training setting
+        return dataclasses.replace(c.linear_attention, kernels="auto")
     if field == "qk_norm_over":  # only matters with qk_norm
         return c.qk_norm_over if c.qk_norm else None
     if field == "intermediate_size" and c.moe is not None and not c.moe.dense_layers:

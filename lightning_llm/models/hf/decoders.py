@@ -43,6 +43,7 @@ from .entries import MOE_KINDS
 from .glm4 import GLM4_FUSED, glm4_from_hf, glm4_to_hf
 from .olmo import OLMO_KINDS, olmo_from_hf, olmo_to_hf
 from .phi3 import PHI3_FUSED, phi3_from_hf, phi3_to_hf
+from .qwen3_next import HYBRID_KINDS, hybrid_adapter_tensor, hybrid_from_hf, hybrid_module_name, hybrid_to_hf
 from .smollm3 import smollm3_from_hf, smollm3_to_hf
 from ..rope import ROPE_TYPES, rope_type
 from .options import refuse_unbuilt
@@ -78,7 +79,7 @@ _FAMILY_FILES = {"phi3": (phi3_from_hf, lambda c, kind: phi3_to_hf(c)),
 LLaMA-layout ones, to_hf(config, kind) -> config.json fields)``."""
 DENSE_KINDS = tuple(_FAMILY_FILES)
 DECODER_KINDS = ("llama", "qwen2", "qwen3", "mistral", "baichuan", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-                 "gpt_oss", *DEEPSEEK_KINDS, *DENSE_KINDS)
+                 "gpt_oss", *DEEPSEEK_KINDS, *DENSE_KINDS, *HYBRID_KINDS)
 """HF model types with LLaMA's module layout (weight names of ``weights.entries``); those of :data:`MOE_KINDS` have
 Mixture-of-Experts feed-forward layers (:mod:`.entries`), DeepSeek's and GLM's are converted by
 :mod:`.deepseek`."""
@@ -127,14 +128,14 @@ def adapter_tensor_to_hf(config: ModelConfig, name: str, t: Tensor) -> Tensor:
     ``W_pack`` is un-permuted (its rows are W_pack's rows); every other tensor is returned unchanged."""
     if config.qkv_packed and _is_wpack_rows(name):
         return wpack_to_hf(t, config.num_heads)
-    return t
+    return hybrid_adapter_tensor(config, name, t, to_hf=True)
 
 
 def adapter_tensor_from_hf(config: ModelConfig, name: str, t: Tensor) -> Tensor:
     """Inverse of :func:`adapter_tensor_to_hf` (a peft adapter of the HF checkpoint -> our row order)."""
     if config.qkv_packed and _is_wpack_rows(name):
         return wpack_from_hf(t, config.num_heads)
-    return t
+    return hybrid_adapter_tensor(config, name, t, to_hf=False)
 
 
 _HF_MODULE_NAMES = {kind: ((".mlp.shared_expert.", ".mlp.shared_experts."),) for kind in DEEPSEEK_KINDS}
@@ -150,7 +151,7 @@ def module_name_to_hf(config: ModelConfig, name: str) -> str:
     shared experts are ``shared_experts`` there (a peft adapter's keys name them so)."""
     for ours, hf in _HF_MODULE_NAMES.get(_kind(config) or "", ()):
         name = name.replace(ours, hf)
-    return name
+    return hybrid_module_name(config, name, to_hf=True) if config.linear_attention is not None else name
 
 
 def fused_in_hf(config: ModelConfig) -> dict[str, tuple[str, ...]]:
@@ -163,7 +164,7 @@ def module_name_from_hf(config: ModelConfig, name: str) -> str:
     """Inverse of :func:`module_name_to_hf`."""
     for ours, hf in _HF_MODULE_NAMES.get(_kind(config) or "", ()):
         name = name.replace(hf, ours)
-    return name
+    return hybrid_module_name(config, name, to_hf=False) if config.linear_attention is not None else name
 
 
 # ---------------------------------------------------------------------------------------------------- from HF
@@ -310,7 +311,7 @@ def decoder_config_from_hf(hf: dict[str, Any], kind: str, *, extra: dict[str, An
     else:
         default = _GPT_OSS_ROPE if kind == "gpt_oss" else {"rope_theta": _ROPE_THETA[kind]} if kind in _ROPE_THETA \
             else None
-        theta, scaling = rope_from_hf(hf, default=default, partial=kind in _PARTIAL_ROTARY)
+        theta, scaling = rope_from_hf(hf, default=default, partial=kind in (*_PARTIAL_ROTARY, *HYBRID_KINDS))
         window, types = _sliding_from_hf(hf, kind, layers)
         kw.update(sliding_window=window, layer_types=types)
         if kind == "llama":
@@ -334,7 +335,8 @@ def decoder_config_from_hf(hf: dict[str, Any], kind: str, *, extra: dict[str, An
     fields: dict[str, Any] = dict(
         family="decoder", vocab_size=int(hf["vocab_size"]), hidden_size=int(hf["hidden_size"]),
         num_layers=layers, num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-        head_dim=None if head_dim is None else int(head_dim), intermediate_size=int(hf["intermediate_size"]),
+        head_dim=None if head_dim is None else int(head_dim), intermediate_size=int(
+            hf["intermediate_size"] if kind not in HYBRID_KINDS else hf.get("intermediate_size", 0)),
         max_position_embeddings=int(hf.get("max_position_embeddings", _MAX_POSITIONS.get(kind, 2048))),
         norm="rmsnorm", norm_eps=float(hf.get("rms_norm_eps", _NORM_EPS.get(kind, 1e-6))),
         activation=gated_act(hf.get("hidden_act", "silu")),  # type: ignore[arg-type]
@@ -348,6 +350,8 @@ def decoder_config_from_hf(hf: dict[str, Any], kind: str, *, extra: dict[str, An
     elif kind in _FAMILY_FILES:
         refuse_unbuilt(hf, kind, where)
         fields.update(_FAMILY_FILES[kind][0](hf, kind, layers, where=where))
+    if kind in HYBRID_KINDS:
+        fields.update(hybrid_from_hf(hf, kind, layers))
     return ModelConfig(**fields)
 
 
@@ -462,7 +466,7 @@ def decoder_config_to_hf(c: ModelConfig, kind: str) -> dict[str, Any]:
     rope = {"rope_type": "default", "rope_theta": c.rope_theta}
     if c.rope_scaling:
         rope = {**dict(c.rope_scaling), "rope_theta": c.rope_theta}
-    if kind == "glm4_moe":  # always written: its absence means 0.5
+    if kind in ("glm4_moe", *HYBRID_KINDS):  # always written: its absence means 0.5 / 0.25
         rope["partial_rotary_factor"] = c.partial_rotary_factor
     elif c.partial_rotary_factor != 1.0:
         rope["partial_rotary_factor"] = c.partial_rotary_factor
@@ -475,6 +479,8 @@ def decoder_config_to_hf(c: ModelConfig, kind: str) -> dict[str, Any]:
         hf.update(_FAMILY_FILES[kind][1](c, kind))
     elif kind in MOE_KINDS:
         hf.update(_moe_to_hf(c, kind))
+    if kind in HYBRID_KINDS:
+        hybrid_to_hf(c, kind, hf)
     if kind == "llama":
         hf.update(attention_bias=c.attention_bias, mlp_bias=c.mlp_bias)
     elif kind == "olmoe":

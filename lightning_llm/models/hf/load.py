@@ -25,6 +25,7 @@ from ..init import materialize
 from .architectures import SUPPORTED_ARCHITECTURES, architecture_name
 from .config import config_from_hf
 from .deepseek import MTP_KINDS
+from .qwen3_next import HYBRID_KINDS
 from .entries import Fused, Stacked
 from .source import CheckpointFiles, HFWeightsSource, Mapped, RowsMapped, StackedMapped
 from .weights import BASE_PREFIX, HEAD_KEYS, IGNORED, entries
@@ -95,10 +96,10 @@ def _map_to_ours(
     rest = [k for k in stored if k not in used and not IGNORED.search(k)]
     heads = [k for k in rest if HEAD_KEYS[kind].match(k)]
     mtp = [k for k in rest if kind in MTP_KINDS and (m := re.match(r"layers\.(\d+)\.", k)) is not None
-           and int(m.group(1)) >= config.num_layers]
+           and int(m.group(1)) >= config.num_layers or kind in HYBRID_KINDS and k.startswith("mtp.")]
     if mtp:  # as transformers: DeepSeek-V3's and GLM-4.5's multi-token-prediction layers are not built
-        log.warning("%s: ignoring %d keys of the multi-token-prediction layers (num_nextn_predict_layers), which "
-                    "transformers does not build either", where, len(mtp))
+        log.warning("%s: ignoring %d keys of the multi-token-prediction layers (num_nextn_predict_layers, mtp.*), "
+                    "which transformers does not build either", where, len(mtp))
     unexpected = [k for k in rest if k not in heads and k not in mtp]
     if missing or unexpected:
         parts_ = []

@@ -19,6 +19,7 @@ from ..config import ModelConfig
 from .architectures import DEFAULT_ARCHITECTURE, SUPPORTED_ARCHITECTURES
 from .config import config_to_hf
 from .decoders import DECODER_KINDS
+from .qwen3_next import hybrid_kind
 from .entries import Entry
 from .weights import BASE_PREFIX, save_entries
 
@@ -53,6 +54,8 @@ def _decoder_kind(config: ModelConfig) -> str:
         return "gpt2"
     if config.mla is not None:
         return "deepseek_v3"
+    if config.linear_attention is not None:
+        return hybrid_kind(config)
     if config.qkv_packed or config.norm_head:
         return "baichuan"
     if config.attention_sinks:

@@ -18,6 +18,7 @@ from .glm4 import GLM4_NORMS
 from .gpt2 import gpt2_entries
 from .olmo import OLMO_KINDS, OLMO_NORMS
 from .phi3 import phi3_attention_entries, phi3_mlp_entries
+from .qwen3_next import hybrid_attention_entries
 
 __all__ = ["BASE_PREFIX", "IGNORED", "HEAD_KEYS", "entries", "save_entries"]
 
@@ -81,7 +82,10 @@ def _decoder_entries(c: ModelConfig, kind: str, head: str) -> list[Entry | Stack
     e: list[Entry | Stacked | Fused] = list(lin("embed_tokens", "embed_tokens", False))
     for i in range(c.num_layers):
         p = f"layers.{i}"
-        e += phi3_attention_entries(c, p) if kind == "phi3" else _attention_entries(c, p)
+        if i in c.linear_layers:
+            e += hybrid_attention_entries(c, p)
+        else:
+            e += phi3_attention_entries(c, p) if kind == "phi3" else _attention_entries(c, p)
         if i in c.moe_layers:
             e += moe_mlp_entries(c, kind, i)
         elif kind in ("phi3", "glm4"):  # one fused gate_up_proj
