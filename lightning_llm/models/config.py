@@ -140,6 +140,45 @@ class MLAConfig:
 
 
 @dataclass
+class DisentangledConfig:
+    """DeBERTa-v2/v3's disentangled attention (``models/deberta.py``): besides content-to-content scores, each query
+    scores the relative position of each key (``c2p``) and each key the relative position of the query (``p2c``),
+    through one table of relative-position embeddings shared by every layer (``rel_embeddings`` [2 * span, H], layer-
+    normed with ``rel_norm``). The softmax scale is ``1/sqrt(head_dim * (1 + len(pos_att_type)))``."""
+
+    relative_attention: bool = True
+    """Add the relative-position scores (HF ``relative_attention``); False: content scores only (the scale still counts
+    ``pos_att_type``, as transformers does)."""
+    pos_att_type: list[str] = field(default_factory=lambda: ["p2c", "c2p"])
+    """Which relative scores: ``c2p`` (content to position), ``p2c`` (position to content), both or none."""
+    position_buckets: int = 256
+    """Relative distances beyond ``position_buckets // 2`` share log-spaced buckets (HF ``position_buckets``); <= 0:
+    no buckets, distances clamped to ``max_relative_positions``."""
+    max_relative_positions: int = -1
+    """The longest relative distance the buckets reach (< 1: ``max_position_embeddings``)."""
+    share_att_key: bool = True
+    """The relative embeddings pass through the content ``k_proj``/``q_proj`` (DeBERTa-v3); False: their own
+    ``pos_key_proj``/``pos_query_proj``."""
+    rel_norm: bool = True
+    """LayerNorm the relative embeddings (HF ``norm_rel_ebd="layer_norm"``)."""
+
+    def __post_init__(self) -> None:
+        self.pos_att_type = [str(t).strip().lower() for t in self.pos_att_type]
+        if not set(self.pos_att_type) <= {"c2p", "p2c"} or len(set(self.pos_att_type)) != len(self.pos_att_type):
+            raise ValueError(f"DisentangledConfig: pos_att_type={self.pos_att_type} must list c2p and/or p2c once")
+
+    def span(self, max_position_embeddings: int) -> int:
+        """Half the rows of the relative-embedding table: the buckets, else the longest distance."""
+        if self.position_buckets > 0:
+            return self.position_buckets
+        return self.max_relative_positions if self.max_relative_positions >= 1 else max_position_embeddings
+
+    def max_distance(self, max_position_embeddings: int) -> int:
+        """``max_relative_positions``, defaulted to ``max_position_embeddings`` as transformers does."""
+        return self.max_relative_positions if self.max_relative_positions >= 1 else max_position_embeddings
+
+
+@dataclass
 class ModelConfig:
     """Architecture of one transformer. Field names follow the LLaMA/BERT vocabulary."""
 
@@ -168,8 +207,9 @@ class ModelConfig:
     activation: Literal["swiglu", "geglu", "geglu_tanh", "gelu", "gelu_tanh", "relu"] = "swiglu"
     """``swiglu``/``geglu``/``geglu_tanh`` are gated (gate_proj, up_proj, down_proj; HF ``hidden_act`` silu / gelu /
     gelu_pytorch_tanh); the others are plain (up_proj, down_proj)."""
-    position: Literal["rope", "learned"] = "rope"
-    """Rotary embeddings applied to q/k, or a learned absolute position table added to token embeddings."""
+    position: Literal["rope", "learned", "none"] = "rope"
+    """Rotary embeddings applied to q/k, a learned absolute position table added to token embeddings, or ``none``
+    (encoders whose attention carries relative positions: DeBERTa-v3, ``disentangled``)."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
     rope_scaling: dict[str, Any] | None = None
@@ -197,7 +237,9 @@ class ModelConfig:
     """LM head weight L2-normalised per vocabulary row in forward (Baichuan2 ``NormHead``)."""
     sliding_window: int | None = None
     """Sliding-window attention (Mistral, Qwen2): a query attends to the ``sliding_window`` most recent positions
-    (itself included), as HF's ``kv_idx > q_idx - sliding_window``; ``None`` = full causal attention."""
+    (itself included), as HF's ``kv_idx > q_idx - sliding_window``; ``None`` = full causal attention. Encoders
+    (ModernBERT's ``local_attention``): a query attends to the keys within ``sliding_window // 2`` columns on either
+    side."""
     layer_types: list[str] | None = None
     """Per-layer ``"full_attention"`` / ``"sliding_attention"`` (HF ``layer_types``); ``None`` = every layer slides
     when ``sliding_window`` is set. Ignored without ``sliding_window``."""
@@ -238,6 +280,24 @@ class ModelConfig:
     """Mixture-of-Experts feed-forward layers (decoders); ``None``: every layer has a dense MLP."""
     mla: MLAConfig | None = None
     """Multi-head Latent Attention in every layer (DeepSeek-V2/V3, Kimi-K2); ``None``: q/k/v projections."""
+    disentangled: DisentangledConfig | None = None
+    """DeBERTa-v2/v3's disentangled attention in every layer of an encoder (``models/deberta.py``); ``None``: plain
+    attention. A DeBERTa encoder also zeroes the padding rows of its embeddings, as transformers does."""
+    norm_bias: bool = True
+    """Biases on the LayerNorms (ModernBERT: none)."""
+    local_rope_theta: float | None = None
+    """RoPE base of the sliding-window layers (ModernBERT's local layers); ``None``: ``rope_theta``."""
+    pooling: Literal["cls", "mean"] = "cls"
+    """What an encoder's pooler reads: the first token, or the mean over the real tokens (ModernBERT)."""
+    pooler_activation: str = "tanh"
+    """The pooler's activation (BERT: ``tanh``; DeBERTa and ModernBERT: ``gelu``; any name of ``layers.activation``)."""
+    pooler_bias: bool = True
+    """Bias on the pooler's dense layer (ModernBERT: ``classifier_bias``)."""
+    pooler_norm: bool = False
+    """A norm after the pooler's activation (ModernBERT's prediction head)."""
+    pooler_dropout: float = 0.0
+    """Dropout on the pooled token before the pooler's dense layer (RoBERTa's classification head, DeBERTa's
+    ``pooler_dropout``)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form metadata kept through save/load (e.g. the HF architecture name)."""
 
@@ -246,6 +306,8 @@ class ModelConfig:
             self.moe = MoEConfig(**self.moe)
         if isinstance(self.mla, dict):
             self.mla = MLAConfig(**self.mla)
+        if isinstance(self.disentangled, dict):
+            self.disentangled = DisentangledConfig(**self.disentangled)
         if self.mla is not None:
             self._check_mla(self.mla)
         if self.moe is not None:
@@ -340,7 +402,8 @@ class ModelConfig:
             changes["num_kv_heads"] = None
         if "o_bias" not in changes and "attention_bias" in changes:
             changes["o_bias"] = None
-        for name in ("moe", "mla"):  # a partial dict changes those fields of the existing one (a loaded backbone's)
+        # a partial dict changes those fields of the existing one (a loaded backbone's)
+        for name in ("moe", "mla", "disentangled"):
             if isinstance(changes.get(name), dict) and getattr(self, name) is not None:
                 changes[name] = dataclasses.replace(getattr(self, name), **changes[name])
         if self.mla is not None or changes.get("mla") is not None:  # derived from mla: recomputed from the new one

@@ -172,7 +172,7 @@ def build_norm(config: ModelConfig, dim: int | None = None) -> RMSNorm | LayerNo
     if config.norm == "rmsnorm":
         return RMSNorm(dim, config.norm_eps, kernels=config.kernels)
     if config.norm == "layernorm":
-        return LayerNorm(dim, config.norm_eps, kernels=config.kernels)
+        return LayerNorm(dim, config.norm_eps, bias=config.norm_bias, kernels=config.kernels)
     raise ValueError(f"unknown norm {config.norm!r}")
 
 

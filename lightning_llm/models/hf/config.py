@@ -37,7 +37,7 @@ def config_from_hf(hf_config: dict[str, Any], *, where: str = "config") -> Model
         return decoder_config_from_hf(hf, a.kind, extra=extra, pad=pad, where=where)
     if a.kind == "gpt2":
         return gpt2_config_from_hf(hf, extra=extra, pad=pad)
-    return encoder_config_from_hf(hf, arch, a, extra=extra, pad=pad)
+    return encoder_config_from_hf(hf, arch, a, extra=extra, pad=pad, where=where)
 
 
 _ARCH_FIELDS = (
@@ -46,7 +46,7 @@ _ARCH_FIELDS = (
     "attention_bias", "o_bias", "mlp_bias", "qk_norm", "qk_norm_over", "attention_sinks", "qkv_packed", "norm_head",
     "tie_embeddings", "pre_norm",
     "embedding_norm", "final_norm", "type_vocab_size", "position_offset", "sliding_layers", "window", "moe", "mla",
-    "partial_rotary_factor",
+    "partial_rotary_factor", "disentangled", "norm_bias", "local_rope_theta",
 )
 
 
@@ -55,6 +55,8 @@ def _arch_value(c: ModelConfig, field: str) -> Any:
         return c.sliding_window if c.sliding_layers else None
     if field == "moe":
         return moe_architecture(c)
+    if field == "local_rope_theta":  # only matters where some layer slides, and as a theta other than rope_theta
+        return (c.rope_theta if c.local_rope_theta is None else c.local_rope_theta) if c.sliding_layers else None
     if field == "qk_norm_over":  # only matters with qk_norm
         return c.qk_norm_over if c.qk_norm else None
     if field == "intermediate_size" and c.moe is not None and not c.moe.dense_layers:
@@ -99,7 +101,8 @@ def config_to_hf(config: ModelConfig, architecture: str, *, dtype: torch.dtype =
 
     # The written config must describe exactly this model.
     back = config_from_hf(hf)
-    fields = list(_ARCH_FIELDS) + (["num_labels", "pooler"] if a.head == "cls" else [])
+    head_fields = ["num_labels", "pooler", "pooling", "pooler_activation", "pooler_bias", "pooler_norm"]
+    fields = list(_ARCH_FIELDS) + (head_fields if a.head == "cls" else [])
     diffs = [f"{f}: ours={_arch_value(c, f)!r} {architecture}={_arch_value(back, f)!r}" for f in fields
              if _arch_value(c, f) != _arch_value(back, f)]
     if diffs:

@@ -40,6 +40,9 @@ class Entry:
     top: bool = False  # key lives at top level of a head model (lm_head.*, classifier.*)
     split: Callable[[Tensor], Sequence[Tensor]] | None = None
     merge: Callable[[Sequence[Tensor]], Tensor] | None = None
+    row_blocks: bool = False
+    """``split`` cuts dim 0 into consecutive blocks, ours in order (ModernBERT's fused ``Wqkv``, ``Wi``): a lazy read
+    of some of our rows reads only those rows of the stored tensor (:class:`~.source.RowBlockMapped`)."""
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from .architectures import SUPPORTED_ARCHITECTURES, architecture_name
 from .config import config_from_hf
 from .deepseek import MTP_KINDS
 from .entries import Fused, Stacked
-from .source import CheckpointFiles, HFWeightsSource, Mapped, StackedMapped
+from .source import CheckpointFiles, HFWeightsSource, Mapped, RowBlockMapped, StackedMapped
 from .weights import BASE_PREFIX, HEAD_KEYS, IGNORED, entries
 
 log = logging.getLogger(__name__)
@@ -88,9 +88,11 @@ def _map_to_ours(
         used.add(e.hf)
         meta = files.meta(stored[e.hf])
         parts = e.split(meta) if e.split is not None else (meta,)  # on meta tensors: shapes only
+        offset = 0
         for i, (name, part) in enumerate(zip(e.ours, parts)):
-            mapping[name] = Mapped(stored[e.hf], i, e.split)
+            mapping[name] = RowBlockMapped(stored[e.hf], offset) if e.row_blocks else Mapped(stored[e.hf], i, e.split)
             shapes[name] = tuple(part.shape)
+            offset += part.shape[0]
     rest = [k for k in stored if k not in used and not IGNORED.search(k)]
     heads = [k for k in rest if HEAD_KEYS[kind].match(k)]
     mtp = [k for k in rest if kind in MTP_KINDS and (m := re.match(r"layers\.(\d+)\.", k)) is not None

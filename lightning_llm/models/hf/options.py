@@ -50,6 +50,16 @@ UNBUILT_OPTIONS: dict[str, tuple[Unbuilt, ...]] = {
         Unbuilt("num_experts_per_tok", lambda v: isinstance(v, int) and v >= 1, "a number of experts per token"),
     ),
     "glm4_moe": (_PLAIN_WEIGHTS,),
+    "deberta-v2": (
+        Unbuilt("conv_kernel_size", _one_of(0, None), "no convolution beside the first layer (DeBERTa-v2-xlarge's "
+                "ConvLayer is not built)"),
+        Unbuilt("z_steps", _one_of(0, 1, None), "one pass through the layers"),
+    ),
+    "modernbert": tuple(
+        Unbuilt(key, _one_of(0, 0.0, None), "ModernBERT without dropout, as published (--model.dropout sets the "
+                "encoder's one dropout: embeddings, attention, residual branches)")
+        for key in ("embedding_dropout", "attention_dropout", "mlp_dropout")
+    ) + (Unbuilt("classifier_pooling", _one_of("cls", "mean"), "cls or mean pooling"),),
 }
 """HF model type -> its options that are not built."""
 

@@ -30,7 +30,7 @@ from lightning_llm.files import DataError, read_json
 log = logging.getLogger(__name__)
 
 __all__ = ["CheckpointFiles", "HFWeightsSource", "Mapped", "MappedReader", "Mxfp4Mapped", "PermutedMapped",
-           "StackedMapped", "dequantize_mxfp4"]
+           "RowBlockMapped", "StackedMapped", "dequantize_mxfp4"]
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -183,6 +183,18 @@ class MappedReader(Protocol):
     index per dim of our parameter) itself, reading only the stored elements they need."""
 
     def read(self, files: CheckpointFiles, index: Sequence[Tensor]) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class RowBlockMapped:
+    """One of our parameters stored as the rows ``offset:`` of the tensor ``key`` (a block of a fused projection):
+    a read of some of our rows reads only those stored rows."""
+
+    key: str
+    offset: int
+
+    def read(self, files: CheckpointFiles, index: Sequence[Tensor]) -> Tensor:
+        return files.read(self.key, (index[0].cpu() + self.offset, *(i.cpu() for i in index[1:])))
 
 
 @dataclass(frozen=True)
