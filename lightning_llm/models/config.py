@@ -295,9 +295,9 @@ class ModelConfig:
     """Bias on the pooler's dense layer (ModernBERT: ``classifier_bias``)."""
     pooler_norm: bool = False
     """A norm after the pooler's activation (ModernBERT's prediction head)."""
-    pooler_dropout: float = 0.0
-    """Dropout on the pooled token before the pooler's dense layer (RoBERTa's classification head, DeBERTa's
-    ``pooler_dropout``)."""
+    pooler_dropout: float | None = 0.0
+    """Dropout on the pooled token before the pooler's dense layer (DeBERTa's ``pooler_dropout``); ``None``: the
+    classifier's dropout (RoBERTa's classification head drops out before both of its layers)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form metadata kept through save/load (e.g. the HF architecture name)."""
 

@@ -98,8 +98,8 @@ class EncoderModel(nn.Module):
             self.final_norm: nn.Module | None = build_norm(config) if config.final_norm else None
             self.pooler: nn.Linear | None = nn.Linear(h, h, bias=config.pooler_bias) if config.pooler else None
             self.pooler_norm: nn.Module | None = build_norm(config) if config.pooler and config.pooler_norm else None
-            self.pooler_dropout = nn.Dropout(config.pooler_dropout)
             cls_p = config.dropout if config.classifier_dropout is None else config.classifier_dropout
+            self.pooler_dropout = nn.Dropout(cls_p if config.pooler_dropout is None else config.pooler_dropout)
             self.classifier_dropout = nn.Dropout(cls_p)
             self.classifier: nn.Linear | None = nn.Linear(h, config.num_labels) if config.num_labels > 0 else None
         self.init_plan: InitPlan = plan_for_modules(self, std=config.initializer_range)
@@ -196,6 +196,9 @@ class EncoderModel(nn.Module):
         assert self.embed_tokens is not None
         b, s = input_ids.shape
         x = self.embed_tokens(input_ids)  # [B, S, H]
+        # transformers' padding_idx: the padding token's row gets no gradient (an nn.Embedding padding_idx would be a
+        # local row of each vocabulary shard under tensor parallelism, so the rows are cut here instead)
+        x = torch.where(input_ids.eq(self.config.pad_token_id)[..., None], x.detach(), x)
         types = None
         if self.embed_token_types is not None:
             if token_type_ids is None:
@@ -203,8 +206,12 @@ class EncoderModel(nn.Module):
             types = self.embed_token_types(token_type_ids)
         positions = None
         if self.embed_positions is not None:
-            positions = self.embed_positions(self.default_position_ids(input_ids) if position_ids is None
-                                             else position_ids)
+            if position_ids is None:
+                position_ids = self.default_position_ids(input_ids)
+            positions = self.embed_positions(position_ids)
+            if self.config.position_offset > 0:  # RoBERTa's position table has padding_idx too: padding's id is it
+                positions = torch.where(position_ids.eq(self.config.pad_token_id)[..., None], positions.detach(),
+                                        positions)
         # transformers' order of the sums: BERT words + types + positions, DeBERTa words + positions + types
         for part in ((positions, types) if self.config.disentangled is not None else (types, positions)):
             if part is not None:

@@ -19,9 +19,18 @@ from .architectures import Arch
 from .decoders import PLAIN_ACT_TO_HF, plain_act
 from .entries import Entry, lin
 
-__all__ = ["deberta_config_from_hf", "deberta_config_to_hf", "deberta_entries"]
+__all__ = ["deberta_config_from_hf", "deberta_config_to_hf", "deberta_entries", "pooler_act", "pooler_act_to_hf"]
 
 _NORM_REL = {"none": False, "layer_norm": True}
+
+
+def pooler_act(name: str) -> str:
+    """Our pooler activation for an HF name (``tanh`` or an MLP activation)."""
+    return "tanh" if name == "tanh" else plain_act(name)
+
+
+def pooler_act_to_hf(name: str) -> str:
+    return PLAIN_ACT_TO_HF.get(name, name)
 
 
 def _pos_att_type(value: Any) -> list[str]:
@@ -64,7 +73,7 @@ def deberta_config_from_hf(hf: dict[str, Any], arch: str, a: Arch, *, extra: dic
         position="learned" if hf.get("position_biased_input", True) else "none", attention_bias=True, mlp_bias=True,
         tie_embeddings=False, pre_norm=False, embedding_norm=True, final_norm=False,
         type_vocab_size=int(hf.get("type_vocab_size", 0)), disentangled=dis,
-        pooler=a.head == "cls", pooler_activation=plain_act(hf.get("pooler_hidden_act", "gelu")),
+        pooler=a.head == "cls", pooler_activation=pooler_act(hf.get("pooler_hidden_act", "gelu")),
         pooler_dropout=float(hf.get("pooler_dropout", 0.0)), num_labels=num_labels, dropout=dropout,
         classifier_dropout=None if cls_drop is None else float(cls_drop),
         initializer_range=float(hf.get("initializer_range", 0.02)), pad_token_id=pad, extra=extra,
@@ -75,6 +84,7 @@ def deberta_config_to_hf(c: ModelConfig) -> dict[str, Any]:
     dis = c.disentangled
     if dis is None:
         raise ValueError("deberta-v2 needs disentangled attention (ModelConfig.disentangled)")
+    cls_dropout = c.dropout if c.classifier_dropout is None else c.classifier_dropout
     hf: dict[str, Any] = dict(
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=c.num_layers,
         num_attention_heads=c.num_heads, intermediate_size=c.intermediate_size,
@@ -84,8 +94,9 @@ def deberta_config_to_hf(c: ModelConfig) -> dict[str, Any]:
         relative_attention=dis.relative_attention, pos_att_type=list(dis.pos_att_type),
         position_buckets=dis.position_buckets, max_relative_positions=dis.max_relative_positions,
         share_att_key=dis.share_att_key, norm_rel_ebd="layer_norm" if dis.rel_norm else "none",
-        pooler_hidden_act=PLAIN_ACT_TO_HF.get(c.pooler_activation, c.pooler_activation),
-        pooler_dropout=c.pooler_dropout, pooler_hidden_size=c.hidden_size, cls_dropout=c.classifier_dropout,
+        pooler_hidden_act=pooler_act_to_hf(c.pooler_activation),
+        pooler_dropout=cls_dropout if c.pooler_dropout is None else c.pooler_dropout, pooler_hidden_size=c.hidden_size,
+        cls_dropout=c.classifier_dropout,
         tie_word_embeddings=False,
     )
     return hf

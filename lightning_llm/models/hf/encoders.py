@@ -85,7 +85,7 @@ def _bert_config_from_hf(hf: dict[str, Any], arch: str, a: Arch, *, extra: dict[
         pre_norm=megatron, embedding_norm=not megatron, final_norm=megatron,
         type_vocab_size=int(hf.get("type_vocab_size", 2)), position_offset=pad + 1 if roberta else 0,
         pooler=pooler, num_labels=num_labels, dropout=dropout,
-        pooler_dropout=(dropout if cls_drop is None else float(cls_drop)) if roberta else 0.0,
+        pooler_dropout=None if roberta else 0.0,  # RoBERTa: the classifier's dropout, before its dense layer too
         classifier_dropout=None if cls_drop is None else float(cls_drop),
         initializer_range=float(hf.get("initializer_range", 0.02)), pad_token_id=pad, extra=extra,
     )

@@ -19,7 +19,7 @@ import torch
 
 from ..config import ModelConfig
 from .architectures import Arch
-from .decoders import PLAIN_ACT_TO_HF, plain_act
+from .deberta import pooler_act, pooler_act_to_hf
 from .entries import Entry, lin
 
 __all__ = ["modernbert_config_from_hf", "modernbert_config_to_hf", "modernbert_entries"]
@@ -41,13 +41,16 @@ def _thetas(hf: dict[str, Any], where: str) -> dict[str, float]:
     any rope type but ``default`` (and a legacy ``rope_scaling``) is refused."""
     params = dict(hf.get("rope_parameters") or {})
     legacy = {"full_attention": hf.get("global_rope_theta"), "sliding_attention": hf.get("local_rope_theta")}
+    if hf.get("rope_scaling"):
+        raise ValueError(f"{where}: rope_scaling={hf['rope_scaling']!r} is not supported for modernbert (built: "
+                         "default rope)")
     out = {}
     for kind, default in _DEFAULT_THETA.items():
         p = dict(params.get(kind) or {})
         kind_type = p.get("rope_type", p.get("type", "default"))
-        if kind_type != "default" or hf.get("rope_scaling"):
-            raise ValueError(f"{where}: rope_parameters[{kind!r}] rope_type={kind_type!r} (or rope_scaling="
-                             f"{hf.get('rope_scaling')!r}) is not supported for modernbert (built: default rope)")
+        if kind_type != "default":
+            raise ValueError(f"{where}: rope_parameters[{kind!r}] rope_type={kind_type!r} is not supported for "
+                             "modernbert (built: default rope)")
         theta = p.get("rope_theta", legacy[kind])
         out[kind] = float(default if theta is None else theta)
     return out
@@ -76,7 +79,7 @@ def modernbert_config_from_hf(hf: dict[str, Any], arch: str, a: Arch, *, extra: 
         attention_bias=bool(hf.get("attention_bias", False)), mlp_bias=bool(hf.get("mlp_bias", False)),
         tie_embeddings=False, pre_norm=True, embedding_norm=True, final_norm=True, type_vocab_size=0,
         pooler=a.head == "cls", pooling=hf.get("classifier_pooling", "cls"),
-        pooler_activation=plain_act(hf.get("classifier_activation", "gelu")),
+        pooler_activation=pooler_act(hf.get("classifier_activation", "gelu")),
         pooler_bias=bool(hf.get("classifier_bias", False)), pooler_norm=True, num_labels=num_labels,
         dropout=float(hf.get("attention_dropout", 0.0)), classifier_dropout=float(hf.get("classifier_dropout", 0.0)),
         initializer_range=float(hf.get("initializer_range", 0.02)), pad_token_id=pad, extra=extra,
@@ -98,7 +101,7 @@ def modernbert_config_to_hf(c: ModelConfig) -> dict[str, Any]:
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": c.rope_theta},
                          "sliding_attention": {"rope_type": "default", "rope_theta": local}},
         classifier_pooling=c.pooling, classifier_bias=c.pooler_bias,
-        classifier_activation=PLAIN_ACT_TO_HF.get(c.pooler_activation, c.pooler_activation),
+        classifier_activation=pooler_act_to_hf(c.pooler_activation),
         classifier_dropout=c.dropout if c.classifier_dropout is None else c.classifier_dropout,
         attention_dropout=c.dropout, embedding_dropout=0.0, mlp_dropout=0.0, tie_word_embeddings=False,
     )
