@@ -43,7 +43,7 @@ def log_buckets(rel: Tensor, bucket_size: int, max_position: int) -> Tensor:
     sign = torch.sign(rel)
     inside = (rel < mid) & (rel > -mid)
     magnitude = torch.where(inside, torch.full_like(rel, mid - 1), rel.abs())
-    ratio = torch.log(torch.tensor((max_position - 1) / mid, device=rel.device))
+    ratio = torch.log(torch.tensor((max_position - 1) / mid))  # a 0-d CPU tensor: a scalar to device ops, no copy
     logged = torch.ceil(torch.log(magnitude / mid) / ratio * (mid - 1)) + mid
     return torch.where(magnitude <= mid, rel.to(logged.dtype), logged * sign).long()
 
