@@ -434,6 +434,13 @@ _BERT = dict(
     type_vocab_size=2, pooler=True, dropout=0.1,
 )
 _MEGATRON_BERT = dict(_BERT, pre_norm=True, embedding_norm=False, final_norm=True)
+_DEBERTA_V3 = dict(_BERT, norm_eps=1e-7, position="none", type_vocab_size=0, pooler_activation="gelu",
+                   disentangled=dict(relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=256,
+                                     share_att_key=True, rel_norm=True), extra={"hf_model_type": "deberta-v2"})
+_MODERNBERT = dict(family="encoder", norm="layernorm", norm_eps=1e-5, norm_bias=False, activation="geglu",
+                   position="rope", rope_theta=160000.0, local_rope_theta=10000.0, sliding_window=128,
+                   pre_norm=True, embedding_norm=True, final_norm=True, pooler=True, pooler_activation="gelu",
+                   pooler_bias=False, pooler_norm=True, extra={"hf_model_type": "modernbert"})
 
 # Named sizes: (family, name) -> fields. `debug` exists for both families and is what tests use.
 NAMED_SIZES: dict[tuple[str, str], dict[str, Any]] = {
@@ -552,6 +559,16 @@ NAMED_SIZES: dict[tuple[str, str], dict[str, Any]] = {
     ("encoder", "debug"): dict(
         _BERT, vocab_size=21128, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
         max_position_embeddings=512, dropout=0.0,
+    ),
+    # DeBERTa-v3- and ModernBERT-shaped encoders at test size (relative positions with log buckets; global and
+    # sliding layers with their own rope theta, the GLU feed-forward and the prediction head)
+    ("encoder", "debug-deberta-v3"): dict(
+        _DEBERTA_V3, vocab_size=21128, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
+        max_position_embeddings=512, dropout=0.0,
+    ),
+    ("encoder", "debug-modernbert"): dict(
+        _MODERNBERT, vocab_size=21128, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=96,
+        max_position_embeddings=8192, layer_types=["full_attention", "sliding_attention"],
     ),
     ("encoder", "bert-base"): dict(
         _BERT, vocab_size=21128, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072,

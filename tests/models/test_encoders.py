@@ -132,6 +132,11 @@ def test_encoder_family_matches_transformers(name: str, tmp_path: Path) -> None:
         ref = _theirs(hf, batch)
         assert torch.isfinite(ref[1]).all()
 
+    # what `estimate` counts: every parameter transformers has
+    from lightning_llm.tools.estimate import count_parameters, load_config
+
+    assert count_parameters(load_config(str(src), "encoder")) == sum(p.numel() for p in hf.parameters())
+
     # load_hf, eager and lazy: hidden states on the real tokens and logits
     ours, cfg = load_hf(src)
     assert isinstance(ours, EncoderModel) and cfg.num_labels == 3
