@@ -161,11 +161,21 @@ class DisentangledConfig:
     ``pos_key_proj``/``pos_query_proj``."""
     rel_norm: bool = True
     """LayerNorm the relative embeddings (HF ``norm_rel_ebd="layer_norm"``)."""
+    conv_kernel_size: int = 0
+    """DeBERTa-v2's convolution beside the first layer (``ConvLayer``: ``norm(layer_0(x) + act(conv(x)))`` on the
+    real tokens; HF ``conv_kernel_size``); 0: none."""
+    conv_groups: int = 1
+    """Groups of that convolution (HF ``conv_groups``)."""
+    conv_activation: str = "tanh"
+    """Its activation (HF ``conv_act``)."""
 
     def __post_init__(self) -> None:
         self.pos_att_type = [str(t).strip().lower() for t in self.pos_att_type]
         if not set(self.pos_att_type) <= {"c2p", "p2c"} or len(set(self.pos_att_type)) != len(self.pos_att_type):
             raise ValueError(f"DisentangledConfig: pos_att_type={self.pos_att_type} must list c2p and/or p2c once")
+        if self.conv_kernel_size < 0 or (self.conv_kernel_size and self.conv_kernel_size % 2 == 0):
+            raise ValueError(f"DisentangledConfig: conv_kernel_size={self.conv_kernel_size} must be 0 or odd (the "
+                             "convolution keeps the sequence length)")
 
     def span(self, max_position_embeddings: int) -> int:
         """Half the rows of the relative-embedding table: the buckets, else the longest distance."""

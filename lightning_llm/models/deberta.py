@@ -30,9 +30,10 @@ import torch
 from torch import Tensor, nn
 
 from .config import DisentangledConfig, ModelConfig
-from .layers import TransformerBlock, build_norm, init_linear
+from .layers import TransformerBlock, activation, build_norm, init_linear
 
-__all__ = ["DisentangledAttention", "DisentangledBlock", "RelativePositions", "log_buckets", "relative_index"]
+__all__ = ["DisentangledAttention", "DisentangledBlock", "RelativePositions", "TokenConvolution", "log_buckets",
+           "relative_index"]
 
 
 def log_buckets(rel: Tensor, bucket_size: int, max_position: int) -> Tensor:
@@ -144,19 +145,50 @@ class DisentangledAttention(nn.Module):
         return self.o_proj(out)
 
 
-class DisentangledBlock(TransformerBlock):
-    """BERT's post-norm block around :class:`DisentangledAttention`: ``norm(x + attn(x))``, ``norm(x + mlp(x))``."""
+class TokenConvolution(nn.Module):
+    """DeBERTa-v2's convolution beside the first layer (transformers' ``ConvLayer``): ``norm(out + act(drop(conv(x))))``
+    with the convolution over the sequence of the layer's input ``x`` zeroed at padding, and the result zeroed at
+    padding. ``conv`` [H, H / groups, k] (same length: padding ``(k - 1) // 2``), ``norm`` a LayerNorm."""
 
     def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        dis = config.disentangled
+        assert dis is not None
+        k, h = dis.conv_kernel_size, config.hidden_size
+        self.conv = nn.Conv1d(h, h, k, padding=(k - 1) // 2, groups=dis.conv_groups)
+        self.conv.param_inits = ("weight",)  # type: ignore[assignment]  # normal(std), as a linear's (models/init.py)
+        self.norm = build_norm(config)
+        self.dropout = nn.Dropout(config.dropout)
+        self.act: str = dis.conv_activation
+
+    def forward(self, x: Tensor, out: Tensor, keep: Tensor | None) -> Tensor:  # x, out [B, S, H]; keep [B, S]
+        y = self.conv(x.transpose(1, 2)).transpose(1, 2)  # [B, S, H]
+        if keep is not None:
+            y = y.masked_fill(~keep.bool()[..., None], 0.0)
+        y = self.dropout(y)
+        y = torch.tanh(y) if self.act == "tanh" else activation(self.act, y)
+        y = self.norm(out + y)
+        return y if keep is None else y * keep[..., None].to(y.dtype)
+
+
+class DisentangledBlock(TransformerBlock):
+    """BERT's post-norm block around :class:`DisentangledAttention`: ``norm(x + attn(x))``, ``norm(x + mlp(x))``;
+    the first block of a DeBERTa-v2 with ``conv_kernel_size`` adds :class:`TokenConvolution` of its input (``conv``)."""
+
+    def __init__(self, config: ModelConfig, *, first: bool = False) -> None:
         if config.pre_norm:
             raise ValueError("DisentangledBlock (DeBERTa) is post-norm: pre_norm must be False")
         super().__init__(config, attn=DisentangledAttention(config))
+        dis = config.disentangled
+        assert dis is not None
+        self.conv: TokenConvolution | None = TokenConvolution(config) if first and dis.conv_kernel_size else None
 
     def forward(self, x: Tensor, *, attn_mask: Tensor | None = None,  # type: ignore[override]
-                relative: RelativePositions | None = None) -> Tensor:  # [B, S, H]
+                relative: RelativePositions | None = None, keep: Tensor | None = None) -> Tensor:  # [B, S, H]
         drop = self.dropout if self.training else (lambda t: t)
-        x = self.attn_norm(x + drop(self.self_attn(x, attn_mask=attn_mask, relative=relative)))
-        return self.mlp_norm(x + drop(self.mlp(x)))
+        h = self.attn_norm(x + drop(self.self_attn(x, attn_mask=attn_mask, relative=relative)))
+        h = self.mlp_norm(h + drop(self.mlp(h)))
+        return h if self.conv is None else self.conv(x, h, keep)  # keep: [B, S] the real tokens
 
 
 def relative_table(config: ModelConfig) -> tuple[nn.Embedding, nn.Module | None]:

@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 __all__ = ["EncoderModel"]
 
 
+_POOLER_ACTIVATIONS = ("tanh", "gelu", "gelu_tanh", "relu", "silu")
+
+
 def _check(config: ModelConfig) -> None:
     bad = []
     if config.family != "encoder":
@@ -57,6 +60,9 @@ def _check(config: ModelConfig) -> None:
         bad.append(f"plain rotary positions (no rope_scaling), got {config.rope_scaling}")
     if config.attention == "varlen":
         bad.append("attention auto or sdpa (encoders attend over a mask; no varlen kernel is built for them)")
+    if config.pooling not in ("cls", "mean") or config.pooler_activation not in _POOLER_ACTIVATIONS:
+        bad.append(f"pooling cls or mean and a pooler activation of {_POOLER_ACTIVATIONS}, got {config.pooling!r}, "
+                   f"{config.pooler_activation!r}")
     if config.moe is not None or config.mla is not None or config.qkv_packed:
         bad.append("no moe, mla or qkv_packed (decoder options)")
     if bad:
@@ -87,8 +93,8 @@ class EncoderModel(nn.Module):
             )
             self.embed_norm: nn.Module | None = build_norm(config) if config.embedding_norm else None
             self.dropout = nn.Dropout(config.dropout)
-            block = DisentangledBlock if dis is not None else TransformerBlock
-            self.layers = nn.ModuleDict({str(i): block(config) for i in range(config.num_layers)})
+            self.layers = nn.ModuleDict({str(i): DisentangledBlock(config, first=i == 0) if dis is not None
+                                         else TransformerBlock(config) for i in range(config.num_layers)})
             if config.pre_norm and config.embedding_norm and config.num_layers:
                 self.layers["0"].attn_norm = nn.Identity()  # ModernBERT: the embeddings arrive normed
             self.rel_embeddings: nn.Embedding | None = None
@@ -173,7 +179,8 @@ class EncoderModel(nn.Module):
                 table = self.rel_norm(table) if self.rel_norm is not None else table
                 kw["relative"] = RelativePositions(table, relative_index(s, c.disentangled, c.max_position_embeddings,
                                                                          device=x.device))
-            return [kw] * len(self.layers)
+            first = {**kw, "keep": attention_mask} if c.disentangled.conv_kernel_size else kw  # the convolution's
+            return [first if key == "0" else kw for key in self.layers]
         full: dict[str, Any] = {"attn_mask": key_padding_mask(attention_mask) if attention_mask is not None else None}
         sliding = set(c.sliding_layers)
         local = dict(full)

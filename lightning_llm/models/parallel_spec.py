@@ -330,11 +330,20 @@ def encoder_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, loss_p
     config: ModelConfig = model.config  # type: ignore[assignment]
     keys = _layer_keys(model)
     plan: TPPlan = {}
+    whole = _whole_sequence_layers(model, keys) if sequence_parallel else []
+    keys = [k for k in keys if k not in whole]  # the layers sequence parallelism splits
+    sequence_parallel = sequence_parallel and bool(keys)
+    for key in whole:
+        plan.update(_block_plan(f"layers.{key}", config, sequence_parallel=False))
     if getattr(model, "embed_tokens", None) is not None:
-        plan.update(_embedding_plan(sequence_parallel=sequence_parallel, first_layer=keys[0] if keys else None))
+        first = keys[0] if keys and not whole else None
+        plan.update(_embedding_plan(sequence_parallel=sequence_parallel, first_layer=first))
+    if whole and sequence_parallel:
+        plan.update(_split_sequence(keys[0]))  # the hidden state after the whole-sequence layers: split here
+    plan.update(_relative_position_plan("layers.*", config))
     if keys:
-        plan.update(_block_plan("layers.*", config, sequence_parallel=sequence_parallel))
-        plan.update(_relative_position_plan("layers.*", config))
+        for key in keys:
+            plan.update(_block_plan(f"layers.{key}", config, sequence_parallel=sequence_parallel))
         if sequence_parallel:
             # The pooler reads token 0 of the full sequence: gather the shards once after the last block, so the
             # final norm / pooler / classifier run replicated on plain tensors. With a single layer the first layer's
@@ -342,12 +351,19 @@ def encoder_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, loss_p
             gather: dict[str, Any] = dict(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),),
                                           use_local_output=True)
             last = f"layers.{keys[-1]}"
-            if len(keys) == 1 and getattr(model, "embed_tokens", None) is not None:
+            if len(keys) == 1 and (whole or getattr(model, "embed_tokens", None) is not None):
                 plan[last] = PrepareModuleInputOutput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                                       use_local_input=False, **gather)
             else:
                 plan[last] = PrepareModuleOutput(**gather)
     return plan
+
+
+def _whole_sequence_layers(model: nn.Module, keys: list[str]) -> list[str]:
+    """The first layers that must see the whole sequence under sequence parallelism: DeBERTa-v2's first block with its
+    convolution over the sequence (``layers.0.conv``), which then runs as without sequence parallelism."""
+    layers = getattr(model, "layers", None)
+    return [k for k in keys[:1] if getattr(layers[k], "conv", None) is not None] if layers is not None else []
 
 
 def _relative_position_plan(prefix: str, config: ModelConfig) -> TPPlan:

@@ -1,7 +1,8 @@
 """DeBERTa-v2/v3, ModernBERT and XLM-R against transformers 5 (tiny checkpoints written by transformers in the test).
 
 Per family variant (:data:`VARIANTS`: DeBERTa-v3's shared keys with log buckets and no absolute positions; DeBERTa-v2
-with its own relative projections, absolute positions, token types and clamped distances; ModernBERT with global and
+with its own relative projections, absolute positions, token types, clamped distances and the convolution beside its
+first layer; ModernBERT with global and
 sliding layers of their own rope theta, cls and mean pooling, with and without biases; XLM-R), on a batch of an
 unpadded, a right-padded and a left-padded row, fp32, transformers' eager attention:
 
@@ -52,10 +53,12 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], str, str, int, bool]] = {
                                            position_buckets=8, norm_rel_ebd="layer_norm", share_att_key=True,
                                            position_biased_input=False, type_vocab_size=0),
                    "DebertaV2ForSequenceClassification", "DebertaV2Model", 0, False),
-    # DeBERTa-v2: own pos_key_proj/pos_query_proj, absolute positions, token types, distances clamped at 5, no norm
+    # DeBERTa-v2: own pos_key_proj/pos_query_proj, absolute positions, token types, distances clamped at 5, no norm,
+    # the convolution beside the first layer (DeBERTa-v2-xlarge's ConvLayer)
     "deberta_v2": ("DebertaV2Config", dict(_DEBERTA, relative_attention=True, pos_att_type=["c2p", "p2c"],
                                            max_relative_positions=5, share_att_key=False, position_biased_input=True,
-                                           type_vocab_size=2, pooler_hidden_act="tanh"),
+                                           type_vocab_size=2, pooler_hidden_act="tanh", conv_kernel_size=3,
+                                           conv_act="gelu"),
                    "DebertaV2ForSequenceClassification", "DebertaV2Model", 0, True),
     # ModernBERT: layers full, sliding (2 columns either side), full; local rope theta of its own; cls pooling
     "modernbert": ("ModernBertConfig", dict(_MODERNBERT), "ModernBertForSequenceClassification", "ModernBertModel",
@@ -207,7 +210,7 @@ def test_encoder_family_matches_transformers(name: str, tmp_path: Path) -> None:
 
 # --------------------------------------------------------------------------------------------- refusals, lazy reads
 @pytest.mark.parametrize("kind, change, words", [
-    ("deberta_v2", {"conv_kernel_size": 3}, "conv_kernel_size=3 is not supported for deberta-v2"),
+    ("deberta_v2", {"conv_kernel_size": 4}, "conv_kernel_size=4 is not supported for deberta-v2"),
     ("deberta_v2", {"embedding_size": 16}, "embedding_size=16"),
     ("deberta_v2", {"norm_rel_ebd": "rms"}, "norm_rel_ebd='rms'"),
     ("modernbert", {"mlp_dropout": 0.1}, "mlp_dropout=0.1 is not supported for modernbert"),

@@ -5,7 +5,8 @@ the Chinese one): ``config.json`` and weight names <-> an :class:`~lightning_llm
 transformers' keys (under ``deberta.`` in the head classes): ``embeddings.{word,position,token_type}_embeddings``,
 ``embeddings.LayerNorm``, ``encoder.layer.N.attention.self.{query,key,value}_proj`` (+ ``pos_key_proj``,
 ``pos_query_proj`` without ``share_att_key``), ``attention.output.{dense,LayerNorm}``, ``intermediate.dense``,
-``output.{dense,LayerNorm}``, ``encoder.rel_embeddings``, ``encoder.LayerNorm`` (the relative table's norm); the
+``output.{dense,LayerNorm}``, ``encoder.rel_embeddings``, ``encoder.LayerNorm`` (the relative table's norm),
+``encoder.conv.{conv,LayerNorm}`` (DeBERTa-v2's convolution beside the first layer: our ``layers.0.conv``); the
 classifier's ``pooler.dense`` (activation ``pooler_hidden_act``) and ``classifier`` at the top. A checkpoint without
 absolute positions may still hold ``embeddings.position_embeddings``: ignored, as transformers does.
 """
@@ -62,7 +63,10 @@ def deberta_config_from_hf(hf: dict[str, Any], arch: str, a: Arch, *, extra: dic
                              pos_att_type=_pos_att_type(hf.get("pos_att_type")),
                              position_buckets=int(hf.get("position_buckets", -1)),
                              max_relative_positions=int(hf.get("max_relative_positions", -1)),
-                             share_att_key=bool(hf.get("share_att_key", False)), rel_norm="layer_norm" in norm_rel)
+                             share_att_key=bool(hf.get("share_att_key", False)), rel_norm="layer_norm" in norm_rel,
+                             conv_kernel_size=int(hf.get("conv_kernel_size") or 0),
+                             conv_groups=int(hf.get("conv_groups", 1)),
+                             conv_activation=pooler_act(hf.get("conv_act", "tanh")))
     return ModelConfig(
         family="encoder", vocab_size=int(hf.get("vocab_size", 128100)), hidden_size=h,
         num_layers=int(hf.get("num_hidden_layers", 24)), num_heads=heads,
@@ -94,6 +98,8 @@ def deberta_config_to_hf(c: ModelConfig) -> dict[str, Any]:
         relative_attention=dis.relative_attention, pos_att_type=list(dis.pos_att_type),
         position_buckets=dis.position_buckets, max_relative_positions=dis.max_relative_positions,
         share_att_key=dis.share_att_key, norm_rel_ebd="layer_norm" if dis.rel_norm else "none",
+        **({"conv_kernel_size": dis.conv_kernel_size, "conv_groups": dis.conv_groups,
+            "conv_act": pooler_act_to_hf(dis.conv_activation)} if dis.conv_kernel_size else {}),
         pooler_hidden_act=pooler_act_to_hf(c.pooler_activation),
         pooler_dropout=cls_dropout if c.pooler_dropout is None else c.pooler_dropout, pooler_hidden_size=c.hidden_size,
         cls_dropout=c.classifier_dropout,
@@ -125,6 +131,9 @@ def deberta_entries(c: ModelConfig, a: Arch) -> list[Entry]:
         e += lin(f"{p}.intermediate.dense", f"{q}.mlp.up_proj", True)
         e += lin(f"{p}.output.dense", f"{q}.mlp.down_proj", True)
         e += lin(f"{p}.output.LayerNorm", f"{q}.mlp_norm", True)
+    if dis.conv_kernel_size and c.num_layers:
+        e += lin("encoder.conv.conv", "layers.0.conv.conv", True)
+        e += lin("encoder.conv.LayerNorm", "layers.0.conv.norm", True)
     if dis.relative_attention:
         e += lin("encoder.rel_embeddings", "rel_embeddings", False)
         if dis.rel_norm:

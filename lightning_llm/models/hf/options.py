@@ -51,9 +51,8 @@ UNBUILT_OPTIONS: dict[str, tuple[Unbuilt, ...]] = {
     ),
     "glm4_moe": (_PLAIN_WEIGHTS,),
     "deberta-v2": (
-        Unbuilt("conv_kernel_size", _one_of(0, None), "no convolution beside the first layer (DeBERTa-v2-xlarge's "
-                "ConvLayer is not built)"),
-        Unbuilt("z_steps", _one_of(0, 1, None), "one pass through the layers"),
+        Unbuilt("conv_kernel_size", lambda v: v is None or (isinstance(v, int) and (v == 0 or v % 2 == 1)),
+                "0 or an odd kernel (the convolution keeps the sequence length)"),
     ),
     "modernbert": tuple(
         Unbuilt(key, _one_of(0, 0.0, None), "ModernBERT without dropout, as published (--model.dropout sets the "
