@@ -179,3 +179,22 @@ def test_erlangshen_deberta_on_real_afqmc(tmp_path: Path) -> None:
           f"transformers| {err:.2e}; train_loss per step on the same 8 rows {[round(x, 4) for x in rec.losses]}")
     assert err <= 1e-5 and int(inputs["attention_mask"].sum()) < inputs["attention_mask"].numel()  # padded rows
     assert rec.losses[-1] < rec.losses[0]
+
+
+def test_sentencepiece_only_tokenizer_is_refused_by_name_without_sentencepiece(tmp_path: Path) -> None:
+    """A DeBERTa-v3 directory as published (``spm.model`` and ``tokenizer_config.json``, no ``tokenizer.json``):
+    transformers reads it only with the sentencepiece package; without it, one line naming the parameter and the fix
+    (transformers' own error speaks of tiktoken)."""
+    import importlib.util
+
+    from lightning_llm.data.base import load_tokenizer
+
+    if importlib.util.find_spec("sentencepiece") is not None:
+        pytest.skip("sentencepiece is installed: transformers reads spm.model itself")
+    (tmp_path / "spm.model").write_bytes(b"\x0a\x05\x0a\x01a\x15\x00\x00\x00\x00")  # a one-piece ModelProto
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "DebertaV2Tokenizer"}))
+    with pytest.raises(ValueError) as err:
+        load_tokenizer(str(tmp_path))
+    print(err.value)
+    assert str(err.value).startswith(f"--data.tokenizer_dir={tmp_path}: its tokenizer is a sentencepiece model "
+                                     "(spm.model)") and "pip install sentencepiece" in str(err.value)
