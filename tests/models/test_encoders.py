@@ -2,19 +2,20 @@
 
 Per family variant (:data:`VARIANTS`: DeBERTa-v3's shared keys with log buckets and no absolute positions; DeBERTa-v2
 with its own relative projections, absolute positions, token types, clamped distances and the convolution beside its
-first layer; ModernBERT with global and
-sliding layers of their own rope theta, cls and mean pooling, with and without biases; XLM-R), on a batch of an
-unpadded, a right-padded and a left-padded row, fp32, transformers' eager attention:
+first layer; ModernBERT with global and sliding layers of their own rope theta, cls and mean pooling, with and without
+biases; XLM-R), on a batch of an unpadded, a right-padded and a left-padded row, fp32, transformers' eager attention:
 
 * the last hidden states on the real tokens and the logits within 1e-5 (``load_hf`` eager and lazy + materialize);
 * the loss (transformers' own) and every parameter's gradient in train mode (dropout 0), the gradients compared in
   transformers' key space (our gradients written through ``save_hf``'s mapping);
 * ``save_hf`` writes transformers' own key set (the classification class and the base class), which
   ``from_pretrained`` reloads with the same outputs;
+* what ``estimate`` counts: every parameter transformers has;
 
 and: options not built refused in one line naming the file and the option; a lazy read of a fused projection's row
-block reads only its rows; DeBERTa refused by pipeline stages in one line; the datamodule's sentence pairs as each
-family's tokenizer lays them out (separators, token types or none).
+block reads only its rows; DeBERTa refused by pipeline stages in one line. The datamodule's pairs per tokenizer and
+ClassificationTask runs: ``tests/tasks/test_encoder_classification.py``; the layouts:
+``tests/models/test_encoders_layouts.py``.
 """
 
 from __future__ import annotations
