@@ -4,7 +4,8 @@ transformers here), as a user brings them:
 * the sentence-pair datamodule encodes a pair exactly as the family's tokenizer does (its separators; DeBERTa's token
   types 0/1, none from XLM-R's and ModernBERT's tokenizers), including Erlangshen-DeBERTa-v2's BERT vocabulary;
 * a short fit, then ``lightning_llm export``: ``...ForSequenceClassification`` with transformers' own key set and
-  the run's labels, whose logits under transformers equal the trained model's (1e-5, fp32);
+  the run's labels, whose logits under transformers equal the trained model's (1e-5, fp32) (not repeated for the
+  sentencepiece-style DeBERTa tokenizer: the model is the BERT-vocabulary one's);
 * on the real AFQMC rows (``../shared/data``; skipped without them) with the Chinese BERT vocabulary: a tiny
   Erlangshen-DeBERTa-v2-shaped checkpoint scores real pairs as transformers does, then fits.
 """
@@ -115,6 +116,8 @@ def test_family_directory_trains_and_exports(family: str, pair_data: Path, tmp_p
     else:
         assert "token_type_ids" not in want and set(got["token_type_ids"]) == {0}
     print(f"{family}: {type(dm.tokenizer).__name__}, pair {got['input_ids']}, token types {got['token_type_ids']}")
+    if family == "deberta_spm":
+        return  # the same model as deberta_bert_vocab's below: only the tokenizer differs
 
     # fit, export, reload by transformers: the trained model's logits
     pl.seed_everything(1)
