@@ -162,7 +162,12 @@ def test_erlangshen_deberta_on_real_afqmc(tmp_path: Path) -> None:
         pytest.skip(f"real AFQMC data not found under {SHARED_DATA} (the repository runs without it)")
     tok = transformers.BertTokenizer(str(vocab / "vocab.txt"))
     backbone = _checkpoint("deberta_bert_vocab", tok, tmp_path / "erlangshen-deberta", seed=3)
-    dm = SentencePairDataModule(str(data), str(backbone), batch_size=8, max_length=64, max_train_samples=8)
+    rows = tmp_path / "afqmc"  # the first real rows of each split (the datamodule would encode all of dev.json)
+    rows.mkdir()
+    for split in ("train.json", "dev.json"):
+        with (data / split).open(encoding="utf-8") as f:
+            (rows / split).write_text("".join(next(f) for _ in range(16)), encoding="utf-8")
+    dm = SentencePairDataModule(str(rows), str(backbone), batch_size=8, max_length=64, max_train_samples=8)
     dm.setup("fit")
     batch = next(iter(dm.train_dataloader()))
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
