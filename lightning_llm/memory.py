@@ -153,6 +153,8 @@ def activation_bytes_per_sample(config: Any, *, seq_len: int, precision: str, fu
     # (+ activation and product for gated MLPs) or up + activation.
     mlp = 4 * i if config.gated else 2 * i
     per_token_layer = b * (4 * h + attention + mlp)
+    if getattr(config, "disentangled", None) is not None:  # DeBERTa's eager attention keeps its probabilities [N, S]
+        per_token_layer += b * config.num_heads * seq_len
     if config.dropout > 0:
         per_token_layer += 3 * h  # 1-byte dropout masks on attention/residual paths (probabilities not counted)
     local = seq_len // cp

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import logging
 import math
 import warnings
@@ -37,6 +39,11 @@ def load_tokenizer(tokenizer_dir: str | None, *, param: str = "--data.tokenizer_
     if not path.is_dir():
         raise FileNotFoundError(f"{param}={tokenizer_dir}: directory not found (or byte: the built-in byte tokenizer)")
     files = {p.name for p in path.iterdir()}
+    spm = sorted(files & {"spm.model", "spiece.model", "sentencepiece.bpe.model", "tokenizer.model"})
+    if spm and "tokenizer.json" not in files and importlib.util.find_spec("sentencepiece") is None:
+        raise ValueError(f"{param}={tokenizer_dir}: its tokenizer is a sentencepiece model ({spm[0]}) without "
+                         "tokenizer.json, which transformers reads only with the sentencepiece package: pip install "
+                         "sentencepiece (or save the tokenizer with tokenizer.json)")
     try:
         check_tokenizer_files(path)
         if "tokenizer_config.json" in files or "tokenizer.json" in files:

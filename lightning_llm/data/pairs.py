@@ -162,8 +162,10 @@ class SentencePairDataModule(LLMDataModule):
                                         f"(known labels: {self.label_names})")
                 else:
                     label = label_to_id[name]
-            examples.append({"input_ids": enc["input_ids"][i], "token_type_ids": enc["token_type_ids"][i],
-                             "label": label, "index": i})
+            ids = enc["input_ids"][i]
+            # a tokenizer without token types (XLM-R's, ModernBERT's: model_input_names) gives none: zeros
+            types = enc["token_type_ids"][i] if "token_type_ids" in enc else [0] * len(ids)
+            examples.append({"input_ids": ids, "token_type_ids": types, "label": label, "index": i})
         self.ids[split] = [r.get(self.id_field, r["_line"]) for r in records]
         return EncodedDataset(examples)
 

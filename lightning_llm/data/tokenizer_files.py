@@ -21,7 +21,8 @@ __all__ = ["TOKENIZER_FILES", "has_tokenizer", "write_tokenizer"]
 # Files a Hugging Face tokenizer directory may consist of (copied verbatim when present).
 TOKENIZER_FILES = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.txt",
-    "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja",
+    "vocab.json", "merges.txt", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model", "spm.model",
+    "chat_template.jinja",
     "chat_template.json",
 )
 _PROBE = "The quick brown fox, 12345 -- 蚂蚁借呗怎么还款？花呗 Hello WORLD!"

@@ -1,4 +1,5 @@
-"""Model families: causal decoders (LLaMA, GPT-2) and encoders (BERT, RoBERTa, MegatronBERT), plus HF conversion."""
+"""Model families: causal decoders (LLaMA, GPT-2, ...) and encoders (BERT, RoBERTa, XLM-R, MegatronBERT, DeBERTa-v2/v3,
+ModernBERT), plus HF conversion."""
 
 from __future__ import annotations
 

@@ -174,6 +174,55 @@ class LinearAttentionConfig:
 
 
 @dataclass
+class DisentangledConfig:
+    """DeBERTa-v2/v3's disentangled attention (``models/deberta.py``): besides content-to-content scores, each query
+    scores the relative position of each key (``c2p``) and each key the relative position of the query (``p2c``),
+    through one table of relative-position embeddings shared by every layer (``rel_embeddings`` [2 * span, H], layer-
+    normed with ``rel_norm``). The softmax scale is ``1/sqrt(head_dim * (1 + len(pos_att_type)))``."""
+
+    relative_attention: bool = True
+    """Add the relative-position scores (HF ``relative_attention``); False: content scores only (the scale still counts
+    ``pos_att_type``, as transformers does)."""
+    pos_att_type: list[str] = field(default_factory=lambda: ["p2c", "c2p"])
+    """Which relative scores: ``c2p`` (content to position), ``p2c`` (position to content), both or none."""
+    position_buckets: int = 256
+    """Relative distances beyond ``position_buckets // 2`` share log-spaced buckets (HF ``position_buckets``); <= 0:
+    no buckets, distances clamped to ``max_relative_positions``."""
+    max_relative_positions: int = -1
+    """The longest relative distance the buckets reach (< 1: ``max_position_embeddings``)."""
+    share_att_key: bool = True
+    """The relative embeddings pass through the content ``k_proj``/``q_proj`` (DeBERTa-v3); False: their own
+    ``pos_key_proj``/``pos_query_proj``."""
+    rel_norm: bool = True
+    """LayerNorm the relative embeddings (HF ``norm_rel_ebd="layer_norm"``)."""
+    conv_kernel_size: int = 0
+    """DeBERTa-v2's convolution beside the first layer (``ConvLayer``: ``norm(layer_0(x) + act(conv(x)))`` on the
+    real tokens; HF ``conv_kernel_size``); 0: none."""
+    conv_groups: int = 1
+    """Groups of that convolution (HF ``conv_groups``)."""
+    conv_activation: str = "tanh"
+    """Its activation (HF ``conv_act``)."""
+
+    def __post_init__(self) -> None:
+        self.pos_att_type = [str(t).strip().lower() for t in self.pos_att_type]
+        if not set(self.pos_att_type) <= {"c2p", "p2c"} or len(set(self.pos_att_type)) != len(self.pos_att_type):
+            raise ValueError(f"DisentangledConfig: pos_att_type={self.pos_att_type} must list c2p and/or p2c once")
+        if self.conv_kernel_size < 0 or (self.conv_kernel_size and self.conv_kernel_size % 2 == 0):
+            raise ValueError(f"DisentangledConfig: conv_kernel_size={self.conv_kernel_size} must be 0 or odd (the "
+                             "convolution keeps the sequence length)")
+
+    def span(self, max_position_embeddings: int) -> int:
+        """Half the rows of the relative-embedding table: the buckets, else the longest distance."""
+        if self.position_buckets > 0:
+            return self.position_buckets
+        return self.max_relative_positions if self.max_relative_positions >= 1 else max_position_embeddings
+
+    def max_distance(self, max_position_embeddings: int) -> int:
+        """``max_relative_positions``, defaulted to ``max_position_embeddings`` as transformers does."""
+        return self.max_relative_positions if self.max_relative_positions >= 1 else max_position_embeddings
+
+
+@dataclass
 class ModelConfig:
     """Architecture of one transformer. Field names follow the LLaMA/BERT vocabulary."""
 
@@ -205,8 +254,9 @@ class ModelConfig:
     activation: Literal["swiglu", "geglu", "geglu_tanh", "gelu", "gelu_tanh", "relu"] = "swiglu"
     """``swiglu``/``geglu``/``geglu_tanh`` are gated (gate_proj, up_proj, down_proj; HF ``hidden_act`` silu / gelu /
     gelu_pytorch_tanh); the others are plain (up_proj, down_proj)."""
-    position: Literal["rope", "learned"] = "rope"
-    """Rotary embeddings applied to q/k, or a learned absolute position table added to token embeddings."""
+    position: Literal["rope", "learned", "none"] = "rope"
+    """Rotary embeddings applied to q/k, a learned absolute position table added to token embeddings, or ``none``
+    (encoders whose attention carries relative positions: DeBERTa-v3, ``disentangled``)."""
     rope_theta: float = 10000.0
     """RoPE base frequency."""
     rope_scaling: dict[str, Any] | None = None
@@ -234,7 +284,9 @@ class ModelConfig:
     """LM head weight L2-normalised per vocabulary row in forward (Baichuan2 ``NormHead``)."""
     sliding_window: int | None = None
     """Sliding-window attention (Mistral, Qwen2): a query attends to the ``sliding_window`` most recent positions
-    (itself included), as HF's ``kv_idx > q_idx - sliding_window``; ``None`` = full causal attention."""
+    (itself included), as HF's ``kv_idx > q_idx - sliding_window``; ``None`` = full causal attention. Encoders
+    (ModernBERT's ``local_attention``): a query attends to the keys within ``sliding_window // 2`` columns on either
+    side."""
     layer_types: list[str] | None = None
     """Per-layer ``"full_attention"`` / ``"sliding_attention"`` (HF ``layer_types``); ``None`` = every layer slides
     when ``sliding_window`` is set. Ignored without ``sliding_window``."""
@@ -282,8 +334,8 @@ class ModelConfig:
     """Layers whose attention applies no rotary embedding (SmolLM3's NoPE layers: HF ``no_rope_layers[i] == 0``)."""
     sliding_rope: dict[str, Any] | None = None
     """RoPE of the sliding-window layers where it differs from the other layers' (OLMo 3: YaRN on the full layers
-    only), as HF ``rope_parameters`` (``{"rope_type": ..., "rope_theta": ..., ...}``); ``None``: every layer's is
-    ``rope_theta`` / ``rope_scaling``."""
+    only; ModernBERT's and Gemma 3's local layers: their own base), as HF ``rope_parameters`` (``{"rope_type": ...,
+    "rope_theta": ..., ...}``); ``None``: every layer's is ``rope_theta`` / ``rope_scaling``."""
     branch_input_norm: bool = True
     """Pre-LN blocks norm each branch's input (``attn_norm``, ``mlp_norm``); ``False``: they do not (OLMo 2/3)."""
     branch_output_norm: bool = False
@@ -297,6 +349,22 @@ class ModelConfig:
     attention_output_gate: bool = False
     """The attention output times ``sigmoid(gate)``, the gate from a second half of ``q_proj`` (per head ``[q_h,
     gate_h]``: Qwen3.5's and Qwen3-Next's gated attention)."""
+    disentangled: DisentangledConfig | None = None
+    """DeBERTa-v2/v3's disentangled attention in every layer of an encoder (``models/deberta.py``); ``None``: plain
+    attention. A DeBERTa encoder also zeroes the padding rows of its embeddings, as transformers does."""
+    norm_bias: bool = True
+    """Biases on the LayerNorms (ModernBERT: none)."""
+    pooling: Literal["cls", "mean"] = "cls"
+    """What an encoder's pooler reads: the first token, or the mean over the real tokens (ModernBERT)."""
+    pooler_activation: str = "tanh"
+    """The pooler's activation (BERT: ``tanh``; DeBERTa and ModernBERT: ``gelu``; any name of ``layers.activation``)."""
+    pooler_bias: bool = True
+    """Bias on the pooler's dense layer (ModernBERT: ``classifier_bias``)."""
+    pooler_norm: bool = False
+    """A norm after the pooler's activation (ModernBERT's prediction head)."""
+    pooler_dropout: float | None = 0.0
+    """Dropout on the pooled token before the pooler's dense layer (DeBERTa's ``pooler_dropout``); ``None``: the
+    classifier's dropout (RoBERTa's classification head drops out before both of its layers)."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form metadata kept through save/load (e.g. the HF architecture name)."""
 
@@ -307,6 +375,8 @@ class ModelConfig:
             self.mla = MLAConfig(**self.mla)
         if isinstance(self.linear_attention, dict):
             self.linear_attention = LinearAttentionConfig(**self.linear_attention)
+        if isinstance(self.disentangled, dict):
+            self.disentangled = DisentangledConfig(**self.disentangled)
         if self.mla is not None:
             self._check_mla(self.mla)
         if self.moe is not None:
@@ -374,6 +444,9 @@ class ModelConfig:
             (self.sliding_rope is None or str(self.sliding_rope.get("rope_type", "default")) in (
                 "default", "linear", "llama3", "yarn"), f"sliding_rope={self.sliding_rope}: its rope_type must be "
              "default, linear, llama3 or yarn (frequencies that do not follow the forward's length)"),
+            (self.family == "decoder" or self.sliding_rope is None or set(self.sliding_rope) <= {"rope_type", "rope_theta"}
+             and self.sliding_rope.get("rope_type", "default") == "default",
+             f"sliding_rope={self.sliding_rope}: an encoder's sliding layers take a plain rope of their own base only"),
             (not (self.rope_interleave or self.nope_layers or self.sliding_rope) or self.mla is None,
              "rope_interleave / nope_layers / sliding_rope do not apply to mla= (its own rotary layout)")) if not ok]
         if bad:
@@ -444,7 +517,8 @@ class ModelConfig:
             changes["num_kv_heads"] = None
         if "o_bias" not in changes and "attention_bias" in changes:
             changes["o_bias"] = None
-        for name in ("moe", "mla", "linear_attention"):  # a partial dict changes those fields of the existing one (a loaded backbone's)
+        # a partial dict changes those fields of the existing one (a loaded backbone's)
+        for name in ("moe", "mla", "linear_attention", "disentangled"):
             if isinstance(changes.get(name), dict) and getattr(self, name) is not None:
                 changes[name] = dataclasses.replace(getattr(self, name), **changes[name])
         if self.mla is not None or changes.get("mla") is not None:  # derived from mla: recomputed from the new one
@@ -475,6 +549,14 @@ _BERT = dict(
     type_vocab_size=2, pooler=True, dropout=0.1,
 )
 _MEGATRON_BERT = dict(_BERT, pre_norm=True, embedding_norm=False, final_norm=True)
+_DEBERTA_V3 = dict(_BERT, norm_eps=1e-7, position="none", type_vocab_size=0, pooler_activation="gelu",
+                   disentangled=dict(relative_attention=True, pos_att_type=["p2c", "c2p"], position_buckets=256,
+                                     share_att_key=True, rel_norm=True), extra={"hf_model_type": "deberta-v2"})
+_MODERNBERT = dict(family="encoder", norm="layernorm", norm_eps=1e-5, norm_bias=False, activation="geglu",
+                   position="rope", rope_theta=160000.0, sliding_window=128,
+                   sliding_rope={"rope_type": "default", "rope_theta": 10000.0},
+                   pre_norm=True, embedding_norm=True, final_norm=True, pooler=True, pooler_activation="gelu",
+                   pooler_bias=False, pooler_norm=True, extra={"hf_model_type": "modernbert"})
 
 # Named sizes: (family, name) -> fields. `debug` exists for both families and is what tests use.
 NAMED_SIZES: dict[tuple[str, str], dict[str, Any]] = {
@@ -647,6 +729,16 @@ NAMED_SIZES: dict[tuple[str, str], dict[str, Any]] = {
     ("encoder", "debug"): dict(
         _BERT, vocab_size=21128, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
         max_position_embeddings=512, dropout=0.0,
+    ),
+    # DeBERTa-v3- and ModernBERT-shaped encoders at test size (relative positions with log buckets; global and
+    # sliding layers with their own rope theta, the GLU feed-forward and the prediction head)
+    ("encoder", "debug-deberta-v3"): dict(
+        _DEBERTA_V3, vocab_size=21128, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=128,
+        max_position_embeddings=512, dropout=0.0,
+    ),
+    ("encoder", "debug-modernbert"): dict(
+        _MODERNBERT, vocab_size=21128, hidden_size=64, num_layers=2, num_heads=4, intermediate_size=96,
+        max_position_embeddings=8192, layer_types=["full_attention", "sliding_attention"],
     ),
     ("encoder", "bert-base"): dict(
         _BERT, vocab_size=21128, hidden_size=768, num_layers=12, num_heads=12, intermediate_size=3072,

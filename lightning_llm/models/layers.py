@@ -188,7 +188,7 @@ def build_norm(config: ModelConfig, dim: int | None = None) -> RMSNorm | LayerNo
         return RMSNorm(dim, config.norm_eps, kernels=config.kernels, offset=config.norm_offset,
                        weight_fp32=config.norm_weight_fp32)
     if config.norm == "layernorm":
-        return LayerNorm(dim, config.norm_eps, kernels=config.kernels)
+        return LayerNorm(dim, config.norm_eps, bias=config.norm_bias, kernels=config.kernels)
     raise ValueError(f"unknown norm {config.norm!r}")
 
 

@@ -87,6 +87,9 @@ class ParallelSpec:
     cannot split its sequence."""
     context_parallel_blocker: Callable[[nn.Module], str | None] = field(default=lambda model: None)
     """``backbone -> why this model cannot split its sequence`` (``None``: it can)."""
+    pipeline_blocker: Callable[[nn.Module], str | None] = field(default=lambda model: None)
+    """``backbone -> why this model cannot be split into pipeline stages`` (``None``: it can): e.g. a module every
+    block reads (DeBERTa's relative-position table), which a stage without it would lack."""
     position_limit: Callable[[nn.Module], int | None] = field(default=lambda model: None)
     """``backbone -> the longest row a context-parallel slice computes as one device does`` (``None``: any). A
     decoder computes RoPE past its table from the positions themselves, on one device and on a slice alike; a learned
@@ -356,10 +359,20 @@ def encoder_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, loss_p
     config: ModelConfig = model.config  # type: ignore[assignment]
     keys = _layer_keys(model)
     plan: TPPlan = {}
+    whole = _whole_sequence_layers(model, keys) if sequence_parallel else []
+    keys = [k for k in keys if k not in whole]  # the layers sequence parallelism splits
+    sequence_parallel = sequence_parallel and bool(keys)
+    for key in whole:
+        plan.update(_block_plan(f"layers.{key}", config, sequence_parallel=False))
     if getattr(model, "embed_tokens", None) is not None:
-        plan.update(_embedding_plan(sequence_parallel=sequence_parallel, first_layer=keys[0] if keys else None))
+        first = keys[0] if keys and not whole else None
+        plan.update(_embedding_plan(sequence_parallel=sequence_parallel, first_layer=first))
+    if whole and sequence_parallel:
+        plan.update(_split_sequence(keys[0]))  # the hidden state after the whole-sequence layers: split here
+    plan.update(_relative_position_plan("layers.*", config))
     if keys:
-        plan.update(_block_plan("layers.*", config, sequence_parallel=sequence_parallel))
+        for key in keys:
+            plan.update(_block_plan(f"layers.{key}", config, sequence_parallel=sequence_parallel))
         if sequence_parallel:
             # The pooler reads token 0 of the full sequence: gather the shards once after the last block, so the
             # final norm / pooler / classifier run replicated on plain tensors. With a single layer the first layer's
@@ -367,12 +380,31 @@ def encoder_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, loss_p
             gather: dict[str, Any] = dict(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),),
                                           use_local_output=True)
             last = f"layers.{keys[-1]}"
-            if len(keys) == 1 and getattr(model, "embed_tokens", None) is not None:
+            if len(keys) == 1 and (whole or getattr(model, "embed_tokens", None) is not None):
                 plan[last] = PrepareModuleInputOutput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
                                                       use_local_input=False, **gather)
             else:
                 plan[last] = PrepareModuleOutput(**gather)
     return plan
+
+
+def _whole_sequence_layers(model: nn.Module, keys: list[str]) -> list[str]:
+    """The first layers that must see the whole sequence under sequence parallelism: DeBERTa-v2's first block with its
+    convolution over the sequence (``layers.0.conv``), which then runs as without sequence parallelism."""
+    layers = getattr(model, "layers", None)
+    return [k for k in keys[:1] if getattr(layers[k], "conv", None) is not None] if layers is not None else []
+
+
+def _relative_position_plan(prefix: str, config: ModelConfig) -> TPPlan:
+    """DeBERTa's own relative-position projections (without ``share_att_key``): column-parallel over whole heads like
+    ``k_proj``/``q_proj`` ([P, H] -> [P, N/tp*D]: each rank scores its heads' relative terms). Their input, the
+    relative table every layer reads, is a replicated plain tensor whose gradient each projection all-reduces in
+    backward (with ``share_att_key`` the content ``k_proj``/``q_proj`` take it the same way)."""
+    dis = config.disentangled
+    if dis is None or not dis.relative_attention or dis.share_att_key:
+        return {}
+    names = [n for n, t in (("pos_key_proj", "c2p"), ("pos_query_proj", "p2c")) if t in dis.pos_att_type]
+    return {f"{prefix}.self_attn.{n}": ColwiseParallel() for n in names}
 
 
 def _tied_lm_head(model: nn.Module) -> tuple[tuple[str, str], ...]:
@@ -411,6 +443,14 @@ def _decoder_position_limit(model: nn.Module) -> int | None:
 def _encoder_cp_blocker(model: nn.Module) -> str:
     return "the encoder family (bidirectional attention, a pooler on token 0) cannot split its sequence"
 
+
+def _encoder_pp_blocker(model: nn.Module) -> str | None:
+    if getattr(model, "rel_embeddings", None) is None:
+        return None
+    return ("DeBERTa's relative-position table (rel_embeddings, rel_norm) is read by every layer, so every pipeline "
+            "stage would hold a copy whose gradients no layout sums: pipeline parallelism is not supported for it; "
+            "use tp, zero1-3, ddp or deepspeed")
+
 PARALLEL_SPECS: dict[type[nn.Module], ParallelSpec] = {
     DecoderLM: ParallelSpec(first=("embed_tokens", "embed_positions"), last=("norm", "lm_head"),
                             tp_plan=decoder_tp_plan, tp_divides=_TP_DIVIDES, tied=_tied_lm_head,
@@ -419,9 +459,9 @@ PARALLEL_SPECS: dict[type[nn.Module], ParallelSpec] = {
                             routing=lambda model: model.routing, expert_modules="layers.*.mlp.experts",
                             segment_positions=segment_positions),
     EncoderModel: ParallelSpec(first=("embed_tokens", "embed_positions", "embed_token_types", "embed_norm"),
-                               last=("final_norm", "pooler", "classifier"), tp_plan=encoder_tp_plan,
+                               last=("final_norm", "pooler", "pooler_norm", "classifier"), tp_plan=encoder_tp_plan,
                                tp_divides=_TP_DIVIDES, tied=lambda model: (),
-                               context_parallel_blocker=_encoder_cp_blocker),
+                               context_parallel_blocker=_encoder_cp_blocker, pipeline_blocker=_encoder_pp_blocker),
 }
 """Model class -> its spec. A new family adds its entry here (and its module next to this file)."""
 

@@ -12,6 +12,7 @@ from torchmetrics.classification import MulticlassAccuracy, MulticlassF1Score
 from typing_extensions import override
 
 from lightning_llm.files import write_jsonl_atomic
+from lightning_llm.models import backbone_config
 from lightning_llm.tasks.base import LLMTask, OptimConfig
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,8 @@ class ClassificationTask(LLMTask):
     ) -> None:
         """
         Args:
-            backbone: A named encoder size (``debug``, ``bert-base``, ``erlangshen-1.3b``) or a local HF directory.
+            backbone: A named encoder size (``debug``, ``bert-base``, ``erlangshen-1.3b``) or a local HF directory
+                (BERT, RoBERTa, XLM-R, MegatronBERT, DeBERTa-v2/v3, ModernBERT).
             num_labels: Classes; default: from the datamodule's label map.
             label_names: Label strings in class order; default: from the datamodule.
             dropout: Override the backbone's dropout (``0`` for exact parity runs).
@@ -52,6 +54,8 @@ class ClassificationTask(LLMTask):
                 and checkpoints unchanged; refused under tensor parallelism): see ``LLMTask``.
         """
         super().__init__(optim=optim, nonfinite_loss=nonfinite_loss, compile=compile)
+        # the backbone's options (an HF directory's config.json), refused before any data is prepared
+        backbone_config(backbone, family="encoder", **({} if dropout is None else {"dropout": dropout}))
         # predict_output is a run-time choice: LightningCLI re-applies checkpoint hparams over the command line.
         self.save_hyperparameters(ignore=["predict_output"])
         self.backbone = backbone

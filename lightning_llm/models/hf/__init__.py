@@ -7,7 +7,9 @@
 ``decoders.py``           the LLaMA-layout decoders' configs (Llama, Qwen, Mistral, Baichuan, the MoE families)
 ``deepseek.py``           DeepSeek-V2/V3, Kimi-K2 and GLM-4.5's configs (MLA, group-limited routers)
 ``gpt2.py``               GPT-2's config and weights
-``encoders.py``           BERT, RoBERTa, MegatronBERT: configs and weights
+``encoders.py``           BERT, RoBERTa, XLM-R, MegatronBERT: configs and weights; the encoders' dispatch
+``deberta.py``            DeBERTa-v2/v3: configs and weights (disentangled attention)
+``modernbert.py``         ModernBERT: configs and weights (fused ``Wqkv``/``Wi`` as row blocks)
 ``weights.py``            the weight mapping's entries per config (the decoders'), dispatched per layout
 ``entries.py``            the entry types (one key, per-expert keys, fused layouts, MXFP4) and the experts' entries
 ``source.py``             reading checkpoint files lazily: only the elements a rank holds

@@ -72,6 +72,15 @@ SUPPORTED_ARCHITECTURES: dict[str, Arch] = {
     "RobertaModel": Arch("roberta", "base"),
     "RobertaForSequenceClassification": Arch("roberta", "cls"),
     "RobertaForMaskedLM": Arch("roberta", "mlm"),
+    "XLMRobertaModel": Arch("xlm-roberta", "base"),
+    "XLMRobertaForSequenceClassification": Arch("xlm-roberta", "cls"),
+    "XLMRobertaForMaskedLM": Arch("xlm-roberta", "mlm"),
+    "DebertaV2Model": Arch("deberta-v2", "base"),
+    "DebertaV2ForSequenceClassification": Arch("deberta-v2", "cls"),
+    "DebertaV2ForMaskedLM": Arch("deberta-v2", "mlm"),
+    "ModernBertModel": Arch("modernbert", "base"),
+    "ModernBertForSequenceClassification": Arch("modernbert", "cls"),
+    "ModernBertForMaskedLM": Arch("modernbert", "mlm"),
 }
 """HF class name -> :class:`Arch`."""
 
@@ -80,6 +89,9 @@ DEFAULT_ARCHITECTURE: dict[str, str] = {
     "bert": "BertModel",
     "megatron-bert": "MegatronBertModel",
     "roberta": "RobertaModel",
+    "xlm-roberta": "XLMRobertaModel",
+    "deberta-v2": "DebertaV2Model",
+    "modernbert": "ModernBertModel",
 }
 """``model_type`` -> the class a checkpoint without ``architectures`` is read as (and a model of that type is
 written as by default)."""
@@ -95,7 +107,9 @@ FAMILY_GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("Hybrid decoders (Gated DeltaNet and attention layers)", (("qwen3_5_text", "Qwen3.5"),
                                                                ("qwen3_5_moe_text", "Qwen3.5-MoE"),
                                                                ("qwen3_next", "Qwen3-Next"))),
-    ("Encoders", (("bert", "BERT"), ("megatron-bert", "MegatronBERT (Erlangshen)"), ("roberta", "RoBERTa"))),
+    ("Encoders", (("bert", "BERT"), ("megatron-bert", "MegatronBERT (Erlangshen)"), ("roberta", "RoBERTa"),
+                  ("xlm-roberta", "XLM-R"), ("deberta-v2", "DeBERTa-v2/v3 (Erlangshen-DeBERTa-v2)"),
+                  ("modernbert", "ModernBERT"))),
 )
 """The docs' family list: a title and its model types with the models they are, in the order the docs list them."""
 

@@ -38,7 +38,7 @@ def config_from_hf(hf_config: dict[str, Any], *, where: str = "config") -> Model
         return decoder_config_from_hf(hf, a.kind, extra=extra, pad=pad, where=where)
     if a.kind == "gpt2":
         return gpt2_config_from_hf(hf, extra=extra, pad=pad)
-    return encoder_config_from_hf(hf, arch, a, extra=extra, pad=pad)
+    return encoder_config_from_hf(hf, arch, a, extra=extra, pad=pad, where=where)
 
 
 _ARCH_FIELDS = (
@@ -48,7 +48,7 @@ _ARCH_FIELDS = (
     "tie_embeddings", "pre_norm",
     "embedding_norm", "final_norm", "type_vocab_size", "position_offset", "sliding_layers", "window", "moe", "mla",
     "partial_rotary_factor", "rope_interleave", "nope_layers", "sliding_rope", "branch_input_norm", "branch_output_norm",
-    "norm_weight_fp32", "linear_layers", "linear_attention", "attention_output_gate",
+    "norm_weight_fp32", "linear_layers", "linear_attention", "attention_output_gate", "disentangled", "norm_bias",
 )
 
 
@@ -105,7 +105,8 @@ def config_to_hf(config: ModelConfig, architecture: str, *, dtype: torch.dtype =
 
     # The written config must describe exactly this model.
     back = config_from_hf(hf)
-    fields = list(_ARCH_FIELDS) + (["num_labels", "pooler"] if a.head == "cls" else [])
+    head_fields = ["num_labels", "pooler", "pooling", "pooler_activation", "pooler_bias", "pooler_norm"]
+    fields = list(_ARCH_FIELDS) + (head_fields if a.head == "cls" else [])
     diffs = [f"{f}: ours={_arch_value(c, f)!r} {architecture}={_arch_value(back, f)!r}" for f in fields
              if _arch_value(c, f) != _arch_value(back, f)]
     if diffs:

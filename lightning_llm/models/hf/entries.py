@@ -42,7 +42,10 @@ class Entry:
     top: bool = False  # key lives at top level of a head model (lm_head.*, classifier.*)
     split: Callable[[Tensor], Sequence[Tensor]] | None = None
     merge: Callable[[Sequence[Tensor]], Tensor] | None = None
-    rows: tuple[int, ...] | None = None  # our parameters are these row blocks of the HF tensor (read block by block)
+    row_blocks: bool = False
+    """``split`` cuts dim 0 into consecutive blocks, ours in order (a fused projection: Phi-3's ``qkv_proj``,
+    ModernBERT's ``Wqkv``, ``Wi``): a lazy read of some of our rows reads only those rows of the stored tensor
+    (:class:`~.source.RowsMapped`)."""
 
 
 @dataclass(frozen=True)
@@ -125,11 +128,14 @@ class Fused:
         return Mxfp4Mapped(stored[blocks], stored[scales], self.interleaved), shape, (blocks, scales)
 
 
-def row_split(hf: str, ours: tuple[str, ...], rows: tuple[int, ...]) -> Entry:
-    """One HF tensor whose dim-0 blocks of ``rows`` rows are our parameters ``ours`` in order (a fused projection's
-    weight or bias: Phi-3's ``qkv_proj`` = q, k, v rows; ``gate_up_proj`` = gate then up rows)."""
-    return Entry(hf, ours, split=lambda t: [x.contiguous() for x in t.split(list(rows), dim=0)],
-                 merge=lambda ts: torch.cat(list(ts), dim=0), rows=rows)
+def row_split(hf: str, ours: tuple[str, ...], rows: tuple[int, ...] | None = None) -> Entry:
+    """One HF tensor whose dim-0 blocks of ``rows`` rows (``None``: equal blocks) are our parameters ``ours`` in
+    order (a fused projection's weight or bias: Phi-3's ``qkv_proj`` = q, k, v rows; ``gate_up_proj`` = gate then up
+    rows; ModernBERT's ``Wqkv``, ``Wi``)."""
+    def split(t: Tensor) -> list[Tensor]:
+        return [x.contiguous() for x in (t.split(list(rows), dim=0) if rows else t.chunk(len(ours), dim=0))]
+
+    return Entry(hf, ours, split=split, merge=lambda ts: torch.cat(list(ts), dim=0), row_blocks=True)
 
 
 def lin(hf: str, ours: str, bias: bool, **kw: Any) -> list[Entry]:

@@ -89,10 +89,11 @@ def _map_to_ours(
         used.add(e.hf)
         meta = files.meta(stored[e.hf])
         parts = e.split(meta) if e.split is not None else (meta,)  # on meta tensors: shapes only
+        offset = 0
         for i, (name, part) in enumerate(zip(e.ours, parts)):
-            mapping[name] = Mapped(stored[e.hf], i, e.split) if e.rows is None else \
-                RowsMapped(stored[e.hf], sum(e.rows[:i]))  # a row block: read by rows
+            mapping[name] = RowsMapped(stored[e.hf], offset) if e.row_blocks else Mapped(stored[e.hf], i, e.split)
             shapes[name] = tuple(part.shape)
+            offset += part.shape[0]
     rest = [k for k in stored if k not in used and not IGNORED.search(k)]
     heads = [k for k in rest if HEAD_KEYS[kind].match(k)]
     mtp = [k for k in rest if kind in MTP_KINDS and (m := re.match(r"layers\.(\d+)\.", k)) is not None

@@ -51,6 +51,15 @@ UNBUILT_OPTIONS: dict[str, tuple[Unbuilt, ...]] = {
     ),
     "glm4_moe": (_PLAIN_WEIGHTS,),
     **{kind: (_PLAIN_WEIGHTS,) for kind in ("phi3", "glm4", "olmo2", "olmo3", "smollm3")},
+    "deberta-v2": (
+        Unbuilt("conv_kernel_size", lambda v: v is None or (isinstance(v, int) and (v == 0 or v % 2 == 1)),
+                "0 or an odd kernel (the convolution keeps the sequence length)"),
+    ),
+    "modernbert": tuple(
+        Unbuilt(key, _one_of(0, 0.0, None), "ModernBERT without dropout, as published (--model.dropout sets the "
+                "encoder's one dropout: embeddings, attention, residual branches)")
+        for key in ("embedding_dropout", "attention_dropout", "mlp_dropout")
+    ) + (Unbuilt("classifier_pooling", _one_of("cls", "mean"), "cls or mean pooling"),),
 }
 """HF model type -> its options that are not built."""
 

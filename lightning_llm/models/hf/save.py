@@ -32,20 +32,21 @@ def default_architecture(config: ModelConfig) -> str:
     """HF architecture a model is saved as by default (from ``extra['hf_model_type']`` or the config's shape)."""
     kind = (config.extra or {}).get("hf_model_type")
     if kind not in DEFAULT_ARCHITECTURE:
-        if config.family == "decoder":
-            kind = _decoder_kind(config)
-        elif config.pre_norm:
-            kind = "megatron-bert"
-        else:
-            kind = "roberta" if config.position_offset > 0 else "bert"
-    if config.family == "decoder" or kind in DECODER_KINDS + ("gpt2",):
+        kind = _decoder_kind(config) if config.family == "decoder" else _encoder_kind(config)
+    if config.family == "decoder" or kind in DECODER_KINDS + ("gpt2",) or config.num_labels == 0:
         return DEFAULT_ARCHITECTURE[kind]
-    names = {
-        ("bert", False): "BertModel", ("bert", True): "BertForSequenceClassification",
-        ("megatron-bert", False): "MegatronBertModel", ("megatron-bert", True): "MegatronBertForSequenceClassification",
-        ("roberta", False): "RobertaModel", ("roberta", True): "RobertaForSequenceClassification",
-    }
-    return names[(kind, config.num_labels > 0)]
+    return next(n for n, a in SUPPORTED_ARCHITECTURES.items() if a.kind == kind and a.head == "cls")
+
+
+def _encoder_kind(config: ModelConfig) -> str:
+    """The HF family an encoder of no recorded origin is saved as."""
+    if config.disentangled is not None:
+        return "deberta-v2"
+    if config.position == "rope":
+        return "modernbert"
+    if config.pre_norm:
+        return "megatron-bert"
+    return "roberta" if config.position_offset > 0 else "bert"
 
 
 def _decoder_kind(config: ModelConfig) -> str:

@@ -12,7 +12,7 @@ from torch import Tensor
 from ..config import ModelConfig
 from .architectures import SUPPORTED_ARCHITECTURES
 from .decoders import DECODER_KINDS, wpack_from_hf, wpack_to_hf
-from .encoders import encoder_entries
+from .encoders import ENCODER_HEAD_KEYS, ENCODER_PREFIX, encoder_entries
 from .entries import Entry, Fused, Stacked, lin, moe_mlp_entries
 from .glm4 import GLM4_NORMS
 from .gpt2 import gpt2_entries
@@ -22,8 +22,7 @@ from .qwen3_next import hybrid_attention_entries
 
 __all__ = ["BASE_PREFIX", "IGNORED", "HEAD_KEYS", "entries", "save_entries"]
 
-BASE_PREFIX = {**{k: "model." for k in DECODER_KINDS}, "gpt2": "transformer.", "bert": "bert.",
-               "megatron-bert": "bert.", "roberta": "roberta."}
+BASE_PREFIX = {**{k: "model." for k in DECODER_KINDS}, "gpt2": "transformer.", **ENCODER_PREFIX}
 """The base model's prefix of each weight layout's keys (``model.layers.0...``)."""
 
 IGNORED = re.compile(
@@ -34,9 +33,7 @@ IGNORED = re.compile(
 HEAD_KEYS = {
     **{k: re.compile(r"^score\.") for k in DECODER_KINDS},
     "gpt2": re.compile(r"^score\."),
-    "bert": re.compile(r"^(cls|classifier|pooler)\."),
-    "megatron-bert": re.compile(r"^(cls|classifier|pooler)\."),
-    "roberta": re.compile(r"^(lm_head|classifier|pooler)\."),
+    **ENCODER_HEAD_KEYS,
 }
 """Head weights of other tasks: dropped with a warning (e.g. an MLM head when loading a backbone)."""
 

@@ -136,6 +136,10 @@ def split_layers(
     and the final norm and heads on the last.
     """
     layout = layout_of(model)
+    family = parallel_spec_of(model)
+    reason = family[2].pipeline_blocker(family[1]) if family is not None else None
+    if reason is not None:
+        raise ValueError(f"pipeline parallelism: {reason}")
     keys = list(module_at(model, layout.layers).keys())
     n = len(keys)
     if num_stages > n:
