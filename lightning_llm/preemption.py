@@ -86,6 +86,7 @@ class StoreAgreement:
 
     def __init__(self, store: dist.Store, *, prefix: str, world: int, rank: int, timeout: float = 1800.0) -> None:
         self.store, self.prefix, self.world, self.rank, self.timeout = store, prefix, world, rank, timeout
+        self._last_read: int | None = None
 
     def _key(self, step: int) -> str:
         return f"{self.prefix}/{step}"
@@ -107,8 +108,9 @@ class StoreAgreement:
             time.sleep(pause)
             pause = min(2 * pause, 0.05)
             total = self.store.add(key, 0)
-        if self.rank == 0 and step > 0:  # every rank read step - 1 before it posted step
-            self.store.delete_key(self._key(step - 1))
+        if self.rank == 0 and self._last_read is not None:  # every rank read it before it posted this step
+            self.store.delete_key(self._key(self._last_read))
+        self._last_read = step
         return int(self.store.get(f"{self.prefix}/signal")) if total // base else 0
 
 
@@ -333,7 +335,7 @@ class Preemption(pl.Callback):
         came = (f"received during step {self._received_at}" if self._received is not None
                 else "received by another rank")
         log.warning("%s %s; saving step %d", name, came, trainer.global_step)
-        start = time.monotonic()
+        start, before = time.monotonic(), self._count
         requeue = self._lightning_handlers.get(signum)
         if requeue is not None:
             before = set(Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt"))
@@ -350,7 +352,7 @@ class Preemption(pl.Callback):
         status = exit_status(signum)
         where = (f"to {path}" if path is not None else "nowhere (no ModelCheckpoint)")
         extra = f", {waited:.2f} s of it finishing a background save" if waited >= 0.005 else ""
-        again = f"; {self._count - 1} more signal(s) came during the save" if self._count > 1 else ""
+        again = f"; {self._count - before} more signal(s) came during the save" if self._count > before else ""
         log.warning("saved step %d %s in %.2f s%s%s; exiting with status %d (128 + %s)",
                     trainer.global_step, where, took, extra, again, status, name)
         raise Preempted(signum, step=trainer.global_step, path=path)
