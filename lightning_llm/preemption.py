@@ -338,9 +338,9 @@ class Preemption(pl.Callback):
         start, before = time.monotonic(), self._count
         requeue = self._lightning_handlers.get(signum)
         if requeue is not None:
-            before = set(Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt"))
+            existing = set(Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt"))
             requeue(signum, None)  # Lightning's own: hpc_ckpt_N.ckpt, then `scontrol requeue` on rank 0
-            new = sorted(set(Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt")) - before)
+            new = sorted(set(Path(trainer.default_root_dir).glob("hpc_ckpt_*.ckpt")) - existing)
             path, waited = (new[-1] if new else None), 0.0
         else:
             waited = self._finish_background_saves(trainer)
