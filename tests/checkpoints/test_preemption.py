@@ -318,6 +318,22 @@ def test_slurm_requeue_signal_runs_lightnings_requeue_at_the_step(tmp_path: Path
 
 
 # ------------------------------------------------------------------------------------------------ command line
+def test_the_command_line_exits_with_the_signal_status(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``main`` returns a fit's ``Preempted`` status (128 + its signal), and 143 for Lightning's own
+    ``SIGTERMException`` (validate/test/predict stopped by SIGTERM), never 0."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from lightning_llm.cli import app
+    from lightning_llm.preemption import Preempted
+
+    for raised, status in ((Preempted(signal.SIGUSR1, step=3, path=None), 138), (SIGTERMException(), 143)):
+        def stopped(*args: Any, error: BaseException = raised, **kwargs: Any) -> None:
+            raise error
+
+        monkeypatch.setattr(app, "LLMCLI", stopped)
+        assert app.main(["validate", "--config", "x.yaml"]) == status
+
+
 def _cli(out: Path, *extra: str, env: dict[str, str] | None = None) -> Any:
     args = ["fit", "--config", str(REPO / "configs" / "pretrain_debug.yaml"), "--trainer.max_steps=8",
             "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1",
