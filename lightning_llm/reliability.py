@@ -36,7 +36,10 @@ FAULT_ENV = "LIGHTNING_LLM_FAULT"
 :data:`SAVE_MOMENTS`: ``begin`` (nothing written yet), ``shards`` (default: a file half-written, or a sharded
 directory with this rank's shards written but not yet published; with ``rank=R`` the other ranks go on writing),
 ``published`` (the new checkpoint in place, the save not yet returned);
-``raise:...`` raises RuntimeError there instead (every rank at once: a crash that tests can survive in-process)."""
+``raise:...`` raises RuntimeError there instead (every rank at once: a crash that tests can survive in-process);
+``term:...`` sends this process SIGTERM there (``sig=USR1``: another signal) and goes on, as a scheduler's signal
+arrives. ``attempt=A``: only in attempt A of a job that ``torchrun --max-restarts`` restarts in place
+(``TORCHELASTIC_RESTART_COUNT``, 0 first)."""
 
 SAVE_MOMENTS = ("begin", "shards", "published")
 
@@ -46,17 +49,17 @@ def parse_fault(spec: str | None) -> dict[str, Any] | None:
     if not spec:
         return None
     action, *fields = spec.split(":")
-    if action not in ("kill", "raise"):
-        raise ValueError(f"{FAULT_ENV}={spec!r}: action must be 'kill' or 'raise'")
+    if action not in ("kill", "raise", "term"):
+        raise ValueError(f"{FAULT_ENV}={spec!r}: action must be 'kill', 'raise' or 'term'")
     out: dict[str, Any] = {"action": action}
     for f in fields:
         key, _, value = f.partition("=")
-        if key == "at" and value in SAVE_MOMENTS:
+        if (key == "at" and value in SAVE_MOMENTS) or (key == "sig" and action == "term" and value.isalnum()):
             out[key] = value
             continue
-        if key not in ("step", "save", "rank") or not value.isdigit():
-            raise ValueError(f"{FAULT_ENV}={spec!r}: expected step=K, save=N, rank=R or at={'|'.join(SAVE_MOMENTS)}, "
-                             f"got {f!r}")
+        if key not in ("step", "save", "rank", "attempt") or not value.isdigit():
+            raise ValueError(f"{FAULT_ENV}={spec!r}: expected step=K, save=N, rank=R, attempt=A, "
+                             f"at={'|'.join(SAVE_MOMENTS)} or (term) sig=NAME, got {f!r}")
         out[key] = int(value)
     if "step" not in out and "save" not in out:
         raise ValueError(f"{FAULT_ENV}={spec!r}: needs step=K or save=N")
@@ -64,13 +67,18 @@ def parse_fault(spec: str | None) -> dict[str, Any] | None:
 
 
 def _fault_hits(fault: dict[str, Any] | None, key: str, value: int, rank: int) -> bool:
-    return bool(fault) and fault.get(key) == value and fault.get("rank", rank) == rank
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    return (bool(fault) and fault.get(key) == value and fault.get("rank", rank) == rank
+            and fault.get("attempt", attempt) == attempt)
 
 
 def _trigger(fault: dict[str, Any], where: str) -> None:
     log.error("fault injection (%s): %s at %s", FAULT_ENV, fault["action"], where)
     if fault["action"] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if fault["action"] == "term":
+        os.kill(os.getpid(), signal.Signals[f"SIG{fault.get('sig', 'TERM')}"])
+        return
     raise RuntimeError(f"injected fault at {where}")
 
 
@@ -214,8 +222,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         with atomic_open(path, "wb") as f:
             torch.save(checkpoint, f)
             if self.fault.hits("shards"):
-                f.flush()
-                f.truncate(max(1, f.tell() // 2))  # half-written, as a crash mid-write leaves it
+                if self.fault.fault["action"] != "term":  # a signal arrives; a crash leaves it half-written
+                    f.flush()
+                    f.truncate(max(1, f.tell() // 2))
                 self.fault.shards_written(path)
         self.fault.published(path)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
 import warnings
@@ -20,6 +21,7 @@ from jsonargparse import Namespace
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
 import lightning_llm.strategies  # noqa: F401 - registers our strategies in StrategyRegistry
@@ -35,6 +37,7 @@ from lightning_llm.cli.progress import use_steps_progress_bar
 from lightning_llm.cli.run_dirs import fresh_run_dirs, remove_unused
 from lightning_llm.files import DataError, read_json
 from lightning_llm.logs import RankZeroFilter, is_global_zero
+from lightning_llm.preemption import Preempted, exit_status, last_checkpoint
 from lightning_llm.reliability import leave_process, shutdown_process_group
 from lightning_llm.strategies import check_strategy_name, strategy_class
 from lightning_llm.tasks.base import LLMTask
@@ -149,6 +152,8 @@ class LLMCLI(LightningCLI):
         # A run refused while it sets up (bad data, read in the datamodule's setup after Lightning made the log
         # directories) leaves no empty runs/NAME/version_N behind (lightning_llm.cli.run_dirs).
         ckpt_path = self.config[subcommand].get("ckpt_path")
+        if ckpt_path == "last":
+            ckpt_path = self._last_checkpoint(subcommand)
         if ckpt_path:
             check_strategy_reads(ckpt_path, self.trainer.strategy, name=f"--ckpt_path={ckpt_path}")
         fresh = fresh_run_dirs(self.trainer) if is_global_zero() else []
@@ -157,6 +162,22 @@ class LLMCLI(LightningCLI):
         except BaseException:
             remove_unused(fresh)
             raise
+
+
+    def _last_checkpoint(self, subcommand: str) -> str | None:
+        """``--ckpt_path=last``: the newest checkpoint of this run's earlier attempts (``preemption.last_checkpoint``,
+        every logger version included), checked as any ``--ckpt_path``; none yet: ``fit`` starts from scratch (one
+        command line serves every attempt of a requeued job), evaluation refuses."""
+        found = last_checkpoint(self.trainer)
+        if found is None:
+            if subcommand != "fit":
+                raise FileNotFoundError(f"--ckpt_path=last: this run has no checkpoint yet to {subcommand}")
+            log.info("--ckpt_path=last: no checkpoint of this run yet; training starts from scratch")
+        else:
+            log.info("--ckpt_path=last: resuming %s", found)
+            verify_checkpoint(found, name=f"--ckpt_path={found}")
+        self.config_init[subcommand]["ckpt_path"] = None if found is None else str(found)
+        return self.config_init[subcommand]["ckpt_path"]
 
 
 def _default_tokenizer(cfg: Any) -> None:
@@ -295,6 +316,14 @@ def main(argv: list[str] | None = None) -> int:
         LLMCLI(args=argv)  # None: LightningCLI reads sys.argv itself
         if shutdown_process_group() and argv is None:
             leave_process(0)  # a torchrun worker: no SIGABRT in interpreter teardown (see leave_process)
+    except Preempted as e:  # every rank stopped after the same step, its checkpoint written (lightning_llm.preemption)
+        if shutdown_process_group() and argv is None:
+            leave_process(e.code)
+        return e.code
+    except SIGTERMException:  # Lightning's own (validate/test/predict): stopped, not finished, nothing to save
+        if _drop_process_group() and argv is None:
+            leave_process(exit_status(signal.SIGTERM))
+        return exit_status(signal.SIGTERM)
     except _USER_ERRORS as e:
         # Bad input or configuration: one clear line instead of a traceback.
         if os.environ.get("LIGHTNING_LLM_DEBUG"):

@@ -39,6 +39,7 @@ from lightning_llm.contract import (
 from lightning_llm.export.meta import CHECKPOINT_KEY, ExportMetadata, export_metadata
 from lightning_llm.models import NAMED_SIZES, build_model
 from lightning_llm.models.compile import compile_blocks
+from lightning_llm.preemption import Preemption
 from lightning_llm.reliability import AtomicCheckpointIO, FaultInjector, RNGState
 from lightning_llm.run_summary import RunSummary, replace_model_summary
 from lightning_llm.tasks.guard import NonFiniteGuard
@@ -277,8 +278,10 @@ class LLMTask(pl.LightningModule):
     def configure_callbacks(self) -> list[pl.Callback]:
         # ExportMetadata: what `lightning_llm export` needs besides the weights (model config, tokenizer), stored by a
         # callback so that tasks overriding on_save_checkpoint without super() store it too.
+        # Preemption after FaultInjector: a signal a test injects at a step's start is noted before that step's check.
         self._run_summary = RunSummary()
-        return [RNGState(), FaultInjector(), self.guard, ExportMetadata(), self._run_summary, MoEMonitor()]
+        own = [] if any(isinstance(c, Preemption) for c in self.trainer.callbacks) else [Preemption()]
+        return [RNGState(), FaultInjector(), *own, self.guard, ExportMetadata(), self._run_summary, MoEMonitor()]
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -23,6 +23,7 @@ from typing_extensions import override
 from lightning_llm.contract import capabilities_of
 from lightning_llm.data import TextDataModule
 from lightning_llm.files import atomic_open
+from lightning_llm.preemption import Preempted
 from lightning_llm.reliability import FAULT_ENV, leave_process, shutdown_process_group
 from lightning_llm.strategies.zero.native import model_state_bytes
 from lightning_llm.tasks import CausalLMTask
@@ -209,23 +210,26 @@ class LoggedLoss(pl.Callback):
 
 
 def table_trainer(out: Path, *, strategy: Any, devices: int, max_steps: int, callbacks: list[pl.Callback],
-                  save_every_step: bool = False) -> pl.Trainer:
+                  save_every_step: bool = False, save_every: int = 1) -> pl.Trainer:
     """The Trainer of the layout-table tests: CPU, no logger, progress bar or validation; ``save_every_step``:
-    ``out/ckpt/last.ckpt`` rewritten after every step (no other checkpoint)."""
+    ``out/ckpt/last.ckpt`` rewritten after every step (every ``save_every`` steps; no other checkpoint)."""
     if save_every_step:
         callbacks = [*callbacks, pl.callbacks.ModelCheckpoint(dirpath=str(out / "ckpt"), save_last=True,
-                                                              every_n_train_steps=1, save_top_k=0)]
+                                                              every_n_train_steps=save_every, save_top_k=0)]
     return pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=False,
                       enable_checkpointing=save_every_step, enable_progress_bar=False, enable_model_summary=False,
                       limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks, default_root_dir=str(out))
 
 
 def checkpointed_fit(out: Path, *, strategy: Any, devices: int, steps: int, batch: int, fault: str | None = None,
-                     ckpt_path: str | None = None) -> dict[str, Any]:
+                     ckpt_path: str | None = None, save_every: int = 1,
+                     callbacks: tuple[pl.Callback, ...] = ()) -> dict[str, Any]:
     """The fit of the checkpoint tests: the ``debug`` decoder (dropout 0, constant LR 3e-3) on the generated corpus,
-    ``out/ckpt/last.ckpt`` after every step (:func:`table_trainer`), from ``ckpt_path`` if given. ``strategy``, or a
-    callable building it, is built while ``LIGHTNING_LLM_FAULT=fault`` is set (strategies read it when built); a
-    ``RuntimeError`` of fit is returned as ``error``. Returns the losses logged and the step fit started from."""
+    ``out/ckpt/last.ckpt`` after every step (every ``save_every``: :func:`table_trainer`), from ``ckpt_path`` if
+    given. ``strategy``, or a callable building it, is built while ``LIGHTNING_LLM_FAULT=fault`` is set (strategies
+    read it when built); a ``RuntimeError`` of fit is returned as ``error``, a stop by a signal
+    (:class:`~lightning_llm.preemption.Preempted`) as ``preempted`` (its exit status, step and path). Returns the
+    losses logged and the step fit started from."""
     if fault:
         os.environ[FAULT_ENV] = fault
     try:
@@ -234,13 +238,15 @@ def checkpointed_fit(out: Path, *, strategy: Any, devices: int, steps: int, batc
         task = CausalLMTask("debug", dropout=0.0, optim=OptimConfig(lr=3e-3, scheduler="constant"))
         dm = TextDataModule(block_size=32, batch_size=batch, cache_dir=str(out.parent / "cache"), generated_docs=100)
         rec = LoggedLoss()
-        trainer = table_trainer(out, strategy=strategy, devices=devices, max_steps=steps, callbacks=[rec],
-                                save_every_step=True)
+        trainer = table_trainer(out, strategy=strategy, devices=devices, max_steps=steps, callbacks=[rec, *callbacks],
+                                save_every_step=True, save_every=save_every)
         row: dict[str, Any] = {}
         try:
             trainer.fit(task, dm, ckpt_path=ckpt_path)
         except RuntimeError as e:
             row["error"] = str(e)
+        except Preempted as e:
+            row["preempted"] = {"status": e.code, "step": e.step, "path": str(e.path)}
     finally:
         os.environ.pop(FAULT_ENV, None)
     return {**row, "losses": rec.losses, "start": rec.start}

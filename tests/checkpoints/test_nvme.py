@@ -2,10 +2,13 @@
 ``--trainer.strategy.nvme_path`` through DeepSpeed's async I/O op, on 2 CPU processes.
 
 One torchrun launch trains the same model 4 steps under ``deepspeed_zero3`` and ``deepspeed_zero3_nvme`` (the
-``debug`` decoder with 8192-wide MLPs, so that its partitions reach DeepSpeed's 1 MiB swapping threshold). Asserted:
-the same curve (1e-5); the swap files are under ``nvme_path`` after the run, in the bytes ``estimate`` gives for the
-disk, and the host's swap buffers as estimated; the run summary states the device, host and disk bytes. In process:
-the one-line refusals without libaio, with an unwritable ``nvme_path`` or none.
+``debug`` decoder with 8192-wide MLPs, so that its partitions reach DeepSpeed's 1 MiB swapping threshold), the nvme run
+saving a checkpoint every step. Asserted: the same curve (1e-5); the swap files are under ``nvme_path`` after the run,
+in the bytes ``estimate`` gives for the disk, and the host's swap buffers as estimated; the run summary states the
+device, host and disk bytes. Its step-2 checkpoint (the engine's layout-free format) resumes on that curve under
+``deepspeed_zero3_nvme`` and under the native zero3 x2. DeepSpeed's own checkpoint of the run (``save_checkpoint``)
+loaded by DeepSpeed into a fresh nvme engine: what it restores wrongly, measured per kind of state. In process: the
+one-line refusals without libaio, with an unwritable ``nvme_path`` or none.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 
 from lightning_llm.testing import (
@@ -42,10 +46,23 @@ class _SummaryLines(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines += [ln for ln in record.getMessage().splitlines()
-                       if "estimated memory per rank" in ln or "this run saves checkpoints" in ln]
+                       if "estimated memory per rank" in ln]
 
 
-def _fit(strategy: Any, out: Path, *, save: bool = False) -> dict[str, Any]:
+class _KeepStep(pl.Callback):
+    """Copy ``last.ckpt`` to ``step2`` once it holds step 2."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        import shutil
+
+        last = Path(trainer.checkpoint_callback.dirpath) / "last.ckpt"
+        if trainer.global_step == 3 and trainer.is_global_zero:  # ModelCheckpoint (later in the hook) saves step 3
+            shutil.copytree(last, last.with_name("step2"))
+        trainer.strategy.barrier()
+
+
+def _fit(strategy: Any, out: Path, *, save: bool = False, ckpt: str | None = None, steps: int = STEPS,
+         callbacks: list[pl.Callback] = ()) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from lightning_llm.data import TextDataModule
@@ -63,13 +80,13 @@ def _fit(strategy: Any, out: Path, *, save: bool = False) -> dict[str, Any]:
     logger.addHandler(summary)
     logger.setLevel(logging.INFO)
     try:
-        trainer = table_trainer(out, strategy=strategy, devices=2, max_steps=STEPS, callbacks=[rec],
-                                save_every_step=save)
-        trainer.fit(task, dm)
+        trainer = table_trainer(out, strategy=strategy, devices=2, max_steps=steps,
+                                callbacks=[rec, *callbacks, *([_KeepStep()] if save else [])], save_every_step=save)
+        trainer.fit(task, dm, ckpt_path=ckpt)
     finally:
         logger.removeHandler(summary)
         logger.setLevel(level)
-    row: dict[str, Any] = {"losses": rec.losses, "summary": summary.lines}
+    row: dict[str, Any] = {"losses": rec.losses, "summary": summary.lines, "start": rec.start}
     nvme = getattr(trainer.strategy, "nvme_path", None)
     if nvme is not None:
         est = _estimate(task.model.config)  # the model as built: its vocabulary grown to the tokenizer's
@@ -84,13 +101,83 @@ def _fit(strategy: Any, out: Path, *, save: bool = False) -> dict[str, Any]:
     return row
 
 
-def _worker(mode: str, out: Path) -> None:
+def _nvme(path: Path) -> Any:
     from lightning_llm.strategies.zero.deepspeed import DeepSpeedZeroStrategy
 
+    return DeepSpeedZeroStrategy(stage=3, offload_optimizer=True, offload_params=True, offload_device="nvme",
+                                 nvme_path=str(path))
+
+
+def _engine_state(engine: Any) -> dict[str, Any]:
+    """Every rank's full view of a DeepSpeed ZeRO-3 engine's state: fp32 masters, Adam's states and step (as the
+    layout-free save gathers them) and the module's parameters (gathered)."""
+    import deepspeed
+
+    from lightning_llm.strategies.zero.nvme_checkpoint import nvme_checkpoint_state
+
+    state, _ = nvme_checkpoint_state(engine)
+    every = gathered({k: {n: t for n, t in v.items()} for k, v in state.items()})
+    merged = {k: {n: t for part in every for n, t in part[k].items()} for k in ("model", "optim_0")}
+    params = {}
+    for name, p in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([p]):
+            params[name] = p.data.detach().cpu().clone()
+    opt = engine.optimizer
+    swapped = {n: bool(opt._swappable_optimizer_subgroup(opt.grad_position[opt.get_param_id(p)][0]))
+               for n, p in engine.module.named_parameters()}
+    return {**merged, "params": params, "swapped": swapped}
+
+
+class _DeepSpeedOwnPath(pl.Callback):
+    """Save (``ds_dir`` set, at the end of training) or load (at its start) DeepSpeed's own nvme checkpoint with
+    DeepSpeed's own ``save_checkpoint``/``load_checkpoint``, recording the engine's state after it."""
+
+    def __init__(self, ds_dir: Path, *, load: bool) -> None:
+        self.ds_dir, self.load = ds_dir, load
+        self.state: dict[str, Any] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.load:
+            trainer.strategy.deepspeed_engine.load_checkpoint(str(self.ds_dir), tag="own")
+            self.state = _engine_state(trainer.strategy.deepspeed_engine)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.load:
+            trainer.strategy.deepspeed_engine.save_checkpoint(str(self.ds_dir), tag="own")
+            self.state = _engine_state(trainer.strategy.deepspeed_engine)
+
+
+def _max_diff(a: dict[str, Any], b: dict[str, Any], names: list[str]) -> float:
+    """max |a - b| over ``names`` held by ``a``; infinite where ``b`` lacks one (a state not restored at all)."""
+    return max((float((a[n].float() - b[n].float()).abs().max()) if n in b else float("inf") for n in names
+                if n in a), default=0.0)
+
+
+def _own_path_errors(saved: dict[str, Any], loaded: dict[str, Any]) -> dict[str, float]:
+    """max |loaded - saved| per kind of state: parameters, masters and Adam's moments, each for the sub-groups
+    DeepSpeed swaps to disk and for those it keeps in memory."""
+    out = {}
+    for swapped in (True, False):
+        names = [n for n, s in saved["swapped"].items() if s == swapped]
+        where = "swapped" if swapped else "in_memory"
+        out[f"params_{where}"] = _max_diff(saved["params"], loaded["params"], names)
+        out[f"masters_{where}"] = _max_diff(saved["model"], loaded["model"], names)
+        out[f"exp_avg_{where}"] = _max_diff(saved["optim_0"], loaded["optim_0"], [f"{n}/exp_avg" for n in names])
+    return out
+
+
+def _worker(mode: str, out: Path) -> None:
+    from lightning_llm.strategies import ZeroStrategy
+
+    own = _DeepSpeedOwnPath(out / "deepspeed-own", load=False)
     runs = {"zero3": _fit("deepspeed_zero3", out / "zero3"),
-            "nvme": _fit(DeepSpeedZeroStrategy(stage=3, offload_optimizer=True, offload_params=True,
-                                               offload_device="nvme", nvme_path=str(out / "nvme")), out / "run",
-                         save=True)}
+            "nvme": _fit(_nvme(out / "nvme"), out / "run", save=True, callbacks=[own])}
+    step2 = str(out / "run" / "ckpt" / "step2")
+    runs["resumed_nvme"] = _fit(_nvme(out / "nvme-resumed"), out / "resumed-nvme", ckpt=step2)
+    runs["resumed_zero3"] = _fit(ZeroStrategy(stage=3), out / "resumed-zero3", ckpt=step2)
+    loaded = _DeepSpeedOwnPath(out / "deepspeed-own", load=True)
+    _fit(_nvme(out / "nvme-own"), out / "own", steps=1, callbacks=[loaded])
+    runs["own_path"] = _own_path_errors(own.state, loaded.state)
     write_json_on_rank0(out / "runs.json", gathered(runs))
 
 
@@ -136,20 +223,42 @@ def test_nvme_trains_the_deepspeed_zero3_curve_and_leaves_its_swap_files(runs: t
 
 
 @pytest.mark.multiprocess
-def test_nvme_checkpoints_are_refused_when_read(runs: tuple[Path, Any]) -> None:
-    """DeepSpeed 0.19.8 resumed an NVMe checkpoint with its unswapped optimizer sub-groups and the parameters at their
-    initial values (the resumed loss was the initial one) and its zero files lack the swapped fp32 weights: the run
-    is warned when it saves, and reading one (resume, export, evaluation) is refused in one line."""
+def test_deepspeed_own_nvme_load_restores_state_wrongly(runs: tuple[Path, Any]) -> None:
+    """Why DeepSpeed's own format stays refused: its ``save_checkpoint`` of the nvme run, loaded by its own
+    ``load_checkpoint`` into a fresh nvme engine, does not give back the state it saved (per kind: this fails, and
+    the refusal can go, once a DeepSpeed release restores all of it); reading such a checkpoint is refused in one
+    line."""
     from lightning_llm.checkpoint import CheckpointError
     from lightning_llm.export import read_checkpoint
 
     out, ranks = runs
-    assert any("this run saves checkpoints, but DeepSpeed 0.19.8 cannot resume" in ln
-               for ln in ranks[0]["nvme"]["summary"])
-    last = out / "run" / "ckpt" / "last.ckpt"
-    assert (last / "checkpoint" / "offloaded_tensors").is_dir()
+    for rank, row in enumerate(ranks):
+        errors = row["own_path"]
+        print(f"rank {rank}: DeepSpeed's own nvme load, max |loaded - saved|: "
+              + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+        assert max(errors.values()) > 1e-3, errors
+    own = out / "deepspeed-own"
+    assert (own / "own" / "offloaded_tensors").is_dir()
     with pytest.raises(CheckpointError, match="a deepspeed_zero3_nvme checkpoint: DeepSpeed 0.19.8 cannot resume"):
-        read_checkpoint(last)
+        read_checkpoint(own)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", ["nvme", "zero3"])
+def test_nvme_checkpoint_resumes_exactly(runs: tuple[Path, Any], layout: str) -> None:
+    """The nvme run's step-2 checkpoint (the layout-free format: masters, Adam's states and steps gathered from the
+    swap files) resumed under deepspeed_zero3_nvme and under the native zero3 x2: steps 2-3 on the run's curve."""
+    from lightning_llm.strategies.engine.hybrid_checkpoint import is_hybrid_checkpoint
+
+    out, ranks = runs
+    assert is_hybrid_checkpoint(out / "run" / "ckpt" / "step2")
+    for rank, row in enumerate(ranks):
+        resumed, full = row[f"resumed_{layout}"], row["nvme"]["losses"]
+        assert resumed["start"] == 2 and len(resumed["losses"]) == STEPS - 2, resumed
+        err = max_abs_err(resumed["losses"], full[2:])
+        print(f"rank {rank}: nvme step-2 checkpoint resumed under {layout} x2: steps 2-3 max |loss - nvme run| "
+              f"{err:.2e}")
+        assert err <= 1e-5
 
 
 def test_estimate_states_device_host_and_disk_bytes() -> None:

@@ -173,6 +173,12 @@ class LayoutFreeCheckpointing(ParallelStrategy):
         trainer = self.lightning_module.trainer
         return trainer.global_step, trainer.fit_loop.total_batch_idx
 
+    def wait_for_checkpoints(self) -> None:
+        """Wait until every checkpoint saved so far is written (``async_save``: the background writes in flight);
+        raises :class:`~.async_save.BackgroundSaveError` for one that failed. A no-op for synchronous saves."""
+        if self._background_saves is not None:
+            self._background_saves.wait()
+
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._background_saves is not None:

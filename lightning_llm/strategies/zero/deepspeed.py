@@ -39,12 +39,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_llm.checkpoint import check_deepspeed_dir, load_file, verify_checkpoint
+from lightning_llm.checkpoint import CheckpointError, check_deepspeed_dir, check_engine_dir, load_file, verify_checkpoint
 from lightning_llm.checkpoint.safe_load import DEEPSPEED_GLOBALS
 from lightning_llm.reliability import SaveFault, publish, remove_path, staging_path
 from lightning_llm.strategies.zero.common import check_adapter, validate_zero_args, write_export
 from lightning_llm.strategies.zero.nvme import AioSettings, check_offload_device, nvme_config, partition_for_nvme
 from lightning_llm.strategies.zero.nvme import refuse_nvme_checkpoint
+from lightning_llm.strategies.zero.nvme_checkpoint import load_nvme_checkpoint, nvme_checkpoint_state
+from lightning_llm.strategies.engine import hybrid_checkpoint as hckpt
 
 log = logging.getLogger(__name__)
 
@@ -360,8 +362,12 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
     def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Any | None = None) -> None:
         """DeepSpeed writes its tag directory into a staging directory beside ``filepath``; once every rank is done,
         rank 0 swaps it in (:func:`~lightning_llm.reliability.publish`), so a crash at any moment leaves the previous
-        checkpoint whole (DeepSpeed itself overwrites ``<dir>/checkpoint/`` file by file)."""
+        checkpoint whole (DeepSpeed itself overwrites ``<dir>/checkpoint/`` file by file). ``deepspeed_zero3_nvme``
+        writes the engine's layout-free format instead (:mod:`.nvme_checkpoint`), with the same atomic finish."""
         path = Path(self.broadcast(str(filepath)))
+        if self.nvme_path is not None:
+            self._save_layout_free(checkpoint, path)
+            return
         staged = staging_path(path)
         if self.is_global_zero:
             remove_path(staged)  # left by a crashed save
@@ -375,12 +381,31 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
         self.barrier()
         self._save_fault.published(path)
 
+    def _save_layout_free(self, checkpoint: dict[str, Any], path: Path) -> None:
+        save = self._save_fault.begin(path)
+        state, opt_meta = nvme_checkpoint_state(self.deepspeed_engine)
+        meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        layout = {"dp": self.world_size, "tp": 1, "pp": 1, "zero_stage": 3, "engine": "deepspeed_zero3_nvme"}
+        data = hckpt.meta_bytes(meta, layout=layout, optimizer_meta=opt_meta) if self.is_global_zero else b""
+        hckpt.write_hybrid(path, state, data, is_global_zero=self.is_global_zero,
+                           on_shards_written=lambda p: self._save_fault.shards_written(p, save=save))
+        self._save_fault.published(path, save=save)
+
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         assert self.lightning_module is not None
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         # DeepSpeed unpickles its files in full (weights_only=False): every one is checked first, on every rank.
         verify_checkpoint(checkpoint_path, name=f"--ckpt_path={checkpoint_path}")
+        if hckpt.is_hybrid_checkpoint(checkpoint_path):
+            if not self.zero_stage_3:
+                raise CheckpointError(f"--ckpt_path={checkpoint_path}: a checkpoint in the engine's layout-free format "
+                                      "(native layouts, deepspeed_zero3_nvme); DeepSpeed reads it at stage 3 only: "
+                                      "resume it with deepspeed_zero3_nvme or a native layout")
+            check_engine_dir(checkpoint_path, name=f"--ckpt_path={checkpoint_path}", meta_file=hckpt.META_FILE)
+            meta = load_nvme_checkpoint(self.deepspeed_engine, checkpoint_path, optimizer=fitting)
+            self._weights_loaded = True  # load_model_state_dict has nothing left to do
+            return meta
         refuse_nvme_checkpoint(checkpoint_path, name=f"--ckpt_path={checkpoint_path}")
         if not self.load_full_weights and not self.config.get("checkpoint", {}).get("load_universal"):
             # Every rank checks every file before DeepSpeed reads its own, so all ranks stop with the same error
@@ -397,6 +422,9 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if getattr(self, "_weights_loaded", False):  # a layout-free checkpoint, loaded whole in load_checkpoint
+            self._weights_loaded = False
+            return
         if self.zero_stage_3 and not self.load_full_weights and "state_dict" in checkpoint:
             # The consolidated weights from load_checkpoint above (DeepSpeed's own loading already put the weights
             # in place and returns its client state, which never holds a state_dict).

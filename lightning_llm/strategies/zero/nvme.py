@@ -41,11 +41,13 @@ SUB_GROUP_SIZE = 100_000_000
 """Elements per optimizer sub-group (DeepSpeed's ``sub_group_size``; its default 1e9 would size every swap buffer like
 a rank's whole partition)."""
 
-UNRESUMABLE = ("DeepSpeed 0.19.8 cannot resume or consolidate one whole (it restores only the optimizer states it "
-               "swapped to disk, the rest from their initial values, and its zero files lack the swapped fp32 "
-               "weights); train with deepspeed_zero3_offload where checkpoints must resume")
-"""Why ``deepspeed_zero3_nvme`` checkpoints are refused when read (measured: a resume's first loss was the initial
-one), and what its runs that save checkpoints are warned of."""
+UNRESUMABLE = ("DeepSpeed 0.19.8 cannot resume or consolidate one whole (its own load gives back neither the "
+               "parameters nor the fp32 masters, swapped or not, and no Adam moments; its zero files lack the swapped "
+               "fp32 weights); deepspeed_zero3_nvme now writes the engine's layout-free format, which resumes "
+               "exactly: resume from one of those")
+"""Why checkpoints DeepSpeed wrote in its own format under ``deepspeed_zero3_nvme`` (before it wrote the layout-free
+one, :mod:`.nvme_checkpoint`) are refused when read (``tests/checkpoints/test_nvme.py`` measures what its load
+restores wrongly)."""
 
 PARAM_BUFFERS, OPTIMIZER_BUFFERS = 5, 4  # DeepSpeed's defaults of offload_param / offload_optimizer buffer_count
 
@@ -156,8 +158,7 @@ def partition_for_nvme(model: nn.Module, config: dict[str, Any], *, user_config:
     (measured: the loss moved 1.4e-5 at step 0, 2.8e-4 at step 2)."""
     import deepspeed
 
-    if checkpoints:
-        log.warning("deepspeed_zero3_nvme: this run saves checkpoints, but %s", UNRESUMABLE)
+    del checkpoints  # its checkpoints are layout-free directories now (nvme_checkpoint), which resume exactly
     zero = config["zero_optimization"]
     user = user_config.get("zero_optimization", {}).get("offload_param", {})
     if "offload_param" in zero and "buffer_size" not in user:
@@ -168,10 +169,8 @@ def partition_for_nvme(model: nn.Module, config: dict[str, Any], *, user_config:
 
 
 def refuse_nvme_checkpoint(path: str | os.PathLike, *, name: str) -> None:
-    """Refuse (one line) a checkpoint DeepSpeed wrote with its optimizer states on NVMe (``offloaded_tensors/`` in its
-    tag directory). DeepSpeed 0.19.8 restores from it only the optimizer sub-groups it swapped (of >= 1 MiB): the
-    others, and the parameters built from them, restart from their initial values (measured: the resumed loss was
-    the initial one), and its zero files hold no fp32 weights of the swapped ones, so they cannot be consolidated."""
+    """Refuse (one line) a checkpoint DeepSpeed wrote in its own format with its optimizer states on NVMe
+    (``offloaded_tensors/`` in its tag directory): see :data:`UNRESUMABLE`."""
     if any(Path(path).glob("*/offloaded_tensors")):
         raise CheckpointError(f"{name}: a deepspeed_zero3_nvme checkpoint: {UNRESUMABLE}")
 
