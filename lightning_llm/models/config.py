@@ -241,6 +241,25 @@ class ModelConfig:
     """Mixture-of-Experts feed-forward layers (decoders); ``None``: every layer has a dense MLP."""
     mla: MLAConfig | None = None
     """Multi-head Latent Attention in every layer (DeepSeek-V2/V3, Kimi-K2); ``None``: q/k/v projections."""
+    # Gemma 2/3 (models/hf/gemma.py); each off by default
+    scale_embeddings: bool = False
+    """Token embeddings multiplied by ``sqrt(hidden_size)`` rounded to the embedding's dtype, inside the embedding
+    (Gemma's ``embed_scale``: ``inputs_embeds`` given to the model are taken as they are)."""
+    sandwich_norms: bool = False
+    """A norm on the attention's and the feed-forward's outputs too, before each residual add (Gemma 2/3: four norms
+    per layer, ``attn_post_norm`` and ``mlp_post_norm`` beside ``attn_norm`` and ``mlp_norm``)."""
+    query_pre_attn_scalar: float | None = None
+    """Softmax scale ``query_pre_attn_scalar ** -0.5`` instead of ``head_dim ** -0.5`` (Gemma 2/3)."""
+    attn_logit_softcap: float | None = None
+    """Attention scores soft-capped to ``cap * tanh(scores / cap)`` before the mask and the softmax (Gemma 2's
+    ``attn_logit_softcapping``): no flash kernel takes it, so every row takes the eager scores [B, N, S, T]
+    (``attention=varlen`` is refused; ``auto`` takes sdpa's mask path)."""
+    final_logit_softcap: float | None = None
+    """Logits soft-capped to ``cap * tanh(logits / cap)`` (Gemma 2's ``final_logit_softcapping``): in forward, in the
+    fused loss's chunks and in generation."""
+    local_rope_theta: float | None = None
+    """The sliding-window layers' own RoPE base, unscaled (Gemma 3's ``rope_parameters.sliding_attention`` /
+    ``rope_local_base_freq``); ``None``: every layer takes ``rope_theta`` and ``rope_scaling``."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form metadata kept through save/load (e.g. the HF architecture name)."""
 
@@ -287,11 +306,26 @@ class ModelConfig:
             if bad or len(self.layer_types) != self.num_layers:
                 raise ValueError(f"ModelConfig: layer_types must list num_layers={self.num_layers} entries of "
                                  f"full_attention / sliding_attention, got {self.layer_types}")
+        self._check_gemma()
         rotary = self.rotary_dim
         if self.position == "rope" and (not 0 < self.partial_rotary_factor <= 1 or rotary < 2 or rotary % 2):
             raise ValueError(f"ModelConfig: partial_rotary_factor={self.partial_rotary_factor} of head_dim="
                              f"{self.head_dim} gives {rotary} rotary dims: it must be in (0, 1] and give an even "
                              "number >= 2")
+
+    def _check_gemma(self) -> None:
+        """Gemma's switches: positive caps and scalar; no varlen attention with soft-capped scores."""
+        bad = [f"{name}={value} must be > 0 (or None)" for name, value in (
+            ("query_pre_attn_scalar", self.query_pre_attn_scalar), ("attn_logit_softcap", self.attn_logit_softcap),
+            ("final_logit_softcap", self.final_logit_softcap), ("local_rope_theta", self.local_rope_theta))
+            if value is not None and not value > 0]
+        if self.attn_logit_softcap is not None and self.attention == "varlen":
+            bad.append(f"attention=varlen with attn_logit_softcap={self.attn_logit_softcap}: no varlen kernel "
+                       "soft-caps the scores (use attention=auto or sdpa: the eager scores)")
+        if self.local_rope_theta is not None and self.position != "rope":
+            bad.append("local_rope_theta needs position=rope")
+        if bad:
+            raise ValueError(f"ModelConfig: {'; '.join(bad)}")
 
     def _check_mla(self, mla: MLAConfig) -> None:
         """MLA sets the q/k head size and has one key/value head per query head (expanded from the latent)."""

@@ -38,6 +38,7 @@ from .routing import RoutingStats
 from .layers import (
     KVCache,
     NormHead,
+    ScaledEmbedding,
     TransformerBlock,
     additive_mask,
     build_norm,
@@ -75,7 +76,9 @@ class DecoderLM(nn.Module):
         """Where :func:`~.init.materialize` reads weights from (a lazily loaded HF checkpoint), else None."""
         h = config.hidden_size
         with torch.device("meta"):  # built empty: the init below writes every value once
-            self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, h)
+            self.embed_tokens: nn.Embedding | None = (
+                ScaledEmbedding(config.vocab_size, h, scale=h ** 0.5) if config.scale_embeddings
+                else nn.Embedding(config.vocab_size, h))
             self.embed_positions: nn.Embedding | None = (
                 nn.Embedding(config.max_position_embeddings, h) if config.position == "learned" else None
             )
@@ -96,6 +99,14 @@ class DecoderLM(nn.Module):
             else:
                 self.rope_cos = None
                 self.rope_sin = None
+            self.rope_local_cos: Tensor | None  # the sliding layers' own tables (Gemma 3's local base) or None
+            self.rope_local_sin: Tensor | None
+            if config.position == "rope" and config.local_rope_theta is not None:
+                self.register_buffer("rope_local_cos", torch.empty(table, dtype=torch.float32), persistent=False)
+                self.register_buffer("rope_local_sin", torch.empty(table, dtype=torch.float32), persistent=False)
+            else:
+                self.rope_local_cos = None
+                self.rope_local_sin = None
         self.routing: RoutingStats | None = None
         """The MoE layers' router statistics of a training step (``None`` without MoE layers): see :mod:`.routing`."""
         if config.moe is not None:
@@ -111,9 +122,15 @@ class DecoderLM(nn.Module):
 
     # ------------------------------------------------------------------ init
 
-    def _rope_tables(self, device: torch.device | None) -> tuple[Tensor, Tensor]:
+    def _rope_params(self, local: bool) -> tuple[float, dict | None]:
+        """``(theta, scaling)`` of the full-attention layers, or of the sliding ones (``local``: their own base)."""
         c = self.config
-        return precompute_rope(c.rotary_dim, c.max_position_embeddings, c.rope_theta, c.rope_scaling, device=device)
+        return (c.local_rope_theta, None) if local and c.local_rope_theta is not None else (c.rope_theta,
+                                                                                            c.rope_scaling)
+
+    def _rope_tables(self, device: torch.device | None, local: bool = False) -> tuple[Tensor, Tensor]:
+        c = self.config
+        return precompute_rope(c.rotary_dim, c.max_position_embeddings, *self._rope_params(local), device=device)
 
     def tie_weights(self) -> None:
         """Make ``lm_head.weight`` the very same Parameter as ``embed_tokens.weight`` when ``tie_embeddings``."""
@@ -129,6 +146,10 @@ class DecoderLM(nn.Module):
                 cos, sin = self._rope_tables(device=self.rope_cos.device)
                 self.rope_cos.copy_(cos)
                 self.rope_sin.copy_(sin)
+            if self.rope_local_cos is not None and self.rope_local_sin is not None and not self.rope_local_cos.is_meta:
+                cos, sin = self._rope_tables(device=self.rope_local_cos.device, local=True)
+                self.rope_local_cos.copy_(cos)
+                self.rope_local_sin.copy_(sin)
             source = self.weights_source
             for key, block in self.layers.items():
                 bias = getattr(getattr(block.mlp, "gate", None), "e_score_correction_bias", None)
@@ -230,6 +251,8 @@ class DecoderLM(nn.Module):
 
         # With a cache the positions count real tokens among the T columns, so they stay below T: no host read
         rope = self._rope(position_ids, bound=total, read=given and kv_cache is None)  # cos, sin [B, S, D], or None
+        local_rope = rope if self.rope_local_cos is None else self._rope(
+            position_ids, bound=total, read=given and kv_cache is None, local=True)  # the sliding layers' (Gemma 3)
         varlen = kv_cache is None and (attention_mask is None or attention_mask.dim() == 2) \
             and uses_varlen(self.config, x)
         cache_kw: dict[str, object] = {} if kv_cache is None else {"kv_cache": kv_cache}  # absent unless decoding
@@ -246,7 +269,8 @@ class DecoderLM(nn.Module):
         for key, layer in self.layers.items():
             mask, is_causal = sliding if int(key) in windowed else full
             layer_kw = {**cache_kw, "routing": routing} if routing is not None and int(key) in moe else cache_kw
-            x = layer(x, rope=rope, attn_mask=mask, is_causal=is_causal, **layer_kw)
+            x = layer(x, rope=local_rope if int(key) in windowed else rope, attn_mask=mask, is_causal=is_causal,
+                      **layer_kw)
         if self.routing is not None and any(block.training for block in self.layers.values()):
             self.routing.forward_done()  # a step's last expected forward starts the statistics' reduction
         if kv_cache is not None:
@@ -255,15 +279,18 @@ class DecoderLM(nn.Module):
             x = self.norm(x)
         if self.lm_head is None:
             return x
+        cap = self.config.final_logit_softcap  # Gemma 2: cap * tanh(logits / cap), in the fused chunks too
         if labels is not None:  # fused with the head where exact: the [B, S, V] logits are never materialised
             backend = "triton" if use_fused_kernel(self.config.kernels, x) else "torch"
             if token_scores:
-                return head_token_scores(x, self.lm_head, labels, temperature=temperature, backend=backend)
+                return head_token_scores(x, self.lm_head, labels, temperature=temperature, backend=backend,
+                                         softcap=cap)
             return head_cross_entropy(x, self.lm_head, labels, reduction=reduction, temperature=temperature,
-                                      backend=backend)
+                                      backend=backend, softcap=cap)
         if logits_to_keep:  # decoding reads the last position: the head runs on it alone (HF's logits_to_keep)
             x = x[:, -logits_to_keep:]
-        return self.lm_head(x)  # [B, S, V]
+        logits = self.lm_head(x)  # [B, S, V]
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _routing_input(self, attention_mask: Tensor | None, segment_ids: Tensor | None, n: int) -> RoutingInput:
         """What the MoE layers record routing statistics of: the real tokens (padding and a packed row's tail are
@@ -296,33 +323,38 @@ class DecoderLM(nn.Module):
         return TokenMask(keep=None if attention_mask is None else attention_mask.bool(), segment_ids=segment_ids,
                          varlen=varlen)
 
-    def _rope(self, position_ids: Tensor, *, bound: int, read: bool) -> tuple[Tensor, Tensor] | None:
+    def _rope(self, position_ids: Tensor, *, bound: int, read: bool, local: bool = False
+              ) -> tuple[Tensor, Tensor] | None:
         """cos, sin [B, S, D] for ``position_ids`` [B, S] of a forward of ``bound`` columns; ``read``: the
-        caller's positions, which may pass ``bound`` (a context-parallel slice's are global)."""
-        if self.rope_cos is None or self.rope_sin is None:
+        caller's positions, which may pass ``bound`` (a context-parallel slice's are global); ``local``: the sliding
+        layers' own tables."""
+        cos_table, sin_table = (self.rope_local_cos, self.rope_local_sin) if local else (self.rope_cos, self.rope_sin)
+        if cos_table is None or sin_table is None:
             return None
         values = not position_ids.is_meta and position_ids.numel() > 0  # the meta device (FLOP counts) has none
         c = self.config
-        dynamic = rope_type(c.rope_scaling) == "dynamic"
+        theta, scaling = self._rope_params(local)
+        dynamic = rope_type(scaling) == "dynamic"
         # The caller's positions are computed from (the table's values: the same fp32 product), not looked up, unless
         # `dynamic` rope needs their longest: reading it would wait for the device in every forward.
         longest = int(position_ids.max()) + 1 if read and values and dynamic else bound
-        if longest <= self.rope_cos.shape[0] and not (read and values and not dynamic):
-            return self.rope_cos[position_ids], self.rope_sin[position_ids]  # every position inside the table
+        if longest <= cos_table.shape[0] and not (read and values and not dynamic):
+            return cos_table[position_ids], sin_table[position_ids]  # every position inside the table
         # Past the table (transformers has no such limit), or the caller's: computed from the positions. `dynamic`
         # rope picks its frequencies from this forward's longest position, as transformers' dynamic_rope_update does.
-        return rope_from_positions(position_ids, c.rotary_dim, c.max_position_embeddings, c.rope_theta,
-                                   c.rope_scaling, seq_len=longest,
-                                   inv_freq=None if dynamic else self._inv_freq(position_ids.device))
+        return rope_from_positions(position_ids, c.rotary_dim, c.max_position_embeddings, theta, scaling,
+                                   seq_len=longest, inv_freq=None if dynamic else self._inv_freq(position_ids.device,
+                                                                                                 local))
 
-    def _inv_freq(self, device: torch.device) -> Tensor:
+    def _inv_freq(self, device: torch.device, local: bool = False) -> Tensor:
         """The rope frequencies [R/2] (not ``dynamic``) on ``device``, copied there once (not a buffer: never saved)."""
-        cached = self.__dict__.get("_rope_inv_freq")
+        name = "_rope_local_inv_freq" if local else "_rope_inv_freq"
+        cached = self.__dict__.get(name)
         if cached is None or cached.device != device:
             c = self.config
-            cached = rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling,
+            cached = rope_inv_freq(c.rotary_dim, *self._rope_params(local),
                                    max_positions=c.max_position_embeddings).to(device)
-            self.__dict__["_rope_inv_freq"] = cached
+            self.__dict__[name] = cached
         return cached
 
     def _window(self, total: int) -> int | None:

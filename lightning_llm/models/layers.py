@@ -10,6 +10,7 @@ Shape legend: B batch, S sequence, H hidden size, N query heads, K key/value hea
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -53,6 +54,7 @@ __all__ = [
     "additive_mask",
     "segment_positions",
     "NormHead",
+    "ScaledEmbedding",
     "key_padding_mask",
 ]
 
@@ -233,6 +235,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(k_dim, config.norm_eps, **qk) if config.qk_norm else None
         self.o_proj = nn.Linear(config.num_heads * d, h, bias=bool(config.o_bias))
         self.sinks = AttentionSinks(config.num_heads) if config.attention_sinks else None
+        self.scale: float | None = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar ** -0.5
+        self.softcap: float | None = config.attn_logit_softcap
         self.core = DotProductAttention()
 
     def reset_parameters(self, std: float) -> None:
@@ -286,6 +290,10 @@ class Attention(nn.Module):
         core_kw: dict[str, Any] = {} if token_mask is None else {"token_mask": token_mask}
         if self.sinks is not None:  # only passed where the layer has sinks, so other cores keep their call
             core_kw["sinks"] = self.sinks()
+        if self.scale is not None:  # likewise: a softmax scale of the layer's own (Gemma's query_pre_attn_scalar)
+            core_kw["scale"] = self.scale
+        if self.softcap is not None:  # Gemma 2's soft-capped scores
+            core_kw["softcap"] = self.softcap
         out = self.core(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                         dropout_p=self.dropout if self.training else 0.0, **core_kw)  # [B, N, S, D]
         out = out.transpose(1, 2).reshape(b, s, -1)  # [B, S, N*D]
@@ -326,6 +334,30 @@ class MLP(nn.Module):
         return self.down_proj(h)
 
 
+@functools.cache
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (what multiplying by a 0-dim tensor of that dtype multiplies by)."""
+    return float(torch.tensor(value, dtype=dtype))
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Token embedding whose rows are multiplied by ``scale`` rounded to the weight's dtype (Gemma's
+    ``embed_scale = sqrt(hidden_size)``, ``config.scale_embeddings``): ``embedding(ids) * dtype(scale)``, as
+    transformers' ``Gemma*TextScaledWordEmbedding`` computes it. Still an ``nn.Embedding`` (a tensor-parallel plan
+    shards its rows as any embedding's: the product is taken on the partial rows, zero where a rank holds none)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, scale: float) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.scale = float(scale)
+
+    def forward(self, input: Tensor) -> Tensor:  # [B, S] -> [B, S, H]
+        # the scale rounded to the weight's dtype, as a Python number (no tensor made per call)
+        return super().forward(input) * _rounded(self.scale, self.weight.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scale={self.scale:.6g}"
+
+
 class NormHead(nn.Linear):
     """LM head whose weight rows are L2-normalised in forward (Baichuan2 ``NormHead``): ``x @ normalize(W).T``.
 
@@ -360,12 +392,18 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = build_norm(config)
         self.mlp = MLP(config) if mlp is None else mlp
         self.dropout = nn.Dropout(config.dropout)
+        # Gemma's sandwich: norms of the attention's and the feed-forward's outputs (None elsewhere)
+        self.attn_post_norm: nn.Module | None = build_norm(config) if config.sandwich_norms else None
+        self.mlp_post_norm: nn.Module | None = build_norm(config) if config.sandwich_norms else None
 
     def reset_parameters(self, std: float) -> None:
         self.attn_norm.reset_parameters()
         self.self_attn.reset_parameters(std)
         self.mlp_norm.reset_parameters()
         self.mlp.reset_parameters(std)
+        for norm in (self.attn_post_norm, self.mlp_post_norm):
+            if norm is not None:
+                norm.reset_parameters()
 
     def forward(
         self,
@@ -385,7 +423,10 @@ class TransformerBlock(nn.Module):
         if token_mask is not None:  # likewise: only a decoder forward with a declared mask passes it
             attn["token_mask"] = token_mask
         drop = self.dropout if self.training else _same  # eval (decoding): no module call for an identity
-        if self.pre_norm:
+        if self.attn_post_norm is not None and self.mlp_post_norm is not None:  # Gemma: x + norm(f(norm(x)))
+            x = x + drop(self.attn_post_norm(self.self_attn(self.attn_norm(x), **attn)))
+            x = x + drop(self.mlp_post_norm(self.mlp(self.mlp_norm(x), **mlp)))
+        elif self.pre_norm:
             x = x + drop(self.self_attn(self.attn_norm(x), **attn))
             x = x + drop(self.mlp(self.mlp_norm(x), **mlp))
         else:

@@ -224,6 +224,9 @@ def _block_plan(prefix: str, config: ModelConfig, *, sequence_parallel: bool, ml
     if sequence_parallel:
         plan[f"{prefix}.attn_norm"] = SequenceParallel()
         plan[f"{prefix}.mlp_norm"] = SequenceParallel()
+        if config.sandwich_norms:  # Gemma's output norms see the reduce-scattered [B, S/tp, H] before the residual
+            plan[f"{prefix}.attn_post_norm"] = SequenceParallel()
+            plan[f"{prefix}.mlp_post_norm"] = SequenceParallel()
         # The block's residual dropout needs no entry: it receives the reduce-scattered DTensor [B, S/tp, H].
     return plan
 
@@ -364,6 +367,9 @@ def _decoder_cp_blocker(model: nn.Module) -> str | None:
         return f"dropout={config.dropout} is not supported under context parallelism (attention dropout)"
     if config.attention_sinks:
         return "attention sinks (gpt-oss) are not supported under context parallelism"
+    if config.attn_logit_softcap is not None:
+        return (f"attention logit soft-capping (attn_logit_softcap={config.attn_logit_softcap}, Gemma 2) is not "
+                "supported under context parallelism")
     return None
 
 

@@ -50,6 +50,10 @@ UNBUILT_OPTIONS: dict[str, tuple[Unbuilt, ...]] = {
         Unbuilt("num_experts_per_tok", lambda v: isinstance(v, int) and v >= 1, "a number of experts per token"),
     ),
     "glm4_moe": (_PLAIN_WEIGHTS,),
+    **{kind: (_PLAIN_WEIGHTS,
+              Unbuilt("use_bidirectional_attention", lambda v: not v, "causal attention (the bidirectional encoder "
+                      "mode of EmbeddingGemma is not built)"))
+       for kind in ("gemma2", "gemma3_text")},
 }
 """HF model type -> its options that are not built."""
 

@@ -10,7 +10,7 @@ import re
 from torch import Tensor
 
 from ..config import ModelConfig
-from .architectures import SUPPORTED_ARCHITECTURES
+from .architectures import SUPPORTED_ARCHITECTURES, layout_kind
 from .decoders import DECODER_KINDS, wpack_from_hf, wpack_to_hf
 from .encoders import encoder_entries
 from .entries import Entry, Fused, Stacked, lin, moe_mlp_entries
@@ -79,7 +79,12 @@ def _decoder_entries(c: ModelConfig, kind: str, head: str) -> list[Entry | Stack
             for name in (("gate_proj", "up_proj", "down_proj") if c.gated else ("up_proj", "down_proj")):
                 e += lin(f"{p}.mlp.{name}", f"{p}.mlp.{name}", c.mlp_bias)
         e += lin(f"{p}.input_layernorm", f"{p}.attn_norm", False)
-        e += lin(f"{p}.post_attention_layernorm", f"{p}.mlp_norm", False)
+        if c.sandwich_norms:  # Gemma: post_attention_layernorm is the attention output's norm
+            e += lin(f"{p}.post_attention_layernorm", f"{p}.attn_post_norm", False)
+            e += lin(f"{p}.pre_feedforward_layernorm", f"{p}.mlp_norm", False)
+            e += lin(f"{p}.post_feedforward_layernorm", f"{p}.mlp_post_norm", False)
+        else:
+            e += lin(f"{p}.post_attention_layernorm", f"{p}.mlp_norm", False)
     e += lin("norm", "norm", False)
     if head != "base":  # Baichuan's NormHead stores the raw weight too (normalised in forward)
         e += lin("lm_head", "lm_head", False, group="lm_head", top=True)
@@ -89,8 +94,8 @@ def _decoder_entries(c: ModelConfig, kind: str, head: str) -> list[Entry | Stack
 def entries(config: ModelConfig, architecture: str) -> list[Entry | Stacked | Fused]:
     """The mapping of ``architecture``'s keys (without the base prefix, but for ``top`` entries) to ours."""
     a = SUPPORTED_ARCHITECTURES[architecture]
-    if a.kind in DECODER_KINDS:
-        return _decoder_entries(config, a.kind, a.head)
+    if layout_kind(architecture) in DECODER_KINDS:  # a multimodal class: its language model's layout
+        return _decoder_entries(config, layout_kind(architecture), a.head)
     if a.kind == "gpt2":
         return list(gpt2_entries(config, a.head))
     return list(encoder_entries(config, a))
