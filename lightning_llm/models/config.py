@@ -507,6 +507,23 @@ NAMED_SIZES: dict[tuple[str, str], dict[str, Any]] = {
                  dense_layers=[0, 1, 2], aux_loss_coef=0.0),
         extra={"hf_model_type": "deepseek_v3"},
     ),
+    # Gemma 2- and Gemma 3-shaped at test size: (1 + weight) norms, four per layer, the embedding scaled, GeGLU, a
+    # softmax scale of its own, sliding and full layers, tied head; Gemma 2's soft-capped scores and logits (caps
+    # small enough to bite at this size), Gemma 3's q/k norms, local rope base and linearly scaled global rope.
+    ("decoder", "debug-gemma2"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, max_position_embeddings=256, norm_eps=1e-6, norm_offset=1.0, activation="geglu_tanh",
+        tie_embeddings=True, scale_embeddings=True, sandwich_norms=True, query_pre_attn_scalar=24.0,
+        attn_logit_softcap=5.0, final_logit_softcap=10.0, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2, extra={"hf_model_type": "gemma2"},
+    ),
+    ("decoder", "debug-gemma3"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, max_position_embeddings=256, norm_eps=1e-6, norm_offset=1.0, activation="geglu_tanh",
+        tie_embeddings=True, scale_embeddings=True, sandwich_norms=True, query_pre_attn_scalar=16.0, qk_norm=True,
+        rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 2.0}, local_rope_theta=1e4, sliding_window=8,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"], extra={"hf_model_type": "gemma3_text"},
+    ),
     ("decoder", "small"): dict(
         _LLAMA, vocab_size=8192, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4,
         intermediate_size=688, max_position_embeddings=1024,

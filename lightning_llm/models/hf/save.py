@@ -20,13 +20,13 @@ from .architectures import DEFAULT_ARCHITECTURE, SUPPORTED_ARCHITECTURES, layout
 from .config import architecture_diffs, config_from_hf, config_to_hf
 from .decoders import DECODER_KINDS
 from .entries import Entry
-from .multimodal import SOURCE_KEY, checked_source, lm_layout, outside_keys
+from .multimodal import MODULE_PREFIX, SOURCE_KEY, checked_source, lm_layout, outside_keys
 from .source import CheckpointFiles
 from .weights import BASE_PREFIX, save_entries
 
 log = logging.getLogger(__name__)
 
-__all__ = ["save_hf", "default_architecture"]
+__all__ = ["save_hf", "decoder_module_prefix", "default_architecture"]
 
 
 def default_architecture(config: ModelConfig) -> str:
@@ -51,6 +51,13 @@ def default_architecture(config: ModelConfig) -> str:
         ("roberta", False): "RobertaModel", ("roberta", True): "RobertaForSequenceClassification",
     }
     return names[(kind, config.num_labels > 0)]
+
+
+def decoder_module_prefix(config: ModelConfig) -> str:
+    """Where a decoder's base model sits in transformers' module tree of the class it is saved as: ``model.``, or a
+    multimodal class's ``model.language_model.`` (the names of a peft adapter on that class)."""
+    a = SUPPORTED_ARCHITECTURES.get(default_architecture(config))
+    return MODULE_PREFIX if a is not None and a.nested is not None else "model."
 
 
 def _decoder_kind(config: ModelConfig) -> str:
