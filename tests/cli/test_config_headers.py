@@ -257,6 +257,8 @@ WRITTEN = {
                       "merged/config.json": '"LlamaForCausalLM"'},
     "lora_deepseek_v3": {"runs/lora_deepseek_v3/version_0/adapter/adapter_config.json": '"kv_b_proj"',
                          "runs/tiny-deepseek-v3/config.json": '"DeepseekV3ForCausalLM"'},
+    "lora_gemma3": {"runs/gemma3_merged/config.json": '"Gemma3ForConditionalGeneration"',
+                    "runs/gemma3_merged/chat_template.jinja": "<start_of_turn>"},
 }
 """Files a header says its commands write, and a piece of their text."""
 
