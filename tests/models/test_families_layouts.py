@@ -4,7 +4,7 @@
 One torchrun launch (2 CPU processes, gloo) fits each family's debug size (:data:`TRAIN_FAMILIES`: Qwen2, Qwen3,
 Mistral with a sliding window shorter than the block, Baichuan2 with its head-interleaved W_pack and NormHead, LLaMA
 with dynamic rope past max_position_embeddings, YaRN, gelu_pytorch_tanh, DeepSeek-V3 with Multi-head Latent Attention,
-GLM-4.5) for ``STEPS`` steps under each layout of
+GLM-4.5, Gemma 2, Gemma 3, LoRA on a Gemma3ForConditionalGeneration checkpoint's language model) for ``STEPS`` steps under each layout of
 :data:`LAYOUTS`, while the pytest process runs the same steps on one device. Compared per step: the ``train_loss``
 every rank logs against the one-device loss, bound 1e-5 (fp32, dropout 0). About 35 s on 2 cores.
 """
@@ -21,6 +21,8 @@ import pytest
 STEPS = 4
 TOL = 1e-5
 GLOBAL_BATCH = 8
+TINY = "tiny_gemma3"
+"""A backbone written into the run's folder before the launch: tools/tiny.py's Gemma3ForConditionalGeneration."""
 # family -> (backbone, model_overrides): each family's debug size (4 layers, hidden 64, 4 heads; tp=2 divides them)
 TRAIN_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("debug-qwen2", {}),  # q/k/v biases, tied head
@@ -36,6 +38,13 @@ TRAIN_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # router with a shared expert; GLM-4.5's partial rotary, q/k norms and q/k/v biases with the same router
     "deepseek_v3": ("debug-deepseek-v3", {}),
     "glm4_moe": ("debug-glm4-moe", {}),
+    # Gemma 2: soft-capped scores (the eager path) and logits (the vocab-parallel fused loss takes the cap per chunk),
+    # the scaled embedding sharded by rows, four norms per layer (two more sequence-parallel ones); Gemma 3: q/k
+    # norms, the sliding layers' own rope; a Gemma3ForConditionalGeneration directory (tools/tiny.py) with LoRA on
+    # its language model, the vision tower never loaded
+    "gemma2": ("debug-gemma2", {}),
+    "gemma3": ("debug-gemma3", {}),
+    "gemma3_vl_lora": (TINY, {}),
 }
 LAYOUTS = ["tp", "tp_sp", "pp", "zero3"]
 
@@ -65,13 +74,19 @@ def _fit(family: str, strategy: Any, devices: int, batch_size: int, out: Path) -
     from lightning_llm.tasks.base import OptimConfig
     from lightning_llm.testing import LoggedLoss, table_trainer
 
+    from lightning_llm.peft import LoraArgs
+
     backbone, overrides = TRAIN_FAMILIES[family]
+    directory = backbone == TINY
     pl.seed_everything(3)
     # eps=1e-6: with Adam's 1e-8, fp32 reduction-order noise in gradients near 1e-8 becomes +-lr steps, which moved the
     # next loss by 1.5e-5 for llama_yarn under tp (1e-6 with eps=1e-6; step 0 is bit-identical either way).
-    task = CausalLMTask(backbone, dropout=0.0, model_overrides=overrides,
-                        optim=OptimConfig(lr=1e-2, scheduler="constant", eps=1e-6))
-    dm = TextDataModule(block_size=32, batch_size=batch_size, cache_dir=str(out / "cache"), generated_docs=100)
+    lora = LoraArgs(r=8, alpha=16, dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                                "up_proj", "down_proj"]) if directory else None
+    task = CausalLMTask(str(out / backbone) if directory else backbone, dropout=0.0, model_overrides=overrides,
+                        optim=OptimConfig(lr=1e-2, scheduler="constant", eps=1e-6), lora=lora)
+    dm = TextDataModule(block_size=32, batch_size=batch_size, cache_dir=str(out / "cache"), generated_docs=100,
+                        tokenizer_dir="byte" if directory else None)
     rec = LoggedLoss()
     table_trainer(out, strategy=strategy, devices=devices, max_steps=STEPS, callbacks=[rec]).fit(task, dm)
     return rec.losses
@@ -100,8 +115,11 @@ def _worker(mode: str, out: Path) -> None:
 def layout_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from lightning_llm.testing import run_layouts_and_reference
 
+    from lightning_llm.tools.tiny import write_tiny
+
     out = tmp_path_factory.mktemp("families")
-    return run_layouts_and_reference(__file__, out, lambda: _worker("reference", out), timeout=900)
+    write_tiny("gemma3", out / TINY)
+    return run_layouts_and_reference(__file__, out, lambda: _worker("reference", out), timeout=1500)
 
 
 @pytest.mark.multiprocess
