@@ -9,6 +9,7 @@ layout: ``language_model.model.*`` for Gemma 3 and Mistral 3, ``model.*`` + ``vi
 * ``save_hf`` writes the source's ``config.json`` byte for byte, the same key set, every tensor outside the language
   model byte for byte; transformers' ``AutoModelForImageTextToText`` loads it as the original class with no missing or
   unexpected key and the same text logits;
+* ``lightning_llm estimate`` counts the language model's parameters and names the bytes it never loads;
 * a LoRA fit of the Gemma 3 one, exported merged and adapter-only: the merged export and peft's ``PeftModel`` on the
   adapter-only export's base give the trained model's logits, its towers are the source's bytes; a source changed after
   the run is refused in one line naming the file (the language model alone, ``--architecture Gemma3ForCausalLM``,
@@ -19,6 +20,8 @@ The layouts (tp, tp + sequence parallel, pp, zero3) are ``tests/models/test_fami
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import warnings
 from pathlib import Path
@@ -140,6 +143,15 @@ def test_text_logits_and_the_whole_checkpoint_written_back(tmp_path: Path, name:
     assert set(written) == set(src) and type(back).__name__ == CLASSES[name]
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert err < 1e-5 and err_back < 1e-5
+    # estimate counts the language model, and names the bytes it never loads
+    from lightning_llm.tools.estimate import main as estimate
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert estimate(["--model", str(tmp_path / "src"), "--json"]) == 0
+    report = json.loads(printed.getvalue())
+    assert report["parameters"] == sum(p.numel() for p in ours.parameters())
+    assert report["not_loaded_bytes"] == sum(src[k].numel() * src[k].element_size() for k in towers)
 
 
 def _is_lm_key(name: str, key: str) -> bool:
