@@ -2,7 +2,8 @@
 
 Module tree (uniform so that parallel plans are data keyed by module path)::
 
-    embed_tokens      nn.Embedding [V, H]              (None on non-first pipeline stages)
+    embed_tokens      nn.Embedding [V, H]              (None on non-first pipeline stages; a ScaledEmbedding, rows
+                                                        times sqrt(H), with config.scale_embeddings: Gemma)
     embed_positions   nn.Embedding [P, H] or None      (GPT-2 learned positions)
     layers            nn.ModuleDict {"0": TransformerBlock, ...}   (a pipeline split deletes entries)
     norm              final norm or None
@@ -13,7 +14,10 @@ Variants are config switches of this one module tree (so every family shares one
 and ``q_norm``/``k_norm`` in the attention (``layers.Attention``), partial rotary (``partial_rotary_factor``), a
 sliding window on the layers of ``config.sliding_layers`` (a band in the attention mask), rope types of ``rope.py``,
 Multi-head Latent Attention as every layer's ``self_attn`` (``config.mla``: ``mla.LatentAttention``), Mixture-of-Experts
-feed-forwards (``config.moe``: ``moe.MoEBlock``). Attention takes SDPA over one
+feed-forwards (``config.moe``: ``moe.MoEBlock``), Gemma's norms of the attention's and MLP's outputs
+(``sandwich_norms``), its sliding layers' own rope tables (``local_rope_theta``: ``rope_local_cos``/``_sin``) and
+soft-caps (the scores': ``attention.softcapped_attention``; the logits': in forward and in the fused loss's chunks).
+Attention takes SDPA over one
 mask per forward, or the varlen flash kernel over one layout per forward (``attention.py``: ``config.attention``).
 
 Shape legend: B batch, S sequence, H hidden, V vocab, D head dim.
