@@ -215,3 +215,23 @@ def test_gemma3_lora_fit_exports_whole_and_refuses_a_changed_source(tmp_path: Pa
         warnings.simplefilter("ignore")
         causal = transformers.AutoModelForCausalLM.from_pretrained(str(text_only), attn_implementation="eager")
     assert float((_text_logits(causal.eval(), ids, mask) - want)[keep].abs().max()) < 1e-5
+
+
+def test_options_not_built_are_refused_in_one_line(tmp_path: Path) -> None:
+    """Before any data is prepared (the task's constructor reads config.json only): a language model of another
+    family, a quantized checkpoint, a class without text_config."""
+    from lightning_llm.tasks import CausalLMTask
+
+    config = _config("mistral3").to_dict()
+    cases = {"ministral": ({**config, "text_config": {**config["text_config"], "model_type": "ministral"}},
+                           "text_config.model_type='ministral' is not supported for Mistral3ForConditionalGeneration"),
+             "quantized": ({**config, "quantization_config": {"quant_method": "fp8"}},
+                           "quantization_config={'quant_method': 'fp8'} is not supported for Mistral3"),
+             "flat": ({k: v for k, v in config.items() if k != "text_config"},
+                      "Mistral3ForConditionalGeneration without a text_config")}
+    for name, (body, text) in cases.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({**body, "architectures": [CLASSES["mistral3"]]}))
+        with pytest.raises(ValueError) as e:
+            CausalLMTask(str(tmp_path / name))
+        assert f"{tmp_path / name / 'config.json'}: {text}" in str(e.value) and "\n" not in str(e.value), str(e.value)
