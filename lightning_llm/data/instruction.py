@@ -122,6 +122,7 @@ class InstructionDataModule(LLMDataModule):
         if generated_conversations < 0:
             raise ValueError(f"--data.generated_conversations must be >= 0, got {generated_conversations}")
         self.paths = {"fit": train_path, "validate": val_path, "test": test_path, "predict": predict_path or test_path}
+        self.tokenizer_dir = tokenizer_dir  # an explicit byte on an HF backbone is the user's choice (vocab.py)
         tokenizer = tokenizer_or_bytes(tokenizer_dir)
         self.eos_token_id, self.pad_token_id = eos_and_pad_ids(tokenizer, tokenizer_dir)
         self.chat = ChatEncoder(tokenizer, resolve_template(template, tokenizer, fallback="alpaca"),

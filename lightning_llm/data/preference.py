@@ -159,6 +159,7 @@ class PreferenceDataModule(LLMDataModule):
         if not 0 <= val_fraction < 1:
             raise ValueError(f"--data.val_fraction must be in [0, 1), got {val_fraction}")
         self.paths = {"fit": train_path, "validate": val_path}
+        self.tokenizer_dir = tokenizer_dir  # an explicit byte on an HF backbone is the user's choice (vocab.py)
         self.tokenizer = tokenizer_or_bytes(tokenizer_dir)
         self.eos_token_id, self.pad_token_id = eos_and_pad_ids(self.tokenizer, tokenizer_dir)
         chat = None if template == "none" else resolve_template(template, self.tokenizer, fallback=None)

@@ -42,16 +42,21 @@ def _encodings(tok: Any, specials: list[str]) -> tuple[Any, ...]:
 
 
 def write_tokenizer(source: Path | ByteTokenizer, directory: Path, *, chat_template: str | None = None,
-                    token_type_ids: bool = False) -> None:
+                    token_type_ids: bool = False) -> str | None:
     """Put the tokenizer of ``source`` in ``directory``: its files copied verbatim, or, for a bare ``vocab.txt``
     (which ``AutoTokenizer`` cannot read without a ``tokenizer_config.json``), saved from the tokenizer loaded as the
     run loaded it; the byte tokenizer (a run on ``byte``) as ``tokenizer.json`` + ``tokenizer_config.json``
     (:meth:`ByteTokenizer.save_pretrained`, returning ``token_type_ids`` if asked: an encoder's export);
     ``chat_template`` (the run's, when the tokenizer does not carry it) as ``chat_template.jinja``, the file
-    transformers reads first. Raises ``ValueError`` if ``AutoTokenizer.from_pretrained(directory)`` then encodes
-    differently or renders another template."""
-    from transformers import AutoTokenizer
+    transformers reads first.
 
+    The copy is kept only if ``AutoTokenizer.from_pretrained(directory)`` then loads the run's tokenizer: the same
+    ids and the same template. It may not, beside a model's ``config.json``: transformers 5.24 loads any tokenizer
+    files next to a ``qwen2`` (``phi3``, ``qwen3_5``, ...) config as that family's own class, whatever
+    ``tokenizer_config.json`` names (the byte tokenizer's ids then come out otherwise). Then the files written here
+    are removed and one warning says so: the export of good weights never fails over its tokenizer. Returns
+    ``None`` when written, else that reason."""
+    before = set(directory.iterdir())
     if isinstance(source, ByteTokenizer):
         ours = source
         ours.save_pretrained(directory, token_type_ids=token_type_ids)
@@ -61,18 +66,32 @@ def write_tokenizer(source: Path | ByteTokenizer, directory: Path, *, chat_templ
     if chat_template is not None:
         (directory / "chat_template.json").unlink(missing_ok=True)
         (directory / "chat_template.jinja").write_text(chat_template, encoding="utf-8")
+    why = _reload_problem(ours, directory, chat_template)
+    if why is not None:
+        for f in set(directory.iterdir()) - before:
+            f.unlink()
+        reason = f"{label} not written to {directory}: {why}; load the run's tokenizer from its own directory"
+        log.warning("%s", reason)
+        return reason
+    log.info("%s written to %s", label, directory)
+    return None
+
+
+def _reload_problem(ours: Any, directory: Path, chat_template: str | None) -> str | None:
+    """Why ``AutoTokenizer`` does not load ``directory``'s copy as the run's tokenizer ``ours`` (None: it does)."""
+    from transformers import AutoTokenizer
+
     try:
         theirs = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
-    except Exception as e:  # any loader failure: re-raised naming the source
-        raise ValueError(f"{label}: transformers cannot load the exported copy ({e}); pass --tokenizer DIR or "
-                         "--no-tokenizer") from e
+    except Exception as e:  # noqa: BLE001 - any loader failure means the copy is unusable
+        return f"transformers cannot load the copy ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
     specials = sorted(ours.added_tokens_encoder)
     if _encodings(theirs, specials) != _encodings(ours, specials):
-        raise ValueError(f"{label}: AutoTokenizer loads the exported copy as {type(theirs).__name__}, which encodes "
-                         f"differently from the run's {type(ours).__name__}; pass --tokenizer DIR or --no-tokenizer")
+        return (f"AutoTokenizer loads the copy as {type(theirs).__name__}, which encodes otherwise than the run's "
+                f"{type(ours).__name__}")
     if chat_template is not None and theirs.get_chat_template() != chat_template:
-        raise ValueError(f"{label}: the exported copy does not load the run's chat template")
-    log.info("%s written to %s", label, directory)
+        return "the copy does not load the run's chat template"
+    return None
 
 
 def _copy_files(source: Path, directory: Path) -> Any:

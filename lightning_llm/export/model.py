@@ -37,7 +37,9 @@ __all__ = ["base_model", "peft_config_of", "rebuild_model"]
 
 # Config fields that change what a weight means without changing its shape: a --base directory must agree on them.
 _SHAPELESS_FIELDS = ("family", "norm", "norm_eps", "activation", "position", "rope_theta", "rope_scaling",
-                     "pre_norm", "embedding_norm", "final_norm", "position_offset", "num_heads", "num_kv_heads")
+                     "pre_norm", "embedding_norm", "final_norm", "position_offset", "num_heads", "num_kv_heads",
+                     "norm_offset", "scale_embeddings", "query_pre_attn_scalar", "attn_logit_softcap",
+                     "final_logit_softcap", "sliding_rope", "rope_interleave", "nope_layers", "norm_weight_fp32")
 
 
 def _is_adapter_key(key: str, prompt_tuning: bool) -> bool:

@@ -212,11 +212,34 @@ def _entropy(logits: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return -torch.linalg.vecdot(logp.exp(), logp)
 
 
-def _flce_chunks(hidden, weight, bias, target, ignore_index, ls, z, chunk, backend, scale, grads, entropy=None):
+SoftCap = tuple[float, float]
+"""``(cap, factor)``: a chunk's logits ``x`` become ``factor * tanh(x / cap)`` (Gemma 2's final soft-cap: ``factor =
+cap``; divided by a sampling temperature ``T``: ``cap / T``)."""
+
+
+def softcap_chunk(logits: torch.Tensor, softcap: SoftCap) -> torch.Tensor:
+    """Soft-cap a chunk's logits ``[C, V]`` in place; returns ``tanh(x / cap)`` (a second ``[C, V]`` buffer), which
+    :func:`softcap_grad` turns the capped logits' gradient back into the raw logits' with."""
+    cap, factor = softcap
+    t = torch.tanh(logits / cap)
+    logits.copy_(t).mul_(factor)
+    return t
+
+
+def softcap_grad(grad: torch.Tensor, t: torch.Tensor, softcap: SoftCap) -> None:
+    """``grad`` (dloss / d capped logits) -> dloss / d raw logits, in place: ``* factor / cap * (1 - t^2)`` (``t``,
+    from :func:`softcap_chunk`, is overwritten)."""
+    cap, factor = softcap
+    grad.mul_(t.mul_(t).neg_().add_(1.0).mul_(factor / cap))
+
+
+def _flce_chunks(hidden, weight, bias, target, ignore_index, ls, z, chunk, backend, scale, grads, entropy=None,
+                 softcap=None):
     """Loop over token chunks; returns per-row fp32 losses. ``grads`` = (dh, dW, db) buffers or Nones;
     when any is given the chunk's dlogits (scaled by ``scale``: 1 element or ``[N]``) are contracted into them.
     ``entropy`` (fp32 ``[N]``, only without gradients: the logits must survive the cross-entropy) receives each
-    row's entropy, 0 where the target is ignored."""
+    row's entropy, 0 where the target is ignored. ``softcap``: each chunk's logits soft-capped first
+    (:data:`SoftCap`), their gradient taken back through the cap."""
     ce = _ce_impl(backend)
     need_grad = any(g is not None for g in grads)
     N = hidden.shape[0]
@@ -225,11 +248,14 @@ def _flce_chunks(hidden, weight, bias, target, ignore_index, ls, z, chunk, backe
         e = min(s + chunk, N)
         h = hidden[s:e]  # [C, H]
         logits = chunk_logits(h, weight, bias)  # [C, V]
+        t = softcap_chunk(logits, softcap) if softcap is not None else None
         sc = scale[s:e] if (scale is not None and scale.numel() > 1) else scale
         rows[s:e], lse = ce(logits, target[s:e], ignore_index, ls, z, sc, logits if need_grad else None)
         if entropy is not None:
             entropy[s:e] = torch.where(target[s:e] != ignore_index, _entropy(logits, lse), 0.0)
         if need_grad:  # `logits` now holds dloss/dlogits for the chunk
+            if t is not None:
+                softcap_grad(logits, t, softcap)
             contract_chunk(logits, h, weight, grads, s, e)
     return rows
 
@@ -333,7 +359,7 @@ def _grad_buffers(h2, weight, bias, need):
 class FusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, bias, ignore_index, reduction, ls, z, chunk_size, backend, grad_enabled,
-                loss_dtype, with_entropy=False):
+                loss_dtype, with_entropy=False, softcap=None):
         H = hidden.shape[-1]
         h2 = hidden.reshape(-1, H)
         t = target.reshape(-1).contiguous()
@@ -347,8 +373,8 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
             grads = _grad_buffers(h2, weight, bias, need)
         ent = torch.empty(N, dtype=torch.float32, device=h2.device) if with_entropy else None
         wc, bc = compute_operands(hidden, weight, bias)
-        rows = _flce_chunks(h2, wc, bc, t, ignore_index, ls, z, chunk, backend, scale, grads, ent)
-        ctx.args = (ignore_index, reduction, ls, z, chunk, backend, hidden.shape, weight.dtype)
+        rows = _flce_chunks(h2, wc, bc, t, ignore_index, ls, z, chunk, backend, scale, grads, ent, softcap)
+        ctx.args = (ignore_index, reduction, ls, z, chunk, backend, hidden.shape, weight.dtype, softcap)
         if reduction == "none":
             ctx.save_for_backward(h2, wc, bc, t)
             if ent is None:
@@ -362,13 +388,13 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_grad_entropy):  # the entropy output (when asked for) has no gradient
-        ignore_index, reduction, ls, z, chunk, backend, shape, wdtype = ctx.args
+        ignore_index, reduction, ls, z, chunk, backend, shape, wdtype, softcap = ctx.args
         need = ctx.needs_input_grad
         if reduction == "none":
             h2, weight, bias, t = ctx.saved_tensors
             grads = _grad_buffers(h2, weight, bias, need)
             _flce_chunks(h2, weight, bias, t, ignore_index, ls, z, chunk, backend,
-                         grad_loss.reshape(-1).float().contiguous(), grads)
+                         grad_loss.reshape(-1).float().contiguous(), grads, softcap=softcap)
         else:
             _ScaledOnce.check(ctx)
             grads = ctx.saved_tensors
@@ -377,7 +403,7 @@ class FusedLinearCrossEntropyFunction(torch.autograd.Function):
                     g.mul_(grad_loss.to(g.dtype))
         dh, dw, db = grads
         dw, db = (None if g is None else g.to(wdtype) for g in (dw, db))  # accumulated in fp32, rounded once
-        return (None if dh is None else dh.view(shape)), dw, None, db, *([None] * 9)
+        return (None if dh is None else dh.view(shape)), dw, None, db, *([None] * 10)
 
 
 def fused_linear_cross_entropy(
@@ -394,6 +420,7 @@ def fused_linear_cross_entropy(
     backend: Backend = "auto",
     loss_dtype: torch.dtype | None = None,
     with_entropy: bool = False,
+    softcap: SoftCap | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``cross_entropy(hidden @ weight.T + bias, target)`` without materialising the ``[N, V]`` logits.
 
@@ -405,6 +432,8 @@ def fused_linear_cross_entropy(
     ``loss_dtype``: the returned loss's dtype (default ``hidden.dtype``; the math is fp32 either way).
     ``with_entropy`` (``reduction="none"`` only): also return each token's entropy of ``softmax(logits)``, fp32,
     without gradient, 0 where the target is ignored (RL logs it; one more pass over each chunk's logits).
+    ``softcap`` (:data:`SoftCap`): the loss of soft-capped logits ``factor * tanh(logits / cap)`` (one more ``[C, V]``
+    buffer per chunk).
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
@@ -415,4 +444,5 @@ def fused_linear_cross_entropy(
     resolved = resolve_backend(backend, hidden)
     return FusedLinearCrossEntropyFunction.apply(hidden, weight, target, bias, ignore_index, reduction,
                                                  float(label_smoothing), float(z_loss), chunk_size, resolved,
-                                                 torch.is_grad_enabled(), loss_dtype or hidden.dtype, with_entropy)
+                                                 torch.is_grad_enabled(), loss_dtype or hidden.dtype, with_entropy,
+                                                 softcap)

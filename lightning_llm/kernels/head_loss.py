@@ -100,7 +100,8 @@ def vocab_sharded_head(head: nn.Module, hidden: Tensor, labels: Tensor) -> tuple
 
 
 def _vocab_parallel_loss(hidden: Tensor, weight: Tensor, bias: Tensor | None, labels: Tensor, *,
-                         reduction: Literal["mean", "sum", "none"], temperature: float, backend: Backend) -> Tensor:
+                         reduction: Literal["mean", "sum", "none"], temperature: float, backend: Backend,
+                         softcap: float | None = None) -> Tensor:
     """The fused loss of a vocab-sharded head (:func:`vocab_sharded_head`): each rank's ``[C, V/tp]`` logit chunks,
     the softmax statistics all-reduced per chunk; the loss is identical on every rank of the head's mesh."""
     from torch.distributed.tensor import DTensor, Replicate
@@ -112,7 +113,7 @@ def _vocab_parallel_loss(hidden: Tensor, weight: Tensor, bias: Tensor | None, la
         labels = labels.full_tensor()
     w, b = weight.to_local(), (bias.to_local() if bias is not None else None)  # differentiable: grads stay sharded
     hidden, w, b = _head_dtype(hidden, w, b)
-    if temperature != 1.0:
+    if temperature != 1.0 and softcap is None:
         hidden, b = hidden / temperature, (b / temperature if b is not None else None)
     per_rank = -(-weight.shape[0] // mesh.size())  # torch.chunk's split of the vocabulary rows (the widest shard)
     # Chunks sized by the widest shard: every rank runs the same chunk loop (each chunk all-reduces).
@@ -120,7 +121,8 @@ def _vocab_parallel_loss(hidden: Tensor, weight: Tensor, bias: Tensor | None, la
     with torch.autocast(hidden.device.type, enabled=False):
         return vocab_parallel_fused_linear_cross_entropy(
             hidden, w, labels, vocab_start=min(mesh.get_local_rank() * per_rank, weight.shape[0]),
-            group=mesh.get_group(), bias=b, reduction=reduction, chunk_size=chunk, backend=backend)
+            group=mesh.get_group(), bias=b, reduction=reduction, chunk_size=chunk, backend=backend,
+            softcap=_softcap(softcap, temperature))
 
 
 def _head_dtype(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -136,6 +138,12 @@ def _head_dtype(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Te
     return hidden.to(weight.dtype), weight, bias
 
 
+def _softcap(softcap: float | None, temperature: float) -> tuple[float, float] | None:
+    """The fused kernels' ``(cap, factor)`` of logits soft-capped to ``cap * tanh(x / cap)``, then divided by the
+    temperature (the capped logits are what sampling divides: transformers caps in forward)."""
+    return None if softcap is None else (softcap, softcap / temperature)
+
+
 def head_cross_entropy(
     hidden: Tensor,
     head: nn.Module,
@@ -146,6 +154,7 @@ def head_cross_entropy(
     fused: bool = True,
     backend: Backend = "auto",
     with_entropy: bool = False,
+    softcap: float | None = None,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Cross-entropy of ``head(hidden) / temperature`` against ``labels`` (-100 ignored), fp32 math; see the module
     docstring.
@@ -154,11 +163,12 @@ def head_cross_entropy(
     chunk's logits in backward), tensors of their own, never views: a model returns them, and FSDP2 hooks its
     pre-backward all-gather on a module's outputs, which an in-place op on a view would silently detach (it warns
     of every view output). ``fused=False`` always calls the head. ``with_entropy`` (per-token only) also returns the
-    entropy ``[B, S]`` (see :class:`TokenScores`)."""
+    entropy ``[B, S]`` (see :class:`TokenScores`). ``softcap``: the head's logits soft-capped to ``cap * tanh(logits /
+    cap)`` before the temperature (Gemma 2's ``final_logit_softcapping``), in the fused chunks too."""
     if with_entropy and reduction != "none":
         raise ValueError(f"with_entropy=True needs reduction='none', got {reduction!r}")
     out = _head_loss(hidden, head, labels, reduction=reduction, temperature=temperature, fused=fused,
-                     backend=backend, with_entropy=with_entropy)
+                     backend=backend, with_entropy=with_entropy, softcap=softcap)
     if reduction != "none":
         return out
     return tuple(map(_not_a_view, out)) if with_entropy else _not_a_view(out)
@@ -170,16 +180,18 @@ def _not_a_view(t: Tensor) -> Tensor:
 
 
 def _head_loss(hidden: Tensor, head: nn.Module, labels: Tensor, *, reduction: Literal["mean", "sum", "none"],
-               temperature: float, fused: bool, backend: Backend, with_entropy: bool
+               temperature: float, fused: bool, backend: Backend, with_entropy: bool, softcap: float | None = None
                ) -> Tensor | tuple[Tensor, Tensor]:
     found = fusable_head(head) if fused else None
     if found is None and fused and not with_entropy:
         sharded = vocab_sharded_head(head, hidden, labels)
         if sharded is not None:
             return _vocab_parallel_loss(hidden, *sharded, labels, reduction=reduction, temperature=temperature,
-                                        backend=backend)
+                                        backend=backend, softcap=softcap)
     if found is None:
         logits = head(hidden)  # [B, S, V] (a vocab-sharded DTensor under loss_parallel)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
         flat = logits.flatten(0, 1).float() / temperature
         loss = F.cross_entropy(flat, labels.flatten(), ignore_index=-100, reduction=reduction)
         if reduction != "none":
@@ -191,18 +203,20 @@ def _head_loss(hidden: Tensor, head: nn.Module, labels: Tensor, *, reduction: Li
             entropy = torch.where(labels.flatten() != -100, -(logp.exp() * logp).sum(-1), 0.0)
         return loss.view(labels.shape), entropy.view(labels.shape)
     weight, bias = found
-    if temperature != 1.0:  # (h W^T + b) / T = (h / T) W^T + b / T: gradients flow through the division
+    if temperature != 1.0 and softcap is None:  # (h W^T + b) / T = (h / T) W^T + b / T: gradients flow through it
         hidden, bias = hidden / temperature, (bias / temperature if bias is not None else None)
     hidden, weight, bias = _head_dtype(hidden, weight, bias)
     with torch.autocast(hidden.device.type, enabled=False):
         return fused_linear_cross_entropy(hidden, weight, labels, bias=bias, reduction=reduction, backend=backend,
-                                          loss_dtype=torch.float32, with_entropy=with_entropy)
+                                          loss_dtype=torch.float32, with_entropy=with_entropy,
+                                          softcap=_softcap(softcap, temperature))
 
 
 def head_token_scores(hidden: Tensor, head: nn.Module, labels: Tensor, *, temperature: float = 1.0,
-                      fused: bool = True, backend: Backend = "auto") -> TokenScores:
-    """Per-token cross-entropy and entropy of ``head(hidden) / temperature`` and the hidden states themselves:
-    log-probs for PPO/GRPO without the ``[B, S, V]`` logits (the fused path where :func:`fusable_head` allows)."""
+                      fused: bool = True, backend: Backend = "auto", softcap: float | None = None) -> TokenScores:
+    """Per-token cross-entropy and entropy of ``head(hidden) / temperature`` (soft-capped first: ``softcap``) and the
+    hidden states themselves: log-probs for PPO/GRPO without the ``[B, S, V]`` logits (the fused path where
+    :func:`fusable_head` allows)."""
     loss, entropy = head_cross_entropy(hidden, head, labels, reduction="none", temperature=temperature, fused=fused,
-                                       backend=backend, with_entropy=True)
+                                       backend=backend, with_entropy=True, softcap=softcap)
     return TokenScores(loss=loss, entropy=entropy, hidden=hidden)

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from ._backend import Backend, resolve_backend
-from .cross_entropy import _grad_buffers, _mean_scale, chunk_logits, compute_operands, contract_chunk, chunk_size_for
+from .cross_entropy import (SoftCap, _grad_buffers, _mean_scale, chunk_logits, chunk_size_for, compute_operands,
+                            contract_chunk, softcap_chunk, softcap_grad)
 
 
 def _stats_torch(x: torch.Tensor, target: torch.Tensor, vocab_start: int):
@@ -133,10 +134,12 @@ def vocab_parallel_cross_entropy(
                                                    reduction, b, torch.is_grad_enabled())
 
 
-def _vocab_parallel_chunks(h2, weight, bias, t, vocab_start, group, ignore_index, chunk, backend, scale, grads):
+def _vocab_parallel_chunks(h2, weight, bias, t, vocab_start, group, ignore_index, chunk, backend, scale, grads,
+                           softcap=None):
     """Per-row fp32 losses of ``h2 [N, H] @ weight.T [H, Vl]`` (this rank's vocab shard) in token chunks, the
     softmax statistics all-reduced per chunk. ``grads`` = (dh, dW, db) buffers or Nones: dW/db receive this shard's
-    gradients, dh this shard's partial sum (the caller all-reduces it); ``scale``: 1 element or ``[N]``."""
+    gradients, dh this shard's partial sum (the caller all-reduces it); ``scale``: 1 element or ``[N]``;
+    ``softcap``: the logits soft-capped first (``cross_entropy.SoftCap``: elementwise, so per shard)."""
     stats, grad_fn = _local_fns(backend)
     need_grad = any(g is not None for g in grads)
     n = h2.shape[0]
@@ -145,10 +148,13 @@ def _vocab_parallel_chunks(h2, weight, bias, t, vocab_start, group, ignore_index
         e = min(s + chunk, n)
         h, tc = h2[s:e], t[s:e]  # [C, H], [C]
         logits = chunk_logits(h, weight, bias)  # [C, Vl]
+        tanh = softcap_chunk(logits, softcap) if softcap is not None else None
         rows[s:e], lse = _global_rows(logits, tc, vocab_start, group, ignore_index, stats)
         if need_grad:
             sc = (scale[s:e] if scale.numel() > 1 else scale.expand(e - s)) * (tc != ignore_index)
             g = grad_fn(logits, tc, vocab_start, lse, sc.float())  # [C, Vl] dloss/dlogits, logits dtype
+            if tanh is not None:
+                softcap_grad(g, tanh, softcap)
             contract_chunk(g, h, weight, grads, s, e)
     return rows
 
@@ -156,7 +162,7 @@ def _vocab_parallel_chunks(h2, weight, bias, t, vocab_start, group, ignore_index
 class VocabParallelFusedLinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, target, bias, group, vocab_start, ignore_index, reduction, chunk_size, backend,
-                grad_enabled):
+                grad_enabled, softcap=None):
         h2, t = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1).contiguous()
         chunk = chunk_size  # the same on every rank (see vocab_parallel_fused_linear_cross_entropy)
         n_valid, scale = _mean_scale(t, ignore_index, reduction)
@@ -164,8 +170,9 @@ class VocabParallelFusedLinearCrossEntropyFunction(torch.autograd.Function):
         # reduction "none": per-row upstream gradients are unknown yet, the chunks are recomputed in backward
         grads = (None, None, None) if reduction == "none" else _grad_buffers(h2, weight, bias, need)
         wc, bc = compute_operands(hidden, weight, bias)  # an fp32 master shard: cast once, gradients in fp32
-        rows = _vocab_parallel_chunks(h2, wc, bc, t, vocab_start, group, ignore_index, chunk, backend, scale, grads)
-        ctx.args = (group, vocab_start, ignore_index, reduction, chunk, backend, hidden.shape, weight.dtype)
+        rows = _vocab_parallel_chunks(h2, wc, bc, t, vocab_start, group, ignore_index, chunk, backend, scale, grads,
+                                      softcap)
+        ctx.args = (group, vocab_start, ignore_index, reduction, chunk, backend, hidden.shape, weight.dtype, softcap)
         if reduction == "none":
             ctx.save_for_backward(h2, wc, bc, t)
             return rows.view(target.shape)
@@ -174,12 +181,12 @@ class VocabParallelFusedLinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        group, vocab_start, ignore_index, reduction, chunk, backend, shape, wdtype = ctx.args
+        group, vocab_start, ignore_index, reduction, chunk, backend, shape, wdtype, softcap = ctx.args
         if reduction == "none":
             h2, weight, bias, t = ctx.saved_tensors
             grads = _grad_buffers(h2, weight, bias, ctx.needs_input_grad)
             _vocab_parallel_chunks(h2, weight, bias, t, vocab_start, group, ignore_index, chunk, backend,
-                                   grad_loss.reshape(-1).float().contiguous(), grads)
+                                   grad_loss.reshape(-1).float().contiguous(), grads, softcap)
         else:
             grads = ctx.saved_tensors
             for g in grads:
@@ -189,7 +196,7 @@ class VocabParallelFusedLinearCrossEntropyFunction(torch.autograd.Function):
         if dh is not None and dist.is_available() and dist.is_initialized():
             dist.all_reduce(dh, group=group)  # each shard contributes dlogits[:, shard] @ W[shard]
         dw, db = (None if g is None else g.to(wdtype) for g in (dw, db))
-        return (None if dh is None else dh.view(shape)), dw, None, db, *([None] * 7)
+        return (None if dh is None else dh.view(shape)), dw, None, db, *([None] * 8)
 
 
 def vocab_parallel_fused_linear_cross_entropy(
@@ -204,8 +211,9 @@ def vocab_parallel_fused_linear_cross_entropy(
     reduction: Literal["mean", "sum", "none"] = "mean",
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    softcap: SoftCap | None = None,
 ) -> torch.Tensor:
-    """Full-vocab cross-entropy of ``hidden @ W.T + b`` from this rank's vocab shard ``weight`` ``[Vl, H]`` (rows
+    """Full-vocab cross-entropy of ``hidden @ W.T + b`` (soft-capped: ``softcap``) from this rank's vocab shard ``weight`` ``[Vl, H]`` (rows
     ``[vocab_start, vocab_start + Vl)`` of ``W``) without materialising logits: chunks of ``[C, Vl]``, per chunk
     the two all-reduces of :func:`vocab_parallel_cross_entropy`. ``chunk_size`` must be equal on every rank (default:
     sized by the widest shard, one small all-reduce). ``hidden`` ``[..., H]`` is the full (replicated)
@@ -221,4 +229,4 @@ def vocab_parallel_fused_linear_cross_entropy(
         chunk_size = chunk_size_for(hidden.numel() // hidden.shape[-1], int(width), hidden.shape[-1], hidden.device)
     return VocabParallelFusedLinearCrossEntropyFunction.apply(
         hidden, weight, target, bias, group, int(vocab_start), ignore_index, reduction, chunk_size,
-        resolve_backend(backend, hidden), torch.is_grad_enabled())
+        resolve_backend(backend, hidden), torch.is_grad_enabled(), softcap)

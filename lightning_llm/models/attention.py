@@ -51,8 +51,8 @@ except ImportError:  # an older torch: the mask path only
 log = logging.getLogger(__name__)
 
 __all__ = ["AttentionMask", "DotProductAttention", "TokenMask", "VarlenCall", "VarlenLayout", "attention_path",
-           "contiguous_sequences", "describe_attention", "reference_varlen", "uses_varlen", "values_as_keys",
-           "varlen_attention", "varlen_layout"]
+           "contiguous_sequences", "describe_attention", "reference_varlen", "softcapped_attention", "uses_varlen",
+           "values_as_keys", "varlen_attention", "varlen_layout"]
 
 AttentionPath = Literal["varlen", "sdpa"]
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -296,6 +296,8 @@ def attention_path(config: ModelConfig, *, device: torch.device, dtype: torch.dt
         return "sdpa", "attention=sdpa"
     if config.attention == "varlen":
         return "varlen", "attention=varlen"
+    if getattr(config, "attn_logit_softcap", None) is not None:
+        return "sdpa", "attention logit soft-capping: the eager scores (no flash kernel soft-caps them)"
     if not _flash_device(device):
         return "sdpa", "no CUDA flash kernel" if device.type == "cuda" else f"{device.type} device"
     if config.attention_sinks:  # every layer takes the sink kernel (sinks.py), whose flash call takes the window
@@ -335,6 +337,9 @@ def describe_attention(config: ModelConfig, *, device: torch.device, dtype: torc
         if gqa and path == "varlen" else ""
     if config.attention_sinks:
         return _describe_sinks(path, why)
+    if getattr(config, "attn_logit_softcap", None) is not None:
+        return (f"eager attention: the scores [B, N, S, T] soft-capped (cap {config.attn_logit_softcap:g}) with a "
+                f"[B, 1, S, T] mask, softmax in fp32 ({why})")
     if path == "varlen":
         return (f"flash varlen (torch.nn.attention.varlen.varlen_attn) for padded, packed and sliding-window rows, "
                 f"no [S, S] mask; plain rows: SDPA is_causal{heads} ({why})")
@@ -389,7 +394,14 @@ class DotProductAttention(nn.Module):
         token_mask: TokenMask | None = None,  # the mask's ingredients (unused here: attn_mask is built from them)
         sinks: Tensor | None = None,  # [N] each head's sink logit (models/sinks.py)
         scale: float | None = None,  # softmax scale; None: 1/sqrt(D) (a layer with another one passes it: MLA)
+        softcap: float | None = None,  # scores soft-capped to cap * tanh(scores / cap) (Gemma 2)
     ) -> Tensor:  # [B, N, S, Dv]
+        if softcap is not None:
+            if sinks is not None or isinstance(attn_mask, VarlenLayout):
+                raise ValueError("soft-capped attention scores take the eager path: no sinks, no varlen layout "
+                                 "(attention=sdpa)")
+            return softcapped_attention(q, k, v, attn_mask, is_causal=is_causal, dropout_p=dropout_p, scale=scale,
+                                        softcap=softcap)
         if sinks is not None:
             if scale is not None or v.shape[-1] != q.shape[-1]:
                 raise ValueError("attention sinks with a softmax scale of the layer's own or values narrower than "
@@ -416,6 +428,30 @@ class DotProductAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                               is_causal=is_causal and attn_mask is None,
                                               enable_gqa=k.shape[1] != q.shape[1], scale=scale)
+
+
+def softcapped_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, *, is_causal: bool,
+                         dropout_p: float, scale: float | None, softcap: float) -> Tensor:
+    """Attention with soft-capped scores, as transformers' eager Gemma 2 attention computes it: ``scores = q k^T *
+    scale`` [B, N, S, T], ``cap * tanh(scores / cap)``, the mask added (causal from the top left when ``is_causal``
+    and no mask, as SDPA), softmax in fp32 cast to q's dtype, dropout, times v. q [B, N, S, D], k/v [B, K, T, D|Dv]
+    (GQA heads repeated) -> [B, N, S, Dv]."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [B, N, T, D]
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = torch.tanh(scores / softcap) * softcap
+    if attn_mask is None and is_causal:
+        s, t = scores.shape[-2:]
+        attn_mask = torch.ones(s, t, dtype=torch.bool, device=q.device).tril()
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    elif attn_mask is not None:
+        scores = scores + attn_mask.to(scores.dtype)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if dropout_p:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs, v)
 
 
 def _sink_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: AttentionMask, *, is_causal: bool, dropout_p: float,

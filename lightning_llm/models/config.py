@@ -365,6 +365,19 @@ class ModelConfig:
     pooler_dropout: float | None = 0.0
     """Dropout on the pooled token before the pooler's dense layer (DeBERTa's ``pooler_dropout``); ``None``: the
     classifier's dropout (RoBERTa's classification head drops out before both of its layers)."""
+    # Gemma 2/3 (models/hf/gemma.py); each off by default
+    scale_embeddings: bool = False
+    """Token embeddings multiplied by ``sqrt(hidden_size)`` rounded to the embedding's dtype, inside the embedding
+    (Gemma's ``embed_scale``: ``inputs_embeds`` given to the model are taken as they are)."""
+    query_pre_attn_scalar: float | None = None
+    """Softmax scale ``query_pre_attn_scalar ** -0.5`` instead of ``head_dim ** -0.5`` (Gemma 2/3)."""
+    attn_logit_softcap: float | None = None
+    """Attention scores soft-capped to ``cap * tanh(scores / cap)`` before the mask and the softmax (Gemma 2's
+    ``attn_logit_softcapping``): no flash kernel takes it, so every row takes the eager scores [B, N, S, T]
+    (``attention=varlen`` is refused; ``auto`` takes sdpa's mask path)."""
+    final_logit_softcap: float | None = None
+    """Logits soft-capped to ``cap * tanh(logits / cap)`` (Gemma 2's ``final_logit_softcapping``): in forward, in the
+    fused loss's chunks and in generation."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Free-form metadata kept through save/load (e.g. the HF architecture name)."""
 
@@ -424,6 +437,7 @@ class ModelConfig:
                              f"'linear_attention' go together (got linear_attention={self.linear_attention}, "
                              f"layer_types={self.layer_types})")
         self._check_block_layout()
+        self._check_gemma()
         rotary = self.rotary_dim
         if self.position == "rope" and (not 0 < self.partial_rotary_factor <= 1 or rotary < 2 or rotary % 2):
             raise ValueError(f"ModelConfig: partial_rotary_factor={self.partial_rotary_factor} of head_dim="
@@ -449,6 +463,18 @@ class ModelConfig:
              f"sliding_rope={self.sliding_rope}: an encoder's sliding layers take a plain rope of their own base only"),
             (not (self.rope_interleave or self.nope_layers or self.sliding_rope) or self.mla is None,
              "rope_interleave / nope_layers / sliding_rope do not apply to mla= (its own rotary layout)")) if not ok]
+        if bad:
+            raise ValueError(f"ModelConfig: {'; '.join(bad)}")
+
+    def _check_gemma(self) -> None:
+        """Gemma's switches: positive caps and scalar; no varlen attention with soft-capped scores."""
+        bad = [f"{name}={value} must be > 0 (or None)" for name, value in (
+            ("query_pre_attn_scalar", self.query_pre_attn_scalar), ("attn_logit_softcap", self.attn_logit_softcap),
+            ("final_logit_softcap", self.final_logit_softcap))
+            if value is not None and not value > 0]
+        if self.attn_logit_softcap is not None and self.attention == "varlen":
+            bad.append(f"attention=varlen with attn_logit_softcap={self.attn_logit_softcap}: no varlen kernel "
+                       "soft-caps the scores (use attention=auto or sdpa: the eager scores)")
         if bad:
             raise ValueError(f"ModelConfig: {'; '.join(bad)}")
 
@@ -709,6 +735,24 @@ NAMED_SIZES: dict[tuple[str, str], dict[str, Any]] = {
                  norm_topk_prob=True, routed_scaling_factor=2.5, score_bias=True, shared_intermediate_size=2048,
                  dense_layers=[0, 1, 2], aux_loss_coef=0.0),
         extra={"hf_model_type": "deepseek_v3"},
+    ),
+    # Gemma 2- and Gemma 3-shaped at test size: (1 + weight) norms, four per layer, the embedding scaled, GeGLU, a
+    # softmax scale of its own, sliding and full layers, tied head; Gemma 2's soft-capped scores and logits (caps
+    # small enough to bite at this size), Gemma 3's q/k norms, local rope base and linearly scaled global rope.
+    ("decoder", "debug-gemma2"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, max_position_embeddings=256, norm_eps=1e-6, norm_offset=1.0, activation="geglu_tanh",
+        tie_embeddings=True, scale_embeddings=True, branch_output_norm=True, query_pre_attn_scalar=24.0,
+        attn_logit_softcap=5.0, final_logit_softcap=10.0, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"] * 2, extra={"hf_model_type": "gemma2"},
+    ),
+    ("decoder", "debug-gemma3"): dict(
+        _LLAMA, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+        intermediate_size=128, max_position_embeddings=256, norm_eps=1e-6, norm_offset=1.0, activation="geglu_tanh",
+        tie_embeddings=True, scale_embeddings=True, branch_output_norm=True, query_pre_attn_scalar=16.0,
+        qk_norm=True, rope_theta=1e6, rope_scaling={"rope_type": "linear", "factor": 2.0},
+        sliding_rope={"rope_type": "default", "rope_theta": 1e4}, sliding_window=8,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"], extra={"hf_model_type": "gemma3_text"},
     ),
     ("decoder", "small"): dict(
         _LLAMA, vocab_size=8192, hidden_size=256, num_layers=8, num_heads=8, num_kv_heads=4,

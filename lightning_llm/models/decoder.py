@@ -2,7 +2,8 @@
 
 Module tree (uniform so that parallel plans are data keyed by module path)::
 
-    embed_tokens      nn.Embedding [V, H]              (None on non-first pipeline stages)
+    embed_tokens      nn.Embedding [V, H]              (None on non-first pipeline stages; a ScaledEmbedding, rows
+                                                        times sqrt(H), with config.scale_embeddings: Gemma)
     embed_positions   nn.Embedding [P, H] or None      (GPT-2 learned positions)
     layers            nn.ModuleDict {"0": TransformerBlock, ...}   (a pipeline split deletes entries)
     norm              final norm or None
@@ -17,8 +18,9 @@ as the ``self_attn`` of the layers ``config.linear_layers`` names (``deltanet.Ga
 a recurrent state instead of keys and values), Mixture-of-Experts
 feed-forwards (``config.moe``: ``moe.MoEBlock``), norms on each branch's input and/or output (``branch_input_norm``,
 ``branch_output_norm``: ``attn_out_norm``/``mlp_out_norm``), rotary dims in pairs (``rope_interleave``), layers without
-rotary embedding (``nope_layers``), the sliding layers' own rope (``sliding_rope``), LongRoPE's factors chosen per
-forward (``_longrope``). Attention takes SDPA over one
+rotary embedding (``nope_layers``), the sliding layers' own rope (``sliding_rope``: OLMo 3, Gemma 3's local base),
+LongRoPE's factors chosen per forward (``_longrope``), Gemma's scaled embedding and soft-caps (the scores':
+``attention.softcapped_attention``; the logits': in forward and in the fused loss's chunks). Attention takes SDPA over one
 mask per forward, or the varlen flash kernel over one layout per forward (``attention.py``: ``config.attention``).
 
 Shape legend: B batch, S sequence, H hidden, V vocab, D head dim.
@@ -44,6 +46,7 @@ from .routing import RoutingStats
 from .layers import (
     KVCache,
     NormHead,
+    ScaledEmbedding,
     TransformerBlock,
     additive_mask,
     build_norm,
@@ -81,7 +84,9 @@ class DecoderLM(nn.Module):
         """Where :func:`~.init.materialize` reads weights from (a lazily loaded HF checkpoint), else None."""
         h = config.hidden_size
         with torch.device("meta"):  # built empty: the init below writes every value once
-            self.embed_tokens: nn.Embedding | None = nn.Embedding(config.vocab_size, h)
+            self.embed_tokens: nn.Embedding | None = (
+                ScaledEmbedding(config.vocab_size, h, scale=h ** 0.5) if config.scale_embeddings
+                else nn.Embedding(config.vocab_size, h))
             self.embed_positions: nn.Embedding | None = (
                 nn.Embedding(config.max_position_embeddings, h) if config.position == "learned" else None
             )
@@ -266,15 +271,18 @@ class DecoderLM(nn.Module):
             x = self.norm(x)
         if self.lm_head is None:
             return x
+        cap = self.config.final_logit_softcap  # Gemma 2: cap * tanh(logits / cap), in the fused chunks too
         if labels is not None:  # fused with the head where exact: the [B, S, V] logits are never materialised
             backend = "triton" if use_fused_kernel(self.config.kernels, x) else "torch"
             if token_scores:
-                return head_token_scores(x, self.lm_head, labels, temperature=temperature, backend=backend)
+                return head_token_scores(x, self.lm_head, labels, temperature=temperature, backend=backend,
+                                         softcap=cap)
             return head_cross_entropy(x, self.lm_head, labels, reduction=reduction, temperature=temperature,
-                                      backend=backend)
+                                      backend=backend, softcap=cap)
         if logits_to_keep:  # decoding reads the last position: the head runs on it alone (HF's logits_to_keep)
             x = x[:, -logits_to_keep:]
-        return self.lm_head(x)  # [B, S, V]
+        logits = self.lm_head(x)  # [B, S, V]
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _routing_input(self, attention_mask: Tensor | None, segment_ids: Tensor | None, n: int) -> RoutingInput:
         """What the MoE layers record routing statistics of: the real tokens (padding and a packed row's tail are

@@ -10,6 +10,7 @@ Shape legend: B batch, S sequence, H hidden size, N query heads, K key/value hea
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -53,6 +54,7 @@ __all__ = [
     "additive_mask",
     "segment_positions",
     "NormHead",
+    "ScaledEmbedding",
     "key_padding_mask",
 ]
 
@@ -244,6 +246,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(config.num_heads * d, h, bias=bool(config.o_bias))
         self.sinks = AttentionSinks(config.num_heads) if config.attention_sinks else None
         self.rope_interleave: bool = config.rope_interleave  # GLM-4's rotary pairs (x0, x1), (x2, x3), ...
+        self.scale: float | None = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar ** -0.5
+        self.softcap: float | None = config.attn_logit_softcap
         self.core = DotProductAttention()
 
     def reset_parameters(self, std: float) -> None:
@@ -308,6 +312,10 @@ class Attention(nn.Module):
         core_kw: dict[str, Any] = {} if token_mask is None else {"token_mask": token_mask}
         if self.sinks is not None:  # only passed where the layer has sinks, so other cores keep their call
             core_kw["sinks"] = self.sinks()
+        if self.scale is not None:  # likewise: a softmax scale of the layer's own (Gemma's query_pre_attn_scalar)
+            core_kw["scale"] = self.scale
+        if self.softcap is not None:  # Gemma 2's soft-capped scores
+            core_kw["softcap"] = self.softcap
         out = self.core(q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                         dropout_p=self.dropout if self.training else 0.0, **core_kw)  # [B, N, S, D]
         out = out.transpose(1, 2).reshape(b, s, -1)  # [B, S, N*D]
@@ -348,6 +356,30 @@ class MLP(nn.Module):
         else:
             h = activation(self.act, self.up_proj(x))  # [B, S, I]
         return self.down_proj(h)
+
+
+@functools.cache
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (what multiplying by a 0-dim tensor of that dtype multiplies by)."""
+    return float(torch.tensor(value, dtype=dtype))
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Token embedding whose rows are multiplied by ``scale`` rounded to the weight's dtype (Gemma's
+    ``embed_scale = sqrt(hidden_size)``, ``config.scale_embeddings``): ``embedding(ids) * dtype(scale)``, as
+    transformers' ``Gemma*TextScaledWordEmbedding`` computes it. Still an ``nn.Embedding`` (a tensor-parallel plan
+    shards its rows as any embedding's: the product is taken on the partial rows, zero where a rank holds none)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, scale: float) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.scale = float(scale)
+
+    def forward(self, input: Tensor) -> Tensor:  # [B, S] -> [B, S, H]
+        # the scale rounded to the weight's dtype, as a Python number (no tensor made per call)
+        return super().forward(input) * _rounded(self.scale, self.weight.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scale={self.scale:.6g}"
 
 
 class NormHead(nn.Linear):

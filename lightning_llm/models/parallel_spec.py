@@ -429,6 +429,9 @@ def _decoder_cp_blocker(model: nn.Module) -> str | None:
         return (f"Gated DeltaNet layers (linear attention on layers {list(config.linear_layers)}: Qwen3.5, Qwen3-Next) "
                 "are not supported under context parallelism: their recurrent state would have to pass from rank to "
                 "rank over the sequence shards")
+    if config.attn_logit_softcap is not None:
+        return (f"attention logit soft-capping (attn_logit_softcap={config.attn_logit_softcap}, Gemma 2) is not "
+                "supported under context parallelism")
     return None
 
 

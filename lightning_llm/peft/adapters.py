@@ -29,6 +29,7 @@ from lightning_llm.models.hf.decoders import (
     module_name_from_hf,
     module_name_to_hf,
 )
+from lightning_llm.models.hf.save import decoder_module_prefix
 from lightning_llm.peft.apply import LoraArgs, PeftConfig, apply_peft
 from lightning_llm.peft.prompt import (
     PROMPT_METHODS,
@@ -72,13 +73,15 @@ def hf_module_name(name: str, config: Any = None) -> str:
     if config is not None:
         name = module_name_to_hf(config, name)
     if name.startswith(("layers.", "embed_tokens", "norm.")) or name == "norm":
-        return "model." + name
+        # a multimodal class's language model sits deeper (model.language_model.layers...)
+        return (decoder_module_prefix(config) if config is not None else "model.") + name
     return name
 
 
 def _our_module_name(hf_name: str, config: Any) -> str:
     """Inverse of :func:`hf_module_name`."""
-    name = hf_name[len("model."):] if hf_name.startswith("model.") else hf_name
+    prefix = decoder_module_prefix(config) if config is not None else "model."
+    name = hf_name[len(prefix):] if hf_name.startswith(prefix) else hf_name
     return module_name_from_hf(config, name)
 
 

@@ -38,6 +38,9 @@ from lightning_llm.memory import (
     setup_peak_bytes,
 )
 from lightning_llm.models import NAMED_SIZES, config_from_hf, model_from_config, named_config
+from lightning_llm.models.hf.architectures import SUPPORTED_ARCHITECTURES, architecture_name
+from lightning_llm.models.hf.multimodal import outside_keys
+from lightning_llm.models.hf.source import CheckpointFiles
 from lightning_llm.models.moe import moe_parameters
 from lightning_llm.models.quantize import QUANTIZE_MODES, QuantizationConfig
 from lightning_llm.strategies.presets import ZERO_PRESETS
@@ -220,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
                                                QuantizationConfig()), param_bytes=bytes_per_param(
                                                sargs["engine"], a.precision)[0])
         setup += est.frozen  # a frozen copy is materialized beside the model, in the same shards
+        towers = _towers(a.model)
     except (ValueError, FileNotFoundError) as e:
         print(f"lightning_llm estimate: error: {e}", file=sys.stderr)
         return 2
@@ -243,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "total": est.total, "host_offloaded": est.host, "disk": est.disk},
         "activations_per_sample": est.activations_per_sample, "gpu_memory_gib": a.gpu_memory_gib,
         "fused_loss": fused, "loss_bytes": loss_paths,
-        "max_batch_size": fit,
+        "max_batch_size": fit, "not_loaded_bytes": None if towers is None else towers[1],
     }
     if a.json:
         print(json.dumps(report))
@@ -271,7 +275,24 @@ def main(argv: list[str] | None = None) -> int:
           f"(batch {a.batch_size} {verdict}; {_gib(est.activations_per_sample).strip()} activations per sample)")
     if fit == 0 and math.isfinite(a.gpu_memory_gib):
         print("  model states alone exceed the memory: use a higher ZeRO stage, more devices or offload")
+    if towers is not None:
+        print(f"not loaded: {towers[0]} tensors outside the language model ({_gib(towers[1]).strip()} on disk: the "
+              "vision tower and projector), copied from the checkpoint at export")
     return 0
+
+
+def _towers(model: str) -> tuple[int, int] | None:
+    """``(tensors, bytes)`` a multimodal checkpoint holds outside its language model (never loaded: not counted
+    above), read from the files' headers; None for any other model."""
+    directory = Path(model).expanduser()
+    if not (directory / "config.json").is_file():
+        return None
+    arch = architecture_name(read_json(directory / "config.json"), where=str(directory / "config.json"))
+    if SUPPORTED_ARCHITECTURES[arch].nested is None:
+        return None
+    files = CheckpointFiles(directory)
+    keys = outside_keys(files.keys(), str(directory))
+    return len(keys), sum(files.meta(k).numel() * files.meta(k).element_size() for k in keys)
 
 
 if __name__ == "__main__":

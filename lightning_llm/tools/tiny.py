@@ -1,5 +1,5 @@
-"""Tiny random checkpoints of the Mixture-of-Experts families, the hybrid families and the dense families with layouts
-of their own, written by transformers (no download): what the configs' headers fine-tune and the tests load.
+"""Tiny random checkpoints of the Mixture-of-Experts families, the hybrid families, Gemma and the dense families with
+layouts of their own, written by transformers (no download): what the configs' headers fine-tune and the tests load.
 
     python -m lightning_llm.tools.tiny gpt_oss OUT_DIR     # GptOssForCausalLM, experts as MXFP4 (as published)
     python -m lightning_llm.tools.tiny olmoe OUT_DIR       # OlmoeForCausalLM
@@ -11,6 +11,8 @@ of their own, written by transformers (no download): what the configs' headers f
     python -m lightning_llm.tools.tiny smollm3 OUT_DIR     # SmolLM3ForCausalLM
     python -m lightning_llm.tools.tiny qwen3_5 OUT_DIR     # Qwen3_5ForCausalLM (Gated DeltaNet + gated attention)
     python -m lightning_llm.tools.tiny qwen3_next OUT_DIR  # Qwen3NextForCausalLM (the same, MoE)
+    python -m lightning_llm.tools.tiny gemma2 OUT_DIR      # Gemma2ForCausalLM (soft-capped scores and logits)
+    python -m lightning_llm.tools.tiny gemma3 OUT_DIR      # Gemma3ForConditionalGeneration (a tiny SigLIP tower)
 
 ``OUT_DIR`` gets ``config.json`` and ``model.safetensors`` from ``save_pretrained`` of transformers' model of the
 family's debug size (``debug-gpt-oss`` / ``debug-olmoe`` / ``debug-deepseek-v3`` / ``debug-glm4-moe``: 4 layers,
@@ -30,6 +32,7 @@ import json
 import logging
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -37,6 +40,7 @@ from torch import Tensor
 from lightning_llm.data.text import generated_corpus
 from lightning_llm.models import named_config
 from lightning_llm.models.hf import config_to_hf
+from lightning_llm.models.hf.architectures import DEFAULT_ARCHITECTURE, SUPPORTED_ARCHITECTURES
 from lightning_llm.reliability import staged_directory
 
 log = logging.getLogger(__name__)
@@ -48,7 +52,8 @@ FAMILIES = {"gpt_oss": ("debug-gpt-oss", "GptOssForCausalLM"), "olmoe": ("debug-
             "glm4_moe": ("debug-glm4-moe", "Glm4MoeForCausalLM"), "phi3": ("debug-phi3", "Phi3ForCausalLM"),
             "glm4": ("debug-glm4", "Glm4ForCausalLM"), "olmo3": ("debug-olmo3", "Olmo3ForCausalLM"),
             "smollm3": ("debug-smollm3", "SmolLM3ForCausalLM"), "qwen3_5": ("debug-qwen3.5", "Qwen3_5ForCausalLM"),
-            "qwen3_next": ("debug-qwen3-next", "Qwen3NextForCausalLM")}
+            "qwen3_next": ("debug-qwen3-next", "Qwen3NextForCausalLM"), "gemma2": ("debug-gemma2", "Gemma2ForCausalLM"),
+            "gemma3": ("debug-gemma3", "Gemma3ForConditionalGeneration")}
 """family -> (our debug size, the transformers class written)."""
 VOCAB = 304
 """The model's vocabulary: the tokenizer's 300 ids rounded up to a multiple of 8."""
@@ -102,10 +107,13 @@ def write_tiny(family: str, out: str | Path, *, mxfp4: bool = True, seed: int = 
     import transformers
 
     size, arch = FAMILIES[family]
-    hf = config_to_hf(named_config(size, family="decoder", vocab_size=VOCAB), arch)
+    nested = SUPPORTED_ARCHITECTURES[arch].nested
+    hf = config_to_hf(named_config(size, family="decoder", vocab_size=VOCAB),
+                      DEFAULT_ARCHITECTURE[nested] if nested else arch)
     hf.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     cls = getattr(transformers, arch)
-    config = cls.config_class(**{k: v for k, v in hf.items() if k not in ("model_type", "dtype")})
+    config = cls.config_class(**{k: v for k, v in hf.items() if k not in ("model_type", "dtype")}) if not nested \
+        else _gemma3_multimodal(hf)
     with staged_directory(out, flag="OUT_DIR") as tmp:
         write_bpe_tokenizer(tmp, generated_corpus(50), vocab_size=300)
         with torch.random.fork_rng(devices=[]):
@@ -122,6 +130,19 @@ def write_tiny(family: str, out: str | Path, *, mxfp4: bool = True, seed: int = 
             to_mxfp4(tmp)
     log.info("tiny %s written to %s", arch, out)
     return Path(out)
+
+
+def _gemma3_multimodal(text: dict) -> Any:
+    """A ``Gemma3Config`` around the text config ``text``: a one-layer SigLIP tower of 16x16 images in 4x4 patches,
+    pooled to 4 image tokens (ids inside the vocabulary)."""
+    import transformers
+
+    text = {k: v for k, v in text.items() if k not in ("architectures", "dtype")}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                  patch_size=4)
+    return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                     boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2,
+                                     image_token_index=VOCAB - 1, tie_word_embeddings=text["tie_word_embeddings"])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -132,3 +132,34 @@ def test_eval_scores_the_export_as_the_checkpoint(tmp_path: Path) -> None:
     print(f"log-likelihoods: export {on_export}, --tokenizer byte {with_byte}, checkpoint {on_ckpt}")
     assert on_export == pytest.approx(on_ckpt, abs=1e-4) and with_byte == pytest.approx(on_ckpt, abs=1e-4)
     assert all(ll < -1 for ll in on_ckpt)  # real scores of whole texts
+
+
+@pytest.mark.parametrize("backbone", ["debug-qwen2", "debug-gemma2"])
+def test_byte_run_exports_whatever_autotokenizer_makes_of_the_copy(tmp_path: Path, backbone: str,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 64: beside a ``qwen2`` config.json transformers 5.24 loads any tokenizer files as ``Qwen2Tokenizer``,
+    which encodes the byte tokenizer's files otherwise: the export of the good weights succeeds without them, one
+    warning saying why (it failed whole before). Beside a Gemma config the copy loads as the run's tokenizer and is
+    written."""
+    import lightning.pytorch as pl
+
+    from lightning_llm.data import TextDataModule
+    from lightning_llm.tasks import CausalLMTask
+
+    pl.seed_everything(0)
+    task = CausalLMTask(backbone, dropout=0.0)
+    dm = TextDataModule(tokenizer_dir="byte", block_size=16, batch_size=2, cache_dir=str(tmp_path / "cache"),
+                        generated_docs=20)
+    trainer = table_trainer(tmp_path, strategy="auto", devices=1, max_steps=1, callbacks=[])
+    trainer.fit(task, dm)
+    trainer.save_checkpoint(tmp_path / "model.ckpt")
+    assert cli_main(["export", str(tmp_path / "model.ckpt"), "--to", str(tmp_path / "hf")]) == 0
+    names = {p.name for p in (tmp_path / "hf").iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json"} <= names
+    if backbone == "debug-qwen2":
+        assert not names & {"tokenizer.json", "tokenizer_config.json"}
+        (line,) = [r.getMessage() for r in caplog.records if "not written" in r.getMessage()]
+        assert "the byte tokenizer not written" in line and "Qwen2Tokenizer" in line and "\n" not in line
+    else:
+        ours = ByteTokenizer()
+        assert all(_auto(tmp_path / "hf")(t)["input_ids"] == ours.encode(t) for t in TEXTS)

@@ -259,6 +259,8 @@ WRITTEN = {
     "lora_deepseek_v3": {"runs/lora_deepseek_v3/version_0/adapter/adapter_config.json": '"kv_b_proj"',
                          "runs/tiny-deepseek-v3/config.json": '"DeepseekV3ForCausalLM"'},
     "lora_phi3": {"runs/phi3_merged/config.json": '"Phi3ForCausalLM"', "runs/tiny_glm4/config.json": '"Glm4ForCausalLM"'},
+    "lora_gemma3": {"runs/gemma3_merged/config.json": '"Gemma3ForConditionalGeneration"',
+                    "runs/gemma3_merged/chat_template.jinja": "<start_of_turn>"},
 }
 """Files a header says its commands write, and a piece of their text."""
 

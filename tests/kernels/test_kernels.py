@@ -309,6 +309,27 @@ def test_fused_linear_cross_entropy(chunk_size, with_bias, reduction, dtype, bac
         check(f"fused_linear_ce {name}{tag}", g, r, dtype)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fused_linear_cross_entropy_of_soft_capped_logits(reduction, backend):
+    """Gemma 2's final soft-cap divided by a temperature (``factor * tanh(x / cap)``, ``factor = cap / T``) inside the
+    chunks: the loss and every gradient of ``CE(cap * tanh(h W^T / cap) / T)``; the cap binds (logits up to ~8)."""
+    N, H, V, cap, temperature = 13, 24, 131, 3.0, 0.7
+    hidden = leaf((N, H), torch.float32, scale=1.0)
+    weight = leaf((V, H), torch.float32, scale=0.4, seed=7)
+    target = _targets((N,), V)
+    out = K.fused_linear_cross_entropy(hidden, weight, target, reduction=reduction, chunk_size=5, backend=backend,
+                                       softcap=(cap, cap / temperature))
+    hr, wr = ref64(hidden, weight)
+    logits = torch.tanh(hr @ wr.t() / cap) * cap / temperature
+    assert float((hr @ wr.t()).abs().max()) > 2 * cap
+    ref = _ce_ref(logits, target, -100, reduction, 0.0, 0.0)
+    check(f"fused_linear_ce softcap fwd[{reduction}]", out, ref, torch.float32)
+    up, gs = grads(out, [hidden, weight])
+    for name, g, r in zip(["dhidden", "dweight"], gs, torch.autograd.grad(ref, [hr, wr], up)):
+        check(f"fused_linear_ce softcap {name}[{reduction}]", g, r, torch.float32)
+
+
 def test_default_chunk_size():
     from lightning_llm.kernels.cross_entropy import default_chunk_size
 

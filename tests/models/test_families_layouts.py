@@ -5,11 +5,12 @@ One torchrun launch (2 CPU processes, gloo) fits each family's debug size (:data
 Mistral with a sliding window shorter than the block, Baichuan2 with its head-interleaved W_pack and NormHead, LLaMA
 with dynamic rope past max_position_embeddings, YaRN, gelu_pytorch_tanh, DeepSeek-V3 with Multi-head Latent Attention,
 GLM-4.5, Phi-3 with LongRoPE past its short range, GLM-4 with its branch output norms and rotary pairs, OLMo 3 with
-output norms only, q/k norms over the projection, sliding layers with their own rope, SmolLM3 with a NoPE layer) for
-``STEPS`` steps under each layout of :data:`LAYOUTS` (the last four: at the layouts of :data:`EXTRA` that exercise
-what they add, with context parallelism, LoRA under tp, QLoRA under zero3), while the pytest process runs the same
-steps on one device. Compared per step: the ``train_loss`` every rank logs against the one-device loss,
-bound 1e-5 (fp32, dropout 0). About 70 s on 2 cores.
+output norms only, q/k norms over the projection, sliding layers with their own rope, SmolLM3 with a NoPE layer, Gemma
+2 with soft-capped scores and logits, Gemma 3 with its local rope, LoRA on a Gemma3ForConditionalGeneration
+checkpoint's language model) for ``STEPS`` steps under each layout of :data:`LAYOUTS` (the families after GLM-4.5: at
+the layouts of :data:`EXTRA` that exercise what they add, with context parallelism, LoRA under tp, QLoRA under zero3),
+while the pytest process runs the same steps on one device. Compared per step: the ``train_loss`` every rank logs
+against the one-device loss, bound 1e-5 (fp32, dropout 0).
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import pytest
 STEPS = 4
 TOL = 1e-5
 GLOBAL_BATCH = 8
+TINY = "tiny_gemma3"
+"""A backbone written into the run's folder before the launch: tools/tiny.py's Gemma3ForConditionalGeneration."""
 # family -> (backbone, model_overrides): each family's debug size (4 layers, hidden 64, 4 heads; tp=2 divides them)
 TRAIN_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2": ("debug-qwen2", {}),  # q/k/v biases, tied head
@@ -46,10 +49,18 @@ DENSE_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "glm4": ("debug-glm4", {}),  # norms on both sides of each branch (tp_sp: on sequence shards), rotary pairs
     "olmo3": ("debug-olmo3", {}),  # output norms only, q/k norms over the projection, sliding rope beside YaRN
     "smollm3": ("debug-smollm3", {}),  # layer 3 without rotary embedding, tied head
+    # Gemma 2: soft-capped scores (the eager path) and logits (the vocab-parallel fused loss takes the cap per chunk),
+    # the scaled embedding sharded by rows, four norms per layer (two more sequence-parallel ones); Gemma 3: q/k
+    # norms, the sliding layers' own rope; a Gemma3ForConditionalGeneration directory (tools/tiny.py) with LoRA on
+    # its language model, the vision tower never loaded
+    "gemma2": ("debug-gemma2", {}),
+    "gemma3": ("debug-gemma3", {}),
+    "gemma3_vl_lora": (TINY, {}),
 }
-"""The families of models/hf/phi3.py, glm4.py, olmo.py, smollm3.py, trained at the layouts of :data:`EXTRA` that
-exercise what they add (tp_sp: every plan entry, their norms on sequence shards; pp: layer-indexed rope on the
-second stage; cp: rotary pairs, NoPE layers, LongRoPE's choice on slices)."""
+"""The families of models/hf/phi3.py, glm4.py, olmo.py, smollm3.py and gemma.py, trained at the layouts of
+:data:`EXTRA` that exercise what they add (tp_sp: every plan entry, their norms on sequence shards; pp: layer-indexed
+rope on the second stage; cp: rotary pairs, NoPE layers, LongRoPE's choice on slices; zero3: the scaled embedding's
+and the tied head's shards)."""
 _LORA = {"lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj",
                                                                          "gate_proj", "up_proj", "down_proj"]}}
 VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
@@ -62,10 +73,12 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "phi3_lora": ("phi3", {}, _LORA),
     # (scaler blocks of 16: a 64 x 64 projection's 64 blocks give 4 double-quantization blocks, split over 2 ranks)
     "phi3_qlora": ("phi3", {}, {**_LORA, "quantize": "nf4", "quantization": {"scaler_block_size": 16}}),
+    "gemma3_vl_lora": ("gemma3_vl_lora", {}, _LORA),
 }
 """Trainings beyond the families' plain ones (their one-device references run too)."""
-EXTRA = {"tp": ["phi3_lora"], "tp_sp": list(DENSE_FAMILIES), "pp": ["phi3", "olmo3", "smollm3"],
-         "zero3": ["olmo3", "phi3_qlora"], "cp": ["glm4", "smollm3", "phi3_cp"]}
+EXTRA = {"tp": ["phi3_lora", "gemma3_vl_lora"], "tp_sp": ["phi3", "glm4", "olmo3", "smollm3", "gemma2", "gemma3"],
+         "pp": ["phi3", "olmo3", "smollm3", "gemma2"], "zero3": ["olmo3", "phi3_qlora", "gemma3"],
+         "cp": ["glm4", "smollm3", "phi3_cp"]}
 """Layout -> the trainings (:data:`DENSE_FAMILIES` or :data:`VARIANTS`) it runs beside :data:`TRAIN_FAMILIES`."""
 
 
@@ -105,6 +118,7 @@ def _fit(family: str, strategy: Any, devices: int, batch_size: int, out: Path) -
     family, changes, task_kw = VARIANTS.get(family, (family, {}, {}))
     backbone, overrides = {**TRAIN_FAMILIES, **DENSE_FAMILIES}[family]
     overrides = {**overrides, **changes}
+    directory = backbone == TINY
     if "lora" in task_kw:
         task_kw = {**task_kw, "lora": LoraArgs(**task_kw["lora"])}
     if "quantization" in task_kw:
@@ -112,9 +126,10 @@ def _fit(family: str, strategy: Any, devices: int, batch_size: int, out: Path) -
     pl.seed_everything(3)
     # eps=1e-6: with Adam's 1e-8, fp32 reduction-order noise in gradients near 1e-8 becomes +-lr steps, which moved the
     # next loss by 1.5e-5 for llama_yarn under tp (1e-6 with eps=1e-6; step 0 is bit-identical either way).
-    task = CausalLMTask(backbone, dropout=0.0, model_overrides=overrides,
+    task = CausalLMTask(str(out / backbone) if directory else backbone, dropout=0.0, model_overrides=overrides,
                         optim=OptimConfig(lr=1e-2, scheduler="constant", eps=1e-6), **task_kw)
-    dm = TextDataModule(block_size=32, batch_size=batch_size, cache_dir=str(out / "cache"), generated_docs=100)
+    dm = TextDataModule(block_size=32, batch_size=batch_size, cache_dir=str(out / "cache"), generated_docs=100,
+                        tokenizer_dir="byte" if directory else None)
     rec = LoggedLoss()
     table_trainer(out, strategy=strategy, devices=devices, max_steps=STEPS, callbacks=[rec]).fit(task, dm)
     return rec.losses
@@ -127,7 +142,8 @@ def _worker(mode: str, out: Path) -> None:
 
     if mode == "reference":
         (out / "reference.json").write_text(json.dumps({f: _fit(f, "auto", 1, GLOBAL_BATCH, out)
-                                                        for f in [*TRAIN_FAMILIES, *DENSE_FAMILIES, *VARIANTS]}))
+                                                        for f in dict.fromkeys([*TRAIN_FAMILIES, *DENSE_FAMILIES,
+                                                                                *VARIANTS])}))
         return
     results: dict[str, Any] = {}
     for layout in dict.fromkeys([*LAYOUTS, *EXTRA]):
@@ -143,8 +159,11 @@ def _worker(mode: str, out: Path) -> None:
 def layout_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from lightning_llm.testing import run_layouts_and_reference
 
+    from lightning_llm.tools.tiny import write_tiny
+
     out = tmp_path_factory.mktemp("families")
-    return run_layouts_and_reference(__file__, out, lambda: _worker("reference", out), timeout=900)
+    write_tiny("gemma3", out / TINY)
+    return run_layouts_and_reference(__file__, out, lambda: _worker("reference", out), timeout=1500)
 
 
 @pytest.mark.multiprocess

@@ -11,6 +11,10 @@ renderer), so there is one renderer. The named templates are the model families'
 ``baichuan2``         Baichuan2-Chat's format (``<reserved_106>`` user, ``<reserved_107>`` assistant, the system text
                       first) with EOS after each reply, as Baichuan2's own fine-tuning learns it (its tokenizer ships
                       no template; inference stops at EOS)
+``gemma``             Gemma 2/3-it's turns (``<start_of_turn>user`` / ``<start_of_turn>model`` ... ``<end_of_turn>``,
+                      BOS first); Gemma has no system role: a system message is written at the start of the first
+                      user turn, then a blank line, as Gemma 3's own template does (Gemma 2's own template refuses
+                      it: ``--data.template=auto`` on a Gemma 2 tokenizer refuses such a record, naming it)
 ``alpaca``            the Stanford Alpaca prompt (``### Instruction:`` / ``### Input:`` / ``### Response:``); a system
                       message replaces its preamble; replies end with EOS
 ``plain``             ``{instruction}{input}\\n`` then the reply and EOS
@@ -83,6 +87,15 @@ NAMED_TEMPLATES: dict[str, tuple[str, tuple[str, ...]]] = {
         "'assistant' %}{{ '<reserved_107>' + message['content'] + eos_token }}" + _NOT_SUPPORTED + "{% endfor %}"
         "{% if add_generation_prompt %}{{ '<reserved_107>' }}{% endif %}",
         ("<reserved_106>", "<reserved_107>")),
+    "gemma": (  # Gemma 3-it's text turns (gemma-2-it's, but for a system message: folded into the first user turn)
+        "{{ bos_token }}{% if messages[0]['role'] == 'system' %}{% set prefix = messages[0]['content'] + '\\n\\n' %}"
+        "{% set loop_messages = messages[1:] %}{% else %}{% set prefix = '' %}{% set loop_messages = messages %}"
+        "{% endif %}{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}{{ '<start_of_turn>' + role + "
+        "'\\n' + (prefix if loop.first else '') + message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}",
+        ("<start_of_turn>", "<end_of_turn>")),
     "alpaca": (
         _SYSTEM_SPLIT + "{% for message in loop_messages %}{% if message['role'] == 'user' %}{% if loop.first %}"
         "{% if system is not none %}{{ system + '\\n\\n' }}{% elif " + _INPUT + " %}{{ '" + _ALPACA_INPUT + "' }}"

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Arch", "SUPPORTED_ARCHITECTURES", "DEFAULT_ARCHITECTURE", "FAMILY_GROUPS", "architecture_name",
-           "families_markdown"]
+           "families_markdown", "layout_kind"]
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,9 @@ class Arch:
     head: str
     """``base`` (no head), ``lm`` (a language-model head), ``cls`` (a sequence classifier) or ``mlm`` (a load source
     only: its head is ignored, it is never written)."""
+    nested: str | None = None
+    """A multimodal class fine-tuned as text: the model type of its language model (nested under
+    ``model.language_model`` and ``text_config``; the rest copied at export: :mod:`.multimodal`)."""
 
 
 def _decoder(kind: str, *names: str) -> dict[str, Arch]:
@@ -59,6 +62,14 @@ SUPPORTED_ARCHITECTURES: dict[str, Arch] = {
     "Qwen3_5MoeForCausalLM": Arch("qwen3_5_moe_text", "lm"),
     "Qwen3_5MoeTextModel": Arch("qwen3_5_moe_text", "base"),
     **_decoder("qwen3_next", "Qwen3Next"),
+    **_decoder("gemma2", "Gemma2"),
+    "Gemma3ForCausalLM": Arch("gemma3_text", "lm"),  # Gemma 3 1B/270M; 4B+ are Gemma3ForConditionalGeneration
+    "Gemma3TextModel": Arch("gemma3_text", "base"),
+    # multimodal checkpoints whose language model is one of the above (trained as text; the rest copied at export)
+    "Gemma3ForConditionalGeneration": Arch("gemma3", "lm", nested="gemma3_text"),  # Gemma 3 4B, 12B, 27B
+    "Qwen2_5_VLForConditionalGeneration": Arch("qwen2_5_vl", "lm", nested="qwen2"),
+    "Qwen3VLForConditionalGeneration": Arch("qwen3_vl", "lm", nested="qwen3"),
+    "Mistral3ForConditionalGeneration": Arch("mistral3", "lm", nested="mistral"),  # Mistral Small 3.1/3.2
     "GPT2LMHeadModel": Arch("gpt2", "lm"),
     "GPT2Model": Arch("gpt2", "base"),
     "BertModel": Arch("bert", "base"),
@@ -100,7 +111,7 @@ FAMILY_GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("Dense decoders", (("llama", "Llama 1-3"), ("qwen2", "Qwen2, Qwen2.5"), ("qwen3", "Qwen3"),
                         ("mistral", "Mistral"), ("baichuan", "Baichuan2-7B"), ("gpt2", "GPT-2"),
                         ("phi3", "Phi-3, Phi-4"), ("glm4", "GLM-4 (0414)"), ("olmo2", "OLMo 2"), ("olmo3", "OLMo 3"),
-                        ("smollm3", "SmolLM3"))),
+                        ("smollm3", "SmolLM3"), ("gemma2", "Gemma 2"), ("gemma3_text", "Gemma 3 (1B, 270M: text only)"))),
     ("Mixture-of-Experts decoders", (("mixtral", "Mixtral"), ("qwen2_moe", "Qwen2-MoE"), ("qwen3_moe", "Qwen3-MoE"),
                                      ("olmoe", "OLMoE"), ("gpt_oss", "gpt-oss"), ("deepseek_v2", "DeepSeek-V2"),
                                      ("deepseek_v3", "DeepSeek-V3/R1, Kimi-K2"), ("glm4_moe", "GLM-4.5/4.6"))),
@@ -110,8 +121,18 @@ FAMILY_GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("Encoders", (("bert", "BERT"), ("megatron-bert", "MegatronBERT (Erlangshen)"), ("roberta", "RoBERTa"),
                   ("xlm-roberta", "XLM-R"), ("deberta-v2", "DeBERTa-v2/v3 (Erlangshen-DeBERTa-v2)"),
                   ("modernbert", "ModernBERT"))),
+    ("Multimodal checkpoints fine-tuned as text (the language model trained; the vision tower and projector "
+     "copied byte for byte at export)",
+     (("gemma3", "Gemma 3 4B/12B/27B"), ("qwen2_5_vl", "Qwen2.5-VL"), ("qwen3_vl", "Qwen3-VL"),
+      ("mistral3", "Mistral Small 3.1/3.2"))),
 )
 """The docs' family list: a title and its model types with the models they are, in the order the docs list them."""
+
+
+def layout_kind(architecture: str) -> str:
+    """The model type whose weight layout and config conversion a class's (language) model has."""
+    a = SUPPORTED_ARCHITECTURES[architecture]
+    return a.nested or a.kind
 
 
 def architecture_name(hf: dict[str, Any], where: str = "config") -> str:

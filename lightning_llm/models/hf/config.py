@@ -10,14 +10,16 @@ from typing import Any
 import torch
 
 from ..config import ModelConfig
-from .architectures import SUPPORTED_ARCHITECTURES, architecture_name
+from .architectures import DEFAULT_ARCHITECTURE, SUPPORTED_ARCHITECTURES, architecture_name
 from .decoders import DECODER_KINDS, decoder_config_from_hf, decoder_config_to_hf, moe_architecture
 from .encoders import encoder_config_from_hf, encoder_config_to_hf
+from .gemma import GEMMA_KINDS, gemma_config_from_hf, gemma_config_to_hf
 from .gpt2 import gpt2_config_from_hf, gpt2_config_to_hf
+from .multimodal import text_config_of
 
 log = logging.getLogger(__name__)
 
-__all__ = ["config_from_hf", "config_to_hf"]
+__all__ = ["architecture_diffs", "config_from_hf", "config_to_hf"]
 
 
 def config_from_hf(hf_config: dict[str, Any], *, where: str = "config") -> ModelConfig:
@@ -26,6 +28,10 @@ def config_from_hf(hf_config: dict[str, Any], *, where: str = "config") -> Model
     hf = hf_config
     arch = architecture_name(hf, where=where)
     a = SUPPORTED_ARCHITECTURES[arch]
+    if a.nested is not None:  # a multimodal class: its language model's config, the outer class recorded
+        config = config_from_hf(text_config_of(hf, arch, where=where), where=where)
+        config.extra = {**config.extra, "hf_architecture": arch}
+        return config
     extra: dict[str, Any] = {"hf_architecture": arch, "hf_model_type": a.kind}
     for k in ("bos_token_id", "eos_token_id"):
         if hf.get(k) is not None:
@@ -34,6 +40,8 @@ def config_from_hf(hf_config: dict[str, Any], *, where: str = "config") -> Model
         extra["id2label"] = {str(k): v for k, v in hf["id2label"].items()}
     pad = hf.get("pad_token_id")
     pad = 0 if pad is None else int(pad)
+    if a.kind in GEMMA_KINDS:
+        return gemma_config_from_hf(hf, a.kind, extra=extra, pad=pad, where=where)
     if a.kind in DECODER_KINDS:
         return decoder_config_from_hf(hf, a.kind, extra=extra, pad=pad, where=where)
     if a.kind == "gpt2":
@@ -49,6 +57,7 @@ _ARCH_FIELDS = (
     "embedding_norm", "final_norm", "type_vocab_size", "position_offset", "sliding_layers", "window", "moe", "mla",
     "partial_rotary_factor", "rope_interleave", "nope_layers", "sliding_rope", "branch_input_norm", "branch_output_norm",
     "norm_weight_fp32", "linear_layers", "linear_attention", "attention_output_gate", "disentangled", "norm_bias",
+    "scale_embeddings", "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
 )
 
 
@@ -65,6 +74,8 @@ def _arch_value(c: ModelConfig, field: str) -> Any:
         return c.qk_norm_over if c.qk_norm else None
     if field == "intermediate_size" and c.moe is not None and not c.moe.dense_layers:
         return None  # no dense layer uses it (Mixtral's intermediate_size is its experts' width)
+    if field == "query_pre_attn_scalar":  # None is head_dim's scale
+        return c.query_pre_attn_scalar if c.query_pre_attn_scalar is not None else float(c.head_dim or 0)
     return getattr(c, field)
 
 
@@ -87,6 +98,9 @@ def config_to_hf(config: ModelConfig, architecture: str, *, dtype: torch.dtype =
         savable = [n for n, a in SUPPORTED_ARCHITECTURES.items() if a.head != "mlm"]
         raise ValueError(f"cannot save as {architecture!r}; supported: {', '.join(savable)}")
     a = SUPPORTED_ARCHITECTURES[architecture]
+    if a.nested is not None:
+        raise ValueError(f"{architecture}'s config.json is the source checkpoint's, copied by save_hf (the model's "
+                         f"own config is its language model's: {DEFAULT_ARCHITECTURE[a.nested]})")
     c = config
     ex = c.extra or {}
     hf: dict[str, Any] = {"architectures": [architecture], "model_type": a.kind, "dtype": _dtype_name(dtype),
@@ -94,7 +108,9 @@ def config_to_hf(config: ModelConfig, architecture: str, *, dtype: torch.dtype =
     for k in ("bos_token_id", "eos_token_id"):
         if k in ex:
             hf[k] = ex[k]
-    if a.kind in DECODER_KINDS:
+    if a.kind in GEMMA_KINDS:
+        hf.update(gemma_config_to_hf(c, a.kind))
+    elif a.kind in DECODER_KINDS:
         hf.update(decoder_config_to_hf(c, a.kind))
     elif a.kind == "gpt2":
         hf.update(gpt2_config_to_hf(c))
@@ -104,11 +120,16 @@ def config_to_hf(config: ModelConfig, architecture: str, *, dtype: torch.dtype =
         hf.update(_labels_to_hf(c, architecture))
 
     # The written config must describe exactly this model.
-    back = config_from_hf(hf)
-    head_fields = ["num_labels", "pooler", "pooling", "pooler_activation", "pooler_bias", "pooler_norm"]
-    fields = list(_ARCH_FIELDS) + (head_fields if a.head == "cls" else [])
-    diffs = [f"{f}: ours={_arch_value(c, f)!r} {architecture}={_arch_value(back, f)!r}" for f in fields
-             if _arch_value(c, f) != _arch_value(back, f)]
+    diffs = architecture_diffs(c, config_from_hf(hf), architecture, labels=a.head == "cls")
     if diffs:
         raise ValueError(f"config is not representable as {architecture}: " + "; ".join(diffs))
     return hf
+
+
+def architecture_diffs(ours: ModelConfig, theirs: ModelConfig, name: str, *, labels: bool = False) -> list[str]:
+    """The architecture fields in which two configs differ (what a written config must not change), each as
+    ``field: ours=... name=...``."""
+    head_fields = ["num_labels", "pooler", "pooling", "pooler_activation", "pooler_bias", "pooler_norm"]
+    fields = list(_ARCH_FIELDS) + (head_fields if labels else [])
+    return [f"{f}: ours={_arch_value(ours, f)!r} {name}={_arch_value(theirs, f)!r}" for f in fields
+            if _arch_value(ours, f) != _arch_value(theirs, f)]

@@ -79,10 +79,10 @@ _FAMILY_FILES = {"phi3": (phi3_from_hf, lambda c, kind: phi3_to_hf(c)),
 LLaMA-layout ones, to_hf(config, kind) -> config.json fields)``."""
 DENSE_KINDS = tuple(_FAMILY_FILES)
 DECODER_KINDS = ("llama", "qwen2", "qwen3", "mistral", "baichuan", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-                 "gpt_oss", *DEEPSEEK_KINDS, *DENSE_KINDS, *HYBRID_KINDS)
+                 "gpt_oss", *DEEPSEEK_KINDS, *DENSE_KINDS, *HYBRID_KINDS, "gemma2", "gemma3_text")
 """HF model types with LLaMA's module layout (weight names of ``weights.entries``); those of :data:`MOE_KINDS` have
 Mixture-of-Experts feed-forward layers (:mod:`.entries`), DeepSeek's and GLM's are converted by
-:mod:`.deepseek`."""
+:mod:`.deepseek`, Gemma's (``gemma2``, ``gemma3_text``: four norms per layer) by :mod:`.gemma`."""
 
 # transformers' defaults for keys a config.json may omit (its config classes' field defaults).
 _MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 131072, "mixtral": 131072,

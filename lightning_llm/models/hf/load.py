@@ -22,11 +22,12 @@ from ..config import ModelConfig
 from ..decoder import DecoderLM
 from ..encoder import EncoderModel
 from ..init import materialize
-from .architectures import SUPPORTED_ARCHITECTURES, architecture_name
+from .architectures import SUPPORTED_ARCHITECTURES, architecture_name, layout_kind
 from .config import config_from_hf
 from .deepseek import MTP_KINDS
 from .qwen3_next import HYBRID_KINDS
 from .entries import Fused, Stacked
+from .multimodal import SOURCE_KEY, lm_keys, outside_keys, source_record
 from .source import CheckpointFiles, HFWeightsSource, Mapped, RowsMapped, StackedMapped
 from .weights import BASE_PREFIX, HEAD_KEYS, IGNORED, entries
 
@@ -40,9 +41,12 @@ __all__ = ["load_hf"]
 # ====================================================================================================================
 
 
-def _normalized_keys(keys: list[str], kind: str) -> dict[str, str]:
-    """Checkpoint key -> key without the base-model prefix (``model.``, ``transformer.``, ``bert.``, ``roberta.``)
-    and old gamma/beta names, as ``{normalized: stored}``."""
+def _normalized_keys(keys: list[str], kind: str, nested: bool = False) -> dict[str, str]:
+    """Checkpoint key -> key without the base-model prefix (``model.``, ``transformer.``, ``bert.``, ``roberta.``;
+    a multimodal class's ``model.language_model.``, whose other towers are left out) and old gamma/beta names, as
+    ``{normalized: stored}``."""
+    if nested:
+        return lm_keys(keys)
     prefix = BASE_PREFIX[kind]
     out: dict[str, str] = {}
     for k in keys:
@@ -58,8 +62,8 @@ def _map_to_ours(
 ) -> tuple[dict[str, Mapped], dict[str, tuple[int, ...]]]:
     """Where each of our parameters is stored, and its shape after conversion (from the stored shapes, nothing
     read). Raises on missing or unexpected keys; parameters left out are initialised fresh (heads)."""
-    kind = SUPPORTED_ARCHITECTURES[architecture].kind
-    stored = _normalized_keys(files.keys(), kind)
+    kind = layout_kind(architecture)
+    stored = _normalized_keys(files.keys(), kind, nested=SUPPORTED_ARCHITECTURES[architecture].nested is not None)
     mapping: dict[str, Mapped | RowsMapped] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     used: set[str] = set()
@@ -209,6 +213,10 @@ def load_hf(
     target = _resolve_dtype(dtype, hf)
     files = CheckpointFiles(d)
     mapping, shapes = _map_to_ours(files, config, arch, where=str(d))
+    if SUPPORTED_ARCHITECTURES[arch].nested is not None:  # the towers stay on disk: where to copy them from at export
+        config.extra = {**config.extra, SOURCE_KEY: source_record(d, list(files.file_of.values()))}
+        log.info("%s: %s's language model loaded as text; %d tensors outside it (vision tower, projector) are not "
+                 "read and are copied from here at export", d, arch, len(outside_keys(files.keys())))
     cls = DecoderLM if config.family == "decoder" else EncoderModel
     with torch.device("meta"):
         model = cls(config).to(target)

@@ -60,6 +60,10 @@ UNBUILT_OPTIONS: dict[str, tuple[Unbuilt, ...]] = {
                 "encoder's one dropout: embeddings, attention, residual branches)")
         for key in ("embedding_dropout", "attention_dropout", "mlp_dropout")
     ) + (Unbuilt("classifier_pooling", _one_of("cls", "mean"), "cls or mean pooling"),),
+    **{kind: (_PLAIN_WEIGHTS,
+              Unbuilt("use_bidirectional_attention", lambda v: not v, "causal attention (the bidirectional encoder "
+                      "mode of EmbeddingGemma is not built)"))
+       for kind in ("gemma2", "gemma3_text")},
 }
 """HF model type -> its options that are not built."""
 

@@ -16,21 +16,27 @@ from torch import Tensor, nn
 from lightning_llm.files import atomic_path
 
 from ..config import ModelConfig
-from .architectures import DEFAULT_ARCHITECTURE, SUPPORTED_ARCHITECTURES
-from .config import config_to_hf
+from .architectures import DEFAULT_ARCHITECTURE, SUPPORTED_ARCHITECTURES, layout_kind
+from .config import architecture_diffs, config_from_hf, config_to_hf
 from .decoders import DECODER_KINDS
 from .qwen3_next import hybrid_kind
 from .entries import Entry
+from .multimodal import MODULE_PREFIX, SOURCE_KEY, checked_source, lm_layout, outside_keys
+from .source import CheckpointFiles
 from .weights import BASE_PREFIX, save_entries
 
 log = logging.getLogger(__name__)
 
-__all__ = ["save_hf", "default_architecture"]
+__all__ = ["save_hf", "decoder_module_prefix", "default_architecture"]
 
 
 def default_architecture(config: ModelConfig) -> str:
     """HF architecture a model is saved as by default (from ``extra['hf_model_type']`` or the config's shape)."""
     kind = (config.extra or {}).get("hf_model_type")
+    outer = (config.extra or {}).get("hf_architecture")
+    if (config.extra or {}).get(SOURCE_KEY) and SUPPORTED_ARCHITECTURES.get(outer) is not None \
+            and SUPPORTED_ARCHITECTURES[outer].nested == kind:
+        return outer  # loaded from a multimodal checkpoint: written as it, its towers copied from there
     if kind not in DEFAULT_ARCHITECTURE:
         kind = _decoder_kind(config) if config.family == "decoder" else _encoder_kind(config)
     if config.family == "decoder" or kind in DECODER_KINDS + ("gpt2",) or config.num_labels == 0:
@@ -49,6 +55,13 @@ def _encoder_kind(config: ModelConfig) -> str:
     return "roberta" if config.position_offset > 0 else "bert"
 
 
+def decoder_module_prefix(config: ModelConfig) -> str:
+    """Where a decoder's base model sits in transformers' module tree of the class it is saved as: ``model.``, or a
+    multimodal class's ``model.language_model.`` (the names of a peft adapter on that class)."""
+    a = SUPPORTED_ARCHITECTURES.get(default_architecture(config))
+    return MODULE_PREFIX if a is not None and a.nested is not None else "model."
+
+
 def _decoder_kind(config: ModelConfig) -> str:
     """The HF family a decoder of no recorded origin is saved as: the one whose switches it uses."""
     if config.position != "rope":
@@ -61,6 +74,8 @@ def _decoder_kind(config: ModelConfig) -> str:
         return "baichuan"
     if config.attention_sinks:
         return "gpt_oss"
+    if config.scale_embeddings:  # Gemma: sqrt(H) embeddings, four norms per layer
+        return "gemma3_text" if config.qk_norm else "gemma2"
     if config.qk_norm and config.qk_norm_over == "projection":
         return "olmoe"
     if config.qk_norm:
@@ -118,13 +133,15 @@ def save_hf(model: nn.Module, path: str | os.PathLike[str], *, architecture: str
     a = SUPPORTED_ARCHITECTURES.get(arch)
     if a is None or a.head == "mlm":
         raise ValueError(f"save_hf: cannot save as {arch!r}")
-    if (a.kind in DECODER_KINDS + ("gpt2",)) != (config.family == "decoder"):
+    if (layout_kind(arch) in DECODER_KINDS + ("gpt2",)) != (config.family == "decoder"):
         raise ValueError(f"save_hf: a {config.family} model cannot be saved as {arch}")
     sd = model.state_dict()
     dtypes = {t.dtype for t in sd.values() if t.is_floating_point()}
     dtype = next(iter(dtypes)) if len(dtypes) == 1 else torch.float32
-    hf_cfg = config_to_hf(config, arch, dtype=dtype)
-    prefix = BASE_PREFIX[a.kind] if a.head != "base" else ""
+    nested = _NestedSource(config, arch) if a.nested is not None else None  # a multimodal class: its towers copied
+    config_text = nested.config_text if nested is not None else \
+        json.dumps(config_to_hf(config, arch, dtype=dtype), indent=2, sort_keys=True) + "\n"
+    prefix = nested.base if nested is not None else BASE_PREFIX[a.kind] if a.head != "base" else ""
     plan: dict[str, tuple[Entry, list[Tensor]]] = {}  # HF key -> (entry, our tensors)
     missing: list[str] = []
     for e in save_entries(config, arch, sd):
@@ -136,22 +153,32 @@ def save_hf(model: nn.Module, path: str | os.PathLike[str], *, architecture: str
         if absent:
             missing.extend(absent)
             continue
-        plan[e.hf if e.top else prefix + e.hf] = (e, [sd[n] for n in e.ours])
+        key = e.hf if e.top else prefix + e.hf
+        if nested is not None and e.top:  # the head under the source's name (lm_head, language_model.lm_head)
+            key = nested.head + key.removeprefix("lm_head.")
+        plan[key] = (e, [sd[n] for n in e.ours])
     if missing:
         raise ValueError(f"save_hf: model lacks {missing[:20]} (a pipeline stage or sharded model? save the whole model)")
 
     def converted(keys: list[str]) -> dict[str, Tensor]:
         out = {}
         for key in keys:
+            if key not in plan:  # a tower outside the language model: its stored bytes
+                assert nested is not None
+                out[key] = nested.files.read(key)
+                continue
             e, ts = plan[key]
             t = e.merge(ts) if e.merge is not None else ts[0]
-            out[key] = t.detach().to("cpu").contiguous().clone()
+            t = t.detach().to("cpu")
+            out[key] = (t if nested is None else nested.stored_dtype(key, t)).contiguous().clone()
         return out
 
     d = Path(path)
     d.mkdir(parents=True, exist_ok=True)
     sizes = {k: sum(t.numel() * t.element_size() for t in ts) for k, (_, ts) in plan.items()}
-    groups = _shards(sizes, _size_bytes(max_shard_size)) if max_shard_size is not None else [list(plan)]
+    if nested is not None:
+        sizes.update(nested.sizes())
+    groups = _shards(sizes, _size_bytes(max_shard_size)) if max_shard_size is not None else [list(sizes)]
     meta = {"format": "pt"}
     if len(groups) == 1:
         _atomic_write(d / "model.safetensors", lambda p: save_file(converted(groups[0]), p, metadata=meta))
@@ -167,6 +194,40 @@ def save_hf(model: nn.Module, path: str | os.PathLike[str], *, architecture: str
         stale = [d / "model.safetensors", *(f for f in d.glob("model-*-of-*.safetensors") if f.name not in names)]
     for f in stale:  # a previous save in the other layout would shadow or contradict this one
         f.unlink(missing_ok=True)
-    _atomic_write(d / "config.json", lambda p: Path(p).write_text(json.dumps(hf_cfg, indent=2, sort_keys=True) + "\n"))
-    log.info("saved %s (%d tensors in %d file(s)) to %s", arch, len(plan), len(groups), d)
+    _atomic_write(d / "config.json", lambda p: Path(p).write_text(config_text))
+    log.info("saved %s (%d tensors in %d file(s)) to %s", arch, len(sizes), len(groups), d)
     return d
+
+
+class _NestedSource:
+    """What a multimodal class's save copies from its source checkpoint (:mod:`.multimodal`): the recorded files,
+    checked unchanged; its ``config.json``, checked to describe the trained language model; the tensors outside the
+    language model; the dtypes the language model's tensors are written in (the source's)."""
+
+    def __init__(self, config: ModelConfig, architecture: str) -> None:
+        directory = checked_source((config.extra or {}).get(SOURCE_KEY), architecture)
+        self.config_text = (directory / "config.json").read_text(encoding="utf-8")
+        source = config_from_hf(json.loads(self.config_text), where=str(directory / "config.json"))
+        diffs = architecture_diffs(config, source, "source")
+        if diffs:
+            raise ValueError(f"save_hf: the trained model is not {directory}'s language model ({'; '.join(diffs[:4])}): "
+                             f"a {architecture} export keeps that checkpoint's config.json and towers; export the "
+                             f"language model alone (--architecture {DEFAULT_ARCHITECTURE[layout_kind(architecture)]})")
+        self.files = CheckpointFiles(directory)
+        self.base, self.head = lm_layout(self.files.keys(), str(directory))
+        self.copied = outside_keys(self.files.keys())
+        self._cast: set[str] = set()
+
+    def sizes(self) -> dict[str, int]:
+        """Bytes of each copied tensor, by key (in the source's order)."""
+        return {k: self.files.meta(k).numel() * self.files.meta(k).element_size() for k in self.copied}
+
+    def stored_dtype(self, key: str, t: Tensor) -> Tensor:
+        """``t`` in the dtype the source stored ``key`` in (its config.json, copied, names that dtype)."""
+        if key not in self.files.keys() or self.files.meta(key).dtype == t.dtype:
+            return t
+        if not self._cast:
+            log.info("the language model's tensors are written in the source checkpoint's %s (trained in %s)",
+                     self.files.meta(key).dtype, t.dtype)
+        self._cast.add(key)
+        return t.to(self.files.meta(key).dtype)

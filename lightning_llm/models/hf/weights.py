@@ -10,11 +10,12 @@ import re
 from torch import Tensor
 
 from ..config import ModelConfig
-from .architectures import SUPPORTED_ARCHITECTURES
+from .architectures import SUPPORTED_ARCHITECTURES, layout_kind
 from .decoders import DECODER_KINDS, wpack_from_hf, wpack_to_hf
 from .encoders import ENCODER_HEAD_KEYS, ENCODER_PREFIX, encoder_entries
 from .entries import Entry, Fused, Stacked, lin, moe_mlp_entries
 from .glm4 import GLM4_NORMS
+from .gemma import GEMMA_KINDS, GEMMA_NORMS
 from .gpt2 import gpt2_entries
 from .olmo import OLMO_KINDS, OLMO_NORMS
 from .phi3 import phi3_attention_entries, phi3_mlp_entries
@@ -70,7 +71,8 @@ def _attention_entries(c: ModelConfig, p: str) -> list[Entry]:
 
 
 _LLAMA_NORMS = (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "mlp_norm"))
-BLOCK_NORMS = {"glm4": GLM4_NORMS, **{kind: OLMO_NORMS for kind in OLMO_KINDS}}
+BLOCK_NORMS = {"glm4": GLM4_NORMS, **{kind: OLMO_NORMS for kind in OLMO_KINDS},
+               **{kind: GEMMA_NORMS for kind in GEMMA_KINDS}}
 """A family's block norms ``(HF name, ours)`` where they are not LLaMA's ``input_layernorm`` / ``post_attention_
 layernorm`` (our ``attn_norm`` / ``mlp_norm``)."""
 
@@ -101,8 +103,8 @@ def _decoder_entries(c: ModelConfig, kind: str, head: str) -> list[Entry | Stack
 def entries(config: ModelConfig, architecture: str) -> list[Entry | Stacked | Fused]:
     """The mapping of ``architecture``'s keys (without the base prefix, but for ``top`` entries) to ours."""
     a = SUPPORTED_ARCHITECTURES[architecture]
-    if a.kind in DECODER_KINDS:
-        return _decoder_entries(config, a.kind, a.head)
+    if layout_kind(architecture) in DECODER_KINDS:  # a multimodal class: its language model's layout
+        return _decoder_entries(config, layout_kind(architecture), a.head)
     if a.kind == "gpt2":
         return list(gpt2_entries(config, a.head))
     return list(encoder_entries(config, a))
