@@ -9,7 +9,10 @@ layouts of their own, written by transformers (no download): what the configs' h
     python -m lightning_llm.tools.tiny glm4 OUT_DIR        # Glm4ForCausalLM
     python -m lightning_llm.tools.tiny olmo3 OUT_DIR       # Olmo3ForCausalLM
     python -m lightning_llm.tools.tiny smollm3 OUT_DIR     # SmolLM3ForCausalLM
-    python -m lightning_llm.tools.tiny qwen3_5 OUT_DIR     # Qwen3_5ForCausalLM (Gated DeltaNet + gated attention)
+    python -m lightning_llm.tools.tiny qwen3_5 OUT_DIR     # Qwen3_5ForConditionalGeneration (as published: the
+                                                           # language model's Gated DeltaNet + gated attention
+                                                           # layers, a tiny vision tower)
+    python -m lightning_llm.tools.tiny qwen3_5_text OUT_DIR  # Qwen3_5ForCausalLM (the language model alone)
     python -m lightning_llm.tools.tiny qwen3_next OUT_DIR  # Qwen3NextForCausalLM (the same, MoE)
     python -m lightning_llm.tools.tiny gemma2 OUT_DIR      # Gemma2ForCausalLM (soft-capped scores and logits)
     python -m lightning_llm.tools.tiny gemma3 OUT_DIR      # Gemma3ForConditionalGeneration (a tiny SigLIP tower)
@@ -18,7 +21,8 @@ layouts of their own, written by transformers (no download): what the configs' h
 family's debug size (``debug-gpt-oss`` / ``debug-olmoe`` / ``debug-deepseek-v3`` / ``debug-glm4-moe``: 4 layers,
 hidden 64, 8 experts, top-2; the routers' correction biases, which transformers starts at 0, drawn; ``debug-phi3`` /
 ``debug-glm4`` / ``debug-olmo3`` / ``debug-smollm3``: 4 dense layers, hidden 64; ``debug-qwen3.5`` /
-``debug-qwen3-next``: three Gated DeltaNet layers and one gated attention layer) and a byte-level BPE
+``debug-qwen3-next``: three Gated DeltaNet layers and one gated attention layer; the multimodal classes' language
+model of that size beside a one-layer vision tower) and a byte-level BPE
 tokenizer of 300 ids trained on the generated corpus (``<pad>`` 0, ``<s>`` 1, ``</s>`` 2). gpt-oss's experts are then
 stored as openai/gpt-oss-20b is published: their matrices as MXFP4 ``*_blocks``/``*_scales`` (:func:`quantize_mxfp4`)
 with a ``quantization_config`` (``--plain`` keeps them in fp32). The directory is built beside ``OUT_DIR`` and swapped
@@ -51,9 +55,10 @@ FAMILIES = {"gpt_oss": ("debug-gpt-oss", "GptOssForCausalLM"), "olmoe": ("debug-
             "deepseek_v3": ("debug-deepseek-v3", "DeepseekV3ForCausalLM"),
             "glm4_moe": ("debug-glm4-moe", "Glm4MoeForCausalLM"), "phi3": ("debug-phi3", "Phi3ForCausalLM"),
             "glm4": ("debug-glm4", "Glm4ForCausalLM"), "olmo3": ("debug-olmo3", "Olmo3ForCausalLM"),
-            "smollm3": ("debug-smollm3", "SmolLM3ForCausalLM"), "qwen3_5": ("debug-qwen3.5", "Qwen3_5ForCausalLM"),
+            "smollm3": ("debug-smollm3", "SmolLM3ForCausalLM"), "qwen3_5_text": ("debug-qwen3.5", "Qwen3_5ForCausalLM"),
             "qwen3_next": ("debug-qwen3-next", "Qwen3NextForCausalLM"), "gemma2": ("debug-gemma2", "Gemma2ForCausalLM"),
-            "gemma3": ("debug-gemma3", "Gemma3ForConditionalGeneration")}
+            "gemma3": ("debug-gemma3", "Gemma3ForConditionalGeneration"),
+            "qwen3_5": ("debug-qwen3.5", "Qwen3_5ForConditionalGeneration")}
 """family -> (our debug size, the transformers class written)."""
 VOCAB = 304
 """The model's vocabulary: the tokenizer's 300 ids rounded up to a multiple of 8."""
@@ -113,7 +118,7 @@ def write_tiny(family: str, out: str | Path, *, mxfp4: bool = True, seed: int = 
     hf.update(bos_token_id=1, eos_token_id=2, pad_token_id=0)
     cls = getattr(transformers, arch)
     config = cls.config_class(**{k: v for k, v in hf.items() if k not in ("model_type", "dtype")}) if not nested \
-        else _gemma3_multimodal(hf)
+        else _MULTIMODAL[arch]({k: v for k, v in hf.items() if k not in ("architectures", "dtype")})
     with staged_directory(out, flag="OUT_DIR") as tmp:
         write_bpe_tokenizer(tmp, generated_corpus(50), vocab_size=300)
         with torch.random.fork_rng(devices=[]):
@@ -137,12 +142,30 @@ def _gemma3_multimodal(text: dict) -> Any:
     pooled to 4 image tokens (ids inside the vocabulary)."""
     import transformers
 
-    text = {k: v for k, v in text.items() if k not in ("architectures", "dtype")}
     vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16,
                   patch_size=4)
     return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
                                      boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2,
                                      image_token_index=VOCAB - 1, tie_word_embeddings=text["tie_word_embeddings"])
+
+
+def _qwen3_5_multimodal(text: dict) -> Any:
+    """A ``Qwen3_5Config`` around the text config ``text`` (its rotary given the interleaved M-RoPE sections the
+    published configs carry): a one-layer vision tower of 2x2 patches, unmerged (ids inside the vocabulary)."""
+    import transformers
+
+    rope = {**text["rope_parameters"], "mrope_section": [1, 1, 0], "mrope_interleaved": True}  # 2 rotary frequencies
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=text["hidden_size"],
+                  patch_size=2, spatial_merge_size=1, temporal_patch_size=1, num_position_embeddings=16)
+    return transformers.Qwen3_5Config(text_config={**text, "rope_parameters": rope}, vision_config=vision,
+                                      image_token_id=VOCAB - 1, video_token_id=VOCAB - 2,
+                                      vision_start_token_id=VOCAB - 4, vision_end_token_id=VOCAB - 3,
+                                      tie_word_embeddings=text["tie_word_embeddings"])
+
+
+_MULTIMODAL = {"Gemma3ForConditionalGeneration": _gemma3_multimodal,
+               "Qwen3_5ForConditionalGeneration": _qwen3_5_multimodal}
+"""multimodal class -> its config around a text config dict."""
 
 
 def main(argv: list[str] | None = None) -> int:

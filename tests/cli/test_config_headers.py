@@ -261,6 +261,7 @@ WRITTEN = {
     "lora_phi3": {"runs/phi3_merged/config.json": '"Phi3ForCausalLM"', "runs/tiny_glm4/config.json": '"Glm4ForCausalLM"'},
     "lora_gemma3": {"runs/gemma3_merged/config.json": '"Gemma3ForConditionalGeneration"',
                     "runs/gemma3_merged/chat_template.jinja": "<start_of_turn>"},
+    "lora_qwen3_5": {"runs/qwen3_5_merged/config.json": '"Qwen3_5ForConditionalGeneration"'},
 }
 """Files a header says its commands write, and a piece of their text."""
 

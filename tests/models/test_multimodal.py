@@ -1,8 +1,10 @@
 """Multimodal checkpoints fine-tuned as text (``models/hf/multimodal.py``): ``Gemma3ForConditionalGeneration``,
-``Qwen2_5_VLForConditionalGeneration``, ``Qwen3VLForConditionalGeneration`` and ``Mistral3ForConditionalGeneration``
-written by transformers 5.24's ``save_pretrained`` in the test (tiny vision towers, in each class's own on-disk key
-layout: ``language_model.model.*`` for Gemma 3 and Mistral 3, ``model.*`` + ``visual.*`` for Qwen2.5-VL,
-``model.language_model.*`` for Qwen3-VL).
+``Qwen2_5_VLForConditionalGeneration``, ``Qwen3VLForConditionalGeneration``, ``Mistral3ForConditionalGeneration``,
+``Qwen3_5ForConditionalGeneration`` (tied, as Qwen3.5-0.8B to 4B) and ``Qwen3_5MoeForConditionalGeneration`` (a Gated
+DeltaNet and a gated attention layer, interleaved M-RoPE sections) written by transformers 5.24's ``save_pretrained``
+in the test (tiny vision towers, in each class's own on-disk key layout: ``language_model.model.*`` for Gemma 3 and
+Mistral 3, ``model.*`` + ``visual.*`` for Qwen2.5-VL, ``model.language_model.*`` + ``model.visual.*`` for Qwen3-VL and
+Qwen3.5).
 
 * the language model's text logits on padded rows equal the class's own (eager attention); a lazy load reads the
   language model's bytes only (the vision tower and projector are never read, so never on a device);
@@ -10,10 +12,11 @@ layout: ``language_model.model.*`` for Gemma 3 and Mistral 3, ``model.*`` + ``vi
   model byte for byte; transformers' ``AutoModelForImageTextToText`` loads it as the original class with no missing or
   unexpected key and the same text logits;
 * ``lightning_llm estimate`` counts the language model's parameters and names the bytes it never loads;
-* a LoRA fit of the Gemma 3 one, exported merged and adapter-only: the merged export and peft's ``PeftModel`` on the
-  adapter-only export's base give the trained model's logits, its towers are the source's bytes; a source changed after
-  the run is refused in one line naming the file (the language model alone, ``--architecture Gemma3ForCausalLM``,
-  still exports).
+* a LoRA fit of ``tools.tiny``'s Gemma 3 and Qwen3.5 (Qwen3.5's on ``linear_attn.in_proj_qkv``, whose ``lora_B`` rows
+  are permuted to transformers' order, ``out_proj``, ``q_proj``), exported merged and adapter-only: the merged export
+  and peft's ``PeftModel`` on the adapter-only export's base give the trained model's logits, its towers are the
+  source's bytes; a source changed after the run is refused in one line naming the file (the language model alone,
+  ``--architecture Gemma3ForCausalLM``, still exports).
 
 The layouts (tp, tp + sequence parallel, pp, zero3) are ``tests/models/test_families_layouts.py``.
 """
@@ -63,6 +66,18 @@ def _config(name: str) -> Any:
             text_config=dict(_TEXT, head_dim=8, rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2],
                                                                  "rope_theta": 10000.0, "mrope_interleaved": True}),
             vision_config=dict(_QWEN_VISION, deepstack_visual_indexes=[0], num_position_embeddings=16), **_QWEN_IDS)
+    if name in ("qwen3_5", "qwen3_5_moe"):  # Gated DeltaNet + gated attention; interleaved M-RoPE on partial rotary
+        moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+        text = dict(_TEXT, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                    linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"],
+                    rope_parameters={"rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True,
+                                     "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                    **(moe if name == "qwen3_5_moe" else {}))
+        vision = dict(_QWEN_VISION, num_position_embeddings=16)
+        if name == "qwen3_5_moe":  # untied, as Qwen3.5-35B-A3B
+            return transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision, **_QWEN_IDS)
+        return transformers.Qwen3_5Config(text_config=text, vision_config=vision, tie_word_embeddings=True,
+                                          **_QWEN_IDS)  # tied, as Qwen3.5-0.8B to 4B
     return transformers.Mistral3Config(  # a Mistral language model (tied by the class's default), Pixtral tower
         text_config=dict(_TEXT, model_type="mistral", head_dim=8, sliding_window=None),
         vision_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
@@ -70,7 +85,8 @@ def _config(name: str) -> Any:
 
 
 CLASSES = {"gemma3": "Gemma3ForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-           "qwen3_vl": "Qwen3VLForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration"}
+           "qwen3_vl": "Qwen3VLForConditionalGeneration", "mistral3": "Mistral3ForConditionalGeneration",
+           "qwen3_5": "Qwen3_5ForConditionalGeneration", "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"}
 
 
 def write_multimodal(name: str, out: Path, seed: int = 0) -> Any:
@@ -160,20 +176,21 @@ def _is_lm_key(name: str, key: str) -> bool:
     return "language_model" in key or key.startswith("lm_head")
 
 
-def test_gemma3_lora_fit_exports_whole_and_refuses_a_changed_source(tmp_path: Path) -> None:
+def _lora_fit_and_export(tmp_path: Path, family: str, targets: list[str], moved_key: str) -> tuple[Any, ...]:
+    """A LoRA fit (3 steps) of ``tools.tiny``'s ``family``, exported merged and adapter-only: the merged export and
+    peft's ``PeftModel`` on the adapter-only export's base give the trained model's logits, the adapted ``moved_key``
+    weights moved, the towers are the source's bytes, config.json the source's."""
     import peft
-    from safetensors.torch import save_file
 
     from lightning_llm.data import TextDataModule
     from lightning_llm.export import export_checkpoint, read_checkpoint, rebuild_model
     from lightning_llm.peft import LoraArgs, merge_peft
     from lightning_llm.tasks import CausalLMTask
     from lightning_llm.testing import table_trainer
-    from lightning_llm.tools.tiny import write_tiny
+    from lightning_llm.tools.tiny import FAMILIES, write_tiny
 
-    src = write_tiny("gemma3", tmp_path / "src")
-    task = CausalLMTask(str(src), dropout=0.0, lora=LoraArgs(r=4, alpha=8, dropout=0.0, target_modules=[
-        "q_proj", "v_proj", "gate_proj"]))
+    src = write_tiny(family, tmp_path / "src")
+    task = CausalLMTask(str(src), dropout=0.0, lora=LoraArgs(r=4, alpha=8, dropout=0.0, target_modules=targets))
     dm = TextDataModule(tokenizer_dir=str(src), block_size=32, batch_size=4, cache_dir=str(tmp_path / "cache"),
                         generated_docs=40)
     table_trainer(tmp_path, strategy="auto", devices=1, max_steps=3, callbacks=[], save_every_step=True).fit(task, dm)
@@ -191,13 +208,31 @@ def test_gemma3_lora_fit_exports_whole_and_refuses_a_changed_source(tmp_path: Pa
         on_base = peft.PeftModel.from_pretrained(_reload(adapter / "base")[0], str(adapter)).eval()
     errs = [float((_text_logits(m, ids, mask) - want)[keep].abs().max()) for m in (back, on_base)]
     before, after = _tensors(src), _tensors(merged)
-    towers = [k for k in before if not _is_lm_key("gemma3", k)]
-    moved = max(float((before[k] - after[k]).abs().max()) for k in before if "self_attn.q_proj" in k)
-    print(f"gemma3 LoRA: merged export {errs[0]:.2e}, peft on the adapter-only export {errs[1]:.2e} from the trained "
-          f"model's logits; q_proj moved by {moved:.2e}; {len(towers)} tower tensors the source's bytes")
+    towers = [k for k in before if not _is_lm_key(family, k)]
+    moved = max(float((before[k] - after[k]).abs().max()) for k in before if moved_key in k)
+    print(f"{family} LoRA: merged export {errs[0]:.2e}, peft on the adapter-only export {errs[1]:.2e} from the trained "
+          f"model's logits; {moved_key} moved by {moved:.2e}; {len(towers)} tower tensors the source's bytes")
+    assert type(back).__name__ == FAMILIES[family][1]
     assert max(errs) < 1e-5 and moved > 1e-4 and not info["missing_keys"] and not info["unexpected_keys"]
-    assert set(after) == set(before) and all(_same_bytes(before[k], after[k]) for k in towers)
+    assert towers and set(after) == set(before) and all(_same_bytes(before[k], after[k]) for k in towers)
     assert (merged / "config.json").read_bytes() == (src / "config.json").read_bytes()
+    return src, ckpt, before, towers, want, ids, mask
+
+
+def test_qwen3_5_lora_fit_exports_whole(tmp_path: Path) -> None:
+    """Qwen3.5 as published: LoRA on a DeltaNet layer's in_proj_qkv (its lora_B rows permuted to transformers'
+    [q; k; v]) and out_proj (``linear_attn`` under ``model.language_model``) and the attention's q_proj."""
+    _lora_fit_and_export(tmp_path, "qwen3_5", ["in_proj_qkv", "out_proj", "q_proj"], "linear_attn.in_proj_qkv")
+
+
+def test_gemma3_lora_fit_exports_whole_and_refuses_a_changed_source(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from lightning_llm.export import export_checkpoint
+
+    src, ckpt, before, towers, want, ids, mask = _lora_fit_and_export(
+        tmp_path, "gemma3", ["q_proj", "v_proj", "gate_proj"], "self_attn.q_proj")
+    keep = mask.bool()
 
     # the source's towers changed after the run: refused in one line naming the file
     changed = dict(before)

@@ -70,6 +70,8 @@ SUPPORTED_ARCHITECTURES: dict[str, Arch] = {
     "Qwen2_5_VLForConditionalGeneration": Arch("qwen2_5_vl", "lm", nested="qwen2"),
     "Qwen3VLForConditionalGeneration": Arch("qwen3_vl", "lm", nested="qwen3"),
     "Mistral3ForConditionalGeneration": Arch("mistral3", "lm", nested="mistral"),  # Mistral Small 3.1/3.2
+    "Qwen3_5ForConditionalGeneration": Arch("qwen3_5", "lm", nested="qwen3_5_text"),  # Qwen3.5 as published
+    "Qwen3_5MoeForConditionalGeneration": Arch("qwen3_5_moe", "lm", nested="qwen3_5_moe_text"),
     "GPT2LMHeadModel": Arch("gpt2", "lm"),
     "GPT2Model": Arch("gpt2", "base"),
     "BertModel": Arch("bert", "base"),
@@ -124,7 +126,7 @@ FAMILY_GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("Multimodal checkpoints fine-tuned as text (the language model trained; the vision tower and projector "
      "copied byte for byte at export)",
      (("gemma3", "Gemma 3 4B/12B/27B"), ("qwen2_5_vl", "Qwen2.5-VL"), ("qwen3_vl", "Qwen3-VL"),
-      ("mistral3", "Mistral Small 3.1/3.2"))),
+      ("mistral3", "Mistral Small 3.1/3.2"), ("qwen3_5", "Qwen3.5"), ("qwen3_5_moe", "Qwen3.5-MoE"))),
 )
 """The docs' family list: a title and its model types with the models they are, in the order the docs list them."""
 

@@ -10,11 +10,13 @@ Gemma3ForConditionalGeneration      gemma3_text         ``model.vision_tower`` (
 Qwen2_5_VLForConditionalGeneration  qwen2               ``model.visual``
 Qwen3VLForConditionalGeneration     qwen3               ``model.visual`` (its deepstack mergers included)
 Mistral3ForConditionalGeneration    mistral             ``model.vision_tower`` (Pixtral), ``model.multi_modal_projector``
+Qwen3_5ForConditionalGeneration     qwen3_5_text        ``model.visual`` (Qwen3.5's language model: Gated DeltaNet layers)
+Qwen3_5MoeForConditionalGeneration  qwen3_5_moe_text    ``model.visual``
 ==================================  ==================  =============================================================
 
 A class is one :class:`NestedLM` row of :data:`NESTED` (and an ``Arch(..., nested=...)`` row of
-:data:`~.architectures.SUPPORTED_ARCHITECTURES`); another family with this layout (Qwen3.5's
-``Qwen3_5ForConditionalGeneration``) adds its row, nothing else.
+:data:`~.architectures.SUPPORTED_ARCHITECTURES`); another family with this layout adds its row, nothing else (as
+Qwen3.5's two did).
 
 * **Load.** :func:`text_config_of` turns the outer ``config.json`` into the language model's own config (its text
   config class's defaults for absent keys, the outer ``tie_word_embeddings`` that transformers ties by, Qwen's
@@ -95,6 +97,9 @@ NESTED: dict[str, NestedLM] = {
                            num_attention_heads=32, num_key_value_heads=32, head_dim=128, rms_norm_eps=1e-6,
                            rope_theta=500000.0, max_position_embeddings=128000)),
     "Mistral3ForConditionalGeneration": NestedLM("mistral", ("mistral",), tie_default=True),
+    # transformers 5.24 ties their head by the outer tie_word_embeddings alone; the text config class is the family's
+    "Qwen3_5ForConditionalGeneration": NestedLM("qwen3_5_text", ("qwen3_5_text",), tie_default=False),
+    "Qwen3_5MoeForConditionalGeneration": NestedLM("qwen3_5_moe_text", ("qwen3_5_moe_text",), tie_default=False),
 }
 """HF class -> how its language model nests."""
 
