@@ -57,7 +57,7 @@ SHAPE = dict(vocab_size=151936, hidden_size=2048, num_layers=8, num_heads=16, nu
 
 
 def _err(got: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((got.float() - ref).abs().max() / ref.abs().max().clamp(min=1e-12))
+    return float((got.detach().float() - ref.detach()).abs().max() / ref.detach().abs().max().clamp(min=1e-12))
 
 
 def parity_rows(device: torch.device, smoke: bool) -> list[str]:
