@@ -27,6 +27,19 @@ REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
 
 
+@pytest.fixture(scope="module")
+def one_thread() -> Iterator[None]:
+    """One intra-op thread for a module's tests (``pytestmark = pytest.mark.usefixtures("one_thread")``): on tiny
+    tensors a second thread only spin-waits, and on 2 shared cores (the suite's other processes, other users) the two
+    wait on each other, tenfold and more."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def pair_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small generated sentence-pair dataset (CLUE format) with its vocab in ``tokenizer/``."""

@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -39,17 +38,9 @@ from lightning_llm.models import load_hf, save_hf
 
 M = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 B, HK, HV, DK, DV = 2, 2, 4, 8, 6
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    """One intra-op thread: on these tiny tensors a second one only spin-waits, and on 2 shared cores (the suite's
-    other processes, the machine's other users) the two wait on each other, tenfold and more."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _inputs(s: int, seed: int = 0) -> list[torch.Tensor]:

@@ -40,6 +40,8 @@ from tests.conftest import padded_lm_batch  # noqa: E402
 from lightning_llm.models import load_hf, save_hf  # noqa: E402
 from lightning_llm.models.init import materialize  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 VOCAB = 96
 _TEXT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
