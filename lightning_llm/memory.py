@@ -159,8 +159,10 @@ def activation_bytes_per_sample(config: Any, *, seq_len: int, precision: str, fu
     per_moe_layer = per_layer + local * (moe_layer_bytes_per_token(config, precision=precision) - b * mlp) \
         if moe_layers else per_layer
     vocab = config.vocab_size
-    # Embedding output, final norm (2H), logits in the compute dtype + their fp32 copy for the loss.
-    head = local * (b * 3 * h + (0 if fused_loss else (b + 4) * vocab))
+    # Embedding output, final norm (2H), logits in the compute dtype + their fp32 copy for the loss (none for a
+    # decoder's score head: [B, S, num_labels]).
+    no_logits = fused_loss or getattr(config, "num_labels", 0) > 0
+    head = local * (b * 3 * h + (0 if no_logits else (b + 4) * vocab))
     layers = per_layer * (config.num_layers - moe_layers) + per_moe_layer * moe_layers
     return max(per_layer, per_moe_layer), layers + head
 
@@ -286,8 +288,8 @@ def quantized_numel(config: Any) -> int:
 
 def loss_bytes(config: Any, *, tokens: int, precision: str, fused: bool, tp: int) -> int:
     """:func:`loss_peak_bytes` of ``config``'s LM head for ``tokens`` tokens (0 for an encoder's classifier)."""
-    if getattr(config, "family", "decoder") != "decoder":
-        return 0  # classification heads: [B, num_labels] logits
+    if getattr(config, "family", "decoder") != "decoder" or getattr(config, "num_labels", 0) > 0:
+        return 0  # classification heads (a decoder's score head too): [B, S or 1, num_labels] scores
     return loss_peak_bytes(tokens=tokens, vocab=config.vocab_size, hidden=config.hidden_size, precision=precision,
                            fused=fused, tp=tp)
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Arch", "SUPPORTED_ARCHITECTURES", "DEFAULT_ARCHITECTURE", "FAMILY_GROUPS", "architecture_name",
-           "families_markdown"]
+           "families_markdown", "num_labels_of"]
 
 
 @dataclass(frozen=True)
@@ -30,9 +30,11 @@ class Arch:
     only: its head is ignored, it is never written)."""
 
 
-def _decoder(kind: str, *names: str) -> dict[str, Arch]:
-    """``XForCausalLM`` and ``XModel`` of a decoder family (``names``: the class prefixes)."""
-    return {f"{n}{suffix}": Arch(kind, head) for n in names for suffix, head in (("ForCausalLM", "lm"), ("Model", "base"))}
+def _decoder(kind: str, *names: str, classifier: bool = True) -> dict[str, Arch]:
+    """``XForCausalLM``, ``XModel`` and (``classifier``: where transformers has it) ``XForSequenceClassification``
+    (a ``score`` head: reward models) of a decoder family (``names``: the class prefixes)."""
+    heads = (("ForCausalLM", "lm"), ("Model", "base")) + ((("ForSequenceClassification", "cls"),) if classifier else ())
+    return {f"{n}{suffix}": Arch(kind, head) for n in names for suffix, head in heads}
 
 
 SUPPORTED_ARCHITECTURES: dict[str, Arch] = {
@@ -44,13 +46,14 @@ SUPPORTED_ARCHITECTURES: dict[str, Arch] = {
     **_decoder("mixtral", "Mixtral"),
     **_decoder("qwen2_moe", "Qwen2Moe"),
     **_decoder("qwen3_moe", "Qwen3Moe"),
-    **_decoder("olmoe", "Olmoe"),
+    **_decoder("olmoe", "Olmoe", classifier=False),  # transformers has no OlmoeForSequenceClassification
     **_decoder("gpt_oss", "GptOss"),
     **_decoder("deepseek_v2", "DeepseekV2"),
     **_decoder("deepseek_v3", "DeepseekV3"),  # DeepSeek-V3/R1, Kimi-K2
-    **_decoder("glm4_moe", "Glm4Moe"),  # GLM-4.5/4.6
+    **_decoder("glm4_moe", "Glm4Moe", classifier=False),  # GLM-4.5/4.6 (no Glm4MoeForSequenceClassification)
     "GPT2LMHeadModel": Arch("gpt2", "lm"),
     "GPT2Model": Arch("gpt2", "base"),
+    "GPT2ForSequenceClassification": Arch("gpt2", "cls"),
     "BertModel": Arch("bert", "base"),
     "BertForSequenceClassification": Arch("bert", "cls"),
     "BertForMaskedLM": Arch("bert", "mlm"),
@@ -100,6 +103,14 @@ def architecture_name(hf: dict[str, Any], where: str = "config") -> str:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"{where}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     return arch
+
+
+def num_labels_of(hf: dict[str, Any]) -> int:
+    """The classes of a ``...ForSequenceClassification`` ``config.json`` dict: ``id2label``'s size, else
+    ``num_labels`` (2, transformers' default)."""
+    if hf.get("id2label"):
+        return len(hf["id2label"])
+    return int(hf.get("num_labels", 2))
 
 
 def families_markdown() -> str:

@@ -11,19 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 from ..config import ModelConfig
-from .architectures import Arch
+from .architectures import Arch, num_labels_of
 from .decoders import PLAIN_ACT_TO_HF, plain_act
 from .entries import Entry, lin
 
 __all__ = ["ENCODER_KINDS", "encoder_config_from_hf", "encoder_config_to_hf", "encoder_entries"]
 
 ENCODER_KINDS = ("bert", "megatron-bert", "roberta")
-
-
-def _num_labels(hf: dict[str, Any]) -> int:
-    if hf.get("id2label"):
-        return len(hf["id2label"])
-    return int(hf.get("num_labels", 2))
 
 
 def encoder_config_from_hf(hf: dict[str, Any], arch: str, a: Arch, *, extra: dict[str, Any],
@@ -36,7 +30,7 @@ def encoder_config_from_hf(hf: dict[str, Any], arch: str, a: Arch, *, extra: dic
     roberta = a.kind == "roberta"
     dropout = float(hf.get("hidden_dropout_prob", 0.1))
     cls_drop = hf.get("classifier_dropout")
-    num_labels = _num_labels(hf) if a.head == "cls" else 0
+    num_labels = num_labels_of(hf) if a.head == "cls" else 0
     # BertModel / ...ForSequenceClassification / ...ForPreTraining carry a pooler; MaskedLM heads do not.
     pooler = not (a.head == "mlm" and not arch.endswith("ForPreTraining"))
     return ModelConfig(

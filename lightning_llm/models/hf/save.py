@@ -38,13 +38,22 @@ def default_architecture(config: ModelConfig) -> str:
         else:
             kind = "roberta" if config.position_offset > 0 else "bert"
     if config.family == "decoder" or kind in DECODER_KINDS + ("gpt2",):
-        return DEFAULT_ARCHITECTURE[kind]
+        return _classifier_architecture(kind) if config.num_labels > 0 else DEFAULT_ARCHITECTURE[kind]
     names = {
         ("bert", False): "BertModel", ("bert", True): "BertForSequenceClassification",
         ("megatron-bert", False): "MegatronBertModel", ("megatron-bert", True): "MegatronBertForSequenceClassification",
         ("roberta", False): "RobertaModel", ("roberta", True): "RobertaForSequenceClassification",
     }
     return names[(kind, config.num_labels > 0)]
+
+
+def _classifier_architecture(kind: str) -> str:
+    """The ``...ForSequenceClassification`` class of a decoder family (a reward model is written as one)."""
+    found = [name for name, a in SUPPORTED_ARCHITECTURES.items() if a.kind == kind and a.head == "cls"]
+    if not found:
+        raise ValueError(f"a {kind} sequence classifier (score head) cannot be saved: transformers has no "
+                         f"...ForSequenceClassification class for {kind}")
+    return found[0]
 
 
 def _decoder_kind(config: ModelConfig) -> str:

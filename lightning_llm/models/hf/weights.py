@@ -13,7 +13,7 @@ from ..config import ModelConfig
 from .architectures import SUPPORTED_ARCHITECTURES
 from .decoders import DECODER_KINDS, wpack_from_hf, wpack_to_hf
 from .encoders import encoder_entries
-from .entries import Entry, Fused, Stacked, lin, moe_mlp_entries
+from .entries import Entry, Fused, Stacked, head_entries, lin, moe_mlp_entries
 from .gpt2 import gpt2_entries
 
 __all__ = ["BASE_PREFIX", "IGNORED", "HEAD_KEYS", "entries", "save_entries"]
@@ -28,13 +28,13 @@ IGNORED = re.compile(
 """Checkpoint keys that carry no weights we need (buffers that old versions persisted)."""
 
 HEAD_KEYS = {
-    **{k: re.compile(r"^score\.") for k in DECODER_KINDS},
-    "gpt2": re.compile(r"^score\."),
+    **{k: re.compile(r"^(score|lm_head)\.") for k in DECODER_KINDS + ("gpt2",)},
     "bert": re.compile(r"^(cls|classifier|pooler)\."),
     "megatron-bert": re.compile(r"^(cls|classifier|pooler)\."),
     "roberta": re.compile(r"^(lm_head|classifier|pooler)\."),
 }
-"""Head weights of other tasks: dropped with a warning (e.g. an MLM head when loading a backbone)."""
+"""Head weights of other tasks: dropped with a warning (e.g. an MLM head when loading a backbone; the LM head of a
+``...ForCausalLM`` a reward model starts from)."""
 
 
 def _mla_entries(hf: str, ours: str, c: ModelConfig) -> list[Entry]:
@@ -81,9 +81,7 @@ def _decoder_entries(c: ModelConfig, kind: str, head: str) -> list[Entry | Stack
         e += lin(f"{p}.input_layernorm", f"{p}.attn_norm", False)
         e += lin(f"{p}.post_attention_layernorm", f"{p}.mlp_norm", False)
     e += lin("norm", "norm", False)
-    if head != "base":  # Baichuan's NormHead stores the raw weight too (normalised in forward)
-        e += lin("lm_head", "lm_head", False, group="lm_head", top=True)
-    return e
+    return e + head_entries(c, head)
 
 
 def entries(config: ModelConfig, architecture: str) -> list[Entry | Stacked | Fused]:
