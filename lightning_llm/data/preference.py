@@ -228,6 +228,7 @@ class PreferenceDataModule(LLMDataModule):
             raise ValueError(f"--data.pad_to_multiple_of must be >= 1, got {pad_to_multiple_of}")
         self.paths = {"fit": train_path, "validate": val_path, "predict": predict_path}
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.tokenizer_dir = tokenizer_dir  # (an explicit "byte" with an HF backbone: vocab.check_backbone_tokenizer)
         self.tokenizer = tokenizer_or_bytes(tokenizer_dir)
         self.eos_token_id, self.pad_token_id = eos_and_pad_ids(self.tokenizer, tokenizer_dir)
         chat = None if template == "none" else resolve_template(template, self.tokenizer, fallback=None)

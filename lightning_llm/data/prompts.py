@@ -105,6 +105,7 @@ class PromptDataModule(LLMDataModule):
         self.prompt_field, self.max_prompt_len, self.bos = prompt_field, max_prompt_len, bos
         self.generated = {"fit": generated_prompts, "validate": generated_val_prompts}
         self.limit_examples = limit_examples
+        self.tokenizer_dir = tokenizer_dir  # (an explicit "byte" with an HF backbone: vocab.check_backbone_tokenizer)
         self.tokenizer = tokenizer_or_bytes(tokenizer_dir)
         self.eos_token_id, self.pad_token_id = eos_and_pad_ids(self.tokenizer, tokenizer_dir)
         chat = None if template == "none" else resolve_template(template, self.tokenizer, fallback=None)
