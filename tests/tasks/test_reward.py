@@ -353,3 +353,59 @@ def test_ppo_scored_by_a_reward_checkpoint_with_the_value_model_from_its_export(
                 err = max(err, abs(s - float(hf(torch.tensor([list((p + r).encode()) + [BYTE_EOS]])).logits)))
     print(f"PPO: {sum(len(s[0]) for s in seen)} responses scored, max |score - transformers| = {err:.1e}")
     assert len(seen) == 2 and err <= TOL
+
+
+def test_grpo_scores_the_prompt_conversation_with_the_reward_models_template(trained: dict[str, Any],
+                                                                             tmp_path: Path) -> None:
+    """GRPO on chat prompts (ChatML, with a system message): a decoder reward model (the RewardTask checkpoint: its
+    byte tokenizer gains ChatML's tokens) with a chat template scores each response as the assistant turn after the
+    conversation the policy answered, as transformers renders it (``apply_chat_template``, on the export's
+    tokenizer) up to and including the end-of-turn token."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from lightning_llm.data import PromptDataModule
+    from lightning_llm.data.chat.template import NAMED_TEMPLATES
+    from lightning_llm.generation import GenerationConfig
+    from lightning_llm.rl import GRPOConfig
+    from lightning_llm.tasks import GRPOTask
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"messages": [{"role": "system", "content": "Answer in digits."},
+                                                     {"role": "user", "content": f"Count to {i}"}]}) + "\n"
+                            for i in range(4)))
+    task = GRPOTask("debug", model_overrides={"num_layers": 1}, generation=GenerationConfig(max_new_tokens=5, do_sample=True),
+                    grpo=GRPOConfig(num_generations=2), reward=RewardConfig(model=str(trained["full"]["ckpt"]),
+                                                                            template="chatml"))
+    seen: list[tuple[list[str], Any, torch.Tensor]] = []
+    score = task.score
+
+    def recorded(prompts: list[str], responses: list[str], conversations: Any = None) -> torch.Tensor:
+        out = score(prompts, responses, conversations)
+        seen.append((responses, conversations, out))
+        return out
+
+    task.score = recorded  # type: ignore[method-assign]
+    pl.seed_everything(0)
+    dm = PromptDataModule(str(path), tokenizer_dir="byte", template="chatml", batch_size=2, max_prompt_len=48)
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
+                         num_sanity_val_steps=0)
+    _quiet(trainer.fit, task, dm)
+    hf = _quiet(AutoModelForSequenceClassification.from_pretrained, str(trained["full"]["hf"])).eval()
+    tok = AutoTokenizer.from_pretrained(str(trained["full"]["hf"]))
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.split_special_tokens = False  # the template's tokens read as the tokens they are
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    (responses, conversations, scores), = seen
+    err = 0.0
+    with torch.no_grad():
+        for response, conv, s in zip(responses, conversations, scores.tolist()):
+            assert conv.messages[0] == {"role": "system", "content": "Answer in digits."}
+            messages = [*conv.messages, {"role": "assistant", "content": response}]
+            ids = tok.apply_chat_template(messages, chat_template=NAMED_TEMPLATES["chatml"][0], tokenize=True,
+                                          return_dict=False)
+            ids = ids[: len(ids) - ids[::-1].index(end)]  # through the reply's end-of-turn token
+            err = max(err, abs(s - float(hf(torch.tensor([ids])).logits)))
+    print(f"GRPO, ChatML: {len(responses)} responses scored as rendered conversations, max |score - transformers| "
+          f"= {err:.1e}")
+    assert len(responses) == 4 and err <= TOL
