@@ -38,6 +38,7 @@ SINGLE = {
     "moe": ("pretrain_moe", []),
     "sft": ("sft_chat", []),
     "dpo": ("dpo", []),
+    "reward": ("reward", []),
     "classification": ("afqmc", ["--trainer.gradient_clip_val=1.0"]),
 }
 """One-process runs: layout name -> (config, extra flags)."""
