@@ -123,7 +123,8 @@ class PPOLogged(LoggedLoss):
 
 
 def _ppo(layout: str, devices: int, out: Path, rm: Path) -> dict[str, Any]:
-    """2 rollouts of 8 greedy responses (2 x 4 prompts under zero3), scored by ``rm``, which is also the critic."""
+    """2 rollouts of 8 greedy responses (2 x 4 prompts under zero3; one mini-batch, so the replicas' rows make one
+    device's), scored by ``rm``, which is also the critic."""
     import lightning.pytorch as pl
 
     from lightning_llm.data import PromptDataModule
@@ -136,7 +137,7 @@ def _ppo(layout: str, devices: int, out: Path, rm: Path) -> dict[str, Any]:
     pl.seed_everything(5)
     task = PPOTask("debug", model_overrides={"num_layers": 2}, critic_backbone=str(rm),
                    generation=GenerationConfig(max_new_tokens=6), reward=RewardConfig(model=str(rm)),
-                   ppo=PPOConfig(ppo_epochs=1, num_mini_batches=2), optim=OptimConfig(lr=1e-3, scheduler="constant"))
+                   ppo=PPOConfig(ppo_epochs=2, num_mini_batches=1), optim=OptimConfig(lr=1e-3, scheduler="constant"))
     dm = PromptDataModule(generated_prompts=16, max_prompt_len=16, batch_size=batch, tokenizer_dir="byte")
     rec = PPOLogged()
     pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=4, logger=False,
@@ -190,9 +191,12 @@ def test_ppo_with_a_decoder_reward_model_matches_one_device(runs: Path, layout: 
     ref = json.loads((runs / "reference.json").read_text())["ppo"]
     assert len({round(r[0], 5) for r in ref["rows"]}) > 1  # the scores differ from rollout to rollout
     for row in json.loads((runs / "layouts.json").read_text())[layout]:
-        err = max(abs(a - b) for x, y in zip(row["rows"], ref["rows"], strict=True) for a, b in zip(x, y))
+        # relative to the statistics' size (the value loss of a fresh policy is tens)
+        err = max(abs(a - b) / max(1.0, abs(b)) for x, y in zip(row["rows"], ref["rows"], strict=True)
+                  for a, b in zip(x, y))
         ratio = row["scoring_bytes"] / ref["scoring_bytes"]
-        print(f"{layout}: max |{', '.join(PPO_KEYS)} - one device| over {len(row['rows'])} steps = {err:.2e}; "
+        print(f"{layout}: max relative |{', '.join(PPO_KEYS)} - one device| over {len(row['rows'])} rollouts = "
+              f"{err:.2e}; "
               f"reward model bytes on this rank {row['scoring_bytes']:,} ({ratio:.3f}x of one device's)")
         assert err <= TOL and ratio <= 0.7
 
