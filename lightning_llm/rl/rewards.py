@@ -91,9 +91,6 @@ class RewardConfig:
         for name in ("fn", "model", "tokenizer_dir"):
             if getattr(self, name) in ("None", "null"):
                 setattr(self, name, None)
-        if not 1 <= self.max_prompt_length < self.max_length:
-            raise ValueError(f"--model.reward.max_prompt_length={self.max_prompt_length} must be >= 1 and below "
-                             f"--model.reward.max_length={self.max_length}: a response needs room after the prompt")
 
 
 torch.serialization.add_safe_globals([RewardConfig])  # saved in PPO checkpoints' hyper-parameters
@@ -230,6 +227,9 @@ class RewardModel:
     def _reply_encoder(self, template: str | None) -> ReplyEncoder:
         """How a decoder reward model's rows are made: as its preference data made them."""
         cfg = self.cfg
+        if not 1 <= cfg.max_prompt_length < cfg.max_length:
+            raise ValueError(f"--model.reward.max_prompt_length={cfg.max_prompt_length} must be >= 1 and below "
+                             f"--model.reward.max_length={cfg.max_length}: a response needs room after the prompt")
         spec = cfg.template if cfg.template != "auto" or template is None else template
         chat = None if spec == "none" else resolve_template(spec, self.tokenizer, fallback=None,
                                                             param="--model.reward.template")
