@@ -31,6 +31,7 @@ off (eval mode), as PPO's importance ratio must be 1 before the first update.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -81,6 +82,11 @@ class PPOTask(OnlineRLTask):
         """
         super().__init__(backbone, **kwargs)
         self.save_hyperparameters()
+        critic = Path(critic_backbone).expanduser() if critic_backbone else None
+        if critic is not None and critic.exists() and not (critic / "config.json").is_file():
+            raise ValueError(f"--model.critic_backbone={critic_backbone} is a training checkpoint, not an HF directory: "
+                             "export a reward model first (lightning_llm export CKPT --to DIR) and start the value "
+                             "model from DIR")
         self.critic_backbone = critic_backbone
         self.ppo = ppo or PPOConfig()
         self.kl_ctl = make_kl_controller(self.ppo.kl_coef, adaptive=self.ppo.adaptive_kl, target=self.ppo.kl_target,

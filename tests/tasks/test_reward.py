@@ -342,6 +342,8 @@ def test_ppo_scored_by_a_reward_checkpoint_with_the_value_model_from_its_export(
     print(f"value model = reward model: max |values - transformers' per-position scores| = "
           f"{float((values - ref).abs().max()):.1e}")
     assert fresh.model.value_head is None and float((values - ref).abs().max()) <= TOL
+    with pytest.raises(ValueError, match="is a training checkpoint, not an HF directory: export a reward model first"):
+        PPOTask("debug", critic_backbone=str(trained["full"]["ckpt"]), reward=RewardConfig(model="m"))
     pl.seed_everything(0)
     dm = PromptDataModule(batch_size=4, generated_prompts=8, max_prompt_len=16, tokenizer_dir="byte")
     trainer = pl.Trainer(accelerator="cpu", max_steps=2, logger=False, enable_checkpointing=False,
