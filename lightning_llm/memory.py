@@ -167,8 +167,10 @@ def activation_bytes_per_sample(config: Any, *, seq_len: int, precision: str, fu
     linear_extra = deltanet_bytes(config, tokens=local, precision=precision) - b * attention * local \
         if linear_layers else 0
     vocab = config.vocab_size
-    # Embedding output, final norm (2H), logits in the compute dtype + their fp32 copy for the loss.
-    head = local * (b * 3 * h + (0 if fused_loss else (b + 4) * vocab))
+    # Embedding output, final norm (2H), logits in the compute dtype + their fp32 copy for the loss (none for a
+    # decoder's score head: [B, S, num_labels]).
+    no_logits = fused_loss or getattr(config, "num_labels", 0) > 0
+    head = local * (b * 3 * h + (0 if no_logits else (b + 4) * vocab))
     each = [per_layer + (moe_extra if n in moe_layers else 0) + (linear_extra if n in linear_layers else 0)
             for n in range(config.num_layers)]
     return max(each), sum(each) + head
@@ -325,8 +327,8 @@ def quantized_numel(config: Any) -> int:
 
 def loss_bytes(config: Any, *, tokens: int, precision: str, fused: bool, tp: int) -> int:
     """:func:`loss_peak_bytes` of ``config``'s LM head for ``tokens`` tokens (0 for an encoder's classifier)."""
-    if getattr(config, "family", "decoder") != "decoder":
-        return 0  # classification heads: [B, num_labels] logits
+    if getattr(config, "family", "decoder") != "decoder" or getattr(config, "num_labels", 0) > 0:
+        return 0  # classification heads (a decoder's score head too): [B, S or 1, num_labels] scores
     return loss_peak_bytes(tokens=tokens, vocab=config.vocab_size, hidden=config.hidden_size, precision=precision,
                            fused=fused, tp=tp)
 

@@ -121,7 +121,9 @@ def resize_embeddings(model: nn.Module, vocab_size: int) -> int:
         raise ValueError("resize_embeddings: the model is on the meta device; build it whole to resize")
     _grow(embed, mean_resized_rows(embed.weight, n, generator=_generator(model, "embed_tokens")),
           attr="num_embeddings")
-    if config.tie_embeddings:
+    if head is None:  # a sequence classifier (a reward model's score head): the embedding alone
+        model.config = config.replace(vocab_size=vocab_size)
+    elif config.tie_embeddings:
         model.config = config.replace(vocab_size=vocab_size)
         model.tie_weights()
         head.out_features = vocab_size

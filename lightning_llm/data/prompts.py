@@ -9,7 +9,7 @@ With a chat template (``--data.template``: the tokenizer's own by default, or a 
 list of messages), or the record's OpenAI ``messages`` / ShareGPT ``conversations`` without a trailing reply,
 rendered with the template's generation prompt; too-long prompts lose their oldest turns, then the end of the last
 user message's text (the template's markers stay). The ``prompt`` text handed to rewards is then the last user
-message's text. Rollouts stop at the template's end-of-turn token and EOS (:attr:`PromptDataModule.stop_token_ids`).
+message's text, and batches also hold the fitted prompt ``conversation`` (a decoder reward model renders it). Rollouts stop at the template's end-of-turn token and EOS (:attr:`PromptDataModule.stop_token_ids`).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ class PromptDataModule(LLMDataModule):
             fitted = self.chat.fit_prompt(conv, self.max_prompt_len)
             ids = self.chat.ids(fitted.messages, conv.tools, generation_prompt=True, where=where)
             text = next(message_text(m) for m in reversed(conv.messages) if m["role"] == "user")
-            rows.append({"input_ids": ids, "prompt": text, "index": i})
+            rows.append({"input_ids": ids, "prompt": text, "index": i, "conversation": fitted})
         return rows
 
     def encode(self, text: str) -> list[int]:
@@ -187,8 +187,11 @@ class PromptDataModule(LLMDataModule):
 
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         ids, mask = left_pad([r["input_ids"] for r in rows], self.pad_token_id)
-        return {"input_ids": ids, "attention_mask": mask, "prompt": [r["prompt"] for r in rows],
-                "index": torch.tensor([r["index"] for r in rows])}
+        batch = {"input_ids": ids, "attention_mask": mask, "prompt": [r["prompt"] for r in rows],
+                 "index": torch.tensor([r["index"] for r in rows])}
+        if self.chat is not None:  # the prompt conversations (a decoder reward model renders them with its template)
+            batch["conversation"] = [r["conversation"] for r in rows]
+        return batch
 
     def train_dataloader(self) -> DataLoader:
         return self.make_loader(self.datasets["fit"], train=True, collate_fn=self.collate)

@@ -98,10 +98,10 @@ def export_sources(checkpoint: dict[str, Any], *, base: str | None = None, token
 
 
 def write_generation_config(model: nn.Module, directory: Path, sources: ExportSources) -> None:
-    """Decoders: :func:`generation_config_dict` as ``generation_config.json``. Encoders get none (transformers
-    writes none)."""
+    """Decoders: :func:`generation_config_dict` as ``generation_config.json``. Encoders and sequence classifiers (a
+    reward model) get none (transformers writes none: they do not generate)."""
     config = model.config  # type: ignore[union-attr]
-    if config.family != "decoder":
+    if config.family != "decoder" or config.num_labels > 0:
         return
     gen = generation_config_dict(config, sources)
     (directory / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
@@ -142,7 +142,10 @@ def check_architecture(model: nn.Module, architecture: str | None) -> None:
         raise ValueError(f"--architecture={architecture} has no classification head: the trained classifier (and "
                          "pooler) would be dropped; leave --architecture out (a ...ForSequenceClassification is "
                          "written)")
-    if config.family == "decoder" and not config.tie_embeddings and a.head == "base":
+    if config.family == "decoder" and config.num_labels > 0 and a.head != "cls":
+        raise ValueError(f"--architecture={architecture} has no score head: the trained reward model's head would be "
+                         "dropped; leave --architecture out (a ...ForSequenceClassification is written)")
+    if config.family == "decoder" and not config.num_labels and not config.tie_embeddings and a.head == "base":
         raise ValueError(f"--architecture={architecture} has no LM head: the trained (untied) lm_head would be "
                          "dropped; leave --architecture out")
 

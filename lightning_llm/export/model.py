@@ -100,6 +100,8 @@ def _base_weights(directory: str | None, config: Any, shapes: dict[str, torch.Si
         raise ValueError(f"{why} (e.g. {need[:3]}) and backbone={directory!r} is not a directory: pass --base HF_DIR "
                          "with the base weights the run started from")
     overrides = {"num_labels": config.num_labels, "pooler": config.pooler} if config.family == "encoder" else {}
+    if config.family == "decoder" and config.num_labels:  # a reward model on a ...ForCausalLM base: its head starts
+        overrides = {"num_labels": config.num_labels}   # fresh there (PEFT trains it whole: modules_to_save)
     base, base_config = load_hf(directory, family=config.family, **overrides)
     if peft and config.family == "decoder" and config.vocab_size > base_config.vocab_size:
         # The run grew the vocabulary (--model.resize_embeddings): grow the frozen base the same way; its new rows

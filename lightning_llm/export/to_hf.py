@@ -4,7 +4,8 @@ Reads every checkpoint layout our strategies write, consolidated to full tensors
 rebuilt as trained (:mod:`.model`): from the model config the checkpoint stores (:mod:`.meta`), so a full fine-tune
 needs nothing but the checkpoint; older checkpoints from their hyper-parameters (``backbone``, ``model_overrides``;
 label count from the weights). A classification run is written as ``...ForSequenceClassification`` with its trained
-pooler and classifier and the run's ``id2label``. A PEFT/LoRA run is written either merged into full weights
+pooler and classifier and the run's ``id2label``; a reward model (``RewardTask``: a decoder with a score head) as
+``<Family>ForSequenceClassification`` with ``num_labels=1`` and the run's pad id. A PEFT/LoRA run is written either merged into full weights
 (``--merge-lora``, the default; a tied embedding / LM head whose uses were trained apart is untied) or as a peft
 adapter directory (``--adapter-only``, ``modules_to_save`` included) with the base model next to it in ``DIR/base``,
 so ``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(DIR/base), DIR)`` loads it.

@@ -307,7 +307,8 @@ class ModelConfig:
     pooler: bool = False
     """Encoder pooler (dense + tanh on the first token)."""
     num_labels: int = 0
-    """Size of the sequence-classification head on the pooled output; 0 = no head."""
+    """Size of the sequence-classification head on the pooled output; 0 = no head. A decoder with ``num_labels > 0``
+    is a sequence classifier (a reward model): a ``score`` head [H -> num_labels] in place of the LM head."""
     dropout: float = 0.0
     """Dropout on embeddings, attention probabilities and residual branches."""
     classifier_dropout: float | None = None
@@ -315,7 +316,7 @@ class ModelConfig:
     initializer_range: float = 0.02
     """Std of the normal initialisation."""
     pad_token_id: int = 0
-    """Padding token id (used for generation and RoBERTa position ids)."""
+    """Padding token id (used for generation, RoBERTa position ids and a decoder classifier's last token)."""
     kernels: Literal["auto", "triton", "torch"] = "auto"
     """Fused Triton kernels (``triton``), plain torch (``torch``), or Triton on CUDA only (``auto``)."""
     attention: Literal["auto", "sdpa", "varlen"] = "auto"

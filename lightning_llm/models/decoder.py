@@ -9,6 +9,8 @@ Module tree (uniform so that parallel plans are data keyed by module path)::
     norm              final norm or None
     lm_head           nn.Linear [H -> V], no bias      (None on non-last pipeline stages; tied to embed_tokens;
                                                         a NormHead when config.norm_head: rows L2-normalised)
+    score             nn.Linear [H -> L], no bias      (a sequence classifier, ``config.num_labels = L > 0``: in
+                                                        place of lm_head; transformers' ``...ForSequenceClassification``)
 
 Variants are config switches of this one module tree (so every family shares one parallel spec): fused ``W_pack``
 and ``q_norm``/``k_norm`` in the attention (``layers.Attention``), partial rotary (``partial_rotary_factor``), a
@@ -59,13 +61,15 @@ from .rope import longrope_original, precompute_rope, rope_from_positions, rope_
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DecoderLM"]
+__all__ = ["DecoderLM", "score_mask", "score_positions", "sequence_scores"]
 
 
 class DecoderLM(nn.Module):
     """Decoder-only causal LM. ``forward`` returns logits [B, S, V] (or hidden states when ``lm_head is None``),
     or with ``labels=`` the next-token cross-entropy computed from the hidden states and the head in chunks
-    (:func:`~lightning_llm.kernels.head_loss.head_cross_entropy`)."""
+    (:func:`~lightning_llm.kernels.head_loss.head_cross_entropy`). A sequence classifier (``config.num_labels > 0``,
+    a reward model) has a ``score`` head instead of ``lm_head`` and returns every position's scores [B, S, L]; a row's
+    scores are those of its last token that is not padding (:func:`sequence_scores`, transformers' rule)."""
 
     computes_loss: ClassVar[bool] = True
     """``forward(..., labels=)`` returns the token cross-entropy (what a task's fused loss path asks for)."""
@@ -97,7 +101,9 @@ class DecoderLM(nn.Module):
                 for i in range(config.num_layers)})
             self.norm: nn.Module | None = build_norm(config) if config.final_norm else None
             head_cls = NormHead if config.norm_head else nn.Linear
-            self.lm_head: nn.Linear | None = head_cls(h, config.vocab_size, bias=False)
+            classifier = config.num_labels > 0
+            self.lm_head: nn.Linear | None = None if classifier else head_cls(h, config.vocab_size, bias=False)
+            self.score: nn.Linear | None = nn.Linear(h, config.num_labels, bias=False) if classifier else None
             self.rope_cos: Tensor | None
             self.rope_sin: Tensor | None
             if config.position == "rope":
@@ -114,7 +120,7 @@ class DecoderLM(nn.Module):
                                         top_k=config.moe.top_k, aux_loss_coef=config.moe.aux_loss_coef,
                                         bias_update_rate=config.moe.bias_update_rate)
         self.tie_weights()
-        tied = {"lm_head.weight": "embed_tokens.weight"} if config.tie_embeddings else {}
+        tied = {"lm_head.weight": "embed_tokens.weight"} if config.tie_embeddings and self.lm_head is not None else {}
         self.init_plan: InitPlan = plan_for_modules(self, std=config.initializer_range, tied=tied)
         """What each parameter starts as (read by :func:`~.init.materialize`, also for shards)."""
         if device.type != "meta":
@@ -198,7 +204,8 @@ class DecoderLM(nn.Module):
         temperature: float = 1.0,  # with labels: the loss of logits / temperature (RL's sampling temperature)
         token_scores: bool = False,  # with labels: TokenScores (per-token loss, entropy, hidden) instead of a loss
         logits_to_keep: int = 0,  # > 0: the logits of the last positions only [B, logits_to_keep, V] (decoding)
-    ) -> Tensor | TokenScores:  # logits [B, S, V] (hidden [B, S, H] when lm_head is None; the loss with labels)
+    ) -> Tensor | TokenScores:  # logits [B, S, V] (hidden [B, S, H] when lm_head is None; the loss with labels;
+        # a sequence classifier's scores [B, S, L])
         if self.embed_tokens is None:
             # Pipeline stage after the first: the positional input is the hidden state of the previous stage.
             x = input_ids if input_ids is not None else inputs_embeds
@@ -269,6 +276,10 @@ class DecoderLM(nn.Module):
             kv_cache.advance(s)
         if self.norm is not None:
             x = self.norm(x)
+        if self.score is not None:  # a sequence classifier: every position's scores, read at the last token
+            if labels is not None:
+                raise ValueError("DecoderLM with a score head (num_labels > 0) takes no labels: it scores sequences")
+            return self.score(x)  # [B, S, L]
         if self.lm_head is None:
             return x
         cap = self.config.final_logit_softcap  # Gemma 2: cap * tanh(logits / cap), in the fused chunks too
@@ -466,6 +477,28 @@ class DecoderLM(nn.Module):
         if window is None:
             return (mask, False), (mask, False)
         return (mask, False), (mask & causal_mask(s, mask.shape[-1], window, device=device), False)
+
+
+def score_positions(input_ids: Tensor, pad_token_id: int) -> Tensor:
+    """[B] the column of each row's last token that is not padding, by transformers' rule for
+    ``...ForSequenceClassification``: the rightmost token whose id is not ``pad_token_id`` (0 for a row of padding), so
+    left- and right-padded rows score the same token. A row ending in tokens equal to the pad id (a tokenizer whose
+    pad token is its EOS) is scored before them, as transformers scores it."""
+    columns = torch.arange(input_ids.shape[-1], device=input_ids.device, dtype=torch.int32)
+    return (columns * (input_ids != pad_token_id).to(torch.int32)).argmax(-1)
+
+
+def score_mask(input_ids: Tensor, pad_token_id: int) -> Tensor:
+    """[B, S] bool, True at each row's :func:`score_positions` column."""
+    columns = torch.arange(input_ids.shape[-1], device=input_ids.device)
+    return columns == score_positions(input_ids, pad_token_id).unsqueeze(-1)
+
+
+def sequence_scores(scores: Tensor, input_ids: Tensor, pad_token_id: int) -> Tensor:
+    """A sequence classifier's scores [B, L] from its per-position scores [B, S, L]: each row's at
+    :func:`score_positions`."""
+    rows = torch.arange(scores.shape[0], device=scores.device)
+    return scores[rows, score_positions(input_ids, pad_token_id).to(scores.device)]
 
 
 def _attention_layer(config: ModelConfig, layer: int) -> nn.Module | None:

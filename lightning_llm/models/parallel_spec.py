@@ -16,7 +16,8 @@ Tensor-parallel plans follow Megatron's layout (Shoeybi et al. 2019), expressed 
 * sequence parallel (Korthikanti et al. 2022): the residual stream between blocks is a DTensor sharded on the
   sequence dim; norms and dropout run on ``[B, S/tp, H]`` shards, each block half all-gathers its input and
   reduce-scatters its output (same bytes as one all-reduce, 1/tp of the activation memory).
-* everything else (position/token-type embeddings, encoder pooler and classifier, norms without SP) is replicated.
+* everything else (position/token-type embeddings, encoder pooler and classifier, a decoder classifier's score head,
+  norms without SP) is replicated.
 
 Plans are keyed by module path relative to the backbone (``parallelize_module`` syntax, ``*`` per path atom) and
 tolerate modules a pipeline split removed.
@@ -343,6 +344,12 @@ def decoder_tp_plan(model: nn.Module, *, sequence_parallel: bool = False, loss_p
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         )
+    elif getattr(model, "score", None) is not None:
+        # A sequence classifier's head [H -> L] (L too small to split) stays replicated: with SP its input is gathered
+        # to a plain [B, S, H] (without SP the norm's output already is one).
+        if sequence_parallel:
+            plan["score"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                               use_local_output=True)
     elif sequence_parallel and keys:
         # Last stage of a pipeline split without the head: hand the next stage a full replicated hidden state.
         plan[f"layers.{keys[-1]}"] = PrepareModuleOutput(
@@ -408,8 +415,9 @@ def _relative_position_plan(prefix: str, config: ModelConfig) -> TPPlan:
 
 
 def _tied_lm_head(model: nn.Module) -> tuple[tuple[str, str], ...]:
-    cfg = getattr(model, "config", None)
-    return (("lm_head.weight", "embed_tokens.weight"),) if cfg is not None and cfg.tie_embeddings else ()
+    cfg = getattr(model, "config", None)  # (a sequence classifier has no LM head to tie)
+    tied = cfg is not None and cfg.tie_embeddings and not cfg.num_labels
+    return (("lm_head.weight", "embed_tokens.weight"),) if tied else ()
 
 
 _TP_DIVIDES = ("num_heads", "num_kv_heads", "hidden_size", "intermediate_size", "vocab_size", "linear_key_heads")
@@ -455,7 +463,7 @@ def _encoder_pp_blocker(model: nn.Module) -> str | None:
             "use tp, zero1-3, ddp or deepspeed")
 
 PARALLEL_SPECS: dict[type[nn.Module], ParallelSpec] = {
-    DecoderLM: ParallelSpec(first=("embed_tokens", "embed_positions"), last=("norm", "lm_head"),
+    DecoderLM: ParallelSpec(first=("embed_tokens", "embed_positions"), last=("norm", "lm_head", "score"),
                             tp_plan=decoder_tp_plan, tp_divides=_TP_DIVIDES, tied=_tied_lm_head,
                             attention_cores="layers.*.self_attn.core", context_parallel_blocker=_decoder_cp_blocker,
                             position_limit=_decoder_position_limit,

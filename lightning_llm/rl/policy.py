@@ -43,7 +43,9 @@ def _lm_head(policy: nn.Module) -> nn.Module:
 class ActorCritic(nn.Module):
     """``policy`` (a decoder, possibly with PEFT adapters) plus a scalar value head, either on the policy's last
     hidden state (``critic=None``: one trunk) or on a separate ``critic`` trunk (a decoder whose ``lm_head`` is
-    None, so it returns hidden states).
+    None, so it returns hidden states). A ``critic`` that is a sequence classifier (a reward model: a ``score`` head
+    with one output, as OpenRLHF and trl start their value model) is its own value head: its per-position score is
+    the value (no ``value_head``).
 
     ``forward`` returns (logits [B, S, V], values [B, S] fp32); with ``labels`` (a policy that
     ``computes_loss``) it returns (:class:`~lightning_llm.kernels.head_loss.TokenScores`, values) instead, the
@@ -54,10 +56,12 @@ class ActorCritic(nn.Module):
         super().__init__()
         self.policy = policy
         self.critic = critic
-        self.value_head = nn.Linear(hidden_size, 1)
-        # Zero init: values start at 0, so the first advantages are the (whitened) rewards-to-go.
-        nn.init.zeros_(self.value_head.weight)
-        nn.init.zeros_(self.value_head.bias)
+        self.value_head: nn.Linear | None = None
+        if getattr(critic, "score", None) is None:
+            self.value_head = nn.Linear(hidden_size, 1)
+            # Zero init: values start at 0, so the first advantages are the (whitened) rewards-to-go.
+            nn.init.zeros_(self.value_head.weight)
+            nn.init.zeros_(self.value_head.bias)
 
     @property
     def pipeline_last_modules(self) -> tuple[str, ...] | None:
@@ -75,7 +79,7 @@ class ActorCritic(nn.Module):
         """``scoring``: ``labels=``, ``temperature=``, ``token_scores=True`` for the policy's token scores.
         ``values=False``: the policy's output alone (how a pipeline runs the policy, e.g. as the reference)."""
         kwargs = {"attention_mask": attention_mask, "position_ids": position_ids}
-        if not values or self.value_head is None:  # value_head None: a pipeline stage before the last
+        if not values or (self.value_head is None and self.critic is None):  # a pipeline stage before the last
             return self.policy(input_ids, **scoring, **kwargs)
         if scoring:
             if not scoring.get("token_scores"):
@@ -83,7 +87,7 @@ class ActorCritic(nn.Module):
                                  "states the scores carry)")
             scores = self.policy(input_ids, **scoring, **kwargs)
             hidden = scores.hidden if self.critic is None else self.critic(input_ids, **kwargs)
-            return scores, self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+            return scores, self._values(hidden)
         if self.critic is None:
             captured: list[Tensor] = []
             # The lm_head's input is the trunk's final (normed) hidden state [B, S', H].
@@ -99,8 +103,14 @@ class ActorCritic(nn.Module):
         else:
             logits = self.policy(input_ids, **kwargs)
             hidden = self.critic(input_ids, **kwargs)
-        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
-        return logits, values
+        return logits, self._values(hidden)
+
+    def _values(self, hidden: Tensor) -> Tensor:
+        """Values [B, S] fp32 from the trunk's output: the value head on hidden states [B, S, H], or a scoring
+        critic's own scores [B, S, 1]."""
+        if self.value_head is None:
+            return hidden[..., 0].float()
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
 
 
 def has_adapters(model: nn.Module) -> bool:

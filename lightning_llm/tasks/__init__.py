@@ -9,7 +9,8 @@ from lightning_llm.tasks.grpo import GRPOTask
 from lightning_llm.tasks.kto import KTOTask
 from lightning_llm.tasks.online_rl import OnlineRLTask
 from lightning_llm.tasks.ppo import PPOTask
+from lightning_llm.tasks.reward import RewardTask
 from lightning_llm.tasks.sft import SFTTask
 
 __all__ = ["CausalLMTask", "ClassificationTask", "DPOTask", "DecoderTask", "GRPOTask", "KTOTask", "LLMTask",
-           "OnlineRLTask", "OptimConfig", "PPOTask", "SFTTask"]
+           "OnlineRLTask", "OptimConfig", "PPOTask", "RewardTask", "SFTTask"]

@@ -81,6 +81,10 @@ class DecoderTask(LLMTask):
     exported in peft's format to ``adapter_dir`` at the end of ``fit``.
     """
 
+    scores_sequences: bool = False
+    """Whether the task's decoder is a sequence classifier (a ``score`` head: the reward model of ``RewardTask``);
+    the others need an LM head and refuse a ``...ForSequenceClassification`` backbone."""
+
     def __init__(
         self,
         backbone: str = "debug",
@@ -146,7 +150,12 @@ class DecoderTask(LLMTask):
         self.peft_config: PeftConfig | None = PeftConfig(method="lora", lora=lora) if lora is not None else peft
         # the backbone's own options and what the PEFT method asks of it, refused before any data is prepared
         changes = {} if dropout is None else {"dropout": dropout}
-        check_expert_lora(backbone_config(backbone, family="decoder", **changes), self.peft_config)
+        config = backbone_config(backbone, family="decoder", **changes)
+        check_expert_lora(config, self.peft_config)
+        if config is not None and config.num_labels > 0 and not self.scores_sequences:
+            raise ValueError(f"--model.backbone={backbone} is a sequence classifier (...ForSequenceClassification, "
+                             f"num_labels={config.num_labels}) without an LM head: {type(self).__name__} trains a "
+                             "language model (a reward model is --model.reward.model, or RewardTask's backbone)")
         self.quantize: QuantizeMode | None = quantize
         self.quantization = quantization or QuantizationConfig()
         if quantize is not None:

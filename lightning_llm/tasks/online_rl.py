@@ -32,8 +32,9 @@ from lightning_llm.kernels.head_loss import TokenScores
 from lightning_llm.rl.core import entropy_from_logits, logprobs_from_logits
 from lightning_llm.rl.policy import Rollout, pack_responses, response_logits
 from lightning_llm.rl.reference import ReferencePolicy
-from lightning_llm.rl.rewards import RewardConfig, RewardModel, build_reward
+from lightning_llm.rl.rewards import RewardConfig, RewardModel
 from lightning_llm.tasks.decoder import DecoderTask
+from lightning_llm.tasks.reward import build_reward_source
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,7 @@ class OnlineRLTask(DecoderTask):
     def configure_model(self) -> None:
         super().configure_model()
         if self._reward is None:
-            self._reward = build_reward(self.reward_config)
+            self._reward = build_reward_source(self.reward_config)
 
     def _ready_reward(self) -> None:
         """A reward model on this device, its data-parallel ranks told to run the same number of forwards."""
@@ -214,9 +215,13 @@ class OnlineRLTask(DecoderTask):
         g.manual_seed((int(seed) + 1_000_003 * self.rollouts_done + rank) % (2**63))
         return g
 
-    def score(self, prompts: list[str], responses: list[str]) -> Tensor:
-        """Scores [B] fp32 on this device from the reward source."""
-        out = self._reward(prompts, responses)
+    def score(self, prompts: list[str], responses: list[str], conversations: list[Any] | None = None) -> Tensor:
+        """Scores [B] fp32 on this device from the reward source (a reward model also gets the prompts as
+        ``conversations`` where the data has a chat template)."""
+        if isinstance(self._reward, RewardModel):
+            out = self._reward(prompts, responses, conversations)
+        else:
+            out = self._reward(prompts, responses)
         scores = out.detach().float() if isinstance(out, Tensor) else torch.tensor([float(s) for s in out])
         if scores.shape != (len(responses),):
             raise ValueError(f"the reward returned shape {tuple(scores.shape)} for {len(responses)} responses")
@@ -244,6 +249,7 @@ class OnlineRLTask(DecoderTask):
         self.eval()  # dropout off for generation and every forward of the rollout and the update
         prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
         prompts = list(batch["prompt"])
+        conversations = batch.get("conversation")
         uniforms = generator = None
         if not greedy and seed_per_prompt:
             if "index" not in batch:
@@ -256,6 +262,7 @@ class OnlineRLTask(DecoderTask):
             prompt_ids = prompt_ids.repeat_interleave(repeats, 0)
             prompt_mask = prompt_mask.repeat_interleave(repeats, 0)
             prompts = [p for p in prompts for _ in range(repeats)]
+            conversations = None if conversations is None else [c for c in conversations for _ in range(repeats)]
         with self.decoding(self.policy_decoder()) as decoder:
             responses = generate(decoder, prompt_ids, prompt_mask, config=cfg, generator=generator,
                                  uniforms=uniforms)  # [B, N]
@@ -263,7 +270,8 @@ class OnlineRLTask(DecoderTask):
         texts = [self._decode(ids) for ids in strip_after_eos(responses, cfg.eos_ids)]
         return Samples(query_responses=qr, attention_mask=am, position_ids=pos, context_length=prompt_ids.shape[1],
                        responses=responses, response_mask=rmask, has_eos=has_eos, texts=texts,
-                       scores=self.score(prompts, texts), temperature=cfg.temperature if cfg.do_sample else 1.0)
+                       scores=self.score(prompts, texts, conversations),
+                       temperature=cfg.temperature if cfg.do_sample else 1.0)
 
     def scoring_kwargs(self, r: Rollout, temperature: float) -> dict[str, Any]:
         """Keyword inputs of a policy call on rollout ``r``: with the fused loss also ``labels``, the temperature and

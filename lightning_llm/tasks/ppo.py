@@ -31,6 +31,7 @@ off (eval mode), as PPO's importance ratio must be 1 before the first update.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -73,11 +74,19 @@ class PPOTask(OnlineRLTask):
         Args:
             backbone: The policy: a named decoder size or a local HF directory (e.g. an SFT export).
             critic_backbone: A separate critic trunk (named decoder size or HF directory); default: the value
-                head sits on the policy's last hidden state.
+                head sits on the policy's last hidden state. A reward model's HF directory (a
+                ``...ForSequenceClassification`` with one output, e.g. ``lightning_llm export`` of a ``RewardTask``
+                run) starts the value model from the reward model, its score head the value head (as OpenRLHF and
+                trl do).
             ppo: PPO hyper-parameters.
         """
         super().__init__(backbone, **kwargs)
         self.save_hyperparameters()
+        critic = Path(critic_backbone).expanduser() if critic_backbone else None
+        if critic is not None and critic.exists() and not (critic / "config.json").is_file():
+            raise ValueError(f"--model.critic_backbone={critic_backbone} is a training checkpoint, not an HF directory: "
+                             "export a reward model first (lightning_llm export CKPT --to DIR) and start the value "
+                             "model from DIR")
         self.critic_backbone = critic_backbone
         self.ppo = ppo or PPOConfig()
         self.kl_ctl = make_kl_controller(self.ppo.kl_coef, adaptive=self.ppo.adaptive_kl, target=self.ppo.kl_target,
@@ -98,7 +107,11 @@ class PPOTask(OnlineRLTask):
         critic = None
         if self.critic_backbone is not None:
             critic = self.build_decoder(self.critic_backbone)
-            critic.lm_head = None  # the trunk returns hidden states [B, S, H]
+            critic.lm_head = None  # the trunk returns hidden states [B, S, H] (or a reward model's scores [B, S, 1])
+            labels = critic.config.num_labels
+            if labels > 1:
+                raise ValueError(f"--model.critic_backbone={self.critic_backbone}: a sequence classifier with "
+                                 f"num_labels={labels}; a value model starts from a reward model with one output")
         hidden = (critic if critic is not None else policy).config.hidden_size
         model = ActorCritic(self.checkpointed(policy), hidden_size=hidden,
                             critic=self.checkpointed(critic) if critic is not None else None)

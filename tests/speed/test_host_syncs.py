@@ -41,6 +41,7 @@ SINGLE = {
     "sft": ("sft_chat", []),
     "dpo": ("dpo", []),
     "kto": ("kto", ["--data.generated_examples=96", "--data.generated_val_examples=8"]),
+    "reward": ("reward", []),
     "classification": ("afqmc", ["--trainer.gradient_clip_val=1.0"]),
 }
 """One-process runs: layout name -> (config, extra flags)."""

@@ -145,7 +145,10 @@ def test_hf_sequence_classification_directory_as_reward_model(tmp_path: Path) ->
     enc = build_model("debug", family="encoder", vocab_size=len(vocab), num_labels=2)
     save_hf(enc, tmp_path / "rm")
     (tmp_path / "rm" / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    rm = RewardModel(RewardConfig(model=str(tmp_path / "rm"), score="log_odds"))
+    with pytest.raises(ValueError, match=r"has 2 outputs \(num_labels=2\): pick the one that is the reward with "
+                                         "--model.reward.label"):
+        RewardModel(RewardConfig(model=str(tmp_path / "rm")))
+    rm = RewardModel(RewardConfig(model=str(tmp_path / "rm"), label=1, score="log_odds"))
     prompts, responses = ["Continue: ab\n", "x"], ["12a 3", "zz!"]
     ours = rm(prompts, responses)
     with warnings.catch_warnings():
@@ -175,7 +178,7 @@ def test_reward_model_trained_by_classification_task_drives_ppo(tmp_path: Path) 
                              enable_progress_bar=False, enable_model_summary=False)
         trainer.fit(clf, dm)
     trainer.save_checkpoint(ckpt)
-    reward = RewardConfig(model=str(ckpt), tokenizer_dir=str(data / "tokenizer"), max_length=64)
+    reward = RewardConfig(model=str(ckpt), tokenizer_dir=str(data / "tokenizer"), max_length=64, label=1)
     rm = RewardModel(reward)
     dev = [json.loads(x) for x in (data / "dev.json").read_text().splitlines()]
     scores = rm([r["sentence1"] for r in dev], [r["sentence2"] for r in dev])
@@ -341,7 +344,8 @@ def reward_run(single: tuple[Path, Path], tmp_path_factory: pytest.TempPathFacto
     save_hf(rm, out / "rm")
     (out / "rm" / "vocab.txt").write_text("\n".join(vocab) + "\n")
     # as a user switches a config's reward function off for a model (jsonargparse once made "None" of this null)
-    flags = ["--model.reward.fn=null", f"--model.reward.model={out / 'rm'}", "--model.reward.score=log_odds"]
+    flags = ["--model.reward.fn=null", f"--model.reward.model={out / 'rm'}", "--model.reward.score=log_odds",
+             "--model.reward.label=1"]
     assert main(_ppo_args(out / "one", single[0], batch=8, extra=["--trainer.devices=1", *flags])) == 0
     return out / "one", flags
 

@@ -33,7 +33,7 @@ from lightning_llm.files import DataError
 
 __all__ = ["PART_SEPARATOR", "ChatColumns", "Conversation", "check_turns", "cut_text", "for_template",
            "load_conversation", "make_conversations", "marked", "message_text", "preference_conversation",
-           "prompt_conversation", "read_conversation", "text_pieces"]
+           "prompt_conversation", "read_conversation", "response_conversation", "text_pieces"]
 
 PART_SEPARATOR = "\n"
 """Between the text parts of a message for a template that takes strings: vLLM's join for such templates (its
@@ -367,14 +367,7 @@ def preference_conversation(rec: dict[str, Any], cols: ChatColumns, where: str, 
     conversation (``cols``: openai ``messages``, sharegpt ``conversations``), and ``chosen``/``rejected`` as a
     string, one message, or messages; when they are whole conversations with a shared beginning and no prompt is
     given, that beginning is the prompt (trl's implicit prompt)."""
-    replies = []
-    for key in ("chosen", "rejected"):
-        if key not in rec:
-            raise DataError(f"{where}: missing field {key!r} (fields present: {sorted(k for k in rec if k != '_line')})")
-        value = rec[key]
-        replies.append([{"role": "assistant", "content": value}] if isinstance(value, str)
-                       else _messages_of(value, cols, where, f"field {key!r}"))
-    (chosen, rejected) = replies
+    chosen, rejected = (_reply_messages(rec, key, cols, where) for key in ("chosen", "rejected"))
     if "prompt" in rec or any(c in rec for c in (cols.messages, "messages", "conversations", cols.instruction)):
         conv = prompt_conversation(rec, cols, where, default_system=default_system)
         if len(chosen) > 1 or len(rejected) > 1:  # whole conversations: their beginning must be the prompt
@@ -390,6 +383,25 @@ def preference_conversation(rec: dict[str, Any], cols: ChatColumns, where: str, 
         if reply["role"] != "assistant":
             raise DataError(f"{where}: the {key} reply must be an assistant message, got role {reply['role']!r}")
     return conv, chosen[-1], rejected[-1]
+
+
+def _reply_messages(rec: dict[str, Any], key: str, cols: ChatColumns, where: str) -> list[dict[str, Any]]:
+    """``rec[key]``: a string (one assistant message), a message or messages."""
+    if key not in rec:
+        raise DataError(f"{where}: missing field {key!r} (fields present: {sorted(k for k in rec if k != '_line')})")
+    value = rec[key]
+    return [{"role": "assistant", "content": value}] if isinstance(value, str) else \
+        _messages_of(value, cols, where, f"field {key!r}")
+
+
+def response_conversation(rec: dict[str, Any], cols: ChatColumns, where: str, *, field: str = "response",
+                          default_system: str | None = None) -> tuple[Conversation, dict[str, Any]]:
+    """``(prompt, reply)`` of a record to score (a reward model's input): the prompt as :func:`prompt_conversation`
+    reads it, and ``rec[field]`` as one assistant reply (a string or one message)."""
+    reply = _reply_messages(rec, field, cols, where)
+    if len(reply) != 1 or reply[0]["role"] != "assistant":
+        raise DataError(f"{where}: field {field!r} must be one assistant reply (a string or one message)")
+    return prompt_conversation(rec, cols, where, default_system=default_system), reply[0]
 
 
 _WORDS = {  # English: (French, German)

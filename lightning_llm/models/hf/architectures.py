@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Arch", "SUPPORTED_ARCHITECTURES", "DEFAULT_ARCHITECTURE", "FAMILY_GROUPS", "architecture_name",
-           "families_markdown", "layout_kind"]
+           "families_markdown", "layout_kind", "num_labels_of"]
 
 
 @dataclass(frozen=True)
@@ -33,9 +33,11 @@ class Arch:
     ``model.language_model`` and ``text_config``; the rest copied at export: :mod:`.multimodal`)."""
 
 
-def _decoder(kind: str, *names: str) -> dict[str, Arch]:
-    """``XForCausalLM`` and ``XModel`` of a decoder family (``names``: the class prefixes)."""
-    return {f"{n}{suffix}": Arch(kind, head) for n in names for suffix, head in (("ForCausalLM", "lm"), ("Model", "base"))}
+def _decoder(kind: str, *names: str, classifier: bool = True) -> dict[str, Arch]:
+    """``XForCausalLM``, ``XModel`` and (``classifier``: where transformers has it) ``XForSequenceClassification``
+    (a ``score`` head: reward models) of a decoder family (``names``: the class prefixes)."""
+    heads = (("ForCausalLM", "lm"), ("Model", "base")) + ((("ForSequenceClassification", "cls"),) if classifier else ())
+    return {f"{n}{suffix}": Arch(kind, head) for n in names for suffix, head in heads}
 
 
 SUPPORTED_ARCHITECTURES: dict[str, Arch] = {
@@ -47,11 +49,11 @@ SUPPORTED_ARCHITECTURES: dict[str, Arch] = {
     **_decoder("mixtral", "Mixtral"),
     **_decoder("qwen2_moe", "Qwen2Moe"),
     **_decoder("qwen3_moe", "Qwen3Moe"),
-    **_decoder("olmoe", "Olmoe"),
+    **_decoder("olmoe", "Olmoe", classifier=False),  # transformers has no OlmoeForSequenceClassification
     **_decoder("gpt_oss", "GptOss"),
     **_decoder("deepseek_v2", "DeepseekV2"),
     **_decoder("deepseek_v3", "DeepseekV3"),  # DeepSeek-V3/R1, Kimi-K2
-    **_decoder("glm4_moe", "Glm4Moe"),  # GLM-4.5/4.6
+    **_decoder("glm4_moe", "Glm4Moe", classifier=False),  # GLM-4.5/4.6 (no Glm4MoeForSequenceClassification)
     **_decoder("phi3", "Phi3"),  # Phi-3, Phi-3.5-mini, Phi-4, Phi-4-mini
     **_decoder("glm4", "Glm4"),  # GLM-4-0414
     **_decoder("olmo2", "Olmo2"),
@@ -74,6 +76,7 @@ SUPPORTED_ARCHITECTURES: dict[str, Arch] = {
     "Qwen3_5MoeForConditionalGeneration": Arch("qwen3_5_moe", "lm", nested="qwen3_5_moe_text"),
     "GPT2LMHeadModel": Arch("gpt2", "lm"),
     "GPT2Model": Arch("gpt2", "base"),
+    "GPT2ForSequenceClassification": Arch("gpt2", "cls"),
     "BertModel": Arch("bert", "base"),
     "BertForSequenceClassification": Arch("bert", "cls"),
     "BertForMaskedLM": Arch("bert", "mlm"),
@@ -152,6 +155,14 @@ def architecture_name(hf: dict[str, Any], where: str = "config") -> str:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"{where}: unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     return arch
+
+
+def num_labels_of(hf: dict[str, Any]) -> int:
+    """The classes of a ``...ForSequenceClassification`` ``config.json`` dict: ``id2label``'s size, else
+    ``num_labels`` (2, transformers' default)."""
+    if hf.get("id2label"):
+        return len(hf["id2label"])
+    return int(hf.get("num_labels", 2))
 
 
 def families_markdown() -> str:

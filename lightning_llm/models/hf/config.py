@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..config import ModelConfig
-from .architectures import DEFAULT_ARCHITECTURE, SUPPORTED_ARCHITECTURES, architecture_name
+from .architectures import DEFAULT_ARCHITECTURE, SUPPORTED_ARCHITECTURES, architecture_name, num_labels_of
 from .decoders import DECODER_KINDS, decoder_config_from_hf, decoder_config_to_hf, moe_architecture
 from .encoders import encoder_config_from_hf, encoder_config_to_hf
 from .gemma import GEMMA_KINDS, gemma_config_from_hf, gemma_config_to_hf
@@ -41,12 +41,15 @@ def config_from_hf(hf_config: dict[str, Any], *, where: str = "config") -> Model
     pad = hf.get("pad_token_id")
     pad = 0 if pad is None else int(pad)
     if a.kind in GEMMA_KINDS:
-        return gemma_config_from_hf(hf, a.kind, extra=extra, pad=pad, where=where)
-    if a.kind in DECODER_KINDS:
-        return decoder_config_from_hf(hf, a.kind, extra=extra, pad=pad, where=where)
-    if a.kind == "gpt2":
-        return gpt2_config_from_hf(hf, extra=extra, pad=pad)
-    return encoder_config_from_hf(hf, arch, a, extra=extra, pad=pad, where=where)
+        config = gemma_config_from_hf(hf, a.kind, extra=extra, pad=pad, where=where)
+    elif a.kind in DECODER_KINDS:
+        config = decoder_config_from_hf(hf, a.kind, extra=extra, pad=pad, where=where)
+    elif a.kind == "gpt2":
+        config = gpt2_config_from_hf(hf, extra=extra, pad=pad)
+    else:
+        return encoder_config_from_hf(hf, arch, a, extra=extra, pad=pad, where=where)
+    # A decoder's ...ForSequenceClassification: its `score` head (transformers' num_labels: id2label's size, else 2)
+    return config.replace(num_labels=num_labels_of(hf)) if a.head == "cls" else config
 
 
 _ARCH_FIELDS = (
@@ -102,6 +105,10 @@ def config_to_hf(config: ModelConfig, architecture: str, *, dtype: torch.dtype =
         raise ValueError(f"{architecture}'s config.json is the source checkpoint's, copied by save_hf (the model's "
                          f"own config is its language model's: {DEFAULT_ARCHITECTURE[a.nested]})")
     c = config
+    if c.family == "decoder" and (c.num_labels > 0) != (a.head == "cls"):
+        what = f"a sequence classifier (score head, num_labels={c.num_labels})" if c.num_labels else "a language model"
+        raise ValueError(f"{what} is not representable as {architecture}: a decoder's score head is written as "
+                         "...ForSequenceClassification, an LM head as ...ForCausalLM / ...Model")
     ex = c.extra or {}
     hf: dict[str, Any] = {"architectures": [architecture], "model_type": a.kind, "dtype": _dtype_name(dtype),
                           "initializer_range": c.initializer_range, "pad_token_id": c.pad_token_id}

@@ -14,7 +14,7 @@ import re
 from typing import Any
 
 from ..config import ModelConfig
-from .architectures import Arch
+from .architectures import Arch, num_labels_of
 from .deberta import deberta_config_from_hf, deberta_config_to_hf, deberta_entries
 from .decoders import PLAIN_ACT_TO_HF, plain_act
 from .entries import Entry, lin
@@ -45,16 +45,10 @@ ENCODER_HEAD_KEYS = {
 """Head weights of other tasks: dropped with a warning (e.g. an MLM head when loading a backbone)."""
 
 
-def _num_labels(hf: dict[str, Any]) -> int:
-    if hf.get("id2label"):
-        return len(hf["id2label"])
-    return int(hf.get("num_labels", 2))
-
-
 def encoder_config_from_hf(hf: dict[str, Any], arch: str, a: Arch, *, extra: dict[str, Any], pad: int,
                            where: str = "config") -> ModelConfig:
     refuse_unbuilt(hf, a.kind, where)
-    num_labels = _num_labels(hf) if a.head == "cls" else 0
+    num_labels = num_labels_of(hf) if a.head == "cls" else 0
     if a.kind == "deberta-v2":
         return deberta_config_from_hf(hf, arch, a, extra=extra, pad=pad, num_labels=num_labels, where=where)
     if a.kind == "modernbert":

@@ -145,6 +145,17 @@ def lin(hf: str, ours: str, bias: bool, **kw: Any) -> list[Entry]:
     return out
 
 
+def head_entries(config: ModelConfig, head: str) -> list[Entry]:
+    """A decoder's head: a sequence classifier's ``score`` (``config.num_labels > 0``: loaded from a
+    ``...ForSequenceClassification``, fresh from any other class), else the LM head unless the class is a bare
+    ``...Model``."""
+    if config.num_labels > 0:
+        return lin("score", "score", False, group="classifier", top=True)
+    if head not in ("base", "cls"):  # Baichuan's NormHead stores the raw weight too (normalised in forward)
+        return lin("lm_head", "lm_head", False, group="lm_head", top=True)
+    return []
+
+
 def _gpt_oss_mlp_entries(config: ModelConfig, layer: int) -> list[Entry | Stacked | Fused]:
     """gpt-oss: ``mlp.router`` (weight, bias) and the fused ``mlp.experts`` ([E, H, 2I] alternating gate/up columns,
     [E, I, H], their biases [E, 2I] alternating and [E, H])."""

@@ -1,4 +1,4 @@
-"""GPT-2 (``GPT2LMHeadModel``, ``GPT2Model``): ``config.json`` and weight names <-> a learned-position
+"""GPT-2 (``GPT2LMHeadModel``, ``GPT2Model``, ``GPT2ForSequenceClassification``): ``config.json`` and weight names <-> a learned-position
 :class:`~lightning_llm.models.DecoderLM` with LayerNorms and biases.
 
 Conv1D weights are stored ``[in, out]`` (transposed to ``nn.Linear``'s ``[out, in]``) and ``c_attn`` holds q, k, v
@@ -14,7 +14,7 @@ from torch import Tensor
 
 from ..config import ModelConfig
 from .decoders import PLAIN_ACT_TO_HF, plain_act
-from .entries import Entry, lin
+from .entries import Entry, head_entries, lin
 
 __all__ = ["gpt2_config_from_hf", "gpt2_config_to_hf", "gpt2_entries"]
 
@@ -84,6 +84,4 @@ def gpt2_entries(c: ModelConfig, head: str) -> list[Entry]:
         e += lin(f"{p}.ln_1", f"{q}.attn_norm", True)
         e += lin(f"{p}.ln_2", f"{q}.mlp_norm", True)
     e += lin("ln_f", "norm", True)
-    if head != "base":
-        e += lin("lm_head", "lm_head", False, group="lm_head", top=True)
-    return e
+    return e + head_entries(c, head)

@@ -187,8 +187,9 @@ def load_hf(
 
     ``dtype``: None -> torch's default dtype (float32 unless a precision context set another), ``"auto"`` -> the
     checkpoint's dtype, or a torch dtype / its name. ``config_overrides`` are applied to the converted config (e.g.
-    ``num_labels=3`` to add a fresh classifier, ``dropout=0.0``); overrides that change tensor shapes (other than
-    ``num_labels``) fail with the mismatching keys. Parameters the checkpoint lacks (a fresh head) get the family's
+    ``num_labels=3`` to add a fresh classifier, ``dropout=0.0``; on a decoder ``num_labels=1`` makes a sequence
+    classifier, its ``score`` head loaded from a ``...ForSequenceClassification``, fresh from a ``...ForCausalLM``);
+    overrides that change tensor shapes (other than an encoder's ``num_labels``) fail with the mismatching keys. Parameters the checkpoint lacks (a fresh head) get the family's
     init (:mod:`.init`).
 
     ``lazy=True``: the model stays on the meta device with ``weights_source`` set, names and shapes already checked;
@@ -204,8 +205,9 @@ def load_hf(
     hf = read_json(cfg_file)
     arch = architecture_name(hf, where=str(cfg_file))
     config = config_from_hf(hf, where=str(cfg_file))
-    if config_overrides.get("num_labels", 0) > 0 and "pooler" not in config_overrides:
-        config_overrides = {**config_overrides, "pooler": True}  # HF classification heads sit on the pooler
+    encoder_head = config.family == "encoder" and config_overrides.get("num_labels", 0) > 0
+    if encoder_head and "pooler" not in config_overrides:
+        config_overrides = {**config_overrides, "pooler": True}  # HF encoders' classification heads sit on the pooler
     if config_overrides:
         config = config.replace(**config_overrides)
     if family is not None and config.family != family:

@@ -39,7 +39,9 @@ def default_architecture(config: ModelConfig) -> str:
         return outer  # loaded from a multimodal checkpoint: written as it, its towers copied from there
     if kind not in DEFAULT_ARCHITECTURE:
         kind = _decoder_kind(config) if config.family == "decoder" else _encoder_kind(config)
-    if config.family == "decoder" or kind in DECODER_KINDS + ("gpt2",) or config.num_labels == 0:
+    if config.family == "decoder" or kind in DECODER_KINDS + ("gpt2",):
+        return _classifier_architecture(kind) if config.num_labels > 0 else DEFAULT_ARCHITECTURE[kind]
+    if config.num_labels == 0:
         return DEFAULT_ARCHITECTURE[kind]
     return next(n for n, a in SUPPORTED_ARCHITECTURES.items() if a.kind == kind and a.head == "cls")
 
@@ -60,6 +62,15 @@ def decoder_module_prefix(config: ModelConfig) -> str:
     multimodal class's ``model.language_model.`` (the names of a peft adapter on that class)."""
     a = SUPPORTED_ARCHITECTURES.get(default_architecture(config))
     return MODULE_PREFIX if a is not None and a.nested is not None else "model."
+
+
+def _classifier_architecture(kind: str) -> str:
+    """The ``...ForSequenceClassification`` class of a decoder family (a reward model is written as one)."""
+    found = [name for name, a in SUPPORTED_ARCHITECTURES.items() if a.kind == kind and a.head == "cls"]
+    if not found:
+        raise ValueError(f"a {kind} sequence classifier (score head) cannot be saved: transformers has no "
+                         f"...ForSequenceClassification class for {kind}")
+    return found[0]
 
 
 def _decoder_kind(config: ModelConfig) -> str:

@@ -13,7 +13,7 @@ from ..config import ModelConfig
 from .architectures import SUPPORTED_ARCHITECTURES, layout_kind
 from .decoders import DECODER_KINDS, wpack_from_hf, wpack_to_hf
 from .encoders import ENCODER_HEAD_KEYS, ENCODER_PREFIX, encoder_entries
-from .entries import Entry, Fused, Stacked, lin, moe_mlp_entries
+from .entries import Entry, Fused, Stacked, head_entries, lin, moe_mlp_entries
 from .glm4 import GLM4_NORMS
 from .gemma import GEMMA_KINDS, GEMMA_NORMS
 from .gpt2 import gpt2_entries
@@ -32,11 +32,11 @@ IGNORED = re.compile(
 """Checkpoint keys that carry no weights we need (buffers that old versions persisted)."""
 
 HEAD_KEYS = {
-    **{k: re.compile(r"^score\.") for k in DECODER_KINDS},
-    "gpt2": re.compile(r"^score\."),
+    **{k: re.compile(r"^(score|lm_head)\.") for k in DECODER_KINDS + ("gpt2",)},
     **ENCODER_HEAD_KEYS,
 }
-"""Head weights of other tasks: dropped with a warning (e.g. an MLM head when loading a backbone)."""
+"""Head weights of other tasks: dropped with a warning (e.g. an MLM head when loading a backbone; the LM head of a
+``...ForCausalLM`` a reward model starts from)."""
 
 
 def _mla_entries(hf: str, ours: str, c: ModelConfig) -> list[Entry]:
@@ -95,9 +95,7 @@ def _decoder_entries(c: ModelConfig, kind: str, head: str) -> list[Entry | Stack
         for hf_norm, ours in BLOCK_NORMS.get(kind, _LLAMA_NORMS):
             e += lin(f"{p}.{hf_norm}", f"{p}.{ours}", False)
     e += lin("norm", "norm", False)
-    if head != "base":  # Baichuan's NormHead stores the raw weight too (normalised in forward)
-        e += lin("lm_head", "lm_head", False, group="lm_head", top=True)
-    return e
+    return e + head_entries(c, head)
 
 
 def entries(config: ModelConfig, architecture: str) -> list[Entry | Stacked | Fused]:
