@@ -123,7 +123,7 @@ def _layer_blocks(a: argparse.Namespace) -> dict[str, torch.nn.Module]:
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
     from lightning_llm.models import config_from_hf
-    from lightning_llm.models.moe import MoEBlock
+    from lightning_llm.models.layers.moe import MoEBlock
 
     cfg = hf_config(a, layer=True)
     ours = config_from_hf(cfg.to_dict())

@@ -263,7 +263,7 @@ def _active_flops_per_token(case: Case) -> tuple[int, dict[str, int]]:
     import torch
 
     from lightning_llm.models import build_model
-    from lightning_llm.models.moe import moe_parameters
+    from lightning_llm.models.layers.moe import moe_parameters
     from lightning_llm.tools.estimate import train_flops_per_token
 
     with torch.device("meta"):
@@ -285,7 +285,7 @@ def _kernels(device: Any) -> dict[str, Any]:
     import torch
 
     from lightning_llm.kernels.cross_entropy import chunk_size_for, fused_linear_cross_entropy
-    from lightning_llm.models.moe import _TokensByExpert
+    from lightning_llm.models.layers.moe import _TokensByExpert
 
     cuda = device.type == "cuda"
 

@@ -28,7 +28,7 @@ final norm and head, a tied head is a copy there), the tensor-parallel plan (col
 row-parallel linears: dim 1, vocab-parallel embedding: dim 0, everything else replicated) and FSDP2's dim-0 shards
 under ZeRO-3 (``ceil`` chunks, as ``torch.chunk``).
 
-Mixture-of-Experts models (:mod:`lightning_llm.models.moe`): the routed experts (``ParallelSpec.expert_modules``,
+Mixture-of-Experts models (:mod:`lightning_llm.models.layers.moe`): the routed experts (``ParallelSpec.expert_modules``,
 ``[E, ...]`` tensors) are whole on every tensor-parallel rank, ``E / ep`` of them on each expert-parallel rank, and
 under ZeRO-3 sharded on dim 0 over the ``dp x cp / ep`` ranks holding the same experts (everything else over all
 ``dp x cp``). An MoE layer's activations per token replace the dense MLP's by what autograd saves for the router

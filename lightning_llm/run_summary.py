@@ -9,7 +9,7 @@ arrives (its shape is the run's):
   for token tasks, tokens per optimizer step;
 * parameters (counted when the model was built, before any sharding) and the estimated memory per rank, from the
   same function as ``lightning_llm estimate`` (:func:`lightning_llm.memory.estimate_layout`);
-* attention: the kernel padded, packed and plain rows take (``models/attention.py``: the varlen flash path or SDPA
+* attention: the kernel padded, packed and plain rows take (``models/layers/attention.py``: the varlen flash path or SDPA
   over a dense mask, and why);
 * FLOPs per optimizer step: one forward and backward of a replica's batch counted by ``torch.utils.flop_counter`` on
   a meta-device twin of the model (copied before sharding, so the count is the whole model's under any layout),
@@ -37,8 +37,8 @@ from typing_extensions import override
 from lightning_llm.contract import declared_inputs, overrides_compute_loss, overrides_training_step
 from lightning_llm.memory import PRECISIONS, Quantized, estimate_layout
 from lightning_llm.models import ModelConfig
-from lightning_llm.models.attention import describe_attention
-from lightning_llm.models.moe import moe_parameters
+from lightning_llm.models.layers.attention import describe_attention
+from lightning_llm.models.layers.moe import moe_parameters
 from lightning_llm.models.quantize import describe, is_quantized, quantized_bytes
 from lightning_llm.strategies import DeepSpeedZeroStrategy, ParallelEngine
 from lightning_llm.strategies.frozen import frozen_models_of, scoring_models_of

@@ -1,4 +1,4 @@
-"""Attention parts of ``benchmarks/gpu/suite.py``: the varlen path (``models/attention.py``) against the dense-mask path.
+"""Attention parts of ``benchmarks/gpu/suite.py``: the varlen path (``models/layers/attention.py``) against the dense-mask path.
 
 Plain training loops on one device (no Lightning: what changes is the attention alone), each model built from the
 same seed for both paths, bf16 autocast over fp32 weights, the model's fused loss (``labels=``), AdamW (fused on
@@ -106,7 +106,7 @@ def packed_batch(examples: list[dict[str, list[int]]], rows: int, seq: int, voca
 def train(build: Callable[[], torch.nn.Module], batch: dict[str, torch.Tensor], *, device: torch.device,
           dtype: torch.dtype, steps: int, warmup: int, case: str) -> Row:
     """Steps of one batch: forward (fused loss) + backward + AdamW; OOM is a row, not a failure of the run."""
-    from lightning_llm.models.attention import attention_path
+    from lightning_llm.models.layers.attention import attention_path
 
     _free(device)
     row = Row(case=case, path="")
@@ -190,7 +190,7 @@ def run_gqa(cfg: dict[str, Any], device: torch.device, bench: Callable[..., floa
     """The attention alone: repeat_interleave + SDPA vs enable_gqa vs the varlen path, forward + backward."""
     import torch.nn.functional as F
 
-    from lightning_llm.models.attention import varlen_attention, varlen_layout
+    from lightning_llm.models.layers.attention import varlen_attention, varlen_layout
 
     n, kv, d = cfg["gqa_heads"]
     b, s, dtype = cfg["gqa_batch"], cfg["gqa_seq"], cfg["dtype"]

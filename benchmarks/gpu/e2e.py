@@ -82,7 +82,7 @@ class GpuMeter(pl.Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        from lightning_llm.models.moe import moe_parameters
+        from lightning_llm.models.layers.moe import moe_parameters
 
         model = getattr(pl_module, "model", pl_module)
         emb = sum(_numel(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(False))

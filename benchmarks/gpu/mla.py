@@ -70,7 +70,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def row_varlen(s: dict[str, Any], device: torch.device, smoke: bool) -> list[str]:
     from lightning_llm.models import DecoderLM
-    from lightning_llm.models.attention import attention_path
+    from lightning_llm.models.layers.attention import attention_path
 
     ids, mask = _padded(s, device)
     keep = mask.bool()

@@ -1,5 +1,5 @@
 """Attention sinks (gpt-oss) on the GPU: the varlen path (flash varlen's output corrected by its log-sum-exp and the
-sink, the kernel's backward given the corrected output: ``models/sinks.py``) against an fp32 reference (the scores
+sink, the kernel's backward given the corrected output: ``models/layers/sinks.py``) against an fp32 reference (the scores
 materialised with the sink as a column), forward and backward, and the same for flash varlen without sinks (the
 kernel's own bf16 error, the baseline the sinks must not exceed); then ``debug-gpt-oss`` trained a step under bf16
 autocast on the varlen path and on the mask path (eager scores on CUDA); then time and peak memory of one layer's
@@ -27,9 +27,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from lightning_llm.models import build_model  # noqa: E402
-from lightning_llm.models.attention import DotProductAttention, varlen_layout  # noqa: E402
-from lightning_llm.models.layers import additive_mask, causal_padding_mask  # noqa: E402
-from lightning_llm.models.sinks import eager_sink_attention, varlen_sinks_supported  # noqa: E402
+from lightning_llm.models.layers.attention import DotProductAttention, varlen_layout  # noqa: E402
+from lightning_llm.models.layers.block import additive_mask, causal_padding_mask  # noqa: E402
+from lightning_llm.models.layers.sinks import eager_sink_attention, varlen_sinks_supported  # noqa: E402
 
 
 def _rows(kind: str, b: int, s: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -104,7 +104,7 @@ class MoEConfig:
 
 @dataclass
 class MLAConfig:
-    """Multi-head Latent Attention (DeepSeek-V2/V3, Kimi-K2; ``models/mla.py``): keys and values of every head
+    """Multi-head Latent Attention (DeepSeek-V2/V3, Kimi-K2; ``models/layers/mla.py``): keys and values of every head
     expanded from one compressed latent per token, queries through an optional low-rank path, and the rotary part of
     each query/key head (one rotary key shared by the heads) decoupled from the rest. With it, ``ModelConfig.head_dim``
     is the query/key head size ``qk_nope_head_dim + qk_rope_head_dim`` and ``num_kv_heads`` is ``num_heads``."""
@@ -141,7 +141,7 @@ class MLAConfig:
 
 @dataclass
 class LinearAttentionConfig:
-    """Gated DeltaNet layers (linear attention with a recurrent state: Qwen3.5, Qwen3-Next; ``models/deltanet.py``),
+    """Gated DeltaNet layers (linear attention with a recurrent state: Qwen3.5, Qwen3-Next; ``models/layers/deltanet.py``),
     on the layers ``ModelConfig.layer_types`` names ``"linear_attention"``. Each key head serves
     ``num_value_heads / num_key_heads`` value heads."""
 
@@ -175,7 +175,7 @@ class LinearAttentionConfig:
 
 @dataclass
 class DisentangledConfig:
-    """DeBERTa-v2/v3's disentangled attention (``models/deberta.py``): besides content-to-content scores, each query
+    """DeBERTa-v2/v3's disentangled attention (``models/layers/deberta.py``): besides content-to-content scores, each query
     scores the relative position of each key (``c2p``) and each key the relative position of the query (``p2c``),
     through one table of relative-position embeddings shared by every layer (``rel_embeddings`` [2 * span, H], layer-
     normed with ``rel_norm``). The softmax scale is ``1/sqrt(head_dim * (1 + len(pos_att_type)))``."""
@@ -276,9 +276,9 @@ class ModelConfig:
     once (OLMoE: ``q_norm`` [N*D], ``k_norm`` [K*D])."""
     attention_sinks: bool = False
     """A learned logit per query head that joins every softmax as one more column and is then dropped (gpt-oss
-    ``sinks``): a query may give part of its attention to nothing (``models/sinks.py``)."""
+    ``sinks``): a query may give part of its attention to nothing (``models/layers/sinks.py``)."""
     qkv_packed: bool = False
-    """One fused ``W_pack`` projection for q, k, v (Baichuan), stored head-interleaved (see ``layers.Attention``);
+    """One fused ``W_pack`` projection for q, k, v (Baichuan), stored head-interleaved (see ``block.Attention``);
     needs ``num_kv_heads == num_heads``."""
     norm_head: bool = False
     """LM head weight L2-normalised per vocabulary row in forward (Baichuan2 ``NormHead``)."""
@@ -320,7 +320,7 @@ class ModelConfig:
     kernels: Literal["auto", "triton", "torch"] = "auto"
     """Fused Triton kernels (``triton``), plain torch (``torch``), or Triton on CUDA only (``auto``)."""
     attention: Literal["auto", "sdpa", "varlen"] = "auto"
-    """Attention of padded, packed and sliding-window rows (``models/attention.py``): ``varlen`` = flash varlen
+    """Attention of padded, packed and sliding-window rows (``models/layers/attention.py``): ``varlen`` = flash varlen
     (``torch.nn.attention.varlen.varlen_attn``), no ``[S, S]`` mask (on the CPU: its per-sequence reference, slow);
     ``sdpa`` = SDPA with a dense mask; ``auto`` = varlen on CUDA (Ampere+) in fp16/bf16 without attention dropout,
     sdpa elsewhere. Decoding with a KV cache always takes sdpa."""
@@ -351,14 +351,14 @@ class ModelConfig:
     """The attention output times ``sigmoid(gate)``, the gate from a second half of ``q_proj`` (per head ``[q_h,
     gate_h]``: Qwen3.5's and Qwen3-Next's gated attention)."""
     disentangled: DisentangledConfig | None = None
-    """DeBERTa-v2/v3's disentangled attention in every layer of an encoder (``models/deberta.py``); ``None``: plain
+    """DeBERTa-v2/v3's disentangled attention in every layer of an encoder (``models/layers/deberta.py``); ``None``: plain
     attention. A DeBERTa encoder also zeroes the padding rows of its embeddings, as transformers does."""
     norm_bias: bool = True
     """Biases on the LayerNorms (ModernBERT: none)."""
     pooling: Literal["cls", "mean"] = "cls"
     """What an encoder's pooler reads: the first token, or the mean over the real tokens (ModernBERT)."""
     pooler_activation: str = "tanh"
-    """The pooler's activation (BERT: ``tanh``; DeBERTa and ModernBERT: ``gelu``; any name of ``layers.activation``)."""
+    """The pooler's activation (BERT: ``tanh``; DeBERTa and ModernBERT: ``gelu``; any name of ``block.activation``)."""
     pooler_bias: bool = True
     """Bias on the pooler's dense layer (ModernBERT: ``classifier_bias``)."""
     pooler_norm: bool = False

@@ -13,8 +13,8 @@ Module tree (uniform so that parallel plans are data keyed by module path)::
                                                         place of lm_head; transformers' ``...ForSequenceClassification``)
 
 Variants are config switches of this one module tree (so every family shares one parallel spec): fused ``W_pack``
-and ``q_norm``/``k_norm`` in the attention (``layers.Attention``), partial rotary (``partial_rotary_factor``), a
-sliding window on the layers of ``config.sliding_layers`` (a band in the attention mask), rope types of ``rope.py``,
+and ``q_norm``/``k_norm`` in the attention (``block.Attention``), partial rotary (``partial_rotary_factor``), a
+sliding window on the layers of ``config.sliding_layers`` (a band in the attention mask), rope types of ``layers/rope.py``,
 Multi-head Latent Attention as every layer's ``self_attn`` (``config.mla``: ``mla.LatentAttention``), Gated DeltaNet
 as the ``self_attn`` of the layers ``config.linear_layers`` names (``deltanet.GatedDeltaNet``: Qwen3.5, Qwen3-Next,
 a recurrent state instead of keys and values), Mixture-of-Experts
@@ -23,7 +23,7 @@ feed-forwards (``config.moe``: ``moe.MoEBlock``), norms on each branch's input a
 rotary embedding (``nope_layers``), the sliding layers' own rope (``sliding_rope``: OLMo 3, Gemma 3's local base),
 LongRoPE's factors chosen per forward (``_longrope``), Gemma's scaled embedding and soft-caps (the scores':
 ``attention.softcapped_attention``; the logits': in forward and in the fused loss's chunks). Attention takes SDPA over one
-mask per forward, or the varlen flash kernel over one layout per forward (``attention.py``: ``config.attention``).
+mask per forward, or the varlen flash kernel over one layout per forward (``layers/attention.py``: ``config.attention``).
 
 Shape legend: B batch, S sequence, H hidden, V vocab, D head dim.
 """
@@ -38,14 +38,10 @@ from torch import Tensor, nn
 
 from lightning_llm.kernels.head_loss import TokenScores, head_cross_entropy, head_token_scores
 
-from .attention import AttentionMask, TokenMask, contiguous_sequences, uses_varlen, varlen_layout
 from .config import ModelConfig
-from .deltanet import GatedDeltaNet, recurrent_rows
 from .init import InitPlan, WeightsSource, draw_init_seed, full_index, init_whole, materialize, plan_for_modules
-from .mla import LatentAttention
-from .moe import MoEBlock, RoutingInput
-from .routing import RoutingStats
-from .layers import (
+from .layers.attention import AttentionMask, TokenMask, contiguous_sequences, uses_varlen, varlen_layout
+from .layers.block import (
     KVCache,
     NormHead,
     ScaledEmbedding,
@@ -57,7 +53,11 @@ from .layers import (
     segment_positions,
     use_fused_kernel,
 )
-from .rope import longrope_original, precompute_rope, rope_from_positions, rope_inv_freq, rope_type
+from .layers.deltanet import GatedDeltaNet, recurrent_rows
+from .layers.mla import LatentAttention
+from .layers.moe import MoEBlock, RoutingInput
+from .layers.rope import longrope_original, precompute_rope, rope_from_positions, rope_inv_freq, rope_type
+from .layers.routing import RoutingStats
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class DecoderLM(nn.Module):
                 self.rope_cos = None
                 self.rope_sin = None
         self.routing: RoutingStats | None = None
-        """The MoE layers' router statistics of a training step (``None`` without MoE layers): see :mod:`.routing`."""
+        """The MoE layers' router statistics of a training step (``None`` without MoE layers): see :mod:`.layers.routing`."""
         if config.moe is not None:
             self.routing = RoutingStats(config.moe_layers, num_experts=config.moe.num_experts,
                                         top_k=config.moe.top_k, aux_loss_coef=config.moe.aux_loss_coef,
@@ -309,7 +309,7 @@ class DecoderLM(nn.Module):
         return RoutingInput(keep=None if keep is None else keep.reshape(-1), stats=self.routing)
 
     def _cores_need_token_mask(self) -> bool:
-        """Whether an attention core rebuilds its mask from the tokens' :class:`~.attention.TokenMask` (a core a layout
+        """Whether an attention core rebuilds its mask from the tokens' :class:`~.layers.attention.TokenMask` (a core a layout
         installed through the declared hook)."""
         # The blocks' cores only (a walk over every module would cost each decoding step a Python loop over them).
         return any(getattr(getattr(getattr(layer, "self_attn", None), "core", None), "needs_token_mask", False)
@@ -436,7 +436,7 @@ class DecoderLM(nn.Module):
     def _shared_masks(masks: tuple[tuple[Tensor | None, bool], tuple[Tensor | None, bool]], x: Tensor
                       ) -> tuple[tuple[Tensor | None, bool], tuple[Tensor | None, bool]]:
         """The boolean masks as additive ones in the attention's dtype (autocast's, else the hidden states'), each
-        converted once for all the layers that share it (``layers.additive_mask``)."""
+        converted once for all the layers that share it (``block.additive_mask``)."""
         device = x.device.type
         # not on meta; no torch.amp.is_autocast_available (torch 2.11's dynamo breaks the graph on it)
         autocast = device != "meta" and torch.is_autocast_enabled(device)
@@ -502,7 +502,7 @@ def sequence_scores(scores: Tensor, input_ids: Tensor, pad_token_id: int) -> Ten
 
 
 def _attention_layer(config: ModelConfig, layer: int) -> nn.Module | None:
-    """The kind of attention layer of block ``layer`` (None: the block's default, ``layers.Attention``)."""
+    """The kind of attention layer of block ``layer`` (None: the block's default, ``block.Attention``)."""
     if layer in config.linear_layers:
         return GatedDeltaNet(config)
     return LatentAttention(config) if config.mla is not None else None

@@ -22,7 +22,7 @@ Latent Attention, plugs in through it):
   ``[B, K, S, D]`` after rotary, or a latent attention's compressed latent and rotary key. Columns not yet written
   (a static cache's tail) are zero; the mask hides them.
 * ``cache.state(owner) -> states | None`` and ``cache.set_state(owner, states)``: a recurrent layer's states (Gated
-  DeltaNet's convolution inputs and delta-rule state, ``models/deltanet.py``) after the tokens so far, kept per layer
+  DeltaNet's convolution inputs and delta-rule state, ``models/layers/deltanet.py``) after the tokens so far, kept per layer
   beside the attention layers' keys and values (None before its first forward); a static cache writes them into
   buffers of fixed addresses.
 * ``cache.advance(S)``: the forward is done (the model calls it after its layers).
@@ -53,7 +53,7 @@ def positions(mask: Tensor) -> Tensor:
 class KVCache:
     """Keys/values of the tokens seen so far, per attention module, for incremental decoding (the dynamic cache).
 
-    Each :class:`~lightning_llm.models.layers.Attention` appends its new keys/values [B, K, S_new, D] (after rotary)
+    Each :class:`~lightning_llm.models.layers.block.Attention` appends its new keys/values [B, K, S_new, D] (after rotary)
     under its own identity, so one cache object serves a whole model without layer indices. ``reorder`` selects batch
     rows (beam search). With ``capacity`` each module's keys and values live in one [B, K, capacity, D] buffer
     written in place (a step that would pass it doubles it); without, they are concatenated per call.

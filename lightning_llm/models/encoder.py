@@ -1,5 +1,5 @@
 """Bidirectional encoders with an optional pooler and classification head: BERT, RoBERTa, XLM-R, MegatronBERT
-(learned positions), DeBERTa-v2/v3 (disentangled attention over relative positions, ``models/deberta.py``) and
+(learned positions), DeBERTa-v2/v3 (disentangled attention over relative positions, ``models/layers/deberta.py``) and
 ModernBERT (rotary positions, alternating global and sliding-window layers, GLU feed-forward).
 
 Module tree::
@@ -20,7 +20,7 @@ A pre-norm encoder with an embedding norm (ModernBERT) has no attention norm in 
 the embeddings arrive normed. Attention masks: padding keys are masked (``[B, 1, 1, S]``); sliding-window layers
 (``config.sliding_layers``) see the keys within ``sliding_window // 2`` columns, masked with the dtype's lowest value
 (``[B, 1, S, S]``, transformers' eager mask: a query with no key in reach spreads its attention evenly, as there);
-DeBERTa masks padding queries too (its own attention, ``deberta.py``). Every path is SDPA or eager over a mask: no
+DeBERTa masks padding queries too (its own attention, ``layers/deberta.py``). Every path is SDPA or eager over a mask: no
 varlen kernel (``config.attention=varlen`` is refused).
 
 Shape legend: B batch, S sequence, H hidden, L labels, D head dim.
@@ -35,10 +35,10 @@ import torch
 from torch import Tensor, nn
 
 from .config import ModelConfig
-from .deberta import DisentangledBlock, RelativePositions, relative_index, relative_table
 from .init import InitPlan, WeightsSource, draw_init_seed, init_whole, materialize, plan_for_modules
-from .layers import TransformerBlock, activation, build_norm, key_padding_mask
-from .rope import rope_from_positions, rope_inv_freq
+from .layers.block import TransformerBlock, activation, build_norm, key_padding_mask
+from .layers.deberta import DisentangledBlock, RelativePositions, relative_index, relative_table
+from .layers.rope import rope_from_positions, rope_inv_freq
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
-from .layers import LayerNorm, RMSNorm
+from .layers.block import LayerNorm, RMSNorm
 
 log = logging.getLogger(__name__)
 

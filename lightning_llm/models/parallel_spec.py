@@ -53,8 +53,8 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from .config import ModelConfig
 from .decoder import DecoderLM
 from .encoder import EncoderModel
-from .layers import segment_positions
-from .rope import longrope_original, rope_type
+from .layers.block import segment_positions
+from .layers.rope import longrope_original, rope_type
 
 __all__ = ["HeadSharded", "ParallelSpec", "PARALLEL_SPECS", "TPPlan", "decoder_tp_plan", "encoder_tp_plan",
            "family_roots", "parallel_spec_of", "routing_stats_of"]
@@ -97,7 +97,7 @@ class ParallelSpec:
     position table ends (one device refuses a longer row too), and ``dynamic`` RoPE picks its frequencies from the
     whole row's longest position, which a slice does not hold."""
     routing: Callable[[nn.Module], Any] = field(default=lambda model: None)
-    """``backbone -> its MoE layers' router statistics`` (:class:`~lightning_llm.models.routing.RoutingStats`, ``None``
+    """``backbone -> its MoE layers' router statistics`` (:class:`~lightning_llm.models.layers.routing.RoutingStats`, ``None``
     without MoE layers): a pipeline opens them for its micro-batches' forwards."""
     expert_modules: str | None = None
     """The routed experts (``moe.GroupedExperts``, path relative to the backbone, ``*`` per atom) an expert-parallel
@@ -164,7 +164,7 @@ def _attention_plan(prefix: str, config: ModelConfig) -> TPPlan:
     """Column-parallel q/k/v (or the fused ``W_pack``), plus Qwen3's per-head ``q_norm``/``k_norm``.
 
     ``W_pack`` [3*N*D, H] is stored head-interleaved (rows ``[q_h0, k_h0, v_h0, q_h1, ...]``, see
-    ``layers.Attention``), so the plain ``Shard(0)`` of ``ColwiseParallel`` gives each rank whole heads' q, k and v:
+    ``block.Attention``), so the plain ``Shard(0)`` of ``ColwiseParallel`` gives each rank whole heads' q, k and v:
     out [B, S, N/tp*3*D]. ``q_norm``/``k_norm`` weights [D] are replicated and see their heads' slice of q/k
     [B, S, N/tp, D] as ``Shard(2)`` of the full tensor (``SequenceParallel`` on dim 2: the norm is over D, so the
     local result is exact; the weight gradient comes out ``Partial`` over the heads and is summed by the strategy, as

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from .init import is_meta, materialize_in_parts
-from .layers import TransformerBlock
+from .layers.block import TransformerBlock
 
 log = logging.getLogger(__name__)
 

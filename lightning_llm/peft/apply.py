@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_llm.models.init import canonical_name, name_seed
-from lightning_llm.models.layers import TransformerBlock
+from lightning_llm.models.layers.block import TransformerBlock
 from lightning_llm.peft.prompt import (
     PROMPT_METHODS,
     PrefixTuningLM,

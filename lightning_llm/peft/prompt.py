@@ -12,7 +12,7 @@ What each does is exactly what ``peft.PeftModelForCausalLM`` does on a ``LlamaFo
 * **prefix tuning**: a table ``[n, num_layers * 2 * K * D]`` (K key/value heads: GQA sizes it to the kv heads) is
   viewed as per-layer keys and values ``[B, K, n, D]`` that sit in the KV cache before the first token, as HF's
   cache does (no rotary applied to them). Real tokens then take positions ``n..n+S-1`` (the cache's length, as HF
-  counts them) and the mask gets ``n`` ones in front. The prefix is a :class:`~lightning_llm.models.layers.KVCache`
+  counts them) and the mask gets ``n`` ones in front. The prefix is a :class:`~lightning_llm.models.layers.block.KVCache`
   filled in advance, so the decoder needs no PEFT-specific code.
 
 Initial values are peft's (torch's default init of its modules) drawn from a generator seeded by the backbone's
@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_llm.models.init import name_seed
-from lightning_llm.models.layers import KVCache
+from lightning_llm.models.layers.block import KVCache
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing_extensions import override
 from lightning_llm.contract import builds_lazily
 from lightning_llm.export.meta import _tokenizer_source, chat_template_source
 from lightning_llm.models import backbone_config
-from lightning_llm.models.moe import moe_parameters
+from lightning_llm.models.layers.moe import moe_parameters
 from lightning_llm.models.quantize import (
     QuantizationConfig,
     QuantizeMode,

@@ -1,4 +1,4 @@
-"""What a task does with an MoE model's router statistics (:mod:`lightning_llm.models.routing`) while it trains.
+"""What a task does with an MoE model's router statistics (:mod:`lightning_llm.models.layers.routing`) while it trains.
 
 * :func:`routing_reduction`: the sum over the ranks whose tokens and layers make the global batch
   (``capabilities.routing_group``), asynchronous so a pipeline's stages never wait for each other's forwards.
@@ -30,7 +30,7 @@ from typing_extensions import override
 
 from lightning_llm.contract import Capabilities
 from lightning_llm.models import parallel_spec_of, routing_stats_of
-from lightning_llm.models.routing import RoutingStats
+from lightning_llm.models.layers.routing import RoutingStats
 
 log = logging.getLogger(__name__)
 

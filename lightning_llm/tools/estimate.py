@@ -6,7 +6,7 @@ line and prints them.
 
 FLOPs per token of a training step (forward + backward), the convention of PaLM's MFU that ``benchmarks/gpu/suite.py``
 reports: ``6 N + 12 L A S``, with ``N`` the parameters a token's matmuls use (no embedding tables; of an MoE layer's
-routed experts only its ``top_k``: :func:`~lightning_llm.models.moe.moe_parameters`), ``L`` layers, ``A`` the
+routed experts only its ``top_k``: :func:`~lightning_llm.models.layers.moe.moe_parameters`), ``L`` layers, ``A`` the
 attention width (heads x head dim) and ``S`` the sequence length; Gated DeltaNet layers (Qwen3.5, Qwen3-Next) count
 their chunked delta rule instead of ``12 A S`` (:func:`~lightning_llm.memory.deltanet_flops_per_token`).
 """
@@ -41,7 +41,7 @@ from lightning_llm.models import NAMED_SIZES, config_from_hf, model_from_config,
 from lightning_llm.models.hf.architectures import SUPPORTED_ARCHITECTURES, architecture_name
 from lightning_llm.models.hf.multimodal import outside_keys
 from lightning_llm.models.hf.source import CheckpointFiles
-from lightning_llm.models.moe import moe_parameters
+from lightning_llm.models.layers.moe import moe_parameters
 from lightning_llm.models.quantize import QUANTIZE_MODES, QuantizationConfig
 from lightning_llm.strategies.presets import ZERO_PRESETS
 

@@ -169,8 +169,8 @@ def test_moe_layer_activations_equal_the_tensors_autograd_saves(precision: str, 
     fp32/int32 copies are not per token; under autocast the bf16 copies of the weights, one per layer, are taken
     out); and the whole model's term: the saved bytes of an MoE model minus those of its dense twin equal the
     estimate's difference."""
-    from lightning_llm.models.moe import RoutingInput
-    from lightning_llm.models.routing import RoutingStats
+    from lightning_llm.models.layers.moe import RoutingInput
+    from lightning_llm.models.layers.routing import RoutingStats
 
     dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
     cfg = _moe_config(shared_intermediate_size=48 if shared else 0, shared_gate=shared, aux_loss_coef=0.01)

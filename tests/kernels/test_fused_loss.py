@@ -62,7 +62,7 @@ def test_linear_head_matches_eager_loss_and_gradients(bias: bool, reduction: str
 
 
 def test_norm_head_is_fused_through_its_effective_weight() -> None:
-    from lightning_llm.models.layers import NormHead
+    from lightning_llm.models.layers.block import NormHead
 
     head = NormHead(16, 97, bias=False)
     nn.init.normal_(head.weight, std=0.5)

@@ -1,4 +1,4 @@
-"""The varlen attention path (``models/attention.py``) against the mask path, and what it allocates.
+"""The varlen attention path (``models/layers/attention.py``) against the mask path, and what it allocates.
 
 On the CPU the varlen path runs the same layout code as on CUDA with :func:`reference_varlen` in place of flash varlen
 (per sequence, causal from the bottom right, within the window): in float64 it must equal SDPA over the dense mask
@@ -25,14 +25,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_llm.models import build_model
-from lightning_llm.models.attention import (
+from lightning_llm.models.layers.attention import (
     VarlenLayout,
     describe_attention,
     reference_varlen,
     varlen_attention,
     varlen_layout,
 )
-from lightning_llm.models.layers import causal_padding_mask, segment_positions
+from lightning_llm.models.layers.block import causal_padding_mask, segment_positions
 
 TOL = 1e-6
 
@@ -75,7 +75,7 @@ def test_varlen_reference_equals_the_mask_path(backbone: str) -> None:
     """Packed, padded (left, right, inside a row), packed+padded rows, with and without a sliding window, GQA: the
     varlen path (its layout + the reference kernel) equals SDPA over the dense mask on every real token, and every
     parameter gradient, in float64."""
-    import lightning_llm.models.attention as attention
+    import lightning_llm.models.layers.attention as attention
 
     torch.manual_seed(0)
     s = 64

@@ -1,4 +1,4 @@
-"""Gated DeltaNet (``models/deltanet.py``, ``kernels/delta_rule.py``) and the hybrid decoders against transformers.
+"""Gated DeltaNet (``models/layers/deltanet.py``, ``kernels/delta_rule.py``) and the hybrid decoders against transformers.
 
 * The chunked delta rule and its recurrent step equal transformers' torch fallbacks (``torch_chunk_gated_delta_rule``,
   ``torch_recurrent_gated_delta_rule``) in fp32: outputs, final states and gradients, 3 chunks with a padded tail,

@@ -144,7 +144,7 @@ def test_greedy_and_beam_generation_match_transformers(tmp_path: Path, name: str
 def test_scaled_embedding_rounds_the_scale_to_bf16_as_transformers() -> None:
     from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
 
-    from lightning_llm.models.layers import ScaledEmbedding
+    from lightning_llm.models.layers.block import ScaledEmbedding
 
     theirs = Gemma3TextScaledWordEmbedding(50, 40, 0, embed_scale=40 ** 0.5).to(torch.bfloat16)
     ours = ScaledEmbedding(50, 40, scale=40 ** 0.5).to(torch.bfloat16)

@@ -9,7 +9,7 @@ import torch
 
 from lightning_llm.models import NAMED_SIZES, DecoderLM, EncoderModel, ModelConfig, build_model, named_config
 from lightning_llm.models.init import materialize
-from lightning_llm.models.layers import Attention, apply_rotary, precompute_rope, rms_norm, rotate_half
+from lightning_llm.models.layers.block import Attention, apply_rotary, precompute_rope, rms_norm, rotate_half
 
 
 def _n_params(model: torch.nn.Module) -> int:
@@ -287,7 +287,7 @@ def test_offset_rmsnorm_is_gemmas_one_plus_weight_norm(dtype: torch.dtype) -> No
     weight starts at 0 (eager and planned init alike), and its gradient is the plain norm's."""
     from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 
-    from lightning_llm.models.layers import RMSNorm
+    from lightning_llm.models.layers.block import RMSNorm
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 5, 16, generator=g).to(dtype)

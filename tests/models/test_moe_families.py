@@ -215,7 +215,7 @@ def test_sink_attention_paths_agree_in_float64(rows: str) -> None:
     """debug-gpt-oss in float64: the mask path (the CPU flash kernel corrected by its log-sum-exp; the eager scores
     for a 4-D mask) and the varlen path (the per-sequence reference with the sink column) give the same logits and
     gradients, sliding and full layers alike."""
-    from lightning_llm.models.sinks import cpu_sink_attention, eager_sink_attention
+    from lightning_llm.models.layers.sinks import cpu_sink_attention, eager_sink_attention
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (2, 24), generator=g)

@@ -1,6 +1,6 @@
 """DeBERTa-v2/v3 (``deberta-v2``: ``DebertaV2Model``, ``DebertaV2ForSequenceClassification``; Erlangshen-DeBERTa-v2 is
 the Chinese one): ``config.json`` and weight names <-> an :class:`~lightning_llm.models.EncoderModel` with
-``disentangled`` attention (``models/deberta.py``).
+``disentangled`` attention (``models/layers/deberta.py``).
 
 transformers' keys (under ``deberta.`` in the head classes): ``embeddings.{word,position,token_type}_embeddings``,
 ``embeddings.LayerNorm``, ``encoder.layer.N.attention.self.{query,key,value}_proj`` (+ ``pos_key_proj``,

@@ -26,7 +26,7 @@ olmo2/3    norms on each branch's output only, q/k norms over the projection; OL
 smollm3    layers without rotary embedding (``no_rope_layers``): :mod:`.smollm3`
 =========  ==========================================================================================================
 
-``W_pack`` is stored head-interleaved in our model (see :class:`~lightning_llm.models.layers.Attention`):
+``W_pack`` is stored head-interleaved in our model (see :class:`~lightning_llm.models.layers.block.Attention`):
 :func:`wpack_from_hf` / :func:`wpack_to_hf` permute its rows (weight, bias, and a LoRA ``lora_B``) at the boundary.
 """
 
@@ -45,7 +45,7 @@ from .olmo import OLMO_KINDS, olmo_from_hf, olmo_to_hf
 from .phi3 import PHI3_FUSED, phi3_from_hf, phi3_to_hf
 from .qwen3_next import HYBRID_KINDS, hybrid_adapter_tensor, hybrid_from_hf, hybrid_module_name, hybrid_to_hf
 from .smollm3 import smollm3_from_hf, smollm3_to_hf
-from ..rope import ROPE_TYPES, rope_type
+from ..layers.rope import ROPE_TYPES, rope_type
 from .options import refuse_unbuilt
 
 log = logging.getLogger(__name__)

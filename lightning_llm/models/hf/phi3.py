@@ -9,7 +9,7 @@ Rotary embedding on the first ``partial_rotary_factor`` of each head (Phi-4-mini
 (``rope_type: longrope``, the 128k variants; the legacy ``su`` / ``yarn`` names mean it too, as transformers reads
 them): ``short_factor`` / ``long_factor`` chosen per forward by its longest position against the top-level
 ``original_max_position_embeddings`` (which transformers puts in the rope parameters), cos and sin times the
-attention factor (``models/rope.py``). ``sliding_window`` (Phi-3-mini-4k's 2047) on every layer.
+attention factor (``models/layers/rope.py``). ``sliding_window`` (Phi-3-mini-4k's 2047) on every layer.
 
 Dropout: ``attention_dropout``, ``resid_pdrop`` and ``embd_pdrop`` are our one ``dropout`` when equal; different
 values are refused by name.

@@ -4,7 +4,7 @@
 They keep LLaMA's block layout and mix two token mixers, as ``layer_types`` lists them (by default three
 ``linear_attention`` layers, then one ``full_attention``: ``full_attention_interval`` 4):
 
-* ``linear_attn``: Gated DeltaNet (``models/deltanet.py``; our block's ``self_attn``): Qwen3-Next's fused
+* ``linear_attn``: Gated DeltaNet (``models/layers/deltanet.py``; our block's ``self_attn``): Qwen3-Next's fused
   ``in_proj_qkvz`` / ``in_proj_ba`` (rows per key head, stored as we hold them), Qwen3.5's ``in_proj_qkv``
   (``[q; k; v]`` rows, permuted to per key head ``[q_g; k_g; v_g]``: :func:`qkv_from_hf`), ``in_proj_z``,
   ``in_proj_b``, ``in_proj_a``; ``conv1d.weight`` [C, 1, K] (channels ``[q; k; v]``, permuted likewise); ``A_log``,

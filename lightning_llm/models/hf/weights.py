@@ -53,7 +53,7 @@ def _attention_entries(c: ModelConfig, p: str) -> list[Entry]:
     """One decoder layer's attention (``p``: ``layers.N``, the same prefix on both sides)."""
     if c.mla is not None:
         e = _mla_entries(f"{p}.self_attn", f"{p}.self_attn", c)
-    elif c.qkv_packed:  # [q; k; v] rows in the checkpoint, head-interleaved in our W_pack (layers.Attention)
+    elif c.qkv_packed:  # [q; k; v] rows in the checkpoint, head-interleaved in our W_pack (block.Attention)
         n = c.num_heads
         e = [Entry(f"{p}.self_attn.W_pack.{t}", (f"{p}.self_attn.W_pack.{t}",),
                    split=lambda w, n=n: (wpack_from_hf(w, n),), merge=lambda ws, n=n: wpack_to_hf(ws[0], n))

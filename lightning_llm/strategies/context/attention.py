@@ -16,7 +16,7 @@ kernels and flex attention, whose backward raises on the CPU, so it cannot train
 
 The attention computations, all exact:
 
-* the varlen path (the model's choice, ``models/attention.py``: CUDA in fp16/bf16 by default): per local query chunk
+* the varlen path (the model's choice, ``models/layers/attention.py``: CUDA in fp16/bf16 by default): per local query chunk
   one flash varlen call (``torch.nn.attention.varlen.varlen_attn``) of its real queries, grouped by example, on the
   gathered real keys of the same example up to the chunk's end; the kernel aligns causality to the bottom right, so
   the diagonal block and every earlier chunk are one call, softmax-merged inside the kernel, and its backward is the
@@ -27,7 +27,7 @@ The attention computations, all exact:
   the diagonal block (causal) and the chunks before it (dense), merged by their log-sum-exp; backward calls the
   kernel's backward on each block with the merged output and log-sum-exp (what FlashAttention's backward needs), so
   no ``[S/cp, S]`` mask or score matrix is ever held and the work is the causal half;
-* padded or packed rows (:class:`~lightning_llm.models.attention.TokenMask`: keep and segment ids, all-gathered) and
+* padded or packed rows (:class:`~lightning_llm.models.layers.attention.TokenMask`: keep and segment ids, all-gathered) and
   other devices: one SDPA call of the local queries on the gathered keys with the boolean mask ``[B, 1, S/cp, S]``
   (causal by global column, same segment, real keys; an empty row attends to itself), as the decoder builds at
   ``cp = 1``.
@@ -45,8 +45,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_llm.models.attention import VarlenLayout, values_as_keys, varlen_attention, varlen_layout
-from lightning_llm.models.layers import additive_mask
+from lightning_llm.models.layers.attention import VarlenLayout, values_as_keys, varlen_attention, varlen_layout
+from lightning_llm.models.layers.block import additive_mask
 from lightning_llm.strategies.context.sharding import local_columns, order_gathered
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ def _heads(k: Tensor, v: Tensor, cols: slice, rep: int) -> tuple[Tensor, Tensor]
 
 class SharedMask:
     """The mask (or varlen layout) across slices, shared by every attention core of a model: one forward's layers
-    receive the same :class:`~lightning_llm.models.attention.TokenMask`, so the mask (and the gathers of its keep and
+    receive the same :class:`~lightning_llm.models.layers.attention.TokenMask`, so the mask (and the gathers of its keep and
     segment ids) is built once per forward, not per layer, and every layer's SDPA saves that one additive tensor for
     backward instead of its own ``[B, 1, S/cp, S]`` conversion of a boolean mask. Keyed by the token mask's identity
     (a weak reference) and ``kind`` (the mask's dtype, or the layout); dropped with the token mask."""
@@ -166,7 +166,7 @@ class ContextParallelAttention(nn.Module):
     """Replaces a family's attention core (``ParallelSpec.attention_cores``) under context parallelism: the same
     call (``q`` [B, N, S/cp, D], ``k``/``v`` [B, K, S/cp, D] of this rank's tokens), attending to the whole
     sequence of the cp group. Rebuilds the causal mask from global columns and the model's
-    :class:`~lightning_llm.models.attention.TokenMask`, so the model passes it (``needs_token_mask``)."""
+    :class:`~lightning_llm.models.layers.attention.TokenMask`, so the model passes it (``needs_token_mask``)."""
 
     needs_token_mask = True
 
@@ -235,7 +235,7 @@ class ContextParallelAttention(nn.Module):
 
     def _mask(self, token_mask: Any, *, seq: int, batch: int, device: torch.device) -> Tensor:
         """Boolean [B, 1, S/cp, S]: causal by global column, a real key of the query's segment; an empty row attends
-        to itself (no NaN), as ``layers.causal_padding_mask``."""
+        to itself (no NaN), as ``block.causal_padding_mask``."""
         q_cols = local_columns(seq, self.cp, self.rank, device=device)  # [S/cp]
         k_cols = torch.arange(seq, device=device)  # [S]
         mask = (k_cols[None, :] <= q_cols[:, None])[None, None]  # [1, 1, S/cp, S]

@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from lightning_llm.models.moe import describe_ffn, expert_ffn
+from lightning_llm.models.layers.moe import describe_ffn, expert_ffn
 from lightning_llm.strategies.expert.dispatch import combine, dispatch
 
 __all__ = ["ExpertParallelExperts"]
@@ -19,7 +19,7 @@ class ExpertParallelExperts(nn.Module):
     [E, 2I, H], ``down_proj`` [E, H, I], the experts' biases where they have them: every ``experts.expert_params``, as
     DTensors ``Shard(0)`` over the ``ep`` mesh, meta or real) and the same
     call, ``(tokens sorted by expert [M, H], rows per expert [E]) -> [M, H]``: the rows go to their experts' ranks,
-    through this rank's experts (:func:`~lightning_llm.models.moe.expert_ffn`) and back."""
+    through this rank's experts (:func:`~lightning_llm.models.layers.moe.expert_ffn`) and back."""
 
     def __init__(self, experts: nn.Module, ep_mesh: DeviceMesh) -> None:
         super().__init__()

@@ -121,7 +121,7 @@ class PipelineRunner:
         decode_min_flops: float = MICROBATCH_MIN_FLOPS,
     ) -> None:
         self.schedule, self.n_microbatches = schedule, n_microbatches
-        self.routing = routing  # an MoE model's router statistics (models.routing.RoutingStats), opened per step
+        self.routing = routing  # an MoE model's router statistics (models.layers.routing.RoutingStats), opened per step
         self.stage_mods, self.specs, self.params = list(stage_mods), list(specs), list(params)
         self.device, self.pp_group, self.pp_size = device, pp_group, pp_size
         self.last_stage_rank, self.last_stage_pp_rank = last_stage_rank, last_stage_pp_rank

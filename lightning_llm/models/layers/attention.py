@@ -4,7 +4,7 @@ Both compute the same attention: causal, a key only if it is a real token (``kee
 (``segment_ids``), within the sliding window where a layer has one.
 
 * **mask path** (every device; the CPU's exact path): the decoder builds one boolean/additive mask ``[B, 1, S, T]``
-  per forward (``layers.causal_padding_mask``) and each layer calls SDPA with it; plain rows (no padding, no packing,
+  per forward (``block.causal_padding_mask``) and each layer calls SDPA with it; plain rows (no padding, no packing,
   no window) call SDPA ``is_causal`` with no mask. With a mask SDPA cannot take the flash kernel, and the mask is S^2
   per row (a 32k-token row: 2 GiB in bf16).
 * **varlen path** (``ModelConfig.attention``: ``auto`` takes it on CUDA in fp16/bf16; ``varlen`` everywhere): no
@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import ModelConfig
+from ..config import ModelConfig
 from .sinks import (cpu_sink_attention, eager_sink_attention, sink_corrected, varlen_sink_kernel,
                     varlen_sinks_supported)
 
@@ -361,7 +361,7 @@ class TokenMask:
     this forward's own tokens rebuilds its mask from it: context parallelism's attention across sequence slices).
 
     Causal by column order, a key attends only if it is a real token (``keep``) of the query's segment
-    (``segment_ids``); a query with no such key attends to itself (as ``layers.causal_padding_mask``)."""
+    (``segment_ids``); a query with no such key attends to itself (as ``block.causal_padding_mask``)."""
 
     keep: Tensor | None = None
     """[B, S] bool, True = a real token; None: every token is."""
@@ -372,7 +372,7 @@ class TokenMask:
 
 
 class DotProductAttention(nn.Module):
-    """The attention core of ``layers.Attention`` (no parameters): ``softmax(q k^T / sqrt(D)) v`` by SDPA (GQA kv
+    """The attention core of ``block.Attention`` (no parameters): ``softmax(q k^T / sqrt(D)) v`` by SDPA (GQA kv
     heads repeated on the CPU under autograd, ``enable_gqa`` elsewhere), or by the varlen kernel when given a
     :class:`VarlenLayout`. A layer may pass its own softmax ``scale`` and values narrower than the keys (MLA: zero-padded
     to the keys' width for the fused kernels, the output cut back). A declared hook (``ParallelSpec.attention_cores``): a layout that splits the sequence
@@ -392,7 +392,7 @@ class DotProductAttention(nn.Module):
         is_causal: bool,
         dropout_p: float,
         token_mask: TokenMask | None = None,  # the mask's ingredients (unused here: attn_mask is built from them)
-        sinks: Tensor | None = None,  # [N] each head's sink logit (models/sinks.py)
+        sinks: Tensor | None = None,  # [N] each head's sink logit (models/layers/sinks.py)
         scale: float | None = None,  # softmax scale; None: 1/sqrt(D) (a layer with another one passes it: MLA)
         softcap: float | None = None,  # scores soft-capped to cap * tanh(scores / cap) (Gemma 2)
     ) -> Tensor:  # [B, N, S, Dv]

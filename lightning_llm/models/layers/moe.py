@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import ModelConfig, MoEConfig
-from .layers import MLP, activation
+from ..config import ModelConfig, MoEConfig
+from .block import MLP, activation
 from .routing import RoutingStats
 
 log = logging.getLogger(__name__)

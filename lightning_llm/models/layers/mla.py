@@ -21,7 +21,7 @@ plan splits heads after the up-projections (``parallel_spec``): each rank comput
 expands its heads. Head counts are read from the tensors, never from the config.
 
 Decoding caches the **compressed latent** (``[B, 1, T, Rkv]`` normed, and the rotated ``k_rot`` ``[B, 1, T, Dr]``)
-through the model's :class:`~.decoding.KVCache` (one entry per layer, as transformers' MLA caches it): ``Rkv + Dr``
+through the model's :class:`~lightning_llm.models.decoding.KVCache` (one entry per layer, as transformers' MLA caches it): ``Rkv + Dr``
 numbers per token and layer instead of ``N * (Dqk + Dv)`` (DeepSeek-V3: 576 against 40,960); each step expands the
 cached latents through ``kv_b_proj``.
 
@@ -35,10 +35,10 @@ import logging
 import torch
 from torch import Tensor, nn
 
+from ..config import ModelConfig
+from ..decoding import KVCache
 from .attention import AttentionMask, DotProductAttention, TokenMask
-from .config import ModelConfig
-from .decoding import KVCache
-from .layers import RMSNorm, init_linear
+from .block import RMSNorm, init_linear
 from .rope import apply_rotary, pairs_to_halves, yarn_softmax_factor
 
 log = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class SharedAcrossHeads(nn.Identity):
 
 
 class LatentAttention(nn.Module):
-    """``self_attn`` of an MLA model (see the module docstring); the call of :class:`~.layers.Attention`."""
+    """``self_attn`` of an MLA model (see the module docstring); the call of :class:`~.block.Attention`."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()

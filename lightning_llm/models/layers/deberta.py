@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from .config import DisentangledConfig, ModelConfig
-from .layers import TransformerBlock, activation, build_norm, init_linear
+from ..config import DisentangledConfig, ModelConfig
+from .block import TransformerBlock, activation, build_norm, init_linear
 
 __all__ = ["DisentangledAttention", "DisentangledBlock", "RelativePositions", "TokenConvolution", "log_buckets",
            "relative_index"]

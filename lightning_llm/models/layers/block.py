@@ -22,9 +22,9 @@ from torch.distributed.tensor import DTensor
 from lightning_llm import kernels as fused
 from lightning_llm.kernels import resolve_backend
 
+from ..config import ModelConfig
+from ..decoding import KVCache
 from .attention import AttentionMask, DotProductAttention, TokenMask
-from .config import ModelConfig
-from .decoding import KVCache
 from .rope import apply_rotary, precompute_rope, rope_inv_freq, rotary_pairs_to_halves, rotate_half
 from .sinks import AttentionSinks
 
@@ -411,7 +411,7 @@ class TransformerBlock(nn.Module):
     leave its input unnormed (``branch_input_norm=False``: x + out_norm(attn(x)), OLMo 2/3); absent norms are None.
 
     ``mlp``: the feed-forward, default a dense :class:`MLP`; a decoder's MoE layers pass their
-    :class:`~lightning_llm.models.moe.MoEBlock`, which takes the forward's ``routing=`` input. ``attn``: the attention
+    :class:`~lightning_llm.models.layers.moe.MoEBlock`, which takes the forward's ``routing=`` input. ``attn``: the attention
     layer, default :class:`Attention`; a decoder passes another kind (``mla.LatentAttention``) with the same call."""
 
     def __init__(self, config: ModelConfig, *, mlp: nn.Module | None = None, attn: nn.Module | None = None) -> None:

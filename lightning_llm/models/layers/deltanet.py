@@ -2,7 +2,7 @@
 recurrent state per value head instead of a KV cache.
 
 A layer (``GatedDeltaNet``, a block's ``self_attn`` where ``config.layer_types`` says ``"linear_attention"``; the
-call of ``layers.Attention``)::
+call of ``block.Attention``)::
 
     q, k, v, z, b, a = projections of x           (padding rows zeroed, as transformers zeroes them)
     q, k, v = silu(causal depthwise conv(q, k, v))  (kernel ``conv_kernel_size``, over the channels [q_g, k_g, v_g])
@@ -47,10 +47,10 @@ from lightning_llm.kernels.delta_rule import (
     sequence_starts,
 )
 
-from .config import LinearAttentionConfig, ModelConfig
-from .decoding import KVCache
-from .init import Init
-from .layers import RMSNorm, init_linear
+from ..config import LinearAttentionConfig, ModelConfig
+from ..decoding import KVCache
+from ..init import Init
+from .block import RMSNorm, init_linear
 
 __all__ = ["GatedDeltaNet", "HeadWeights", "RecurrentRows", "recurrent_rows"]
 
@@ -113,7 +113,7 @@ def _ones(name: str, std: float) -> Init:
 
 
 class GatedDeltaNet(nn.Module):
-    """A Gated DeltaNet layer (the module docstring) with the call of ``layers.Attention``."""
+    """A Gated DeltaNet layer (the module docstring) with the call of ``block.Attention``."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
