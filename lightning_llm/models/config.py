@@ -366,7 +366,7 @@ class ModelConfig:
     pooler_dropout: float | None = 0.0
     """Dropout on the pooled token before the pooler's dense layer (DeBERTa's ``pooler_dropout``); ``None``: the
     classifier's dropout (RoBERTa's classification head drops out before both of its layers)."""
-    # Gemma 2/3 (models/hf/gemma.py); each off by default
+    # Gemma 2/3 (models/hf/families/gemma.py); each off by default
     scale_embeddings: bool = False
     """Token embeddings multiplied by ``sqrt(hidden_size)`` rounded to the embedding's dtype, inside the embedding
     (Gemma's ``embed_scale``: ``inputs_embeds`` given to the model are taken as they are)."""

@@ -57,7 +57,7 @@ DENSE_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma3": ("debug-gemma3", {}),
     "gemma3_vl_lora": (TINY, {}),
 }
-"""The families of models/hf/phi3.py, glm4.py, olmo.py, smollm3.py and gemma.py, trained at the layouts of
+"""The families of models/hf/families/phi3.py, glm4.py, olmo.py, smollm3.py and gemma.py, trained at the layouts of
 :data:`EXTRA` that exercise what they add (tp_sp: every plan entry, their norms on sequence shards; pp: layer-indexed
 rope on the second stage; cp: rotary pairs, NoPE layers, LongRoPE's choice on slices; zero3: the scaled embedding's
 and the tied head's shards)."""

@@ -4,12 +4,14 @@
 ========================  ============================================================================================
 ``architectures.py``      the one table of supported HF classes (the docs' family list is generated from it)
 ``config.py``             ``config.json`` <-> ``ModelConfig``: the dispatch per group of families, representability
-``decoders.py``           the LLaMA-layout decoders' configs (Llama, Qwen, Mistral, Baichuan, the MoE families)
-``deepseek.py``           DeepSeek-V2/V3, Kimi-K2 and GLM-4.5's configs (MLA, group-limited routers)
-``gpt2.py``               GPT-2's config and weights
-``encoders.py``           BERT, RoBERTa, XLM-R, MegatronBERT: configs and weights; the encoders' dispatch
-``deberta.py``            DeBERTa-v2/v3: configs and weights (disentangled attention)
-``modernbert.py``         ModernBERT: configs and weights (fused ``Wqkv``/``Wi`` as row blocks)
+``families/``             one file per group of families (configs, and weights where they differ from LLaMA's):
+                          ``decoders.py`` (the LLaMA layout: Llama, Qwen, Mistral, Baichuan, the MoE families),
+                          ``deepseek.py`` (DeepSeek-V2/V3, Kimi-K2, GLM-4.5: MLA, group-limited routers),
+                          ``qwen3_next.py`` (the hybrids), ``gemma.py``, ``phi3.py``, ``glm4.py``, ``olmo.py``,
+                          ``smollm3.py``, ``gpt2.py``; ``encoders.py`` (BERT, RoBERTa, XLM-R, MegatronBERT; the
+                          encoders' dispatch), ``deberta.py`` (disentangled attention), ``modernbert.py`` (fused
+                          ``Wqkv``/``Wi`` as row blocks)
+``multimodal.py``         a multimodal class's language model, the rest copied at export
 ``weights.py``            the weight mapping's entries per config (the decoders'), dispatched per layout
 ``entries.py``            the entry types (one key, per-expert keys, fused layouts, MXFP4) and the experts' entries
 ``source.py``             reading checkpoint files lazily: only the elements a rank holds

@@ -11,10 +11,10 @@ import torch
 
 from ..config import ModelConfig
 from .architectures import DEFAULT_ARCHITECTURE, SUPPORTED_ARCHITECTURES, architecture_name, num_labels_of
-from .decoders import DECODER_KINDS, decoder_config_from_hf, decoder_config_to_hf, moe_architecture
-from .encoders import encoder_config_from_hf, encoder_config_to_hf
-from .gemma import GEMMA_KINDS, gemma_config_from_hf, gemma_config_to_hf
-from .gpt2 import gpt2_config_from_hf, gpt2_config_to_hf
+from .families.decoders import DECODER_KINDS, decoder_config_from_hf, decoder_config_to_hf, moe_architecture
+from .families.encoders import encoder_config_from_hf, encoder_config_to_hf
+from .families.gemma import GEMMA_KINDS, gemma_config_from_hf, gemma_config_to_hf
+from .families.gpt2 import gpt2_config_from_hf, gpt2_config_to_hf
 from .multimodal import text_config_of
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ..config import ModelConfig
-from .deepseek import DEEPSEEK_KINDS
+from .families.deepseek import DEEPSEEK_KINDS
 from .source import CheckpointFiles, Mxfp4Mapped, PermutedMapped
 
 __all__ = ["Entry", "Fused", "Stacked", "lin", "moe_mlp_entries", "MOE_KINDS", "interleave", "deinterleave",

@@ -24,9 +24,9 @@ from ..encoder import EncoderModel
 from ..init import materialize
 from .architectures import SUPPORTED_ARCHITECTURES, architecture_name, layout_kind
 from .config import config_from_hf
-from .deepseek import MTP_KINDS
-from .qwen3_next import HYBRID_KINDS
 from .entries import Fused, Stacked
+from .families.deepseek import MTP_KINDS
+from .families.qwen3_next import HYBRID_KINDS
 from .multimodal import SOURCE_KEY, lm_keys, outside_keys, source_record
 from .source import CheckpointFiles, HFWeightsSource, Mapped, RowsMapped, StackedMapped
 from .weights import BASE_PREFIX, HEAD_KEYS, IGNORED, entries

@@ -18,9 +18,9 @@ from lightning_llm.files import atomic_path
 from ..config import ModelConfig
 from .architectures import DEFAULT_ARCHITECTURE, SUPPORTED_ARCHITECTURES, layout_kind
 from .config import architecture_diffs, config_from_hf, config_to_hf
-from .decoders import DECODER_KINDS
-from .qwen3_next import hybrid_kind
 from .entries import Entry
+from .families.decoders import DECODER_KINDS
+from .families.qwen3_next import hybrid_kind
 from .multimodal import MODULE_PREFIX, SOURCE_KEY, checked_source, lm_layout, outside_keys
 from .source import CheckpointFiles
 from .weights import BASE_PREFIX, save_entries

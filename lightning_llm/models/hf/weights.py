@@ -1,7 +1,7 @@
 """The weight mapping: for a config and an HF class, the list of entries (HF key <-> our keys, with split and merge
 functions) that loading and saving walk, generated from the config, so missing and unexpected keys are reported by
-name. The LLaMA-layout decoders' entries are here; GPT-2's and the encoders' are in :mod:`.gpt2` and
-:mod:`.encoders`, the experts' in :mod:`.entries`."""
+name. The LLaMA-layout decoders' entries are here; GPT-2's and the encoders' are in :mod:`.families.gpt2` and
+:mod:`.families.encoders`, the experts' in :mod:`.entries`."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ from torch import Tensor
 
 from ..config import ModelConfig
 from .architectures import SUPPORTED_ARCHITECTURES, layout_kind
-from .decoders import DECODER_KINDS, wpack_from_hf, wpack_to_hf
-from .encoders import ENCODER_HEAD_KEYS, ENCODER_PREFIX, encoder_entries
 from .entries import Entry, Fused, Stacked, head_entries, lin, moe_mlp_entries
-from .glm4 import GLM4_NORMS
-from .gemma import GEMMA_KINDS, GEMMA_NORMS
-from .gpt2 import gpt2_entries
-from .olmo import OLMO_KINDS, OLMO_NORMS
-from .phi3 import phi3_attention_entries, phi3_mlp_entries
-from .qwen3_next import hybrid_attention_entries
+from .families.decoders import DECODER_KINDS, wpack_from_hf, wpack_to_hf
+from .families.encoders import ENCODER_HEAD_KEYS, ENCODER_PREFIX, encoder_entries
+from .families.gemma import GEMMA_KINDS, GEMMA_NORMS
+from .families.glm4 import GLM4_NORMS
+from .families.gpt2 import gpt2_entries
+from .families.olmo import OLMO_KINDS, OLMO_NORMS
+from .families.phi3 import phi3_attention_entries, phi3_mlp_entries
+from .families.qwen3_next import hybrid_attention_entries
 
 __all__ = ["BASE_PREFIX", "IGNORED", "HEAD_KEYS", "entries", "save_entries"]
 

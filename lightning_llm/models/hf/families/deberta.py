@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import DisentangledConfig, ModelConfig
-from .architectures import Arch
+from ...config import DisentangledConfig, ModelConfig
+from ..architectures import Arch
+from ..entries import Entry, lin
 from .decoders import PLAIN_ACT_TO_HF, plain_act
-from .entries import Entry, lin
 
 __all__ = ["deberta_config_from_hf", "deberta_config_to_hf", "deberta_entries", "pooler_act", "pooler_act_to_hf"]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..config import ModelConfig
+from ...config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..config import MLAConfig, ModelConfig, MoEConfig
-from .options import refuse_unbuilt
+from ...config import MLAConfig, ModelConfig, MoEConfig
+from ..options import refuse_unbuilt
 
 log = logging.getLogger(__name__)
 

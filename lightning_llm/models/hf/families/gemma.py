@@ -1,6 +1,6 @@
 """HF ``config.json`` <-> :class:`ModelConfig` for Gemma 2 (``Gemma2ForCausalLM``, model type ``gemma2``) and
 Gemma 3's language model (``Gemma3ForCausalLM``, ``gemma3_text``; the ``text_config`` of ``Gemma3ForConditionalGeneration``,
-the class of every Gemma 3 checkpoint from 4B up: :mod:`.multimodal`).
+the class of every Gemma 3 checkpoint from 4B up: :mod:`..multimodal`).
 
 Both keep LLaMA's module names for the projections (``model.layers.N.self_attn.q_proj``, ``mlp.gate_proj`` ...) and
 differ from it in switches of one :class:`~lightning_llm.models.DecoderLM`, as transformers' modeling files compute
@@ -21,12 +21,12 @@ qk-norm                    Gemma 3 (per head, ``(1 + weight)``)
 soft-capping               Gemma 2: ``attn_logit_softcapping`` (scores: the eager path) and
                            ``final_logit_softcapping`` (logits, the fused loss's chunks, generation); Gemma 3's
                            ``final_logit_softcapping`` when set (``Gemma3ForCausalLM`` applies it,
-                           ``Gemma3ForConditionalGeneration`` does not: :mod:`.multimodal` drops it there)
+                           ``Gemma3ForConditionalGeneration`` does not: :mod:`..multimodal` drops it there)
 GeGLU                      ``hidden_activation`` ``gelu_pytorch_tanh`` (``geglu_tanh``) or ``gelu``
 tied head                  ``tie_word_embeddings`` (true by default: the 256k/262k vocabularies are one matrix)
 =========================  ===========================================================================================
 
-Refused in one line (:mod:`.options`): ``use_bidirectional_attention`` (EmbeddingGemma's encoder mode), a
+Refused in one line (:mod:`..options`): ``use_bidirectional_attention`` (EmbeddingGemma's encoder mode), a
 ``quantization_config``; and here: a scaled rope on the sliding layers, sliding layers without a window (Gemma 3).
 """
 
@@ -35,9 +35,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..config import ModelConfig
+from ...config import ModelConfig
+from ..options import refuse_unbuilt
 from .decoders import rope_from_hf
-from .options import refuse_unbuilt
 
 log = logging.getLogger(__name__)
 

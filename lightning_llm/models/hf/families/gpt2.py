@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..config import ModelConfig
+from ...config import ModelConfig
+from ..entries import Entry, head_entries, lin
 from .decoders import PLAIN_ACT_TO_HF, plain_act
-from .entries import Entry, head_entries, lin
 
 __all__ = ["gpt2_config_from_hf", "gpt2_config_to_hf", "gpt2_entries"]
 

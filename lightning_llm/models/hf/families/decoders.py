@@ -37,16 +37,16 @@ from typing import Any
 
 from torch import Tensor
 
-from ..config import ModelConfig, MoEConfig
+from ...config import ModelConfig, MoEConfig
+from ...layers.rope import ROPE_TYPES, rope_type
+from ..entries import MOE_KINDS
+from ..options import refuse_unbuilt
 from .deepseek import DEEPSEEK_KINDS, deepseek_from_hf, deepseek_to_hf
-from .entries import MOE_KINDS
 from .glm4 import GLM4_FUSED, glm4_from_hf, glm4_to_hf
 from .olmo import OLMO_KINDS, olmo_from_hf, olmo_to_hf
 from .phi3 import PHI3_FUSED, phi3_from_hf, phi3_to_hf
 from .qwen3_next import HYBRID_KINDS, hybrid_adapter_tensor, hybrid_from_hf, hybrid_module_name, hybrid_to_hf
 from .smollm3 import smollm3_from_hf, smollm3_to_hf
-from ..layers.rope import ROPE_TYPES, rope_type
-from .options import refuse_unbuilt
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ DENSE_KINDS = tuple(_FAMILY_FILES)
 DECODER_KINDS = ("llama", "qwen2", "qwen3", "mistral", "baichuan", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
                  "gpt_oss", *DEEPSEEK_KINDS, *DENSE_KINDS, *HYBRID_KINDS, "gemma2", "gemma3_text")
 """HF model types with LLaMA's module layout (weight names of ``weights.entries``); those of :data:`MOE_KINDS` have
-Mixture-of-Experts feed-forward layers (:mod:`.entries`), DeepSeek's and GLM's are converted by
+Mixture-of-Experts feed-forward layers (:mod:`..entries`), DeepSeek's and GLM's are converted by
 :mod:`.deepseek`, Gemma's (``gemma2``, ``gemma3_text``: four norms per layer) by :mod:`.gemma`."""
 
 # transformers' defaults for keys a config.json may omit (its config classes' field defaults).

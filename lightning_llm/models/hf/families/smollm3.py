@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import ModelConfig
+from ...config import ModelConfig
 
 __all__ = ["smollm3_from_hf", "smollm3_to_hf"]
 

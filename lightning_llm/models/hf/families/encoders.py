@@ -13,13 +13,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..config import ModelConfig
-from .architectures import Arch, num_labels_of
+from ...config import ModelConfig
+from ..architectures import Arch, num_labels_of
+from ..entries import Entry, lin
+from ..options import refuse_unbuilt
 from .deberta import deberta_config_from_hf, deberta_config_to_hf, deberta_entries
 from .decoders import PLAIN_ACT_TO_HF, plain_act
-from .entries import Entry, lin
 from .modernbert import modernbert_config_from_hf, modernbert_config_to_hf, modernbert_entries
-from .options import refuse_unbuilt
 
 __all__ = ["ENCODER_KINDS", "ENCODER_PREFIX", "ENCODER_HEAD_KEYS", "encoder_config_from_hf", "encoder_config_to_hf",
            "encoder_entries"]

@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from ..config import ModelConfig
-from .architectures import Arch
+from ...config import ModelConfig
+from ..architectures import Arch
+from ..entries import Entry, lin, row_split
 from .deberta import pooler_act, pooler_act_to_hf
-from .entries import Entry, lin, row_split
 
 __all__ = ["modernbert_config_from_hf", "modernbert_config_to_hf", "modernbert_entries"]
 

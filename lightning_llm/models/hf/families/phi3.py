@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import ModelConfig
-from .entries import Entry, row_split
+from ...config import ModelConfig
+from ..entries import Entry, row_split
 
 __all__ = ["PHI3_FUSED", "phi3_attention_entries", "phi3_from_hf", "phi3_mlp_entries", "phi3_to_hf"]
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import ModelConfig
+from ...config import ModelConfig
 from .deepseek import partial_rotary_factor
 
 __all__ = ["GLM4_FUSED", "GLM4_NORMS", "glm4_from_hf", "glm4_to_hf"]
