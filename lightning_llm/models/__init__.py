@@ -13,11 +13,12 @@ from torch import nn
 
 from lightning_llm.files import read_json
 
-from .config import NAMED_SIZES, Family, ModelConfig, named_config
+from .config import Family, ModelConfig
 from .decoder import DecoderLM
 from .encoder import EncoderModel
 from .hf import config_from_hf, config_to_hf, load_hf, save_hf
 from .parallel_spec import PARALLEL_SPECS, ParallelSpec, family_roots, parallel_spec_of, routing_stats_of
+from .sizes import NAMED_SIZES, named_config
 
 log = logging.getLogger(__name__)
 

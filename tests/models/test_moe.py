@@ -21,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from tests.conftest import peft_twin  # noqa: E402
 
 from lightning_llm.models import build_model, load_hf, save_hf  # noqa: E402
-from lightning_llm.models.config import MoEConfig  # noqa: E402
+from lightning_llm.models.layers.configs import MoEConfig  # noqa: E402
 from lightning_llm.models.init import materialize  # noqa: E402
 from lightning_llm.models.layers.moe import expert_ffn, route_scores  # noqa: E402
 

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ..config import DisentangledConfig, ModelConfig
+from ..config import ModelConfig
+from .configs import DisentangledConfig
 from .block import TransformerBlock, activation, build_norm, init_linear
 
 __all__ = ["DisentangledAttention", "DisentangledBlock", "RelativePositions", "TokenConvolution", "log_buckets",

@@ -47,7 +47,8 @@ from lightning_llm.kernels.delta_rule import (
     sequence_starts,
 )
 
-from ..config import LinearAttentionConfig, ModelConfig
+from ..config import ModelConfig
+from .configs import LinearAttentionConfig
 from ..decoding import KVCache
 from ..init import Init
 from .block import RMSNorm, init_linear

@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import ModelConfig, MoEConfig
+from ..config import ModelConfig
+from .configs import MoEConfig
 from .block import MLP, activation
 from .routing import RoutingStats
 

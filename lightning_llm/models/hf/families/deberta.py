@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...config import DisentangledConfig, ModelConfig
+from ...config import ModelConfig
+from ...layers.configs import DisentangledConfig
 from ..architectures import Arch
 from ..entries import Entry, lin
 from .decoders import PLAIN_ACT_TO_HF, plain_act

@@ -37,7 +37,8 @@ from typing import Any
 
 from torch import Tensor
 
-from ...config import ModelConfig, MoEConfig
+from ...config import ModelConfig
+from ...layers.configs import MoEConfig
 from ...layers.rope import ROPE_TYPES, rope_type
 from ..entries import MOE_KINDS
 from ..options import refuse_unbuilt

@@ -26,7 +26,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ...config import MLAConfig, ModelConfig, MoEConfig
+from ...config import ModelConfig
+from ...layers.configs import MLAConfig, MoEConfig
 from ..options import refuse_unbuilt
 
 log = logging.getLogger(__name__)

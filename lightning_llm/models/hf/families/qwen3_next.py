@@ -28,7 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...config import LinearAttentionConfig, ModelConfig, MoEConfig
+from ...config import ModelConfig
+from ...layers.configs import LinearAttentionConfig, MoEConfig
 from ..entries import Entry, lin
 
 log = logging.getLogger(__name__)
