@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 from lightning_llm.models import build_model  # noqa: E402
 from lightning_llm.models.layers.attention import DotProductAttention, varlen_layout  # noqa: E402
-from lightning_llm.models.layers.block import additive_mask, causal_padding_mask  # noqa: E402
+from lightning_llm.models.layers.masks import additive_mask, causal_padding_mask  # noqa: E402
 from lightning_llm.models.layers.sinks import eager_sink_attention, varlen_sinks_supported  # noqa: E402
 
 

@@ -3,7 +3,7 @@
 A packed row concatenates whole examples; it carries, besides ``input_ids`` and the pre-shifted ``labels``,
 
 * ``segment_ids``: ``1..k`` for the row's k examples (the collate pads with 0: padding), which the model turns into a
-  block-diagonal causal attention mask (:func:`lightning_llm.models.layers.block.causal_padding_mask`): a token attends
+  block-diagonal causal attention mask (:func:`lightning_llm.models.layers.masks.causal_padding_mask`): a token attends
   only to earlier tokens of its own example;
 * ``position_ids``: restarting at 0 for every example, so rotary / learned positions are those of the example alone.
 

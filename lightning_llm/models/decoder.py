@@ -41,19 +41,9 @@ from lightning_llm.kernels.head_loss import TokenScores, head_cross_entropy, hea
 from .config import ModelConfig
 from .init import InitPlan, WeightsSource, draw_init_seed, full_index, init_whole, materialize, plan_for_modules
 from .layers.attention import AttentionMask, TokenMask, contiguous_sequences, uses_varlen, varlen_layout
-from .layers.block import (
-    KVCache,
-    NormHead,
-    ScaledEmbedding,
-    TransformerBlock,
-    additive_mask,
-    build_norm,
-    causal_mask,
-    causal_padding_mask,
-    segment_positions,
-    use_fused_kernel,
-)
+from .layers.block import KVCache, NormHead, ScaledEmbedding, TransformerBlock, build_norm, use_fused_kernel
 from .layers.deltanet import GatedDeltaNet, recurrent_rows
+from .layers.masks import additive_mask, causal_mask, causal_padding_mask, segment_positions
 from .layers.mla import LatentAttention
 from .layers.moe import MoEBlock, RoutingInput
 from .layers.rope import longrope_original, precompute_rope, rope_from_positions, rope_inv_freq, rope_type
@@ -436,7 +426,7 @@ class DecoderLM(nn.Module):
     def _shared_masks(masks: tuple[tuple[Tensor | None, bool], tuple[Tensor | None, bool]], x: Tensor
                       ) -> tuple[tuple[Tensor | None, bool], tuple[Tensor | None, bool]]:
         """The boolean masks as additive ones in the attention's dtype (autocast's, else the hidden states'), each
-        converted once for all the layers that share it (``block.additive_mask``)."""
+        converted once for all the layers that share it (``masks.additive_mask``)."""
         device = x.device.type
         # not on meta; no torch.amp.is_autocast_available (torch 2.11's dynamo breaks the graph on it)
         autocast = device != "meta" and torch.is_autocast_enabled(device)

@@ -36,8 +36,9 @@ from torch import Tensor, nn
 
 from .config import ModelConfig
 from .init import InitPlan, WeightsSource, draw_init_seed, init_whole, materialize, plan_for_modules
-from .layers.block import TransformerBlock, activation, build_norm, key_padding_mask
+from .layers.block import TransformerBlock, activation, build_norm
 from .layers.deberta import DisentangledBlock, RelativePositions, relative_index, relative_table
+from .layers.masks import key_padding_mask
 from .layers.rope import rope_from_positions, rope_inv_freq
 
 log = logging.getLogger(__name__)

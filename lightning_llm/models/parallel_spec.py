@@ -53,7 +53,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from .config import ModelConfig
 from .decoder import DecoderLM
 from .encoder import EncoderModel
-from .layers.block import segment_positions
+from .layers.masks import segment_positions
 from .layers.rope import longrope_original, rope_type
 
 __all__ = ["HeadSharded", "ParallelSpec", "PARALLEL_SPECS", "TPPlan", "decoder_tp_plan", "encoder_tp_plan",

@@ -225,7 +225,7 @@ def test_changing_one_example_leaves_the_others_in_its_row_unchanged() -> None:
 
 
 def test_padding_segment_is_finite_and_positions_follow_segments() -> None:
-    from lightning_llm.models.layers.block import segment_positions
+    from lightning_llm.models.layers.masks import segment_positions
 
     seg = torch.tensor([[1, 1, 1, 2, 2, 0, 0], [1, 2, 2, 2, 3, 3, 3]])
     assert segment_positions(seg).tolist() == [[0, 1, 2, 0, 1, 0, 1], [0, 0, 1, 2, 0, 1, 2]]

@@ -32,7 +32,7 @@ from lightning_llm.models.layers.attention import (
     varlen_attention,
     varlen_layout,
 )
-from lightning_llm.models.layers.block import causal_padding_mask, segment_positions
+from lightning_llm.models.layers.masks import causal_padding_mask, segment_positions
 
 TOL = 1e-6
 

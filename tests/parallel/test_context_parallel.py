@@ -161,7 +161,7 @@ than the keys, its own softmax scale)."""
 
 def _direct_batches() -> dict[str, dict[str, torch.Tensor]]:
     """Packed rows with padding (row 0: padding at the end; row 1: left-padded) and a row past the tables."""
-    from lightning_llm.models.layers.block import segment_positions
+    from lightning_llm.models.layers.masks import segment_positions
 
     g = torch.Generator().manual_seed(3)
     s = 512
@@ -183,7 +183,7 @@ def _direct_errors(one: Any, split: Any, batch: dict[str, torch.Tensor]) -> tupl
     against ``one`` on the whole batch (from logits: the fused loss sums the head's gradient in fp32)."""
     import torch.distributed as dist
 
-    from lightning_llm.models.layers.block import segment_positions
+    from lightning_llm.models.layers.masks import segment_positions
     from lightning_llm.strategies.context import order_gathered, shard_batch
 
     cp, rank = dist.get_world_size(), dist.get_rank()

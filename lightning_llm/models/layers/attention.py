@@ -4,7 +4,7 @@ Both compute the same attention: causal, a key only if it is a real token (``kee
 (``segment_ids``), within the sliding window where a layer has one.
 
 * **mask path** (every device; the CPU's exact path): the decoder builds one boolean/additive mask ``[B, 1, S, T]``
-  per forward (``block.causal_padding_mask``) and each layer calls SDPA with it; plain rows (no padding, no packing,
+  per forward (``masks.causal_padding_mask``) and each layer calls SDPA with it; plain rows (no padding, no packing,
   no window) call SDPA ``is_causal`` with no mask. With a mask SDPA cannot take the flash kernel, and the mask is S^2
   per row (a 32k-token row: 2 GiB in bf16).
 * **varlen path** (``ModelConfig.attention``: ``auto`` takes it on CUDA in fp16/bf16; ``varlen`` everywhere): no
@@ -361,7 +361,7 @@ class TokenMask:
     this forward's own tokens rebuilds its mask from it: context parallelism's attention across sequence slices).
 
     Causal by column order, a key attends only if it is a real token (``keep``) of the query's segment
-    (``segment_ids``); a query with no such key attends to itself (as ``block.causal_padding_mask``)."""
+    (``segment_ids``); a query with no such key attends to itself (as ``masks.causal_padding_mask``)."""
 
     keep: Tensor | None = None
     """[B, S] bool, True = a real token; None: every token is."""

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_llm.models.layers.attention import VarlenLayout, values_as_keys, varlen_attention, varlen_layout
-from lightning_llm.models.layers.block import additive_mask
+from lightning_llm.models.layers.masks import additive_mask
 from lightning_llm.strategies.context.sharding import local_columns, order_gathered
 
 log = logging.getLogger(__name__)
@@ -235,7 +235,7 @@ class ContextParallelAttention(nn.Module):
 
     def _mask(self, token_mask: Any, *, seq: int, batch: int, device: torch.device) -> Tensor:
         """Boolean [B, 1, S/cp, S]: causal by global column, a real key of the query's segment; an empty row attends
-        to itself (no NaN), as ``block.causal_padding_mask``."""
+        to itself (no NaN), as ``masks.causal_padding_mask``."""
         q_cols = local_columns(seq, self.cp, self.rank, device=device)  # [S/cp]
         k_cols = torch.arange(seq, device=device)  # [S]
         mask = (k_cols[None, :] <= q_cols[:, None])[None, None]  # [1, 1, S/cp, S]
