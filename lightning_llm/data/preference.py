@@ -51,7 +51,7 @@ from lightning_llm.data.chat.messages import ChatColumns, Conversation, preferen
 from lightning_llm.data.chat.template import resolve_template
 from lightning_llm.data.prompts import make_prompts
 from lightning_llm.files import DataError, read_records, write_jsonl_atomic
-from lightning_llm.models.decoder import score_mask
+from lightning_llm.models.scores import score_mask
 
 log = logging.getLogger(__name__)
 

@@ -51,7 +51,7 @@ from .layers.routing import RoutingStats
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DecoderLM", "score_mask", "score_positions", "sequence_scores"]
+__all__ = ["DecoderLM"]
 
 
 class DecoderLM(nn.Module):
@@ -59,7 +59,7 @@ class DecoderLM(nn.Module):
     or with ``labels=`` the next-token cross-entropy computed from the hidden states and the head in chunks
     (:func:`~lightning_llm.kernels.head_loss.head_cross_entropy`). A sequence classifier (``config.num_labels > 0``,
     a reward model) has a ``score`` head instead of ``lm_head`` and returns every position's scores [B, S, L]; a row's
-    scores are those of its last token that is not padding (:func:`sequence_scores`, transformers' rule)."""
+    scores are those of its last token that is not padding (:func:`~.scores.sequence_scores`, transformers' rule)."""
 
     computes_loss: ClassVar[bool] = True
     """``forward(..., labels=)`` returns the token cross-entropy (what a task's fused loss path asks for)."""
@@ -467,28 +467,6 @@ class DecoderLM(nn.Module):
         if window is None:
             return (mask, False), (mask, False)
         return (mask, False), (mask & causal_mask(s, mask.shape[-1], window, device=device), False)
-
-
-def score_positions(input_ids: Tensor, pad_token_id: int) -> Tensor:
-    """[B] the column of each row's last token that is not padding, by transformers' rule for
-    ``...ForSequenceClassification``: the rightmost token whose id is not ``pad_token_id`` (0 for a row of padding), so
-    left- and right-padded rows score the same token. A row ending in tokens equal to the pad id (a tokenizer whose
-    pad token is its EOS) is scored before them, as transformers scores it."""
-    columns = torch.arange(input_ids.shape[-1], device=input_ids.device, dtype=torch.int32)
-    return (columns * (input_ids != pad_token_id).to(torch.int32)).argmax(-1)
-
-
-def score_mask(input_ids: Tensor, pad_token_id: int) -> Tensor:
-    """[B, S] bool, True at each row's :func:`score_positions` column."""
-    columns = torch.arange(input_ids.shape[-1], device=input_ids.device)
-    return columns == score_positions(input_ids, pad_token_id).unsqueeze(-1)
-
-
-def sequence_scores(scores: Tensor, input_ids: Tensor, pad_token_id: int) -> Tensor:
-    """A sequence classifier's scores [B, L] from its per-position scores [B, S, L]: each row's at
-    :func:`score_positions`."""
-    rows = torch.arange(scores.shape[0], device=scores.device)
-    return scores[rows, score_positions(input_ids, pad_token_id).to(scores.device)]
 
 
 def _attention_layer(config: ModelConfig, layer: int) -> nn.Module | None:

@@ -42,7 +42,7 @@ from lightning_llm.data.chat.messages import Conversation
 from lightning_llm.data.chat.template import resolve_template
 from lightning_llm.data.preference import ReplyEncoder
 from lightning_llm.models import NAMED_SIZES, build_model, load_hf
-from lightning_llm.models.decoder import sequence_scores
+from lightning_llm.models.scores import sequence_scores
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 
 The model is a decoder with a ``score`` head (``ModelConfig.num_labels = 1``: one linear map without bias from the
 final hidden state, transformers' ``...ForSequenceClassification``) whose reward for a row is its score at the row's
-last token that is not padding (:func:`~lightning_llm.models.decoder.score_positions`: transformers' rule, so an
+last token that is not padding (:func:`~lightning_llm.models.scores.score_positions`: transformers' rule, so an
 export scores as the run did). The backbone is any decoder: a named size, an HF ``...ForCausalLM`` directory (the head
 starts fresh) or an HF ``...ForSequenceClassification`` with one label (its head is loaded).
 
@@ -46,7 +46,7 @@ from lightning_llm.data.tokenizers import ByteTokenizer
 from lightning_llm.export import CHECKPOINT_KEY, export_sources, read_checkpoint, rebuild_model
 from lightning_llm.files import write_jsonl_atomic
 from lightning_llm.models import backbone_config
-from lightning_llm.models.decoder import score_mask
+from lightning_llm.models.scores import score_mask
 from lightning_llm.peft import INJECTED_METHODS, PeftConfig, merge_peft
 from lightning_llm.rl.rewards import RewardConfig, RewardModel, build_reward
 from lightning_llm.tasks.decoder import DecoderTask

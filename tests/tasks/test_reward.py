@@ -19,7 +19,7 @@ import torch
 from lightning_llm.cli import main
 from lightning_llm.data import DataError, PreferenceDataModule
 from lightning_llm.models import build_model
-from lightning_llm.models.decoder import sequence_scores
+from lightning_llm.models.scores import sequence_scores
 from lightning_llm.rl import RewardConfig, RewardModel
 from lightning_llm.tasks import OptimConfig, RewardTask
 from lightning_llm.tasks.reward import build_reward_source, reward_loss
