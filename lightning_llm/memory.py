@@ -58,8 +58,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from lightning_llm.kernels.cross_entropy import default_chunk_size
 from lightning_llm.models import model_from_config, parallel_spec_of
 from lightning_llm.models.init import FILL_SCRATCH_BYTES
-from lightning_llm.models.parallel_spec import HeadSharded
 from lightning_llm.models.quantize import QuantizationConfig, QuantizeMode, bytes_per_weight, quantized_linears
+from lightning_llm.models.tp_plans import HeadSharded
 from lightning_llm.strategies.pipeline.split import split_layers
 from lightning_llm.strategies.zero.native import module_path_matches
 from lightning_llm.strategies.zero.nvme import swap_buffer_bytes

@@ -2,7 +2,7 @@
 
 * :class:`TPPeerTask` - Lightning's own ``ModelParallelStrategy`` with a hand-written Megatron plan applied by
   ``parallelize_module`` in ``configure_model`` (what a Lightning user writes without our ``tp`` strategy). The plan
-  is the one ``lightning_llm.models.parallel_spec.decoder_tp_plan(sequence_parallel=False, loss_parallel=False)``
+  is the one ``lightning_llm.models.tp_plans.decoder_tp_plan(sequence_parallel=False, loss_parallel=False)``
   produces, written out by hand.
 * :class:`FSDP2PeerTask` - Lightning's ``ModelParallelStrategy`` with FSDP2 ``fully_shard`` per block, the peer of
   ``zero3`` (Lightning's ``FSDPStrategy`` wraps torch's FSDP1, which needs an accelerator).

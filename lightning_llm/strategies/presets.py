@@ -41,7 +41,7 @@ from lightning_llm.strategies.decoding import GatherForDecoding
 from lightning_llm.strategies.engine.strategy import ParallelEngine
 from lightning_llm.strategies.engine.grad_buckets import DEFAULT_BUCKET_MB
 from lightning_llm.strategies.pipeline.runtime import ScheduleName
-from lightning_llm.models.parallel_spec import TPPlan
+from lightning_llm.models.tp_plans import TPPlan
 from lightning_llm.strategies.zero.common import Engine, check_adapter, validate_zero_args, write_export
 from lightning_llm.strategies.zero.deepspeed import DeepSpeedZeroStrategy
 

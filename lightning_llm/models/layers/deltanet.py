@@ -17,7 +17,7 @@ checkpoints store them; Qwen3.5's ``in_proj_qkv`` (rows per key head ``[q_g, k_g
 head too (``[q_g, k_g, v_g]``; the checkpoint's ``[q; k; v]`` permuted). So every output row block of a key head is
 contiguous: a tensor-parallel row shard (or a LoRA's ``lora_B`` sharded so) holds whole key heads with their value
 heads, for any degree dividing the key heads. ``A_log``, ``dt_bias`` and the convolution's weight are
-:class:`HeadWeights` (called with nothing, they return their tensor: ``parallel_spec.HeadSharded`` splits them with
+:class:`HeadWeights` (called with nothing, they return their tensor: ``tp_plans.HeadSharded`` splits them with
 the heads).
 
 **Rows.** The decoder hands the layer a :class:`RecurrentRows` as its ``attn_mask``: padding (zeroed before the
@@ -89,7 +89,7 @@ def recurrent_rows(attention_mask: Tensor | None, segment_ids: Tensor | None, ne
 
 class HeadWeights(nn.Module):
     """One parameter of per-head rows (``shape[0]`` over the heads), returned by calling the module with nothing, so
-    a tensor-parallel layout hands the layer its heads' rows (``parallel_spec.HeadSharded``). ``init(name, std)``
+    a tensor-parallel layout hands the layer its heads' rows (``tp_plans.HeadSharded``). ``init(name, std)``
     declares how it starts (:func:`~lightning_llm.models.init.plan_for_modules` reads ``declared_inits``)."""
 
     def __init__(self, *shape: int, init: Callable[[str, float], Init]) -> None:

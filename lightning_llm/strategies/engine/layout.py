@@ -27,6 +27,7 @@ from lightning_llm.contract import check_context_parallel, check_pipelinable
 from lightning_llm.logs import PER_RANK
 from lightning_llm.models import routing_stats_of
 from lightning_llm.models.init import canonical_name
+from lightning_llm.models.tp_plans import TPPlan
 from lightning_llm.strategies.engine.grad_buckets import DEFAULT_BUCKET_MB
 from lightning_llm.strategies.mesh import ParallelDims
 from lightning_llm.strategies.tensor.parallelize import reduce_partial_grads
@@ -42,7 +43,6 @@ from lightning_llm.strategies.pipeline.split import (
     stage_specs,
     tied_across_stages,
 )
-from lightning_llm.models.parallel_spec import TPPlan
 
 log = logging.getLogger(__name__)
 

@@ -56,6 +56,7 @@ from typing_extensions import override
 
 from lightning_llm.contract import Capabilities
 from lightning_llm.models.init import is_meta
+from lightning_llm.models.tp_plans import TPPlan
 from lightning_llm.strategies.context import apply_context_parallel, slice_step
 from lightning_llm.strategies.decoding import (DecodingSessions, GatherForDecoding, WholeCopies, ZeroDecoding,
                                                copy_skeletons)
@@ -76,7 +77,6 @@ from lightning_llm.strategies.tensor.parallelize import (
 )
 from lightning_llm.strategies.pipeline.runtime import ScheduleName, checkpoint_blocks
 from lightning_llm.strategies.pipeline.split import StageSpec, layout_of, module_at
-from lightning_llm.models.parallel_spec import TPPlan
 from lightning_llm.strategies.zero.native import (
     apply_fsdp,
     fsdp_mixed_precision,

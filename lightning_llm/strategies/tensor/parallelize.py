@@ -20,8 +20,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from lightning_llm.contract import task_accepts_sharded_logits, user_task
 from lightning_llm.models import family_roots
+from lightning_llm.models.tp_plans import TPPlan
 from lightning_llm.strategies.mesh import over_replicas
-from lightning_llm.models.parallel_spec import TPPlan
 from lightning_llm.strategies.tensor.plans import tp_plan, validate_tp_for
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,8 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from lightning_llm.models.config import ModelConfig
-from lightning_llm.models.parallel_spec import _TP_DIVIDES, TPPlan, parallel_spec_of
+from lightning_llm.models.parallel_spec import _TP_DIVIDES, parallel_spec_of
+from lightning_llm.models.tp_plans import TPPlan
 
 log = logging.getLogger(__name__)
 
