@@ -16,6 +16,7 @@
 ``entries.py``            the entry types (one key, per-expert keys, fused layouts, MXFP4) and the experts' entries
 ``source.py``             reading checkpoint files lazily: only the elements a rank holds
 ``options.py``            options of a family's config.json that are not built, refused by name
+``adapters.py``           a peft adapter of a decoder in the checkpoint's names and row order
 ``load.py`` / ``save.py``  ``load_hf`` / ``save_hf``
 ========================  ============================================================================================
 """

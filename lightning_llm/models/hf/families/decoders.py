@@ -27,7 +27,8 @@ smollm3    layers without rotary embedding (``no_rope_layers``): :mod:`.smollm3`
 =========  ==========================================================================================================
 
 ``W_pack`` is stored head-interleaved in our model (see :class:`~lightning_llm.models.layers.block.Attention`):
-:func:`wpack_from_hf` / :func:`wpack_to_hf` permute its rows (weight, bias, and a LoRA ``lora_B``) at the boundary.
+:func:`wpack_from_hf` / :func:`wpack_to_hf` permute its rows (weight, bias, and a LoRA ``lora_B``: :mod:`..adapters`) at
+the boundary.
 """
 
 from __future__ import annotations
@@ -43,10 +44,10 @@ from ...layers.rope import ROPE_TYPES, rope_type
 from ..entries import MOE_KINDS
 from ..options import refuse_unbuilt
 from .deepseek import DEEPSEEK_KINDS, deepseek_from_hf, deepseek_to_hf
-from .glm4 import GLM4_FUSED, glm4_from_hf, glm4_to_hf
+from .glm4 import glm4_from_hf, glm4_to_hf
 from .olmo import OLMO_KINDS, olmo_from_hf, olmo_to_hf
-from .phi3 import PHI3_FUSED, phi3_from_hf, phi3_to_hf
-from .qwen3_next import HYBRID_KINDS, hybrid_adapter_tensor, hybrid_from_hf, hybrid_module_name, hybrid_to_hf
+from .phi3 import phi3_from_hf, phi3_to_hf
+from .qwen3_next import HYBRID_KINDS, hybrid_from_hf, hybrid_to_hf
 from .smollm3 import smollm3_from_hf, smollm3_to_hf
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,6 @@ log = logging.getLogger(__name__)
 __all__ = [
     "DECODER_KINDS",
     "DENSE_KINDS",
-    "fused_in_hf",
     "layer_type_rope",
     "decoder_config_from_hf",
     "decoder_config_to_hf",
@@ -63,10 +63,6 @@ __all__ = [
     "rope_from_hf",
     "wpack_from_hf",
     "wpack_to_hf",
-    "adapter_tensor_to_hf",
-    "adapter_tensor_from_hf",
-    "module_name_to_hf",
-    "module_name_from_hf",
     "gated_act",
     "plain_act",
     "PLAIN_ACT_TO_HF",
@@ -91,7 +87,6 @@ _MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "mistral": 1310
 _NORM_EPS = {"olmoe": 1e-5, "gpt_oss": 1e-5}  # the others' default: 1e-6
 _ROPE_THETA = {"olmo3": 500000.0, "smollm3": 2000000.0}  # the config classes' default_theta (the others': 10000)
 _PARTIAL_ROTARY = ("glm4_moe", "glm4", "phi3")  # families that read partial_rotary_factor (phi3: in its own file)
-_FUSED_IN_HF = {"phi3": PHI3_FUSED, "glm4": GLM4_FUSED}
 _MOE_DEFAULTS = {  # (experts, top_k, expert width, norm_topk_prob) of transformers' config classes
     "mixtral": (8, 2, None, True), "qwen2_moe": (60, 4, 1408, False), "qwen3_moe": (128, 8, 768, False),
     "olmoe": (64, 8, None, False), "gpt_oss": (128, 4, None, False)}
@@ -116,56 +111,6 @@ def wpack_to_hf(t: Tensor, num_heads: int) -> Tensor:
     """Inverse of :func:`wpack_from_hf`: head-interleaved rows -> ``[q; k; v]``."""
     rest = t.shape[1:]
     return t.reshape(num_heads, 3, -1, *rest).transpose(0, 1).reshape(t.shape).contiguous()  # [N, 3, D] -> [3, N, D]
-
-
-def _is_wpack_rows(name: str) -> bool:
-    """Adapter tensors whose dim 0 are W_pack's output rows: ``...W_pack.lora_B[.adapter].weight`` (and bias)."""
-    atoms = name.split(".")
-    return "W_pack" in atoms and "lora_B" in atoms[atoms.index("W_pack"):]
-
-
-def adapter_tensor_to_hf(config: ModelConfig, name: str, t: Tensor) -> Tensor:
-    """An adapter tensor of ours (peft state-dict name) in the checkpoint's row order: ``lora_B`` of a packed
-    ``W_pack`` is un-permuted (its rows are W_pack's rows); every other tensor is returned unchanged."""
-    if config.qkv_packed and _is_wpack_rows(name):
-        return wpack_to_hf(t, config.num_heads)
-    return hybrid_adapter_tensor(config, name, t, to_hf=True)
-
-
-def adapter_tensor_from_hf(config: ModelConfig, name: str, t: Tensor) -> Tensor:
-    """Inverse of :func:`adapter_tensor_to_hf` (a peft adapter of the HF checkpoint -> our row order)."""
-    if config.qkv_packed and _is_wpack_rows(name):
-        return wpack_from_hf(t, config.num_heads)
-    return hybrid_adapter_tensor(config, name, t, to_hf=False)
-
-
-_HF_MODULE_NAMES = {kind: ((".mlp.shared_expert.", ".mlp.shared_experts."),) for kind in DEEPSEEK_KINDS}
-"""Family -> (our module path piece, the HF one): where a family's HF names differ from ours below the block."""
-
-
-def _kind(config: ModelConfig) -> str | None:
-    return (config.extra or {}).get("hf_model_type")
-
-
-def module_name_to_hf(config: ModelConfig, name: str) -> str:
-    """Our module path inside the decoder -> the HF model's (``model.`` prefix not added): DeepSeek's and GLM's
-    shared experts are ``shared_experts`` there (a peft adapter's keys name them so)."""
-    for ours, hf in _HF_MODULE_NAMES.get(_kind(config) or "", ()):
-        name = name.replace(ours, hf)
-    return hybrid_module_name(config, name, to_hf=True) if config.linear_attention is not None else name
-
-
-def fused_in_hf(config: ModelConfig) -> dict[str, tuple[str, ...]]:
-    """The HF projections of the config's family that fuse several of ours (Phi-3's ``qkv_proj`` = our q/k/v, its and
-    GLM-4's ``gate_up_proj`` = gate/up): a peft adapter on them is not the one on ours."""
-    return dict(_FUSED_IN_HF.get(_kind(config) or "", {}))
-
-
-def module_name_from_hf(config: ModelConfig, name: str) -> str:
-    """Inverse of :func:`module_name_to_hf`."""
-    for ours, hf in _HF_MODULE_NAMES.get(_kind(config) or "", ()):
-        name = name.replace(hf, ours)
-    return hybrid_module_name(config, name, to_hf=False) if config.linear_attention is not None else name
 
 
 # ---------------------------------------------------------------------------------------------------- from HF
