@@ -4,7 +4,9 @@ FSDP2 reduce-scatters its own units), tensor-parallel ``Partial`` gradients redu
 shard, stage and replica, and accumulation micro-batches without communication.
 
 :class:`EngineGradients` is a part of :class:`~.engine.ParallelEngine`; it reads what the engine set up: ``dims``,
-``zero_stage``, ``stages`` (``pipelined``), ``_params``, ``_reducer``, ``_sharded_logits`` and ``_batch_idx``.
+``zero_stage``, ``stages`` (``pipelined``), ``_params``, ``_sharded_logits`` and ``_batch_idx``, and the groups its
+reduction runs over; it sets up the reduction itself with the optimizers (``_reducer``; ZeRO-1/2: the partitioned
+optimizers).
 """
 
 from __future__ import annotations
@@ -13,16 +15,17 @@ import contextlib
 from collections.abc import Callable, Generator
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from torch import Tensor, nn
 from torch.distributed.tensor.parallel import loss_parallel as _loss_parallel_ctx
 from typing_extensions import override
 
-from lightning_llm.strategies.engine.grad_buckets import GradReducer
+from lightning_llm.strategies.engine.grad_buckets import GradReducer, reducer_for
 from lightning_llm.strategies.mesh import ParallelDims
 from lightning_llm.strategies.tensor.parallelize import clip_grads_by_global_norm, reduce_partial_grads
-from lightning_llm.strategies.zero.native import gradient_sync_paused
+from lightning_llm.strategies.zero.native import gradient_sync_paused, partition_optimizers
 
 __all__ = ["EngineGradients"]
 
@@ -32,9 +35,16 @@ class EngineGradients(ParallelStrategy):
 
     dims: ParallelDims | None
     zero_stage: int
+    offload_optimizer: bool
+    args: Any  # layout.LayoutArgs
     stages: Any  # layout.PipelineStages (pp > 1)
+    replica_rank: int
     _params: list[nn.Parameter]
+    _dp_group: Any
+    _replica_mesh: Any
+    _expert_mesh: Any
     _reducer: GradReducer | None
+    _grad_hooks: list[Any]
     _sharded_logits: bool  # the task's loss receives vocab-sharded DTensor logits
     _grads_finalized: bool  # the current gradients are reduced and averaged (see _finalize_gradients)
     _batch_idx: int
@@ -42,6 +52,34 @@ class EngineGradients(ParallelStrategy):
     @property
     def pipelined(self) -> bool:
         raise NotImplementedError
+
+    @property
+    def grad_reducer(self) -> GradReducer | None:
+        """The data-parallel gradient reduction (set up with the optimizers when fitting), else ``None``."""
+        return self._reducer
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        for h in self._grad_hooks:
+            h.remove()
+        assert self.dims is not None
+        owners: dict[int, int] = {}  # ZeRO-2: id(param) -> the dp rank that keeps its gradient
+        # Over one data-parallel rank a partition is the whole: the task's optimizer steps as it is (no wrapper, no
+        # per-step group copies), unless the states are offloaded to the CPU.
+        if self.zero_stage in (1, 2) and (self.dims.replicas > 1 or self.offload_optimizer):
+            self.optimizers, owners = partition_optimizers(
+                self.optimizers, self.lr_scheduler_configs, dp_mesh=self._replica_mesh, stage=self.zero_stage,
+                offload=self.offload_optimizer, bucket_size_mb=self.args.bucket_size_mb)
+        experts = None
+        if self._expert_mesh is not None:
+            edp = self._expert_mesh["edp"]
+            experts = (edp.get_group(), edp.size(), edp.get_local_rank())
+        self._reducer = reducer_for(self.lightning_module, group=self._dp_group, world=self.dims.replicas,
+                                    rank=self.replica_rank, bucket_size_mb=self.args.bucket_size_mb, owners=owners,
+                                    experts=experts)
+        # A pipeline's backward runs inside its schedule: it reduces after the schedule (PipelineStages), no hooks.
+        self._grad_hooks = [] if self.pipelined else self._reducer.register_hooks()
 
     @contextlib.contextmanager
     def _loss_context(self) -> Generator[None, None, None]:

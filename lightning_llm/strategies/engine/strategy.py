@@ -66,7 +66,7 @@ from lightning_llm.strategies.engine.layout import LayoutArgs, PipelineStages
 from lightning_llm.strategies.expert import apply_expert_parallel, expert_blocker, expert_mesh
 from lightning_llm.strategies.frozen import (check_frozen_models, frozen_models_of, place_frozen_models,
                                              place_scoring_models, scoring_models_of)
-from lightning_llm.strategies.engine.grad_buckets import DEFAULT_BUCKET_MB, GradReducer, reducer_for
+from lightning_llm.strategies.engine.grad_buckets import DEFAULT_BUCKET_MB, GradReducer
 from lightning_llm.strategies.materialize import materialize_shards
 from lightning_llm.strategies.mesh import (ParallelDims, device_type_of, mesh_coordinate, model_parallel_mesh,
                                           replica_mesh)
@@ -81,7 +81,6 @@ from lightning_llm.strategies.zero.native import (
     apply_fsdp,
     fsdp_mixed_precision,
     fsdp_units,
-    partition_optimizers,
     shard_experts,
 )
 
@@ -256,11 +255,6 @@ class ParallelEngine(EngineGradients, DecodingSessions, DefaultGroupCollectives,
     def context_parallel_group(self) -> Any:
         """The process group of this rank's context-parallel group (the ranks sharing its sequences)."""
         return self._cp_group
-
-    @property
-    def grad_reducer(self) -> GradReducer | None:
-        """The data-parallel gradient reduction (set up with the optimizers when fitting), else ``None``."""
-        return self._reducer
 
     @property
     def pipeline_runner(self) -> Any:
@@ -445,29 +439,6 @@ class ParallelEngine(EngineGradients, DecodingSessions, DefaultGroupCollectives,
         assert self.model is not None
         if not self.offload_params:  # FSDP2 CPU offload keeps the shards on the host
             self.model.to(self.root_device)
-
-    @override
-    def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        super().setup_optimizers(trainer)
-        for h in self._grad_hooks:
-            h.remove()
-        assert self.dims is not None
-        owners: dict[int, int] = {}  # ZeRO-2: id(param) -> the dp rank that keeps its gradient
-        # Over one data-parallel rank a partition is the whole: the task's optimizer steps as it is (no wrapper, no
-        # per-step group copies), unless the states are offloaded to the CPU.
-        if self.zero_stage in (1, 2) and (self.dims.replicas > 1 or self.offload_optimizer):
-            self.optimizers, owners = partition_optimizers(
-                self.optimizers, self.lr_scheduler_configs, dp_mesh=self._replica_mesh, stage=self.zero_stage,
-                offload=self.offload_optimizer, bucket_size_mb=self.args.bucket_size_mb)
-        experts = None
-        if self._expert_mesh is not None:
-            edp = self._expert_mesh["edp"]
-            experts = (edp.get_group(), edp.size(), edp.get_local_rank())
-        self._reducer = reducer_for(self.lightning_module, group=self._dp_group, world=self.dims.replicas,
-                                    rank=self.replica_rank, bucket_size_mb=self.args.bucket_size_mb, owners=owners,
-                                    experts=experts)
-        # A pipeline's backward runs inside its schedule: it reduces after the schedule (PipelineStages), no hooks.
-        self._grad_hooks = [] if self.pipelined else self._reducer.register_hooks()
 
     # ------------------------------------------------------------------------------------------ steps
     def _step(self, hook: str, context: Any, *args: Any, **kwargs: Any) -> Any:
