@@ -1,18 +1,7 @@
 """DeepSpeed ZeRO engine: Lightning's ``DeepSpeedStrategy`` with the config generated from ZeRO init args, on GPUs *and*
 on CPU (DeepSpeed's CPU accelerator with gloo, which Lightning's own strategy refuses), and DeepSpeed optimizers by name.
 
-Optimizers (``optimizer=``), checked against what this DeepSpeed build provides before training starts:
-
-* ``None`` (default): the task's ``configure_optimizers`` (torch AdamW + its LR schedule), wrapped by ZeRO.
-* ``adam`` / ``adamw``: DeepSpeed's ``FusedAdam`` on CUDA; on CPU, torch's Adam/AdamW (DeepSpeed's ``torch_adam``).
-* ``cpu_adam``: ``DeepSpeedCPUAdam`` (a C++ op JIT-compiled on first use; the default optimizer with
-  ``offload_optimizer``). If it fails to build, the error says so and names ``optimizer=adamw`` as the fallback.
-* ``lamb``: ``FusedLamb`` (a CUDA op): rejected on CPU.
-* ``onebitadam`` / ``zerooneadam``: DeepSpeed removed 1-bit Adam, 0/1 Adam and their compressed-communication
-  backends (NCCL/MPI) before 0.19; with the installed version they are rejected with that message.
-
-All named optimizers take lr/betas/eps/weight decay and the parameter groups from the task's optimizer, and keep the
-task's LR schedule.
+Optimizers by name (``optimizer=``): :mod:`.deepspeed_optimizers`.
 """
 
 from __future__ import annotations
@@ -43,14 +32,13 @@ from lightning_llm.checkpoint import CheckpointError, check_deepspeed_dir, check
 from lightning_llm.checkpoint.safe_load import DEEPSPEED_GLOBALS
 from lightning_llm.reliability import SaveFault, publish, remove_path, staging_path
 from lightning_llm.strategies.zero.common import check_adapter, validate_zero_args, write_export
+from lightning_llm.strategies.zero.deepspeed_optimizers import build_named_optimizer, check_optimizer, drop_empty_groups
 from lightning_llm.strategies.zero.nvme import AioSettings, check_offload_device, nvme_config, partition_for_nvme
 from lightning_llm.strategies.zero.nvme import refuse_nvme_checkpoint
 from lightning_llm.strategies.zero.nvme_checkpoint import load_nvme_checkpoint, nvme_checkpoint_state
 from lightning_llm.strategies.engine import hybrid_checkpoint as hckpt
 
 log = logging.getLogger(__name__)
-
-OPTIMIZERS = ("adam", "adamw", "cpu_adam", "lamb", "onebitadam", "zerooneadam")
 
 
 def deepspeed_config(*, stage: int, offload_optimizer: bool, offload_params: bool, pin_memory: bool,
@@ -86,67 +74,6 @@ def merge_config(base: dict[str, Any], override_cfg: dict[str, Any]) -> dict[str
     for k, v in override_cfg.items():
         out[k] = merge_config(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
-
-
-def check_optimizer(name: str | None, *, on_cuda: bool) -> None:
-    """Raise ``ValueError`` naming ``optimizer=`` when it cannot run with this DeepSpeed build and device."""
-    if name is None:
-        return
-    if name not in OPTIMIZERS:
-        raise ValueError(f"DeepSpeedZeroStrategy: optimizer={name!r}; choose one of {', '.join(OPTIMIZERS)}")
-    if name in ("onebitadam", "zerooneadam"):
-        import deepspeed
-
-        raise ValueError(f"DeepSpeedZeroStrategy: optimizer={name!r} is not available: DeepSpeed {deepspeed.__version__}"
-                         " no longer ships 1-bit Adam / 0/1 Adam or their NCCL/MPI compressed-communication backends "
-                         "(and there is none for gloo/CPU); use optimizer='adamw'")
-    if name == "lamb" and not on_cuda:
-        raise ValueError("DeepSpeedZeroStrategy: optimizer='lamb' is DeepSpeed's FusedLamb, a CUDA kernel; it cannot "
-                         "run on CPU")
-
-
-def build_named_optimizer(name: str, template: Optimizer, *, on_cuda: bool) -> Optimizer:
-    """A DeepSpeed/torch optimizer by name with ``template``'s param groups and hyperparameters."""
-    groups = [dict(g) for g in template.param_groups]
-    d = template.defaults
-    kw = dict(lr=d["lr"], betas=d.get("betas", (0.9, 0.999)), eps=d.get("eps", 1e-8),
-              weight_decay=d.get("weight_decay", 0.0))
-    if name == "cpu_adam":
-        try:
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-            return DeepSpeedCPUAdam(groups, adamw_mode=True, **kw)
-        except Exception as e:  # noqa: BLE001 - a JIT build failure has many exception types
-            raise RuntimeError(f"DeepSpeedZeroStrategy: optimizer='cpu_adam' needs DeepSpeed's cpu_adam C++ op, which "
-                               f"failed to build here ({type(e).__name__}: {e}); use optimizer='adamw' (torch AdamW "
-                               "on the offloaded states) instead") from e
-    if name in ("adam", "adamw"):
-        if on_cuda:
-            from deepspeed.ops.adam import FusedAdam
-
-            return FusedAdam(groups, adam_w_mode=name == "adamw", **kw)
-        return (torch.optim.AdamW if name == "adamw" else torch.optim.Adam)(groups, **kw)
-    if name == "lamb":
-        from deepspeed.ops.lamb import FusedLamb
-
-        kw.pop("betas")
-        return FusedLamb(groups, betas=d.get("betas", (0.9, 0.999)), **kw)
-    check_optimizer(name, on_cuda=on_cuda)
-    raise AssertionError("unreachable")
-
-
-def _drop_empty_groups(optimizer: Optimizer, scheduler: Any) -> None:
-    """Remove parameter groups without parameters (e.g. the no-decay group when only LoRA matrices train), as
-    DeepSpeed does in ``initialize`` - but together with the scheduler's per-group lists, so they stay aligned."""
-    empty = [i for i, g in enumerate(optimizer.param_groups) if not g["params"]]
-    for i in reversed(empty):
-        del optimizer.param_groups[i]
-        if scheduler is None:
-            continue
-        for attr in ("base_lrs", "lr_lambdas", "_last_lr", "min_lrs", "max_lrs"):
-            values = getattr(scheduler, attr, None)
-            if isinstance(values, list) and len(values) > i:
-                del values[i]
 
 
 class CheckedClipPrecision(DeepSpeedPrecision):
@@ -195,7 +122,7 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
             stage: ZeRO stage 1, 2 or 3.
             offload_optimizer: Optimizer states (fp32 masters, moments) in CPU memory.
             offload_params: Parameter partitions in CPU memory (stage 3).
-            optimizer: A DeepSpeed optimizer by name (see module doc); default: the task's optimizer.
+            optimizer: A DeepSpeed optimizer by name (:mod:`.deepspeed_optimizers`); default: the task's optimizer.
             config: A DeepSpeed JSON file or dict merged over the generated config (its values win).
             process_group_backend: ``nccl``/``gloo``; default from the device.
             timeout: Collective timeout.
@@ -436,7 +363,7 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
     @override
     def _init_optimizers(self) -> tuple[Optimizer, Any]:
         optimizer, scheduler_config = super()._init_optimizers()
-        _drop_empty_groups(optimizer, scheduler_config.scheduler if scheduler_config is not None else None)
+        drop_empty_groups(optimizer, scheduler_config.scheduler if scheduler_config is not None else None)
         if self.optimizer_name is None:
             return optimizer, scheduler_config
         named = build_named_optimizer(self.optimizer_name, optimizer, on_cuda=self.root_device.type == "cuda")
