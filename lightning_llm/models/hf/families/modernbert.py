@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from ...config import ModelConfig
 from ..architectures import Arch
 from ..entries import Entry, lin, row_split
