@@ -183,6 +183,11 @@ def _worker(mode: str, out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict[str, Any]]]:
+    from deepspeed.accelerator import get_accelerator
+
+    # The op built here, once, before the ranks start (minutes on 2 cores where it is not built yet): built by the
+    # ranks, it ran under the launch's timeout, whose kill left torch's build lock behind
+    get_accelerator().create_op_builder("AsyncIOBuilder").load(verbose=False)
     out = tmp_path_factory.mktemp("nvme")
     wait(launch(__file__, 2, "layouts", str(out)), timeout=900)
     return out, json.loads((out / "runs.json").read_text())
@@ -315,6 +320,31 @@ def test_refusals_before_training(capsys: pytest.CaptureFixture[str], tmp_path: 
     monkeypatch.setattr(builder, "has_function", lambda *args, **kwargs: False)
     line = _one_line(capsys, f"--trainer.strategy.nvme_path={tmp_path / 'swap'}")
     assert "async I/O op needs libaio" in line and "apt-get install -y libaio-dev" in line, line
+
+
+def test_a_killed_build_s_lock_is_refused_not_waited_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A build of the op killed mid-way leaves torch's ``lock`` file, on which every later load waits forever: the
+    strategy refuses it in one line naming the file; a lock as young as a running build is left to torch."""
+    import os
+    import time
+
+    import torch.utils.cpp_extension
+
+    from lightning_llm.strategies.zero.deepspeed import DeepSpeedZeroStrategy
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    lock = Path(torch.utils.cpp_extension._get_build_directory("async_io", verbose=False)) / "lock"
+    lock.touch()
+
+    def nvme() -> Any:
+        return DeepSpeedZeroStrategy(stage=3, offload_optimizer=True, offload_params=True, offload_device="nvme",
+                                     nvme_path=str(tmp_path / "swap"))
+
+    nvme()  # a build running now
+    os.utime(lock, (time.time() - 7200,) * 2)
+    with pytest.raises(ValueError, match=rf"^{lock}: DeepSpeed's async_io op build lock is 2.0 h old, left by a "
+                                         r"build that was killed; .* Remove it"):
+        nvme()
 
 
 if __name__ == "__main__":
