@@ -15,7 +15,7 @@ from tests.chat_fixtures import build_tokenizer, conversation, write_jsonl
 
 from lightning_llm.cli import main
 from lightning_llm.data import DataError, InstructionDataModule, PreferenceDataModule, PromptDataModule
-from lightning_llm.data.chat.messages import PART_SEPARATOR
+from lightning_llm.data.chat.messages import PART_SEPARATOR, message_text
 
 # A template that renders text parts itself, trimming each (as Gemma 3's does), written for this test; and the same
 # with transformers' {% generation %} markers around what a reply generates.
@@ -49,7 +49,13 @@ def _as_strings(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _rows(dataset: Any) -> list[dict[str, Any]]:
-    return [dataset[i] for i in range(len(dataset))]
+    """The dataset's rows; an RL prompt's fitted ``conversation`` (what a decoder reward model renders with its own
+    template, parts as it takes them) as each message's role and text."""
+    rows = [dict(dataset[i]) for i in range(len(dataset))]
+    for row in rows:
+        if "conversation" in row:
+            row["conversation"] = [(m["role"], message_text(m)) for m in row["conversation"].messages]
+    return rows
 
 
 @pytest.mark.parametrize("tokenizer", ["qwen2", "byte"])
