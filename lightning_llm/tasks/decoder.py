@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 from lightning.pytorch.utilities import rank_zero_info
-from torch import nn
+import torch
+from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_llm.contract import builds_lazily
+from lightning_llm.contract import builds_lazily, replica_mean
 from lightning_llm.export.meta import _tokenizer_source, chat_template_source
 from lightning_llm.models import backbone_config
 from lightning_llm.models.layers.moe import moe_parameters
@@ -256,6 +257,18 @@ class DecoderTask(LLMTask):
             rank_zero_info("loss: " + ("fused LM-head cross-entropy (no [B, S, V] logits)" if reason is None
                                        else f"cross-entropy on full logits ({reason})"))
         return reason is None
+
+    def log_pair_means(self, means: dict[str, Tensor], pairs: float) -> None:
+        """Log a step's statistics of its ``pairs`` preference pairs (trl's names), each the mean over the
+        data-parallel replicas weighted by their pairs (one collective for all); ``rewards/accuracies`` also on the
+        progress bar."""
+        caps = self.capabilities
+        values, _ = replica_mean(caps.data_parallel_group, torch.stack(list(means.values())), pairs,
+                                 dp=caps.data_parallel_size)
+        for name, value in zip(means, values):
+            self.log(name, value, on_step=True, on_epoch=False, batch_size=int(pairs))
+            if name == "rewards/accuracies":
+                self.progress_bar.show(self, "accuracy", value)
 
     @property
     def policy(self) -> nn.Module:

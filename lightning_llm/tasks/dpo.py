@@ -130,15 +130,7 @@ class DPOTask(PreferenceTask):
 
     @override
     def log_train_outputs(self, outputs: dict[str, Any], batch: dict[str, Tensor]) -> None:
-        means = _stats(outputs).means()
-        caps = self.capabilities
-        pairs = self.loss_weight(batch)
-        values, _ = replica_mean(caps.data_parallel_group, torch.stack(list(means.values())), pairs,
-                                 dp=caps.data_parallel_size)
-        for name, value in zip(means, values):
-            self.log(name, value, on_step=True, on_epoch=False, batch_size=int(pairs))
-            if name == "rewards/accuracies":
-                self.progress_bar.show(self, "accuracy", value)
+        self.log_pair_means(_stats(outputs).means(), self.loss_weight(batch))
 
     @override
     def update_metrics(self, stage: str, outputs: dict[str, Any], batch: dict[str, Tensor]) -> None:

@@ -40,7 +40,7 @@ from torch.distributed.nn.functional import all_reduce as summed_with_gradients
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
-from lightning_llm.contract import PACKED_INPUTS, replica_mean
+from lightning_llm.contract import PACKED_INPUTS
 from lightning_llm.data.base import load_tokenizer
 from lightning_llm.data.tokenizers import ByteTokenizer
 from lightning_llm.export import CHECKPOINT_KEY, export_sources, read_checkpoint, rebuild_model
@@ -198,15 +198,7 @@ class RewardTask(DecoderTask):
 
     @override
     def log_train_outputs(self, outputs: dict[str, Any], batch: dict[str, Tensor]) -> None:
-        means = self._stats(outputs)
-        caps = self.capabilities
-        pairs = self.loss_weight(batch)
-        values, _ = replica_mean(caps.data_parallel_group, torch.stack(list(means.values())), pairs,
-                                 dp=caps.data_parallel_size)
-        for name, value in zip(means, values):
-            self.log(name, value, on_step=True, on_epoch=False, batch_size=int(pairs))
-            if name == "rewards/accuracies":
-                self.progress_bar.show(self, "accuracy", value)
+        self.log_pair_means(self._stats(outputs), self.loss_weight(batch))
 
     @override
     def update_metrics(self, stage: str, outputs: dict[str, Any], batch: dict[str, Tensor]) -> None:
