@@ -19,8 +19,10 @@ quickstart: install
 lint: install
 	$(PYTHON) -m ruff check lightning_llm tests benchmarks
 
+# Two workers (pytest-xdist), each taking whole files (module fixtures run once): most tests leave a core idle while
+# they start processes, rendezvous or write files.
 test: install lint
-	$(PYTHON) -m pytest -q tests --durations=30
+	$(PYTHON) -m pytest -q tests -n 2 --dist loadfile --durations=30
 
 test-fast:
 	$(PYTHON) -m pytest -q tests -m "not multiprocess"

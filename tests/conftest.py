@@ -14,6 +14,11 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["PYTHONPATH"] = os.pathsep.join(
     dict.fromkeys(filter(None, [_ROOT, *os.environ.get("PYTHONPATH", "").split(os.pathsep)])))
 
+# Under pytest-xdist (`make test`: two workers on the CI's two cores) each worker computes on one intra-op thread: two
+# workers of two OpenMP threads each on two cores spin-wait on each other (launched ranks take one already).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
 from collections.abc import Iterator  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -25,6 +30,13 @@ if TYPE_CHECKING:
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # torch may be imported already (plugins): its pool set here too
+        import torch
+
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
