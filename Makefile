@@ -20,9 +20,10 @@ lint: install
 	$(PYTHON) -m ruff check lightning_llm tests benchmarks
 
 # Two workers (pytest-xdist), each taking whole files (module fixtures run once): most tests leave a core idle while
-# they start processes, rendezvous or write files.
+# they start processes, rendezvous or write files. Files go out in collection order, the longest first
+# (tests/conftest.py: HEAVY_FIRST), not xdist's by number of tests.
 test: install lint
-	$(PYTHON) -m pytest -q tests -n 2 --dist loadfile --durations=30
+	$(PYTHON) -m pytest -q tests -n 2 --dist loadfile --no-loadscope-reorder --durations=30
 
 test-fast:
 	$(PYTHON) -m pytest -q tests -m "not multiprocess"
