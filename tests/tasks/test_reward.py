@@ -94,7 +94,8 @@ def _hf_classifier(out: Path, family: str, *, num_labels: int = 1, causal: bool 
         config = transformers.GPT2Config(vocab_size=300, n_embd=32, n_layer=2, n_head=4, n_positions=64,
                                          num_labels=num_labels, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     else:
-        extra = {"head_dim": 16} if family == "Qwen3" else {}
+        extra = {"head_dim": 16} if family == "Qwen3" else {"head_dim": 8} if family in CLASSIFIER_EXTRA else {}
+        extra.update(CLASSIFIER_EXTRA.get(family, {}))
         config = getattr(transformers, f"{family}Config")(
             vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64, num_labels=num_labels, pad_token_id=0, bos_token_id=1,
@@ -115,10 +116,17 @@ def _padded(rows: list[list[int]], side: str, pad: int = 0) -> tuple[torch.Tenso
     return ids, (ids != pad).long()
 
 
+CLASSIFIER_EXTRA: dict[str, dict[str, Any]] = {
+    "Phi3": {}, "Glm4": {}, "Olmo2": {}, "Olmo3": {}, "SmolLM3": {}, "Gemma2": {},
+    "Qwen3Next": {"layer_types": ["linear_attention", "full_attention"], "num_experts": 4, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "linear_num_key_heads": 2,
+                  "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8},
+}
+"""The families whose ``...ForSequenceClassification`` the HF table reads beyond Llama/Qwen3/GPT-2 (config extras)."""
 ROWS = [[5, 17, 250, 2], [9, 3, 77, 120, 44, 6, 2], [31, 32], [40, 41, 42, 0]]  # the last ends with the pad id
 
 
-@pytest.mark.parametrize("family", ["Llama", "Qwen3", "GPT2"])
+@pytest.mark.parametrize("family", ["Llama", "Qwen3", "GPT2", *CLASSIFIER_EXTRA])
 def test_scores_match_transformers_sequence_classifiers_on_padded_rows(tmp_path: Path, family: str) -> None:
     """Ours (loaded from the directory transformers wrote) vs transformers in fp32, on right- and left-padded rows
     (a row ending in the pad id is scored before it, by transformers' rule); RoPE families score both paddings
