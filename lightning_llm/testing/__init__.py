@@ -25,6 +25,7 @@ from lightning_llm.data import TextDataModule
 from lightning_llm.files import atomic_open
 from lightning_llm.preemption import Preempted
 from lightning_llm.reliability import FAULT_ENV, leave_process, shutdown_process_group
+from lightning_llm.strategies import HybridParallelStrategy
 from lightning_llm.strategies.zero.native import model_state_bytes
 from lightning_llm.tasks import CausalLMTask
 from lightning_llm.tasks.base import OptimConfig
@@ -316,6 +317,16 @@ def saved_tensor_bytes(fn: Callable[[], Any], exclude: list[torch.Tensor]) -> in
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
     return sum(seen.values())
+
+
+def two_rank_layout(layout: str, global_batch: int = 8) -> tuple[Any, int]:
+    """(strategy, per-rank batch) of a layout on 2 processes: the model-parallel ones (``tp``, ``pp``, ``cp``; ``3d``
+    is tp2 with sequence parallelism) give every rank the whole batch, the data-parallel ones (any other strategy
+    name) half of it."""
+    if layout == "3d":
+        return HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, sequence_parallel=True), \
+            global_batch
+    return layout, global_batch if layout in ("tp", "pp", "cp") else global_batch // 2
 
 
 def max_abs_err(got: list[float], ref: list[float]) -> float:

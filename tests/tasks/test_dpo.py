@@ -24,6 +24,7 @@ from lightning_llm.testing import (
     run_worker,
     table_trainer,
     write_json_on_rank0,
+    two_rank_layout,
 )
 
 STEPS = 5
@@ -104,17 +105,6 @@ def test_preference_file_errors_name_file_and_line(tmp_path: Path) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ layouts
-def _strategy(layout: str) -> tuple[Any, int]:
-    """(strategy, per-rank pairs) for 2 processes and a global batch of 8 pairs."""
-    from lightning_llm.strategies import HybridParallelStrategy
-
-    if layout in ("tp", "pp"):
-        return layout, 8
-    if layout == "3d":
-        return HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, sequence_parallel=True), 8
-    return layout, 4
-
-
 class Logged(LoggedLoss):
     """Also the logged reward margin and accuracy per step."""
 
@@ -139,7 +129,7 @@ def _fit(layout: str, devices: int, out: Path, *, reference: str = "precomputed"
 
     from lightning_llm.tasks.base import OptimConfig
 
-    strategy, batch = _strategy(layout) if devices > 1 else ("auto", 8)
+    strategy, batch = two_rank_layout(layout) if devices > 1 else ("auto", 8)
     pl.seed_everything(5)
     task = DPOTask("debug", model_overrides={"num_layers": 2}, dpo=DPOConfig(beta=0.5, reference=reference),
                    optim=OptimConfig(lr=3e-3, scheduler="constant", weight_decay=0.0))

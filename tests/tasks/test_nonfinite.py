@@ -31,6 +31,7 @@ from lightning_llm.testing import (
     run_worker,
     table_trainer,
     write_json_on_rank0,
+    two_rank_layout,
 )
 
 STEPS = 5
@@ -50,24 +51,13 @@ class NaNGradAt(CausalLMTask):
         return loss, out
 
 
-def _strategy(layout: str) -> tuple[Any, int]:
-    """(strategy, per-rank batch) for 2 processes and a global batch of 8."""
-    from lightning_llm.strategies import HybridParallelStrategy
-
-    if layout in ("tp", "pp"):
-        return layout, 8
-    if layout == "3d":
-        return HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, sequence_parallel=True), 8
-    return layout, 4
-
-
 def _fit(layout: str, devices: int, out: Path, *, policy: str, lr: float = 3e-3) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from lightning_llm.data import TextDataModule
     from lightning_llm.tasks.base import OptimConfig
 
-    strategy, batch = _strategy(layout) if devices > 1 else ("auto", 8)
+    strategy, batch = two_rank_layout(layout) if devices > 1 else ("auto", 8)
     pl.seed_everything(3)
     task = NaNGradAt("debug", dropout=0.0, nonfinite_loss=policy, optim=OptimConfig(lr=lr, scheduler="constant"))
     dm = TextDataModule(block_size=32, batch_size=batch, cache_dir=str(out / "cache"), generated_docs=100)

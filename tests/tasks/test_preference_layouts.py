@@ -19,8 +19,9 @@ from lightning_llm.testing import (
     run_worker,
     table_trainer,
     write_json_on_rank0,
+    two_rank_layout,
 )
-from tests.tasks.test_dpo import Logged, _strategy
+from tests.tasks.test_dpo import Logged
 
 STEPS = 4
 TOL = 1e-5
@@ -38,7 +39,7 @@ def _fit(loss: str, layout: str, devices: int, out: Path) -> dict[str, Any]:
     from lightning_llm.tasks import DPOTask, KTOTask
     from lightning_llm.tasks.base import OptimConfig
 
-    strategy, batch = _strategy(layout) if devices > 1 else ("auto", 8)
+    strategy, batch = two_rank_layout(layout) if devices > 1 else ("auto", 8)
     pl.seed_everything(5)
     optim = OptimConfig(lr=3e-3, scheduler="constant", weight_decay=0.0)
     name, _, reference = loss.partition("-")

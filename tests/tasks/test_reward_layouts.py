@@ -23,6 +23,7 @@ from lightning_llm.testing import (
     run_layouts_and_reference,
     run_worker,
     write_json_on_rank0,
+    two_rank_layout,
 )
 
 STEPS = 4
@@ -34,17 +35,6 @@ PEFT = {"": {}, "lora": {"lora": {"r": 4, "alpha": 8, "dropout": 0.0, "target_mo
                                                                                          "gate_proj"]}}}
 PEFT["qlora"] = {**PEFT["lora"], "quantize": "nf4"}
 VAL_KEYS = ("val_loss", "val_accuracy", "val_margin", "val_rewards/chosen")
-
-
-def _strategy(layout: str) -> tuple[Any, int]:
-    """(strategy, per-rank pairs) for 2 processes and a global batch of 8 pairs."""
-    from lightning_llm.strategies import HybridParallelStrategy
-
-    if layout in ("tp", "pp", "cp"):
-        return layout, 8
-    if layout == "3d":
-        return HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, sequence_parallel=True), 8
-    return layout, 4
 
 
 class Logged(LoggedLoss):
@@ -71,7 +61,7 @@ def _fit(layout: str, devices: int, out: Path, *, peft: str = "") -> dict[str, A
     from lightning_llm.tasks import RewardTask
     from lightning_llm.tasks.base import OptimConfig
 
-    strategy, batch = _strategy(layout) if devices > 1 else ("auto", 8)
+    strategy, batch = two_rank_layout(layout) if devices > 1 else ("auto", 8)
     # QLoRA: double-quantization blocks of 16 scales, so zero3 x2 splits every quantized weight of the debug model
     quant = {"quantization": QuantizationConfig(scaler_block_size=16)} if peft == "qlora" else {}
     pl.seed_everything(5)
