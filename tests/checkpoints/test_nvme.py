@@ -324,13 +324,15 @@ def test_refusals_before_training(capsys: pytest.CaptureFixture[str], tmp_path: 
 
 def test_a_killed_build_s_lock_is_refused_not_waited_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A build of the op killed mid-way leaves torch's ``lock`` file, on which every later load waits forever: the
-    strategy refuses it in one line naming the file; a lock as young as a running build is left to torch."""
+    strategy refuses it in one line naming the file; a lock as young as a running build is left to torch. The same for
+    DeepSpeed's CPU Adam (``optimizer=cpu_adam``), also built on first use."""
     import os
     import time
 
     import torch.utils.cpp_extension
 
     from lightning_llm.strategies.zero.deepspeed import DeepSpeedZeroStrategy
+    from lightning_llm.strategies.zero.deepspeed_optimizers import build_named_optimizer
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
     lock = Path(torch.utils.cpp_extension._get_build_directory("async_io", verbose=False)) / "lock"
@@ -345,6 +347,12 @@ def test_a_killed_build_s_lock_is_refused_not_waited_on(tmp_path: Path, monkeypa
     with pytest.raises(ValueError, match=rf"^{lock}: DeepSpeed's async_io op build lock is 2.0 h old, left by a "
                                          r"build that was killed; .* Remove it"):
         nvme()
+    # the same for DeepSpeed's CPU Adam, built on first use too (optimizer=cpu_adam)
+    adam_lock = Path(torch.utils.cpp_extension._get_build_directory("cpu_adam", verbose=False)) / "lock"
+    adam_lock.touch()
+    os.utime(adam_lock, (time.time() - 7200,) * 2)
+    with pytest.raises(ValueError, match=rf"^{adam_lock}: DeepSpeed's cpu_adam op build lock is 2.0 h old"):
+        build_named_optimizer("cpu_adam", torch.optim.AdamW(torch.nn.Linear(2, 2).parameters()), on_cuda=False)
 
 
 if __name__ == "__main__":

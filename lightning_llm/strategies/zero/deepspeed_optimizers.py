@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
+from lightning_llm.strategies.zero.ops import check_build_lock
+
 __all__ = ["OPTIMIZERS", "build_named_optimizer", "check_optimizer", "drop_empty_groups"]
 
 OPTIMIZERS = ("adam", "adamw", "cpu_adam", "lamb", "onebitadam", "zerooneadam")
@@ -50,6 +52,7 @@ def build_named_optimizer(name: str, template: Optimizer, *, on_cuda: bool) -> O
     kw = dict(lr=d["lr"], betas=d.get("betas", (0.9, 0.999)), eps=d.get("eps", 1e-8),
               weight_decay=d.get("weight_decay", 0.0))
     if name == "cpu_adam":
+        check_build_lock("cpu_adam")
         try:
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 

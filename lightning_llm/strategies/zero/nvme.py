@@ -20,19 +20,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import torch.utils.cpp_extension
 from torch import nn
 
 from lightning_llm.checkpoint import CheckpointError
+from lightning_llm.strategies.zero.ops import check_build_lock
 
 log = logging.getLogger(__name__)
 
-__all__ = ["AioSettings", "LIBAIO_INSTALL", "SUB_GROUP_SIZE", "check_build_lock", "check_libaio", "check_nvme_path", "check_offload_device",
+__all__ = ["AioSettings", "LIBAIO_INSTALL", "SUB_GROUP_SIZE", "check_libaio", "check_nvme_path", "check_offload_device",
            "nvme_config", "partition_for_nvme", "rank_partition_numel", "refuse_nvme_checkpoint", "swap_buffer_bytes",
            "swap_buffer_numel", "swap_file_bytes"]
 
@@ -79,24 +78,6 @@ def check_libaio() -> None:
         raise ValueError("--trainer.strategy=deepspeed_zero3_nvme: DeepSpeed's async I/O op needs libaio, which is not "
                          f"installed here; install it with `{LIBAIO_INSTALL}` (Debian/Ubuntu)")
     check_build_lock(builder.name)
-
-
-STALE_BUILD_LOCK_S = 3600
-"""An op's build lock older than this is left by a build that was killed (a build takes minutes)."""
-
-
-def check_build_lock(name: str, *, stale_s: float = STALE_BUILD_LOCK_S) -> None:
-    """Raise ``ValueError`` (one line) when torch's JIT build of the op ``name`` would wait forever: a build killed
-    mid-way leaves its ``lock`` file behind, and every later load waits for that file to go (torch's ``FileBaton``
-    has no timeout), so the run hangs at set-up with no word."""
-    build_dir = Path(torch.utils.cpp_extension._get_build_directory(name, verbose=False))
-    lock = build_dir / "lock"
-    with contextlib.suppress(FileNotFoundError):
-        age = time.time() - lock.stat().st_mtime
-        if age > stale_s:
-            raise ValueError(f"{lock}: DeepSpeed's {name} op build lock is {age / 3600:.1f} h old, left by a build "
-                             "that was killed; torch would wait for it forever. Remove it (no build of the op is "
-                             "running) and start again")
 
 
 def check_nvme_path(nvme_path: str | os.PathLike | None) -> Path:
