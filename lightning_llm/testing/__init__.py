@@ -35,7 +35,7 @@ from lightning_llm.tools.tiny import write_bpe_tokenizer  # noqa: F401 (the pack
 from . import zygote
 from .counters import COLLECTIVES, CollectiveCounter, HostReadCounter, StepTailCounter  # noqa: F401 (the package's API)
 from .gradients import GRADIENTS_ENV, GradientRecorder, check_gradient_records
-from .gradients import full_gradients, gradient_summary  # noqa: F401 (the package's API)
+from .gradients import full_gradients, gradient_summary, recorder_for  # noqa: F401 (the package's API)
 
 
 class StepRecorder(pl.Callback):
@@ -269,10 +269,11 @@ def write_json_on_rank0(path: Path, obj: Any) -> None:
 
 
 def run_layouts_and_reference(script: str | Path, out: Path, reference: Callable[[], Any], *, nproc: int = 2,
-                              timeout: float = 1200, then: tuple[tuple[int, str], ...] = ()) -> Path:
-    """The layout-table pattern: the one-device ``reference`` in this process (1 thread), then ``script layouts OUT``
-    on ``nproc`` ranks (and ``script MODE OUT`` on ``n`` ranks for each ``(n, MODE)`` of ``then``: a file whose
-    layouts need another number of processes); returns ``out``. Runs that record their first-step gradients
+                              timeout: float = 1200, then: tuple[tuple[int, str], ...] = (),
+                              args: tuple[str, ...] = ()) -> Path:
+    """The layout-table pattern: the one-device ``reference`` in this process (1 thread), then ``script layouts OUT
+    ARGS`` on ``nproc`` ranks (and ``script MODE OUT ARGS`` on ``n`` ranks for each ``(n, MODE)`` of ``then``: a file
+    whose layouts need another number of processes); returns ``out``. Runs that record their first-step gradients
     (``LoggedLoss(grads=...)``, :class:`GradientRecorder`) are compared with the reference's records of the same name,
     per parameter (:func:`~.gradients.check_gradient_records`: a difference past 1e-5 of a tensor's largest entry
     raises, naming the run and the parameter; ``out/gradients/summary.json`` holds every run's figures)."""
@@ -281,7 +282,7 @@ def run_layouts_and_reference(script: str | Path, out: Path, reference: Callable
         _single_threaded(reference)
     with _environment({GRADIENTS_ENV: str(grads / "layouts")}):
         for n, mode in ((nproc, "layouts"), *then):
-            wait(launch(script, n, mode, str(out)), timeout)
+            wait(launch(script, n, mode, str(out), *args), timeout)
     if (grads / "layouts").is_dir():
         check_gradient_records(grads)
     return out

@@ -31,19 +31,21 @@ from typing_extensions import override
 
 from lightning_llm.files import atomic_open
 
-__all__ = ["GRADIENTS_ENV", "GRAD_RTOL", "GradientRecorder", "compare_gradient_records", "full_gradients",
-           "gradient_errors"]
+__all__ = ["GRADIENTS_ENV", "GRAD_RTOL", "GradientRecorder", "assert_gradients_close", "compare_gradient_records",
+           "full_gradients", "gradient_errors", "relative_errors"]
 
 GRADIENTS_ENV = "LIGHTNING_LLM_GRADIENTS"
 """The folder gradient records go to (the harness sets it: ``OUT/gradients/reference`` for the one-device run,
 ``OUT/gradients/layouts`` for the launch)."""
 GRAD_RTOL = 1e-5
 """Per tensor: ``max |g - g_ref|`` within this fraction of ``max |g_ref|`` (fp32 reduction order)..."""
-GRAD_FLOOR = 1e-7
-"""... or within this fraction of the largest entry of the whole step's gradient (fp32's resolution, about 1.2e-7 of
-it: a tensor whose gradient is 1e-6 of the largest sums terms far larger than itself, in another order on each layout,
-e.g. a Gated DeltaNet's ``A_log``, 1e-5 of the rest: 6e-11 from one device under tp, 3e-5 of its own largest entry).
-A gradient counted twice or never reduced is off by its own size."""
+SCALE_FLOOR = 1e-2
+"""... where ``max |g_ref|`` counts as at least this fraction of the step's largest gradient entry: at ``GRAD_RTOL``,
+an absolute floor of 1e-7 of the largest entry, fp32's resolution of it. A tensor whose gradient is far smaller than
+the rest sums terms far larger than itself, in another order on each layout: a Gated DeltaNet's ``A_log`` (1e-5 of the
+largest entry) is 3e-5 of its own size from one device under tp, and one device's own fp32 gradient is 8e-5 of it from
+float64's; an attention key bias's exact gradient is 0. A gradient counted twice or never reduced is off by its own
+size, which the floor passes only for tensors below 1e-7 of the largest."""
 _WRAPPERS = re.compile(r"(^|\.)(_checkpoint_wrapped_module|_fsdp_wrapped_module|_orig_mod|module)\.")
 """Name parts that wrappers add (activation checkpointing, FSDP1, compile, DeepSpeed's engine)."""
 
@@ -121,13 +123,13 @@ class GradientRecorder(pl.Callback):
 
     Every rank must run it (it gathers); rank 0 writes ``<folder>/<name>.pt``:
     ``{"name", "reference", "world_size", "grads": [{param: tensor}, per step], "replicas": [{param: rel diff}],
-    "tied": {other name: first name}}`` (a pipeline's last stage holds its own copy of a tied head, under the other
+    "tied": {other name: first name}, "rtol": its own tolerance or None}`` (a pipeline's last stage holds its own copy of a tied head, under the other
     name: compared with the first's gradient, which it must equal once the stages summed them).
     """
 
     def __init__(self, name: str, reference: str | None = None, *, steps: int = 1,
-                 folder: str | Path | None = None) -> None:
-        self.name, self.reference, self.steps = name, reference or name, steps
+                 folder: str | Path | None = None, rtol: float | None = None) -> None:
+        self.name, self.reference, self.steps, self.rtol = name, reference or name, steps, rtol
         self.folder = folder
         self.grads: list[dict[str, torch.Tensor]] = []
         self.replicas: list[dict[str, float]] = []
@@ -162,15 +164,15 @@ class GradientRecorder(pl.Callback):
         with atomic_open(path, "wb") as f:
             torch.save({"name": self.name, "reference": self.reference, "world_size": trainer.world_size,
                         "grads": self.grads, "replicas": self.replicas,
-                        "tied": self.tied}, f)
+                        "tied": self.tied, "rtol": self.rtol}, f)
 
 
-def recorder_for(name: str | None, reference: str | None = None) -> list[pl.Callback]:
-    """``[GradientRecorder(name, reference)]`` where the harness asks for records (:data:`GRADIENTS_ENV` set and a
-    name given), else ``[]``."""
+def recorder_for(name: str | None, reference: str | None = None, *, rtol: float | None = None) -> list[pl.Callback]:
+    """``[GradientRecorder(name, reference, rtol=rtol)]`` where the harness asks for records (:data:`GRADIENTS_ENV` set
+    and a name given), else ``[]``."""
     if name is None or not os.environ.get(GRADIENTS_ENV):
         return []
-    return [GradientRecorder(name, reference)]
+    return [GradientRecorder(name, reference, rtol=rtol)]
 
 
 def _file_name(name: str) -> str:
@@ -199,6 +201,32 @@ def gradient_errors(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], 
     return out
 
 
+def relative_errors(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], *, rtol: float = GRAD_RTOL,
+                    tied: dict[str, str] | None = None) -> tuple[dict[str, float], list[str]]:
+    """Per parameter, ``max |g - g_ref|`` over ``max |g_ref|`` (at least :data:`SCALE_FLOOR` of the largest entry of
+    ``ref``), and one line per parameter past ``rtol`` naming it and the numbers."""
+    floor = SCALE_FLOOR * max((float(g.abs().max()) for g in ref.values()), default=0.0)
+    rels, failures = {}, []
+    for name, (diff, scale) in gradient_errors(got, ref, tied=tied).items():
+        rels[name] = rel = _relative(diff, max(scale, floor))
+        if rel > rtol:
+            where = "missing on one side" if diff == float("inf") else (
+                f"max |g - g_ref| = {diff:.3e}, max |g_ref| = {scale:.3e}, relative {_relative(diff, scale):.2e} "
+                f"> {rtol:g} (and > {rtol * floor:.1e}: the floor at {SCALE_FLOOR:g} of the largest entry)")
+            failures.append(f"{name}: {where}")
+    return rels, failures
+
+
+def assert_gradients_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], *,
+                           rtol: float = GRAD_RTOL) -> float:
+    """Every parameter's gradient of ``got`` within ``rtol`` of ``ref``'s (:func:`relative_errors`); raises
+    ``AssertionError`` naming each one off. Returns the largest relative difference."""
+    rels, failures = relative_errors(got, ref, rtol=rtol)
+    if failures:
+        raise AssertionError("gradients differ:\n" + "\n".join(failures))
+    return max(rels.values(), default=0.0)
+
+
 def _relative(diff: float, scale: float) -> float:
     if diff == 0.0:
         return 0.0
@@ -209,10 +237,9 @@ def compare_gradient_records(folder: Path, *, rtol: float = GRAD_RTOL) -> dict[s
     """Each layout record under ``folder/layouts`` against its reference under ``folder/reference``: per run, the
     largest relative difference over its tensors and steps (``max_rel``, at ``worst``), the replicas' largest
     disagreement, the tensors compared and ``failures`` (one line per tensor past ``rtol``, naming it and the
-    numbers). ``max_rel`` is ``max |g - g_ref|`` over ``max |g_ref|``, or over ``GRAD_FLOOR / rtol`` of the step's
-    largest entry where that is larger (the gradients of tensors below fp32's resolution, such as an attention key bias
-    whose exact gradient is 0, are noise): a run passes where ``max_rel <= rtol``. Also written to
-    ``folder/summary.json``."""
+    numbers). ``max_rel`` is ``max |g - g_ref|`` over ``max |g_ref|``, or over :data:`SCALE_FLOOR` of the step's
+    largest entry where that is larger: a run passes where ``max_rel <= rtol`` (a record's own ``rtol``, where it
+    gives one, wins: mixed precision). Also written to ``folder/summary.json``."""
     refs = {}
     for path in sorted((folder / "reference").glob("*.pt")):
         rec = torch.load(path, weights_only=True)
@@ -221,8 +248,9 @@ def compare_gradient_records(folder: Path, *, rtol: float = GRAD_RTOL) -> dict[s
     for path in sorted((folder / "layouts").glob("*.pt")):
         rec = torch.load(path, weights_only=True)
         ref = refs.get(rec["reference"])
+        tol = rec.get("rtol") or rtol
         row: dict[str, Any] = {"reference": rec["reference"], "failures": [], "max_rel": 0.0, "worst": None,
-                               "replicas": 0.0, "tensors": 0, "floor": 0.0}
+                               "replicas": 0.0, "tensors": 0, "rtol": tol}
         summary[rec["name"]] = row
         if ref is None:
             row["failures"].append(f"no one-device gradient record named {rec['reference']!r}")
@@ -230,23 +258,17 @@ def compare_gradient_records(folder: Path, *, rtol: float = GRAD_RTOL) -> dict[s
         if len(ref["grads"]) < len(rec["grads"]):
             row["failures"].append(f"the reference recorded {len(ref['grads'])} steps, the run {len(rec['grads'])}")
             continue
+        tied = {**ref.get("tied", {}), **rec.get("tied", {})}
         for step, (got, want, reps) in enumerate(zip(rec["grads"], ref["grads"], rec["replicas"], strict=False)):
-            floor = GRAD_FLOOR * max((float(g.abs().max()) for g in want.values()), default=0.0)
-            row["floor"] = max(row["floor"], floor)
-            tied = {**ref.get("tied", {}), **rec.get("tied", {})}
-            for name, (diff, scale) in gradient_errors(got, want, tied=tied).items():
-                rel = _relative(diff, max(scale, floor / rtol))  # > rtol: diff > max(rtol * scale, floor)
-                row["tensors"] += 1
-                if rel > row["max_rel"] or row["worst"] is None:
-                    row["max_rel"], row["worst"] = max(rel, row["max_rel"]), name
-                if rel > rtol:
-                    where = "missing on one side" if diff == float("inf") else (
-                        f"max |g - g_ref| = {diff:.3e}, max |g_ref| = {scale:.3e}, relative {_relative(diff, scale):.2e} "
-                        f"> {rtol:g} (and > {floor:.1e}, {GRAD_FLOOR:g} of the step's largest entry)")
-                    row["failures"].append(f"step {step} {name}: {where}")
+            rels, failures = relative_errors(got, want, rtol=tol, tied=tied)
+            row["tensors"] += len(rels)
+            worst = max(rels, key=rels.__getitem__, default=None)
+            if worst is not None and (row["worst"] is None or rels[worst] > row["max_rel"]):
+                row["max_rel"], row["worst"] = rels[worst], worst
+            row["failures"] += [f"step {step} {line}" for line in failures]
             for name, rel in reps.items():
                 row["replicas"] = max(row["replicas"], rel)
-                if rel > rtol:
+                if rel > tol:
                     row["failures"].append(f"step {step} {name}: the data-parallel replicas' gradients differ by "
                                            f"{rel:.2e} of its largest entry")
         if row["tensors"] == 0:
@@ -276,5 +298,5 @@ def gradient_summary(out: Path, run: str) -> str:
     if run not in rows:
         raise AssertionError(f"{run}: no first-step gradients recorded (LoggedLoss(grads=...) in its fit)")
     row = rows[run]
-    return (f"gradients: max relative |g - one device| = {row['max_rel']:.1e} over {row['tensors']} tensors "
-            f"(worst {row['worst']}), replicas agree to {row['replicas']:.1e}")
+    return (f"gradients: max relative |g - one device| = {row['max_rel']:.1e} (<= {row['rtol']:g}) over "
+            f"{row['tensors']} tensors (worst {row['worst']}), replicas agree to {row['replicas']:.1e}")
