@@ -32,7 +32,7 @@ from typing_extensions import override
 from lightning_llm.files import atomic_open
 
 __all__ = ["GRADIENTS_ENV", "GRAD_RTOL", "GradientRecorder", "assert_gradients_close", "compare_gradient_records",
-           "full_gradients", "gradient_errors", "relative_errors"]
+           "full_gradients", "gradient_errors", "recorder_cli_args", "relative_errors"]
 
 GRADIENTS_ENV = "LIGHTNING_LLM_GRADIENTS"
 """The folder gradient records go to (the harness sets it: ``OUT/gradients/reference`` for the one-device run,
@@ -173,6 +173,15 @@ def recorder_for(name: str | None, reference: str | None = None, *, rtol: float 
     if name is None or not os.environ.get(GRADIENTS_ENV):
         return []
     return [GradientRecorder(name, reference, rtol=rtol)]
+
+
+def recorder_cli_args(folder: Path, name: str, reference: str | None = None) -> list[str]:
+    """The command-line flags adding a :class:`GradientRecorder` of run ``name`` to a ``lightning_llm fit``: a
+    one-device reference (``reference`` None) under ``folder/reference``, else a layout run compared with it under
+    ``folder/layouts`` (then :func:`check_gradient_records` on ``folder``)."""
+    return ["--trainer.callbacks+=lightning_llm.testing.GradientRecorder", f"--trainer.callbacks.name={name}",
+            *([f"--trainer.callbacks.reference={reference}"] if reference else []),
+            f"--trainer.callbacks.folder={folder / ('layouts' if reference else 'reference')}"]
 
 
 def _file_name(name: str) -> str:
