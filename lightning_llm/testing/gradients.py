@@ -123,8 +123,9 @@ class GradientRecorder(pl.Callback):
 
     Every rank must run it (it gathers); rank 0 writes ``<folder>/<name>.pt``:
     ``{"name", "reference", "world_size", "grads": [{param: tensor}, per step], "replicas": [{param: rel diff}],
-    "tied": {other name: first name}, "rtol": its own tolerance or None}`` (a pipeline's last stage holds its own copy of a tied head, under the other
-    name: compared with the first's gradient, which it must equal once the stages summed them).
+    "tied": {other name: first name}, "rtol": its own tolerance or None}`` (a pipeline's last stage holds its own
+    copy of a tied head, under the other name: compared with the first's gradient, which it must equal once the stages
+    summed them). Test-sized models only: every rank receives every rank's full gradients.
     """
 
     def __init__(self, name: str, reference: str | None = None, *, steps: int = 1,

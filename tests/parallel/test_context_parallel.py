@@ -13,7 +13,8 @@ batches on one device. Compared (bound 1e-5):
 * ``train_loss`` at each step, on every rank, and (dp = 1) the evaluation loss of the first batch.
 
 The 2-process launch then saves a cp2 run after 2 steps and resumes it at tp2, and a one-process launch resumes it
-too: steps 3-4 must be the uninterrupted one-device curve's. The 2- and 4-process launches also call the model directly at cp2 and cp4 in float64
+too: steps 3-4 must be the uninterrupted one-device curve's. The 2- and 4-process launches also call the model
+directly at cp2 and cp4 in float64
 on both attention paths (``attention=sdpa``: the CPU's masks; ``attention=varlen``: the device path's layouts with the
 CPU reference kernel) against one device, the ``debug`` decoder and the Multi-head Latent Attention of
 ``debug-deepseek-v3``: packed rows with padding, and rows four times longer than the position tables (1024 tokens,

@@ -79,12 +79,12 @@ def fit(out: Path, strategy: Any, devices: int, *, tag: str, batch_size: int, st
                 trainer.save_checkpoint(save_to)
 
     rec = Record()
+    grads = recorder_for(None if ckpt_path else tag, reference, rtol=rtol)  # a resumed fit's first step is not step 1
     kwargs = dict(max_steps=steps, gradient_clip_val=CLIP, limit_val_batches=0, num_sanity_val_steps=0)
     kwargs.update(trainer_kwargs)
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=str(out), callbacks=[rec, SaveAtEnd(), *recorder_for(None if ckpt_path else tag, reference, rtol=rtol)],
-                         **kwargs)
+                         default_root_dir=str(out), callbacks=[rec, SaveAtEnd(), *grads], **kwargs)
     trainer.fit(task, dm, ckpt_path=ckpt_path)
     gathered: list[Any] = [(rec.losses, rec.val)]
     if torch.distributed.is_initialized():

@@ -3,7 +3,8 @@
 The multi-process tests share one torchrun launch of this file (2 CPU processes, gloo) that goes through every
 pipeline case one after the other in the same process group, after a single-device reference run of the same cases
 in the pytest process (the ``runs`` fixture, once per module: ``testing.run_layouts_and_reference``, which also
-compares every case's first-step gradients per tensor). Each run writes JSON/tensors that the tests compare. Cases: the debug decoder under GPipe, 1F1B and interleaved 1F1B (+ a checkpoint round trip), and the
+compares every case's first-step gradients per tensor). Each run writes JSON/tensors that the tests compare. Cases:
+the debug decoder under GPipe, 1F1B and interleaved 1F1B (+ a checkpoint round trip), and the
 debug encoder's ClassificationTask under 1F1B without and with activation checkpointing, then ``predict`` from
 the pipeline checkpoint.
 """

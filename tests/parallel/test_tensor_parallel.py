@@ -84,7 +84,8 @@ def make_task(name: str) -> Any:
 
 
 def fit(name: str, *, strategy: Any = "auto", devices: int = 1, steps: int = STEPS, ckpt_path: str | None = None,
-        callbacks: list | None = None, root: str | None = None, n: int = 64, grads: str | None = None) -> tuple[Any, Any]:
+        callbacks: list | None = None, root: str | None = None, n: int = 64,
+        grads: str | None = None) -> tuple[Any, Any]:
     """``steps`` steps of the model ``name``; the first step's gradients recorded as ``grads`` (against the one-device
     ``name``)."""
     import lightning.pytorch as pl
