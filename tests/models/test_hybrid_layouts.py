@@ -4,8 +4,9 @@ parallel layouts like one device.
 One launch of 2 CPU processes (gloo) fits, for ``STEPS`` steps each: Qwen3.5 (split projections, dense MLPs) under tp
 (its key heads, their value heads and convolution channels split; ``A_log``, ``dt_bias`` with the heads) and QLoRA
 (nf4, LoRA on every projection) under pp (1f1b); Qwen3-Next (fused projections, MoE with a sigmoid-gated shared expert)
-under tp, ep (its experts over both ranks, ZeRO-3 beside: the DeltaNet layers' parameters sharded) and pp (gpipe, full
-fine-tuning through the stages). Before it the pytest process runs each variant on one device. Compared: every
+under tp, ep (its experts over both ranks; the replicated rest, the shared expert's gate among it, averaged by the
+bucketed reduction), ep with ZeRO-3 (the DeltaNet layers' parameters sharded) and pp (gpipe, full fine-tuning through
+the stages). Before it the pytest process runs each variant on one device. Compared: every
 parameter's first-step gradient (the harness's check, ``testing.run_layouts_and_reference``: per tensor within 1e-5 of
 its largest entry, or of fp32's floor: a Gated DeltaNet's ``A_log`` and ``dt_bias`` gradients are 1e-5 of the rest,
 and one device's own fp32 gradient is 8e-5 of their size from float64's), and per step every rank's logged
@@ -41,7 +42,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_next": ("debug-qwen3-next", {}),
 }
 RUNS = {"tp/qwen3.5": "qwen3.5", "pp/qwen3.5_qlora": "qwen3.5_qlora", "tp/qwen3_next": "qwen3_next",
-        "ep_zero3/qwen3_next": "qwen3_next", "pp_gpipe/qwen3_next": "qwen3_next"}
+        "ep/qwen3_next": "qwen3_next", "ep_zero3/qwen3_next": "qwen3_next", "pp_gpipe/qwen3_next": "qwen3_next"}
 """layout/variant -> the variant its curve is compared with."""
 
 
@@ -53,6 +54,7 @@ def _strategy(layout: str) -> tuple[Any, int]:
             "pp": (PipelineParallelStrategy(schedule="1f1b", n_microbatches=2), GLOBAL_BATCH),
             # MoE: the load-balancing loss needs every micro-batch's routing before the first backward
             "pp_gpipe": (PipelineParallelStrategy(schedule="gpipe", n_microbatches=2), GLOBAL_BATCH),
+            "ep": (ExpertParallelStrategy(), GLOBAL_BATCH // 2),
             "ep_zero3": (ExpertParallelStrategy(zero_stage=3), GLOBAL_BATCH // 2)}[layout]
 
 
