@@ -6,12 +6,13 @@ against a single-device run the same way our tests do.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -33,6 +34,8 @@ from lightning_llm.tools.tiny import write_bpe_tokenizer  # noqa: F401 (the pack
 
 from . import zygote
 from .counters import COLLECTIVES, CollectiveCounter, HostReadCounter, StepTailCounter  # noqa: F401 (the package's API)
+from .gradients import GRADIENTS_ENV, GradientRecorder, check_gradient_records
+from .gradients import full_gradients, gradient_summary, recorder_for  # noqa: F401 (the package's API)
 
 
 class StepRecorder(pl.Callback):
@@ -145,17 +148,6 @@ def full_parameters(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def full_gradients(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Full copies of every parameter's gradient by name, gathering DTensor shards (a collective: call on every rank;
-    parameters without a gradient are left out)."""
-    out = {}
-    for name, p in module.named_parameters():
-        if p.grad is not None:
-            g = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-            out[name] = g.detach().clone()
-    return out
-
-
 def run_worker(fn: Callable[..., Any], *args: Any) -> NoReturn:
     """Entry point of a process launched by torchrun for a test or benchmark: run ``fn(*args)``, then leave
     deterministically on every rank (barrier, destroy the process groups, flush, ``os._exit``).
@@ -194,15 +186,25 @@ def wait(proc: subprocess.Popen, timeout: float = 600) -> str:
 
 class LoggedLoss(pl.Callback):
     """The ``train_loss`` this rank logged at each training step (NaN where none was), and the step ``fit`` started
-    from (> 0 after a resume)."""
+    from (> 0 after a resume). Named (``grads``), it also records the first step's full gradients for the layout
+    harness (:class:`~.gradients.GradientRecorder`; only where the harness asks: :data:`GRADIENTS_ENV`), to be
+    compared with the one-device run named ``reference`` (default: ``grads``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, grads: str | None = None, reference: str | None = None) -> None:
         self.losses: list[float] = []
         self.start = -1
+        self.gradients = GradientRecorder(grads, reference) if grads and os.environ.get(GRADIENTS_ENV) else None
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.start = trainer.global_step
+        if self.gradients is not None:
+            self.gradients.on_train_start(trainer, pl_module)
+
+    @override
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
+        if self.gradients is not None:
+            self.gradients.on_before_optimizer_step(trainer, pl_module, optimizer)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -267,27 +269,57 @@ def write_json_on_rank0(path: Path, obj: Any) -> None:
 
 
 def run_layouts_and_reference(script: str | Path, out: Path, reference: Callable[[], Any], *, nproc: int = 2,
-                              timeout: float = 1200) -> Path:
-    """The layout-table pattern: ``script layouts OUT`` on ``nproc`` ranks while this process runs the one-device
-    ``reference``; returns ``out``."""
-    proc = launch(script, nproc, "layouts", str(out))
-    run_reference_meanwhile(proc, reference, timeout=timeout)
+                              timeout: float = 1200, then: tuple[tuple[int, str], ...] = (),
+                              args: tuple[str, ...] = ()) -> Path:
+    """The layout-table pattern: the one-device ``reference`` in this process (1 thread), then ``script layouts OUT
+    ARGS`` on ``nproc`` ranks (and ``script MODE OUT ARGS`` on ``n`` ranks for each ``(n, MODE)`` of ``then``: a file
+    whose layouts need another number of processes); returns ``out``. Runs that record their first-step gradients
+    (``LoggedLoss(grads=...)``, :class:`GradientRecorder`) are compared with the reference's records of the same name,
+    per parameter (:func:`~.gradients.check_gradient_records`: a difference past 1e-5 of a tensor's largest entry
+    raises, naming the run and the parameter; ``out/gradients/summary.json`` holds every run's figures)."""
+    grads = out / "gradients"
+    with _environment({GRADIENTS_ENV: str(grads / "reference")}):
+        _single_threaded(reference)
+    with _environment({GRADIENTS_ENV: str(grads / "layouts")}):
+        for n, mode in ((nproc, "layouts"), *then):
+            wait(launch(script, n, mode, str(out), *args), timeout)
+    if (grads / "layouts").is_dir():
+        check_gradient_records(grads)
     return out
+
+
+@contextlib.contextmanager
+def _environment(changes: dict[str, str]) -> Iterator[None]:
+    """``changes`` set in ``os.environ`` for the block; every variable added or changed in it (PL_GLOBAL_SEED & co)
+    is put back after."""
+    env = dict(os.environ)
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for key in set(os.environ) - set(env):
+            del os.environ[key]
+        os.environ.update(env)
+
+
+def _single_threaded(fn: Callable[[], Any]) -> Any:
+    """``fn()`` with one intra-op thread (the test workers share the machine's cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn()
+    finally:
+        torch.set_num_threads(threads)
 
 
 def run_reference_meanwhile(proc: subprocess.Popen, fn: Callable[[], Any], timeout: float = 600) -> str:
     """Run the single-device reference ``fn`` in this process (1 thread) while the launched ranks ``proc`` run;
     returns their output. Environment variables the reference sets (PL_GLOBAL_SEED & co) are removed after."""
-    env, threads = dict(os.environ), torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        fn()
+        with _environment({}):
+            _single_threaded(fn)
         return wait(proc, timeout)
     finally:
-        torch.set_num_threads(threads)
-        for key in set(os.environ) - set(env):
-            del os.environ[key]
-        os.environ.update(env)
         if proc.poll() is None:
             proc.kill()
             proc.wait()

@@ -1,6 +1,8 @@
 """Chat SFT and chat DPO (conversations with a system message and history, rendered with Qwen2's ChatML template on a
-tokenizer built here) under ddp x2 / tp x2 / pp x2 / zero3 x2: the logged train_loss of every step equals one device
-within 1e-5. One torchrun launch runs every layout of both tasks while this process runs the one-device references."""
+tokenizer built here) under ddp x2 / tp x2 / pp x2 / zero3 x2: every parameter's first-step gradient equals one
+device's (per tensor: the harness's check, ``testing.run_layouts_and_reference``) and the logged train_loss of every
+step one device's within 1e-5. One torchrun launch runs every layout of both tasks after this process ran the
+one-device references."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from tests.chat_fixtures import build_tokenizer
 from lightning_llm.testing import (
     LoggedLoss,
     gathered,
+    gradient_summary,
     max_abs_err,
     run_layouts_and_reference,
     run_worker,
@@ -41,6 +44,8 @@ def _write_data(out: Path) -> None:
 
 
 def _fit(task_name: str, layout: str, devices: int, out: Path) -> list[float]:
+    """``STEPS`` steps of ``task_name``; the first step's gradients recorded as ``task_name/layout`` (one device:
+    ``task_name``)."""
     import lightning.pytorch as pl
 
     import lightning_llm.strategies  # noqa: F401 - registers tp, pp, zero3
@@ -61,7 +66,7 @@ def _fit(task_name: str, layout: str, devices: int, out: Path) -> list[float]:
         task = DPOTask("debug", model_overrides={"num_layers": 2}, dpo=DPOConfig(beta=0.5), optim=optim)
         dm = PreferenceDataModule(str(out.parent / "dpo.jsonl"), tokenizer, cutoff_len=96, max_prompt_len=64,
                                   generated_val_pairs=0, batch_size=batch)
-    rec = LoggedLoss()
+    rec = LoggedLoss(grads=f"{task_name}/{layout}" if devices > 1 else task_name, reference=task_name)
     table_trainer(out, strategy=strategy, devices=devices, max_steps=STEPS, callbacks=[rec]).fit(task, dm)
     return rec.losses
 
@@ -89,6 +94,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_chat_layout_matches_one_device(runs: Path, task: str, layout: str) -> None:
     ref = json.loads((runs / "reference.json").read_text())[task]
     assert len(ref) == STEPS and ref[-1] < ref[0]  # it learns
+    print(f"chat {task} {layout}: {gradient_summary(runs, f'{task}/{layout}')}")
     for rank, losses in enumerate(json.loads((runs / "layouts.json").read_text())[f"{task}/{layout}"]):
         err = max_abs_err(losses, ref)
         print(f"chat {task} {layout} rank {rank}: max |train_loss - one device| over {STEPS} steps = {err:.2e}")

@@ -1,8 +1,9 @@
 """Training from prepared token stores (a 2-corpus mixture: a JSONL file of ~2.5 MiB, prepared by 2 worker processes,
 and a directory of .txt documents; a BPE tokenizer written by the test).
 
-One torchrun launch (2 CPU processes) trains the debug decoder 6 steps under ddp, zero3, tp and pp in turn, while the
-pytest process runs one device: every rank's ``train_loss`` equals one device within 1e-5, and the corpus was
+One torchrun launch (2 CPU processes) trains the debug decoder 6 steps under ddp, zero3, tp and pp in turn, after the
+pytest process ran one device: every parameter's first-step gradient equals one device's (per tensor: the harness's
+check, ``testing.run_layouts_and_reference``), every rank's ``train_loss`` one device's within 1e-5, and the corpus was
 tokenized once, by global rank 0 in the first run's ``prepare_data`` (the other rank and every later run only mapped
 the stores). Before the launch a one-device run is SIGKILLed before step 3; the launch resumes it under ddp x2 (another
 data-parallel degree): its losses are the uninterrupted run's. A resume with other mixture weights is refused.
@@ -51,8 +52,10 @@ def data_path(root: Path, weights: tuple[float, float] = (0.4, 0.6)) -> list[Any
 
 
 def _fit(root: Path, strategy: Any, devices: int, batch_size: int, out: Path, cache: Path, *,
-         weights: tuple[float, float] = (0.4, 0.6), ckpt_path: str | None = None, save_every_step: bool = False
-         ) -> dict[str, Any]:
+         weights: tuple[float, float] = (0.4, 0.6), ckpt_path: str | None = None, save_every_step: bool = False,
+         grads: str | None = None) -> dict[str, Any]:
+    """``STEPS`` steps from the token stores; the first step's gradients recorded as ``grads`` (against the one-device
+    ``reference``)."""
     import lightning.pytorch as pl
 
     import lightning_llm.strategies  # noqa: F401 - registers the layouts by name
@@ -65,7 +68,7 @@ def _fit(root: Path, strategy: Any, devices: int, batch_size: int, out: Path, ca
     task = CausalLMTask("debug", dropout=0.0, optim=OptimConfig(lr=1e-2, scheduler="constant", eps=1e-6))
     dm = TextDataModule(data_path(root, weights), str(root / "tokenizer"), block_size=32, batch_size=batch_size,
                         cache_dir=str(cache), num_proc=2)
-    rec = LoggedLoss()
+    rec = LoggedLoss(grads=grads, reference="reference")
     trainer = table_trainer(out, strategy=strategy, devices=devices, max_steps=STEPS, callbacks=[rec],
                             save_every_step=save_every_step)
     trainer.fit(task, dm, ckpt_path=ckpt_path)
@@ -77,12 +80,12 @@ def _worker(mode: str, out: Path) -> None:
 
     root = out / "corpus"
     if mode == "reference":
-        ref = _fit(root, "auto", 1, GLOBAL_BATCH, out / "reference", out / "cache-reference")
+        ref = _fit(root, "auto", 1, GLOBAL_BATCH, out / "reference", out / "cache-reference", grads="reference")
         (out / "reference.json").write_text(json.dumps(ref))
     elif mode == "killed":  # killed (LIGHTNING_LLM_FAULT) before step KILL_AT, a checkpoint after every step
         _fit(root, "auto", 1, GLOBAL_BATCH, out / "killed", out / "cache-reference", save_every_step=True)
     else:
-        results = {layout: gathered(_fit(root, layout, 2, batch, out / layout, out / "cache"))
+        results = {layout: gathered(_fit(root, layout, 2, batch, out / layout, out / "cache", grads=layout))
                    for layout, batch in LAYOUTS.items()}
         results["resumed"] = gathered(_fit(root, "ddp", 2, GLOBAL_BATCH // 2, out / "resumed", out / "cache",
                                            ckpt_path=str(out / "killed" / "ckpt" / "last.ckpt")))
@@ -91,8 +94,9 @@ def _worker(mode: str, out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The killed one-device run first (its own process, SIGKILLed before step 3), then the launch (every layout,
-    and the resume under ddp x2) beside the one-device reference."""
+    """The killed one-device run first (its own process, SIGKILLed before step 3), then the one-device reference, then
+    the launch (every layout, and the resume under ddp x2); the layouts' first-step gradients compared with the
+    reference's."""
     import os
     import signal
     import subprocess
@@ -111,13 +115,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_trains_from_the_store_as_one_device(runs: Path, layout: str) -> None:
-    from lightning_llm.testing import max_abs_err
+    from lightning_llm.testing import gradient_summary, max_abs_err
 
     ref = json.loads((runs / "reference.json").read_text())["losses"]
     assert len(ref) == STEPS and ref[0] - ref[-1] > 0.05  # it learns
     ranks = json.loads((runs / "layouts.json").read_text())[layout]
     err = max(max_abs_err(r["losses"], ref) for r in ranks)
-    print(f"{layout}: max |train_loss - one device| over {STEPS} steps = {err:.2e}")
+    print(f"{layout}: max |train_loss - one device| over {STEPS} steps = {err:.2e}; {gradient_summary(runs, layout)}")
     assert err <= TOL
 
 

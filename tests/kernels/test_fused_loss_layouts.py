@@ -1,5 +1,6 @@
 """The fused-loss flag matrix: ``--model.fused_loss`` on and off under each 2-process layout, against one device with
-full logits (the eager reference). Per step, every rank's ``train_loss`` within 1e-5 (fp32, dropout 0), and the path
+full logits (the eager reference). Every parameter's first-step gradient (per tensor: the harness's check,
+``testing.run_layouts_and_reference``), per step every rank's ``train_loss`` within 1e-5 (fp32, dropout 0), and the path
 each layout took: fused under native ZeRO-3 (FSDP2 gathers the head inside the model's forward) and DeepSpeed
 ZeRO-2; fused on the vocab shards under tensor parallelism (chunks of ``[C, V/tp]`` logits, the softmax statistics
 all-reduced per chunk); fused on a pipeline's last stage (the labels reach every stage as a keyword input; per-token
@@ -32,7 +33,9 @@ RUNS = [(True, "debug"), (True, "debug-qwen2"), (False, "debug"), (True, "debug-
 MATRIX = [(layout, fused, b) for layout in LAYOUTS for fused, b in RUNS if not (layout == "tp" and "+lora" in b)]
 
 
-def _fit(backbone: str, strategy: Any, devices: int, batch_size: int, out: Path, fused: bool) -> dict[str, Any]:
+def _fit(backbone: str, strategy: Any, devices: int, batch_size: int, out: Path, fused: bool,
+         run: str | None = None) -> dict[str, Any]:
+    """``STEPS`` steps; the first step's gradients recorded as ``run`` (else as the one-device ``backbone``)."""
     import lightning.pytorch as pl
 
     import lightning_llm.strategies  # noqa: F401 - registers the layouts by name
@@ -50,7 +53,7 @@ def _fit(backbone: str, strategy: Any, devices: int, batch_size: int, out: Path,
     task = CausalLMTask(name, dropout=0.0, fused_loss=fused, **peft,
                         optim=OptimConfig(lr=1e-2, scheduler="constant", eps=1e-6))
     dm = TextDataModule(block_size=32, batch_size=batch_size, cache_dir=str(out / "cache"), generated_docs=100)
-    rec = LoggedLoss()
+    rec = LoggedLoss(grads=run or backbone, reference=backbone)
     # Spies on the fused kernels (wrapping: same results) tell which path the model's forward took.
     fused_fn, vp_fn = head_loss.fused_linear_cross_entropy, head_loss.vocab_parallel_fused_linear_cross_entropy
     with mock.patch.object(head_loss, "fused_linear_cross_entropy", wraps=fused_fn) as spy, \
@@ -74,7 +77,8 @@ def _worker(mode: str, out: Path) -> None:
         ref = {b: _fit(b, "auto", 1, GLOBAL_BATCH, out, fused=False)["losses"] for b in FAMILIES}
         (out / "reference.json").write_text(json.dumps(ref))
         return
-    results = {f"{layout}/{fused}/{b}": gathered(_fit(b, layout, 2, LAYOUTS[layout], out, fused=fused))
+    results = {f"{layout}/{fused}/{b}": gathered(_fit(b, layout, 2, LAYOUTS[layout], out, fused=fused,
+                                                      run=f"{layout}/{fused}/{b}"))
                for layout, fused, b in MATRIX}
     write_json_on_rank0(out / "layouts.json", results)
 
@@ -91,14 +95,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize(("layout", "fused", "backbone"), MATRIX,
                          ids=[f"{layout}-{'fused' if f else 'eager'}-{b}" for layout, f, b in MATRIX])
 def test_layout_with_fused_flag_matches_one_device_eager(runs: Path, layout: str, fused: bool, backbone: str) -> None:
-    from lightning_llm.testing import max_abs_err
+    from lightning_llm.testing import gradient_summary, max_abs_err
 
     ref = json.loads((runs / "reference.json").read_text())[backbone]
     assert len(ref) == STEPS and ref[0] - ref[-1] > 0.05
     ranks = json.loads((runs / "layouts.json").read_text())[f"{layout}/{fused}/{backbone}"]
     err = max(max_abs_err(r["losses"], ref) for r in ranks)
     paths = {r["path"] for r in ranks}
-    print(f"{layout} fused_loss={fused} {backbone}: path {paths}, max |train_loss - one device eager| = {err:.2e}")
+    print(f"{layout} fused_loss={fused} {backbone}: path {paths}, max |train_loss - one device eager| = {err:.2e}; "
+          f"{gradient_summary(runs, f'{layout}/{fused}/{backbone}')}")
     want = {PATH_TAKEN[layout] if fused else "logits"}
     if layout == "pp" and fused:
         want.add("stage without the head")

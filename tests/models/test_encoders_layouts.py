@@ -1,8 +1,9 @@
 """DeBERTa-v2, ModernBERT and XLM-R checkpoints (written by transformers here) under ``ClassificationTask`` on the
-layouts encoders run: ddp, native ZeRO-3, tp, tp + sequence parallel, pp; every rank's logged
-``train_loss`` equals the one-device run's at each of ``STEPS`` steps within 1e-5 (fp32, dropout 0).
+layouts encoders run: ddp, native ZeRO-3, tp, tp + sequence parallel, pp; every parameter's first-step gradient
+equals one device's (per tensor, the harness's check: ``testing.run_layouts_and_reference``) and every rank's logged
+``train_loss`` the one-device run's at each of ``STEPS`` steps within 1e-5 (fp32, dropout 0).
 
-One torchrun launch (2 CPU processes, gloo) runs every layout x family while the pytest process runs the one-device
+One torchrun launch (2 CPU processes, gloo) runs every layout x family after the pytest process ran the one-device
 references. The backbones are loaded lazily under the sharding layouts (tp, pp, zero3: each rank reads only its
 shards, ModernBERT's fused ``Wqkv``/``Wi`` by row block), with their tensor-parallel plans (DeBERTa's own
 ``pos_key_proj``/``pos_query_proj`` column-parallel beside q/k/v; ModernBERT's sliding-window masks and rotary tables
@@ -80,7 +81,9 @@ def _data(name: str, batch_size: int) -> Any:
     return Pairs(batch_size=batch_size, seed=0)
 
 
-def _fit(name: str, strategy: Any, devices: int, batch_size: int, out: Path) -> list[float]:
+def _fit(name: str, strategy: Any, devices: int, batch_size: int, out: Path, run: str | None = None) -> list[float]:
+    """``STEPS`` steps of the family ``name``; this rank's logged losses (the first step's gradients recorded as
+    ``run``, else as the one-device ``name``)."""
     import lightning.pytorch as pl
 
     from lightning_llm.tasks import ClassificationTask
@@ -90,7 +93,7 @@ def _fit(name: str, strategy: Any, devices: int, batch_size: int, out: Path) -> 
     pl.seed_everything(3)
     task = ClassificationTask(str(out / name), num_labels=2, dropout=0.0,
                               optim=OptimConfig(lr=1e-2, scheduler="constant", eps=1e-6))
-    rec = LoggedLoss()
+    rec = LoggedLoss(grads=run or name, reference=name)
     table_trainer(out, strategy=strategy, devices=devices, max_steps=STEPS, callbacks=[rec]).fit(
         task, _data(name, batch_size))
     return rec.losses
@@ -111,7 +114,7 @@ def _worker(mode: str, out: Path) -> None:
             if (layout, family) in REFUSED:
                 continue
             strategy, batch = _layout(layout)
-            results[f"{layout}/{family}"] = gathered(_fit(family, strategy, 2, batch, out))
+            results[f"{layout}/{family}"] = gathered(_fit(family, strategy, 2, batch, out, f"{layout}/{family}"))
         results[f"seconds/{layout}"] = round(time.perf_counter() - t0, 1)
     for (layout, family), _ in REFUSED.items():  # last: a refused set-up leaves nothing behind for another run
         strategy, batch = _layout(layout)
@@ -136,7 +139,7 @@ def layout_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_encoder_trains_under_layout_like_one_device(layout_runs: Path, family: str, layout: str) -> None:
-    from lightning_llm.testing import max_abs_err
+    from lightning_llm.testing import gradient_summary, max_abs_err
 
     runs = json.loads((layout_runs / "layouts.json").read_text())
     if (layout, family) in REFUSED:
@@ -148,7 +151,8 @@ def test_encoder_trains_under_layout_like_one_device(layout_runs: Path, family: 
     assert len(ref) == STEPS and ref[0] - ref[-1] > 0.01  # it learns
     err = max(max_abs_err(r, ref) for r in runs[f"{layout}/{family}"])
     print(f"{layout} x {family}: max |train_loss - one device| over {STEPS} steps = {err:.2e} "
-          f"({runs[f'seconds/{layout}']} s for the layout's families)")
+          f"({runs[f'seconds/{layout}']} s for the layout's families); "
+          f"{gradient_summary(layout_runs, f'{layout}/{family}')}")
     assert err <= TOL
 
 

@@ -9,7 +9,8 @@ output norms only, q/k norms over the projection, sliding layers with their own 
 2 with soft-capped scores and logits, Gemma 3 with its local rope, LoRA on a Gemma3ForConditionalGeneration
 checkpoint's language model) for ``STEPS`` steps under each layout of :data:`LAYOUTS` (the families after GLM-4.5: at
 the layouts of :data:`EXTRA` that exercise what they add, with context parallelism, LoRA under tp, QLoRA under zero3),
-while the pytest process runs the same steps on one device. Compared per step: the ``train_loss`` every rank logs
+after the pytest process ran the same steps on one device. Compared: every parameter's first-step gradient (per
+tensor, the harness's check: ``testing.run_layouts_and_reference``), and per step the ``train_loss`` every rank logs
 against the one-device loss, bound 1e-5 (fp32, dropout 0).
 """
 
@@ -104,8 +105,9 @@ def _layout(name: str) -> tuple[Any, int]:
             "cp": (ContextParallelStrategy(), GLOBAL_BATCH)}[name]
 
 
-def _fit(family: str, strategy: Any, devices: int, batch_size: int, out: Path) -> list[float]:
-    """``STEPS`` steps of ``family``'s debug size; the ``train_loss`` this rank logged per step."""
+def _fit(family: str, strategy: Any, devices: int, batch_size: int, out: Path, run: str | None = None) -> list[float]:
+    """``STEPS`` steps of ``family``'s debug size; the ``train_loss`` this rank logged per step (the first step's
+    gradients recorded as ``run``, else as the one-device ``family``)."""
     import lightning.pytorch as pl
 
     from lightning_llm.data import TextDataModule
@@ -115,6 +117,7 @@ def _fit(family: str, strategy: Any, devices: int, batch_size: int, out: Path) -
     from lightning_llm.tasks.base import OptimConfig
     from lightning_llm.testing import LoggedLoss, table_trainer
 
+    name = family
     family, changes, task_kw = VARIANTS.get(family, (family, {}, {}))
     backbone, overrides = {**TRAIN_FAMILIES, **DENSE_FAMILIES}[family]
     overrides = {**overrides, **changes}
@@ -130,7 +133,7 @@ def _fit(family: str, strategy: Any, devices: int, batch_size: int, out: Path) -
                         optim=OptimConfig(lr=1e-2, scheduler="constant", eps=1e-6), **task_kw)
     dm = TextDataModule(block_size=32, batch_size=batch_size, cache_dir=str(out / "cache"), generated_docs=100,
                         tokenizer_dir="byte" if directory else None)
-    rec = LoggedLoss()
+    rec = LoggedLoss(grads=run or name, reference=name)
     table_trainer(out, strategy=strategy, devices=devices, max_steps=STEPS, callbacks=[rec]).fit(task, dm)
     return rec.losses
 
@@ -150,7 +153,7 @@ def _worker(mode: str, out: Path) -> None:
         t0 = time.perf_counter()
         for family in _trainings(layout):
             strategy, batch = _layout(layout)
-            results[f"{layout}/{family}"] = gathered(_fit(family, strategy, 2, batch, out))
+            results[f"{layout}/{family}"] = gathered(_fit(family, strategy, 2, batch, out, f"{layout}/{family}"))
         results[f"seconds/{layout}"] = round(time.perf_counter() - t0, 1)
     write_json_on_rank0(out / "layouts.json", results)
 
@@ -171,14 +174,15 @@ def layout_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                            for family in _trainings(layout)])
 def test_family_trains_under_layout_like_one_device(layout_runs: Path, family: str, layout: str) -> None:
     """Every rank's logged ``train_loss`` equals the one-device run's at each of ``STEPS`` steps (fp32, dropout 0)."""
-    from lightning_llm.testing import max_abs_err
+    from lightning_llm.testing import gradient_summary, max_abs_err
 
     ref = json.loads((layout_runs / "reference.json").read_text())[family]
     assert len(ref) == STEPS and ref[0] - ref[-1] > 0.05  # it learns
     runs = json.loads((layout_runs / "layouts.json").read_text())
     err = max(max_abs_err(r, ref) for r in runs[f"{layout}/{family}"])
     print(f"{layout} x {family}: max |train_loss - one device| over {STEPS} steps = {err:.2e} "
-          f"({runs[f'seconds/{layout}']} s for the layout's {len(_trainings(layout))} families)")
+          f"({runs[f'seconds/{layout}']} s for the layout's {len(_trainings(layout))} families); "
+          f"{gradient_summary(layout_runs, f'{layout}/{family}')}")
     assert err <= 1e-5
 
 

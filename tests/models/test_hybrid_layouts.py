@@ -4,10 +4,14 @@ parallel layouts like one device.
 One launch of 2 CPU processes (gloo) fits, for ``STEPS`` steps each: Qwen3.5 (split projections, dense MLPs) under tp
 (its key heads, their value heads and convolution channels split; ``A_log``, ``dt_bias`` with the heads) and QLoRA
 (nf4, LoRA on every projection) under pp (1f1b); Qwen3-Next (fused projections, MoE with a sigmoid-gated shared expert)
-under tp, ep (its experts over both ranks, ZeRO-3 beside: the DeltaNet layers' parameters sharded) and pp (gpipe, full
-fine-tuning through the stages). Meanwhile the pytest process runs each variant on one device. Compared per step: every
-rank's logged ``train_loss`` against one device's, bound 1e-5 (fp32, dropout 0). Context parallelism is refused in one
-line before anything is built.
+under tp, ep (its experts over both ranks; the replicated rest, the shared expert's gate among it, averaged by the
+bucketed reduction), ep with ZeRO-3 (the DeltaNet layers' parameters sharded) and pp (gpipe, full fine-tuning through
+the stages). Before it the pytest process runs each variant on one device. Compared: every
+parameter's first-step gradient (the harness's check, ``testing.run_layouts_and_reference``: per tensor within 1e-5 of
+its largest entry, or of fp32's floor: a Gated DeltaNet's ``A_log`` and ``dt_bias`` gradients are 1e-5 of the rest,
+and one device's own fp32 gradient is 8e-5 of their size from float64's), and per step every rank's logged
+``train_loss`` against one device's, bound 1e-5 (fp32, dropout 0). Context parallelism is refused in one line before
+anything is built.
 
 Each run adds a hybrid case no other run has; left out as covered: tp with sequence parallelism (a DeltaNet block is
 planned by the same ``_block_plan`` as an attention block, whose sequence-parallel wrapping and (1 + weight) norms on
@@ -38,7 +42,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3_next": ("debug-qwen3-next", {}),
 }
 RUNS = {"tp/qwen3.5": "qwen3.5", "pp/qwen3.5_qlora": "qwen3.5_qlora", "tp/qwen3_next": "qwen3_next",
-        "ep_zero3/qwen3_next": "qwen3_next", "pp_gpipe/qwen3_next": "qwen3_next"}
+        "ep/qwen3_next": "qwen3_next", "ep_zero3/qwen3_next": "qwen3_next", "pp_gpipe/qwen3_next": "qwen3_next"}
 """layout/variant -> the variant its curve is compared with."""
 
 
@@ -50,6 +54,7 @@ def _strategy(layout: str) -> tuple[Any, int]:
             "pp": (PipelineParallelStrategy(schedule="1f1b", n_microbatches=2), GLOBAL_BATCH),
             # MoE: the load-balancing loss needs every micro-batch's routing before the first backward
             "pp_gpipe": (PipelineParallelStrategy(schedule="gpipe", n_microbatches=2), GLOBAL_BATCH),
+            "ep": (ExpertParallelStrategy(), GLOBAL_BATCH // 2),
             "ep_zero3": (ExpertParallelStrategy(zero_stage=3), GLOBAL_BATCH // 2)}[layout]
 
 
@@ -65,8 +70,9 @@ def _task(variant: str) -> Any:
                         **extra)
 
 
-def _fit(variant: str, strategy: Any, devices: int, batch_size: int, out: Path) -> list[float]:
-    """``STEPS`` steps of ``variant``; the ``train_loss`` this rank logged per step."""
+def _fit(variant: str, strategy: Any, devices: int, batch_size: int, out: Path, run: str | None = None) -> list[float]:
+    """``STEPS`` steps of ``variant``; the ``train_loss`` this rank logged per step (and the first step's gradients,
+    as ``run``, else as the one-device ``variant``)."""
     import lightning.pytorch as pl
 
     from lightning_llm.data import TextDataModule
@@ -75,7 +81,7 @@ def _fit(variant: str, strategy: Any, devices: int, batch_size: int, out: Path) 
     pl.seed_everything(3)
     task = _task(variant)
     dm = TextDataModule(block_size=32, batch_size=batch_size, cache_dir=str(out / "cache"), generated_docs=60)
-    rec = LoggedLoss()
+    rec = LoggedLoss(grads=run or variant, reference=variant)
     table_trainer(out, strategy=strategy, devices=devices, max_steps=STEPS, callbacks=[rec]).fit(task, dm)
     return rec.losses
 
@@ -92,7 +98,7 @@ def _worker(mode: str, out: Path) -> None:
     for run, variant in RUNS.items():
         t0 = time.perf_counter()
         strategy, batch = _strategy(run.split("/")[0])
-        results[run] = gathered(_fit(variant, strategy, 2, batch, out))
+        results[run] = gathered(_fit(variant, strategy, 2, batch, out, run))
         results[f"seconds/{run}"] = round(time.perf_counter() - t0, 1)
     write_json_on_rank0(out / "layouts.json", results)
 
@@ -109,13 +115,14 @@ def layout_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize("run", list(RUNS))
 def test_hybrid_trains_under_layout_like_one_device(layout_runs: Path, run: str) -> None:
     """Every rank's logged ``train_loss`` equals the one-device run's at each of ``STEPS`` steps (fp32, dropout 0)."""
-    from lightning_llm.testing import max_abs_err
+    from lightning_llm.testing import gradient_summary, max_abs_err
 
     ref = json.loads((layout_runs / "reference.json").read_text())[RUNS[run]]
     assert len(ref) == STEPS and ref[0] - ref[-1] > 0.05  # it learns
     runs = json.loads((layout_runs / "layouts.json").read_text())
     err = max(max_abs_err(r, ref) for r in runs[run])
-    print(f"{run}: max |train_loss - one device| over {STEPS} steps = {err:.2e} ({runs[f'seconds/{run}']} s)")
+    print(f"{run}: max |train_loss - one device| over {STEPS} steps = {err:.2e} ({runs[f'seconds/{run}']} s); "
+          f"{gradient_summary(layout_runs, run)}")
     assert err <= TOL
 
 

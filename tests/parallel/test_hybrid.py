@@ -3,7 +3,8 @@
 One torchrun launch of this file (4 CPU processes, gloo) trains the debug decoder for 6 steps at each layout in
 turn, each with a fresh Trainer: dp2 x tp2, tp2 x pp2, dp2 x pp2 with ZeRO-1 on dp, dp2 x tp2 with ZeRO-3
 (FSDP2 over dp on top of the TP shards) and with ZeRO-2 (owners of TP shards), and dp2 x tp2 with sequence
-parallelism and 0.02 MiB gradient buckets. Meanwhile the pytest process runs the same 6 steps on one device. The
+parallelism and 0.02 MiB gradient buckets, after the pytest process ran the same 6 steps on one device (every
+parameter's first-step gradient compared per tensor: ``testing.run_layouts_and_reference``). The
 global batch is 8 everywhere (per-rank batch 8 / dp); fp32, dropout 0, AdamW with eps=1 (update ~ lr x gradient),
 gradient clipping by global norm 0.05 (active at every step, so a wrong norm across shards/stages changes the losses).
 """
@@ -20,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_llm.testing import launch, max_abs_err, run_reference_meanwhile, run_worker
+from lightning_llm.testing import gradient_summary, max_abs_err, recorder_for, run_layouts_and_reference, run_worker
 
 STEPS = 6
 GLOBAL_BATCH = 8
@@ -42,9 +43,11 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 
 def fit(out: Path, strategy: Any, devices: int, *, tag: str, batch_size: int, steps: int = STEPS,
         ckpt_path: str | None = None, save_to: str | None = None, task_kwargs: dict[str, Any] | None = None,
-        **trainer_kwargs: Any) -> Any:
+        reference: str = "reference", rtol: float | None = None, **trainer_kwargs: Any) -> Any:
     """``steps`` steps of the debug decoder (optionally resumed from ``ckpt_path``, then saved to ``save_to``);
-    rank 0 writes ``{tag}.json`` with every rank's per-step losses."""
+    rank 0 writes ``{tag}.json`` with every rank's per-step losses; the first step's gradients of a fit from scratch
+    are recorded as ``tag``, against the one-device run named ``reference`` (within ``rtol``: the harness's default
+    if None)."""
     import lightning.pytorch as pl
 
     from lightning_llm.data import TextDataModule
@@ -76,11 +79,12 @@ def fit(out: Path, strategy: Any, devices: int, *, tag: str, batch_size: int, st
                 trainer.save_checkpoint(save_to)
 
     rec = Record()
+    grads = recorder_for(None if ckpt_path else tag, reference, rtol=rtol)  # a resumed fit's first step is not step 1
     kwargs = dict(max_steps=steps, gradient_clip_val=CLIP, limit_val_batches=0, num_sanity_val_steps=0)
     kwargs.update(trainer_kwargs)
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=str(out), callbacks=[rec, SaveAtEnd()], **kwargs)
+                         default_root_dir=str(out), callbacks=[rec, SaveAtEnd(), *grads], **kwargs)
     trainer.fit(task, dm, ckpt_path=ckpt_path)
     gathered: list[Any] = [(rec.losses, rec.val)]
     if torch.distributed.is_initialized():
@@ -118,8 +122,7 @@ def _worker(mode: str, out: Path, only: str | None = None) -> None:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("hybrid")
     t0 = time.perf_counter()
-    proc = launch(__file__, 4, "3d", str(out))
-    run_reference_meanwhile(proc, lambda: _worker("reference", out))
+    run_layouts_and_reference(__file__, out, lambda: _worker("reference", out), nproc=4)
     print(f"\nwall time {time.perf_counter() - t0:.1f} s; seconds per layout {(out / 'times.json').read_text()}")
     return out
 
@@ -145,7 +148,8 @@ def test_layout_matches_single_device(runs: Path, tag: str) -> None:
     assert len(ref) == STEPS and ref[0] - ref[-1] > 0.05  # it learns
     losses = global_losses(got)
     err = max_err(losses, ref)
-    print(f"{tag}: max |loss err| over {STEPS} steps = {err:.2e}; losses {[round(x, 5) for x in losses]}")
+    print(f"{tag}: max |loss err| over {STEPS} steps = {err:.2e}; losses {[round(x, 5) for x in losses]}; "
+          f"{gradient_summary(runs, tag)}")
     assert err <= TOL
 
 

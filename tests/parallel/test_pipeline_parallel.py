@@ -1,9 +1,10 @@
 """Pipeline-parallel strategy (``strategy=pp``): parity with one device, activation memory, checkpoints, errors.
 
 The multi-process tests share one torchrun launch of this file (2 CPU processes, gloo) that goes through every
-pipeline case one after the other in the same process group, and a single-device reference run of the same cases
-done meanwhile in the pytest process (the ``runs`` fixture, once per module). Each run writes JSON/tensors that the
-tests compare. Cases: the debug decoder under GPipe, 1F1B and interleaved 1F1B (+ a checkpoint round trip), and the
+pipeline case one after the other in the same process group, after a single-device reference run of the same cases
+in the pytest process (the ``runs`` fixture, once per module: ``testing.run_layouts_and_reference``, which also
+compares every case's first-step gradients per tensor). Each run writes JSON/tensors that the tests compare. Cases:
+the debug decoder under GPipe, 1F1B and interleaved 1F1B (+ a checkpoint round trip), and the
 debug encoder's ClassificationTask under 1F1B without and with activation checkpointing, then ``predict`` from
 the pipeline checkpoint.
 """
@@ -27,7 +28,7 @@ from lightning_llm.strategies import PipelineParallelStrategy
 from lightning_llm.strategies.pipeline.split import (
     prune_model, split_layers, stage_module, stage_ranks, stage_specs,
 )
-from lightning_llm.testing import launch, run_reference_meanwhile, run_worker
+from lightning_llm.testing import gradient_summary, recorder_for, run_layouts_and_reference, run_worker
 
 STEPS = 10
 # (schedule, stages_per_rank, measure_activations)
@@ -96,7 +97,7 @@ def _save(out: Path, tag: str, result: dict[str, Any], tensors: dict[str, Any]) 
         (out / f"{tag}.json").write_text(json.dumps(result))
 
 
-def _fit_decoder(out: Path, strategy: Any, devices: int, *, tag: str) -> None:
+def _fit_decoder(out: Path, strategy: Any, devices: int, *, tag: str) -> None:  # tag: its gradient record's name
     """10 steps of the debug decoder (AdamW, clipping 0.5, validation every 5 steps), validate again on the same
     Trainer; for 1F1B also a checkpoint round trip: save the shards, validate a fresh split model loaded from them."""
     import lightning.pytorch as pl
@@ -114,7 +115,7 @@ def _fit_decoder(out: Path, strategy: Any, devices: int, *, tag: str) -> None:
     rec = _record_callback()
     task, dm = make()
     trainer = _trainer(out, strategy, devices, max_steps=STEPS, gradient_clip_val=0.5, limit_val_batches=2,
-                       val_check_interval=5, num_sanity_val_steps=1, callbacks=[rec])
+                       val_check_interval=5, num_sanity_val_steps=1, callbacks=[rec, *recorder_for(tag, "reference")])
     trainer.fit(task, dm)
     result: dict[str, Any] = {"losses": rec.losses, "val": rec.val}
     params = _params(trainer, task)
@@ -153,7 +154,7 @@ def _fit_classifier(out: Path, data: Path, strategy: Any, devices: int, *, tag: 
     rec = _record_callback()
     task, dm = make()
     trainer = _trainer(out, strategy, devices, max_steps=CLS_STEPS, gradient_clip_val=0.5, limit_val_batches=0,
-                       callbacks=[rec])
+                       callbacks=[rec, *recorder_for(tag, "cls_reference")])
     trainer.fit(task, dm)
     result: dict[str, Any] = {"losses": rec.losses}
     params = _params(trainer, task)
@@ -198,14 +199,13 @@ def _worker(mode: str, out: Path, data: Path) -> None:
 
 @pytest.fixture(scope="module")
 def runs(pair_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Both runs, once per module, at the same time: the pipeline runs in one torchrun launch (2 processes) and,
-    meanwhile, the single-device reference in this process (no launch: it would only add interpreter start-up)."""
+    """Both runs, once per module: the single-device reference in this process (no launch: it would only add
+    interpreter start-up), then the pipeline runs in one torchrun launch (2 processes)."""
     out = tmp_path_factory.mktemp("pp")
     t0 = time.perf_counter()
-    proc = launch(__file__, 2, "pp", str(out), str(pair_data))
-    run_reference_meanwhile(proc, lambda: _worker("reference", out, pair_data))
-    times = {m: json.loads((out / f"times-{m}.json").read_text()) for m in ("reference", "pp")}
-    print(f"\nwall time: reference (in-process) and pp launch {time.perf_counter() - t0:.1f} s; "
+    run_layouts_and_reference(__file__, out, lambda: _worker("reference", out, pair_data), args=(str(pair_data),))
+    times = {m: json.loads((out / f"times-{m}.json").read_text()) for m in ("reference", "layouts")}
+    print(f"\nwall time: reference (in-process), then the pp launch {time.perf_counter() - t0:.1f} s; "
           f"seconds per case {times}")
     return out
 
@@ -238,7 +238,8 @@ def test_schedules_match_single_device(runs: Path) -> None:
         assert len(got["val"]) == len(ref["val"]) == 3  # after steps 5 and 10, then trainer.validate()
         val_err = _max_err(got["val"], ref["val"])
         print(f"{schedule}: max |loss err| {loss_err:.2e}  max |param err| {param_err:.2e}  "
-              f"max |val_loss err| {val_err:.2e}  losses {[round(x, 5) for x in got['losses']]}")
+              f"max |val_loss err| {val_err:.2e}  losses {[round(x, 5) for x in got['losses']]}; "
+              f"{gradient_summary(runs, schedule)}")
         assert loss_err <= TOL and param_err <= TOL and val_err <= TOL
         stats = got["step_stats"]
         assert len(stats) == STEPS and all(0.0 <= f < 1.0 for s in stats for f in s["idle_frac"])
@@ -266,7 +267,8 @@ def test_classification_matches_single_device(runs: Path) -> None:
     assert len(ref["losses"]) == CLS_STEPS and ref["losses"][0] != ref["losses"][-1]
     loss_err, param_err = _max_err(got["losses"], ref["losses"]), _param_err(got_t["params"], ref_t["params"])
     print(f"classification pp=2 1f1b: max |loss err| {loss_err:.2e}  max |param err| {param_err:.2e}  "
-          f"losses {[round(x, 5) for x in got['losses']]}")
+          f"losses {[round(x, 5) for x in got['losses']]}; {gradient_summary(runs, 'cls')}; with activation "
+          f"checkpointing: {gradient_summary(runs, 'cls_ac')}")
     assert loss_err <= TOL and param_err <= TOL
     assert [s["loss"] for s in got["step_stats"]] == pytest.approx(got["losses"], abs=1e-6)  # what every rank logged
 

@@ -5,8 +5,12 @@ within 1e-5 - weights, AdamW moments and step counts, the LR scheduler and the d
 global batch stays 8 (per-rank batch 8 / dp), so the data position is counted in global samples.
 
 Pairs (4, both directions across pipeline/non-pipeline): dp2 -> tp2, dp2 -> pp2, pp2 -> 1 device,
-1 device -> dp2 with ZeRO-1. Processes: one torchrun launch (2 procs) saves dp2 and pp2 and runs the three 2-process
-resumes; a 1-process ``strategy=3d`` run saves the single-device checkpoint meanwhile, and another resumes pp2 after.
+1 device -> dp2 with ZeRO-1; and a chain across the engine's presets (1 device -> tp2 -> zero3 -> zero2 offloaded ->
+pp2 -> 1 device). Processes, one after the other: a 1-process ``strategy=3d`` run saves the single-device checkpoints
+(with the uninterrupted references: their first-step gradients are the reference of the harness's check,
+``testing.run_layouts_and_reference``), one torchrun launch (2 procs) saves dp2 and pp2 (their first-step gradients
+compared with one device's), runs the three 2-process resumes and the chain's 2-process segments, and another
+1-process run resumes pp2 and ends the chain.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import pytest
 
 from tests.parallel.test_hybrid import global_losses, max_err
 
-from lightning_llm.testing import launch, wait
+from lightning_llm.testing import gradient_summary, run_layouts_and_reference, wait
 
 HALF = 3
 TOL = 1e-5
@@ -43,12 +47,12 @@ PAIRS: list[tuple[str, str, dict[str, Any]]] = [
 # The chain across presets of the one engine: each segment resumes the previous segment's checkpoint for 2 steps.
 # (tag, strategy preset, its args, processes, per-rank batch)
 CHAIN: list[tuple[str, str, dict[str, Any], int, int]] = [
+    ("single", "HybridParallelStrategy", dict(data_parallel_size=1), 1, 8),
     ("tp2", "TensorParallelStrategy", dict(tensor_parallel_size=2), 2, 8),
     ("zero3", "ZeroStrategy", dict(stage=3), 2, 4),
     ("zero2_offload", "ZeroStrategy", dict(stage=2, offload_optimizer=True), 2, 4),
     ("pp2", "PipelineParallelStrategy", dict(pipeline_parallel_size=2, n_microbatches=2), 2, 8),
-    ("single", "HybridParallelStrategy", dict(data_parallel_size=1), 1, 8),
-    ("tp2_again", "TensorParallelStrategy", dict(tensor_parallel_size=2), 2, 8),
+    ("single_again", "HybridParallelStrategy", dict(data_parallel_size=1), 1, 8),
 ]
 SEGMENT = 2
 
@@ -79,51 +83,40 @@ def _worker(mode: str, out: Path) -> None:
         fit(out, _strategy(args), devices, tag=f"{saved}-to-{resumed}", batch_size=8 // args["data_parallel_size"],
             steps=2 * HALF, ckpt_path=str(out / f"ckpt-{saved}"))
 
-    if mode == "chain_multi":  # tp2 -> zero3 -> zero2_offload -> pp2
-        _chain(out, 0, 3)
-    elif mode == "chain_single":  # -> 1 device (and the uninterrupted reference of the whole chain)
-        fit(out, "auto", 1, tag="chain-reference", batch_size=8, steps=SEGMENT * len(CHAIN))
-        _chain(out, 4, 4)
-    elif mode == "chain_back":  # -> tp2 again
-        _chain(out, 5, 5)
-    elif mode == "single_save":  # one process: the uninterrupted reference, and a 3d checkpoint after 3 steps
+    if mode == "single_save":  # one process: the uninterrupted references, 3d checkpoints after 3 and 2 steps
         fit(out, "auto", 1, tag="reference", batch_size=8, steps=2 * HALF)
+        fit(out, "auto", 1, tag="chain-reference", batch_size=8, steps=SEGMENT * len(CHAIN))
         fit(out, _strategy(dict(data_parallel_size=1)), 1, tag="single", batch_size=8, steps=HALF,
             save_to=str(out / "ckpt-single"))
-    elif mode == "single_load":
+        _chain(out, 0, 0)
+    elif mode == "single_load":  # pp2 -> 1 device; the chain's end
         for saved, resumed, args in PAIRS:
             if resumed == "single":
                 run(saved, resumed, args, 1)
+        _chain(out, len(CHAIN) - 1, len(CHAIN) - 1)
     else:
         for tag, args in SAVES.items():
             fit(out, _strategy(args), 2, tag=tag, batch_size=8 // args["data_parallel_size"], steps=HALF,
                 save_to=str(out / f"ckpt-{tag}"))
-        deadline = time.time() + 300
-        while not (out / "ckpt-single" / "meta.pt").is_file() and time.time() < deadline:
-            time.sleep(0.5)  # written by the concurrent single-process run
         for saved, resumed, args in PAIRS:
             if resumed != "single":
                 run(saved, resumed, args, 2)
+        _chain(out, 1, len(CHAIN) - 2)  # tp2 -> zero3 -> zero2_offload -> pp2
+
+
+def _one_process(mode: str, out: Path) -> None:
+    """``mode`` in a fresh process without torchrun (the engine on one device sets up its own process group)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    wait(subprocess.Popen([sys.executable, __file__, mode, str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env=env))
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("reshard")
     t0 = time.perf_counter()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    single = subprocess.Popen([sys.executable, __file__, "single_save", str(out)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env)
-    multi = launch(__file__, 2, "multi", str(out))
-    try:
-        wait(single)
-        wait(multi)
-    finally:
-        for p in (single, multi):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    wait(subprocess.Popen([sys.executable, __file__, "single_load", str(out)], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, env=env))
+    run_layouts_and_reference(__file__, out, lambda: _one_process("single_save", out))
+    _one_process("single_load", out)
     print(f"\nresharding runs: {time.perf_counter() - t0:.1f} s")
     return out
 
@@ -136,25 +129,18 @@ def test_resume_at_another_layout(runs: Path, saved: str, resumed: str) -> None:
     after = global_losses(json.loads((runs / f"{saved}-to-{resumed}.json").read_text())["losses"])
     assert len(ref) == 2 * HALF and len(first) == HALF and len(after) == HALF
     err_before, err_after = max_err(first, ref[:HALF]), max_err(after, ref[HALF:])
+    grads = f"; {gradient_summary(runs, saved)}" if saved != "single" else ""
     print(f"{saved} -> {resumed}: max |loss err| steps 1-3 {err_before:.2e}, resumed steps 4-6 {err_after:.2e}; "
-          f"resumed losses {[round(x, 5) for x in after]} vs {[round(x, 5) for x in ref[HALF:]]}")
+          f"resumed losses {[round(x, 5) for x in after]} vs {[round(x, 5) for x in ref[HALF:]]}{grads}")
     assert err_before <= TOL and err_after <= TOL
 
 
 @pytest.mark.multiprocess
-def test_resume_chain_across_strategies(tmp_path: Path) -> None:
-    """tp2 -> zero3 (2 ranks) -> zero2 with the optimizer offloaded -> pp2 -> 1 device -> tp2, 2 steps each, every
-    segment resumed from the previous one's checkpoint (weights, AdamW moments, step, LR schedule, data position): the
-    12 losses equal one uninterrupted single-device run within 1e-5."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-
-    def single(mode: str) -> None:
-        wait(subprocess.Popen([sys.executable, __file__, mode, str(tmp_path)], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env))
-
-    wait(launch(__file__, 2, "chain_multi", str(tmp_path)))
-    single("chain_single")
-    wait(launch(__file__, 2, "chain_back", str(tmp_path)))
+def test_resume_chain_across_strategies(runs: Path) -> None:
+    """1 device -> tp2 -> zero3 (2 ranks) -> zero2 with the optimizer offloaded -> pp2 -> 1 device, 2 steps each,
+    every segment resumed from the previous one's checkpoint (weights, AdamW moments, step, LR schedule, data
+    position): the 12 losses equal one uninterrupted single-device run within 1e-5."""
+    tmp_path = runs
     ref = json.loads((tmp_path / "chain-reference.json").read_text())["losses"][0]
     got: list[float] = []
     rows = []

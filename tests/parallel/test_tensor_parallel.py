@@ -1,9 +1,10 @@
 """TensorParallelStrategy: parity with one device (decoder/encoder, with and without sequence parallel, with LoRA),
 vocab-parallel loss, communication counts per block, sharded checkpoints, configuration errors.
 
-All 2-process work happens in ONE torchrun launch of this file (``python tests/parallel/test_tensor_parallel.py --worker
+All 2-process work happens in ONE torchrun launch of this file (``python tests/parallel/test_tensor_parallel.py layouts
 OUT``), which runs every configuration and writes ``results.json`` + parameter files; the single-device references
-are computed in the pytest process with the same Lightning loop.
+are computed before it in the pytest process with the same Lightning loop (``testing.run_layouts_and_reference``,
+which also compares every parameter's first-step gradient per tensor).
 """
 
 from __future__ import annotations
@@ -83,17 +84,20 @@ def make_task(name: str) -> Any:
 
 
 def fit(name: str, *, strategy: Any = "auto", devices: int = 1, steps: int = STEPS, ckpt_path: str | None = None,
-        callbacks: list | None = None, root: str | None = None, n: int = 64) -> tuple[Any, Any]:
+        callbacks: list | None = None, root: str | None = None, n: int = 64,
+        grads: str | None = None) -> tuple[Any, Any]:
+    """``steps`` steps of the model ``name``; the first step's gradients recorded as ``grads`` (against the one-device
+    ``name``)."""
     import lightning.pytorch as pl
 
-    from lightning_llm.testing import StepRecorder
+    from lightning_llm.testing import StepRecorder, recorder_for
 
     pl.seed_everything(1, verbose=False)
     task = make_task(name)
     recorder = StepRecorder(os.devnull)
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=steps, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[recorder, *(callbacks or [])], default_root_dir=root)
+                         callbacks=[recorder, *recorder_for(grads, name), *(callbacks or [])], default_root_dir=root)
     trainer.fit(task, datamodule=RandomDataModule(MODELS[name][0], n=n), ckpt_path=ckpt_path)
     return trainer, recorder
 
@@ -227,7 +231,8 @@ def worker(out_dir: Path) -> None:
         print(json.dumps(out))
         return
     for name, sp in TP_RUNS:
-        trainer, rec = fit(name, strategy=TensorParallelStrategy(sequence_parallel=sp), devices=2)
+        trainer, rec = fit(name, strategy=TensorParallelStrategy(sequence_parallel=sp), devices=2,
+                           grads=f"{name}_sp{int(sp)}")
         params = _full_params(trainer.lightning_module)
         local_bytes = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * p.element_size()
                           for p in trainer.lightning_module.parameters())
@@ -245,24 +250,32 @@ def worker(out_dir: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def tp_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    """One torchrun launch (2 processes, gloo) running every TP configuration of this module."""
-    from lightning_llm.testing import launch, wait
+def tp_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], dict[str, Any]]:
+    """Single-device runs (same seed, data and loop) of every model configuration, then one torchrun launch (2
+    processes, gloo) running every TP configuration of this module; their first-step gradients compared."""
+    from lightning_llm.testing import run_layouts_and_reference
 
     out = tmp_path_factory.mktemp("tp")
-    (out / "worker.log").write_text(wait(launch(__file__, 2, "--worker", str(out))))
-    return out, json.loads((out / "results.json").read_text())
+    refs: dict[str, tuple[list[float], dict[str, torch.Tensor]]] = {}
+
+    def reference() -> None:
+        for name in MODELS:
+            trainer, rec = fit(name, grads=name)
+            refs[name] = (rec.losses, _full_params(trainer.lightning_module))
+
+    run_layouts_and_reference(__file__, out, reference)
+    return out, json.loads((out / "results.json").read_text()), refs
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[float], dict[str, torch.Tensor]]]:
-    """Single-device runs (same seed, data and loop) of every model configuration."""
-    torch.set_num_threads(1)
-    refs = {}
-    for name in MODELS:
-        trainer, rec = fit(name)
-        refs[name] = (rec.losses, _full_params(trainer.lightning_module))
-    return refs
+def tp_results(tp_run: tuple[Path, dict[str, Any], dict[str, Any]]) -> tuple[Path, dict[str, Any]]:
+    return tp_run[0], tp_run[1]
+
+
+@pytest.fixture(scope="module")
+def references(tp_run: tuple[Path, dict[str, Any], dict[str, Any]]) -> dict[str, Any]:
+    """(losses, final parameters) of each model configuration on one device."""
+    return tp_run[2]
 
 
 # ---------------------------------------------------------------------------------------------------- tests
@@ -270,7 +283,10 @@ def references(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list
 @pytest.mark.parametrize("name,sp", TP_RUNS, ids=[f"{n}-sp{int(s)}" for n, s in TP_RUNS])
 def test_tp_matches_single_device(tp_results: tuple[Path, dict[str, Any]], references: dict, name: str,
                                   sp: bool) -> None:
-    """10 steps on 2 TP ranks vs 1 device: per-step loss and final full parameters within 1e-5."""
+    """10 steps on 2 TP ranks vs 1 device: first-step gradients (the harness's check), per-step loss and final full
+    parameters within 1e-5."""
+    from lightning_llm.testing import gradient_summary
+
     out_dir, res = tp_results
     ref_losses, ref_params = references[name]
     run = res[f"{name}_sp{int(sp)}"]
@@ -280,7 +296,7 @@ def test_tp_matches_single_device(tp_results: tuple[Path, dict[str, Any]], refer
     assert params.keys() == ref_params.keys()
     param_err = max(float((params[k] - ref_params[k]).abs().max()) for k in params)
     print(f"{name} sp={sp}: loss max|err|={loss_err:.2e} param max|err|={param_err:.2e} "
-          f"losses={['%.5f' % x for x in run['losses'][0]]}")
+          f"losses={['%.5f' % x for x in run['losses'][0]]}; {gradient_summary(out_dir, f'{name}_sp{int(sp)}')}")
     assert loss_err <= TOL and param_err <= TOL
     assert ref_losses[0] != ref_losses[-1]  # it trained
     if MODELS[name][1]:  # LoRA: the adapters trained, the base stayed frozen
@@ -386,7 +402,7 @@ def test_registered_as_tp() -> None:
     assert StrategyRegistry["tp"]["strategy"].__name__ == "TensorParallelStrategy"
 
 
-if __name__ == "__main__" and "--worker" in sys.argv:
+if __name__ == "__main__":
     from lightning_llm.testing import run_worker
 
-    run_worker(worker, Path(sys.argv[sys.argv.index("--worker") + 1]))
+    run_worker(worker, Path(sys.argv[2]))

@@ -1,23 +1,27 @@
-"""ZeRO stages 1/2/3 (native and DeepSpeed engines): loss parity with DDP, model-state bytes against theory,
-checkpoint save/resume, LoRA adapter export under stage 3.
+"""ZeRO stages 1/2/3 (native and DeepSpeed engines): parity with one device (every parameter's first-step gradient,
+read from each engine's shards and partitions, and the loss curve), model-state bytes against theory, checkpoint
+save/resume, LoRA adapter export under stage 3.
 
-Start-up is what is slow (Lightning, DeepSpeed, process groups), so each test is ONE torchrun launch of this file
-(``python -m torch.distributed.run --nproc_per_node=2 tests/parallel/test_zero.py --group G --out DIR``) that runs several
-fresh Trainers in sequence: a DDP reference and the ZeRO variants, all on the same batches (2 ranks x batch 4).
+Start-up is what is slow (Lightning, DeepSpeed, process groups), so the module makes ONE torchrun launch of this file
+(``python -m torch.distributed.run --nproc_per_node=2 tests/parallel/test_zero.py layouts DIR``) that runs every fresh
+Trainer in sequence: the native and DeepSpeed ZeRO variants, their resumes and the LoRA fits, all on the same global
+batches (2 ranks x batch 4), after the one-device references (batch 8) ran in the pytest process
+(``testing.run_layouts_and_reference``, which compares the first-step gradients per tensor).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 HERE = Path(__file__).resolve()
-STEPS = 10  # two epochs of 5 steps: the resume test stops at an epoch boundary (no mid-epoch sampler replay)
+STEPS = 6  # two epochs of 3 steps: the resume test stops at an epoch boundary (no mid-epoch sampler replay)
+HALF = STEPS // 2
 BATCH = 4  # per rank
 BLOCK = 32
 VOCAB = 264  # byte tokenizer (259 ids) padded to a multiple of 8
@@ -54,16 +58,18 @@ def _lora_task_class() -> type:
 
 def _fit(strategy: Any, out: Path, *, task_cls: type | None = None, max_steps: int = STEPS, save_at: int | None = None,
          ckpt_in: Path | None = None, measure_step: int | None = 2,
-         export: Path | None = None) -> dict[str, Any]:
-    """One fresh Trainer on 2 ranks; returns mean-over-ranks losses per step and each rank's model-state bytes.
-    ``export``: a directory for the consolidated adapter/full weights and the logits of the trained model."""
+         export: Path | None = None, devices: int = 2, grads: str | None = None,
+         reference: str | None = None) -> dict[str, Any]:
+    """One fresh Trainer on ``devices`` ranks (batch 8 / devices); returns mean-over-ranks losses per step and each
+    rank's model-state bytes. ``export``: a directory for the consolidated adapter/full weights and the logits of the
+    trained model. The first step's gradients are recorded as ``grads``, against the one-device run ``reference``."""
     import lightning.pytorch as pl
     import torch
 
     from lightning_llm.data import TextDataModule
     from lightning_llm.strategies.zero import ExportWeights
     from lightning_llm.tasks import CausalLMTask, OptimConfig
-    from lightning_llm.testing import StepRecorder
+    from lightning_llm.testing import StepRecorder, recorder_for
 
     class Meter(pl.Callback):
         """Model-state bytes of this rank from live tensors, after backward of step ``measure_step`` (optimizer
@@ -79,7 +85,8 @@ def _fit(strategy: Any, out: Path, *, task_cls: type | None = None, max_steps: i
     pl.seed_everything(1, verbose=False)
     task = (task_cls or CausalLMTask)(backbone="debug", dropout=0.0,
                                       optim=OptimConfig(lr=3e-3, warmup_steps=2, weight_decay=0.01))
-    data = TextDataModule(block_size=BLOCK, batch_size=BATCH, cache_dir=str(out.parent / "cache"), generated_docs=120)
+    data = TextDataModule(block_size=BLOCK, batch_size=BATCH * 2 // devices, cache_dir=str(out.parent / "cache"),
+                          generated_docs=120)
     meter, rec = Meter(), StepRecorder(str(out / "steps.json"))
     class Logits(pl.Callback):
         def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -88,7 +95,7 @@ def _fit(strategy: Any, out: Path, *, task_cls: type | None = None, max_steps: i
             if trainer.is_global_zero:
                 torch.save(logits, export / "logits.pt")
 
-    callbacks: list[pl.Callback] = [meter, rec]
+    callbacks: list[pl.Callback] = [meter, rec, *recorder_for(grads, reference)]
     if save_at is not None:  # the strategy's sharded checkpoint (a directory) after step `save_at`
         from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -97,16 +104,18 @@ def _fit(strategy: Any, out: Path, *, task_cls: type | None = None, max_steps: i
     if export is not None:
         callbacks += [ExportWeights(str(export / "adapter.pt"), adapter_only=True),
                       ExportWeights(str(export / "full.pt")), Logits()]
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=max_steps, logger=False,
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=False,
                          enable_checkpointing=save_at is not None, enable_progress_bar=False, enable_model_summary=False,
-                         limit_train_batches=STEPS // 2, limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks, precision="32-true",
-                         default_root_dir=str(out))
+                         limit_train_batches=HALF, limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks,
+                         precision="32-true", default_root_dir=str(out))
     trainer.fit(task, datamodule=data, ckpt_path=str(ckpt_in) if ckpt_in else None)
     ranks = json.loads((out / "steps.json").read_text())["losses"] if trainer.is_global_zero else None
     losses = [sum(x) / len(x) for x in zip(*ranks)] if ranks else None  # each rank: mean over its 4 samples
-    n_params = sum(p.numel() for p in task.model.parameters()) if strategy == "ddp" else None  # whole only in DDP
-    all_bytes = [None] * 2
-    torch.distributed.all_gather_object(all_bytes, meter.bytes)
+    n_params = sum(p.numel() for p in task.model.parameters()) if devices == 1 else None  # whole on one device
+    all_bytes = [meter.bytes]
+    if devices > 1:
+        all_bytes = [None] * devices
+        torch.distributed.all_gather_object(all_bytes, meter.bytes)
     return {"losses": losses, "bytes": all_bytes, "numel": n_params}
 
 
@@ -120,7 +129,20 @@ def _measure(trainer: Any, pl_module: Any) -> dict[str, int]:
     return model_state_bytes(pl_module, trainer.optimizers)
 
 
-def worker(group: str, out: Path) -> None:
+ENGINES = {"native": ["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"],
+           "deepspeed": ["deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3", "deepspeed_zero3_offload"]}
+"""engine -> its layouts (registered names), in the order they run."""
+
+
+def reference(out: Path) -> None:
+    """The one-device runs the layouts are compared with: the decoder (``one``) and its LoRA (``lora``)."""
+    results = {"one": _fit("auto", out / "one", devices=1, grads="one"),
+               "lora": _fit("auto", out / "lora-one", devices=1, task_cls=_lora_task_class(), max_steps=4,
+                            measure_step=None, grads="lora")}
+    (out / "reference.json").write_text(json.dumps(results, indent=1))
+
+
+def worker(out: Path) -> None:
     import torch
 
     global LORA_IDS
@@ -128,36 +150,38 @@ def worker(group: str, out: Path) -> None:
     from lightning_llm.strategies import ZeroStrategy
 
     results: dict[str, Any] = {}
-    if group in ("native", "deepspeed"):
-        results["ddp"] = _fit("ddp", out / "ddp")
-        names = (["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"] if group == "native" else
-                 ["deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3", "deepspeed_zero3_offload"])
-        for name in names:  # stages 2 and 3 also save a sharded checkpoint after step 5
-            results[name] = _fit(name, out / name, save_at=STEPS // 2 if name[-1] in "23" else None)
-        # Resume each checkpoint in a fresh Trainer: steps 6..10 must equal the uninterrupted run's.
+    for engine, names in ENGINES.items():
+        for name in names:  # stages 2 and 3 also save a sharded checkpoint after step HALF
+            results[name] = _fit(name, out / name, save_at=HALF if name[-1] in "23" else None, grads=name,
+                                 reference="one")
+        # Resume each checkpoint in a fresh Trainer: steps HALF+1..STEPS must equal the uninterrupted run's.
         for stage in (2, 3):
-            ck = out / (names[stage - 1]) / "ckpt" / f"s{STEPS // 2}.ckpt"
-            results[f"resume{stage}"] = _fit(ZeroStrategy(stage=stage, engine=group), out / f"resume-{stage}",
-                                             ckpt_in=ck, measure_step=None)
-            results[f"resume{stage}"]["ckpt_files"] = sorted(str(p.relative_to(ck)) for p in ck.rglob("*")
-                                                             if p.is_file())
-    elif group == "lora":
-        LORA_IDS = _lora_ids()
-        task_cls = _lora_task_class()
-        for label, stage, engine in LORA_RUNS:
-            results[f"lora-{label}"] = _fit(ZeroStrategy(stage=stage, engine=engine), out / f"lora-{label}",
-                                            task_cls=task_cls, max_steps=4, export=out / f"export-{label}",
-                                            measure_step=None)
+            ck = out / (names[stage - 1]) / "ckpt" / f"s{HALF}.ckpt"
+            key = f"{engine}/resume{stage}"
+            results[key] = _fit(ZeroStrategy(stage=stage, engine=engine), out / f"{engine}-resume-{stage}",
+                                ckpt_in=ck, measure_step=None)
+            results[key]["ckpt_files"] = sorted(str(p.relative_to(ck)) for p in ck.rglob("*") if p.is_file())
+    LORA_IDS = _lora_ids()
+    task_cls = _lora_task_class()
+    for label, stage, engine in LORA_RUNS:
+        results[f"lora-{label}"] = _fit(ZeroStrategy(stage=stage, engine=engine), out / f"lora-{label}",
+                                        task_cls=task_cls, max_steps=4, export=out / f"export-{label}",
+                                        measure_step=None, grads=f"lora-{label}", reference="lora")
     if torch.distributed.get_rank() == 0:
         (out / "results.json").write_text(json.dumps(results, indent=1))
 
 
 # ---------------------------------------------------------------------------------------------------- test side
-def _launch(group: str, out: Path, timeout: float = 300) -> dict[str, Any]:
-    from lightning_llm.testing import launch, wait
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """The one-device references, then the one launch; (its folder, the layouts' results with the references as
+    ``one`` and ``lora``)."""
+    from lightning_llm.testing import run_layouts_and_reference
 
-    (out / "launch.log").write_text(wait(launch(HERE, 2, "--group", group, "--out", str(out)), timeout))
-    return json.loads((out / "results.json").read_text())
+    out = tmp_path_factory.mktemp("zero")
+    run_layouts_and_reference(HERE, out, lambda: reference(out), timeout=900)
+    refs = json.loads((out / "reference.json").read_text())
+    return out, {**json.loads((out / "results.json").read_text()), **refs}
 
 
 def _cli_estimate(strategy: str) -> dict[str, Any]:
@@ -184,22 +208,25 @@ def _check_estimate(res: dict[str, Any], names: list[str]) -> None:
             assert abs(rel) <= 0.10
 
 
-def _check_parity(res: dict[str, Any], names: list[str], tol: float = 1e-5) -> None:
-    ref = res["ddp"]["losses"]
+def _check_parity(out: Path, res: dict[str, Any], names: list[str], tol: float = 1e-5) -> None:
+    from lightning_llm.testing import gradient_summary
+
+    ref = res["one"]["losses"]
     assert len(ref) == STEPS and ref[0] != ref[-1]
     for name in names:
         got = res[name]["losses"]
         err = max(abs(a - b) for a, b in zip(ref, got))
-        print(f"{name:26s} max|loss - ddp| over {len(got)} steps = {err:.2e}")
+        print(f"{name:26s} max|loss - one device| over {len(got)} steps = {err:.2e}; {gradient_summary(out, name)}")
         assert len(got) == STEPS and err <= tol, (name, ref, got)
 
 
-def _check_resume(res: dict[str, Any], stage: int, name: str) -> None:
-    ref, got = res[name]["losses"][5:], res[f"resume{stage}"]["losses"]
+def _check_resume(res: dict[str, Any], stage: int, name: str, engine: str) -> None:
+    resumed = res[f"{engine}/resume{stage}"]
+    ref, got = res[name]["losses"][HALF:], resumed["losses"]
     err = max(abs(a - b) for a, b in zip(ref, got))
-    print(f"resume stage {stage}: steps 6-10 after reload vs uninterrupted: max err {err:.2e}; "
-          f"files {res[f'resume{stage}']['ckpt_files'][:6]}")
-    assert len(got) == 5 and err <= 1e-5
+    print(f"resume stage {stage}: steps {HALF + 1}-{STEPS} after reload vs uninterrupted: max err {err:.2e}; "
+          f"files {resumed['ckpt_files'][:6]}")
+    assert len(got) == STEPS - HALF and err <= 1e-5
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
@@ -240,10 +267,10 @@ def test_presets_are_registered_and_dispatch_to_engines() -> None:
 
 
 @pytest.mark.multiprocess
-def test_native_zero_matches_ddp_and_memory_theory(tmp_path: Path) -> None:
-    res = _launch("native", tmp_path)
-    _check_parity(res, ["zero1", "zero2", "zero3", "zero2_offload", "zero3_offload"])
-    numel = res["ddp"]["numel"]
+def test_native_zero_matches_one_device_and_memory_theory(runs: tuple[Path, dict[str, Any]]) -> None:
+    out, res = runs
+    _check_parity(out, res, ENGINES["native"])
+    numel = res["one"]["numel"]
     from lightning_llm.memory import model_state_theory
 
     for stage in (1, 2, 3):
@@ -255,15 +282,15 @@ def test_native_zero_matches_ddp_and_memory_theory(tmp_path: Path) -> None:
             assert abs(total) <= 0.05
             assert all(abs(r) <= 0.05 for r in rel.values()), rel
     _check_estimate(res, ["zero1", "zero2", "zero3"])
-    _check_resume(res, 2, "zero2")
-    _check_resume(res, 3, "zero3")
+    _check_resume(res, 2, "zero2", "native")
+    _check_resume(res, 3, "zero3", "native")
 
 
 @pytest.mark.multiprocess
-def test_deepspeed_zero_matches_ddp(tmp_path: Path) -> None:
-    res = _launch("deepspeed", tmp_path)
-    _check_parity(res, ["deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3", "deepspeed_zero3_offload"])
-    numel = res["ddp"]["numel"]
+def test_deepspeed_zero_matches_one_device(runs: tuple[Path, dict[str, Any]]) -> None:
+    out, res = runs
+    _check_parity(out, res, ENGINES["deepspeed"])
+    numel = res["one"]["numel"]
     from lightning_llm.memory import model_state_theory
 
     for stage in (1, 2, 3):
@@ -273,22 +300,25 @@ def test_deepspeed_zero_matches_ddp(tmp_path: Path) -> None:
             print(f"deepspeed_zero{stage} rank{rank}: measured {measured} theory {theory} total rel.err {total:+.2%}")
             assert abs(total) <= 0.05
     _check_estimate(res, ["deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3"])
-    _check_resume(res, 2, "deepspeed_zero2")
-    _check_resume(res, 3, "deepspeed_zero3")
+    _check_resume(res, 2, "deepspeed_zero2", "deepspeed")
+    _check_resume(res, 3, "deepspeed_zero3", "deepspeed")
 
 
 @pytest.mark.multiprocess
-def test_lora_adapter_saved_under_zero_is_full_and_reproduces_outputs(tmp_path: Path) -> None:
+def test_lora_adapter_saved_under_zero_is_full_and_reproduces_outputs(runs: tuple[Path, dict[str, Any]]) -> None:
     """peft LoRA (q_proj, v_proj) on the debug decoder, 4 steps of ZeRO-3 (native FSDP2 and DeepSpeed) and of native
-    ZeRO-1 (whose trainable parameters are packed into its broadcast buckets): the exported adapter holds full
-    tensors and nothing else, and base weights + adapter in a fresh model reproduce the trained model's logits."""
+    ZeRO-1 (whose trainable parameters are packed into its broadcast buckets): the LoRA factors' first-step gradients
+    equal one device's, the exported adapter holds full tensors and nothing else, and base weights + adapter in a
+    fresh model reproduce the trained model's logits."""
     import torch
     from peft import LoraConfig, inject_adapter_in_model
 
     from lightning_llm.models import build_model
+    from lightning_llm.testing import gradient_summary
 
-    _launch("lora", tmp_path)
+    tmp_path = runs[0]
     for engine, _, _ in LORA_RUNS:
+        print(f"lora-{engine}: {gradient_summary(tmp_path, f'lora-{engine}')}")
         d = tmp_path / f"export-{engine}"
         adapter, full, logits = (torch.load(d / f) for f in ("adapter.pt", "full.pt", "logits.pt"))
         fresh = build_model("debug", family="decoder", vocab_size=VOCAB, dropout=0.0)
@@ -381,10 +411,6 @@ def test_deepspeed_config_optimizer_section_trains(tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--group", required=True, choices=["native", "deepspeed", "lora"])
-    parser.add_argument("--out", required=True, type=Path)
-    a = parser.parse_args()
     import logging
     import warnings
 
@@ -392,4 +418,4 @@ if __name__ == "__main__":
 
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    run_worker(worker, a.group, a.out)
+    run_worker(worker, Path(sys.argv[2]))

@@ -1,9 +1,11 @@
 """QLoRA (``--model.quantize=nf4``) under ddp x2, zero3 x2 (FSDP2 shards torchao's NF4Tensor: packed data, block
 scales and double-quantization factors by rows) and pp x2 (each stage holds its blocks' NF4 weights) equals one
-device: ``train_loss`` over 6 fp32 steps within 1e-5. tp is refused before anything is built, with one line.
+device: every LoRA factor's first-step gradient (per tensor within 1e-5 of its largest entry:
+``testing.gradients``) and ``train_loss`` over 6 fp32 steps within 1e-5. tp is refused before anything is built, with
+one line.
 
 One device: the same global batch (4 rows) in one process; the 2-rank layouts: 2 rows per rank. Compared: the
-logged ``train_loss`` (the global batch's loss at every layout).
+first-step gradients and the logged ``train_loss`` (the global batch's loss at every layout).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from safetensors.torch import load_file
 from lightning_llm.cli import main
 from lightning_llm.models import build_model, save_hf
 from lightning_llm.testing import logged_rows, max_abs_err, one_error_line_from_ranks, run_cli, torchrun_cli_fails
+from lightning_llm.testing.gradients import check_gradient_records, recorder_cli_args
 
 pytest.importorskip("torchao", reason="--model.quantize needs torchao (the [quant] extra)")
 
@@ -54,14 +57,15 @@ def _losses(out: Path) -> list[float]:
 
 @pytest.mark.multiprocess
 def test_ddp_and_zero3_equal_one_device(base_dir: Path, tmp_path: Path) -> None:
-    one = tmp_path / "one"
-    run_cli(_args(base_dir, one, batch=4, extra=[]))
+    one, grads = tmp_path / "one", tmp_path / "gradients"
+    run_cli(_args(base_dir, one, batch=4, extra=recorder_cli_args(grads, "one")))
     reference = _losses(one)
     for strategy in ("ddp", "zero3", "pp"):
         out = tmp_path / strategy
         batch = 4 if strategy == "pp" else 2  # the two pipeline stages share one batch of 4 rows
         proc = run_cli(_args(base_dir, out, batch=batch, extra=[f"--trainer.strategy={strategy}",
-                                                                "--trainer.devices=2"]), nproc=2)
+                                                                "--trainer.devices=2",
+                                                                *recorder_cli_args(grads, strategy, "one")]), nproc=2)
         got = _losses(out)
         err = max_abs_err(got, reference)
         print(f"{strategy} x2 vs one device: max |train_loss diff| over {STEPS} steps = {err:.2e}")
@@ -69,6 +73,11 @@ def test_ddp_and_zero3_equal_one_device(base_dir: Path, tmp_path: Path) -> None:
         held = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "quantized frozen weights" in ln]
         assert held, "the run summary states the quantized bytes"
         print(held[0].split("; quantized")[-1])
+    summary = check_gradient_records(grads)  # raises naming a run and a parameter
+    for run, row in summary.items():
+        print(f"{run} x2: first-step gradients, max relative |g - one device| = {row['max_rel']:.1e} over "
+              f"{row['tensors']} tensors (worst {row['worst']})")
+    assert sorted(summary) == ["ddp", "pp", "zero3"]
     assert (tmp_path / "zero3" / "adapter" / "quantization.json").is_file()
     # The zero3 checkpoint (DCP shards) holds the adapters and the settings, not the NF4 weights (the engine keeps
     # the plain frozen ones, embeddings and norms, as for any PEFT run); it exports to the same merged weights as the

@@ -1,11 +1,14 @@
 """RewardTask under every layout against one device, in one launch of 2 processes: ddp, tp, pp, zero1, zero2, zero3,
 cp (each row cut in two slices: the scored token on one rank), 3d (tp2 with sequence parallelism: the score head's
-input gathered), and LoRA (ddp) and QLoRA (zero3, NF4 base) against their one-device runs. Compared per step:
-``train_loss`` and ``rewards/margins``; after the last step: ``val_loss``, ``val_accuracy``, ``val_margin``.
+input gathered), and LoRA (ddp) and QLoRA (zero3, NF4 base) against their one-device runs, computed before the
+launch. Compared: every parameter's first-step gradient (per tensor: the harness's check,
+``testing.run_layouts_and_reference``); per step ``train_loss`` and ``rewards/margins``; after the last step:
+``val_loss``, ``val_accuracy``, ``val_margin``.
 
 In the same launch, PPO scored by a decoder reward model (an HF ``LlamaForSequenceClassification`` directory) that
 also starts its value model, under tp and zero3: the reward model and the critic placed like the policy (a rank holds
-part of the reward model's bytes), the scores and losses one device's."""
+part of the reward model's bytes), the first update's gradients (policy and critic), the scores and losses one
+device's."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ import pytest
 from lightning_llm.testing import (
     LoggedLoss,
     gathered,
+    gradient_summary,
     max_abs_err,
     run_layouts_and_reference,
     run_worker,
@@ -40,8 +44,8 @@ VAL_KEYS = ("val_loss", "val_accuracy", "val_margin", "val_rewards/chosen")
 class Logged(LoggedLoss):
     """Also rewards/margins per step, and the validation metrics at the end."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, grads: str, reference: str) -> None:
+        super().__init__(grads=grads, reference=reference)
         self.margins: list[float] = []
         self.val: dict[str, float] = {}
 
@@ -53,7 +57,8 @@ class Logged(LoggedLoss):
         self.val = {k: float(trainer.callback_metrics[k]) for k in VAL_KEYS}
 
 
-def _fit(layout: str, devices: int, out: Path, *, peft: str = "") -> dict[str, Any]:
+def _fit(layout: str, devices: int, out: Path, *, peft: str = "", run: str = "") -> dict[str, Any]:
+    """``STEPS`` steps; the first step's gradients recorded as ``run`` (one device: as ``reward[/peft]``)."""
     import lightning.pytorch as pl
 
     from lightning_llm.data import PreferenceDataModule
@@ -69,7 +74,8 @@ def _fit(layout: str, devices: int, out: Path, *, peft: str = "") -> dict[str, A
                       optim=OptimConfig(lr=1e-3, scheduler="constant", weight_decay=0.0), **PEFT[peft], **quant)
     dm = PreferenceDataModule(generated_pairs=64, generated_val_pairs=8, cutoff_len=32, max_prompt_len=16,
                               batch_size=batch, eval_batch_size=4, pad_to_multiple_of=4)
-    rec = Logged()
+    reference = "reward" + (f"/{peft}" if peft else "")
+    rec = Logged(grads=run or reference, reference=reference)
     trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=STEPS, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          val_check_interval=STEPS, num_sanity_val_steps=0, callbacks=[rec], default_root_dir=str(out))
@@ -98,8 +104,8 @@ def _reward_model(out: Path) -> Path:
 class PPOLogged(LoggedLoss):
     """PPO's statistics per optimizer step, and the bytes this rank holds of the reward model."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, grads: str) -> None:
+        super().__init__(grads=grads, reference="ppo")
         self.rows: list[list[float]] = []
         self.scoring_bytes = 0
 
@@ -129,7 +135,7 @@ def _ppo(layout: str, devices: int, out: Path, rm: Path) -> dict[str, Any]:
                    generation=GenerationConfig(max_new_tokens=6), reward=RewardConfig(model=str(rm)),
                    ppo=PPOConfig(ppo_epochs=2, num_mini_batches=1), optim=OptimConfig(lr=1e-3, scheduler="constant"))
     dm = PromptDataModule(generated_prompts=16, max_prompt_len=16, batch_size=batch, tokenizer_dir="byte")
-    rec = PPOLogged()
+    rec = PPOLogged(grads=f"ppo/{layout}" if devices > 1 else "ppo")
     pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=4, logger=False,
                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
                num_sanity_val_steps=0, callbacks=[rec], default_root_dir=str(out)).fit(task, dm)
@@ -145,7 +151,7 @@ def _worker(mode: str, out: Path) -> None:
     results = {}
     for layout in LAYOUTS:
         name, _, peft = layout.partition("/")
-        results[layout] = gathered(_fit(name, 2, out / layout.replace("/", "-"), peft=peft))
+        results[layout] = gathered(_fit(name, 2, out / layout.replace("/", "-"), peft=peft, run=layout))
     for layout in PPO_LAYOUTS:
         results[layout] = gathered(_ppo(layout.partition("/")[2], 2, out / layout.replace("/", "-"), out / "rm"))
     write_json_on_rank0(out / "layouts.json", results)
@@ -170,7 +176,7 @@ def test_layout_matches_one_device(runs: Path, layout: str) -> None:
         err = max(max_abs_err(row["losses"], ref["losses"]), max_abs_err(row["margins"], ref["margins"])) / scale
         val = max(abs(row["val"][k] - ref["val"][k]) for k in VAL_KEYS) / scale
         print(f"{layout}: max |train_loss, rewards/margins - one device| / {scale:.2f} over {STEPS} steps = {err:.2e}; validation "
-              f"{val:.2e} (val_accuracy {row['val']['val_accuracy']:.3f})")
+              f"{val:.2e} (val_accuracy {row['val']['val_accuracy']:.3f}); {gradient_summary(runs, layout)}")
         assert len(row["losses"]) == STEPS and err <= TOL and val <= TOL, (row, ref)
 
 
@@ -186,7 +192,7 @@ def test_ppo_with_a_decoder_reward_model_matches_one_device(runs: Path, layout: 
                   for a, b in zip(x, y))
         ratio = row["scoring_bytes"] / ref["scoring_bytes"]
         print(f"{layout}: max relative |{', '.join(PPO_KEYS)} - one device| over {len(row['rows'])} rollouts = "
-              f"{err:.2e}; "
+              f"{err:.2e}; {gradient_summary(runs, layout)}; "
               f"reward model bytes on this rank {row['scoring_bytes']:,} ({ratio:.3f}x of one device's)")
         assert err <= TOL and ratio <= 0.7
 
