@@ -191,22 +191,43 @@ def test_layout_matches_one_device(runs: Path, layout: str) -> None:
 
 def test_resume_refuses_a_reference_table_of_other_pairs(tmp_path: Path) -> None:
     """Precomputed reference log-probs are looked up by pair index: resuming on other pairs of the same count would
-    pair every example with another's reference, so it is refused before the first step."""
+    pair every example with another's reference, so it is refused where the checkpoint's table is read, in one line
+    naming the checkpoint, the data file's line of the first pair that differs, and nothing recomputed."""
     import lightning.pytorch as pl
 
-    def fit(data_seed: int, resume: str | None, steps: int) -> None:
+    from lightning_llm.data.preference import make_preference_pairs
+
+    pairs = tmp_path / "pairs.jsonl"
+    records = make_preference_pairs(16, seed=1)
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in records))
+    precomputed: list[str] = []
+
+    def fit(resume: str | None, steps: int) -> None:
         pl.seed_everything(5)
         task = DPOTask("debug", model_overrides={"num_layers": 1})
-        dm = PreferenceDataModule(generated_pairs=16, generated_val_pairs=4, cutoff_len=24, max_prompt_len=12,
-                                  batch_size=4, seed=data_seed)
+        passes = task.precompute_reference
+        task.precompute_reference = lambda split: precomputed.append(split) or passes(split)  # type: ignore[method-assign]
+        dm = PreferenceDataModule(str(pairs), val_fraction=0.25, cutoff_len=24, max_prompt_len=12, batch_size=4)
         table_trainer(tmp_path, strategy="auto", devices=1, max_steps=steps, callbacks=[],
                       save_every_step=True).fit(task, dm, ckpt_path=resume)
 
-    fit(1, None, 1)
+    fit(None, 1)
+    assert precomputed == ["fit", "validate"]
     ckpt = str(tmp_path / "ckpt" / "last.ckpt")
-    fit(1, ckpt, 2)  # the same pairs: resumes
-    with pytest.raises(ValueError, match="computed on other fit pairs than the datamodule holds"):
-        fit(2, ckpt, 3)
+    fit(ckpt, 2)  # the same pairs: resumes, the table from the checkpoint
+    assert precomputed == ["fit", "validate"]
+    held_out = PreferenceDataModule(str(pairs), val_fraction=0.25)
+    held_out.setup("fit")
+    line = int(held_out.record_name("fit", 2).rsplit(":", 1)[1])  # the file line of training pair 2
+    records[line - 1] = {**records[line - 1], "chosen": records[line - 1]["chosen"] + "!"}
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(ValueError) as error:
+        fit(ckpt, 3)
+    print(error.value)
+    assert str(error.value).startswith(f"--ckpt_path={ckpt}: its precomputed reference log-probs were computed on "
+                                       "other fit pairs than the datamodule holds")
+    assert f"the first that differs is pair 2 ({pairs}:{line})" in str(error.value) and "\n" not in str(error.value)
+    assert precomputed == ["fit", "validate"]  # nothing recomputed on resume
 
 
 # ------------------------------------------------------------------------------------------------ real data
