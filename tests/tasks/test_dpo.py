@@ -135,12 +135,17 @@ def _fit(layout: str, devices: int, out: Path, *, reference: str = "precomputed"
                    optim=OptimConfig(lr=3e-3, scheduler="constant", weight_decay=0.0))
     dm = PreferenceDataModule(generated_pairs=64, generated_val_pairs=8, cutoff_len=32, max_prompt_len=16,
                               batch_size=batch)
+    rows: list[int] = []  # rows this rank ran through the reference precompute
+    logps = task._reference_logps
+    task._reference_logps = lambda batch, both: rows.append(batch["input_ids"].shape[0]) or logps(batch, both)
     rec = Logged()
     trainer = table_trainer(out, strategy=strategy, devices=devices, max_steps=steps, callbacks=[rec],
                             save_every_step=True)
     trainer.fit(task, dm, ckpt_path=resume)
+    table = task.reference_table.get("fit")
     return {"losses": rec.losses, "margins": rec.margins, "ckpt": str(out / "ckpt" / "last.ckpt"),
-            "frozen_bytes": rec.frozen_bytes}
+            "frozen_bytes": rec.frozen_bytes, "table": table.tolist() if table is not None else None,
+            "precomputed_rows": sum(rows)}
 
 
 def _worker(mode: str, out: Path) -> None:
@@ -175,14 +180,21 @@ def test_layout_matches_one_device(runs: Path, layout: str) -> None:
     assert ref["margins"][-1] > ref["margins"][0] + 0.1  # it learns: the implicit reward margin grows
     for row in json.loads((runs / "layouts.json").read_text())[layout]:
         losses = row["losses"]
-        if layout.endswith("resume"):
-            assert len(losses) == STEPS - 3
+        if layout.endswith("resume"):  # from the checkpoint's table: no reference row run again
+            assert len(losses) == STEPS - 3 and row["precomputed_rows"] == 0
             err = max_abs_err(losses, ref["losses"][3:])
         else:
             err = max(max_abs_err(losses, ref["losses"]), max_abs_err(row["margins"], ref["margins"]))
         print(f"{layout}: max |train_loss, rewards/margins - one device| over {len(losses)} steps = {err:.2e}; "
               f"frozen reference bytes {row['frozen_bytes']:,} (one device: {ref['frozen_bytes']:,})")
         assert err <= TOL, (losses, ref["losses"])
+        if row["table"] is not None and not layout.endswith("resume"):  # one device's table, 1/N on each replica
+            table_err = max_abs_err(sum(row["table"], []), sum(ref["table"], []))
+            replicas = 1 if layout in ("tp", "pp", "3d") else 2
+            print(f"{layout}: max |reference table - one device's| {table_err:.2e}; rows run by this rank "
+                  f"{row['precomputed_rows']} (one device {ref['precomputed_rows']})")
+            assert table_err <= TOL and ref["precomputed_rows"] == 2 * (64 + 8)
+            assert row["precomputed_rows"] == ref["precomputed_rows"] // replicas
         if layout.endswith("on_the_fly"):  # a full fine-tune's reference copy, placed like the policy
             assert ref["frozen_bytes"] > 0
             assert row["frozen_bytes"] <= (ref["frozen_bytes"] if layout.startswith("ddp") else
