@@ -88,8 +88,8 @@ class StoppedEarly(SystemExit):
         self.signum, self.phase = int(signum), phase
 
     def __str__(self) -> str:
-        return (f"{signal.Signals(self.signum).name} during {self.phase}: stopped before anything was trained since "
-                f"the last checkpoint, nothing to save; exiting with status {self.code}")
+        return (f"{signal.Signals(self.signum).name} during {self.phase}: nothing to save (no training step since the "
+                f"last checkpoint); exiting with status {self.code}")
 
 
 # ------------------------------------------------------------------------------------------- the one handler
