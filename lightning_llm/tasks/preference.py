@@ -190,12 +190,15 @@ class PreferenceTask(DecoderTask):
     def _check_reference_data(self, split: str) -> None:
         """Refuse a checkpoint's precomputed table for other items than the datamodule's (looked up by index, it
         would silently pair each item with another item's reference log-probs), naming the first that differs."""
+        if self.reference_columns[1] and self.reference_table[split][:, 1].isnan().any():
+            raise ValueError(f"{self._resumed}: its precomputed reference log-probs lack the second row of every "
+                             f"{self.item_name[:-1]} (KTO's KL rows: written by loss_type=apo_zero_unpaired), which "
+                             "this loss reads: resume with that loss type, or start a new run")
         dm = self._trainer.datamodule if self._trainer is not None else None
         saved = self.reference_records.get(split)
-        if dm is None or saved is None or split in self._checked:
+        if dm is None or saved is None:
             return
-        where = f"--ckpt_path={self.trainer.ckpt_path}" if self.trainer.ckpt_path else "the loaded checkpoint"
-        what = f"{split} {self.item_name}"
+        where, what = self._resumed or "the loaded checkpoint", f"{split} {self.item_name}"
         if isinstance(saved, str):  # a checkpoint of one digest per split: no record to name
             if hasattr(dm, "fingerprint") and saved != dm.fingerprint(split):
                 raise ValueError(f"{where}: its precomputed reference log-probs were computed on other {what} than "
@@ -219,11 +222,8 @@ class PreferenceTask(DecoderTask):
         """``split``'s table ready: the checkpoint's (checked against the data), or precomputed now while the policy
         is still the initial one (a fit before its first step), never after a resume."""
         if split in self.reference_table:
-            self._check_reference_data(split)
-            if self.reference_columns[1] and self.reference_table[split][:, 1].isnan().any():
-                raise ValueError(f"{self._resumed}: its precomputed reference log-probs lack the second row of every "
-                                 f"{self.item_name[:-1]} (KTO's KL rows: written by loss_type=apo_zero_unpaired), "
-                                 "which this loss reads: resume with that loss type, or start a new run")
+            if split not in self._checked:  # once (a resume checks where it reads the table: on_load_checkpoint)
+                self._check_reference_data(split)
             return
         if self._resumed:
             raise ValueError(f"{self._resumed}: it holds no precomputed reference log-probs for the {split} "

@@ -123,6 +123,25 @@ class Logged(LoggedLoss):
         self.margins.append(float(trainer.callback_metrics.get("rewards/margins", float("nan"))))
 
 
+def counted_reference_rows(task: Any) -> list[int]:
+    """The rows of each batch this rank runs through the reference precompute of ``task``, appended as it runs."""
+    rows: list[int] = []
+    logps = task._reference_logps
+    task._reference_logps = lambda batch, both: rows.append(batch["input_ids"].shape[0]) or logps(batch, both)
+    return rows
+
+
+def check_reference_table(name: str, layout: str, row: dict[str, Any], ref: dict[str, Any]) -> None:
+    """A layout's precomputed table (``row["table"]``, 64 training and 8 validation items, two rows each) is one
+    device's, each data-parallel replica of 2 running half of its rows (tp, pp, 3d: one replica, every row)."""
+    table_err = max_abs_err(sum(row["table"], []), sum(ref["table"], []))
+    replicas = 1 if layout in ("tp", "pp", "3d") else 2
+    print(f"{name}: max |reference table - one device's| {table_err:.2e}; rows run by this rank "
+          f"{row['precomputed_rows']} (one device {ref['precomputed_rows']})")
+    assert table_err <= TOL and ref["precomputed_rows"] == 2 * (64 + 8)
+    assert row["precomputed_rows"] == ref["precomputed_rows"] // replicas
+
+
 def _fit(layout: str, devices: int, out: Path, *, reference: str = "precomputed", resume: str | None = None,
          steps: int = STEPS) -> dict[str, Any]:
     import lightning.pytorch as pl
@@ -135,9 +154,7 @@ def _fit(layout: str, devices: int, out: Path, *, reference: str = "precomputed"
                    optim=OptimConfig(lr=3e-3, scheduler="constant", weight_decay=0.0))
     dm = PreferenceDataModule(generated_pairs=64, generated_val_pairs=8, cutoff_len=32, max_prompt_len=16,
                               batch_size=batch)
-    rows: list[int] = []  # rows this rank ran through the reference precompute
-    logps = task._reference_logps
-    task._reference_logps = lambda batch, both: rows.append(batch["input_ids"].shape[0]) or logps(batch, both)
+    rows = counted_reference_rows(task)
     rec = Logged()
     trainer = table_trainer(out, strategy=strategy, devices=devices, max_steps=steps, callbacks=[rec],
                             save_every_step=True)
@@ -188,13 +205,8 @@ def test_layout_matches_one_device(runs: Path, layout: str) -> None:
         print(f"{layout}: max |train_loss, rewards/margins - one device| over {len(losses)} steps = {err:.2e}; "
               f"frozen reference bytes {row['frozen_bytes']:,} (one device: {ref['frozen_bytes']:,})")
         assert err <= TOL, (losses, ref["losses"])
-        if row["table"] is not None and not layout.endswith("resume"):  # one device's table, 1/N on each replica
-            table_err = max_abs_err(sum(row["table"], []), sum(ref["table"], []))
-            replicas = 1 if layout in ("tp", "pp", "3d") else 2
-            print(f"{layout}: max |reference table - one device's| {table_err:.2e}; rows run by this rank "
-                  f"{row['precomputed_rows']} (one device {ref['precomputed_rows']})")
-            assert table_err <= TOL and ref["precomputed_rows"] == 2 * (64 + 8)
-            assert row["precomputed_rows"] == ref["precomputed_rows"] // replicas
+        if row["table"] is not None and not layout.endswith("resume"):
+            check_reference_table(layout, layout, row, ref)
         if layout.endswith("on_the_fly"):  # a full fine-tune's reference copy, placed like the policy
             assert ref["frozen_bytes"] > 0
             assert row["frozen_bytes"] <= (ref["frozen_bytes"] if layout.startswith("ddp") else

@@ -219,3 +219,25 @@ def test_apo_zero_unpaired_runs_no_reference_on_the_kl_rows(tmp_path: Path, refe
         assert table[:, 1].isnan().all() and table[:, 0].isfinite().all()
         assert (table[:, 0] - kto.reference_table["fit"][:, 0]).abs().max() <= 1e-5
     assert all(math.isfinite(x) for x in apo_losses) and len(apo_losses) == 3
+
+
+def test_resume_of_apo_zero_unpaired_table_as_kto_is_refused(tmp_path: Path) -> None:
+    """A table precomputed for ``apo_zero_unpaired`` holds no KL rows' reference (NaN): resumed with ``kto``, which
+    reads them, it is refused in one line where the checkpoint is read, not trained on as NaN (or 0)."""
+    import lightning.pytorch as pl
+
+    from lightning_llm.testing import table_trainer
+
+    def fit(loss_type: str, steps: int, resume: str | None) -> None:
+        pl.seed_everything(3)
+        task = KTOTask("debug", model_overrides={"num_layers": 1}, kto=KTOConfig(loss_type=loss_type))  # type: ignore[arg-type]
+        dm = UnpairedPreferenceDataModule(generated_examples=8, generated_val_examples=4, cutoff_len=28,
+                                          max_prompt_len=12, batch_size=4)
+        table_trainer(tmp_path, strategy="auto", devices=1, max_steps=steps, callbacks=[],
+                      save_every_step=True).fit(task, dm, ckpt_path=resume)
+
+    fit("apo_zero_unpaired", 1, None)
+    ckpt = str(tmp_path / "ckpt" / "last.ckpt")
+    with pytest.raises(ValueError, match=rf"^--ckpt_path={ckpt}: its precomputed reference log-probs lack the second "
+                                         r"row of every example \(KTO's KL rows"):
+        fit("kto", 2, ckpt)

@@ -26,7 +26,7 @@ from lightning_llm.testing import (
     write_json_on_rank0,
     two_rank_layout,
 )
-from tests.tasks.test_dpo import Logged
+from tests.tasks.test_dpo import Logged, check_reference_table, counted_reference_rows
 
 STEPS = 4
 TOL = 1e-5
@@ -67,18 +67,14 @@ def _fit(loss: str, layout: str, devices: int, out: Path) -> dict[str, Any]:
         dm = PreferenceDataModule(generated_pairs=64, generated_val_pairs=8, **data)
     calls = []
     passes = task.no_grad_logps
-
-    def counted(rows: dict[str, Any], *, reference: bool) -> Any:  # every reference (and KL) pass, and its rows
-        calls.append(rows["input_ids"].shape[0] if reference else 0)
-        return passes(rows, reference=reference)
-
-    task.no_grad_logps = counted
+    task.no_grad_logps = lambda *a, **k: calls.append(1) or passes(*a, **k)  # every reference (and KL) pass
+    rows = counted_reference_rows(task)
     rec = Logged()
     table_trainer(out, strategy=strategy, devices=devices, max_steps=STEPS, callbacks=[rec]).fit(task, dm)
     table = task.reference_table.get("fit")
     return {"losses": rec.losses, "margins": rec.margins, "frozen_bytes": rec.frozen_bytes, "passes": len(calls),
             "reference": task.reference is not None or bool(task.frozen_models()) or bool(task.reference_table),
-            "table": table.tolist() if table is not None else None, "precomputed_rows": sum(calls)}
+            "table": table.tolist() if table is not None else None, "precomputed_rows": sum(rows)}
 
 
 def write_data(out: Path) -> None:
@@ -185,12 +181,7 @@ def test_layout_matches_one_device(runs: Path, run: str) -> None:
         else:  # KTO: the KL pass every step (+ the reference's on the fly; precomputed: its table before step 1)
             assert row["passes"] >= STEPS and ref["reference"]
         if loss == "kto":  # the precomputed table: one device's, each data-parallel replica computing half of it
-            table_err = max_abs_err(sum(row["table"], []), sum(ref["table"], []))
-            replicas = 1 if layout in ("tp", "pp", "3d") else 2
-            print(f"{run}: max |reference table - one device's| {table_err:.2e}; rows run by this rank "
-                  f"{row['precomputed_rows']} (one device {ref['precomputed_rows']})")
-            assert table_err <= TOL and ref["precomputed_rows"] == 2 * (64 + 8)
-            assert row["precomputed_rows"] == ref["precomputed_rows"] // replicas
+            check_reference_table(run, layout, row, ref)
 
 
 def _first_changed(task_name: str, runs: Path) -> tuple[int, str]:
