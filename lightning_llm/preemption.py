@@ -4,9 +4,13 @@
 
 What happens, on every rank:
 
-1. The handler (installed once Lightning has registered its own, at the start of the sanity check or of training)
-   only notes the signal on the host; nothing else runs inside it. A second signal is counted, nothing more: a save in
+1. The handler (:func:`_handle`, in place from the fit's ``setup`` hook on: before Lightning registers its own,
+   whose broadcast it never lets run inside a handler) only notes the signal on the host once the loop runs (the
+   sanity check or training); nothing else runs inside it. A second signal is counted, nothing more: a save in
    progress goes on (the saves are atomic, so a SIGKILL at any moment leaves the previous checkpoint whole).
+   Before that (set-up, loading a checkpoint, the reference precompute of the preference tasks: :func:`phase`) there
+   is nothing to save yet: the handler raises :class:`StoppedEarly` (exit status ``128 + signal``), which the command
+   line reports in one line naming the phase. The command line installs the same handler when it starts.
 2. The ranks agree on the step to stop after without waiting for the device or for each other
    (:class:`StoreAgreement`): at the start of each optimizer step every rank adds its note to a key of the process
    group's store; at the end of that step it reads the key, which every rank has written by then (a rank finishing a
@@ -24,7 +28,8 @@ What happens, on every rank:
 
 Lightning 2.6 itself checks for SIGTERM by broadcasting a flag from rank 0 and reading it on the host at the start of
 every training batch of a multi-rank run (a device sync per step on GPUs) and by a handler that broadcasts from inside
-the signal handler; both are replaced for the fit (:func:`_take_over_lightning_sigterm`, the one place that touches
+the signal handler (a signal on some ranks only would pair that broadcast with another collective, or hang); both are
+replaced for the run (:func:`_take_over_lightning_sigterm`, :func:`_silence_lightning_notifier`: the places that touch
 Lightning's internals for this).
 """
 
@@ -36,7 +41,8 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +60,8 @@ from lightning_llm.strategies.engine.checkpoint import LayoutFreeCheckpointing
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Preempted", "Preemption", "StoreAgreement", "exit_status", "last_checkpoint"]
+__all__ = ["Preempted", "Preemption", "StoppedEarly", "StoreAgreement", "exit_status", "install_handler", "last_checkpoint",
+           "phase"]
 
 
 def exit_status(signum: int) -> int:
@@ -70,6 +77,70 @@ class Preempted(SIGTERMException):
     def __init__(self, signum: int, *, step: int, path: Path | None) -> None:
         super().__init__(exit_status(signum))
         self.signum, self.step, self.path = int(signum), step, path
+
+
+class StoppedEarly(SystemExit):
+    """A signal before the fit's loop (set-up, the reference precompute, ...) or during validate/test/predict: there
+    is nothing to save, the process ends with :func:`exit_status`; ``str()`` is the one line that says so."""
+
+    def __init__(self, signum: int, phase: str) -> None:
+        super().__init__(exit_status(signum))
+        self.signum, self.phase = int(signum), phase
+
+    def __str__(self) -> str:
+        return (f"{signal.Signals(self.signum).name} during {self.phase}: nothing to save (no training step since the "
+                f"last checkpoint); exiting with status {self.code}")
+
+
+# ------------------------------------------------------------------------------------------- the one handler
+class _HandlerState:
+    """What :func:`_handle` does now: raise :class:`StoppedEarly` naming ``phases[-1]``, or (no phase, a fit's loop
+    running) hand the signal to ``receiver`` (:meth:`Preemption._on_signal`), which only notes it."""
+
+    def __init__(self) -> None:
+        self.phases: list[str] = ["set-up"]
+        self.receiver: Callable[[int, Any], None] | None = None
+        self.stopping = False  # StoppedEarly raised: later signals wait for it to unwind
+
+
+_state = _HandlerState()
+
+
+def _handle(signum: int, frame: Any) -> None:
+    """The project's signal handler (see the module docstring): no collective, no I/O inside it."""
+    if _state.stopping:
+        return
+    if _state.phases or _state.receiver is None:
+        _state.stopping = True
+        raise StoppedEarly(signum, _state.phases[-1] if _state.phases else "the end of the run")
+    _state.receiver(signum, frame)
+
+
+@contextmanager
+def phase(name: str) -> Iterator[None]:
+    """A stretch of work where a signal ends the process at once (nothing to save yet), named ``name`` in the line
+    that says so (e.g. ``the reference precompute``), also inside a fit's loop."""
+    depth = len(_state.phases)
+    _state.phases.append(name)
+    try:
+        yield
+    finally:
+        del _state.phases[depth:]
+
+
+def install_handler(signals: tuple[signal.Signals, ...] = (signal.SIGTERM,)) -> Callable[[], None]:
+    """Install :func:`_handle` for ``signals`` now (the command line, as it starts: a signal during set-up ends the
+    process with one line); returns what puts the previous handlers back. Nothing outside the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None
+    _state.phases, _state.receiver, _state.stopping = ["set-up"], None, False
+    previous = {sig: signal.signal(sig, _handle) for sig in signals}
+
+    def restore() -> None:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+    return restore
 
 
 # ------------------------------------------------------------------------------------------- agreement over ranks
@@ -123,30 +194,47 @@ def _default_store() -> dist.Store:
 
 
 # ------------------------------------------------------------------------------------------- Lightning's own check
-def _take_over_lightning_sigterm(trainer: pl.Trainer) -> bool:
-    """Switch off Lightning 2.6's own SIGTERM check for this fit; returns whether Lightning's handler already noted a
-    SIGTERM (between its registration and ours), which this callback then takes over.
+def _take_over_lightning_sigterm(trainer: pl.Trainer) -> None:
+    """Switch off Lightning 2.6's own per-batch SIGTERM check for this fit.
 
     Lightning's ``_TrainingEpochLoop.advance`` calls ``_broadcast_sigterm_tensor()`` at the start of every batch of a
     multi-rank run: a broadcast of a device tensor and ``.item()`` on it, a device sync per step. An instance
     attribute of the same name shadows the method for this trainer's loop (no supported hook exists; removed again
-    by :func:`_restore_lightning_sigterm`). Lightning's flag ``received_sigterm`` would raise ``SIGTERMException``
-    (exit status 0) at the end of a batch on the ranks that got the signal only: it is cleared here, and this
-    callback's handler replaces Lightning's, so it stays cleared. ``tests/checkpoints/test_preemption.py`` fails if
-    Lightning renames either."""
+    by :func:`_restore_lightning_sigterm`). Lightning's flag ``received_sigterm`` (which would raise
+    ``SIGTERMException``, exit status 0, on the ranks that got the signal only) is never set: its notifier is
+    silenced (:func:`_silence_lightning_notifier`). ``tests/checkpoints/test_preemption.py`` fails if Lightning
+    renames either."""
     loop = trainer.fit_loop.epoch_loop
     if not hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor"):
         raise RuntimeError("lightning_llm.preemption: this Lightning version has no "
                            "_TrainingEpochLoop._broadcast_sigterm_tensor; update _take_over_lightning_sigterm")
     loop._broadcast_sigterm_tensor = _no_lightning_check  # type: ignore[method-assign]
-    connector = trainer._signal_connector
-    noted = bool(connector.received_sigterm)
-    connector.received_sigterm = False
-    return noted
+    trainer._signal_connector.received_sigterm = False
 
 
 def _no_lightning_check() -> None:
     """Lightning's per-batch SIGTERM broadcast, switched off (the agreement is :class:`StoreAgreement`'s)."""
+
+
+def _silence_lightning_notifier(trainer: pl.Trainer) -> None:
+    """Before Lightning registers its signal handlers (at the end of its set-up): its SIGTERM notifier, which runs
+    ``dist.broadcast`` inside the signal handler, is shadowed for this trainer by one that does nothing; Lightning
+    then composes it with the handler already in place (:func:`_handle`), which it calls. Lightning's SLURM requeue
+    handler is not registered either while :func:`_handle` holds its signal (it runs at the step boundary:
+    :meth:`Preemption._stop`)."""
+    connector = trainer._signal_connector
+    if not hasattr(type(connector), "_sigterm_notifier_fn"):
+        raise RuntimeError("lightning_llm.preemption: this Lightning version has no "
+                           "_SignalConnector._sigterm_notifier_fn; update _silence_lightning_notifier")
+    connector._sigterm_notifier_fn = _no_lightning_notice  # type: ignore[method-assign]
+
+
+def _no_lightning_notice(signum: int, frame: Any) -> None:
+    """Lightning's SIGTERM notifier, switched off (the project's :func:`_handle` runs beside it)."""
+
+
+def _restore_lightning_notifier(trainer: pl.Trainer) -> None:
+    vars(trainer._signal_connector).pop("_sigterm_notifier_fn", None)
 
 
 def _restore_lightning_sigterm(trainer: pl.Trainer) -> None:
@@ -214,6 +302,10 @@ def _signal_number(name: str | int) -> signal.Signals:
         raise ValueError(f"Preemption(signals=...): {name!r} is not a signal name (e.g. SIGTERM, SIGUSR1)") from None
 
 
+_PHASES = {"fit": "set-up", "validate": "validation", "test": "testing", "predict": "prediction"}
+"""What a signal is said to come during before a fit's loop runs, by the run's stage (fit: its set-up)."""
+
+
 class Preemption(pl.Callback):
     """Stop a fit at a step boundary on a scheduler's signal, with a checkpoint of that step, and exit with
     ``128 + signal`` (module docstring). Every task installs one; give your own in ``--trainer.callbacks`` to choose
@@ -234,6 +326,7 @@ class Preemption(pl.Callback):
         self._open: int | None = None  # the step started and posted, not yet read
         self._agreement: StoreAgreement | None = None
         self._lightning_handlers: dict[int, Callable[..., Any]] = {}  # Lightning's SLURM requeue handler
+        self._previous: dict[int, Any] = {}  # the handlers before this run's set-up, put back at its end
         self._installed = False
         self._step = 0  # the global step this rank is in (what the handler records)
 
@@ -249,7 +342,38 @@ class Preemption(pl.Callback):
         if self._received is None:
             self._received, self._received_at = signum, self._step
 
+    def _hold_signals(self, trainer: pl.Trainer, stage: str) -> None:
+        """At set-up, before Lightning registers its handlers: :func:`_handle` holds this run's signals (a signal ends
+        the process at once until the loop runs: nothing to save yet) and Lightning's notifier is silenced."""
+        signals = self._signals(trainer)
+        if not signals:
+            return
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("preemption: %s runs outside the main thread, where no signal handler can be installed; "
+                        "a %s stops the process without a checkpoint", stage, "/".join(s.name for s in signals))
+            return
+        _silence_lightning_notifier(trainer)
+        _state.phases, _state.receiver, _state.stopping = [_PHASES.get(stage, stage)], None, False
+        self._previous = {sig: signal.signal(sig, _handle) for sig in signals}
+        for sig in signals:
+            if sig != signal.SIGTERM and self._is_lightning_requeue(trainer, sig):
+                self._lightning_handlers[sig] = trainer._signal_connector._slurm_sigusr_handler_fn
+
+    def _release_signals(self, trainer: pl.Trainer) -> None:
+        """At the run's end (or failure): the handlers from before its set-up, also as those Lightning's teardown
+        puts back."""
+        if self._previous:
+            _state.phases, _state.receiver = ["the end of the run"], None
+            originals = trainer._signal_connector._original_handlers
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+                if sig in originals:
+                    originals[sig] = handler
+            self._previous = {}
+        _restore_lightning_notifier(trainer)
+
     def _install(self, trainer: pl.Trainer) -> None:
+        """When the fit's loop starts: the agreement over ranks, and signals noted from now on."""
         if self._installed:
             return
         self._installed, self._step = True, trainer.global_step
@@ -257,20 +381,9 @@ class Preemption(pl.Callback):
             prefix = "lightning_llm/preemption/" + str(trainer.strategy.broadcast(uuid.uuid4().hex))
             self._agreement = StoreAgreement(_default_store(), prefix=prefix, world=trainer.world_size,
                                              rank=trainer.global_rank)
-        signals = self._signals(trainer)
-        if not signals:
-            return
-        if _take_over_lightning_sigterm(trainer):
-            self._on_signal(signal.SIGTERM, None)
-        if threading.current_thread() is not threading.main_thread():
-            log.warning("preemption: fit runs outside the main thread, where no signal handler can be installed; "
-                        "a %s stops the process without a checkpoint", "/".join(s.name for s in signals))
-            return
-        for sig in signals:
-            previous = signal.getsignal(sig)
-            if sig != signal.SIGTERM and self._is_lightning_requeue(trainer, sig) and callable(previous):
-                self._lightning_handlers[sig] = previous
-            signal.signal(sig, self._on_signal)  # Lightning's teardown restores the handlers from before fit
+        if self._previous:
+            _take_over_lightning_sigterm(trainer)
+            _state.phases, _state.receiver, _state.stopping = [], self._on_signal, False
 
     def _signals(self, trainer: pl.Trainer) -> list[signal.Signals]:
         if self.signals is not None:
@@ -293,6 +406,7 @@ class Preemption(pl.Callback):
         if stage == "fit" and not _model_checkpoints(trainer) and (self.signals is None or self.signals):
             log.warning("preemption: no ModelCheckpoint in this fit (enable_checkpointing=false?): a SIGTERM stops it "
                         "at a step boundary without a checkpoint")
+        self._hold_signals(trainer, stage)
 
     @override
     def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -328,6 +442,11 @@ class Preemption(pl.Callback):
         if self._installed:
             _restore_lightning_sigterm(trainer)
         self._installed = False
+        self._release_signals(trainer)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self.teardown(trainer, pl_module, "")
 
     # ---------------------------------------------------------------------------------------------- the stop
     def _stop(self, trainer: pl.Trainer, signum: int) -> None:

@@ -37,7 +37,7 @@ from lightning_llm.cli.progress import use_steps_progress_bar
 from lightning_llm.cli.run_dirs import fresh_run_dirs, remove_unused
 from lightning_llm.files import DataError, read_json
 from lightning_llm.logs import RankZeroFilter, is_global_zero
-from lightning_llm.preemption import Preempted, exit_status, last_checkpoint
+from lightning_llm.preemption import Preempted, StoppedEarly, exit_status, install_handler, last_checkpoint
 from lightning_llm.reliability import leave_process, shutdown_process_group
 from lightning_llm.strategies import check_strategy_name, strategy_class
 from lightning_llm.tasks.base import LLMTask
@@ -312,12 +312,18 @@ def main(argv: list[str] | None = None) -> int:
         if shutdown_process_group() and argv is None:  # `eval` under torchrun: leave as a finished run does
             leave_process(code)
         return code
+    restore_handlers = install_handler()  # a SIGTERM from here to the fit's loop: one line naming the phase
     try:
         LLMCLI(args=argv)  # None: LightningCLI reads sys.argv itself
         if shutdown_process_group() and argv is None:
             leave_process(0)  # a torchrun worker: no SIGABRT in interpreter teardown (see leave_process)
     except Preempted as e:  # every rank stopped after the same step, its checkpoint written (lightning_llm.preemption)
         if shutdown_process_group() and argv is None:
+            leave_process(e.code)
+        return e.code
+    except StoppedEarly as e:  # before the loop (set-up, reference precompute) or evaluating: nothing to save
+        print(f"lightning_llm: {e}", file=sys.stderr, flush=True)
+        if _drop_process_group() and argv is None:
             leave_process(e.code)
         return e.code
     except SIGTERMException:  # Lightning's own (validate/test/predict): stopped, not finished, nothing to save
@@ -332,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         if _drop_process_group() and argv is None:
             leave_process(code)  # a torchrun worker: as after a finished run, no abort in interpreter teardown
         return code
+    finally:
+        restore_handlers()
     return 0
 
 

@@ -29,15 +29,17 @@ that has none, or ``none``) the strings are joined as they are (prompt + respons
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
 import random
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
 from lightning_llm.data.base import (
     EncodedDataset,
@@ -316,7 +318,8 @@ class PreferenceDataModule(LLMDataModule):
         if stage == "fit" and not train:
             raise DataError(f"{self.paths['fit']}: no preference pairs")
         for split, recs in (("fit", train), ("validate", val)):
-            self.datasets[split] = EncodedDataset([self.encode_pair(r, i, where) for i, (r, where) in enumerate(recs)])
+            self.datasets[split] = EncodedDataset([{**self.encode_pair(r, i, where), "where": where}
+                                                   for i, (r, where) in enumerate(recs)])
         log.info("%d training and %d validation preference pairs", len(train), len(val))
 
     def _setup_predict(self) -> None:
@@ -374,10 +377,29 @@ class PreferenceDataModule(LLMDataModule):
                 digest.update(repr(row[key]).encode())
         return digest.hexdigest()
 
-    def reference_dataloader(self, split: str) -> DataLoader:
-        """Every pair of ``split`` in order, unsharded (each rank precomputes the whole reference table)."""
-        return DataLoader(self.split_dataset(split), batch_size=self.eval_batch_size, shuffle=False,
-                          collate_fn=self.collate)
+    def record_fingerprints(self, split: str) -> torch.Tensor:
+        """One int64 digest [items] per encoded pair of the split (both rows' token ids and labels): a precomputed
+        reference table is valid only for the items it was computed on, and the first digest that differs names the
+        record (:meth:`record_name`)."""
+        out = []
+        for row in self.split_dataset(split):
+            digest = hashlib.blake2b(digest_size=8)
+            for key in ("chosen", "rejected"):
+                digest.update(repr(row[key]).encode())
+            out.append(int.from_bytes(digest.digest(), "little", signed=True))
+        return torch.tensor(out, dtype=torch.int64)
+
+    def record_name(self, split: str, index: int) -> str:
+        """Where item ``index`` of ``split`` was read: ``file:line``, or ``generated pair N``."""
+        return self.split_dataset(split)[index]["where"]
+
+    def reference_dataloader(self, split: str, indices: Sequence[int] | None = None) -> DataLoader:
+        """The items ``indices`` of ``split`` (default: every one) in order, unsharded, as the pairs' interleaved rows
+        (KTO's examples: each one's row and its KL row) with ``pair_index``: what a rank precomputes the reference
+        log-probs of."""
+        data = self.split_dataset(split)
+        return DataLoader(data if indices is None else Subset(data, list(indices)), batch_size=self.eval_batch_size,
+                          shuffle=False, collate_fn=functools.partial(PreferenceDataModule.collate, self))
 
     def train_dataloader(self) -> DataLoader:
         return self.make_loader(self.datasets["fit"], train=True, collate_fn=self.collate)

@@ -30,7 +30,6 @@ import logging
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
 from lightning_llm.data.chat.messages import ChatColumns
 from lightning_llm.data.preference import PreferenceDataModule, make_preference_pairs
@@ -182,12 +181,6 @@ class UnpairedPreferenceDataModule(PreferenceDataModule):
         out["desirable"] = torch.tensor([r["label"] for r in rows], dtype=torch.bool)
         out["example_index"] = both["pair_index"][0::2].clone()
         return out
-
-    def reference_dataloader(self, split: str) -> DataLoader:
-        """Every example of ``split`` in order, unsharded, its row and its KL row interleaved (with ``pair_index``):
-        each rank precomputes the whole reference table."""
-        return DataLoader(self.split_dataset(split), batch_size=self.eval_batch_size, shuffle=False,
-                          collate_fn=super().collate)
 
     def label_counts(self, split: str = "fit") -> tuple[int, int]:
         """``(desirable, undesirable)`` examples of a split (after ``setup``)."""

@@ -15,10 +15,13 @@ term of a chunk is masked, so a document computes what it computes alone). :func
 is one token from a state (decoding). :func:`causal_conv1d_torch` is the depthwise causal convolution with SiLU
 before it, from a state of the previous ``K - 1`` inputs or zeros, restarting at segment starts too.
 
-:func:`gated_delta_rule` and :func:`causal_conv1d` dispatch: fla's ``chunk_gated_delta_rule`` and ``causal_conv1d``
-(with ``cu_seqlens`` for packed or padded rows: no state flows from one document into the next) where the input is
-on CUDA in bf16/fp16 and ``fla`` is importable, else the torch forms. ``benchmarks/gpu/hybrid.py`` holds the two to
-each other on the GPU.
+:func:`gated_delta_rule` and :func:`causal_conv1d` dispatch (:func:`kernel_choice`): fla's ``chunk_gated_delta_rule``
+and ``causal_conv1d`` (with ``cu_seqlens`` for packed or padded rows: no state flows from one document into the next)
+where the input is on CUDA in bf16/fp16 and ``fla`` is importable, else the torch forms; ``kernels=fla`` is fla or a
+one-line error, ``auto`` logs what it chose (once per device and dtype). The same under ``torch.compile``
+(``--model.compile``): the choice is made while dynamo traces (a constant of the graph, nothing checked per step),
+and fla's kernels run between the compiled regions (``torch.compiler.disable``: a graph break around each call, as
+fla's own host reads of ``cu_seqlens`` need). ``benchmarks/gpu/hybrid.py`` holds the two to each other on the GPU.
 
 Shapes: B batch, S tokens, Hk key heads, Hv value heads, Dk / Dv head dims, C channels, K kernel width.
 """
@@ -27,14 +30,17 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+log = logging.getLogger(__name__)
+
 __all__ = ["CHUNK_SIZE", "causal_conv1d", "causal_conv1d_torch", "chunk_gated_delta_rule_torch", "fla_applies",
-           "fla_available",
-           "gated_delta_rule", "l2norm", "recurrent_gated_delta_rule_step", "sequence_starts"]
+           "fla_available", "gated_delta_rule", "kernel_choice", "l2norm", "recurrent_gated_delta_rule_step",
+           "sequence_starts"]
 
 CHUNK_SIZE = 64
 """Tokens per chunk of the chunked form (transformers' and fla's)."""
@@ -156,16 +162,46 @@ def sequence_starts(segment_ids: Tensor, batch: int, seq: int) -> Tensor:
     return torch.cat([first, first.new_full((1,), batch * seq)]).to(torch.int32)
 
 
+def _fla_missing(device: str, dtype: torch.dtype) -> str | None:
+    """Why fla's kernels cannot run on an input on ``device`` in ``dtype`` (``None``: they can)."""
+    if not fla_available():
+        return "flash-linear-attention is not installed (pip install fla-core)"
+    if device != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return f"its kernels take CUDA inputs in bf16/fp16, got a {device} {str(dtype).replace('torch.', '')} input"
+    return None
+
+
+_SAID: set[tuple[str, torch.dtype]] = set()
+
+
+@torch._dynamo.assume_constant_result  # under torch.compile: called while tracing, its answer a constant of the graph
+def kernel_choice(backend: str, device: str, dtype: torch.dtype) -> str:
+    """``fla`` or ``torch``: the kernels of the delta rule and the convolution for an input on ``device`` (its type)
+    in ``dtype``. ``backend``: ``auto`` (fla where it runs; the choice and why logged once per device and dtype),
+    ``fla`` (where it cannot run, fla's call refuses in one line: :func:`_check_fla`, at run time, so that the error
+    also leaves a compiled region as it is) or ``torch``."""
+    if backend in ("torch", "fla"):
+        return backend
+    if backend != "auto":
+        raise ValueError(f"Gated DeltaNet kernels must be 'auto', 'fla' or 'torch', got {backend!r}")
+    missing = _fla_missing(device, dtype)
+    if (device, dtype) not in _SAID:
+        _SAID.add((device, dtype))
+        log.info("Gated DeltaNet kernels=auto on %s %s: %s", device, str(dtype).replace("torch.", ""),
+                 f"the chunked torch form ({missing})" if missing else "flash-linear-attention's kernels")
+    return "torch" if missing else "fla"
+
+
+def _check_fla(x: Tensor) -> None:
+    """``kernels='fla'`` where fla cannot run on ``x``: ``RuntimeError`` in one line."""
+    missing = _fla_missing(x.device.type, x.dtype)
+    if missing:
+        raise RuntimeError(f"Gated DeltaNet kernels='fla': {missing}; use kernels='auto' or 'torch'")
+
+
 def fla_applies(backend: str, x: Tensor) -> bool:
-    """Whether the dispatch takes fla's kernels for ``x``; ``backend``: ``auto`` (fla where it runs), ``fla`` (or an
-    error) or ``torch``."""
-    if backend == "torch" or torch.compiler.is_compiling():
-        return False
-    ok = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and fla_available()
-    if backend == "fla" and not ok:
-        raise RuntimeError("backend='fla' needs flash-linear-attention (pip install fla-core) and a CUDA input in "
-                           f"bf16/fp16, got a {x.device.type} {x.dtype} input")
-    return ok
+    """Whether the dispatch takes fla's kernels for ``x`` (:func:`kernel_choice`)."""
+    return kernel_choice(backend, x.device.type, x.dtype) == "fla"
 
 
 def _varlen(cu_seqlens: Tensor | None) -> dict[str, Tensor]:
@@ -184,6 +220,14 @@ def gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *
     if not fla_applies(backend, q):
         return chunk_gated_delta_rule_torch(q, k, v, g, beta, initial_state=initial_state,
                                             output_final_state=output_final_state, segment_ids=segment_ids)
+    return _fla_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=output_final_state,
+                                 cu_seqlens=cu_seqlens)
+
+
+@torch.compiler.disable  # under torch.compile: run as it is, between the compiled regions
+def _fla_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, *, initial_state: Tensor | None,
+                          output_final_state: bool, cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    _check_fla(q)
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     b, s = q.shape[:2]
@@ -200,6 +244,12 @@ def causal_conv1d(x: Tensor, weight: Tensor, *, state: Tensor | None = None, seg
     says and no state is carried in (training, a prefill: the new state is then taken from x here)."""
     if state is not None or not fla_applies(backend, x):
         return causal_conv1d_torch(x, weight, state=state, segment_ids=segment_ids)
+    return _fla_causal_conv1d(x, weight, cu_seqlens=cu_seqlens)
+
+
+@torch.compiler.disable  # under torch.compile: run as it is, between the compiled regions
+def _fla_causal_conv1d(x: Tensor, weight: Tensor, *, cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor]:
+    _check_fla(x)
     from fla.modules.causal_conv1d import causal_conv1d as fla_conv
 
     b, c, s = x.shape

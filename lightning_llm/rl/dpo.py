@@ -1,4 +1,5 @@
-"""Preference optimisation on pairs: the settings and the pure loss functions, with trl's definitions.
+"""Preference optimisation on pairs: the settings and the pure loss functions, with trl's definitions, except
+``sigmoid`` with ``label_smoothing`` > 0: conservative DPO, which trl 1.16's ``sigmoid`` ignores (see below).
 
 Notation for a batch of b preference pairs, all [b] fp32: ``pc``/``pr`` the policy's log-probabilities of the chosen /
 rejected response given the prompt, summed over the response tokens (EOS or end-of-turn included); ``ac``/``ar``
@@ -8,7 +9,10 @@ the same averaged per response token; ``rc``/``rr`` the reference policy's (summ
 
 Losses that need a reference policy (trl's ``DPOTrainer``):
 
-* ``sigmoid`` (Rafailov et al. 2023): ``-(1 - eps) log s(beta h) - eps log s(-beta h)`` (eps > 0: conservative DPO);
+* ``sigmoid`` (Rafailov et al. 2023): ``-(1 - eps) log s(beta h) - eps log s(-beta h)``; eps > 0 is conservative DPO
+  (cDPO, Mitchell 2023: each label flipped with probability eps), as trl's ``sigmoid`` before 1.0. trl 1.16's
+  ``sigmoid`` ignores ``label_smoothing`` (its ``DPOConfig`` reads it for ``robust`` and ``exo_pair`` only): with
+  eps > 0 this loss is not trl 1.16's, with eps = 0 it is;
 * ``ipo`` (Azar et al. 2023): ``(h - 1 / (2 beta))^2`` on length-averaged log-probabilities;
 * ``hinge`` (SLiC): ``relu(1 - beta h)``;
 * ``robust`` (rDPO, Chowdhury et al. 2024): ``(-(1 - eps) log s(beta h) + eps log s(-beta h)) / (1 - 2 eps)``;
@@ -25,7 +29,9 @@ Losses without a reference (no reference model is built, held or run; rewards ``
 * ``simpo`` (Meng et al. 2024; trl's ``CPOTrainer`` with ``loss_type="simpo"``, ``cpo_alpha=0``):
   ``-(1 - eps) log s(beta (ac - ar) - gamma) - eps log s(-(beta (ac - ar) - gamma))``, ``gamma`` = ``simpo_gamma``;
 * ``orpo`` (Hong et al. 2024; trl's ``ORPOTrainer``): ``NLL - beta mean(log s(L))`` with the log odds ratio
-  ``L = (ac - ar) - (log(1 - exp(ac)) - log(1 - exp(ar)))`` and ``NLL`` the mean negative log-likelihood over every
+  ``L = (ac - ar) - (log(1 - exp(ac)) - log(1 - exp(ar)))`` (a mean log-prob above ``-eps`` of its dtype, e.g. exactly
+  0 where the model gives the response probability 1 to its precision, counts as ``-eps``: ``L`` stays finite, where
+  trl's is infinite or NaN) and ``NLL`` the mean negative log-likelihood over every
   chosen-response token of the batch (trl's cross-entropy over the chosen rows; here the response tokens only, as
   the DPO losses score them). :func:`orpo_loss` takes the NLL's per-pair share ``-pc * P / T`` (``P`` pairs and
   ``T`` chosen tokens in the global batch), so the pair mean of its terms is the global batch's loss under any split.
@@ -72,8 +78,8 @@ class DPOConfig:
     ``robust``, ``bco_pair``, ``apo_zero``, ``apo_down``, ``sppo_hard``, ``nca_pair``. Without one (no reference model
     at all): ``simpo``, ``orpo``. Definitions: :mod:`lightning_llm.rl.dpo`."""
     label_smoothing: float = 0.0
-    """The assumed probability that a preference label is flipped (``sigmoid``: conservative DPO; ``robust``;
-    ``simpo``)."""
+    """The assumed probability that a preference label is flipped (``sigmoid``: conservative DPO, cDPO, which trl
+    1.16's ``sigmoid`` ignores; ``robust``; ``simpo``)."""
     simpo_gamma: float | None = None
     """SimPO's target reward margin ``gamma`` (``loss_type=simpo`` only; default 0.5, trl's)."""
     reference: ReferenceMode = "precomputed"
@@ -201,7 +207,9 @@ def orpo_loss(avg_chosen: Tensor, avg_rejected: Tensor, nll_share: Tensor, *, be
               ) -> tuple[Tensor, PreferenceStats]:
     """ORPO's loss from the length-averaged policy log-probs [b] and each pair's share of the chosen responses' NLL
     [b] (``-pc * P / T``: see the module docstring), as a mean over the b pairs (no reference)."""
-    log_odds = (avg_chosen - avg_rejected) - (log1mexp(avg_chosen) - log1mexp(avg_rejected))
+    # log(1 - e^0) = -inf: a mean log-prob of 0 (probability 1 to the dtype's precision) counts as -eps
+    ac, ar = (x.clamp(max=-torch.finfo(x.dtype).eps) for x in (avg_chosen, avg_rejected))
+    log_odds = (ac - ar) - (log1mexp(ac) - log1mexp(ar))
     ratio = F.logsigmoid(log_odds)
     stats = _free_stats(avg_chosen, avg_rejected, beta)
     stats.extra = {"nll_loss": nll_share.detach(), "log_odds_ratio": ratio.detach(),

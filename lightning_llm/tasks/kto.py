@@ -4,8 +4,9 @@ The data (:class:`~lightning_llm.data.UnpairedPreferenceDataModule`): n examples
 row labelled desirable or not, and its KL row (its prompt with another example's completion, the partner fixed when
 the data are read). A training step:
 
-1. the reference log-probs of both rows of every example: precomputed before the first step (a table ``[examples,
-   2]`` kept in the checkpoint) or computed on the fly (the two rows interleaved in one reference call);
+1. the reference log-probs of both rows of every example (``apo_zero_unpaired``: of its own row only; the KL row's
+   are never computed): precomputed before the first step (a table ``[examples, 2]`` kept in the checkpoint, NaN
+   where never computed) or computed on the fly (the two rows interleaved in one reference call);
 2. ``kto`` only: the KL reference point ``z``, from the policy's log-probs of the KL rows (a forward without
    gradients, in eval mode as the reference's: ``run_model``, so through the pipeline stages, tensor-parallel or
    ZeRO-3 shards of any layout) minus the reference's, averaged over the GLOBAL batch (one collective over the
@@ -69,6 +70,11 @@ class KTOTask(PreferenceTask):
     def reference_mode(self) -> str | None:
         return self.kto.reference
 
+    @property
+    @override
+    def reference_columns(self) -> tuple[bool, bool]:
+        return True, self.kto.uses_kl  # apo_zero_unpaired reads no KL row: its reference is never run
+
     # ------------------------------------------------------------------------------------------ loss
     @override
     def loss_from_output(self, output: Any, batch: dict[str, Tensor], stage: str) -> tuple[Tensor, dict[str, Any]]:
@@ -86,9 +92,11 @@ class KTOTask(PreferenceTask):
         kl_rows = {key: batch["kl_" + key] for key in ROW_KEYS}
         n = rows["input_ids"].shape[0]
         if self.kto.reference == "precomputed":
-            ref = self.reference_rows(split, batch["example_index"])  # [n, 2]: (example, KL row)
-        else:
+            ref = self.reference_rows(split, batch["example_index"])  # [n, 2]: (example, KL row; NaN unused)
+        elif self.kto.uses_kl:
             ref = self.no_grad_logps(interleave_rows(rows, kl_rows), reference=True).view(n, 2)
+        else:  # apo_zero_unpaired: the examples' rows alone
+            ref = self.no_grad_logps(rows, reference=True).view(n, 1)
         kl = torch.zeros((), device=ref.device)
         if self.kto.uses_kl:
             local = (self.no_grad_logps(kl_rows, reference=False).to(ref) - ref[:, 1]).mean()

@@ -70,6 +70,64 @@ class _SecondSignal(pl.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class _HandlerProbe(pl.Callback):
+    """Calls the process's SIGTERM handler (what a signal would run) at the end of set-up, before Lightning registers
+    its handlers, and at the start of training, after Lightning's registration and before the loop notes signals;
+    records the collectives that ran inside it and what it raised."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, Any] = {}
+
+    def _probe(self, moment: str) -> None:
+        from lightning_llm import preemption
+        from lightning_llm.testing import CollectiveCounter
+
+        handler, raised = signal.getsignal(signal.SIGTERM), None
+        if not callable(handler):
+            self.seen[moment] = {"handler": str(handler)}
+            return
+        with CollectiveCounter().counting() as calls:
+            try:
+                handler(signal.SIGTERM, None)
+            except preemption.StoppedEarly as e:
+                raised = str(e)
+        preemption._state.stopping = False  # as if no signal came: the run goes on
+        self.seen[moment] = {"collectives": [name for name, _, _ in calls], "raised": raised}
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._probe("set-up")
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._probe("train start")
+
+
+class SignalDuring(pl.Callback):
+    """Sends this process SIGTERM in its own ``setup`` hook (``moment="setup"``) or at the first reference forward of
+    a preference task's precompute (``precompute``): the command line tests' signal before the loop."""
+
+    def __init__(self, moment: str = "setup") -> None:
+        self.moment = moment
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if self.moment == "setup":
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.moment != "precompute":
+            return
+        passes = pl_module.no_grad_logps
+
+        def signalled(*args: Any, **kwargs: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGTERM)
+            return passes(*args, **kwargs)
+
+        pl_module.no_grad_logps = signalled
+
+
 def _run(out: Path, strategy: Any, *, devices: int, batch: int, fault: str | None = None,
          ckpt_path: str | None = None, callbacks: tuple[pl.Callback, ...] = ()) -> dict[str, Any]:
     lines = _Lines()
@@ -121,9 +179,10 @@ def _worker(mode: str, out: Path) -> None:
         return
     zero3 = lambda: ZeroStrategy(stage=3)  # noqa: E731 - built while the fault is set
     tp2 = lambda: TensorParallelStrategy(tensor_parallel_size=2)  # noqa: E731
-    runs = {"ddp_full": _run(out / "ddp-full", "ddp", devices=2, batch=4),
+    probes = {"ddp": _HandlerProbe(), "zero3": _HandlerProbe()}
+    runs = {"ddp_full": _run(out / "ddp-full", "ddp", devices=2, batch=4, callbacks=(probes["ddp"],)),
             "ddp": _cut_and_resume(out / "ddp", "ddp", devices=2, batch=4, fault=every_rank),
-            "zero3_full": _run(out / "zero3-full", zero3, devices=2, batch=4),
+            "zero3_full": _run(out / "zero3-full", zero3, devices=2, batch=4, callbacks=(probes["zero3"],)),
             "zero3": _cut_and_resume(out / "zero3", zero3, devices=2, batch=4, fault=every_rank,
                                      resume={"resumed_tp2": (tp2, 8)}),
             "deepspeed": _cut_and_resume(out / "deepspeed", "deepspeed_zero2", devices=2, batch=4, fault=every_rank)}
@@ -133,6 +192,7 @@ def _worker(mode: str, out: Path) -> None:
                                         batch=4, fault=f"term:step={SIGNAL_AT}:rank=1", callbacks=(_SecondSignal(),))
     finally:
         restore()
+    runs["probes"] = {layout: probe.seen for layout, probe in probes.items()}
     write_json_on_rank0(out / "layouts.json", gathered(runs))
 
 
@@ -214,6 +274,22 @@ def test_sigterm_during_a_background_save(runs: Path) -> None:
                         f"SIGTERM received by another rank; saving step {SAVED}"), said
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", ["ddp", "zero3"])
+def test_no_collective_runs_inside_a_signal_handler(runs: Path, layout: str) -> None:
+    """ddp x2 and zero3 x2 (which Lightning restores after set-up): what a SIGTERM would run at the end of set-up
+    (before Lightning registers its handlers) and at the start of training (after it did, before the loop notes
+    signals) is the project's handler, which runs no collective (Lightning's broadcast inside its handler, on the
+    signalled ranks only, could pair with another collective or hang) and ends the process naming the phase."""
+    for rank, row in enumerate(json.loads((runs / "layouts.json").read_text())):
+        seen = row["probes"][layout]
+        print(f"{layout} rank {rank}: {seen}")
+        assert "error" not in row[f"{layout}_full"] and len(row[f"{layout}_full"]["losses"]) == STEPS
+        for moment in ("set-up", "train start"):
+            assert seen[moment] == {"collectives": [], "raised": "SIGTERM during set-up: nothing to save (no "
+                                    "training step since the last checkpoint); exiting with status 143"}, seen
+
+
 # ------------------------------------------------------------------------------------------------ in process
 def test_store_agreement_is_the_same_on_every_rank() -> None:
     """Two ranks on one store: a read waits until both posted, gives the first signal posted to both, and none when
@@ -281,6 +357,13 @@ def test_lightning_internals_it_replaces_are_where_it_expects() -> None:
     assert ".item()" in inspect.getsource(_TrainingEpochLoop._broadcast_sigterm_tensor)
     notifier = inspect.getsource(_SignalConnector._sigterm_notifier_fn)
     assert "dist.broadcast" in notifier and "self.received_sigterm = True" in notifier
+    # preemption._silence_lightning_notifier: Lightning composes its notifier (looked up on the instance) with the
+    # handler already in place, and registers its SLURM requeue handler only where none is
+    register = inspect.getsource(_SignalConnector.register_signal_handlers)
+    assert "[self._sigterm_notifier_fn]" in register and "self._original_handlers = self._get_current_signal_handlers()" \
+        in register
+    assert "sigterm_handlers.append(signal.getsignal(signal.SIGTERM))" in register
+    assert "not self._has_already_handler(sigusr)" in register
 
 
 def test_fault_spec_sends_a_signal() -> None:
@@ -369,3 +452,25 @@ def test_the_same_command_line_serves_every_attempt(tmp_path: Path) -> None:
 
 if __name__ == "__main__":
     run_worker(_worker, sys.argv[1], Path(sys.argv[2]))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("moment", "phase"), [("setup", "set-up"), ("precompute", "the reference precompute (fit "
+                                                                                  "examples)")])
+def test_a_signal_before_the_loop_ends_the_run_in_one_line(tmp_path: Path, moment: str, phase: str) -> None:
+    """``lightning_llm fit --config configs/kto.yaml`` (its reference precomputed) with SIGTERM during set-up, or at the
+    first reference forward of the precompute: status 143 at once, one line naming the phase, no traceback, no
+    checkpoint (nothing was trained)."""
+    args = ["fit", "--config", str(REPO / "configs" / "kto.yaml"), "--trainer.max_steps=2",
+            "--trainer.enable_progress_bar=false", "--data.generated_examples=32", "--data.generated_val_examples=8",
+            f"--trainer.logger.init_args.save_dir={tmp_path}", f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.callbacks+=tests.checkpoints.test_preemption.SignalDuring",
+            f"--trainer.callbacks.moment={moment}"]
+    proc = cli_process(args, cwd=REPO, timeout=600)
+    out = proc.stdout + proc.stderr
+    lines = [ln for ln in out.splitlines() if ln.startswith("lightning_llm: SIGTERM")]
+    print(lines)
+    assert proc.returncode == 143, out[-3000:]
+    assert lines == [f"lightning_llm: SIGTERM during {phase}: nothing to save (no training step since the last "
+                     "checkpoint); exiting with status 143"], out[-3000:]
+    assert "Traceback" not in out and not list(tmp_path.rglob("*.ckpt"))

@@ -78,6 +78,8 @@ def test_chunked_rule_and_step_equal_transformers() -> None:
     assert max(errs) <= 1e-5
     with pytest.raises(RuntimeError, match="fla-core"):
         gated_delta_rule(*ins, backend="fla")
+    with pytest.raises(RuntimeError, match="fla-core"):
+        causal_conv1d(x, w, backend="fla")
 
 
 def test_packed_rows_restart_the_state_and_the_convolution() -> None:
@@ -326,3 +328,96 @@ def test_refusals_in_one_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) 
     with caplog.at_level("WARNING"):
         load_hf(path)
     assert "multi-token-prediction" in caplog.text
+
+
+def _fake_fla(monkeypatch: pytest.MonkeyPatch, calls: list[str]) -> None:
+    """flash-linear-attention (CUDA only, not installed here) as this package calls it, computed by the torch forms,
+    each call recorded; its requirements (CUDA, bf16/fp16) waived."""
+    import sys
+    import types
+
+    from lightning_llm.kernels import delta_rule
+
+    def chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, *,
+              initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+              use_qk_l2norm_in_kernel: bool = False, **varlen: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+        calls.append("chunk_gated_delta_rule")
+        assert use_qk_l2norm_in_kernel and not varlen
+        return chunk_gated_delta_rule_torch(q, k, v, g, beta, initial_state=initial_state,
+                                            output_final_state=output_final_state)
+
+    def conv(rows: torch.Tensor, weight: torch.Tensor, *, activation: str, **varlen: object) -> tuple[torch.Tensor, None]:
+        calls.append("causal_conv1d")
+        assert activation == "silu" and not varlen
+        return causal_conv1d_torch(rows.transpose(1, 2), weight[:, None])[0].transpose(1, 2), None
+
+    modules = {name: types.ModuleType(name) for name in ("fla", "fla.ops", "fla.ops.gated_delta_rule", "fla.modules",
+                                                         "fla.modules.causal_conv1d")}
+    modules["fla.ops.gated_delta_rule"].chunk_gated_delta_rule = chunk
+    modules["fla.modules.causal_conv1d"].causal_conv1d = conv
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(delta_rule, "_fla_missing", lambda device, dtype: None)
+    monkeypatch.setattr(delta_rule, "_SAID", set())
+
+
+def test_kernel_choice_is_fla_or_one_line_and_auto_says_which(caplog: pytest.LogCaptureFixture) -> None:
+    """On this CPU (no fla, fp32): ``auto`` takes the torch form and says why (once per device and dtype); ``fla`` is
+    refused in one line, also under ``torch.compile`` (the choice is made while tracing), never the torch loop
+    without a word."""
+    from lightning_llm.kernels import delta_rule
+
+    delta_rule._SAID.discard(("cpu", torch.float32))
+    with caplog.at_level("INFO", logger="lightning_llm.kernels.delta_rule"):
+        assert delta_rule.kernel_choice("auto", "cpu", torch.float32) == "torch"
+        assert delta_rule.kernel_choice("auto", "cpu", torch.float32) == "torch"
+    said = [r.getMessage() for r in caplog.records if "kernels=auto" in r.getMessage()]
+    print(said)
+    assert len(said) == 1 and said[0].startswith("Gated DeltaNet kernels=auto on cpu float32: the chunked torch form (")
+    assert delta_rule.kernel_choice("torch", "cuda", torch.bfloat16) == "torch"
+    ins = [t.detach() for t in _inputs(20)]
+    for run in (gated_delta_rule, torch.compile(gated_delta_rule, backend="eager", fullgraph=False)):
+        torch._dynamo.reset()
+        with pytest.raises(RuntimeError) as error:
+            run(*ins, backend="fla")
+        assert str(error.value) == ("Gated DeltaNet kernels='fla': flash-linear-attention is not installed (pip install "
+                                    "fla-core); use kernels='auto' or 'torch'"), str(error.value)
+
+
+@pytest.mark.parametrize("kernels", ["fla", "auto", "torch"])
+def test_fla_runs_under_compile(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+                                kernels: str) -> None:
+    """``--model.compile=true`` (each block compiled) with fla present: ``fla`` and ``auto`` run fla's kernels at every
+    forward (between the compiled regions), ``auto`` saying so, ``torch`` never; the logits equal the eager torch
+    form's (the stand-in fla computes the same)."""
+    from torch._dynamo.utils import counters
+
+    from lightning_llm.models import build_model
+    from lightning_llm.models.compile import compile_blocks
+
+    calls: list[str] = []
+    _fake_fla(monkeypatch, calls)
+    la = dict(num_key_heads=2, num_value_heads=4, key_head_dim=16, value_head_dim=16, conv_kernel_size=4,
+              fused_projections=False)
+    torch.manual_seed(0)
+    model = build_model("debug-qwen3.5", family="decoder", num_layers=2, linear_attention={**la, "kernels": kernels},
+                        layer_types=["linear_attention", "full_attention"]).eval()
+    ref = build_model("debug-qwen3.5", family="decoder", num_layers=2, linear_attention={**la, "kernels": "torch"},
+                      layer_types=["linear_attention", "full_attention"]).eval()
+    ref.load_state_dict(model.state_dict())
+    ids = torch.randint(3, 200, (2, 30), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    counters.clear()
+    assert compile_blocks(model, backend="eager") == 2
+    with caplog.at_level("INFO", logger="lightning_llm.kernels.delta_rule"), torch.no_grad():
+        got = [model(ids) for _ in range(2)]
+        want = ref(ids)
+    assert counters["stats"]["unique_graphs"] >= 2  # the blocks ran compiled (graphs around fla's calls)
+    err = max(float((g - want).abs().max()) for g in got)
+    print(f"kernels={kernels} under compile: fla calls {calls}; max |logits - eager torch form| {err:.1e}")
+    assert err <= 1e-5
+    fla = kernels != "torch"
+    assert calls == (["causal_conv1d", "chunk_gated_delta_rule"] * 2 if fla else [])  # every forward, at run time
+    said = [r.getMessage() for r in caplog.records if "kernels=auto" in r.getMessage()]
+    assert said == (["Gated DeltaNet kernels=auto on cpu float32: flash-linear-attention's kernels"]
+                    if kernels == "auto" else [])

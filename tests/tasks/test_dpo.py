@@ -123,6 +123,25 @@ class Logged(LoggedLoss):
         self.margins.append(float(trainer.callback_metrics.get("rewards/margins", float("nan"))))
 
 
+def counted_reference_rows(task: Any) -> list[int]:
+    """The rows of each batch this rank runs through the reference precompute of ``task``, appended as it runs."""
+    rows: list[int] = []
+    logps = task._reference_logps
+    task._reference_logps = lambda batch, both: rows.append(batch["input_ids"].shape[0]) or logps(batch, both)
+    return rows
+
+
+def check_reference_table(name: str, layout: str, row: dict[str, Any], ref: dict[str, Any]) -> None:
+    """A layout's precomputed table (``row["table"]``, 64 training and 8 validation items, two rows each) is one
+    device's, each data-parallel replica of 2 running half of its rows (tp, pp, 3d: one replica, every row)."""
+    table_err = max_abs_err(sum(row["table"], []), sum(ref["table"], []))
+    replicas = 1 if layout in ("tp", "pp", "3d") else 2
+    print(f"{name}: max |reference table - one device's| {table_err:.2e}; rows run by this rank "
+          f"{row['precomputed_rows']} (one device {ref['precomputed_rows']})")
+    assert table_err <= TOL and ref["precomputed_rows"] == 2 * (64 + 8)
+    assert row["precomputed_rows"] == ref["precomputed_rows"] // replicas
+
+
 def _fit(layout: str, devices: int, out: Path, *, reference: str = "precomputed", resume: str | None = None,
          steps: int = STEPS) -> dict[str, Any]:
     import lightning.pytorch as pl
@@ -135,12 +154,15 @@ def _fit(layout: str, devices: int, out: Path, *, reference: str = "precomputed"
                    optim=OptimConfig(lr=3e-3, scheduler="constant", weight_decay=0.0))
     dm = PreferenceDataModule(generated_pairs=64, generated_val_pairs=8, cutoff_len=32, max_prompt_len=16,
                               batch_size=batch)
+    rows = counted_reference_rows(task)
     rec = Logged()
     trainer = table_trainer(out, strategy=strategy, devices=devices, max_steps=steps, callbacks=[rec],
                             save_every_step=True)
     trainer.fit(task, dm, ckpt_path=resume)
+    table = task.reference_table.get("fit")
     return {"losses": rec.losses, "margins": rec.margins, "ckpt": str(out / "ckpt" / "last.ckpt"),
-            "frozen_bytes": rec.frozen_bytes}
+            "frozen_bytes": rec.frozen_bytes, "table": table.tolist() if table is not None else None,
+            "precomputed_rows": sum(rows)}
 
 
 def _worker(mode: str, out: Path) -> None:
@@ -175,14 +197,16 @@ def test_layout_matches_one_device(runs: Path, layout: str) -> None:
     assert ref["margins"][-1] > ref["margins"][0] + 0.1  # it learns: the implicit reward margin grows
     for row in json.loads((runs / "layouts.json").read_text())[layout]:
         losses = row["losses"]
-        if layout.endswith("resume"):
-            assert len(losses) == STEPS - 3
+        if layout.endswith("resume"):  # from the checkpoint's table: no reference row run again
+            assert len(losses) == STEPS - 3 and row["precomputed_rows"] == 0
             err = max_abs_err(losses, ref["losses"][3:])
         else:
             err = max(max_abs_err(losses, ref["losses"]), max_abs_err(row["margins"], ref["margins"]))
         print(f"{layout}: max |train_loss, rewards/margins - one device| over {len(losses)} steps = {err:.2e}; "
               f"frozen reference bytes {row['frozen_bytes']:,} (one device: {ref['frozen_bytes']:,})")
         assert err <= TOL, (losses, ref["losses"])
+        if row["table"] is not None and not layout.endswith("resume"):
+            check_reference_table(layout, layout, row, ref)
         if layout.endswith("on_the_fly"):  # a full fine-tune's reference copy, placed like the policy
             assert ref["frozen_bytes"] > 0
             assert row["frozen_bytes"] <= (ref["frozen_bytes"] if layout.startswith("ddp") else
@@ -191,22 +215,43 @@ def test_layout_matches_one_device(runs: Path, layout: str) -> None:
 
 def test_resume_refuses_a_reference_table_of_other_pairs(tmp_path: Path) -> None:
     """Precomputed reference log-probs are looked up by pair index: resuming on other pairs of the same count would
-    pair every example with another's reference, so it is refused before the first step."""
+    pair every example with another's reference, so it is refused where the checkpoint's table is read, in one line
+    naming the checkpoint, the data file's line of the first pair that differs, and nothing recomputed."""
     import lightning.pytorch as pl
 
-    def fit(data_seed: int, resume: str | None, steps: int) -> None:
+    from lightning_llm.data.preference import make_preference_pairs
+
+    pairs = tmp_path / "pairs.jsonl"
+    records = make_preference_pairs(16, seed=1)
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in records))
+    precomputed: list[str] = []
+
+    def fit(resume: str | None, steps: int) -> None:
         pl.seed_everything(5)
         task = DPOTask("debug", model_overrides={"num_layers": 1})
-        dm = PreferenceDataModule(generated_pairs=16, generated_val_pairs=4, cutoff_len=24, max_prompt_len=12,
-                                  batch_size=4, seed=data_seed)
+        passes = task.precompute_reference
+        task.precompute_reference = lambda split: precomputed.append(split) or passes(split)  # type: ignore[method-assign]
+        dm = PreferenceDataModule(str(pairs), val_fraction=0.25, cutoff_len=24, max_prompt_len=12, batch_size=4)
         table_trainer(tmp_path, strategy="auto", devices=1, max_steps=steps, callbacks=[],
                       save_every_step=True).fit(task, dm, ckpt_path=resume)
 
-    fit(1, None, 1)
+    fit(None, 1)
+    assert precomputed == ["fit", "validate"]
     ckpt = str(tmp_path / "ckpt" / "last.ckpt")
-    fit(1, ckpt, 2)  # the same pairs: resumes
-    with pytest.raises(ValueError, match="computed on other fit pairs than the datamodule holds"):
-        fit(2, ckpt, 3)
+    fit(ckpt, 2)  # the same pairs: resumes, the table from the checkpoint
+    assert precomputed == ["fit", "validate"]
+    held_out = PreferenceDataModule(str(pairs), val_fraction=0.25)
+    held_out.setup("fit")
+    line = int(held_out.record_name("fit", 2).rsplit(":", 1)[1])  # the file line of training pair 2
+    records[line - 1] = {**records[line - 1], "chosen": records[line - 1]["chosen"] + "!"}
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(ValueError) as error:
+        fit(ckpt, 3)
+    print(error.value)
+    assert str(error.value).startswith(f"--ckpt_path={ckpt}: its precomputed reference log-probs were computed on "
+                                       "other fit pairs than the datamodule holds")
+    assert f"the first that differs is pair 2 ({pairs}:{line})" in str(error.value) and "\n" not in str(error.value)
+    assert precomputed == ["fit", "validate"]  # nothing recomputed on resume
 
 
 # ------------------------------------------------------------------------------------------------ real data

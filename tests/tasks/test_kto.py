@@ -178,3 +178,66 @@ def test_config_learns_generated_feedback_by_itself(tmp_path: Path) -> None:
           "steps")
     assert float(val["val_rewards/margins"]) > 0.5
     assert float(val["val_rewards/chosen"]) > 0 > float(val["val_rewards/rejected"])
+
+
+@pytest.mark.parametrize("reference", ["precomputed", "on_the_fly"])
+def test_apo_zero_unpaired_runs_no_reference_on_the_kl_rows(tmp_path: Path, reference: str) -> None:
+    """``apo_zero_unpaired`` reads no KL row: the reference runs on the examples' rows only (counted: one row per
+    example, where ``kto`` runs two) and no KL pass runs; the precomputed table holds the examples' reference log-probs
+    kto computes (with the KL rows beside them) and marks the KL rows as never computed (NaN)."""
+    import lightning.pytorch as pl
+
+    from lightning_llm.testing import LoggedLoss, table_trainer
+
+    def fit(loss_type: str) -> tuple[dict[bool, int], list[float], KTOTask]:
+        pl.seed_everything(3)
+        task = KTOTask("debug", model_overrides={"num_layers": 1},
+                       kto=KTOConfig(beta=0.5, loss_type=loss_type, reference=reference))  # type: ignore[arg-type]
+        rows = {True: 0, False: 0}  # reference / policy-without-gradient (KL) rows run
+        passes = task.no_grad_logps
+
+        def counted(batch: dict[str, torch.Tensor], *, reference: bool) -> torch.Tensor:
+            rows[reference] += batch["input_ids"].shape[0]
+            return passes(batch, reference=reference)
+
+        task.no_grad_logps = counted  # type: ignore[method-assign]
+        rec = LoggedLoss()
+        dm = UnpairedPreferenceDataModule(generated_examples=16, generated_val_examples=4, cutoff_len=28,
+                                          max_prompt_len=12, batch_size=4)
+        table_trainer(tmp_path / loss_type, strategy="auto", devices=1, max_steps=3, callbacks=[rec]).fit(task, dm)
+        return rows, rec.losses, task
+
+    apo_rows, apo_losses, apo = fit("apo_zero_unpaired")
+    kto_rows, _, kto = fit("kto")
+    examples = 16 + 4 if reference == "precomputed" else 3 * 4  # every example once / each step's
+    print(f"reference={reference}: rows through the reference: apo_zero_unpaired {apo_rows[True]}, kto "
+          f"{kto_rows[True]}; KL passes {apo_rows[False]} / {kto_rows[False]}")
+    assert apo_rows == {True: examples, False: 0}
+    assert kto_rows[True] == 2 * examples and kto_rows[False] > 0
+    if reference == "precomputed":
+        table = apo.reference_table["fit"]
+        assert table[:, 1].isnan().all() and table[:, 0].isfinite().all()
+        assert (table[:, 0] - kto.reference_table["fit"][:, 0]).abs().max() <= 1e-5
+    assert all(math.isfinite(x) for x in apo_losses) and len(apo_losses) == 3
+
+
+def test_resume_of_apo_zero_unpaired_table_as_kto_is_refused(tmp_path: Path) -> None:
+    """A table precomputed for ``apo_zero_unpaired`` holds no KL rows' reference (NaN): resumed with ``kto``, which
+    reads them, it is refused in one line where the checkpoint is read, not trained on as NaN (or 0)."""
+    import lightning.pytorch as pl
+
+    from lightning_llm.testing import table_trainer
+
+    def fit(loss_type: str, steps: int, resume: str | None) -> None:
+        pl.seed_everything(3)
+        task = KTOTask("debug", model_overrides={"num_layers": 1}, kto=KTOConfig(loss_type=loss_type))  # type: ignore[arg-type]
+        dm = UnpairedPreferenceDataModule(generated_examples=8, generated_val_examples=4, cutoff_len=28,
+                                          max_prompt_len=12, batch_size=4)
+        table_trainer(tmp_path, strategy="auto", devices=1, max_steps=steps, callbacks=[],
+                      save_every_step=True).fit(task, dm, ckpt_path=resume)
+
+    fit("apo_zero_unpaired", 1, None)
+    ckpt = str(tmp_path / "ckpt" / "last.ckpt")
+    with pytest.raises(ValueError, match=rf"^--ckpt_path={ckpt}: its precomputed reference log-probs lack the second "
+                                         r"row of every example \(KTO's KL rows"):
+        fit("kto", 2, ckpt)

@@ -200,3 +200,45 @@ def test_reference_free_losses_build_and_run_no_reference(tmp_path: Path, monkey
     if kind == "orpo":
         expected |= {"nll_loss", "log_odds_ratio", "log_odds_chosen", "val_nll_loss"}
     assert expected <= logged, sorted(logged)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_orpo_log_odds_stay_finite_at_mean_log_prob_zero(dtype: torch.dtype) -> None:
+    """A response the model gives probability 1 to its precision has mean log-prob exactly 0, where
+    log(1 - e^0) = -inf (trl's log odds: inf, or NaN when both are 0): it counts as -eps of the dtype, so the loss
+    and its gradients stay finite, and values below -eps are the formula's unchanged."""
+    eps = torch.finfo(dtype).eps
+    ac = torch.tensor([0.0, 0.0, -1.0, -0.3], dtype=dtype, requires_grad=True)
+    ar = torch.tensor([0.0, -1.0, 0.0, -2.0], dtype=dtype, requires_grad=True)
+    loss, stats = orpo_loss(ac, ar, torch.zeros(4, dtype=dtype), beta=0.5)
+    loss.backward()
+    odds = stats.extra["log_odds_chosen"]
+    assert torch.isfinite(loss) and torch.isfinite(odds).all() and torch.isfinite(ac.grad).all()
+    assert torch.isfinite(ar.grad).all()
+
+    def formula(a: float, r: float) -> float:
+        return (a - r) - (math.log(-math.expm1(a)) - math.log(-math.expm1(r)))
+
+    expected = [formula(min(a, -eps), min(r, -eps)) for a, r in zip(ac.tolist(), ar.tolist())]
+    print(f"{dtype}: log odds at (0, 0), (0, -1), (-1, 0), (-0.3, -2): {odds.tolist()}")
+    assert odds[0] == 0 and odds[1] > 0 > odds[2]
+    assert max(abs(g - e) for g, e in zip(odds.tolist(), expected)) <= 1e-5 * max(abs(e) for e in expected)
+    assert float(odds[3]) == pytest.approx(formula(-0.3, -2.0), rel=1e-6)  # away from 0: the formula, unclamped
+
+
+def test_trl_sigmoid_ignores_label_smoothing_as_the_docs_say() -> None:
+    """docs/post-training.md and rl/dpo.py say that ``sigmoid`` with ``label_smoothing`` is conservative DPO here and
+    that trl 1.16's ``sigmoid`` ignores the option: its DPOTrainer's sigmoid branch, read here, has no
+    ``label_smoothing`` (this fails when trl changes it, and the docs need updating)."""
+    import inspect
+
+    import trl
+    from trl import DPOTrainer
+
+    source = inspect.getsource(DPOTrainer)
+    branch = source.split('if loss_type == "sigmoid":', 1)[1].split("elif loss_type", 1)[0]
+    print(f"trl {trl.__version__} DPOTrainer sigmoid branch:{branch.rstrip()}")
+    assert "per_sequence_loss = -F.logsigmoid(self.beta * delta_score)" in branch
+    assert "label_smoothing" not in branch
+    robust = source.split('elif loss_type == "robust":', 1)[1].split("elif loss_type", 1)[0]
+    assert "self.label_smoothing" in robust  # where trl does read it

@@ -118,11 +118,17 @@ def test_kv_cache_and_left_padding_do_not_change_tokens() -> None:
         alone = [generate(model, torch.tensor([p]), config=cfg)[0].tolist() for p in prompts]
         assert torch.equal(cached, full)
         assert cached.tolist() == alone
-    # Sampling: seeded generator reproduces; top_k=1 is greedy.
+    # Sampling draws from the generator given: the same seed reproduces the tokens, another gives other tokens
+    # (the global RNG, reseeded between the calls, changes nothing); top_k=1 is greedy.
     g = lambda s: torch.Generator().manual_seed(s)  # noqa: E731
     sample = GenerationConfig(max_new_tokens=6, do_sample=True, temperature=0.8, top_p=0.9)
-    assert torch.equal(generate(model, ids, mask, config=sample, generator=g(1)),
-                       generate(model, ids, mask, config=sample, generator=g(1)))
+    torch.manual_seed(7)
+    first = generate(model, ids, mask, config=sample, generator=g(1))
+    torch.manual_seed(8)
+    assert torch.equal(first, generate(model, ids, mask, config=sample, generator=g(1)))
+    torch.manual_seed(7)
+    other = generate(model, ids, mask, config=sample, generator=g(2))
+    assert first.shape == other.shape == (3, 6) and (first != other).float().mean() > 0.5, (first, other)
     top1 = GenerationConfig(max_new_tokens=6, do_sample=True, top_k=1)
     assert torch.equal(generate(model, ids, mask, config=top1, generator=g(2)),
                        generate(model, ids, mask, config=GenerationConfig(max_new_tokens=6)))

@@ -9,27 +9,33 @@ sub-groups and in those kept in memory alike, and it holds no Adam moments at al
 (:func:`.nvme.refuse_nvme_checkpoint`).
 
 What is written: per trainable parameter its fp32 master (``model.<name>``) and Adam's states
-(``optim_0/model.<name>/exp_avg``, ``.../exp_avg_sq`` and the sub-group's ``step``), full tensors, gathered over the
-ranks one optimizer sub-group at a time (the sub-group swapped in once, read, released), each parameter's tensors
-kept and written by one rank (parameter ``i`` by rank ``i % world``); frozen parameters gathered as they are; plus
-``meta.pt`` as every native layout writes it. A rank stages its share of the full tensors in host memory (about
-``12 Ψ / world`` bytes for fp32 Adam: what its swap files hold). Loading reads one sub-group's tensors at a time
-(every rank the whole sub-group: ``12 x sub_group_size`` bytes at most), copies each rank's slice into its masters
-and states (swapped in, written, swapped out again) and the sub-group's masters into its parameter partitions (or their
-swap files), as DeepSpeed's optimizer step does. The ZeRO-3 optimizer's sub-group methods used here are DeepSpeed's own
-internals (its ``safe_get_full_*`` helpers swap a whole sub-group in per parameter and state); the resume tests hold
-the result to the uninterrupted run.
+(``optim_0/model.<name>/exp_avg``, ``.../exp_avg_sq`` and the sub-group's ``step``); frozen parameters as they are;
+plus ``meta.pt`` as every native layout writes it. **No tensor is gathered**: each rank writes the elements it holds
+(DeepSpeed partitions a parameter flattened, ``ceil(n / world)`` elements a rank) as DCP chunks of the full tensor,
+the N-d boxes its flat range covers (:func:`flat_range_boxes`: at most ``2 ndim - 1``), so DCP's metadata describes
+the full tensors and every native layout reads whichever chunks it needs. Saving walks the optimizer's sub-groups (each
+swapped in once, its partition copied, released): a rank stages its own shard, ``12 Ψ / world`` bytes for fp32 Adam
+(what its swap files hold), and nothing of other ranks'. Loading reads one sub-group at a time, each rank only its own
+boxes (``12 x`` its sub-group's elements at most), into its masters and states (swapped in, written, swapped out
+again) and the sub-group's masters into its parameter partitions (or their swap files), as DeepSpeed's optimizer step
+does. A frozen parameter is gathered alone (``GatheredParameters``), its own range kept. The ZeRO-3 optimizer's
+sub-group methods used here are DeepSpeed's own internals; the resume tests hold the result to the uninterrupted run,
+and ``tests/checkpoints/test_nvme.py`` measures the bytes each rank stages and reads, and its host memory's peak.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
 
 from lightning_llm.checkpoint import dcp_refusals
 from lightning_llm.checkpoint.safe_load import SafeFileSystemReader, SafeLoadPlanner
@@ -69,43 +75,92 @@ def _swapped_in(opt: Any, gi: int) -> bool:
     return False
 
 
+def _rank_range(numel: int, part: int, rank: int) -> tuple[int, int]:
+    """``(start, count)``: the elements of a parameter flattened (``numel``) that ``rank`` holds in DeepSpeed's
+    partition of ``part`` elements a rank (the last ones padded)."""
+    start = min(part * rank, numel)
+    return start, max(0, min(part, numel - start))
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, count: int) -> list[tuple[list[int], list[int]]]:
+    """The N-d boxes ``(offsets, sizes)`` of a row-major tensor of ``shape`` that its flat elements ``[start, start +
+    count)`` cover, in order (each box's elements are a contiguous run of the range): a partial first row, the whole
+    rows, a partial last row, recursively."""
+    if count <= 0:
+        return []
+    if len(shape) <= 1:
+        return [([start], [count])]
+    row, end, out = math.prod(shape[1:]), start + count, []
+    lo = start
+    if lo % row:  # the first row, partly
+        take = min(end, (lo // row + 1) * row) - lo
+        out += [([lo // row, *o], [1, *z]) for o, z in flat_range_boxes(shape[1:], lo % row, take)]
+        lo += take
+    if (whole := (end - lo) // row) > 0:
+        out.append(([lo // row, *[0] * (len(shape) - 1)], [whole, *shape[1:]]))
+        lo += whole * row
+    if lo < end:  # the last row, partly
+        out += [([lo // row, *o], [1, *z]) for o, z in flat_range_boxes(shape[1:], 0, end - lo)]
+    return out
+
+
+def _sharded(mine: torch.Tensor, shape: Sequence[int], part: int, rank: int, world: int) -> Any:
+    """``mine`` (this rank's elements of a tensor of ``shape`` partitioned flat, ``part`` a rank) as a
+    ``ShardedTensor`` of the full tensor whose local shards are views of ``mine`` (every rank's boxes computed here:
+    no collective); a 0-d tensor: itself on the rank holding it, ``None`` on the others."""
+    if len(shape) == 0:
+        return mine.reshape(()) if mine.numel() else None
+    numel = math.prod(shape)
+    local, pos = [], 0
+    for offsets, sizes in flat_range_boxes(shape, *_rank_range(numel, part, rank)):
+        n = math.prod(sizes)
+        local.append(Shard(mine[pos:pos + n].view(sizes), ShardMetadata(offsets, sizes, f"rank:{rank}/cpu")))
+        pos += n
+    every = [ShardMetadata(o, z, f"rank:{r}/cpu") for r in range(world)
+             for o, z in flat_range_boxes(shape, *_rank_range(numel, part, r))]
+    meta = ShardedTensorMetadata(every, torch.Size(shape), TensorProperties(dtype=mine.dtype))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)
+
+
+def _without_none(state: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in state.items() if v is not None}
+
+
 @torch.no_grad()
 def nvme_checkpoint_state(engine: Any) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """``(state, optimizer_meta)`` for :func:`~..engine.hybrid_checkpoint.write_hybrid` from a DeepSpeed ZeRO-3
-    engine (a collective: call on every rank)."""
+    engine: this rank's elements of every tensor (``ShardedTensor`` boxes), nothing gathered (see the module
+    docstring). Call on every rank."""
     import deepspeed
 
     opt = engine.optimizer
     rank, world = _rank_world()
-    order = {id(p): i for i, (_, p) in enumerate(engine.module.named_parameters())}
     names = {id(p): n for n, p in engine.module.named_parameters()}
-    model: dict[str, torch.Tensor] = {}
-    optim: dict[str, torch.Tensor] = {}
+    model: dict[str, Any] = {}
+    optim: dict[str, Any] = {}
     keys, kinds = _state_keys(opt)
     for gi, members in enumerate(_sub_groups(opt)):
         swapped = _swapped_in(opt, gi)
         flat = opt.fp32_partitioned_groups_flat[gi]
         state = opt.optimizer.state[flat]
-        for p, offset, numel in members:
-            mine = order[id(p)] % world == rank
-            name = names[id(p)]
-            for key, tensor in ((None, flat), *((k, state[k]) for k in keys)):
-                full = opt._fp32_state_allgather(p, tensor.narrow(0, offset, numel))
-                if mine:
-                    (model if key is None else optim)[name if key is None else f"{name}/{key}"] = full.cpu().clone()
-            if mine:
-                for k, (kind, _) in kinds.items():
-                    if kind == "scalar":
-                        optim[f"{name}/{k}"] = state[k].detach().cpu().clone()
+        for p, offset, part in members:
+            name, (_, count) = names[id(p)], _rank_range(p.ds_numel, part, rank)
+            model[name] = _sharded(flat.narrow(0, offset, count).clone(), p.ds_shape, part, rank, world)
+            for k, (kind, _) in kinds.items():
+                optim[f"{name}/{k}"] = (_sharded(state[k].narrow(0, offset, count).clone(), p.ds_shape, part, rank,
+                                                 world) if kind == "param"
+                                        else state[k].detach().cpu().clone())  # a step: the same on every rank
         if swapped:
             opt._release_swap_buffers(gi)
     for name, p in engine.module.named_parameters():
-        if not p.requires_grad:
+        if not p.requires_grad:  # gathered alone, this rank's range kept
+            part = -(-p.ds_numel // world)
+            start, count = _rank_range(p.ds_numel, part, rank)
             with deepspeed.zero.GatheredParameters([p]):
-                if order[id(p)] % world == rank:
-                    model[name] = p.data.detach().cpu().clone()
+                mine = p.data.detach().reshape(-1)[start:start + count].cpu().clone()
+            model[name] = _sharded(mine, p.ds_shape, part, rank, world)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.optimizer.param_groups]
-    return {"model": model, "optim_0": optim}, [{"param_groups": groups, "kinds": kinds}]
+    return {"model": _without_none(model), "optim_0": _without_none(optim)}, [{"param_groups": groups, "kinds": kinds}]
 
 
 def _read(path: Path, wanted: dict[str, Any]) -> None:
@@ -114,16 +169,25 @@ def _read(path: Path, wanted: dict[str, Any]) -> None:
         dcp.load(wanted, storage_reader=SafeFileSystemReader(path, name=name), planner=SafeLoadPlanner(name=name))
 
 
-def _my_slice(full: torch.Tensor, numel: int, rank: int) -> torch.Tensor:
-    """This rank's ``numel`` elements of ``full`` flattened and zero-padded to ``numel x world`` (DeepSpeed's
-    partition of a parameter)."""
-    flat = full.reshape(-1)
-    start = numel * rank
-    out = torch.zeros(numel, dtype=flat.dtype)
-    if start < flat.numel():
-        n = min(numel, flat.numel() - start)
-        out[:n] = flat[start:start + n]
-    return out
+def _read_sub_group(path: Path, members: list[tuple[Any, int, int]], names: dict[int, str],
+                    kinds: dict[str, tuple[str, torch.dtype]], rank: int, world: int) -> dict[str, torch.Tensor]:
+    """This rank's elements of the masters and states of one sub-group's parameters, read from the checkpoint (only
+    the chunks overlapping its boxes), by name: ``model.<name>``'s as ``<name>``, ``<name>/<key>``; scalars whole."""
+    wanted: dict[str, Any] = {"model": {}, "optim_0": {}}
+    mine: dict[str, torch.Tensor] = {}
+    for prm, _, part in members:
+        name, (_, count) = names[id(prm)], _rank_range(prm.ds_numel, part, rank)
+        for key, kind, dtype in ((None, "param", torch.float32), *((k, kind, d) for k, (kind, d) in kinds.items())):
+            fqn = name if key is None else f"{name}/{key}"
+            if kind == "scalar":
+                wanted["optim_0"][fqn] = mine[fqn] = torch.zeros((), dtype=dtype)
+                continue
+            mine[fqn] = torch.empty(count, dtype=dtype)
+            template = _sharded(mine[fqn], prm.ds_shape, part, rank, world)
+            if template is not None:
+                wanted["model" if key is None else "optim_0"][fqn] = template
+    _read(path, wanted)
+    return mine
 
 
 @torch.no_grad()
@@ -136,34 +200,28 @@ def load_nvme_checkpoint(engine: Any, path: str | Path, *, optimizer: bool) -> d
     p = Path(path)
     meta = hckpt._read_meta(p)
     opt_meta = meta.pop("optimizer_meta", [])
-    rank, _ = _rank_world()
+    rank, world = _rank_world()
     names = {id(prm): n for n, prm in engine.module.named_parameters()}
     opt = engine.optimizer if optimizer else None
     if opt is not None and hasattr(opt, "fp16_groups"):
         kinds = opt_meta[0]["kinds"] if opt_meta else {}
-        keys = [k for k, (kind, _) in kinds.items() if kind == "param"]
         for gi, members in enumerate(_sub_groups(opt)):
-            wanted: dict[str, Any] = {"model": {}, "optim_0": {}}
-            for prm, _, _ in members:
-                name = names[id(prm)]
-                wanted["model"][name] = torch.empty(prm.ds_shape, dtype=torch.float32)
-                for k, (kind, dtype) in kinds.items():
-                    wanted["optim_0"][f"{name}/{k}"] = (torch.empty(prm.ds_shape, dtype=dtype) if kind == "param"
-                                                        else torch.zeros((), dtype=dtype))
-            _read(p, wanted)
+            mine = _read_sub_group(p, members, names, kinds, rank, world)
             swapped = _swapped_in(opt, gi)
             flat = opt.fp32_partitioned_groups_flat[gi]
             state = opt.optimizer.state[flat]
-            for k in keys:  # created at the first step where no offloading initialized them
-                state.setdefault(k, torch.zeros_like(flat))
-            for prm, offset, numel in members:
+            for k, (kind, _) in kinds.items():
+                if kind == "param":  # created at the first step where no offloading initialized them
+                    state.setdefault(k, torch.zeros_like(flat))
+            for prm, offset, part in members:
                 name = names[id(prm)]
-                flat.narrow(0, offset, numel).copy_(_my_slice(wanted["model"][name], numel, rank))
-                for k in keys:
-                    state[k].narrow(0, offset, numel).copy_(_my_slice(wanted["optim_0"][f"{name}/{k}"], numel, rank))
+                for key, target in ((None, flat), *((k, state[k]) for k, (kind, _) in kinds.items()
+                                                      if kind == "param")):
+                    got = mine[name if key is None else f"{name}/{key}"]
+                    target.narrow(0, offset, part).zero_()[:got.numel()].copy_(got)  # the padding: zeros
             for k, (kind, _) in kinds.items():
                 if kind == "scalar" and members:
-                    saved = wanted["optim_0"][f"{names[id(members[0][0])]}/{k}"]
+                    saved = mine[f"{names[id(members[0][0])]}/{k}"]
                     state[k] = saved.clone() if torch.is_tensor(state.get(k, saved)) else saved.item()
             opt._reassign_or_swap_out_partitioned_parameters(gi)  # the masters into the parameters (or their files)
             if swapped:
@@ -173,7 +231,7 @@ def load_nvme_checkpoint(engine: Any, path: str | Path, *, optimizer: bool) -> d
     for name, prm in engine.module.named_parameters():
         if opt is not None and prm.requires_grad:
             continue
-        wanted = {"model": {name: torch.empty(prm.ds_shape, dtype=prm.dtype)}}
+        wanted = {"model": {name: torch.empty(prm.ds_shape, dtype=prm.dtype)} if rank == 0 else {}}  # one at a time
         _read(p, wanted)
         with deepspeed.zero.GatheredParameters([prm], modifier_rank=0):
             if rank == 0:
