@@ -18,6 +18,7 @@ from lightning_llm.rl.dpo import DPOConfig, dpo_loss
 from lightning_llm.tasks import DPOTask
 from lightning_llm.testing import (
     LoggedLoss,
+    gradient_summary,
     gathered,
     max_abs_err,
     run_layouts_and_reference,
@@ -106,16 +107,18 @@ def test_preference_file_errors_name_file_and_line(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------------ layouts
 class Logged(LoggedLoss):
-    """Also the logged reward margin and accuracy per step."""
+    """Also the logged reward margin and accuracy per step (named, the first step's gradients too: the harness
+    compares them with the one-device run named ``reference``)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, grads: str | None = None, reference: str | None = None) -> None:
+        super().__init__(grads, reference)
         self.margins: list[float] = []
         self.frozen_bytes = 0  # of the task's frozen models (a full fine-tune's on_the_fly reference) on this rank
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         from lightning_llm.strategies.zero.native import model_state_bytes
 
+        super().on_train_start(trainer, pl_module)
         self.frozen_bytes = sum(model_state_bytes(m, [])["params"] for m in pl_module.frozen_models().values())
 
     def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
@@ -155,7 +158,9 @@ def _fit(layout: str, devices: int, out: Path, *, reference: str = "precomputed"
     dm = PreferenceDataModule(generated_pairs=64, generated_val_pairs=8, cutoff_len=32, max_prompt_len=16,
                               batch_size=batch)
     rows = counted_reference_rows(task)
-    rec = Logged()
+    # a fit from scratch records its first step's gradients, named by its run (one device: by its reference kind)
+    run = reference if devices == 1 else f"{out.name}/{reference}"
+    rec = Logged(grads=None if resume else run, reference=reference)
     trainer = table_trainer(out, strategy=strategy, devices=devices, max_steps=steps, callbacks=[rec],
                             save_every_step=True)
     trainer.fit(task, dm, ckpt_path=resume)
@@ -202,8 +207,10 @@ def test_layout_matches_one_device(runs: Path, layout: str) -> None:
             err = max_abs_err(losses, ref["losses"][3:])
         else:
             err = max(max_abs_err(losses, ref["losses"]), max_abs_err(row["margins"], ref["margins"]))
+        grads = "" if layout.endswith("resume") else "; " + gradient_summary(runs, "{}/{}".format(
+            layout.replace("/", "-"), "on_the_fly" if layout.endswith("on_the_fly") else "precomputed"))
         print(f"{layout}: max |train_loss, rewards/margins - one device| over {len(losses)} steps = {err:.2e}; "
-              f"frozen reference bytes {row['frozen_bytes']:,} (one device: {ref['frozen_bytes']:,})")
+              f"frozen reference bytes {row['frozen_bytes']:,} (one device: {ref['frozen_bytes']:,}){grads}")
         assert err <= TOL, (losses, ref["losses"])
         if row["table"] is not None and not layout.endswith("resume"):
             check_reference_table(layout, layout, row, ref)

@@ -20,6 +20,7 @@ import pytest
 from lightning_llm.testing import (
     gathered,
     max_abs_err,
+    gradient_summary,
     run_layouts_and_reference,
     run_worker,
     table_trainer,
@@ -69,7 +70,7 @@ def _fit(loss: str, layout: str, devices: int, out: Path) -> dict[str, Any]:
     passes = task.no_grad_logps
     task.no_grad_logps = lambda *a, **k: calls.append(1) or passes(*a, **k)  # every reference (and KL) pass
     rows = counted_reference_rows(task)
-    rec = Logged()
+    rec = Logged(grads=loss if devices == 1 else f"{loss}@{layout}", reference=loss)
     table_trainer(out, strategy=strategy, devices=devices, max_steps=STEPS, callbacks=[rec]).fit(task, dm)
     table = task.reference_table.get("fit")
     return {"losses": rec.losses, "margins": rec.margins, "frozen_bytes": rec.frozen_bytes, "passes": len(calls),
@@ -173,7 +174,8 @@ def test_layout_matches_one_device(runs: Path, run: str) -> None:
     for row in json.loads((runs / "layouts.json").read_text())[run]:
         err = max(max_abs_err(row["losses"], ref["losses"]), max_abs_err(row["margins"], ref["margins"]))
         print(f"{run}: max |train_loss, rewards/margins - one device| over {STEPS} steps = {err:.2e}; "
-              f"reference/KL passes on this rank {row['passes']} (one device {ref['passes']})")
+              f"reference/KL passes on this rank {row['passes']} (one device {ref['passes']}); "
+              f"{gradient_summary(runs, run)}")
         assert err <= TOL, (row["losses"], ref["losses"])
         if loss in ("simpo", "orpo"):  # no reference model, table or pass at any layout
             assert not row["reference"] and not ref["reference"] and row["passes"] == ref["passes"] == 0
