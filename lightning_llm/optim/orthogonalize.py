@@ -8,10 +8,11 @@ bf16 iterations, one 2-D matrix per call) on each matrix of :class:`~.roles.Matr
 * **local**: a plain tensor on one rank (one device, ZeRO-1/2's owner, which holds the whole parameter and its
   reduced gradient), or a DTensor split only along its stacked dim (expert parallelism: a rank's experts are whole);
 * **replicated**: a plain tensor every rank of ``replica_group`` holds with the same averaged gradient (ddp, the
-  engine's data-parallel replicas at ZeRO-0): the tensors are dealt round-robin (largest first) over the replicas,
-  each orthogonalises its share, and every owner broadcasts its results (one packed bf16 buffer per rank);
+  engine's ranks of a pipeline stage at ZeRO-0, tensor-parallel ranks included: the MoE experts stay whole there):
+  the tensors are dealt out over the ranks (the costliest first, each to the least-loaded rank), each orthogonalises
+  its share, and every owner broadcasts its results (one packed bf16 buffer per rank);
 * **sharded**: a DTensor split along a matrix dim over a 1-D mesh (ZeRO-3's FSDP2 shards, tensor parallelism's
-  column/row shards): dealt round-robin over the mesh's ranks; one all-to-all sends every shard of a matrix to its
+  column/row shards): dealt out the same way over the mesh's ranks; one all-to-all sends every shard of a matrix to its
   owner, which concatenates them, orthogonalises and sends each rank its shard of the result in a second
   all-to-all (bf16, packed: two collectives per mesh and step, whatever the number of matrices);
 * a DTensor split over several mesh dims (ZeRO-3 with tensor parallelism): gathered whole on every rank of its mesh
@@ -107,10 +108,23 @@ def orthogonalized(items: list[Orthogonalize], ns: NewtonSchulz, *, replica_grou
     return out  # type: ignore[return-value]
 
 
+def _cost(item: Orthogonalize) -> int:
+    """Newton-Schulz's work on a tensor: per matrix ~ rows x cols x min(rows, cols) multiply-adds per iteration."""
+    shape = tuple(item.param.shape)
+    rows, cols = item.layout.part_shape(shape)
+    return item.layout.count(shape) * rows * cols * min(rows, cols)
+
+
 def _deal(items: list[Orthogonalize], idx: list[int], n: int) -> dict[int, int]:
-    """Owner (group rank) of each item: round-robin over the items sorted by size, largest first (every rank alike)."""
-    order = sorted(idx, key=lambda i: (-items[i].param.numel(), i))
-    return {i: k % n for k, i in enumerate(order)}
+    """Owner (group rank) of each item, every rank alike: the costliest first, each to the least-loaded rank, so
+    each rank orthogonalises about 1/n of the work."""
+    load = [0] * n
+    owner = {}
+    for i in sorted(idx, key=lambda i: (-_cost(items[i]), i)):
+        r = min(range(n), key=lambda k: (load[k], k))
+        owner[i] = r
+        load[r] += _cost(items[i])
+    return owner
 
 
 def _replicated(items: list[Orthogonalize], idx: list[int], out: list[Tensor | None], ns: NewtonSchulz,

@@ -69,12 +69,13 @@ class MuonSplit:
     names: dict[int, str]
     adapters: list[str]
 
-    def describe(self, adapters_on_muon: bool) -> str:
-        """The run summary's line: tensors, matrices and parameters per optimizer."""
+    def describe(self, adapters_on_muon: bool, *, stage: bool = False) -> str:
+        """The run summary's line: tensors, matrices and parameters per optimizer (``stage``: of this pipeline stage,
+        the parameters a rank holds after the split)."""
         n_muon = sum(_numel(p) for p in self.muon)
         mats = sum(m.count(tuple(_shape(p))) for p, m in self.muon.items())
         n_adam = sum(_numel(p) for p in self.adamw)
-        line = (f"optimizer: Muon on {len(self.muon)} hidden weight tensors ({mats} matrices, {n_muon:,} parameters); "
+        line = (f"optimizer{' (pipeline stage of rank 0)' if stage else ''}: Muon on {len(self.muon)} hidden weight tensors ({mats} matrices, {n_muon:,} parameters); "
                 f"AdamW on {len(self.adamw)} tensors ({n_adam:,} parameters: embeddings, heads, norms, biases, "
                 "routers)")
         if self.adapters:

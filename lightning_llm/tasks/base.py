@@ -529,7 +529,7 @@ class LLMTask(pl.LightningModule):
         # Every trainable parameter of the task: its model and any module a subclass adds (e.g. an auxiliary head).
         if cfg.name == "muon":
             optimizer, split = build_muon(self, cfg, replica_group=self._muon_replica_group())
-            self.optimizer_note = split.describe(cfg.muon_adapters)
+            self.optimizer_note = split.describe(cfg.muon_adapters, stage=self.capabilities.pipelined)
         else:
             optimizer = build_adamw(param_groups(self, cfg.weight_decay), cfg)
         total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1

@@ -232,8 +232,11 @@ def saved_model_state(module: nn.Module) -> dict[str, Any]:
     return {k: v for k, v in module.state_dict().items() if not is_quantized(getattr(v, "_local_tensor", v))}
 
 
-def _template(module: nn.Module, opt: Optimizer, kinds: Mapping[str, tuple[str, torch.dtype]]) -> dict[str, Any]:
-    """Empty state tensors, shaped and sharded like this rank's parameters, for DCP to fill."""
+def _template(module: nn.Module, opt: Optimizer, kinds: Mapping[str, tuple[str, torch.dtype]],
+              saved: set[str], prefix: str) -> dict[str, Any]:
+    """Empty state tensors, shaped and sharded like this rank's parameters, for DCP to fill: the keys the checkpoint
+    holds for each (``saved``, DCP's flattened ``<prefix>.<fqn>/<key>``: an optimizer whose groups keep different
+    states, Muon's momentum beside AdamW's moments, has no AdamW key for a Muon parameter)."""
     names = _names(module, opt)
     inner = _stateful(opt)
     out: dict[str, Any] = {}
@@ -243,9 +246,23 @@ def _template(module: nn.Module, opt: Optimizer, kinds: Mapping[str, tuple[str, 
         for p in group["params"]:
             fqn = names[id(p)]
             for k, (kind, dtype) in kinds.items():
-                out[f"{fqn}/{k}"] = (torch.zeros_like(p, dtype=dtype) if kind == "param"
-                                     else torch.zeros((), dtype=dtype))
+                if f"{prefix}.{fqn}/{k}" in saved:
+                    out[f"{fqn}/{k}"] = (torch.zeros_like(p, dtype=dtype) if kind == "param"
+                                         else torch.zeros((), dtype=dtype))
     return out
+
+
+def _check_groups(path: Path, opt: Optimizer, saved: list[dict[str, Any]]) -> None:
+    """The checkpoint's param groups are this optimizer's, group by group (AdamW's two, or those and Muon's): a
+    run resumed with another optimizer would pair one group's hyper-parameters and states with another's."""
+    groups = _inner(opt).param_groups
+    mine = [bool(g.get("muon")) for g in groups]
+    theirs = [bool(g.get("muon")) for g in saved]
+    if mine != theirs:
+        def kind(flags: list[bool]) -> str:
+            return f"{len(flags)} param groups ({'Muon + AdamW' if any(flags) else 'AdamW'})"
+        raise ValueError(f"--ckpt_path={path}: its optimizer has {kind(theirs)}, this run's has {kind(mine)}: resume "
+                         "with the checkpoint's --model.optim.name, or load its weights only")
 
 
 def load_hybrid(
@@ -270,7 +287,8 @@ def load_hybrid(
     opt_meta = meta.pop("optimizer_meta", [])
     for i, opt in enumerate(optimizers):
         if i < len(opt_meta):
-            wanted[f"optim_{i}"] = _template(module, opt, opt_meta[i]["kinds"])
+            _check_groups(p, opt, opt_meta[i]["param_groups"])
+            wanted[f"optim_{i}"] = _template(module, opt, opt_meta[i]["kinds"], saved_keys, f"optim_{i}")
     _read_shards(wanted, p)
     module.load_state_dict(wanted["model"], strict=False)  # DCP filled the tensors in place; this covers copies
     for opt in optimizers:  # offloaded fp32 masters follow the loaded weights
