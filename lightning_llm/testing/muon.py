@@ -21,7 +21,7 @@ from lightning_llm.optim import orthogonalize
 from lightning_llm.tasks import CausalLMTask, OptimConfig
 from lightning_llm.testing import LoggedLoss, full_gradients, full_parameters, table_trainer
 
-__all__ = ["LR", "MODEL", "MuonProbe", "compare_runs", "merged", "muon_fit", "optimizer_tensors"]
+__all__ = ["LR", "MODEL", "MomentumAt", "MuonProbe", "compare_runs", "merged", "muon_fit", "optimizer_tensors"]
 
 MOE = dict(num_experts=4, top_k=2, intermediate_size=32, norm_topk_prob=True, aux_loss_coef=0.01, dense_layers=[0])
 MODEL = dict(num_layers=2, num_kv_heads=4, qkv_packed=True, moe=MOE)
@@ -135,3 +135,20 @@ def compare_runs(run: dict[str, Any], ref: dict[str, Any], *, start: int = 0) ->
         assert set(got) == set(want), set(got) ^ set(want)
         grads.append(max((got[n] - g).abs().max().item() / max(g.abs().max().item(), 1e-12) for n, g in want.items()))
     return {"loss": loss, "params": params, "first": first, "grads0": grads[0], "grads": max(grads)}
+
+
+class MomentumAt(pl.Callback):
+    """One device: every Muon tensor's momentum buffer by name after optimizer step ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if trainer.global_step != self.step:
+            return
+        names = {id(p): n for n, p in pl_module.named_parameters()}
+        opt = trainer.optimizers[0]
+        self.buffers = {names[id(p)]: opt.state[p]["momentum_buffer"].detach().clone()
+                        for g in opt.param_groups if g.get("muon") for p in g["params"]}

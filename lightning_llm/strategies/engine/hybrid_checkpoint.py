@@ -63,6 +63,8 @@ __all__ = [
 ]
 
 META_FILE = "meta.pt"
+LAYOUT_KEYS = ("fused", "foreach", "capturable")
+"""Param-group keys a resume keeps from this run's optimizer: how the step runs on this layout, not what it does."""
 FORMAT = "lightning_llm.dcp/1"
 
 
@@ -299,7 +301,9 @@ def load_hybrid(
         if i >= len(opt_meta):
             continue
         for group, saved in zip(_inner(opt).param_groups, opt_meta[i]["param_groups"]):
-            group.update(saved)
+            # lr, betas, weight decay, ...; not how this layout runs the step (a fused kernel takes all of a device's
+            # parameters: tensor parallelism may mix DTensors and plain ones where the saving layout had not)
+            group.update({k: v for k, v in saved.items() if k not in LAYOUT_KEYS})
         inner = _stateful(opt)
         if inner is None:
             continue
