@@ -67,11 +67,29 @@ def check_muon_config(cfg: Any) -> None:
         raise ValueError(f"--model.optim.muon_lr={cfg.muon_lr}: expected a positive learning rate")
 
 
-def build_muon(task: nn.Module, cfg: Any, *, replica_group: Any = None) -> tuple[MuonWithAdamW, MuonSplit]:
+def check_muon_strategy(strategy: Any) -> None:
+    """Refuse, in one line, the strategies whose optimizer steps on flattened partitions (DeepSpeed's ZeRO, FSDP1's
+    flat parameters): there no rank holds a matrix, and Muon would run on slices of flattened tensors (another
+    update; DeepSpeed's own Muon is another formula still). The native presets shard the same way with Muon exact."""
+    names = {c.__name__ for c in type(strategy).__mro__}
+    if "DeepSpeedStrategy" in names:
+        raise ValueError("--model.optim.name=muon: not under DeepSpeed (its ZeRO optimizer steps on flattened "
+                         "partitions, which hold no matrix whole); use the native preset of the same stage "
+                         "(--trainer.strategy=zero1/zero2/zero3), where Muon equals one device's")
+    if "FSDPStrategy" in names:
+        raise ValueError("--model.optim.name=muon: not under Lightning's fsdp (FSDP1's flat parameters hold no matrix "
+                         "whole); use --trainer.strategy=zero3 (FSDP2), where Muon equals one device's")
+
+
+def build_muon(task: nn.Module, cfg: Any, *, replica_group: Any = None,
+               strategy: Any = None) -> tuple[MuonWithAdamW, MuonSplit]:
     """:class:`~.muon.MuonWithAdamW` over ``task``'s trainable parameters split by role, and the split (the run
     summary prints it). ``replica_group``: the data-parallel replicas that share Newton-Schulz out (plain
-    parameters with averaged gradients; ``None``: one replica)."""
+    parameters with averaged gradients; ``None``: one replica); ``strategy``: the trainer's, checked
+    (:func:`check_muon_strategy`)."""
     check_muon_config(cfg)
+    if strategy is not None:
+        check_muon_strategy(strategy)
     split = split_parameters(task, adapters_on_muon=cfg.muon_adapters)
     groups = muon_param_groups(split, cfg)
     params = [p for g in groups for p in g["params"]]

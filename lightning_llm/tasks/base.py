@@ -38,6 +38,7 @@ from lightning_llm.export.meta import CHECKPOINT_KEY, ExportMetadata, export_met
 from lightning_llm.models import NAMED_SIZES, build_model
 from lightning_llm.models.compile import compile_blocks
 from lightning_llm.optim import build_muon, default_fused
+from lightning_llm.optim.qk_clip import QKClip
 from lightning_llm.preemption import Preemption
 from lightning_llm.reliability import AtomicCheckpointIO, FaultInjector, RNGState
 from lightning_llm.run_summary import RunSummary, replace_model_summary
@@ -297,7 +298,9 @@ class LLMTask(pl.LightningModule):
         # Preemption after FaultInjector: a signal a test injects at a step's start is noted before that step's check.
         self._run_summary = RunSummary()
         own = [] if any(isinstance(c, Preemption) for c in self.trainer.callbacks) else [Preemption()]
-        return [RNGState(), FaultInjector(), *own, self.guard, ExportMetadata(), self._run_summary, MoEMonitor()]
+        clip = [QKClip(self.optim.qk_clip_tau)] if self.optim.qk_clip_tau is not None else []  # after each step
+        return [RNGState(), FaultInjector(), *own, self.guard, ExportMetadata(), self._run_summary, MoEMonitor(),
+                *clip]
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -528,7 +531,8 @@ class LLMTask(pl.LightningModule):
         cfg = self.optim
         # Every trainable parameter of the task: its model and any module a subclass adds (e.g. an auxiliary head).
         if cfg.name == "muon":
-            optimizer, split = build_muon(self, cfg, replica_group=self._muon_replica_group())
+            optimizer, split = build_muon(self, cfg, replica_group=self._muon_replica_group(),
+                                          strategy=self.trainer.strategy if self._trainer is not None else None)
             self.optimizer_note = split.describe(cfg.muon_adapters, stage=self.capabilities.pipelined)
         else:
             optimizer = build_adamw(param_groups(self, cfg.weight_decay), cfg)

@@ -21,7 +21,8 @@ from lightning_llm.optim import orthogonalize
 from lightning_llm.tasks import CausalLMTask, OptimConfig
 from lightning_llm.testing import LoggedLoss, full_gradients, full_parameters, table_trainer
 
-__all__ = ["LR", "MODEL", "MomentumAt", "MuonProbe", "compare_runs", "merged", "muon_fit", "optimizer_tensors"]
+__all__ = ["LR", "MODEL", "MomentumAt", "MuonProbe", "QKClipRecord", "compare_runs", "merged", "muon_fit",
+           "optimizer_tensors"]
 
 MOE = dict(num_experts=4, top_k=2, intermediate_size=32, norm_topk_prob=True, aux_loss_coef=0.01, dense_layers=[0])
 MODEL = dict(num_layers=2, num_kv_heads=4, qkv_packed=True, moe=MOE)
@@ -152,3 +153,25 @@ class MomentumAt(pl.Callback):
         opt = trainer.optimizers[0]
         self.buffers = {names[id(p)]: opt.state[p]["momentum_buffer"].detach().clone()
                         for g in opt.param_groups if g.get("muon") for p in g["params"]}
+
+
+class QKClipRecord(pl.Callback):
+    """Makes the task's :class:`~lightning_llm.optim.qk_clip.QKClip` keep every step's reduced per-head maxima; after
+    fit ``history`` holds them (this rank's heads: a tensor-parallel rank's own) and ``tau`` the threshold."""
+
+    def __init__(self) -> None:
+        self.history: list[dict[str, torch.Tensor]] = []
+        self.logged: list[list[float]] = []  # every step's logged qk_clip/max_logit, qk_clip/heads_clipped
+        self.tau = float("nan")
+        self._clip: Any = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_llm.optim.qk_clip import QKClip
+
+        (self._clip,) = [cb for cb in trainer.callbacks if isinstance(cb, QKClip)]
+        self._clip.record, self.tau = True, self._clip.tau
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.history, self.logged = self._clip.history, [t.tolist() for t in self._clip.logged]

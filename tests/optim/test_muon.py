@@ -243,3 +243,44 @@ def test_refusals() -> None:
     task.configure_model()
     with pytest.raises(ValueError, match="no trainable hidden weight matrix"):
         task.configure_optimizers()
+
+
+@pytest.mark.parametrize("kind", ["w_pack", "gqa", "mha"])
+def test_qk_clip_brings_each_clipped_head_to_tau(kind: str) -> None:
+    """After a step's clip, the same batch's largest logit of every clipped head is tau, the others' unchanged: fused
+    W_pack and separate q/k with as many kv heads (sqrt(gamma) on both), grouped kv heads (gamma on W_q)."""
+    from types import SimpleNamespace
+
+    from lightning_llm.optim.qk_clip import QKClip
+
+    overrides = {"w_pack": {"moe": None}, "gqa": {"qkv_packed": False, "num_kv_heads": 2, "moe": None},
+                 "mha": {"qkv_packed": False, "moe": None}}[kind]
+    task = _task(OptimConfig(name="muon"), **overrides)
+    task.log = lambda *args, **kwargs: None  # type: ignore[method-assign]
+    clip = QKClip(1.0, record=True)
+    clip.on_train_start(SimpleNamespace(global_step=0), task)  # type: ignore[arg-type]
+    with torch.no_grad():  # larger logits than the init's
+        for layer in clip.layers:
+            for lin in (layer.attn.W_pack, layer.attn.q_proj, layer.attn.k_proj):
+                if lin is not None:
+                    lin.weight.mul_(torch.linspace(1.0, 12.0, lin.weight.shape[0])[:, None])
+
+    def maxima() -> list[torch.Tensor]:
+        with torch.enable_grad():
+            _loss(task, 0)
+        out = [layer.max.clone() for layer in clip.layers]
+        for layer in clip.layers:
+            layer.max = None
+        return out
+
+    before = maxima()
+    clip.tau = float(torch.cat(before).median())
+    _loss(task, 0)  # the step's forward: the maxima the clip reads
+    clip.on_train_batch_end(SimpleNamespace(global_step=1), task)  # type: ignore[arg-type]
+    after = maxima()
+    for b, a in zip(before[:1], after[:1]):  # the first layer: its input (the embeddings) is the same after the clip
+        clipped = b > clip.tau
+        print(f"{kind}: tau {clip.tau:.3f}, heads' max before {b.tolist()}, after {a.tolist()}")
+        assert clipped.any() and (~clipped).any()
+        assert torch.allclose(a[clipped], torch.full_like(a[clipped], clip.tau), rtol=1e-5)
+        assert torch.allclose(a[~clipped], b[~clipped], rtol=1e-6)
