@@ -160,9 +160,9 @@ def split_parameters(task: nn.Module, *, adapters_on_muon: bool = False) -> Muon
             continue
         layout.check(tuple(_shape(p)), names[id(p)])
         muon[p] = layout
-    if not muon:
+    adapter_names = sorted(n for n, p in task.named_parameters() if id(p) in adapters and p.requires_grad)
+    if not muon and not adapter_names:  # (a PEFT run may leave Muon nothing: its adapters on AdamW, said at set-up)
         raise ValueError("--model.optim.name=muon: no trainable hidden weight matrix found (Muon takes the "
                          "projections of a registered family's transformer blocks; this model has none, or they are "
                          "frozen)")
-    return MuonSplit(muon=muon, adamw=adamw, names=names,
-                     adapters=sorted(names[i] for i in adapters if i in names))
+    return MuonSplit(muon=muon, adamw=adamw, names=names, adapters=adapter_names)

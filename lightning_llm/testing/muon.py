@@ -22,7 +22,7 @@ from lightning_llm.tasks import CausalLMTask, OptimConfig
 from lightning_llm.testing import LoggedLoss, full_gradients, full_parameters, table_trainer
 
 __all__ = ["LR", "MODEL", "MomentumAt", "MuonProbe", "QKClipRecord", "compare_runs", "merged", "muon_fit",
-           "optimizer_tensors"]
+           "optimizer_tensors", "reference_then_launch"]
 
 MOE = dict(num_experts=4, top_k=2, intermediate_size=32, norm_topk_prob=True, aux_loss_coef=0.01, dense_layers=[0])
 MODEL = dict(num_layers=2, num_kv_heads=4, qkv_packed=True, moe=MOE)
@@ -175,3 +175,13 @@ class QKClipRecord(pl.Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.history, self.logged = self._clip.history, [t.tolist() for t in self._clip.logged]
+
+
+def reference_then_launch(script: str, out: Path, worker: Any, mode: str) -> Path:
+    """The Muon tables' pattern: ``worker("reference", out)`` trains one device in this process first, then
+    ``script mode out`` runs on 2 ranks with the cores to themselves; returns ``out``."""
+    from lightning_llm.testing import launch, wait
+
+    worker("reference", out)
+    wait(launch(script, 2, mode, str(out)), timeout=1800)
+    return out

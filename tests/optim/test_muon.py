@@ -284,3 +284,43 @@ def test_qk_clip_brings_each_clipped_head_to_tau(kind: str) -> None:
         assert clipped.any() and (~clipped).any()
         assert torch.allclose(a[clipped], torch.full_like(a[clipped], clip.tau), rtol=1e-5)
         assert torch.allclose(a[~clipped], b[~clipped], rtol=1e-6)
+
+
+@pytest.mark.parametrize("on_muon", [False, True])
+def test_peft_adapters(on_muon: bool, caplog: pytest.LogCaptureFixture) -> None:
+    """LoRA: the frozen base weights take no optimizer; the adapters train on AdamW, said in one line, or their
+    matrices on Muon behind the switch."""
+    import logging
+
+    from lightning_llm.optim import build_muon
+
+    cfg = OptimConfig(name="muon", muon_adapters=on_muon)
+    task = CausalLMTask("debug", dropout=0.0, model_overrides={**OVERRIDES, "moe": None, "qkv_packed": False},
+                        optim=cfg, lora={"r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]})
+    task.configure_model()
+    with caplog.at_level(logging.INFO, logger="lightning_llm.optim.build"):
+        opt, split = build_muon(task, cfg)
+    lines = [r.getMessage() for r in caplog.records if "PEFT adapter" in r.getMessage()]
+    print(lines[0], "|", split.describe(on_muon))
+    assert len(lines) == 1 and ("on Muon" if on_muon else "AdamW (--model.optim.muon_adapters=true") in lines[0]
+    names = {id(p): n for n, p in task.named_parameters()}
+    muon = {names[id(p)] for g in opt.param_groups if g["muon"] for p in g["params"]}
+    adamw = {names[id(p)] for g in opt.param_groups if not g["muon"] for p in g["params"]}
+    lora = {n for n, p in task.named_parameters() if "lora_" in n and p.requires_grad}
+    assert lora and (lora <= muon if on_muon else lora <= adamw and not muon & lora)
+    assert not any(p.requires_grad is False for g in opt.param_groups for p in g["params"])
+
+
+def test_deepspeed_and_fsdp1_refused() -> None:
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from lightning_llm.optim import build_muon
+    from lightning_llm.strategies import DeepSpeedZeroStrategy
+
+    cfg = OptimConfig(name="muon")
+    task = _task(cfg)
+    for strategy, hint in ((DeepSpeedZeroStrategy(stage=2), "--trainer.strategy=zero1/zero2/zero3"),
+                           (FSDPStrategy(), "--trainer.strategy=zero3")):
+        with pytest.raises(ValueError, match="not under") as e:
+            build_muon(task, cfg, strategy=strategy)
+        assert hint in str(e.value) and "\n" not in str(e.value)

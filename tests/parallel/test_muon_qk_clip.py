@@ -52,12 +52,9 @@ def _worker(mode: str, out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from lightning_llm.testing import launch, wait
+    from lightning_llm.testing.muon import reference_then_launch
 
-    out = tmp_path_factory.mktemp("muon_qk_clip")
-    _worker("reference", out)  # before the launch
-    wait(launch(__file__, 2, "layouts", str(out)), timeout=1800)
-    return out
+    return reference_then_launch(__file__, tmp_path_factory.mktemp("muon_qk_clip"), _worker, "layouts")
 
 
 def _heads(history: list[list[dict[str, torch.Tensor]]], layout: str) -> list[dict[str, torch.Tensor]]:
