@@ -10,6 +10,7 @@ import logging
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
@@ -42,9 +43,9 @@ def muon_param_groups(split: MuonSplit, cfg: Any) -> list[dict[str, Any]]:
     groups: list[dict[str, Any]] = [
         {"params": [p for p in split.adamw if _decays(p)], "weight_decay": cfg.weight_decay},
         {"params": [p for p in split.adamw if not _decays(p)], "weight_decay": 0.0}]
-    by_layout: dict[tuple[int, ...], list[nn.Parameter]] = {}
+    by_layout: dict[tuple[int, ...], list[nn.Parameter]] = {tuple(k): [] for k in _every_rank_kinds(split)}
     for p, layout in split.muon.items():
-        by_layout.setdefault(tuple(layout), []).append(p)
+        by_layout[tuple(layout)].append(p)
     muon = {**MUON_DEFAULTS, "momentum": cfg.muon_momentum, "nesterov": cfg.muon_nesterov,
             "ns_steps": cfg.muon_ns_steps, "adjust_lr_fn": cfg.muon_adjust_lr}
     lr = cfg.lr if cfg.muon_lr is None else cfg.muon_lr
@@ -52,6 +53,18 @@ def muon_param_groups(split: MuonSplit, cfg: Any) -> list[dict[str, Any]]:
         groups.append({**muon, "params": params, "muon": True, "matrices": layout, "lr": lr,
                        "weight_decay": cfg.weight_decay})
     return groups
+
+
+def _every_rank_kinds(split: MuonSplit) -> list[tuple[int, ...]]:
+    """The kinds of matrices (:class:`~.roles.Matrices`) any rank holds, in one order: every rank gets the same
+    groups (empty where its pipeline stage holds none of a kind), so an LR scheduler's per-group state and a
+    checkpoint's groups mean the same group on every rank. A collective when distributed."""
+    mine = sorted({tuple(m) for m in split.muon.values()})
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    return sorted({k for kinds in every for k in kinds})
 
 
 def check_muon_config(cfg: Any) -> None:

@@ -64,7 +64,8 @@ __all__ = [
 
 META_FILE = "meta.pt"
 LAYOUT_KEYS = ("fused", "foreach", "capturable")
-"""Param-group keys a resume keeps from this run's optimizer: how the step runs on this layout, not what it does."""
+"""Param-group keys a resume keeps from this run's optimizer: how the step runs on this layout (a fused kernel takes
+all of a device's parameters: tensor parallelism may mix DTensors and plain ones where the saving layout had not)."""
 FORMAT = "lightning_llm.dcp/1"
 
 
@@ -254,17 +255,27 @@ def _template(module: nn.Module, opt: Optimizer, kinds: Mapping[str, tuple[str, 
     return out
 
 
-def _check_groups(path: Path, opt: Optimizer, saved: list[dict[str, Any]]) -> None:
-    """The checkpoint's param groups are this optimizer's, group by group (AdamW's two, or those and Muon's): a
-    run resumed with another optimizer would pair one group's hyper-parameters and states with another's."""
+def _check_kind(path: Path, opt: Optimizer, saved: list[dict[str, Any]]) -> None:
+    """Refuse an optimizer of another kind (Muon's groups against AdamW's): its states and groups would be paired
+    with others."""
     groups = _inner(opt).param_groups
-    mine = [bool(g.get("muon")) for g in groups]
-    theirs = [bool(g.get("muon")) for g in saved]
-    if mine != theirs:
-        def kind(flags: list[bool]) -> str:
-            return f"{len(flags)} param groups ({'Muon + AdamW' if any(flags) else 'AdamW'})"
-        raise ValueError(f"--ckpt_path={path}: its optimizer has {kind(theirs)}, this run's has {kind(mine)}: resume "
+    if any(g.get("muon") for g in groups) != any(g.get("muon") for g in saved):
+        def kind(gs: list[dict[str, Any]]) -> str:
+            return f"{len(gs)} param groups ({'Muon + AdamW' if any(g.get('muon') for g in gs) else 'AdamW'})"
+        raise ValueError(f"--ckpt_path={path}: its optimizer has {kind(saved)}, this run's has {kind(groups)}: resume "
                          "with the checkpoint's --model.optim.name, or load its weights only")
+
+
+def _restore_groups(opt: Optimizer, saved: list[dict[str, Any]]) -> None:
+    """The checkpoint's param-group hyper-parameters into this optimizer's groups, but for how this layout runs the
+    step (:data:`LAYOUT_KEYS`). AdamW's groups pair by position; Muon's (``muon``) by the matrices they hold
+    (``matrices``): a pipeline stage, or rank 0 that saved them, has only the kinds its layers hold."""
+    groups = _inner(opt).param_groups
+    muon = {tuple(g["matrices"]): g for g in saved if g.get("muon")}
+    pairs = list(zip([g for g in groups if not g.get("muon")], [g for g in saved if not g.get("muon")]))
+    pairs += [(g, muon[tuple(g["matrices"])]) for g in groups if g.get("muon") and tuple(g["matrices"]) in muon]
+    for group, old in pairs:
+        group.update({k: v for k, v in old.items() if k not in LAYOUT_KEYS})
 
 
 def load_hybrid(
@@ -289,7 +300,7 @@ def load_hybrid(
     opt_meta = meta.pop("optimizer_meta", [])
     for i, opt in enumerate(optimizers):
         if i < len(opt_meta):
-            _check_groups(p, opt, opt_meta[i]["param_groups"])
+            _check_kind(p, opt, opt_meta[i]["param_groups"])  # before reading a shard
             wanted[f"optim_{i}"] = _template(module, opt, opt_meta[i]["kinds"], saved_keys, f"optim_{i}")
     _read_shards(wanted, p)
     module.load_state_dict(wanted["model"], strict=False)  # DCP filled the tensors in place; this covers copies
@@ -300,10 +311,7 @@ def load_hybrid(
     for i, opt in enumerate(optimizers):
         if i >= len(opt_meta):
             continue
-        for group, saved in zip(_inner(opt).param_groups, opt_meta[i]["param_groups"]):
-            # lr, betas, weight decay, ...; not how this layout runs the step (a fused kernel takes all of a device's
-            # parameters: tensor parallelism may mix DTensors and plain ones where the saving layout had not)
-            group.update({k: v for k, v in saved.items() if k not in LAYOUT_KEYS})
+        _restore_groups(opt, opt_meta[i]["param_groups"])
         inner = _stateful(opt)
         if inner is None:
             continue
