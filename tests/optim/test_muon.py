@@ -174,23 +174,23 @@ def test_fused_parts_orthogonalised_alone() -> None:
     """W_pack's parts against the q/k/v matrices of the unfused model with the same weights, trained side by side
     (the gradients differ only by fp32 rounding); W_pack orthogonalised whole (the group's matrices forced to one)
     is another update, which the same comparison tells apart."""
-    cfg = OptimConfig(name="muon", lr=3e-4, scheduler="constant")
+    cfg = OptimConfig(name="muon", lr=1.5e-4, scheduler="constant")
     plain = _task(cfg, qkv_packed=False, moe=None)
     fused, whole = _fused_twin(plain, cfg), _fused_twin(plain, cfg)
     tasks = (plain, fused, whole)
+    start = [p.detach().clone() for p in plain.parameters()]
     opts = [t.configure_optimizers()["optimizer"] for t in tasks]
     for g in opts[2].param_groups:
         if g["muon"]:
             g["matrices"] = tuple(Matrices())
-    for step in range(6):
+    for step in range(4):
         for task, opt in zip(tasks, opts):
             _loss(task, step).backward()
             opt.step()
             opt.zero_grad()
     err, err_whole = _qkv_error(fused, plain), _qkv_error(whole, plain)
-    moved = max((a - b).abs().max().item() for a, b in zip(plain.parameters(), _task(cfg, qkv_packed=False,
-                                                                                        moe=None).parameters()))
-    print(f"W_pack's q/k/v after 6 Muon steps vs the unfused model's q_proj/k_proj/v_proj: max |diff| = {err:.1e} "
+    moved = max((a - b).abs().max().item() for a, b in zip(plain.parameters(), start))
+    print(f"W_pack's q/k/v after 4 Muon steps vs the unfused model's q_proj/k_proj/v_proj: max |diff| = {err:.1e} "
           f"(W_pack orthogonalised whole: {err_whole:.1e}; the weights moved up to {moved:.1e})")
     assert err < 1e-5 and err_whole > 1e-4
 
