@@ -241,6 +241,9 @@ def summary_lines(trainer: pl.Trainer, task: Any, batch: Any, *, flops: int | No
         moe = moe_line(task, total)
         if moe:
             lines.append(moe)
+    note = getattr(task, "optimizer_note", None)
+    if note:
+        lines.append(note)  # Muon's split: which tensors each optimizer takes
     lines.append(_memory_line(trainer, task, layout, per_replica, ids))
     config = getattr(getattr(task, "model", None), "config", None)
     if isinstance(config, ModelConfig) and config.family == "decoder":

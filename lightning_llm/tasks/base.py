@@ -19,8 +19,6 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 from typing_extensions import override
 
 from lightning_llm.contract import (
@@ -39,6 +37,8 @@ from lightning_llm.contract import (
 from lightning_llm.export.meta import CHECKPOINT_KEY, ExportMetadata, export_metadata
 from lightning_llm.models import NAMED_SIZES, build_model
 from lightning_llm.models.compile import compile_blocks
+from lightning_llm.optim import build_muon, default_fused
+from lightning_llm.optim.qk_clip import QKClip
 from lightning_llm.preemption import Preemption
 from lightning_llm.reliability import AtomicCheckpointIO, FaultInjector, RNGState
 from lightning_llm.run_summary import RunSummary, replace_model_summary
@@ -52,8 +52,13 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup and a cosine/linear/constant decay, stepped every optimizer step."""
+    """AdamW (or Muon for the hidden matrices) with linear warmup and a cosine/linear/constant decay, stepped every
+    optimizer step."""
 
+    name: Literal["adamw", "muon"] = "adamw"
+    """``adamw``; or ``muon``: Muon (Nesterov momentum orthogonalised by Newton-Schulz, torch.optim.Muon's update) for
+    the hidden weight matrices of the blocks, AdamW (the settings below) for embeddings, heads, norms, biases and
+    routers, on every layout (:mod:`lightning_llm.optim`; the run summary prints the split)."""
     lr: float = 3e-4
     """Peak learning rate."""
     weight_decay: float = 0.01
@@ -74,6 +79,23 @@ class OptimConfig:
     fused: bool | None = None
     """torch's fused AdamW (one kernel per device and dtype for every parameter, instead of a dozen per-tensor
     launches): None = wherever torch has it for the parameters' devices and dtypes (CUDA, CPU, ...)."""
+    muon_momentum: float = 0.95
+    """Muon's momentum (Nesterov)."""
+    muon_nesterov: bool = True
+    """Muon's Nesterov step (else plain momentum)."""
+    muon_ns_steps: int = 5
+    """Muon's Newton-Schulz iterations (torch.optim.Muon's quintic coefficients, in bf16)."""
+    muon_adjust_lr: Literal["original", "match_rms_adamw"] = "match_rms_adamw"
+    """Muon's learning rate per matrix: ``match_rms_adamw`` lr x 0.2 x sqrt(max(rows, cols)) (Moonlight: AdamW's lr
+    and weight decay carry over), ``original`` lr x sqrt(max(1, rows / cols)) (Keller Jordan's; wants ~0.02)."""
+    muon_lr: float | None = None
+    """Muon's peak learning rate (None: ``lr``); the schedule scales it like ``lr``."""
+    muon_adapters: bool = False
+    """PEFT runs: the adapters' matrices (LoRA's A and B) on Muon too (default: AdamW)."""
+    qk_clip_tau: float | None = None
+    """Kimi K2's QK-Clip (MuonClip): after each step, every attention head whose largest pre-softmax logit of the
+    step exceeded tau has W_q and W_k scaled by sqrt(tau / max) (None: off). Logs the largest logit and the heads
+    clipped."""
 
     def lr_lambda(self, total_steps: int):  # noqa: ANN201 - returns a closure for LambdaLR
         warmup = int(self.warmup_steps * total_steps) if 0 < self.warmup_steps < 1 else int(self.warmup_steps)
@@ -98,14 +120,7 @@ def build_adamw(groups: list[dict[str, Any]], cfg: OptimConfig) -> torch.optim.A
     """torch's AdamW over ``groups`` with ``cfg``'s hyper-parameters, fused where torch supports it (``cfg.fused``
     None) or as ``cfg.fused`` says (a fused request torch cannot serve raises its own error)."""
     params = [p for g in groups for p in g["params"]]
-    fused = cfg.fused
-    if fused is None:
-        supported = _get_fused_kernels_supported_devices()
-        # One fused call takes all of a device's parameters: DTensor shards and plain tensors cannot mix in it (a
-        # tensor-parallel plan that leaves some modules replicated); foreach then.
-        kinds = {isinstance(p, DTensor) for p in params}
-        fused = bool(params) and len(kinds) == 1 and all(
-            p.device.type in supported and p.is_floating_point() for p in params)
+    fused = default_fused(params) if cfg.fused is None else cfg.fused
     optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused)
     # A fused AdamW says it unscales fp16 gradients inside its step, and Lightning's mixed precision then refuses
     # gradient clipping (bf16 too) and skips unscaling before clipping and the non-finite check. The kernel does not
@@ -174,6 +189,8 @@ class LLMTask(pl.LightningModule):
         self.model: nn.Module | None = None
         self.parameter_counts: tuple[int, int] | None = None
         """``(total, trainable)`` parameters of the model as built (before any strategy shards or splits it)."""
+        self.optimizer_note: str | None = None
+        """What the optimizer does with which parameters (Muon's split), for the run summary."""
         self.flops_per_batch: int | None = None
         """FLOPs of one training batch's forward and backward on one replica (counted by :class:`RunSummary` at the
         first batch; ``None`` when not counted): tasks log FLOP/s and MFU from it."""
@@ -281,7 +298,9 @@ class LLMTask(pl.LightningModule):
         # Preemption after FaultInjector: a signal a test injects at a step's start is noted before that step's check.
         self._run_summary = RunSummary()
         own = [] if any(isinstance(c, Preemption) for c in self.trainer.callbacks) else [Preemption()]
-        return [RNGState(), FaultInjector(), *own, self.guard, ExportMetadata(), self._run_summary, MoEMonitor()]
+        clip = [QKClip(self.optim.qk_clip_tau)] if self.optim.qk_clip_tau is not None else []  # after each step
+        return [RNGState(), FaultInjector(), *own, self.guard, ExportMetadata(), self._run_summary, MoEMonitor(),
+                *clip]
 
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -511,7 +530,19 @@ class LLMTask(pl.LightningModule):
         assert self.model is not None, "configure_model() must run first"
         cfg = self.optim
         # Every trainable parameter of the task: its model and any module a subclass adds (e.g. an auxiliary head).
-        optimizer = build_adamw(param_groups(self, cfg.weight_decay), cfg)
+        if cfg.name == "muon":
+            optimizer, split = build_muon(self, cfg, replica_group=self._muon_replica_group(),
+                                          strategy=self.trainer.strategy if self._trainer is not None else None)
+            self.optimizer_note = split.describe(cfg.muon_adapters, stage=self.capabilities.pipelined)
+        else:
+            optimizer = build_adamw(param_groups(self, cfg.weight_decay), cfg)
         total = int(self.trainer.estimated_stepping_batches) if self._trainer is not None else 1
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cfg.lr_lambda(total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def _muon_replica_group(self) -> Any:
+        """The data-parallel replicas that share Muon's Newton-Schulz out (None: one replica)."""
+        caps = self.capabilities
+        if caps.data_parallel_size <= 1 or not torch.distributed.is_initialized():
+            return None
+        return caps.data_parallel_group or torch.distributed.group.WORLD  # Lightning's strategies: every rank

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "lightning_llm"
 LAYERS = {
     "files": 0, "logs": 0, "checkpoint": 0, "contract": 0, "kernels": 0, "metrics": 0,
     "models": 1, "reliability": 1,
-    "data": 2, "generation": 2, "strategies": 2,
+    "data": 2, "generation": 2, "strategies": 2, "optim": 2,
     "vocab": 3, "memory": 3, "preemption": 3,
     "peft": 4, "run_summary": 4, "tools": 4,
     "export": 5, "rl": 5,

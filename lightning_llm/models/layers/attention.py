@@ -371,6 +371,34 @@ class TokenMask:
     """The forward takes the varlen path (:func:`uses_varlen`): a core attends through the varlen kernel, no mask."""
 
 
+def max_logits(q: Tensor, k: Tensor, *, attn_mask: Tensor | None, is_causal: bool, scale: float | None = None,
+               rows: int = 256) -> Tensor:
+    """The largest pre-softmax logit ``q k^T x scale`` of each query head over the pairs the mask lets attend, in
+    fp32, without gradient (QK-Clip reads it): q [B, N, S, D], k [B, K, T, D] (GQA: query head h reads kv head
+    h // (N / K)), ``attn_mask`` bool (True = attend) or additive, broadcastable to [B, N, S, T]; computed ``rows``
+    queries at a time (no [S, T] scores of all heads at once). -> [N]."""
+    if isinstance(attn_mask, VarlenLayout):
+        raise ValueError("QK-Clip (--model.optim.qk_clip_tau) reads the attention logits through a dense mask; the "
+                         "varlen path has none: train with --model.attention=sdpa")
+    with torch.no_grad():
+        n, s, t = q.shape[1], q.shape[2], k.shape[2]
+        keys = k.float().repeat_interleave(n // k.shape[1], dim=1).transpose(-1, -2)  # [B, N, D, T]
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        out = torch.full((n,), float("-inf"), device=q.device)
+        for a in range(0, s, rows):
+            b = min(s, a + rows)
+            scores = (q[:, :, a:b].float() @ keys) * scale  # [B, N, b - a, T]
+            if attn_mask is not None:
+                mask = attn_mask[..., a:b, :] if attn_mask.shape[-2] == s else attn_mask
+                scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+            elif is_causal:  # bottom-right aligned, as SDPA's is_causal with a cache: query i sees keys <= i + t - s
+                allowed = (torch.arange(t, device=q.device)[None, :]
+                           <= torch.arange(a, b, device=q.device)[:, None] + (t - s))
+                scores = scores.masked_fill(~allowed, float("-inf"))
+            out = torch.maximum(out, scores.amax(dim=(0, 2, 3)))
+        return out
+
+
 class DotProductAttention(nn.Module):
     """The attention core of ``block.Attention`` (no parameters): ``softmax(q k^T / sqrt(D)) v`` by SDPA (GQA kv
     heads repeated on the CPU under autograd, ``enable_gqa`` elsewhere), or by the varlen kernel when given a
@@ -381,6 +409,11 @@ class DotProductAttention(nn.Module):
     needs_token_mask: bool = False
     """Whether the model must pass ``token_mask``: a module that rebuilds the mask from it (in place of this core)
     sets True."""
+
+    def max_logits(self, q: Tensor, k: Tensor, v: Tensor, *, attn_mask: AttentionMask, is_causal: bool,
+                   scale: float | None = None, **_: object) -> Tensor:
+        """Each query head's largest logit of this call (the core's own arguments; QK-Clip): :func:`max_logits`."""
+        return max_logits(q, k, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
 
     def forward(
         self,

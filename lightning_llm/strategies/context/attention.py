@@ -45,7 +45,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_llm.models.layers.attention import VarlenLayout, values_as_keys, varlen_attention, varlen_layout
+from lightning_llm.models.layers.attention import (VarlenLayout, max_logits, values_as_keys, varlen_attention,
+                                                  varlen_layout)
 from lightning_llm.models.layers.masks import additive_mask
 from lightning_llm.strategies.context.sharding import local_columns, order_gathered
 
@@ -219,6 +220,18 @@ class ContextParallelAttention(nn.Module):
         rep = q.shape[1] // k.shape[1]
         return F.scaled_dot_product_attention(q, *_heads(k_all, v_all, slice(None), rep), attn_mask=mask,
                                               scale=scale)[..., :dv]
+
+    def max_logits(self, q: Tensor, k: Tensor, v: Tensor, *, token_mask: Any = None, scale: float | None = None,
+                   **_: Any) -> Tensor:
+        """Each query head's largest logit of this rank's queries against the whole rows' keys (gathered without
+        gradient; the mask by global column, as :meth:`forward`'s): the maximum over the cp group is one device's
+        (QK-Clip). -> [N]."""
+        if token_mask is None:
+            raise ValueError("context parallelism: QK-Clip needs the model's token_mask to mask the logits")
+        seq = q.shape[2] * self.cp
+        k_all = self._gather(k.transpose(1, 2), dim=1, differentiable=False).transpose(1, 2)  # [B, K, S, D]
+        return max_logits(q, k_all, attn_mask=self._mask(token_mask, seq=seq, batch=q.shape[0], device=q.device),
+                          is_causal=False, scale=scale)
 
     def _layout(self, token_mask: Any, *, seq: int, batch: int, device: torch.device) -> VarlenLayout:
         """The varlen layout of this rank's two chunks against the whole rows' keys (keep and segment ids

@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import loss_parallel as _loss_parallel_ct
 from typing_extensions import override
 
 from lightning_llm.strategies.engine.grad_buckets import GradReducer, reducer_for
-from lightning_llm.strategies.mesh import ParallelDims
+from lightning_llm.strategies.mesh import MESH_DIMS, ParallelDims
 from lightning_llm.strategies.tensor.parallelize import clip_grads_by_global_norm, reduce_partial_grads
 from lightning_llm.strategies.zero.native import gradient_sync_paused, partition_optimizers
 
@@ -41,6 +41,8 @@ class EngineGradients(ParallelStrategy):
     replica_rank: int
     _params: list[nn.Parameter]
     _dp_group: Any
+    _mesh: Any
+    _stage_group: Any = None  # the ranks of a pipeline stage (dp x cp x tp), built for Muon under tp
     _replica_mesh: Any
     _expert_mesh: Any
     _reducer: GradReducer | None
@@ -65,6 +67,7 @@ class EngineGradients(ParallelStrategy):
             h.remove()
         assert self.dims is not None
         owners: dict[int, int] = {}  # ZeRO-2: id(param) -> the dp rank that keeps its gradient
+        self._check_muon_offload()
         # Over one data-parallel rank a partition is the whole: the task's optimizer steps as it is (no wrapper, no
         # per-step group copies), unless the states are offloaded to the CPU.
         if self.zero_stage in (1, 2) and (self.dims.replicas > 1 or self.offload_optimizer):
@@ -80,6 +83,31 @@ class EngineGradients(ParallelStrategy):
                                     experts=experts)
         # A pipeline's backward runs inside its schedule: it reduces after the schedule (PipelineStages), no hooks.
         self._grad_hooks = [] if self.pipelined else self._reducer.register_hooks()
+        self._share_muon()
+
+    def _share_muon(self) -> None:
+        """Muon (an optimizer with a ``replica_group``, not wrapped by ZeRO-1/2, whose owners hold their parameters
+        alone) shares Newton-Schulz of its plain parameters over every rank that holds them with the same reduced
+        gradient: the ranks of a pipeline stage (dp x cp x tp; the task only knows the data-parallel ones)."""
+        assert self.dims is not None
+        muon = [o for o in self.optimizers if hasattr(getattr(o, "_optimizer", o), "replica_group")]
+        if not muon or self.dims.tp == 1:
+            return
+        if self._stage_group is None:  # built once (a mesh dim flattened under one name)
+            dims = [d for d in ("dp", "cp", "tp") if self._mesh.size(MESH_DIMS.index(d)) > 1]
+            stage = self._mesh[tuple(dims)]._flatten("_".join(dims)) if len(dims) > 1 else self._mesh[dims[0]]
+            self._stage_group = stage.get_group()
+        for opt in muon:
+            getattr(opt, "_optimizer", opt).replica_group = self._stage_group
+
+    def _check_muon_offload(self) -> None:
+        """Muon (param groups marked ``muon``) orthogonalises whole matrices gathered from their shards on the
+        device: offloaded states (fp32 CPU masters of shards, FSDP2's CPU shards) are refused before the first step."""
+        muon = any(g.get("muon") for opt in self.optimizers for g in getattr(opt, "param_groups", []))
+        sharded = self.dims is not None and (self.dims.tp > 1 or self.zero_stage == 3)
+        if muon and sharded and (self.offload_optimizer or getattr(self, "offload_params", False)):
+            raise ValueError(f"--model.optim.name=muon: not with offloaded optimizer states under a sharded layout "
+                             f"(ZeRO-{self.zero_stage}, tp={self.dims.tp}); use the layout without offload")
 
     @contextlib.contextmanager
     def _loss_context(self) -> Generator[None, None, None]:

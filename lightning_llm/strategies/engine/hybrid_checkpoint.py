@@ -63,6 +63,9 @@ __all__ = [
 ]
 
 META_FILE = "meta.pt"
+LAYOUT_KEYS = ("fused", "foreach", "capturable")
+"""Param-group keys a resume keeps from this run's optimizer: how the step runs on this layout (a fused kernel takes
+all of a device's parameters: tensor parallelism may mix DTensors and plain ones where the saving layout had not)."""
 FORMAT = "lightning_llm.dcp/1"
 
 
@@ -232,8 +235,11 @@ def saved_model_state(module: nn.Module) -> dict[str, Any]:
     return {k: v for k, v in module.state_dict().items() if not is_quantized(getattr(v, "_local_tensor", v))}
 
 
-def _template(module: nn.Module, opt: Optimizer, kinds: Mapping[str, tuple[str, torch.dtype]]) -> dict[str, Any]:
-    """Empty state tensors, shaped and sharded like this rank's parameters, for DCP to fill."""
+def _template(module: nn.Module, opt: Optimizer, kinds: Mapping[str, tuple[str, torch.dtype]],
+              saved: set[str], prefix: str) -> dict[str, Any]:
+    """Empty state tensors, shaped and sharded like this rank's parameters, for DCP to fill: the keys the checkpoint
+    holds for each (``saved``, DCP's flattened ``<prefix>.<fqn>/<key>``: an optimizer whose groups keep different
+    states, Muon's momentum beside AdamW's moments, has no AdamW key for a Muon parameter)."""
     names = _names(module, opt)
     inner = _stateful(opt)
     out: dict[str, Any] = {}
@@ -243,9 +249,33 @@ def _template(module: nn.Module, opt: Optimizer, kinds: Mapping[str, tuple[str, 
         for p in group["params"]:
             fqn = names[id(p)]
             for k, (kind, dtype) in kinds.items():
-                out[f"{fqn}/{k}"] = (torch.zeros_like(p, dtype=dtype) if kind == "param"
-                                     else torch.zeros((), dtype=dtype))
+                if f"{prefix}.{fqn}/{k}" in saved:
+                    out[f"{fqn}/{k}"] = (torch.zeros_like(p, dtype=dtype) if kind == "param"
+                                         else torch.zeros((), dtype=dtype))
     return out
+
+
+def _check_kind(path: Path, opt: Optimizer, saved: list[dict[str, Any]]) -> None:
+    """Refuse an optimizer of another kind (Muon's groups against AdamW's): its states and groups would be paired
+    with others."""
+    groups = _inner(opt).param_groups
+    if any(g.get("muon") for g in groups) != any(g.get("muon") for g in saved):
+        def kind(gs: list[dict[str, Any]]) -> str:
+            return f"{len(gs)} param groups ({'Muon + AdamW' if any(g.get('muon') for g in gs) else 'AdamW'})"
+        raise ValueError(f"--ckpt_path={path}: its optimizer has {kind(saved)}, this run's has {kind(groups)}: resume "
+                         "with the checkpoint's --model.optim.name, or load its weights only")
+
+
+def _restore_groups(opt: Optimizer, saved: list[dict[str, Any]]) -> None:
+    """The checkpoint's param-group hyper-parameters into this optimizer's groups, but for how this layout runs the
+    step (:data:`LAYOUT_KEYS`). AdamW's groups pair by position; Muon's (``muon``) by the matrices they hold
+    (``matrices``): a pipeline stage, or rank 0 that saved them, has only the kinds its layers hold."""
+    groups = _inner(opt).param_groups
+    muon = {tuple(g["matrices"]): g for g in saved if g.get("muon")}
+    pairs = list(zip([g for g in groups if not g.get("muon")], [g for g in saved if not g.get("muon")]))
+    pairs += [(g, muon[tuple(g["matrices"])]) for g in groups if g.get("muon") and tuple(g["matrices"]) in muon]
+    for group, old in pairs:
+        group.update({k: v for k, v in old.items() if k not in LAYOUT_KEYS})
 
 
 def load_hybrid(
@@ -270,7 +300,8 @@ def load_hybrid(
     opt_meta = meta.pop("optimizer_meta", [])
     for i, opt in enumerate(optimizers):
         if i < len(opt_meta):
-            wanted[f"optim_{i}"] = _template(module, opt, opt_meta[i]["kinds"])
+            _check_kind(p, opt, opt_meta[i]["param_groups"])  # before reading a shard
+            wanted[f"optim_{i}"] = _template(module, opt, opt_meta[i]["kinds"], saved_keys, f"optim_{i}")
     _read_shards(wanted, p)
     module.load_state_dict(wanted["model"], strict=False)  # DCP filled the tensors in place; this covers copies
     for opt in optimizers:  # offloaded fp32 masters follow the loaded weights
@@ -280,8 +311,7 @@ def load_hybrid(
     for i, opt in enumerate(optimizers):
         if i >= len(opt_meta):
             continue
-        for group, saved in zip(_inner(opt).param_groups, opt_meta[i]["param_groups"]):
-            group.update(saved)
+        _restore_groups(opt, opt_meta[i]["param_groups"])
         inner = _stateful(opt)
         if inner is None:
             continue

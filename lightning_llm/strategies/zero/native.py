@@ -184,15 +184,17 @@ class PartitionedOptimizer(Optimizer):
         # Owned parameters the inner optimizer updates: the parameters themselves, or fp32 CPU masters when offloading.
         self._master: dict[int, nn.Parameter] = {}
         inner_groups = []
-        for g in groups:
+        self._outer: list[int] = []  # the full group of each inner group (a rank owning none of a group skips it)
+        for index, g in enumerate(groups):
             mine = [p for p in g["params"] if self._owner_of[id(p)] == self.rank]
             if offload:
                 mine = [self._master.setdefault(id(p), nn.Parameter(_local(p).detach().to("cpu", torch.float32,
                                                                                             copy=True)))
                         for p in mine]
-            inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": mine})
+            if mine:
+                inner_groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": mine})
+                self._outer.append(index)
         # Every hyperparameter is in the group dicts, so the optimizer class needs no constructor defaults.
-        inner_groups = [g for g in inner_groups if g["params"]]
         self.local_optimizer = type(optimizer)(inner_groups) if inner_groups else None
         # Packs each broadcast bucket's parameters into one buffer (their storage moves; values, shapes, identity
         # stay), so the broadcast after every step sends and receives in place.
@@ -234,8 +236,10 @@ class PartitionedOptimizer(Optimizer):
             with torch.enable_grad():
                 loss = closure()  # forward + backward; the strategy's reducer has reduced the gradients
         if self.local_optimizer is not None:
-            for mine, full in zip(self.local_optimizer.param_groups, self.param_groups):
-                mine.update({k: v for k, v in full.items() if k != "params"})  # lr from the scheduler, etc.
+            for mine, index in zip(self.local_optimizer.param_groups, self._outer, strict=True):
+                # lr from the scheduler, etc., from the group it came from (not by position: groups this rank owns
+                # nothing of are not in the inner optimizer)
+                mine.update({k: v for k, v in self.param_groups[index].items() if k != "params"})
             if self.offload:
                 for p in self.owned:
                     m = self._master[id(p)]

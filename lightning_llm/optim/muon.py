@@ -1,0 +1,163 @@
+"""Muon for the hidden weight matrices, torch's AdamW for the rest, as one optimizer on any layout.
+
+:class:`MuonWithAdamW` is a ``torch.optim.AdamW`` whose param groups marked ``muon`` get ``torch.optim.Muon``'s update
+(Jordan et al. 2024; the step of ``torch.optim._muon._single_tensor_muon``, operation for operation):
+
+    B <- lerp(B, g, 1 - momentum)               momentum buffer (``momentum_buffer``, shaped like the parameter)
+    U <- lerp(g, B, momentum)  (Nesterov)  or  B
+    O <- Newton-Schulz(U)                      bf16, per matrix (:mod:`.orthogonalize`)
+    p <- p * (1 - lr * weight_decay) - lr * ratio(rows, cols) * O
+
+with ``ratio`` torch's ``adjust_lr_fn``: ``original`` sqrt(max(1, rows / cols)) or ``match_rms_adamw`` 0.2 x
+sqrt(max(rows, cols)) (Moonlight), of each matrix's shape (a part of a fused tensor, one expert). The other groups
+step exactly as ``torch.optim.AdamW`` over the same groups (its ``_init_group`` and functional ``adam``).
+
+Everything but Newton-Schulz is elementwise and runs on whatever piece of the parameter this rank holds (a ZeRO-3 or
+tensor-parallel shard, a ZeRO-1/2 owner's whole tensor); :func:`~.orthogonalize.orthogonalized` hands Newton-Schulz
+whole matrices. Every hyper-parameter lives in the param groups, so ZeRO-1/2 rebuild the optimizer over a rank's
+share from its groups alone, and the states (``momentum_buffer``; AdamW's ``step``, ``exp_avg``, ``exp_avg_sq``) are
+keyed per parameter like AdamW's: layout-free checkpoints reshard them.
+
+A ``found_inf`` set on the optimizer (the non-finite guard's flag, 1.0 = skip) leaves every Muon weight and buffer as
+it is, decided on the device; with fused AdamW groups the whole step then skips on the device
+(:attr:`skips_on_found_inf`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+from torch.optim._muon import _adjust_lr
+from torch.optim.adam import adam
+
+from lightning_llm.optim.orthogonalize import NewtonSchulz, Orthogonalize, orthogonalized
+from lightning_llm.optim.roles import Matrices
+
+__all__ = ["MuonWithAdamW", "MUON_DEFAULTS"]
+
+MUON_DEFAULTS: dict[str, Any] = {
+    "momentum": 0.95,
+    "nesterov": True,
+    "ns_coefficients": (3.4445, -4.7750, 2.0315),
+    "ns_steps": 5,
+    "ns_eps": 1e-7,
+    "adjust_lr_fn": "match_rms_adamw",
+    "matrices": tuple(Matrices()),
+}
+"""A Muon group's keys besides ``lr`` and ``weight_decay`` (``muon: True``), torch.optim.Muon's defaults except
+``adjust_lr_fn`` (Moonlight's, so Muon reuses AdamW's learning rate and weight decay)."""
+
+
+def _local(t: Tensor) -> Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class MuonWithAdamW(torch.optim.AdamW):
+    """AdamW whose groups with ``muon=True`` step with Muon (see the module doc).
+
+    Args:
+        params: param groups; a Muon group has ``muon: True`` and may set the keys of :data:`MUON_DEFAULTS`
+            (``matrices``: a :class:`~.roles.Matrices` tuple, how its tensors hold matrices).
+        replica_group: the process group over which plain (not DTensor) Muon parameters are replicated with the same
+            averaged gradient (data-parallel replicas): Newton-Schulz is then shared out over it. ``None``: each rank
+            orthogonalises what it holds.
+        **adamw: torch.optim.AdamW's arguments, defaults of every group.
+    """
+
+    def __init__(self, params: Any, *, replica_group: Any = None, **adamw: Any) -> None:
+        super().__init__(params, **adamw)
+        self.replica_group = replica_group
+        for group in self.param_groups:
+            group.setdefault("muon", False)
+            if group["muon"]:
+                for k, v in MUON_DEFAULTS.items():
+                    group.setdefault(k, v)
+                if group["adjust_lr_fn"] not in ("original", "match_rms_adamw"):
+                    raise ValueError(f"Muon: adjust_lr_fn={group['adjust_lr_fn']!r}, expected 'original' or "
+                                     "'match_rms_adamw'")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # load_state_dict's: Adam's own reads a "step" from every parameter's state, which a Muon one has not (the
+        # legacy float steps it converts never occur in this class's states).
+        torch.optim.Optimizer.__setstate__(self, state)
+        for group in self.param_groups:
+            for key, value in (("amsgrad", False), ("maximize", False), ("foreach", None), ("capturable", False),
+                               ("differentiable", False), ("decoupled_weight_decay", True), ("fused", None),
+                               ("muon", False)):
+                group.setdefault(key, value)
+
+    @property
+    def skips_on_found_inf(self) -> bool:
+        """Whether a ``found_inf`` flag skips the whole step on the device: the Muon groups always do, the AdamW
+        groups when fused (torch's fused kernel)."""
+        return all(g["fused"] for g in self.param_groups if not g["muon"])
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if not group["muon"]:
+                self._adamw_group(group)
+        muon = [g for g in self.param_groups if g["muon"]]
+        if muon:
+            self._muon_groups(muon)
+        return loss
+
+    def _adamw_group(self, group: dict[str, Any]) -> None:
+        """torch.optim.Adam's step body for one group (AdamW: ``decoupled_weight_decay``)."""
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps = [], [], [], [], [], []
+        has_complex = self._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps)
+        beta1, beta2 = group["betas"]
+        adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad=group["amsgrad"],
+             has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+             eps=group["eps"], maximize=group["maximize"], foreach=group["foreach"], capturable=group["capturable"],
+             differentiable=group["differentiable"], fused=group["fused"], grad_scale=getattr(self, "grad_scale", None),
+             found_inf=getattr(self, "found_inf", None), decoupled_weight_decay=group["decoupled_weight_decay"])
+
+    def _muon_groups(self, groups: list[dict[str, Any]]) -> None:
+        """Momentum and Nesterov on this rank's pieces, Newton-Schulz on whole matrices, then the update."""
+        found_inf = getattr(self, "found_inf", None)
+        skip = None if found_inf is None else found_inf.to(torch.bool)
+        todo: list[tuple[dict[str, Any], Tensor, Tensor, Tensor]] = []  # (group, param, its local tensor, buffer)
+        items: list[Orthogonalize] = []
+        for group in groups:
+            momentum = group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                grad, buf = _local(p.grad), _local(state["momentum_buffer"])
+                if skip is not None:  # NaN/inf gradients must not reach the buffer the skip keeps
+                    grad = torch.where(skip, torch.zeros_like(grad), grad)
+                    new = buf.lerp(grad, 1 - momentum)
+                    buf.copy_(torch.where(skip, buf, new))
+                else:
+                    buf.lerp_(grad, 1 - momentum)
+                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
+                items.append(Orthogonalize(p, update.bfloat16() if update is not buf else update.to(torch.bfloat16,
+                                                                                                    copy=True),
+                                           Matrices(*group["matrices"])))
+                todo.append((group, p, _local(p), buf))
+        if not items:
+            return
+        first = groups[0]
+        ns = NewtonSchulz(tuple(first["ns_coefficients"]), first["ns_steps"], first["ns_eps"])  # type: ignore[arg-type]
+        if any((tuple(g["ns_coefficients"]), g["ns_steps"], g["ns_eps"]) != tuple(ns) for g in groups):
+            raise ValueError("Muon: every Muon group must use the same Newton-Schulz settings")
+        for (group, p, local, _), item, o in zip(todo, items, orthogonalized(items, ns,
+                                                                              replica_group=self.replica_group)):
+            lr = group["lr"]
+            adjusted = _adjust_lr(lr, group["adjust_lr_fn"], item.layout.part_shape(tuple(p.shape)))
+            if skip is None:
+                local.mul_(1 - lr * group["weight_decay"])
+                local.add_(o, alpha=-adjusted)
+            else:
+                local.copy_(torch.where(skip, local, local.mul(1 - lr * group["weight_decay"]).add(o, alpha=-adjusted)))

@@ -1,0 +1,226 @@
+"""Newton-Schulz on whole matrices, wherever a layout keeps a parameter's pieces.
+
+Muon's momentum, Nesterov step, weight decay and update are elementwise: every rank does them on what it holds. Only
+the orthogonalisation needs a whole matrix, and it is torch's own (``torch.optim._muon._zeropower_via_newtonschulz``,
+bf16 iterations, one 2-D matrix per call) on each matrix of :class:`~.roles.Matrices`, so each equals what
+``torch.optim.Muon`` computes for that matrix alone. How a step gets whole matrices (:func:`orthogonalized`):
+
+* **local**: a plain tensor on one rank (one device, ZeRO-1/2's owner, which holds the whole parameter and its
+  reduced gradient), or a DTensor split only along its stacked dim (expert parallelism: a rank's experts are whole);
+* **replicated**: a plain tensor every rank of ``replica_group`` holds with the same averaged gradient (ddp, the
+  engine's ranks of a pipeline stage at ZeRO-0, tensor-parallel ranks included: the MoE experts stay whole there):
+  the tensors are dealt out over the ranks (the costliest first, each to the least-loaded rank), each orthogonalises
+  its share, and every owner broadcasts its results (one packed bf16 buffer per rank);
+* **sharded**: a DTensor split along a matrix dim over a 1-D mesh (ZeRO-3's FSDP2 shards, tensor parallelism's
+  column/row shards): dealt out the same way over the mesh's ranks; one all-to-all sends every shard of a matrix to its
+  owner, which concatenates them, orthogonalises and sends each rank its shard of the result in a second
+  all-to-all (bf16, packed: two collectives per mesh and step, whatever the number of matrices);
+* a DTensor split over several mesh dims (ZeRO-3 with tensor parallelism): gathered whole on every rank of its mesh
+  and orthogonalised there (duplicated work, said once in the log), each rank keeping its shard.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Iterable
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.optim._muon import _zeropower_via_newtonschulz
+
+from lightning_llm.optim.roles import Matrices
+
+log = logging.getLogger(__name__)
+
+__all__ = ["NewtonSchulz", "Orthogonalize", "orthogonalized"]
+
+
+class NewtonSchulz(NamedTuple):
+    """torch.optim.Muon's iteration settings."""
+
+    coefficients: tuple[float, float, float]
+    steps: int
+    eps: float
+
+    def whole(self, x: Tensor, layout: Matrices) -> Tensor:
+        """The orthogonalised ``x`` (a whole tensor, bf16; used up), each matrix of ``layout`` on its own."""
+        out = torch.empty_like(x, dtype=torch.bfloat16)
+        mats = x.reshape(-1, *x.shape[layout.stack:])  # [M, R, C]
+        outs = out.view(-1, *x.shape[layout.stack:])
+        rows, cols = mats.shape[1:]
+        inner = layout.inner if layout.inner > 0 else rows // (layout.parts * layout.outer)
+        for m, o in zip(mats, outs):
+            if layout.parts == 1:
+                o.copy_(self._one(m))
+                continue
+            mv, ov = m.view(-1, layout.parts, inner, cols), o.view(-1, layout.parts, inner, cols)
+            for j in range(layout.parts):
+                ov[:, j].copy_(self._one(mv[:, j].reshape(-1, cols)).view(-1, inner, cols))
+        return out
+
+    def _one(self, m: Tensor) -> Tensor:
+        return _zeropower_via_newtonschulz(m, self.coefficients, self.steps, self.eps)
+
+
+class Orthogonalize(NamedTuple):
+    """One matrix parameter's update waiting for Newton-Schulz: ``param`` (plain or DTensor), ``update`` (this rank's
+    piece of it, bf16, shaped like the parameter's local tensor), its ``layout``."""
+
+    param: Tensor
+    update: Tensor
+    layout: Matrices
+
+
+def _sharded_dims(p: DTensor) -> list[int]:
+    return [pl.dim for pl in p.placements if isinstance(pl, Shard) or hasattr(pl, "dim")]
+
+
+def orthogonalized(items: list[Orthogonalize], ns: NewtonSchulz, *, replica_group: Any = None) -> list[Tensor]:
+    """Each item's update orthogonalised, as this rank's piece (the shape of ``update``), in order (see the module
+    doc). A collective over the groups involved: every rank of them calls it with the same parameters."""
+    out: list[Tensor | None] = [None] * len(items)
+    replicated, sharded, duplicated = [], defaultdict(list), []
+    for i, item in enumerate(items):
+        p = item.param
+        if not isinstance(p, DTensor):
+            if replica_group is not None and dist.get_world_size(replica_group) > 1:
+                replicated.append(i)
+            else:
+                out[i] = ns.whole(item.update, item.layout)
+            continue
+        dims = _sharded_dims(p)
+        if all(d < item.layout.stack for d in dims):  # whole matrices here (a rank's experts)
+            out[i] = ns.whole(item.update, item.layout)
+        elif p.device_mesh.ndim == 1:
+            sharded[p.device_mesh].append(i)
+        else:
+            duplicated.append(i)
+    if replicated:
+        _replicated(items, replicated, out, ns, replica_group)
+    for mesh, idx in sharded.items():
+        _sharded(items, idx, out, ns, mesh)
+    if duplicated:
+        _duplicated(items, duplicated, out, ns)
+    return out  # type: ignore[return-value]
+
+
+def _cost(item: Orthogonalize) -> int:
+    """Newton-Schulz's work on a tensor: per matrix ~ rows x cols x min(rows, cols) multiply-adds per iteration."""
+    shape = tuple(item.param.shape)
+    rows, cols = item.layout.part_shape(shape)
+    return item.layout.count(shape) * rows * cols * min(rows, cols)
+
+
+def _deal(items: list[Orthogonalize], idx: list[int], n: int) -> dict[int, int]:
+    """Owner (group rank) of each item, every rank alike: the costliest first, each to the least-loaded rank, so
+    each rank orthogonalises about 1/n of the work."""
+    load = [0] * n
+    owner = {}
+    for i in sorted(idx, key=lambda i: (-_cost(items[i]), i)):
+        r = min(range(n), key=lambda k: (load[k], k))
+        owner[i] = r
+        load[r] += _cost(items[i])
+    return owner
+
+
+def _replicated(items: list[Orthogonalize], idx: list[int], out: list[Tensor | None], ns: NewtonSchulz,
+                group: Any) -> None:
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    owner = _deal(items, idx, n)
+    for i in idx:
+        if owner[i] == me:
+            out[i] = ns.whole(items[i].update, items[i].layout)
+    for src in range(n):
+        mine = [i for i in idx if owner[i] == src]
+        if not mine:
+            continue
+        if src == me:
+            flat = torch.cat([out[i].reshape(-1) for i in mine])  # type: ignore[union-attr]
+        else:
+            flat = torch.empty(sum(items[i].update.numel() for i in mine), dtype=torch.bfloat16,
+                               device=items[mine[0]].update.device)
+        dist.broadcast(flat, src=dist.get_global_rank(group, src), group=group)
+        if src != me:
+            for i, piece in zip(mine, flat.split([items[i].update.numel() for i in mine])):
+                out[i] = piece.view(items[i].update.shape)
+
+
+def _shard_dim(p: DTensor) -> int:
+    (placement,) = p.placements
+    return placement.dim  # type: ignore[attr-defined]
+
+
+def _shard_shape(p: DTensor, rank: int, n: int) -> tuple[list[int], int]:
+    """The shape and offset (along the sharded dim) of group rank ``rank``'s shard of ``p`` (torch.chunk's split)."""
+    d = _shard_dim(p)
+    size, offset = Shard.local_shard_size_and_offset(p.shape[d], n, rank)
+    shape = list(p.shape)
+    shape[d] = size
+    return shape, offset
+
+
+def _numel(shape: Iterable[int]) -> int:
+    total = 1
+    for s in shape:
+        total *= s
+    return total
+
+
+def _sharded(items: list[Orthogonalize], idx: list[int], out: list[Tensor | None], ns: NewtonSchulz,
+             mesh: Any) -> None:
+    """Shards to their owners (one all-to-all), Newton-Schulz there, the results' shards back (another one)."""
+    group, n, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+    owner = _deal(items, idx, n)
+    shapes = {i: [_shard_shape(items[i].param, r, n) for r in range(n)] for i in idx}
+    device = items[idx[0]].update.device
+    for i in idx:
+        if list(items[i].update.shape) != shapes[i][me][0]:
+            raise RuntimeError(f"Muon: a shard of {tuple(items[i].param.shape)} is {tuple(items[i].update.shape)}, "
+                               f"not torch.chunk's {shapes[i][me][0]}")
+    # 1. every shard to its matrix's owner
+    by_dest = [[i for i in idx if owner[i] == r] for r in range(n)]
+    owned = by_dest[me]
+    send = torch.cat([items[i].update.reshape(-1) for r in range(n) for i in by_dest[r]])
+    recv_sizes = [sum(_numel(shapes[i][s][0]) for i in owned) for s in range(n)]
+    recv = torch.empty(sum(recv_sizes), dtype=torch.bfloat16, device=device)
+    dist.all_to_all_single(recv, send.to(torch.bfloat16), recv_sizes,
+                           [sum(items[i].update.numel() for i in by_dest[r]) for r in range(n)], group=group)
+    # 2. the owner's matrices, whole, orthogonalised
+    pieces = iter(recv.split([_numel(shapes[i][s][0]) for s in range(n) for i in owned]))
+    from_rank = [[next(pieces).view(shapes[i][s][0]) for i in owned] for s in range(n)]
+    results = {}
+    for k, i in enumerate(owned):
+        whole = torch.cat([from_rank[s][k] for s in range(n)], dim=_shard_dim(items[i].param))
+        results[i] = ns.whole(whole, items[i].layout)
+    # 3. each rank its shard of every result
+    back = [results[i].narrow(_shard_dim(items[i].param), shapes[i][r][1], shapes[i][r][0][_shard_dim(items[i].param)])
+            .reshape(-1) for r in range(n) for i in owned]
+    send_back = torch.cat(back) if back else torch.empty(0, dtype=torch.bfloat16, device=device)
+    mine_sizes = [sum(items[i].update.numel() for i in by_dest[r]) for r in range(n)]
+    got = torch.empty(sum(mine_sizes), dtype=torch.bfloat16, device=device)
+    dist.all_to_all_single(got, send_back, mine_sizes, [sum(_numel(shapes[i][r][0]) for i in owned) for r in range(n)],
+                           group=group)
+    pieces = iter(got.split([items[i].update.numel() for r in range(n) for i in by_dest[r]]))
+    for r in range(n):
+        for i in by_dest[r]:
+            out[i] = next(pieces).view(items[i].update.shape)
+
+
+_said_duplicated = False
+
+
+def _duplicated(items: list[Orthogonalize], idx: list[int], out: list[Tensor | None], ns: NewtonSchulz) -> None:
+    global _said_duplicated
+    if not _said_duplicated:
+        _said_duplicated = True
+        log.info("Muon: %d matrices sharded over a multi-dimensional mesh are gathered and orthogonalised on every "
+                 "rank of it", len(idx))
+    for i in idx:
+        p, u = items[i].param, items[i].update
+        whole = DTensor.from_local(u, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+        result = ns.whole(whole, items[i].layout)
+        out[i] = distribute_tensor(result, p.device_mesh, p.placements, src_data_rank=None).to_local()
