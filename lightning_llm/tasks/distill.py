@@ -289,7 +289,7 @@ class DistillTask(DecoderTask):
     def sample_rows(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         """Rows of the student's own responses to the batch's prompts (:func:`last_reply_prompts`), generated in eval
         mode: left-padded prompt and response ``[B, S + N]``, labels on the response tokens up to the first EOS."""
-        cfg = for_datamodule(self.generation, self.trainer.datamodule)
+        cfg = for_datamodule(self.generation, self.trainer.datamodule if self._trainer is not None else None)
         prompt, mask = last_reply_prompts(batch["input_ids"], batch["labels"], batch["attention_mask"],
                                           pad_id=cfg.pad_token_id)
         uniforms = None
