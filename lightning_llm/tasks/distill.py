@@ -85,11 +85,13 @@ class DistillLoss:
     def __call__(self, hidden: Tensor, head: nn.Module, labels: Tensor, *, softcap: float | None) -> Tensor:
         teacher = TeacherOutput(self.teacher_hidden, self.teacher.lm_head,
                                 getattr(self.teacher.config, "final_logit_softcap", None))
-        # Training: the sum, its gradient computed with it; evaluation: per-token values [B, S], which a pipeline
-        # concatenates over its micro-batches.
-        return head_divergence(hidden, head, labels, teacher, kind=self.kind, beta=self.beta,
-                               temperature=self.temperature, fused=self.fused, softcap=softcap,
-                               reduction="sum" if torch.is_grad_enabled() else "none")
+        # Per-row outputs (a pipeline's schedule concatenates its micro-batches' along dim 0). Training: the rows'
+        # sum in the first row, zeros after (the chunks compute the sum's gradient with it); evaluation: [B, S].
+        args = dict(kind=self.kind, beta=self.beta, temperature=self.temperature, fused=self.fused, softcap=softcap)
+        if not torch.is_grad_enabled():
+            return head_divergence(hidden, head, labels, teacher, reduction="none", **args)
+        total = head_divergence(hidden, head, labels, teacher, reduction="sum", **args)
+        return F.pad(total.reshape(1), (0, labels.shape[0] - 1))
 
 
 register_pytree_node(
@@ -198,6 +200,8 @@ class DistillTask(DecoderTask):
                              "sampled or greedy (num_beams=1)")
         self.seed = seed
         self.teacher_model: nn.Module | None = None
+        self.sampled = False
+        """Whether the last training step learned from the student's own samples."""
 
     # ------------------------------------------------------------------------------------------ models
     @override
@@ -319,7 +323,7 @@ class DistillTask(DecoderTask):
 
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor | None:
-        on_policy = self.on_policy(batch_idx)
+        on_policy = self.sampled = self.on_policy(batch_idx)
         if self.logging_step():
             self.log("train_on_policy", float(on_policy), on_step=True, on_epoch=False)
         return super().training_step(self.prepared(batch, on_policy=on_policy), batch_idx)
