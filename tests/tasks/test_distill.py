@@ -108,7 +108,7 @@ def _rows() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def _task(student: Path, teacher: Path, **kwargs: Any) -> DistillTask:
+def _task(student: Path | str, teacher: Path | str, **kwargs: Any) -> DistillTask:
     task = DistillTask(str(student), teacher=str(teacher), **kwargs)
     task.configure_model()
     return task
@@ -259,3 +259,17 @@ def test_bad_inputs_are_refused_in_one_line(dirs: tuple[Path, Path], tmp_path: P
 
     with pytest.raises(ValueError, match="prompt_tuning: distillation"):
         DistillTask("debug", teacher="debug", peft=PeftConfig(method="prompt_tuning"))
+
+
+def test_a_checkpoint_teacher_is_rebuilt_with_its_trained_weights(tmp_path: Path) -> None:
+    """``--model.teacher`` may be a checkpoint of this package: the teacher holds the run's trained weights, frozen."""
+    from lightning_llm.export.checkpoint import read_checkpoint
+    from lightning_llm.testing import checkpointed_fit
+
+    checkpointed_fit(tmp_path / "run", strategy="auto", devices=1, steps=2, batch=4)
+    ckpt = tmp_path / "run" / "ckpt" / "last.ckpt"
+    saved = {k.removeprefix("model."): v for k, v in read_checkpoint(ckpt)["state_dict"].items()}
+    task = _task("debug", ckpt, model_overrides={"vocab_size": saved["embed_tokens.weight"].shape[0]})
+    teacher = task.teacher_model.state_dict()
+    assert all(torch.equal(teacher[k], v) for k, v in saved.items())
+    assert not any(p.requires_grad for p in task.teacher_model.parameters()) and not task.teacher_model.training
