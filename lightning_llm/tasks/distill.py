@@ -303,7 +303,7 @@ class DistillTask(DecoderTask):
                                   for key in _prompt_keys(prompt, mask)]).to(prompt.device)
         was_training = self.training
         self.eval()
-        try:
+        try:  # (in eval mode an MoE student records no router statistics: the step's are its training forward's)
             with self.decoding() as decoder:
                 responses = generate(decoder, prompt, mask, config=cfg, uniforms=uniforms)  # [B, N]
         finally:

@@ -273,3 +273,23 @@ def test_a_checkpoint_teacher_is_rebuilt_with_its_trained_weights(tmp_path: Path
     teacher = task.teacher_model.state_dict()
     assert all(torch.equal(teacher[k], v) for k, v in saved.items())
     assert not any(p.requires_grad for p in task.teacher_model.parameters()) and not task.teacher_model.training
+
+
+def test_an_moe_students_router_statistics_are_its_training_forwards() -> None:
+    """The on-policy generation runs inside the training step, after the step's router statistics opened: its
+    forwards (in eval mode) record nothing, so the load-balancing loss is that of the training forward."""
+    from lightning_llm.generation import GenerationConfig
+    from lightning_llm.tasks.moe import routing_stats
+
+    task = _task("debug-moe", "debug-moe", generation=GenerationConfig(max_new_tokens=4, do_sample=False))
+    stats = routing_stats(task)
+    rows = {k: torch.where(v >= 0, v % 256, v) if k != "attention_mask" else v for k, v in _rows().items()}
+    batch = task.prepared(rows, on_policy=False)
+    stats.begin(forwards=1)
+    task.compute_loss(batch, "train")
+    expected = stats.aux_loss()
+    stats.begin(forwards=1)
+    sampled = task.sample_rows(rows)  # several decoding forwards, none recorded
+    assert sampled["input_ids"].shape[1] > 20 and stats.recording
+    task.compute_loss(batch, "train")
+    assert torch.equal(stats.aux_loss(), expected)
