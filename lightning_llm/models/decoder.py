@@ -31,7 +31,7 @@ Shape legend: B batch, S sequence, H hidden, V vocab, D head dim.
 from __future__ import annotations
 
 import logging
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -51,7 +51,16 @@ from .layers.routing import RoutingStats
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DecoderLM"]
+__all__ = ["DecoderLM", "HeadLoss"]
+
+
+class HeadLoss(Protocol):
+    """A loss of the LM head other than the token cross-entropy (distillation's divergence from a teacher), which
+    ``DecoderLM.forward(..., labels=, head_loss=)`` returns instead: called with the final hidden states [B, S, H] (what
+    the head reads), the head, the labels and the logits' soft-cap, inside the forward (where ZeRO-3 holds the head
+    whole). A pipeline splits its tensors with the rows when it is a pytree (:mod:`torch.utils._pytree`)."""
+
+    def __call__(self, hidden: Tensor, head: nn.Module, labels: Tensor, *, softcap: float | None) -> Any: ...
 
 
 class DecoderLM(nn.Module):
@@ -193,6 +202,7 @@ class DecoderLM(nn.Module):
         reduction: Literal["mean", "none"] = "mean",  # of the loss with labels: mean over tokens, or [B, S]
         temperature: float = 1.0,  # with labels: the loss of logits / temperature (RL's sampling temperature)
         token_scores: bool = False,  # with labels: TokenScores (per-token loss, entropy, hidden) instead of a loss
+        head_loss: HeadLoss | None = None,  # with labels: head_loss(hidden, lm_head, labels, softcap=) instead
         logits_to_keep: int = 0,  # > 0: the logits of the last positions only [B, logits_to_keep, V] (decoding)
     ) -> Tensor | TokenScores:  # logits [B, S, V] (hidden [B, S, H] when lm_head is None; the loss with labels;
         # a sequence classifier's scores [B, S, L])
@@ -273,6 +283,8 @@ class DecoderLM(nn.Module):
         if self.lm_head is None:
             return x
         cap = self.config.final_logit_softcap  # Gemma 2: cap * tanh(logits / cap), in the fused chunks too
+        if labels is not None and head_loss is not None:  # another loss of the head, where its weights are whole
+            return head_loss(x, self.lm_head, labels, softcap=cap)
         if labels is not None:  # fused with the head where exact: the [B, S, V] logits are never materialised
             backend = "triton" if use_fused_kernel(self.config.kernels, x) else "torch"
             if token_scores:
