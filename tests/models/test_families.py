@@ -36,7 +36,7 @@ from lightning_llm.data.base import left_pad  # noqa: E402
 from lightning_llm.generation import GenerationConfig, generate, strip_after_eos  # noqa: E402
 from lightning_llm.models import DecoderLM, load_hf, save_hf  # noqa: E402
 from lightning_llm.models.hf.adapters import adapter_tensor_to_hf  # noqa: E402
-from lightning_llm.models.hf.families.decoders import wpack_from_hf, wpack_to_hf  # noqa: E402
+from lightning_llm.models.hf.families.baichuan import wpack_from_hf, wpack_to_hf  # noqa: E402
 
 TOL = 1e-5
 VOCAB = 96
