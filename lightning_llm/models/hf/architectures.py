@@ -61,7 +61,8 @@ def families_markdown() -> str:
         lines.append(f"- **{title}**:")
         for record in sorted((r for r in FAMILIES.values() if r.group == group), key=lambda r: r.label.lower()):
             names = [f"`{n}`" + (" (load only)" if head == "mlm" else "") for n, head in record.classes.items()]
-            lines.append(f"  - {record.label} (`{record.model_type}`): {', '.join(names)}")
+            chat = f"; chat template `{record.chat_template}`" if record.chat_template else ""
+            lines.append(f"  - {record.label} (`{record.model_type}`): {', '.join(names)}{chat}")
     return "\n".join(lines) + "\n"
 
 

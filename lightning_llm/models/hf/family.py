@@ -3,7 +3,8 @@
 A family is one file of ``families/`` holding its record (a :class:`Family` instance in the file's ``RECORDS``):
 its HF classes and the head each carries, its ``config.json`` <-> :class:`~lightning_llm.models.ModelConfig`
 conversion, its weight names, what a peft adapter is called in its checkpoints, its options that are not built
-(refused by name), its named debug sizes and the tiny checkpoint ``tools/tiny.py`` writes of it. As in transformers'
+(refused by name), its named debug sizes, the tiny checkpoint ``tools/tiny.py`` writes of it and the named chat
+template of its format. As in transformers'
 modular files, a family states only its differences: the LLaMA layout is one record (``families/llama.py``) that the
 decoders with LLaMA's module names derive from, overriding the attributes and hooks they change; a multimodal class
 fine-tuned as text is a :class:`Multimodal` record naming its language model's family.
@@ -106,6 +107,9 @@ class Family:
     tiny: ClassVar[str | None] = None
     """The named size ``tools/tiny.py`` writes a tiny checkpoint of (as :meth:`architecture`'s class), if any. Not
     inherited."""
+    chat_template: ClassVar[str | None] = None
+    """The named chat template (``--data.template``: ``data/chat/template.py``) of its chat models' format, if one is;
+    the docs' family list names it. Not inherited."""
     guess_rank: ClassVar[int | None] = None
     """A model of no recorded family is written as the first family, by this rank, whose :meth:`guess` accepts its
     config; None: never guessed. Not inherited (a derived family is guessed only where it says so)."""
@@ -115,6 +119,7 @@ class Family:
         cls.guess_rank = cls.__dict__.get("guess_rank")
         cls.sizes = cls.__dict__.get("sizes", MappingProxyType({}))
         cls.tiny = cls.__dict__.get("tiny")
+        cls.chat_template = cls.__dict__.get("chat_template")
 
     def __repr__(self) -> str:
         return f"<family {self.model_type}>"

@@ -49,6 +49,7 @@ def _is_wpack_rows(name: str) -> bool:
 class Baichuan(Llama):
     model_type = "baichuan"
     label = "Baichuan2-7B"
+    chat_template = "baichuan2"
     classes = {"BaichuanForCausalLM": "lm"}
     guess_rank = 30  # a packed W_pack or a NormHead
     sizes = {"debug-baichuan2": dict(

@@ -76,6 +76,7 @@ layers, tied head."""
 class Gemma2(Llama):
     model_type = "gemma2"
     label = "Gemma 2"
+    chat_template = "gemma"
     classes = decoder_classes("Gemma2")
     guess_rank = 51  # sqrt(H) embeddings, four norms per layer
     unbuilt = (PLAIN_WEIGHTS, Unbuilt("use_bidirectional_attention", lambda v: not v, "causal attention (the "
@@ -166,6 +167,7 @@ class Gemma2(Llama):
 class Gemma3Text(Gemma2):
     model_type = "gemma3_text"
     label = "Gemma 3 (1B, 270M: text only)"
+    chat_template = "gemma"
     classes = {"Gemma3ForCausalLM": "lm", "Gemma3TextModel": "base"}  # 4B+ are Gemma3ForConditionalGeneration
     guess_rank = 50  # Gemma's embeddings and norms with q/k norms
     defaults = _DEFAULTS["gemma3_text"]
@@ -217,6 +219,7 @@ class Gemma3(Multimodal):
 
     model_type = "gemma3"
     label = "Gemma 3 4B/12B/27B"
+    chat_template = "gemma"
     classes = {"Gemma3ForConditionalGeneration": "lm"}
     text_kind = "gemma3_text"
     nested = NestedLM(("gemma3_text",), tie_default=True, logit_softcap=False)

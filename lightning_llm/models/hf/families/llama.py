@@ -36,6 +36,7 @@ class Llama(Family):
 
     model_type = "llama"
     label = "Llama 1-3"
+    chat_template = "llama3"
     classes = decoder_classes("Llama")
     guess_rank = 100  # a rope decoder of no recorded family that no other family claims
 

@@ -17,6 +17,7 @@ __all__ = ["Mistral", "RECORDS"]
 class Mistral(Llama):
     model_type = "mistral"
     label = "Mistral"
+    chat_template = "mistral"
     classes = decoder_classes("Mistral")
     guess_rank = 90  # a sliding window
     max_positions = 131072

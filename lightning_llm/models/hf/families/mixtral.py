@@ -20,6 +20,7 @@ __all__ = ["Mixtral", "RECORDS"]
 class Mixtral(Mistral):
     model_type = "mixtral"
     label = "Mixtral"
+    chat_template = "mistral"
     group = "moe"
     classes = decoder_classes("Mixtral")
     window = None

@@ -38,6 +38,7 @@ def qwen_sliding_to_hf(c: ModelConfig) -> dict[str, Any]:
 class Qwen2(Llama):
     model_type = "qwen2"
     label = "Qwen2, Qwen2.5"
+    chat_template = "chatml"
     classes = decoder_classes("Qwen2")
     guess_rank = 80  # q/k/v biased, o not
     max_positions = 32768
@@ -61,6 +62,7 @@ class Qwen2_5_VL(Multimodal):
 
     model_type = "qwen2_5_vl"
     label = "Qwen2.5-VL"
+    chat_template = "chatml"
     classes = {"Qwen2_5_VLForConditionalGeneration": "lm"}
     text_kind = "qwen2"
     nested = NestedLM(("qwen2_5_vl_text", "qwen2_5_vl"), tie_default=False, flat=True, tie_from_text=True,

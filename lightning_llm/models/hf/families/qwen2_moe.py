@@ -21,6 +21,7 @@ __all__ = ["Qwen2Moe", "RECORDS"]
 class Qwen2Moe(Llama):
     model_type = "qwen2_moe"
     label = "Qwen2-MoE"
+    chat_template = "chatml"
     group = "moe"
     classes = decoder_classes("Qwen2Moe")
     max_positions = 32768

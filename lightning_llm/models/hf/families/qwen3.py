@@ -18,6 +18,7 @@ __all__ = ["Qwen3", "RECORDS"]
 class Qwen3(Qwen2):
     model_type = "qwen3"
     label = "Qwen3"
+    chat_template = "chatml"
     classes = decoder_classes("Qwen3")
     guess_rank = 70  # per-head q/k norms
     head_dim = 128
@@ -41,6 +42,7 @@ class Qwen3_VL(Multimodal):
 
     model_type = "qwen3_vl"
     label = "Qwen3-VL"
+    chat_template = "chatml"
     classes = {"Qwen3VLForConditionalGeneration": "lm"}
     text_kind = "qwen3"
     nested = NestedLM(("qwen3_vl_text",), tie_default=False, tie_from_text=True,

@@ -19,6 +19,7 @@ _SHAPE = dict(LLAMA_SIZE, norm_eps=1e-6, rope_theta=1e6, qk_norm=True)
 class Qwen3Moe(Qwen2Moe):
     model_type = "qwen3_moe"
     label = "Qwen3-MoE"
+    chat_template = "chatml"
     classes = decoder_classes("Qwen3Moe")
     moe_defaults = (128, 8, 768, False)
     shared_expert_width = 0
