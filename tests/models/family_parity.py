@@ -117,3 +117,23 @@ def generation_equal(hf: Any, ours: Any, prompts: list[list[int]], *, beams: int
     rows = [strip_after_eos(t, [2]) for t in (got, want)]
     assert rows[0] == rows[1] and max(len(r) for r in rows[0]) > 4, (beams, cache, rows)
     return sum(map(len, rows[0]))
+
+
+def estimated_parameters(cls: Any, directory: Path) -> tuple[int, int]:
+    """``(lightning_llm estimate's parameter count, transformers' own)`` of ``cls``'s default config (its published
+    shape, written to ``directory``, no weights)."""
+    import contextlib
+    import io
+    import json
+
+    from lightning_llm.cli import main
+
+    config = cls.config_class()
+    config.architectures = [cls.__name__]
+    config.save_pretrained(str(directory))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["estimate", f"--model={directory}", "--seq-len=4096", "--json"]) == 0
+    with torch.device("meta"):
+        reference = sum(p.numel() for p in cls(config).parameters())
+    return json.loads(out.getvalue())["parameters"], reference

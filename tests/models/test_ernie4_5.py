@@ -27,6 +27,7 @@ from tests.conftest import padded_lm_batch  # noqa: E402
 from tests.models.family_parity import (  # noqa: E402
     VOCAB,
     check_against_transformers,
+    estimated_parameters,
     generation_equal,
     logits_error,
     write_perturbed,
@@ -72,7 +73,6 @@ def test_rotary_pairs_matter(tmp_path: Path) -> None:
 
 
 def test_config_both_ways_refusals_and_the_tiny_checkpoint(tmp_path: Path) -> None:
-    from lightning_llm.cli import main
     from lightning_llm.models import build_model
     from lightning_llm.models.hf import config_from_hf, config_to_hf
     from lightning_llm.models.hf.architectures import DEFAULT_ARCHITECTURE
@@ -106,16 +106,6 @@ def test_config_both_ways_refusals_and_the_tiny_checkpoint(tmp_path: Path) -> No
             input_ids=ids, attention_mask=mask).logits
     assert logits_error(load_hf(tmp_path / "tiny")[0].eval(), ref, ids, mask) < 1e-5
 
-    cfg = transformers.Ernie4_5Config()  # ERNIE-4.5-0.3B's shape
-    cfg.architectures = ["Ernie4_5ForCausalLM"]
-    cfg.save_pretrained(str(tmp_path / "published"))
-    import contextlib
-    import io
-
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert main(["estimate", f"--model={tmp_path / 'published'}", "--seq-len=4096", "--json"]) == 0
-    with torch.device("meta"):
-        reference = sum(p.numel() for p in transformers.Ernie4_5ForCausalLM(cfg).parameters())
-    print(f"ERNIE-4.5-0.3B: {json.loads(out.getvalue())['parameters']:,} parameters (transformers: {reference:,})")
-    assert json.loads(out.getvalue())["parameters"] == reference
+    ours, reference = estimated_parameters(transformers.Ernie4_5ForCausalLM, tmp_path / "published")
+    print(f"ERNIE-4.5-0.3B (its config class's default): {ours:,} parameters (transformers: {reference:,})")
+    assert ours == reference

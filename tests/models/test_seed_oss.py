@@ -13,8 +13,6 @@ Its layouts (tp x2 = one device) are ``tests/models/test_families_layouts.py``'s
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import warnings
 from pathlib import Path
@@ -28,6 +26,7 @@ transformers = pytest.importorskip("transformers")
 from tests.models.family_parity import (  # noqa: E402
     VOCAB,
     check_against_transformers,
+    estimated_parameters,
     generation_equal,
     write_perturbed,
 )
@@ -89,7 +88,6 @@ def test_sequence_classifier_scores_equal_transformers_on_padded_rows(tmp_path: 
 
 
 def test_dropouts_config_both_ways_and_the_published_shape(tmp_path: Path) -> None:
-    from lightning_llm.cli import main
     from lightning_llm.models import build_model
     from lightning_llm.models.hf import config_from_hf, config_to_hf
     from lightning_llm.tasks import CausalLMTask
@@ -111,13 +109,6 @@ def test_dropouts_config_both_ways_and_the_published_shape(tmp_path: Path) -> No
     assert str(tmp_path / "unequal" / "config.json") in message and "residual_dropout=0.0" in message, message
     assert "\n" not in message
 
-    cfg = transformers.SeedOssConfig()  # its config class's default shape (64 layers, 80 heads)
-    cfg.architectures = ["SeedOssForCausalLM"]
-    cfg.save_pretrained(str(tmp_path / "published"))
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        assert main(["estimate", f"--model={tmp_path / 'published'}", "--seq-len=4096", "--json"]) == 0
-    with torch.device("meta"):
-        reference = sum(p.numel() for p in transformers.SeedOssForCausalLM(cfg).parameters())
-    print(f"SeedOssConfig(): {json.loads(out.getvalue())['parameters']:,} parameters (transformers: {reference:,})")
-    assert json.loads(out.getvalue())["parameters"] == reference
+    ours, reference = estimated_parameters(transformers.SeedOssForCausalLM, tmp_path / "published")
+    print(f"SeedOssConfig(): {ours:,} parameters (transformers: {reference:,})")
+    assert ours == reference
