@@ -28,6 +28,7 @@ from lightning_llm.models.hf.adapters import (
     fused_in_hf,
     module_name_from_hf,
     module_name_to_hf,
+    peft_reroutes_mlp,
 )
 from lightning_llm.models.hf.save import decoder_module_prefix
 from lightning_llm.peft.apply import LoraArgs, PeftConfig, apply_peft
@@ -97,18 +98,16 @@ def _wpack_rows(config: Any, state: dict[str, Tensor], *, to_hf: bool, where: st
     return {k: convert(config, k, v) for k, v in state.items()}
 
 
-_PEFT_REROUTED_KINDS = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "olmoe", "qwen3_next", "qwen3_5_moe_text")
-"""HF model types whose LoRA adapters peft (0.21, ``convert_peft_config_for_transformers``) loads with the targets
-``gate_proj``/``up_proj``/``down_proj`` moved to the fused experts of transformers 5 (transformers'
-``_MODEL_TO_CONVERSION_PATTERN``): a LoRA on a dense or shared MLP of these names would not load as trained."""
 _PEFT_REROUTED = ("gate_proj", "up_proj", "down_proj")
+"""The targets peft moves to the fused experts of the families ``models.hf.adapters.peft_reroutes_mlp`` names."""
 
 
 def _check_peft_loads_as_trained(model: nn.Module) -> None:
-    kind = (getattr(getattr(model, "config", None), "extra", None) or {}).get("hf_model_type")
+    config = getattr(model, "config", None)
+    kind = (getattr(config, "extra", None) or {}).get("hf_model_type")
     adapted = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if hasattr(m, "lora_A")}
                      & set(_PEFT_REROUTED))
-    if kind in _PEFT_REROUTED_KINDS and adapted:
+    if adapted and kind is not None and peft_reroutes_mlp(config):
         raise ValueError(f"adapter export: LoRA on the MLP projections {adapted} of a {kind} model would not load as "
                          f"trained in peft's PeftModel, which moves those targets to the fused experts of transformers "
                          f"5's {kind}; the checkpoint holds the weights: merge them with `lightning_llm export CKPT` "

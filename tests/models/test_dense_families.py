@@ -21,8 +21,6 @@ The layouts are ``tests/models/test_families_layouts.py``.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
 import warnings
@@ -34,7 +32,13 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from tests.conftest import loaded_logits_error, padded_lm_batch, peft_twin  # noqa: E402
+from tests.conftest import padded_lm_batch, peft_twin  # noqa: E402
+from tests.models.family_parity import (  # noqa: E402
+    check_against_transformers,
+    estimated_parameters,
+    generation_equal,
+    write_perturbed,
+)
 
 from lightning_llm.models import load_hf, save_hf  # noqa: E402
 
@@ -69,15 +73,7 @@ def _model(name: str) -> Any:
 
 def _write(name: str, out: Path, seed: int = 0) -> Any:
     torch.manual_seed(seed)
-    model = _model(name)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.save_pretrained(str(out))
-    return model.eval()
+    return write_perturbed(_model(name), out, seed)
 
 
 _NORMS = {"glm4": {"input_layernorm": "attn_norm", "post_self_attn_layernorm": "attn_out_norm",
@@ -109,19 +105,8 @@ def _in_our_layout(name: str, hf: Any, tensors: dict[str, torch.Tensor]) -> dict
 
 
 def _generate(hf: Any, ours: Any, prompts: list[list[int]], beams: int, cache: str = "dynamic") -> str:
-    from lightning_llm.data.base import left_pad
-    from lightning_llm.generation import GenerationConfig, generate, strip_after_eos
-
-    ids, mask = left_pad(prompts, 0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        want = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=10, num_beams=beams, do_sample=False,
-                           pad_token_id=0, eos_token_id=2)[:, ids.shape[1]:]
-    got = generate(ours, ids, mask, config=GenerationConfig(max_new_tokens=10, num_beams=beams, eos_token_id=2,
-                                                             cache_implementation=cache))
-    rows = [strip_after_eos(t, [2]) for t in (got, want)]
-    assert rows[0] == rows[1] and max(len(r) for r in rows[0]) > 4, (beams, cache, rows)
-    return f"beams={beams} {cache}: {sum(map(len, rows[0]))} tokens as transformers'"
+    return f"beams={beams} {cache}: {generation_equal(hf, ours, prompts, beams=beams, cache=cache)} tokens as " \
+        "transformers'"
 
 
 @pytest.mark.parametrize("name", FAMILIES)
@@ -130,34 +115,17 @@ def test_logits_loss_gradients_export_and_generation_equal_transformers(tmp_path
     export's key set and its logits reloaded by transformers; greedy (and for Phi-3 beam) generation from
     left-padded prompts, 10 new tokens past the sliding windows of 4 (Phi-3's prompt of 9 columns passes its short
     range of 8, so every step takes the long factors as transformers does; a generation crossing it is refused)."""
-    from safetensors import safe_open
-
     hf = _write(name, tmp_path / "src")
-    ids, mask, labels = padded_lm_batch(VOCAB, 12)
-    with torch.no_grad():
-        ref = hf(input_ids=ids, attention_mask=mask).logits
-    ours = load_hf(tmp_path / "src")[0]
-    with torch.no_grad():
-        err = float((ours(ids, attention_mask=mask) - ref)[mask.bool()].abs().max())
-    err_lazy = loaded_logits_error(tmp_path / "src", ids, mask, ref, lazy=True)
-    print(f"{name}: logits of padded rows {err:.2e} from transformers (lazy load: {err_lazy:.2e})")
-    assert err < 1e-5 and err_lazy < 1e-5
+    err = check_against_transformers(hf, tmp_path, in_our_layout=lambda hf, t: _in_our_layout(name, hf, t))
+    print(f"{name}: {', '.join(f'{k} {v:.1e}' for k, v in err.items())} from transformers (export: "
+          f"{type(hf).__name__}'s key set)")
+    ids, _, _ = padded_lm_batch(VOCAB, 12)
+    ours = load_hf(tmp_path / "src")[0].eval()
     with torch.no_grad():  # a forward within the short factors' range: Phi-3 switches factors, the others do not
         short = ours(ids[:1, :6])
         err_short = float((hf(input_ids=ids[:1, :6]).logits - short).abs().max())
         switched = float((short - ours(ids[:1])[:, :6]).abs().max())
     assert err_short < 1e-5 and (switched > 1e-3) == (name == "phi3"), (err_short, switched)
-
-    save_hf(ours, tmp_path / "out")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        type(hf)(hf.config).save_pretrained(str(tmp_path / "own"))  # transformers' own key set
-        back = type(hf).from_pretrained(str(tmp_path / "out")).eval()
-    keys = [set(safe_open(str(d / "model.safetensors"), "pt").keys()) for d in (tmp_path / "out", tmp_path / "own")]
-    with torch.no_grad():
-        err = float((back(input_ids=ids, attention_mask=mask).logits - ref)[mask.bool()].abs().max())
-    print(f"{name}: export -> {type(hf).__name__} ({len(keys[0])} keys as save_pretrained's), logits {err:.2e}")
-    assert keys[0] == keys[1] and err < 1e-5
 
     prompts = [[5, 9, 17, 3, 44, 7, 60, 11, 12], [7, 8], [50, 51, 52, 53]]
     said = [_generate(hf, ours, prompts, beams=1)]
@@ -166,21 +134,6 @@ def test_logits_loss_gradients_export_and_generation_equal_transformers(tmp_path
         with pytest.raises(ValueError, match="LongRoPE generation across original_max_position_embeddings=8"):
             _generate(hf, ours, [[5, 9, 17], [7, 8]], beams=1)
     print(f"{name}: generation {'; '.join(said)}")
-
-    hf.train()
-    out = hf(input_ids=ids, attention_mask=mask, labels=labels)
-    out.loss.backward()
-    ours.train()
-    shifted = torch.full_like(labels, -100)
-    shifted[:, :-1] = labels[:, 1:]
-    loss = ours(ids, attention_mask=mask, labels=shifted)
-    loss.backward()
-    loss_err = abs(float(loss.detach()) - float(out.loss.detach()))
-    theirs = _in_our_layout(name, hf, {n: p.grad for n, p in hf.named_parameters()})
-    assert set(theirs) == {n for n, _ in ours.named_parameters()}
-    worst = max(float((theirs[n] - p.grad).abs().max()) for n, p in ours.named_parameters())
-    print(f"{name}: loss {loss_err:.2e}, gradients {worst:.2e} from transformers")
-    assert loss_err < 1e-5 and worst < 1e-5
 
 
 def test_each_family_switch_matters(tmp_path: Path) -> None:
@@ -351,20 +304,9 @@ def test_estimate_counts_the_published_sizes() -> None:
     OLMo-2-7B, OLMo-3-7B, SmolLM3-3B; written here, no weights): the parameters transformers' models hold."""
     import tempfile
 
-    from lightning_llm.cli import main
-
     for cls in (transformers.Phi3ForCausalLM, transformers.Glm4ForCausalLM, transformers.Olmo2ForCausalLM,
                 transformers.Olmo3ForCausalLM, transformers.SmolLM3ForCausalLM):
-        cfg = cls.config_class()
-        cfg.architectures = [cls.__name__]
         with tempfile.TemporaryDirectory() as d:
-            cfg.save_pretrained(d)
-            out = io.StringIO()
-            with contextlib.redirect_stdout(out):
-                assert main(["estimate", f"--model={d}", "--seq-len=4096", "--json"]) == 0
-        r = json.loads(out.getvalue())
-        with torch.device("meta"):
-            reference = sum(p.numel() for p in cls(cfg).parameters())
-        print(f"{cls.__name__}: {r['parameters']:,} parameters (transformers: {reference:,}); model states "
-              f"{r['bytes']['model_states']:,} bytes")
-        assert r["parameters"] == reference
+            ours, reference = estimated_parameters(cls, Path(d))
+        print(f"{cls.__name__}: {ours:,} parameters (transformers: {reference:,})")
+        assert ours == reference

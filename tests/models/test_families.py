@@ -36,7 +36,7 @@ from lightning_llm.data.base import left_pad  # noqa: E402
 from lightning_llm.generation import GenerationConfig, generate, strip_after_eos  # noqa: E402
 from lightning_llm.models import DecoderLM, load_hf, save_hf  # noqa: E402
 from lightning_llm.models.hf.adapters import adapter_tensor_to_hf  # noqa: E402
-from lightning_llm.models.hf.families.decoders import wpack_from_hf, wpack_to_hf  # noqa: E402
+from lightning_llm.models.hf.families.baichuan import wpack_from_hf, wpack_to_hf  # noqa: E402
 
 TOL = 1e-5
 VOCAB = 96
@@ -490,3 +490,37 @@ def test_unsupported_configs_are_refused_by_name(tmp_path: Path) -> None:
                       PeftConfig(lora=LoraArgs(target_modules=["lm_head"])))
     with pytest.raises(ValueError, match="NormHead"):
         export_adapter(head, PeftConfig(lora=LoraArgs(target_modules=["lm_head"])), tmp_path / "never")
+
+
+# ---------------------------------------------------------------------------------------------------- the records
+
+
+def test_a_family_is_its_record_alone() -> None:
+    """The tables read the family records (``models/hf/families/``): ERNIE 4.5 and Seed-OSS, added by their files
+    alone, are named by no other library file, yet every table has them; records do not inherit what is a family's
+    own (sizes, tiny checkpoint, guess, chat template); every named chat template exists."""
+    from pathlib import Path
+
+    import lightning_llm
+    from lightning_llm.data.chat.template import NAMED_TEMPLATES
+    from lightning_llm.models import NAMED_SIZES
+    from lightning_llm.models.hf import SUPPORTED_ARCHITECTURES
+    from lightning_llm.models.hf.architectures import DEFAULT_ARCHITECTURE, families_markdown
+    from lightning_llm.models.hf.registry import FAMILIES
+    from lightning_llm.tools.tiny import FAMILIES as TINY
+
+    package = Path(lightning_llm.__file__).parent
+    for kind, words in {"ernie4_5": ("ernie", "Ernie4_5"), "seed_oss": ("seed_oss", "seed-oss", "SeedOss")}.items():
+        naming = sorted(str(f.relative_to(package)) for f in package.rglob("*.py")
+                        if any(w.lower() in f.read_text(encoding="utf-8").lower() for w in words))
+        assert naming == [f"models/hf/families/{kind}.py"], naming
+        record = FAMILIES[kind]
+        assert set(record.classes) <= set(SUPPORTED_ARCHITECTURES) and DEFAULT_ARCHITECTURE[kind] in record.classes
+        assert f"(`{kind}`)" in families_markdown() and kind in TINY
+        assert [n for (_, n), f in NAMED_SIZES.items() if f.get("extra", {}).get("hf_model_type") == kind] == [
+            record.tiny]
+    derived = FAMILIES["mixtral"]  # Mistral's record, with experts
+    assert not derived.sizes and derived.tiny is None and derived.guess_rank is None and FAMILIES["mistral"].sizes
+    templates = {kind: r.chat_template for kind, r in FAMILIES.items() if r.chat_template}
+    assert templates["qwen3"] == "chatml" and templates["gemma3"] == "gemma" and "olmoe" not in templates
+    assert set(templates.values()) <= set(NAMED_TEMPLATES), set(templates.values()) - set(NAMED_TEMPLATES)

@@ -57,6 +57,10 @@ DENSE_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": ("debug-gemma2", {}),
     "gemma3": ("debug-gemma3", {}),
     "gemma3_vl_lora": (TINY, {}),
+    # families added by their family file alone: ERNIE 4.5 (every projection biased: row-parallel o_proj and
+    # down_proj biases; rotary pairs over the whole head), Seed-OSS (q/k/v biased, o not)
+    "ernie4_5": ("debug-ernie4.5", {}),
+    "seed_oss": ("debug-seed-oss", {}),
 }
 """The families of models/hf/families/phi3.py, glm4.py, olmo.py, smollm3.py and gemma.py, trained at the layouts of
 :data:`EXTRA` that exercise what they add (tp_sp: every plan entry, their norms on sequence shards; pp: layer-indexed
@@ -77,7 +81,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "gemma3_vl_lora": ("gemma3_vl_lora", {}, _LORA),
 }
 """Trainings beyond the families' plain ones (their one-device references run too)."""
-EXTRA = {"tp": ["phi3_lora", "gemma3_vl_lora"], "tp_sp": ["phi3", "glm4", "olmo3", "smollm3", "gemma2", "gemma3"],
+EXTRA = {"tp": ["phi3_lora", "gemma3_vl_lora", "ernie4_5", "seed_oss"],
+         "tp_sp": ["phi3", "glm4", "olmo3", "smollm3", "gemma2", "gemma3"],
          "pp": ["phi3", "olmo3", "smollm3", "gemma2"], "zero3": ["olmo3", "phi3_qlora", "gemma3"],
          "cp": ["glm4", "smollm3", "phi3_cp"]}
 """Layout -> the trainings (:data:`DENSE_FAMILIES` or :data:`VARIANTS`) it runs beside :data:`TRAIN_FAMILIES`."""

@@ -2,20 +2,20 @@
 <-> :class:`~lightning_llm.models.DecoderLM` / :class:`~lightning_llm.models.EncoderModel`; never downloads.
 
 ========================  ============================================================================================
-``architectures.py``      the one table of supported HF classes (the docs' family list is generated from it)
-``config.py``             ``config.json`` <-> ``ModelConfig``: the dispatch per group of families, representability
-``families/``             one file per group of families (configs, and weights where they differ from LLaMA's):
-                          ``decoders.py`` (the LLaMA layout: Llama, Qwen, Mistral, Baichuan, the MoE families),
-                          ``deepseek.py`` (DeepSeek-V2/V3, Kimi-K2, GLM-4.5: MLA, group-limited routers),
-                          ``qwen3_next.py`` (the hybrids), ``gemma.py``, ``phi3.py``, ``glm4.py``, ``olmo.py``,
-                          ``smollm3.py``, ``gpt2.py``; ``encoders.py`` (BERT, RoBERTa, XLM-R, MegatronBERT; the
-                          encoders' dispatch), ``deberta.py`` (disentangled attention), ``modernbert.py`` (fused
-                          ``Wqkv``/``Wi`` as row blocks)
+``families/``             one file per family, holding its record (``RECORDS``): classes, config conversion, weight
+                          names, adapters, options not built, named sizes, tiny checkpoint; ``llama.py`` is the LLaMA
+                          layout the decoders with LLaMA's names derive from (a family states its differences)
+``family.py``             the record type (``Family``, ``Multimodal``, ``Arch``, ``NestedLM``)
+``registry.py``           the records, found in ``families/`` (a new family is its file alone)
+``architectures.py``      the supported HF classes, read from the records (the docs' family list is generated from it)
+``config.py``             ``config.json`` <-> ``ModelConfig``: what families share, each record's conversion,
+                          representability
+``readers.py``            config readers families share (activations, rope parameters, labels)
 ``multimodal.py``         a multimodal class's language model, the rest copied at export
-``weights.py``            the weight mapping's entries per config (the decoders'), dispatched per layout
-``entries.py``            the entry types (one key, per-expert keys, fused layouts, MXFP4) and the experts' entries
+``weights.py``            the weight mapping's entries per config, from the class's record
+``entries.py``            the entry types (one key, per-expert keys, fused layouts, MXFP4)
 ``source.py``             reading checkpoint files lazily: only the elements a rank holds
-``options.py``            options of a family's config.json that are not built, refused by name
+``options.py``            ``Unbuilt``: options of a family's config.json that are not built, refused by name
 ``adapters.py``           a peft adapter of a decoder in the checkpoint's names and row order
 ``load.py`` / ``save.py``  ``load_hf`` / ``save_hf``
 ========================  ============================================================================================

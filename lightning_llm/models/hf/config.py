@@ -1,5 +1,6 @@
-"""Hugging Face ``config.json`` <-> :class:`ModelConfig`: the dispatch to each group of families' conversion, and the
-check that a written config describes exactly the model."""
+"""Hugging Face ``config.json`` <-> :class:`ModelConfig`: what every family shares (the class, its head, the token ids,
+the labels, the options not built refused), each family's own conversion by its record, and the check that a written
+config describes exactly the model."""
 
 from __future__ import annotations
 
@@ -11,11 +12,9 @@ import torch
 
 from ..config import ModelConfig
 from .architectures import DEFAULT_ARCHITECTURE, SUPPORTED_ARCHITECTURES, architecture_name, num_labels_of
-from .families.decoders import DECODER_KINDS, decoder_config_from_hf, decoder_config_to_hf, moe_architecture
-from .families.encoders import encoder_config_from_hf, encoder_config_to_hf
-from .families.gemma import GEMMA_KINDS, gemma_config_from_hf, gemma_config_to_hf
-from .families.gpt2 import gpt2_config_from_hf, gpt2_config_to_hf
 from .multimodal import text_config_of
+from .options import refuse_unbuilt
+from .registry import family
 
 log = logging.getLogger(__name__)
 
@@ -40,16 +39,11 @@ def config_from_hf(hf_config: dict[str, Any], *, where: str = "config") -> Model
         extra["id2label"] = {str(k): v for k, v in hf["id2label"].items()}
     pad = hf.get("pad_token_id")
     pad = 0 if pad is None else int(pad)
-    if a.kind in GEMMA_KINDS:
-        config = gemma_config_from_hf(hf, a.kind, extra=extra, pad=pad, where=where)
-    elif a.kind in DECODER_KINDS:
-        config = decoder_config_from_hf(hf, a.kind, extra=extra, pad=pad, where=where)
-    elif a.kind == "gpt2":
-        config = gpt2_config_from_hf(hf, extra=extra, pad=pad)
-    else:
-        return encoder_config_from_hf(hf, arch, a, extra=extra, pad=pad, where=where)
+    record = family(a.kind)
+    refuse_unbuilt(hf, a.kind, record.unbuilt, where)
+    config = record.config_from_hf(hf, arch=arch, head=a.head, extra=extra, pad=pad, where=where)
     # A decoder's ...ForSequenceClassification: its `score` head (transformers' num_labels: id2label's size, else 2)
-    return config.replace(num_labels=num_labels_of(hf)) if a.head == "cls" else config
+    return config.replace(num_labels=num_labels_of(hf)) if a.head == "cls" and record.family == "decoder" else config
 
 
 _ARCH_FIELDS = (
@@ -68,7 +62,7 @@ def _arch_value(c: ModelConfig, field: str) -> Any:
     if field == "window":  # the window only matters where some layer slides
         return c.sliding_window if c.sliding_layers else None
     if field == "moe":
-        return moe_architecture(c)
+        return _moe_architecture(c)
     if field == "sliding_rope":  # only matters where some layer slides
         return c.sliding_rope if c.sliding_layers else None
     if field == "linear_attention" and c.linear_attention is not None:  # its kernels are a training setting
@@ -80,6 +74,17 @@ def _arch_value(c: ModelConfig, field: str) -> Any:
     if field == "query_pre_attn_scalar":  # None is head_dim's scale
         return c.query_pre_attn_scalar if c.query_pre_attn_scalar is not None else float(c.head_dim or 0)
     return getattr(c, field)
+
+
+def _moe_architecture(c: ModelConfig) -> tuple[Any, ...] | None:
+    """What of ``c.moe`` an HF config must carry (training settings such as the bias update rate excluded)."""
+    m = c.moe
+    if m is None:
+        return None
+    return (m.num_experts, m.top_k, m.intermediate_size, m.scoring, m.norm_topk_prob, m.num_groups, m.topk_groups,
+            m.group_score if m.num_groups > 1 else None, m.routed_scaling_factor, m.score_bias,
+            m.shared_intermediate_size, m.shared_gate, tuple(m.dense_layers), m.router_bias, m.expert_bias,
+            m.swiglu_limit, m.swiglu_alpha if m.swiglu_limit is not None else None)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -115,14 +120,7 @@ def config_to_hf(config: ModelConfig, architecture: str, *, dtype: torch.dtype =
     for k in ("bos_token_id", "eos_token_id"):
         if k in ex:
             hf[k] = ex[k]
-    if a.kind in GEMMA_KINDS:
-        hf.update(gemma_config_to_hf(c, a.kind))
-    elif a.kind in DECODER_KINDS:
-        hf.update(decoder_config_to_hf(c, a.kind))
-    elif a.kind == "gpt2":
-        hf.update(gpt2_config_to_hf(c))
-    else:
-        hf.update(encoder_config_to_hf(c, architecture, a))
+    hf.update(family(a.kind).config_to_hf(c, architecture))
     if a.head == "cls":
         hf.update(_labels_to_hf(c, architecture))
 

@@ -11,7 +11,8 @@
   input dim first and the gate and up columns alternating), or its MXFP4 blocks and scales; read lazily by expert
   (:class:`~.source.PermutedMapped`, :class:`~.source.Mxfp4Mapped`).
 
-:func:`moe_mlp_entries` gives the entries of one MoE layer's feed-forward for the HF families that have one.
+:func:`experts_entries` gives the entries of an MoE layer's feed-forward stored per expert (a family with another
+layout writes its own: gpt-oss's).
 """
 
 from __future__ import annotations
@@ -24,14 +25,10 @@ import torch
 from torch import Tensor
 
 from ..config import ModelConfig
-from .families.deepseek import DEEPSEEK_KINDS
 from .source import CheckpointFiles, Mxfp4Mapped, PermutedMapped
 
-__all__ = ["Entry", "Fused", "Stacked", "lin", "moe_mlp_entries", "MOE_KINDS", "interleave", "deinterleave",
+__all__ = ["Entry", "Fused", "Stacked", "experts_entries", "head_entries", "lin", "interleave", "deinterleave",
            "row_split"]
-
-MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe")
-"""HF model types whose feed-forward layers may be Mixture-of-Experts blocks."""
 
 
 @dataclass(frozen=True)
@@ -156,48 +153,24 @@ def head_entries(config: ModelConfig, head: str) -> list[Entry]:
     return []
 
 
-def _gpt_oss_mlp_entries(config: ModelConfig, layer: int) -> list[Entry | Stacked | Fused]:
-    """gpt-oss: ``mlp.router`` (weight, bias) and the fused ``mlp.experts`` ([E, H, 2I] alternating gate/up columns,
-    [E, I, H], their biases [E, 2I] alternating and [E, H])."""
-    hf, ours = f"layers.{layer}.mlp", f"layers.{layer}.mlp"
+def experts_entries(config: ModelConfig, hf: str, ours: str, *, names: tuple[str, str, str] = (
+        "gate_proj", "up_proj", "down_proj"), shared: str = "shared_expert") -> list[Entry | Stacked | Fused]:
+    """The feed-forward entries of an MoE layer whose experts are stored one tensor per expert and projection
+    (``hf``: the layer's HF module, ``ours``: ours): the router ``{hf}.gate``, experts ``{hf}.experts.N.{name}``
+    (``names``: gate, up, down; Mixtral's ``w1``, ``w3``, ``w2``), the correction bias of an aux-free router, a
+    shared expert under ``shared`` (Qwen2-MoE's ``shared_expert``, DeepSeek's ``shared_experts``) and its gate."""
     moe = config.moe
     assert moe is not None
-    out: list[Entry | Stacked | Fused] = [*lin(f"{hf}.router", f"{ours}.gate", moe.router_bias),
-                                          Fused(f"{ours}.experts.gate_up_proj", f"{hf}.experts.gate_up_proj", (0, 2, 1),
-                                                interleaved=True),
-                                          Fused(f"{ours}.experts.down_proj", f"{hf}.experts.down_proj", (0, 2, 1))]
-    if moe.expert_bias:
-        out += [Fused(f"{ours}.experts.gate_up_proj_bias", f"{hf}.experts.gate_up_proj_bias", (0, 1), interleaved=True),
-                Fused(f"{ours}.experts.down_proj_bias", f"{hf}.experts.down_proj_bias", (0, 1))]
-    return out
-
-
-def moe_mlp_entries(config: ModelConfig, kind: str, layer: int) -> list[Entry | Stacked | Fused]:
-    """The feed-forward entries of MoE layer ``layer`` of an HF ``kind`` (Mixtral: ``block_sparse_moe`` with experts
-    ``w1`` gate, ``w3`` up, ``w2`` down; Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3 and GLM-4.5: ``mlp`` with ``gate_proj``/
-    ``up_proj``/``down_proj`` experts, Qwen2-MoE's ``shared_expert`` and ``shared_expert_gate``, DeepSeek's and GLM's
-    ``shared_experts`` and ``gate.e_score_correction_bias``; gpt-oss: :func:`_gpt_oss_mlp_entries`)."""
-    moe = config.moe
-    assert moe is not None
-    if kind == "gpt_oss":
-        return _gpt_oss_mlp_entries(config, layer)
-    ours = f"layers.{layer}.mlp"
+    gate, up, down = names
     e = moe.num_experts
-    if kind == "mixtral":
-        hf = f"layers.{layer}.block_sparse_moe"
-        gate_up = tuple((f"{hf}.experts.{i}.w1.weight", f"{hf}.experts.{i}.w3.weight") for i in range(e))
-        down = tuple((f"{hf}.experts.{i}.w2.weight",) for i in range(e))
-    else:
-        hf = f"layers.{layer}.mlp"
-        gate_up = tuple((f"{hf}.experts.{i}.gate_proj.weight", f"{hf}.experts.{i}.up_proj.weight") for i in range(e))
-        down = tuple((f"{hf}.experts.{i}.down_proj.weight",) for i in range(e))
+    gate_up = tuple((f"{hf}.experts.{i}.{gate}.weight", f"{hf}.experts.{i}.{up}.weight") for i in range(e))
+    downs = tuple((f"{hf}.experts.{i}.{down}.weight",) for i in range(e))
     out: list[Entry | Stacked | Fused] = [*lin(f"{hf}.gate", f"{ours}.gate", False),
                                           Stacked(f"{ours}.experts.gate_up_proj", gate_up),
-                                          Stacked(f"{ours}.experts.down_proj", down)]
+                                          Stacked(f"{ours}.experts.down_proj", downs)]
     if moe.score_bias:  # a buffer (DeepSeek-V3, GLM-4.5: the correction bias of the aux-free balancing)
         out.append(Entry(f"{hf}.gate.e_score_correction_bias", (f"{ours}.gate.e_score_correction_bias",)))
     if moe.shared_intermediate_size:
-        shared = "shared_experts" if kind in DEEPSEEK_KINDS else "shared_expert"
         for name in ("gate_proj", "up_proj", "down_proj"):
             out += lin(f"{hf}.{shared}.{name}", f"{ours}.shared_expert.{name}", config.mlp_bias)
         if moe.shared_gate:

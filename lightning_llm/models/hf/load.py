@@ -25,11 +25,10 @@ from ..init import materialize
 from .architectures import SUPPORTED_ARCHITECTURES, architecture_name, layout_kind
 from .config import config_from_hf
 from .entries import Fused, Stacked
-from .families.deepseek import MTP_KINDS
-from .families.qwen3_next import HYBRID_KINDS
 from .multimodal import SOURCE_KEY, lm_keys, outside_keys, source_record
+from .registry import family
 from .source import CheckpointFiles, HFWeightsSource, Mapped, RowsMapped, StackedMapped
-from .weights import BASE_PREFIX, HEAD_KEYS, IGNORED, entries
+from .weights import IGNORED, base_prefix, entries
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +46,7 @@ def _normalized_keys(keys: list[str], kind: str, nested: bool = False) -> dict[s
     ``{normalized: stored}``."""
     if nested:
         return lm_keys(keys)
-    prefix = BASE_PREFIX[kind]
+    prefix = base_prefix(kind)
     out: dict[str, str] = {}
     for k in keys:
         k2 = k[len(prefix):] if k.startswith(prefix) else k
@@ -99,10 +98,10 @@ def _map_to_ours(
             shapes[name] = tuple(part.shape)
             offset += part.shape[0]
     rest = [k for k in stored if k not in used and not IGNORED.search(k)]
-    heads = [k for k in rest if HEAD_KEYS[kind].match(k)]
-    mtp = [k for k in rest if kind in MTP_KINDS and (m := re.match(r"layers\.(\d+)\.", k)) is not None
-           and int(m.group(1)) >= config.num_layers or kind in HYBRID_KINDS and k.startswith("mtp.")]
-    if mtp:  # as transformers: DeepSeek-V3's and GLM-4.5's multi-token-prediction layers are not built
+    record = family(kind)
+    heads = [k for k in rest if record.head_keys.match(k)]
+    mtp = [k for k in rest if record.ignored_key(config, k)]
+    if mtp:  # as transformers: DeepSeek-V3's, GLM-4.5's, the hybrids' multi-token-prediction layers are not built
         log.warning("%s: ignoring %d keys of the multi-token-prediction layers (num_nextn_predict_layers, mtp.*), "
                     "which transformers does not build either", where, len(mtp))
     unexpected = [k for k in rest if k not in heads and k not in mtp]

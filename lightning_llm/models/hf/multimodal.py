@@ -3,20 +3,9 @@
 :data:`LAYOUTS`) and whose config nests it under ``text_config``, beside towers that are never built here
 (``vision_tower.*``, ``multi_modal_projector.*``, ``visual.*``).
 
-==================================  ==================  =============================================================
-class                               language model      what else the checkpoint holds (copied byte for byte)
-==================================  ==================  =============================================================
-Gemma3ForConditionalGeneration      gemma3_text         ``model.vision_tower`` (SigLIP), ``model.multi_modal_projector``
-Qwen2_5_VLForConditionalGeneration  qwen2               ``model.visual``
-Qwen3VLForConditionalGeneration     qwen3               ``model.visual`` (its deepstack mergers included)
-Mistral3ForConditionalGeneration    mistral             ``model.vision_tower`` (Pixtral), ``model.multi_modal_projector``
-Qwen3_5ForConditionalGeneration     qwen3_5_text        ``model.visual`` (Qwen3.5's language model: Gated DeltaNet layers)
-Qwen3_5MoeForConditionalGeneration  qwen3_5_moe_text    ``model.visual``
-==================================  ==================  =============================================================
-
-A class is one :class:`NestedLM` row of :data:`NESTED` (and an ``Arch(..., nested=...)`` row of
-:data:`~.architectures.SUPPORTED_ARCHITECTURES`); another family with this layout adds its row, nothing else (as
-Qwen3.5's two did).
+A class is a :class:`~.family.Multimodal` record in its language model's family file (``families/gemma.py``'s
+``Gemma3``, ``families/qwen3_next.py``'s ``Qwen3_5`` ...): its class, the language model's model type and how its
+config nests it (:class:`~.family.NestedLM`); another family with this layout adds its record, nothing else.
 
 * **Load.** :func:`text_config_of` turns the outer ``config.json`` into the language model's own config (its text
   config class's defaults for absent keys, the outer ``tie_word_embeddings`` that transformers ties by, Qwen's
@@ -39,16 +28,17 @@ from __future__ import annotations
 import hashlib
 import logging
 import struct
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .architectures import DEFAULT_ARCHITECTURE, SUPPORTED_ARCHITECTURES
+from .family import Multimodal
+from .registry import family_of_class
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LAYOUTS", "MODULE_PREFIX", "NESTED", "NestedLM", "SOURCE_KEY", "checked_source", "lm_keys", "lm_layout",
-           "nested_text_kind", "outside_keys", "source_record", "text_config_of"]
+__all__ = ["LAYOUTS", "MODULE_PREFIX", "SOURCE_KEY", "checked_source", "lm_keys", "lm_layout", "outside_keys",
+           "source_record", "text_config_of"]
 
 LAYOUTS = (("model.language_model.", "lm_head."), ("language_model.model.", "language_model.lm_head."),
            ("model.", "lm_head."))
@@ -62,55 +52,8 @@ SOURCE_KEY = "hf_nested_source"
 """``ModelConfig.extra`` key of :func:`source_record`."""
 
 
-@dataclass(frozen=True)
-class NestedLM:
-    """One multimodal class: its language model's layout and how its config nests it."""
-
-    text_kind: str
-    """The language model's model type in :data:`~.architectures.SUPPORTED_ARCHITECTURES` (its weight layout and
-    config conversion)."""
-    text_types: tuple[str, ...]
-    """``text_config.model_type`` values this class's language model may have."""
-    tie_default: bool
-    """The outer config class's ``tie_word_embeddings`` default (transformers ties the head by the outer value)."""
-    text_defaults: dict[str, Any] = field(default_factory=dict)
-    """The text config class's defaults where they differ from ``text_kind``'s own class."""
-    flat: bool = False
-    """A config without ``text_config`` holds the text keys at its top level (pre-v5 Qwen2.5-VL)."""
-    tie_from_text: bool = False
-    """An untied outer config is tied when ``text_config.tie_word_embeddings`` is true (Qwen's pre-v5 saves)."""
-    logit_softcap: bool = True
-    """The class applies ``text_config.final_logit_softcapping`` (Gemma3ForConditionalGeneration does not)."""
-
-
-NESTED: dict[str, NestedLM] = {
-    "Gemma3ForConditionalGeneration": NestedLM("gemma3_text", ("gemma3_text",), tie_default=True,
-                                               logit_softcap=False),
-    "Qwen2_5_VLForConditionalGeneration": NestedLM(
-        "qwen2", ("qwen2_5_vl_text", "qwen2_5_vl"), tie_default=False, flat=True, tie_from_text=True,
-        text_defaults=dict(vocab_size=152064, hidden_size=8192, intermediate_size=29568, num_hidden_layers=80,
-                           num_attention_heads=64, num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1e6,
-                           max_position_embeddings=32768, max_window_layers=80)),
-    "Qwen3VLForConditionalGeneration": NestedLM(
-        "qwen3", ("qwen3_vl_text",), tie_default=False, tie_from_text=True,
-        text_defaults=dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
-                           num_attention_heads=32, num_key_value_heads=32, head_dim=128, rms_norm_eps=1e-6,
-                           rope_theta=500000.0, max_position_embeddings=128000)),
-    "Mistral3ForConditionalGeneration": NestedLM("mistral", ("mistral",), tie_default=True),
-    # transformers 5.24 ties their head by the outer tie_word_embeddings alone; the text config class is the family's
-    "Qwen3_5ForConditionalGeneration": NestedLM("qwen3_5_text", ("qwen3_5_text",), tie_default=False),
-    "Qwen3_5MoeForConditionalGeneration": NestedLM("qwen3_5_moe_text", ("qwen3_5_moe_text",), tie_default=False),
-}
-"""HF class -> how its language model nests."""
-
 _TOP_LEVEL = ("architectures", "model_type", "text_config", "vision_config", "transformers_version", "dtype",
               "torch_dtype", "image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-
-
-def nested_text_kind(architecture: str) -> str | None:
-    """The language model's layout of a multimodal class (None for any other class)."""
-    a = SUPPORTED_ARCHITECTURES.get(architecture)
-    return None if a is None else a.nested
 
 
 def _without_mrope(params: Any) -> Any:
@@ -127,7 +70,9 @@ def _without_mrope(params: Any) -> Any:
 
 def text_config_of(hf: dict[str, Any], architecture: str, *, where: str = "config") -> dict[str, Any]:
     """The language model's own ``config.json`` dict inside a multimodal one (see the module docstring)."""
-    spec = NESTED[architecture]
+    record = family_of_class(architecture)
+    assert isinstance(record, Multimodal)
+    spec = record.nested
     if hf.get("quantization_config"):
         raise ValueError(f"{where}: quantization_config={hf['quantization_config']!r} is not supported for "
                          f"{architecture} (built: bf16/fp16/fp32 weights)")
@@ -144,8 +89,8 @@ def text_config_of(hf: dict[str, Any], architecture: str, *, where: str = "confi
     tie = hf.get("tie_word_embeddings", spec.tie_default)
     if spec.tie_from_text and not tie and text.get("tie_word_embeddings"):
         tie = True
-    out = {**spec.text_defaults, **text, "model_type": spec.text_kind,
-           "architectures": [DEFAULT_ARCHITECTURE[spec.text_kind]], "tie_word_embeddings": bool(tie)}
+    out = {**spec.text_defaults, **text, "model_type": record.text_kind,
+           "architectures": [DEFAULT_ARCHITECTURE[record.text_kind]], "tie_word_embeddings": bool(tie)}
     for key in ("rope_parameters", "rope_scaling"):
         if key in out:
             out[key] = _without_mrope(out[key])

@@ -19,11 +19,10 @@ from ..config import ModelConfig
 from .architectures import DEFAULT_ARCHITECTURE, SUPPORTED_ARCHITECTURES, layout_kind
 from .config import architecture_diffs, config_from_hf, config_to_hf
 from .entries import Entry
-from .families.decoders import DECODER_KINDS
-from .families.qwen3_next import hybrid_kind
 from .multimodal import MODULE_PREFIX, SOURCE_KEY, checked_source, lm_layout, outside_keys
+from .registry import family, family_of
 from .source import CheckpointFiles
-from .weights import BASE_PREFIX, save_entries
+from .weights import save_entries
 
 log = logging.getLogger(__name__)
 
@@ -31,30 +30,19 @@ __all__ = ["save_hf", "decoder_module_prefix", "default_architecture"]
 
 
 def default_architecture(config: ModelConfig) -> str:
-    """HF architecture a model is saved as by default (from ``extra['hf_model_type']`` or the config's shape)."""
+    """HF architecture a model is saved as by default: its family's (``extra['hf_model_type']``, else the family its
+    config's switches guess: ``registry.family_of``) class with its head."""
     kind = (config.extra or {}).get("hf_model_type")
     outer = (config.extra or {}).get("hf_architecture")
     if (config.extra or {}).get(SOURCE_KEY) and SUPPORTED_ARCHITECTURES.get(outer) is not None \
             and SUPPORTED_ARCHITECTURES[outer].nested == kind:
         return outer  # loaded from a multimodal checkpoint: written as it, its towers copied from there
-    if kind not in DEFAULT_ARCHITECTURE:
-        kind = _decoder_kind(config) if config.family == "decoder" else _encoder_kind(config)
-    if config.family == "decoder" or kind in DECODER_KINDS + ("gpt2",):
-        return _classifier_architecture(kind) if config.num_labels > 0 else DEFAULT_ARCHITECTURE[kind]
+    record = family_of(config)
+    if record.family == "decoder":
+        return _classifier_architecture(record.model_type) if config.num_labels > 0 else record.architecture()
     if config.num_labels == 0:
-        return DEFAULT_ARCHITECTURE[kind]
-    return next(n for n, a in SUPPORTED_ARCHITECTURES.items() if a.kind == kind and a.head == "cls")
-
-
-def _encoder_kind(config: ModelConfig) -> str:
-    """The HF family an encoder of no recorded origin is saved as."""
-    if config.disentangled is not None:
-        return "deberta-v2"
-    if config.position == "rope":
-        return "modernbert"
-    if config.pre_norm:
-        return "megatron-bert"
-    return "roberta" if config.position_offset > 0 else "bert"
+        return record.architecture()
+    return next(n for n, head in record.classes.items() if head == "cls")
 
 
 def decoder_module_prefix(config: ModelConfig) -> str:
@@ -66,36 +54,11 @@ def decoder_module_prefix(config: ModelConfig) -> str:
 
 def _classifier_architecture(kind: str) -> str:
     """The ``...ForSequenceClassification`` class of a decoder family (a reward model is written as one)."""
-    found = [name for name, a in SUPPORTED_ARCHITECTURES.items() if a.kind == kind and a.head == "cls"]
+    found = [name for name, head in family(kind).classes.items() if head == "cls"]
     if not found:
         raise ValueError(f"a {kind} sequence classifier (score head) cannot be saved: transformers has no "
                          f"...ForSequenceClassification class for {kind}")
     return found[0]
-
-
-def _decoder_kind(config: ModelConfig) -> str:
-    """The HF family a decoder of no recorded origin is saved as: the one whose switches it uses."""
-    if config.position != "rope":
-        return "gpt2"
-    if config.mla is not None:
-        return "deepseek_v3"
-    if config.linear_attention is not None:
-        return hybrid_kind(config)
-    if config.qkv_packed or config.norm_head:
-        return "baichuan"
-    if config.attention_sinks:
-        return "gpt_oss"
-    if config.scale_embeddings:  # Gemma: sqrt(H) embeddings, four norms per layer
-        return "gemma3_text" if config.qk_norm else "gemma2"
-    if config.qk_norm and config.qk_norm_over == "projection":
-        return "olmoe"
-    if config.qk_norm:
-        return "qwen3"
-    if config.attention_bias and not config.o_bias:
-        return "qwen2"
-    if config.sliding_layers:
-        return "mistral"
-    return "llama"
 
 
 def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
@@ -144,7 +107,7 @@ def save_hf(model: nn.Module, path: str | os.PathLike[str], *, architecture: str
     a = SUPPORTED_ARCHITECTURES.get(arch)
     if a is None or a.head == "mlm":
         raise ValueError(f"save_hf: cannot save as {arch!r}")
-    if (layout_kind(arch) in DECODER_KINDS + ("gpt2",)) != (config.family == "decoder"):
+    if family(layout_kind(arch)).family != config.family:
         raise ValueError(f"save_hf: a {config.family} model cannot be saved as {arch}")
     sd = model.state_dict()
     dtypes = {t.dtype for t in sd.values() if t.is_floating_point()}
@@ -152,7 +115,7 @@ def save_hf(model: nn.Module, path: str | os.PathLike[str], *, architecture: str
     nested = _NestedSource(config, arch) if a.nested is not None else None  # a multimodal class: its towers copied
     config_text = nested.config_text if nested is not None else \
         json.dumps(config_to_hf(config, arch, dtype=dtype), indent=2, sort_keys=True) + "\n"
-    prefix = nested.base if nested is not None else BASE_PREFIX[a.kind] if a.head != "base" else ""
+    prefix = nested.base if nested is not None else family(a.kind).base_prefix if a.head != "base" else ""
     plan: dict[str, tuple[Entry, list[Tensor]]] = {}  # HF key -> (entry, our tensors)
     missing: list[str] = []
     for e in save_entries(config, arch, sd):

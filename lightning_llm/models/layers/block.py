@@ -198,7 +198,7 @@ class Attention(nn.Module):
     ``W_pack`` (Baichuan, ``config.qkv_packed``) is a real ``nn.Linear`` [3*N*D, H] (so a LoRA on it is peft's LoRA on
     one fused linear), but its rows are stored **head-interleaved**: ``[q_h0, k_h0, v_h0, q_h1, k_h1, v_h1, ...]``
     (each block D rows) instead of the checkpoint's ``[q; k; v]``. The HF mapping permutes the rows on load and
-    un-permutes them on save (``hf.families.decoders.wpack_from_hf`` / ``wpack_to_hf``), as Meta->HF conversion permutes
+    un-permutes them on save (``hf.families.baichuan.wpack_from_hf`` / ``wpack_to_hf``), as Meta->HF conversion permutes
     rotary rows. Why: any contiguous row shard over whole heads (tensor-parallel ``Shard(0)``, a LoRA ``lora_B``
     sharded the same way) then holds each of its heads' q, k and v, for every degree dividing the heads; a plain
     row shard of ``[q; k; v]`` would give rank 0 all of q and part of k. Checkpoints of every layout hold the one

@@ -1,6 +1,6 @@
-"""HF ``config.json`` <-> :class:`ModelConfig` for Gemma 2 (``Gemma2ForCausalLM``, model type ``gemma2``) and
-Gemma 3's language model (``Gemma3ForCausalLM``, ``gemma3_text``; the ``text_config`` of ``Gemma3ForConditionalGeneration``,
-the class of every Gemma 3 checkpoint from 4B up: :mod:`..multimodal`).
+"""Gemma 2 (``Gemma2ForCausalLM``, model type ``gemma2``) and Gemma 3's language model (``Gemma3ForCausalLM``,
+``gemma3_text``; the ``text_config`` of ``Gemma3ForConditionalGeneration``, the class of every Gemma 3 checkpoint from
+4B up, fine-tuned as text: :mod:`..multimodal`; its SigLIP tower and projector copied at export).
 
 Both keep LLaMA's module names for the projections (``model.layers.N.self_attn.q_proj``, ``mlp.gate_proj`` ...) and
 differ from it in switches of one :class:`~lightning_llm.models.DecoderLM`, as transformers' modeling files compute
@@ -26,27 +26,24 @@ GeGLU                      ``hidden_activation`` ``gelu_pytorch_tanh`` (``geglu_
 tied head                  ``tie_word_embeddings`` (true by default: the 256k/262k vocabularies are one matrix)
 =========================  ===========================================================================================
 
-Refused in one line (:mod:`..options`): ``use_bidirectional_attention`` (EmbeddingGemma's encoder mode), a
+Refused in one line (``Family.unbuilt``): ``use_bidirectional_attention`` (EmbeddingGemma's encoder mode), a
 ``quantization_config``; and here: a scaled rope on the sliding layers, sliding layers without a window (Gemma 3).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 from ...config import ModelConfig
-from ..options import refuse_unbuilt
-from .decoders import rope_from_hf
+from ..family import LLAMA_SIZE, Multimodal, NestedLM, decoder_classes
+from ..options import PLAIN_WEIGHTS, Unbuilt
+from ..readers import layer_types, rope_from_hf, rope_to_hf
+from .llama import Llama
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GEMMA_KINDS", "GEMMA_NORMS", "gemma_config_from_hf", "gemma_config_to_hf"]
-
-GEMMA_KINDS = ("gemma2", "gemma3_text")
-GEMMA_NORMS = (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "attn_out_norm"),
-               ("pre_feedforward_layernorm", "mlp_norm"), ("post_feedforward_layernorm", "mlp_out_norm"))
-"""A Gemma block's four norms: (HF name, ours)."""
+__all__ = ["Gemma2", "Gemma3", "Gemma3Text", "RECORDS"]
 
 # transformers' config-class defaults of the keys read here (a config.json may omit them): Gemma2Config,
 # Gemma3TextConfig (5.24)
@@ -68,81 +65,178 @@ _THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
 _ACTIVATIONS = {"gelu_pytorch_tanh": "geglu_tanh", "gelu": "geglu"}
 
 
-def _get(hf: dict[str, Any], kind: str, key: str) -> Any:
-    return hf[key] if key in hf else _DEFAULTS[kind][key]
+_SHAPE = dict(LLAMA_SIZE, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+              intermediate_size=128, max_position_embeddings=256, norm_eps=1e-6, norm_offset=1.0,
+              activation="geglu_tanh", tie_embeddings=True, scale_embeddings=True, branch_output_norm=True,
+              sliding_window=8)
+"""Gemma-shaped at test size: (1 + weight) norms, four per layer, the embedding scaled, GeGLU, sliding and full
+layers, tied head."""
 
 
-def _layer_types(hf: dict[str, Any], kind: str, layers: int) -> list[str]:
-    """``layer_types`` as the config classes resolve them: Gemma 2 slides on every other layer, Gemma 3 on all but
-    every ``sliding_window_pattern``-th (6)."""
-    if hf.get("layer_types"):
-        return list(hf["layer_types"])
-    every = 2 if kind == "gemma2" else int(hf.get("sliding_window_pattern", 6))
-    return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+class Gemma2(Llama):
+    model_type = "gemma2"
+    label = "Gemma 2"
+    chat_template = "gemma"
+    classes = decoder_classes("Gemma2")
+    guess_rank = 51  # sqrt(H) embeddings, four norms per layer
+    unbuilt = (PLAIN_WEIGHTS, Unbuilt("use_bidirectional_attention", lambda v: not v, "causal attention (the "
+                                      "bidirectional encoder mode of EmbeddingGemma is not built)"))
+    norms = (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "attn_out_norm"),
+             ("pre_feedforward_layernorm", "mlp_norm"), ("post_feedforward_layernorm", "mlp_out_norm"))
+    defaults: ClassVar[dict[str, Any]] = _DEFAULTS["gemma2"]
+    """transformers' config-class defaults of the keys read here (a config.json may omit them)."""
+    qk_norm: ClassVar[bool] = False
+    """Per-head q/k norms (Gemma 3)."""
+    # soft-capped scores and logits (caps small enough to bite at this size)
+    sizes = {"debug-gemma2": dict(
+        _SHAPE, query_pre_attn_scalar=24.0, attn_logit_softcap=5.0, final_logit_softcap=10.0,
+        layer_types=["sliding_attention", "full_attention"] * 2)}
+    tiny = "debug-gemma2"
 
+    def guess(self, c: ModelConfig) -> bool:
+        return c.scale_embeddings
 
-def _gemma3_rope(hf: dict[str, Any], where: str) -> tuple[float, dict[str, Any] | None, float]:
-    """``(theta, scaling)`` of the full layers and the sliding layers' base, from ``rope_parameters`` per layer type
-    or the legacy ``rope_theta`` / ``rope_scaling`` (the full layers') / ``rope_local_base_freq``, as
-    ``Gemma3TextConfig.convert_rope_params_to_dict`` reads them."""
-    params = dict(hf.get("rope_parameters") or {})
-    full = dict(params.get("full_attention") or {"rope_type": "default"})
-    local = dict(params.get("sliding_attention") or {"rope_type": "default"})
-    if hf.get("rope_scaling"):
-        full.update(hf["rope_scaling"])
-    full.setdefault("rope_theta", hf.get("rope_theta", _THETA["full_attention"]))
-    local.setdefault("rope_theta", hf.get("rope_local_base_freq", _THETA["sliding_attention"]))
-    positions = {"max_position_embeddings": hf.get("max_position_embeddings", 131072)}
-    theta, scaling = rope_from_hf({**positions, "rope_parameters": full})
-    local_theta, local_scaling = rope_from_hf({**positions, "rope_parameters": local})
-    if local_scaling is not None:
-        raise ValueError(f"{where}: rope_parameters.sliding_attention.rope_type={local_scaling['rope_type']!r} is not "
-                         "supported for gemma3_text (built: the default rope on the sliding layers)")
-    return theta, scaling, local_theta
+    def get(self, hf: dict[str, Any], key: str) -> Any:
+        return hf[key] if key in hf else self.defaults[key]
 
+    def layer_types(self, hf: dict[str, Any], layers: int) -> list[str]:
+        """``layer_types`` as the config class resolves them: Gemma 2 slides on every other layer."""
+        if hf.get("layer_types"):
+            return list(hf["layer_types"])
+        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
 
-def gemma_config_from_hf(hf: dict[str, Any], kind: str, *, extra: dict[str, Any], pad: int,
-                         where: str = "config") -> ModelConfig:
-    """:class:`ModelConfig` of a Gemma 2 / Gemma 3 text ``config.json`` (``kind`` in :data:`GEMMA_KINDS`)."""
-    refuse_unbuilt(hf, kind, where)
-    layers = int(_get(hf, kind, "num_hidden_layers"))
-    heads = int(_get(hf, kind, "num_attention_heads"))
-    act = _get(hf, kind, "hidden_activation")
-    if act not in _ACTIVATIONS:
-        raise ValueError(f"{where}: hidden_activation={act!r} is not supported for {kind} (supported: "
-                         f"{', '.join(_ACTIVATIONS)})")
-    window = _get(hf, kind, "sliding_window")
-    types = _layer_types(hf, kind, layers)
-    if kind == "gemma3_text":
-        theta, scaling, local_theta = _gemma3_rope(hf, where)
-        if window is None and "sliding_attention" in types:
-            raise ValueError(f"{where}: sliding_window=null with sliding_attention layers is not supported for "
-                             "gemma3_text (their rope is the local one, their mask would be undefined)")
-    else:
+    def rope_from_hf(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
         theta, scaling = rope_from_hf(hf)
-        local_theta = None
+        return dict(rope_theta=theta, rope_scaling=scaling)
 
-    def cap(key: str) -> float | None:
-        value = _get(hf, kind, key)
-        return None if value is None else float(value)
+    def config_from_hf(self, hf: dict[str, Any], *, arch: str, head: str, extra: dict[str, Any], pad: int,
+                       where: str) -> ModelConfig:
+        layers = int(self.get(hf, "num_hidden_layers"))
+        heads = int(self.get(hf, "num_attention_heads"))
+        act = self.get(hf, "hidden_activation")
+        if act not in _ACTIVATIONS:
+            raise ValueError(f"{where}: hidden_activation={act!r} is not supported for {self.model_type} (supported: "
+                             f"{', '.join(_ACTIVATIONS)})")
+        window = self.get(hf, "sliding_window")
+        types = self.layer_types(hf, layers)
+        rope = self.rope_from_hf(hf, where)
+        if window is None and "sliding_attention" in types and rope.get("sliding_rope") is not None:
+            raise ValueError(f"{where}: sliding_window=null with sliding_attention layers is not supported for "
+                             f"{self.model_type} (their rope is the local one, their mask would be undefined)")
 
-    return ModelConfig(
-        family="decoder", vocab_size=int(_get(hf, kind, "vocab_size")), hidden_size=int(_get(hf, kind, "hidden_size")),
-        num_layers=layers, num_heads=heads, num_kv_heads=int(_get(hf, kind, "num_key_value_heads") or heads),
-        head_dim=int(_get(hf, kind, "head_dim")), intermediate_size=int(_get(hf, kind, "intermediate_size")),
-        max_position_embeddings=int(_get(hf, kind, "max_position_embeddings")), norm="rmsnorm",
-        norm_eps=float(_get(hf, kind, "rms_norm_eps")), norm_offset=1.0, activation=_ACTIVATIONS[act],
-        position="rope", rope_theta=theta, rope_scaling=scaling,
-        sliding_rope=None if local_theta is None else {"rope_type": "default", "rope_theta": local_theta},
-        attention_bias=bool(_get(hf, kind, "attention_bias")), qk_norm=kind == "gemma3_text",
-        sliding_window=None if window is None else int(window), layer_types=None if window is None else types,
-        tie_embeddings=bool(_get(hf, kind, "tie_word_embeddings")), pre_norm=True, final_norm=True,
-        scale_embeddings=True, branch_output_norm=True,
-        query_pre_attn_scalar=float(_get(hf, kind, "query_pre_attn_scalar")),
-        attn_logit_softcap=cap("attn_logit_softcapping"), final_logit_softcap=cap("final_logit_softcapping"),
-        dropout=float(_get(hf, kind, "attention_dropout") or 0.0),
-        initializer_range=float(_get(hf, kind, "initializer_range")), pad_token_id=pad, extra=extra,
-    )
+        def cap(key: str) -> float | None:
+            value = self.get(hf, key)
+            return None if value is None else float(value)
+
+        return ModelConfig(
+            family="decoder", vocab_size=int(self.get(hf, "vocab_size")),
+            hidden_size=int(self.get(hf, "hidden_size")), num_layers=layers, num_heads=heads,
+            num_kv_heads=int(self.get(hf, "num_key_value_heads") or heads), head_dim=int(self.get(hf, "head_dim")),
+            intermediate_size=int(self.get(hf, "intermediate_size")),
+            max_position_embeddings=int(self.get(hf, "max_position_embeddings")), norm="rmsnorm",
+            norm_eps=float(self.get(hf, "rms_norm_eps")), norm_offset=1.0, activation=_ACTIVATIONS[act],
+            position="rope", **rope, attention_bias=bool(self.get(hf, "attention_bias")),
+            qk_norm=self.qk_norm, sliding_window=None if window is None else int(window),
+            layer_types=None if window is None else types, tie_embeddings=bool(self.get(hf, "tie_word_embeddings")),
+            pre_norm=True, final_norm=True, scale_embeddings=True, branch_output_norm=True,
+            query_pre_attn_scalar=float(self.get(hf, "query_pre_attn_scalar")),
+            attn_logit_softcap=cap("attn_logit_softcapping"), final_logit_softcap=cap("final_logit_softcapping"),
+            dropout=float(self.get(hf, "attention_dropout") or 0.0),
+            initializer_range=float(self.get(hf, "initializer_range")), pad_token_id=pad, extra=extra,
+        )
+
+    def config_to_hf(self, c: ModelConfig, arch: str) -> dict[str, Any]:
+        return dict(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            hidden_activation={v: k for k, v in _ACTIVATIONS.items()}.get(c.activation, c.activation),
+            max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.norm_eps,
+            tie_word_embeddings=c.tie_embeddings, attention_bias=c.attention_bias, attention_dropout=c.dropout,
+            query_pre_attn_scalar=_number(c.query_pre_attn_scalar if c.query_pre_attn_scalar is not None
+                                          else c.head_dim),
+            sliding_window=c.sliding_window if c.sliding_layers else None, layer_types=layer_types(c),
+            final_logit_softcapping=c.final_logit_softcap, attn_logit_softcapping=c.attn_logit_softcap,
+            use_bidirectional_attention=False, rope_parameters=self.rope_to_hf(c),
+        )
+
+    def rope_to_hf(self, c: ModelConfig) -> dict[str, Any]:
+        return rope_to_hf(c)
+
+
+class Gemma3Text(Gemma2):
+    model_type = "gemma3_text"
+    label = "Gemma 3 (1B, 270M: text only)"
+    chat_template = "gemma"
+    classes = {"Gemma3ForCausalLM": "lm", "Gemma3TextModel": "base"}  # 4B+ are Gemma3ForConditionalGeneration
+    guess_rank = 50  # Gemma's embeddings and norms with q/k norms
+    defaults = _DEFAULTS["gemma3_text"]
+    qk_norm = True
+    # q/k norms, the local rope base and a linearly scaled global rope
+    sizes = {"debug-gemma3": dict(
+        _SHAPE, query_pre_attn_scalar=16.0, qk_norm=True, rope_theta=1e6,
+        rope_scaling={"rope_type": "linear", "factor": 2.0}, sliding_rope={"rope_type": "default", "rope_theta": 1e4},
+        layer_types=["sliding_attention"] * 3 + ["full_attention"])}
+
+    def guess(self, c: ModelConfig) -> bool:
+        return c.scale_embeddings and c.qk_norm
+
+    def layer_types(self, hf: dict[str, Any], layers: int) -> list[str]:
+        """Gemma 3 slides on all but every ``sliding_window_pattern``-th layer (6)."""
+        if hf.get("layer_types"):
+            return list(hf["layer_types"])
+        every = int(hf.get("sliding_window_pattern", 6))
+        return ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+
+    def rope_from_hf(self, hf: dict[str, Any], where: str) -> dict[str, Any]:
+        """The full layers' rope and the sliding layers' base, from ``rope_parameters`` per layer type or the legacy
+        ``rope_theta`` / ``rope_scaling`` (the full layers') / ``rope_local_base_freq``, as
+        ``Gemma3TextConfig.convert_rope_params_to_dict`` reads them."""
+        params = dict(hf.get("rope_parameters") or {})
+        full = dict(params.get("full_attention") or {"rope_type": "default"})
+        local = dict(params.get("sliding_attention") or {"rope_type": "default"})
+        if hf.get("rope_scaling"):
+            full.update(hf["rope_scaling"])
+        full.setdefault("rope_theta", hf.get("rope_theta", _THETA["full_attention"]))
+        local.setdefault("rope_theta", hf.get("rope_local_base_freq", _THETA["sliding_attention"]))
+        positions = {"max_position_embeddings": hf.get("max_position_embeddings", 131072)}
+        theta, scaling = rope_from_hf({**positions, "rope_parameters": full})
+        local_theta, local_scaling = rope_from_hf({**positions, "rope_parameters": local})
+        if local_scaling is not None:
+            raise ValueError(f"{where}: rope_parameters.sliding_attention.rope_type={local_scaling['rope_type']!r} is "
+                             "not supported for gemma3_text (built: the default rope on the sliding layers)")
+        return dict(rope_theta=theta, rope_scaling=scaling,
+                    sliding_rope={"rope_type": "default", "rope_theta": local_theta})
+
+    def rope_to_hf(self, c: ModelConfig) -> dict[str, Any]:
+        local = float((c.sliding_rope or {}).get("rope_theta", c.rope_theta))
+        return {"full_attention": rope_to_hf(c), "sliding_attention": {"rope_type": "default", "rope_theta": local}}
+
+
+class Gemma3(Multimodal):
+    """Gemma 3 4B, 12B, 27B (``model.vision_tower``, SigLIP, and ``model.multi_modal_projector`` copied at
+    export)."""
+
+    model_type = "gemma3"
+    label = "Gemma 3 4B/12B/27B"
+    chat_template = "gemma"
+    classes = {"Gemma3ForConditionalGeneration": "lm"}
+    text_kind = "gemma3_text"
+    nested = NestedLM(("gemma3_text",), tie_default=True, logit_softcap=False)
+    tiny = "debug-gemma3"
+
+    def tiny_config(self, hf: dict[str, Any]) -> Any:
+        """A ``Gemma3Config`` around the text config: a one-layer SigLIP tower of 16x16 images in 4x4 patches, pooled
+        to 4 image tokens (ids inside the vocabulary)."""
+        import transformers
+
+        text = {k: v for k, v in hf.items() if k not in ("architectures", "dtype")}
+        vocab = text["vocab_size"]
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=16,
+                      patch_size=4)
+        return transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                         boi_token_index=vocab - 3, eoi_token_index=vocab - 2,
+                                         image_token_index=vocab - 1, tie_word_embeddings=text["tie_word_embeddings"])
 
 
 def _number(x: float) -> int | float:
@@ -150,29 +244,4 @@ def _number(x: float) -> int | float:
     return int(x) if float(x).is_integer() else float(x)
 
 
-def gemma_config_to_hf(c: ModelConfig, kind: str) -> dict[str, Any]:
-    """The architecture fields of a Gemma 2 / Gemma 3 text ``config.json`` (the caller checks representability)."""
-    sliding = c.sliding_layers
-    rope = {"rope_type": "default", "rope_theta": c.rope_theta}
-    if c.rope_scaling:
-        rope = {**dict(c.rope_scaling), "rope_theta": c.rope_theta}
-    hf: dict[str, Any] = dict(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim, hidden_activation={v: k for k, v in _ACTIVATIONS.items()}.get(c.activation, c.activation),
-        max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.norm_eps,
-        tie_word_embeddings=c.tie_embeddings, attention_bias=c.attention_bias, attention_dropout=c.dropout,
-        query_pre_attn_scalar=_number(c.query_pre_attn_scalar if c.query_pre_attn_scalar is not None
-                                      else c.head_dim),
-        sliding_window=c.sliding_window if sliding else None,
-        layer_types=["sliding_attention" if i in sliding else "full_attention" for i in range(c.num_layers)],
-        final_logit_softcapping=c.final_logit_softcap, attn_logit_softcapping=c.attn_logit_softcap,
-        use_bidirectional_attention=False,
-    )
-    if kind == "gemma3_text":
-        local = float((c.sliding_rope or {}).get("rope_theta", c.rope_theta))
-        hf["rope_parameters"] = {"full_attention": rope,
-                                 "sliding_attention": {"rope_type": "default", "rope_theta": local}}
-    else:
-        hf["rope_parameters"] = rope
-    return hf
+RECORDS = (Gemma2(), Gemma3Text(), Gemma3())

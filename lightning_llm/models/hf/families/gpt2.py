@@ -13,13 +13,35 @@ import torch
 from torch import Tensor
 
 from ...config import ModelConfig
-from ..entries import Entry, head_entries, lin
-from .decoders import PLAIN_ACT_TO_HF, plain_act
+from ..entries import Entry, Fused, Stacked, head_entries, lin
+from ..family import Family
+from ..readers import PLAIN_ACT_TO_HF, plain_act
 
-__all__ = ["gpt2_config_from_hf", "gpt2_config_to_hf", "gpt2_entries"]
+__all__ = ["GPT2", "RECORDS"]
 
 
-def gpt2_config_from_hf(hf: dict[str, Any], *, extra: dict[str, Any], pad: int) -> ModelConfig:
+class GPT2(Family):
+    model_type = "gpt2"
+    label = "GPT-2"
+    classes = {"GPT2LMHeadModel": "lm", "GPT2Model": "base", "GPT2ForSequenceClassification": "cls"}
+    base_prefix = "transformer."
+    guess_rank = 0  # learned positions
+
+    def guess(self, c: ModelConfig) -> bool:
+        return c.position != "rope"
+
+    def config_from_hf(self, hf: dict[str, Any], *, arch: str, head: str, extra: dict[str, Any], pad: int,
+                       where: str) -> ModelConfig:
+        return _config_from_hf(hf, extra=extra, pad=pad)
+
+    def config_to_hf(self, c: ModelConfig, arch: str) -> dict[str, Any]:
+        return _config_to_hf(c)
+
+    def entries(self, c: ModelConfig, head: str) -> list[Entry | Stacked | Fused]:
+        return list(_entries(c, head))
+
+
+def _config_from_hf(hf: dict[str, Any], *, extra: dict[str, Any], pad: int) -> ModelConfig:
     if hf.get("scale_attn_by_inverse_layer_idx", False) or not hf.get("scale_attn_weights", True):
         raise ValueError("GPT-2 configs with scale_attn_by_inverse_layer_idx=True or scale_attn_weights=False "
                          "are not supported")
@@ -40,7 +62,7 @@ def gpt2_config_from_hf(hf: dict[str, Any], *, extra: dict[str, Any], pad: int) 
     )
 
 
-def gpt2_config_to_hf(c: ModelConfig) -> dict[str, Any]:
+def _config_to_hf(c: ModelConfig) -> dict[str, Any]:
     return dict(
         vocab_size=c.vocab_size, n_positions=c.max_position_embeddings, n_embd=c.hidden_size, n_layer=c.num_layers,
         n_head=c.num_heads, n_inner=c.intermediate_size, activation_function=PLAIN_ACT_TO_HF.get(c.activation,
@@ -63,7 +85,7 @@ def _conv1d(hf: str, ours: str) -> list[Entry]:
     ]
 
 
-def gpt2_entries(c: ModelConfig, head: str) -> list[Entry]:
+def _entries(c: ModelConfig, head: str) -> list[Entry]:
     e = lin("wte", "embed_tokens", False) + lin("wpe", "embed_positions", False)
     for i in range(c.num_layers):
         p, q = f"h.{i}", f"layers.{i}"
@@ -85,3 +107,6 @@ def gpt2_entries(c: ModelConfig, head: str) -> list[Entry]:
         e += lin(f"{p}.ln_2", f"{q}.mlp_norm", True)
     e += lin("ln_f", "norm", True)
     return e + head_entries(c, head)
+
+
+RECORDS = (GPT2(),)

@@ -12,8 +12,12 @@ from __future__ import annotations
 from typing import Any
 
 from ...config import ModelConfig
+from ..family import LLAMA_SIZE, decoder_classes
+from ..options import PLAIN_WEIGHTS
+from ..readers import layer_types
+from .llama import Llama
 
-__all__ = ["smollm3_from_hf", "smollm3_to_hf"]
+__all__ = ["RECORDS", "SmolLM3"]
 
 
 def _rope_flags(hf: dict[str, Any], num_layers: int, where: str) -> list[int]:
@@ -26,30 +30,40 @@ def _rope_flags(hf: dict[str, Any], num_layers: int, where: str) -> list[int]:
     return [int(f) for f in flags[:num_layers]]
 
 
-def smollm3_from_hf(hf: dict[str, Any], kind: str, num_layers: int, *, where: str) -> dict[str, Any]:
-    """The :class:`ModelConfig` fields of a ``smollm3`` config beyond (and overriding) the LLaMA-layout ones
-    (``SmolLM3Config``'s defaults for absent keys)."""
-    rope = _rope_flags(hf, num_layers, where)
-    window = hf.get("sliding_window")
-    types = hf.get("layer_types")
-    if types is None:
-        slides = bool(hf.get("use_sliding_window", False)) and window is not None
-        types = ["sliding_attention" if slides and not r else "full_attention" for r in rope]
-    types = list(types)[:num_layers]
-    if "sliding_attention" in types and window is None:
-        raise ValueError(f"{where}: layer_types marks sliding_attention layers but sliding_window is null")
-    return dict(nope_layers=[i for i, r in enumerate(rope) if not r],
-                sliding_window=int(window) if "sliding_attention" in types else None,
-                layer_types=types if "sliding_attention" in types else None,
-                attention_bias=bool(hf.get("attention_bias", False)), mlp_bias=bool(hf.get("mlp_bias", False)),
-                tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
-                max_position_embeddings=int(hf.get("max_position_embeddings", 32768)))
+class SmolLM3(Llama):
+    model_type = "smollm3"
+    label = "SmolLM3"
+    classes = decoder_classes("SmolLM3")
+    unbuilt = (PLAIN_WEIGHTS,)
+    rope_default = {"rope_theta": 2000000.0}
+    # a layer without rotary embedding and a tied head
+    sizes = {"debug-smollm3": dict(
+        LLAMA_SIZE, vocab_size=256, hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, intermediate_size=128,
+        max_position_embeddings=256, norm_eps=1e-6, rope_theta=2000000.0, nope_layers=[3], tie_embeddings=True)}
+    tiny = "debug-smollm3"
+
+    def fields_from_hf(self, hf: dict[str, Any], num_layers: int, where: str) -> dict[str, Any]:
+        rope = _rope_flags(hf, num_layers, where)
+        window = hf.get("sliding_window")
+        types = hf.get("layer_types")
+        if types is None:
+            slides = bool(hf.get("use_sliding_window", False)) and window is not None
+            types = ["sliding_attention" if slides and not r else "full_attention" for r in rope]
+        types = list(types)[:num_layers]
+        if "sliding_attention" in types and window is None:
+            raise ValueError(f"{where}: layer_types marks sliding_attention layers but sliding_window is null")
+        return dict(nope_layers=[i for i, r in enumerate(rope) if not r],
+                    sliding_window=int(window) if "sliding_attention" in types else None,
+                    layer_types=types if "sliding_attention" in types else None,
+                    attention_bias=bool(hf.get("attention_bias", False)), mlp_bias=bool(hf.get("mlp_bias", False)),
+                    tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+                    max_position_embeddings=int(hf.get("max_position_embeddings", 32768)))
+
+    def fields_to_hf(self, c: ModelConfig) -> dict[str, Any]:
+        sliding = c.sliding_layers
+        return dict(no_rope_layers=[0 if i in c.nope_layers else 1 for i in range(c.num_layers)],
+                    use_sliding_window=bool(sliding), sliding_window=c.sliding_window if sliding else None,
+                    layer_types=layer_types(c), attention_bias=c.attention_bias, mlp_bias=c.mlp_bias)
 
 
-def smollm3_to_hf(c: ModelConfig) -> dict[str, Any]:
-    """The ``config.json`` fields of ``smollm3`` beyond the LLaMA-layout ones."""
-    sliding = c.sliding_layers
-    return dict(no_rope_layers=[0 if i in c.nope_layers else 1 for i in range(c.num_layers)],
-                use_sliding_window=bool(sliding), sliding_window=c.sliding_window if sliding else None,
-                layer_types=["sliding_attention" if i in sliding else "full_attention" for i in range(c.num_layers)],
-                attention_bias=c.attention_bias, mlp_bias=c.mlp_bias)
+RECORDS = (SmolLM3(),)
