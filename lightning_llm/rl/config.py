@@ -81,6 +81,8 @@ torch.serialization.add_safe_globals([PPOConfig])  # saved in checkpoints' hyper
 
 GRPOLossType = Literal["grpo", "dapo", "dr_grpo", "cispo"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
+# GRPOConfig types them as str and checks them itself: an unknown value is then refused in one line naming the
+# choices (jsonargparse's own Literal check prints a many-line union error).
 
 
 @dataclass
@@ -102,7 +104,7 @@ class GRPOConfig:
     delta: float | None = None
     """Upper bound on the unclipped ratio, which binds where the advantage is negative (INTELLECT-2's two-sided
     clipping; trl's ``delta``); must exceed ``1 + clip_range_high``. Default: none."""
-    importance_sampling_level: ImportanceSamplingLevel = "token"
+    importance_sampling_level: str = "token"
     """``token``: each token's ratio ``exp(new - old)``; ``sequence`` (GSPO, Zheng et al. 2025): a response's ratio is
     ``exp`` of the mean of its tokens' log-ratios, clipped per response (GSPO's ranges are ~3e-4 / 4e-4)."""
     beta: float = 0.04
@@ -114,7 +116,7 @@ class GRPOConfig:
     """Divide the group-centred rewards by the group's (unbiased) std + ``eps``; false: centre only (Dr. GRPO)."""
     eps: float = 1e-4
     """Added to the group std before dividing (trl's 1e-4): a group of equal rewards gets zero advantages."""
-    loss_type: GRPOLossType = "grpo"
+    loss_type: str = "grpo"
     """``grpo``: each response's token mean, then the mean over responses; ``dapo``: the mean over every token of
     the global mini-batch (long responses weigh more; trl's default); ``dr_grpo``: the token sum over responses x
     ``max_new_tokens`` (a constant, Liu et al. 2025; usually with ``scale_rewards=false``); ``cispo`` (MiniMax-M1):

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["ROLLOUT_FIELDS", "RolloutLog", "records"]
+__all__ = ["ROLLOUT_FIELDS", "RolloutLog", "records", "rollout_records"]
 
 ROLLOUT_FIELDS = ("step", "prompt", "response", "reward", "advantage", "response_tokens", "truncated", "columns")
 """The fields of every line (a reward source may not take one of these names)."""
@@ -41,6 +41,18 @@ def records(*, step: int, prompts: list[str], responses: list[str], rewards: lis
                     columns=columns[i])
         out.append((order[i], line))
     return out
+
+
+def rollout_records(r: Any, *, step: int, names: list[str]) -> list[tuple[int, dict[str, Any]]]:
+    """The records of a scored rollout ``r`` (:class:`~lightning_llm.rl.policy.Rollout` with its advantages and the
+    :class:`~lightning_llm.rl.samples.Samples` it was made from; ``names``: the reward sources')."""
+    s, m = r.samples, r.response_mask
+    per_prompt = len(s.texts) // len(s.positions)
+    return records(step=step, prompts=s.prompts, responses=s.texts, rewards=r.scores.tolist(),
+                   sources=dict(zip(names, s.source_scores.tolist())),
+                   advantages=((r.advantages * m).sum(-1) / m.sum(-1).clamp(min=1)).tolist(),
+                   response_tokens=r.trained_mask.sum(-1).tolist(), truncated=(~r.has_eos).tolist(),
+                   columns=s.columns, order=[p * per_prompt + k for p in s.positions for k in range(per_prompt)])
 
 
 class RolloutLog:

@@ -140,13 +140,34 @@ class RewardSources:
     def names(self) -> list[str]:
         return [s.name for s in self.sources]
 
-    def check_columns(self, available: Sequence[str], *, where: str) -> None:
-        """Refuse, before the first rollout, a source that needs a column the prompt data does not have."""
+    def check_inputs(self, columns: Sequence[str] | None, *, max_new_tokens: int, where: str) -> None:
+        """Refuse, before the first rollout, a source that needs a column the prompt data (``where``) does not have
+        (``columns``: ``None`` when the datamodule does not say), or whose length penalty measures another longest
+        response than the run's ``max_new_tokens``."""
         for s in self.sources:
-            missing = [c for c in s.required_columns if c not in available]
+            missing = [c for c in s.required_columns if columns is not None and c not in columns]
             if missing:
                 raise ValueError(f"reward {s.name} needs the column {missing[0]!r}, which {where} does not have (its "
-                                 f"columns: {', '.join(available) or 'none besides the prompt'})")
+                                 f"columns: {', '.join(columns or []) or 'none besides the prompt'})")
+            limit = getattr(s.fn, "max_new_tokens", None)
+            if isinstance(limit, int) and limit != max_new_tokens:
+                raise ValueError(f"reward {s.name}: max_new_tokens={limit} but --model.generation.max_new_tokens="
+                                 f"{max_new_tokens}: its length penalty is measured against the run's longest response")
+
+    def statistics(self, per_source: Tensor, *, all_sum: Callable[[Tensor], Tensor]) -> dict[str, float]:
+        """``rewards/<name>/mean`` and ``rewards/<name>/std`` (unbiased, trl's ``nanstd``) of each source's scores
+        ``per_source`` [S, B] over every replica (``all_sum``: the sum over replicas), leaving out the samples a
+        source returned ``None`` (NaN) for."""
+        per = per_source.double()
+        seen = ~per.isnan()
+        x = per.nan_to_num(0.0)
+        sums = all_sum(torch.stack([x.sum(1), (x * x).sum(1), seen.sum(1).double()], dim=1))  # [S, 3]
+        out = {}
+        for name, (total, squares, n) in zip(self.names, sums.tolist()):
+            mean = total / n if n else math.nan
+            var = (squares - n * mean * mean) / (n - 1) if n > 1 else math.nan
+            out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = mean, math.sqrt(max(var, 0.0))
+        return out
 
     def score(self, prompts: list[str], responses: list[str], *, columns: dict[str, list[Any]],
               conversations: list[Any] | None, device: torch.device) -> Scored:

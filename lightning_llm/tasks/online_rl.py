@@ -40,7 +40,7 @@ from lightning_llm.rl.core import entropy_from_logits, logprobs_from_logits
 from lightning_llm.rl.policy import Rollout, pack_responses, response_logits
 from lightning_llm.rl.reference import ReferencePolicy
 from lightning_llm.rl.rewards import RewardConfig
-from lightning_llm.rl.rollout_log import ROLLOUT_FIELDS, RolloutLog, records
+from lightning_llm.rl.rollout_log import ROLLOUT_FIELDS, RolloutLog, rollout_records
 from lightning_llm.rl.samples import Samples
 from lightning_llm.rl.sources import RewardSource, RewardSources, columns_by_name, source_configs
 from lightning_llm.tasks.decoder import DecoderTask
@@ -200,10 +200,11 @@ class OnlineRLTask(DecoderTask):
         return self.data_parallel_size if self._trainer is not None else 1
 
     def _all_sum(self, x: Tensor) -> Tensor:
-        """Sum over data-parallel replicas (identity on one replica)."""
+        """Sum over data-parallel replicas (identity on one replica), in fp32 (float64 kept)."""
         if self._world() == 1:
             return x
-        x = x.detach().clone().float()
+        x = x.detach().clone()
+        x = x if x.dtype == torch.float64 else x.float()
         dist.all_reduce(x, group=self.capabilities.data_parallel_group)
         return x
 
@@ -409,7 +410,8 @@ class OnlineRLTask(DecoderTask):
         stats = self.compute_advantages(rollout)
         stats.update(self.source_stats(rollout))
         if self._rollout_log is not None:
-            self.write_rollouts(rollout)
+            self._rollout_log.write(rollout_records(rollout, step=self.rollouts_done,
+                                                    names=self.reward_sources.names))
         rollout_s = time.perf_counter() - start
         stats.update(self.policy_update(rollout))
         self.rollouts_done += 1
@@ -422,38 +424,8 @@ class OnlineRLTask(DecoderTask):
         return torch.tensor(self.step_loss_value(stats))
 
     def source_stats(self, r: Rollout) -> dict[str, float]:
-        """``rewards/<name>/mean`` and ``rewards/<name>/std`` (unbiased, trl's) of each source's scores over every
-        replica's responses of rollout ``r``, leaving out the samples a source returned ``None`` for."""
-        per = r.samples.source_scores.double()  # [S, B]
-        seen = ~per.isnan()
-        x = per.nan_to_num(0.0)
-        sums = self._all_sum_exact(torch.stack([x.sum(1), (x * x).sum(1), seen.sum(1).double()], dim=1))  # [S, 3]
-        out = {}
-        for name, (total, squares, n) in zip(self.reward_sources.names, sums.tolist()):
-            mean = total / n if n else float("nan")
-            var = (squares - n * mean * mean) / (n - 1) if n > 1 else float("nan")
-            out[f"rewards/{name}/mean"], out[f"rewards/{name}/std"] = mean, max(var, 0.0) ** 0.5
-        return out
-
-    def _all_sum_exact(self, x: Tensor) -> Tensor:
-        """Sum over data-parallel replicas in ``x``'s own dtype (float64 statistics stay float64)."""
-        if self._world() == 1:
-            return x
-        x = x.detach().clone()
-        dist.all_reduce(x, group=self.capabilities.data_parallel_group)
-        return x
-
-    def write_rollouts(self, r: Rollout) -> None:
-        """Append rollout ``r``'s responses to ``rollouts.jsonl`` (:mod:`lightning_llm.rl.rollout_log`)."""
-        assert self._rollout_log is not None and r.advantages is not None
-        s, m = r.samples, r.response_mask
-        per_prompt = len(s.texts) // len(s.positions)
-        adv = ((r.advantages * m).sum(-1) / m.sum(-1).clamp(min=1)).tolist()
-        sources = dict(zip(self.reward_sources.names, s.source_scores.tolist()))
-        self._rollout_log.write(records(
-            step=self.rollouts_done, prompts=s.prompts, responses=s.texts, rewards=r.scores.tolist(), sources=sources,
-            advantages=adv, response_tokens=r.trained_mask.sum(-1).tolist(), truncated=(~r.has_eos).tolist(),
-            columns=s.columns, order=[p * per_prompt + k for p in s.positions for k in range(per_prompt)]))
+        """``rewards/<name>/mean`` and ``rewards/<name>/std`` of each source over every replica's responses."""
+        return self.reward_sources.statistics(r.samples.source_scores, all_sum=self._all_sum)
 
     def step_loss_value(self, stats: dict[str, float]) -> float:
         """The number ``training_step`` returns (progress bar): the mean policy loss."""
@@ -470,7 +442,10 @@ class OnlineRLTask(DecoderTask):
     @override
     def on_fit_start(self) -> None:
         self._ready_reward()
-        self._check_reward_inputs()
+        dm = self.trainer.datamodule
+        path = (getattr(dm, "paths", None) or {}).get("fit")  # before the first rollout: the sources' inputs exist
+        self.reward_sources.check_inputs(getattr(dm, "column_names", None), max_new_tokens=self.generation.max_new_tokens,
+                                         where=f"--data.train_path={path}" if path else "the generated prompts")
         if self.log_rollouts:
             # trainer.log_dir is a collective (broadcast): evaluate it on every rank; rank 0 writes.
             directory = Path(self.trainer.log_dir or self.trainer.default_root_dir)
@@ -485,22 +460,6 @@ class OnlineRLTask(DecoderTask):
         if getattr(self.trainer, "gradient_clip_val", None):
             raise ValueError(f"--trainer.gradient_clip_val does not apply to {type(self).__name__} (manual "
                              "optimization): use the algorithm's max_grad_norm (e.g. --model.ppo.max_grad_norm)")
-
-    def _check_reward_inputs(self) -> None:
-        """Before the first rollout: every column a source needs is in the prompt data, and a length penalty's
-        longest response is the run's."""
-        dm = self.trainer.datamodule
-        names = getattr(dm, "column_names", None)
-        if names is not None:
-            where = f"--data.train_path={dm.paths['fit']}" if getattr(dm, "paths", {}).get("fit") else \
-                "the prompt data (generated prompts)"
-            self.reward_sources.check_columns([*names, "completion_ids"], where=where)
-        longest = self.generation.max_new_tokens
-        for source in self.reward_sources.sources:
-            limit = getattr(source.fn, "max_new_tokens", None)
-            if isinstance(limit, int) and limit != longest:
-                raise ValueError(f"reward {source.name}: max_new_tokens={limit} but --model.generation.max_new_tokens="
-                                 f"{longest}: its length penalty is measured against the run's longest response")
 
     @property
     def rollouts_per_prompt(self) -> int:
