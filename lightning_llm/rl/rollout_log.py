@@ -56,15 +56,16 @@ def rollout_records(r: Any, *, step: int, names: list[str]) -> list[tuple[int, d
 
 
 class RolloutLog:
-    """Appends each rollout's records to ``path`` on global rank 0, gathered from the data-parallel ``group``
-    (``None``: one replica). Every rank of the group calls :meth:`write` (the gather is a collective)."""
+    """Appends each rollout's records to ``path`` on global rank 0 (``writer``), gathered from the ``replicas``
+    data-parallel replicas of ``group`` (``None``: the default group, as torch reads it). Every rank calls
+    :meth:`write` (with several replicas the gather is a collective)."""
 
-    def __init__(self, path: Path, *, group: Any = None, writer: bool = True) -> None:
-        self.path, self.group, self.writer = path, group, writer
+    def __init__(self, path: Path, *, replicas: int = 1, group: Any = None, writer: bool = True) -> None:
+        self.path, self.replicas, self.group, self.writer = path, replicas, group, writer
 
     def write(self, rows: list[tuple[int, dict[str, Any]]]) -> None:
-        if self.group is not None:
-            every: list[Any] = [None] * dist.get_world_size(self.group)
+        if self.replicas > 1:
+            every: list[Any] = [None] * self.replicas
             dist.all_gather_object(every, rows, group=self.group)
             rows = [r for part in every for r in part]
         if not self.writer:

@@ -450,7 +450,7 @@ class OnlineRLTask(DecoderTask):
             # trainer.log_dir is a collective (broadcast): evaluate it on every rank; rank 0 writes.
             directory = Path(self.trainer.log_dir or self.trainer.default_root_dir)
             self._rollout_log = RolloutLog(directory / "rollouts.jsonl", writer=self.trainer.global_rank == 0,
-                                           group=self.capabilities.data_parallel_group if self._world() > 1 else None)
+                                           replicas=self._world(), group=self.capabilities.data_parallel_group)
         batch_size = getattr(self.trainer.datamodule, "batch_size", None)
         per_rank = (batch_size or 0) * self.rollouts_per_prompt
         if batch_size is not None and per_rank < self.update_schedule.num_mini_batches:

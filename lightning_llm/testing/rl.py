@@ -23,7 +23,7 @@ from lightning_llm.data import PromptDataModule
 from lightning_llm.files import atomic_open, write_jsonl_atomic
 from lightning_llm.generation import GenerationConfig
 from lightning_llm.peft import LoraArgs
-from lightning_llm.reliability import FaultInjector
+from lightning_llm.reliability import FAULT_ENV
 from lightning_llm.rl import GRPOConfig, PPOConfig, RewardConfig
 from lightning_llm.strategies import HybridParallelStrategy
 from lightning_llm.strategies.presets import PipelineParallelStrategy
@@ -141,7 +141,7 @@ def build_task(kind: str, spec: dict[str, Any]) -> GRPOTask | PPOTask:
 def rl_fit(kind: str, spec: dict[str, Any], out: Path, *, prompts: Path, layout: str = "1", steps: int = 8,
            resume: str | None = None, fault: str | None = None) -> dict[str, Any]:
     """One fit of :func:`build_task` on ``layout`` (``steps`` optimizer steps; ``fault``: a
-    :class:`~lightning_llm.reliability.FaultInjector` spec, its ``RuntimeError`` returned as ``error``; with a
+    :data:`~lightning_llm.reliability.FAULT_ENV` spec, its ``RuntimeError`` returned as ``error``; with a
     fault or a ``resume``, ``last.ckpt`` under ``out/ckpt`` after every step). A refusal before training (a
     ``ValueError``) is returned as ``refused``. Writes ``out`` (see the module docstring)."""
     strategy, batch, world = rl_layout(layout)
@@ -154,8 +154,8 @@ def rl_fit(kind: str, spec: dict[str, Any], out: Path, *, prompts: Path, layout:
     if checkpoints:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=str(out / "ckpt"), save_last=True, every_n_train_steps=1,
                                                       save_top_k=0))
-    if fault:
-        callbacks.append(FaultInjector(fault))
+    if fault:  # read by the task's own FaultInjector (it replaces any the trainer is given)
+        os.environ[FAULT_ENV] = fault
     try:
         task = build_task(kind, spec)
         dm = PromptDataModule(str(prompts), max_prompt_len=32, batch_size=batch)
@@ -170,6 +170,8 @@ def rl_fit(kind: str, spec: dict[str, Any], out: Path, *, prompts: Path, layout:
         if fault is None:
             raise
         return {"error": str(e)}
+    finally:
+        os.environ.pop(FAULT_ENV, None)
     logged = [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows.rows]
     if int(os.environ.get("RANK", "0")) == 0:
         with atomic_open(out / "rows.json", "w") as f:

@@ -300,10 +300,9 @@ ROLLOUTS = {"dapo": 4, "rlvr": 2, "gspo_dr": 2, "cispo": 2}
 """Rollouts per fit (x 2 epochs = optimizer steps): today's settings 4, each new one 2."""
 
 
-def _layout_fit(spec: str, layout: str, out: Path, **kwargs: Any) -> dict[str, Any]:
-    steps = 2 * ROLLOUTS[spec]
-    return rl_fit("grpo", GRPO_SPECS[spec], out / f"{spec}-{layout}", prompts=out / "prompts.jsonl", layout=layout,
-                  steps=steps, **kwargs)
+def _layout_fit(spec: str, layout: str, out: Path, *, under: str = "", **kwargs: Any) -> dict[str, Any]:
+    return rl_fit("grpo", GRPO_SPECS[spec], out / under / f"{spec}-{layout}", prompts=out / "prompts.jsonl",
+                  layout=layout, steps=2 * ROLLOUTS[spec], **kwargs)
 
 
 def _worker(mode: str, out: Path) -> None:
@@ -314,8 +313,8 @@ def _worker(mode: str, out: Path) -> None:
     for spec, layout in RUNS:
         _layout_fit(spec, layout, out)
     # pp x2 stopped by an error before its third rollout (optimizer step 4), then resumed from last.ckpt
-    stopped = _layout_fit("dapo", "pp", out / "resume", fault="raise:step=4")
-    resumed = _layout_fit("dapo", "pp", out / "resume", resume=str(out / "resume" / "dapo-pp" / "ckpt" / "last.ckpt"))
+    stopped = _layout_fit("dapo", "pp", out, under="resume", fault="raise:step=4")
+    resumed = _layout_fit("dapo", "pp", out, under="resume", resume=str(out / "resume" / "dapo-pp" / "ckpt" / "last.ckpt"))
     write_json_on_rank0(out / "resume.json", {"stopped": stopped, "resumed": resumed})
 
 
