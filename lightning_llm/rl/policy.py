@@ -108,6 +108,8 @@ class ActorCritic(nn.Module):
     def _values(self, hidden: Tensor) -> Tensor:
         """Values [B, S] fp32 from the trunk's output: the value head on hidden states [B, S, H], or a scoring
         critic's own scores [B, S, 1]."""
+        if isinstance(hidden, DTensor):  # sequence parallelism: the trunk's output sharded over the sequence
+            hidden = hidden.full_tensor()
         if self.value_head is None:
             return hidden[..., 0].float()
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
