@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r} beta={beta}: rollout {statistics.median(runs[beta][-1]['rollout_s']):.3f} s", flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()
-    lines = [f"# GRPO rollout time with and without the reference (beta 0.04 vs 0), `small`, CPU", "",
+    lines = ["# GRPO rollout time with and without the reference (beta 0.04 vs 0), `small`, CPU", "",
              f"{date.today()}, {platform.machine()} ({platform.processor() or 'cpu'}), commit {commit}, 1 thread; "
              f"`python benchmarks/rl_reference.py --rounds {a.rounds} --rollouts {a.rollouts} --prompts {a.prompts} "
              f"--new-tokens {a.new_tokens}`: {a.prompts} prompts x G=4 x {a.new_tokens} new tokens per rollout, "

@@ -29,10 +29,10 @@ from lightning_llm.strategies import HybridParallelStrategy
 from lightning_llm.strategies.presets import PipelineParallelStrategy
 from lightning_llm.tasks import GRPOTask, PPOTask
 from lightning_llm.tasks.base import OptimConfig
-from lightning_llm.testing import MetricRows, RolloutRecorder, StepRecorder
+from lightning_llm.testing import MetricRows, RolloutRecorder, StepRecorder, launch, wait
 
-__all__ = ["GLOBAL_PROMPTS", "GRPO_SPECS", "PPO_SPEC", "PairedDigits", "compare_fits", "held_bytes", "rl_fit",
-           "rl_layout", "write_rl_prompts"]
+__all__ = ["GLOBAL_PROMPTS", "GRPO_SPECS", "PPO_SPEC", "PairedDigits", "compare_fits", "held_bytes", "layout_runs",
+           "rl_fit", "rl_layout", "write_rl_prompts"]
 
 GLOBAL_PROMPTS = 8
 """Prompts per rollout over all replicas (one device holds them all)."""
@@ -177,6 +177,17 @@ def rl_fit(kind: str, spec: dict[str, Any], out: Path, *, prompts: Path, layout:
         with atomic_open(out / "rows.json", "w") as f:
             json.dump(logged, f)
     return {"rows": logged}
+
+
+def layout_runs(script: str | Path, out: Path, reference: Callable[[], Any], *, nproc: int = 2,
+                timeout: float = 1800) -> Path:
+    """The RL layout files' fixture: the prompt file, the one-device runs (``reference()``, before the launch, not
+    beside it), then ONE launch of ``script layouts OUT`` on ``nproc`` processes running every layout; returns
+    ``out``."""
+    write_rl_prompts(out / "prompts.jsonl")
+    reference()
+    wait(launch(script, nproc, "layouts", str(out)), timeout=timeout)
+    return out
 
 
 def _rollout_lines(out: Path) -> list[dict[str, Any]]:

@@ -27,8 +27,8 @@ from lightning_llm.rl import GRPOConfig, RewardConfig, group_advantages, grpo_lo
 from lightning_llm.rl.core import logprobs_from_logits
 from lightning_llm.rl.policy import Rollout, pack_responses, response_logits
 from lightning_llm.tasks import GRPOTask, OptimConfig
-from lightning_llm.testing import MetricRows, launch, run_worker, wait, write_json_on_rank0
-from lightning_llm.testing.rl import GRPO_SPECS, compare_fits, held_bytes, rl_fit, write_rl_prompts
+from lightning_llm.testing import MetricRows, run_worker, write_json_on_rank0
+from lightning_llm.testing.rl import GRPO_SPECS, compare_fits, held_bytes, layout_runs, rl_fit
 
 DIGITS = RewardConfig(fn="lightning_llm.rl.rewards:CharShareReward", kwargs={"chars": "digits"})
 KEYS = ("objective/scores", "objective/kl", "reward_std", "frac_reward_zero_std", "response_length", "episode",
@@ -322,10 +322,7 @@ def _worker(mode: str, out: Path) -> None:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every layout of every spec in one launch of 2 processes; the one-device runs computed before it."""
     out = tmp_path_factory.mktemp("grpo_layouts")
-    write_rl_prompts(out / "prompts.jsonl")
-    _worker("reference", out)
-    wait(launch(__file__, 2, "layouts", str(out)), timeout=1800)
-    return out
+    return layout_runs(__file__, out, lambda: _worker("reference", out))
 
 
 @pytest.mark.multiprocess

@@ -22,8 +22,8 @@ from lightning_llm.peft import LoraArgs
 from lightning_llm.rl import CharShareReward, PPOConfig, RewardConfig, RewardModel
 from lightning_llm.rl.policy import adapters_disabled
 from lightning_llm.tasks import OptimConfig, PPOTask
-from lightning_llm.testing import MetricRows, launch, run_worker, wait, write_json_on_rank0
-from lightning_llm.testing.rl import PPO_SPEC, compare_fits, held_bytes, rl_fit, write_rl_prompts
+from lightning_llm.testing import MetricRows, run_worker, write_json_on_rank0
+from lightning_llm.testing.rl import PPO_SPEC, compare_fits, held_bytes, layout_runs, rl_fit
 
 DIGITS = RewardConfig(fn="lightning_llm.rl.rewards:CharShareReward", kwargs={"chars": "digits"})
 KEYS = ("objective/scores", "objective/kl", "objective/kl_coef", "objective/entropy", "objective/rlhf_reward",
@@ -296,11 +296,8 @@ def _worker(mode: str, out: Path) -> None:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every layout of every spec in one launch of 2 processes; the one-device runs computed before it."""
     out = tmp_path_factory.mktemp("ppo_layouts")
-    write_rl_prompts(out / "prompts.jsonl")
     _reward_model(out)
-    _worker("reference", out)
-    wait(launch(__file__, 2, "layouts", str(out)), timeout=1800)
-    return out
+    return layout_runs(__file__, out, lambda: _worker("reference", out))
 
 
 def _compared(runs: Path, spec: str, layout: str) -> tuple[dict[str, float], list[dict[str, float]], Path]:

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from lightning_llm.testing import launch, run_worker, wait
-from lightning_llm.testing.rl import GRPO_SPECS, PPO_SPEC, compare_fits, held_bytes, rl_fit, write_rl_prompts
+from lightning_llm.testing import run_worker
+from lightning_llm.testing.rl import GRPO_SPECS, PPO_SPEC, compare_fits, held_bytes, layout_runs, rl_fit
 
 LAYOUTS = ["dp2_tp2", "dp2_pp2"]
 RUNS = {"ppo/base": 8, "grpo/dapo": 8, "grpo/rlvr": 4}
@@ -35,10 +35,7 @@ def _worker(mode: str, out: Path) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("rl_replicas")
-    write_rl_prompts(out / "prompts.jsonl")
-    _worker("reference", out)
-    wait(launch(__file__, 4, "layouts", str(out)), timeout=1800)
-    return out
+    return layout_runs(__file__, out, lambda: _worker("reference", out), nproc=4)
 
 
 @pytest.mark.multiprocess
