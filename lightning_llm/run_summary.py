@@ -253,6 +253,7 @@ def summary_lines(trainer: pl.Trainer, task: Any, batch: Any, *, flops: int | No
     frozen = _frozen_line(task)
     if frozen:
         lines.append(frozen)
+    lines.extend(getattr(task, "run_summary_lines", list)())  # the task's own lines (RL: rewards, reference)
     decoding = getattr(trainer.strategy, "decoding_note", lambda: None)()
     if decoding is not None and getattr(task, "generation", None) is not None:
         lines.append(decoding)  # how a generation gathers ZeRO-3 parameters (once, or the per-layer fallback)

@@ -1,7 +1,10 @@
 """Prompt data for RL fine-tuning (PPO): JSON/JSONL records with a ``prompt`` field, or generated prompts.
 
 Batches hold the prompts LEFT-padded for batched generation (``input_ids``/``attention_mask`` [B, P]), the prompt
-texts (``prompt``, for text-based rewards) and the record ``index``. Prompts longer than ``max_prompt_len`` keep
+texts (``prompt``, for text-based rewards), the record ``index`` and the record's other fields (``columns``: one dict
+per prompt, every field but the prompt itself (``prompt``, ``messages``, ``conversations``), values as read from the
+JSON; a field some record lacks is ``None`` there). The columns travel with their prompt through every layout: a
+reward function receives them as keyword lists (:mod:`lightning_llm.rl.sources`). Prompts longer than ``max_prompt_len`` keep
 their last tokens (the end of a prompt is what the response continues).
 
 With a chat template (``--data.template``: the tokenizer's own by default, or a named one; see
@@ -37,7 +40,23 @@ from lightning_llm.files import DataError, read_records
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PromptDataModule", "make_prompts"]
+__all__ = ["RESERVED_COLUMNS", "PromptDataModule", "make_prompts", "record_columns"]
+
+RESERVED_COLUMNS = ("prompts", "responses", "completion_ids")
+"""Keyword names a reward function is called with besides the columns: a column may not take one of them."""
+
+
+def record_columns(records: list[dict[str, Any]], *, exclude: set[str], where: str) -> list[dict[str, Any]]:
+    """Each record's fields but ``exclude`` (and the reader's ``_line``), over the union of the records' field names
+    (in order of first appearance; ``None`` where a record lacks one): every prompt of a file has the same columns."""
+    names: dict[str, None] = {}
+    for rec in records:
+        names.update(dict.fromkeys(k for k in rec if k not in exclude and k != "_line"))
+    clash = [n for n in names if n in RESERVED_COLUMNS]
+    if clash:
+        raise DataError(f"{where}: a column is named {clash[0]!r}, a name reward functions are already called with "
+                        f"({', '.join(RESERVED_COLUMNS)}): rename it")
+    return [{n: rec.get(n) for n in names} for rec in records]
 
 
 def make_prompts(n: int, *, seed: int = 0) -> list[str]:
@@ -129,33 +148,42 @@ class PromptDataModule(LLMDataModule):
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _texts(self, split: str) -> list[str]:
+    def _records(self, split: str, *, required: bool) -> list[dict[str, Any]]:
+        """The split's records (``_line`` numbered; generated prompts when it has no file), limited."""
         path = self.paths[split]
         if path is None:
             n = self.generated[split]
-            return make_prompts(n, seed=self.seed + (0 if split == "fit" else 1)) if n else []
-        recs = read_records(path, required=[self.prompt_field], types={self.prompt_field: str})
-        texts = [r[self.prompt_field] for r in recs]
-        return texts[: self.limit_examples] if self.limit_examples else texts
+            texts = make_prompts(n, seed=self.seed + (0 if split == "fit" else 1)) if n else []
+            return [{self.prompt_field: t, "_line": i + 1} for i, t in enumerate(texts)]
+        recs = read_records(path, required=[self.prompt_field] if required else [],
+                            types={self.prompt_field: str} if required else None)
+        return recs[: self.limit_examples] if self.limit_examples else recs
+
+    def _columns(self, split: str, recs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        exclude = {self.prompt_field, "messages", "conversations", *([self.columns.messages] if self.columns.messages
+                                                                     else [])}
+        return record_columns(recs, exclude=exclude, where=str(self.paths[split] or "generated prompts"))
+
+    @property
+    def column_names(self) -> list[str]:
+        """The training prompts' columns (what reward functions receive as keyword lists; after ``setup``)."""
+        rows = self.datasets.get("fit")
+        return list(rows[0]["columns"]) if rows is not None and len(rows) else []
 
     def _chat_rows(self, split: str) -> list[dict[str, Any]]:
         """Rows of a split under the chat template: fitted prompt ids, the last user text, the index."""
         assert self.chat is not None
         path = self.paths[split]
-        if path is None:
-            recs = [{self.prompt_field: t, "_line": i + 1} for i, t in enumerate(self._texts(split))]
-        else:
-            recs = read_records(path)
-            recs = recs[: self.limit_examples] if self.limit_examples else recs
+        recs = self._records(split, required=False)
         rows = []
-        for i, rec in enumerate(recs):
+        for i, (rec, columns) in enumerate(zip(recs, self._columns(split, recs))):
             where = f"{path}:{rec['_line']}" if path else f"generated prompt {i + 1}"
             conv = prompt_conversation(rec, self.columns, where, field=self.prompt_field,
                                        default_system=self.default_system)
             fitted = self.chat.fit_prompt(conv, self.max_prompt_len)
             ids = self.chat.ids(fitted.messages, conv.tools, generation_prompt=True, where=where)
             text = next(message_text(m) for m in reversed(conv.messages) if m["role"] == "user")
-            rows.append({"input_ids": ids, "prompt": text, "index": i, "conversation": fitted})
+            rows.append({"input_ids": ids, "prompt": text, "index": i, "conversation": fitted, "columns": columns})
         return rows
 
     def encode(self, text: str) -> list[int]:
@@ -168,27 +196,30 @@ class PromptDataModule(LLMDataModule):
         for split in ("fit", "validate"):
             if split in self.datasets or stage not in ("fit", "validate"):
                 continue
-            texts = self._texts(split) if self.chat is None else self._chat_rows(split)
-            if split == "fit" and stage == "fit" and not texts:
+            rows = self._chat_rows(split) if self.chat is not None else self._raw_rows(split)
+            if split == "fit" and stage == "fit" and not rows:
                 raise DataError(f"{self.paths['fit']}: no prompts")
-            if self.chat is not None:
-                self.datasets[split] = EncodedDataset(texts)
-                continue
-            rows = []
-            for i, text in enumerate(texts):
-                ids = self.encode(text)
-                if not ids:
-                    raise DataError(f"{self.paths[split]}: record {i + 1} has an empty prompt (use --data.bos=true "
-                                    f"to start responses from BOS)")
-                rows.append({"input_ids": ids, "prompt": text, "index": i})
             self.datasets[split] = EncodedDataset(rows)
         log.info("%d training and %d validation prompts", len(self.datasets.get("fit", [])),
                  len(self.datasets.get("validate", [])))
 
+    def _raw_rows(self, split: str) -> list[dict[str, Any]]:
+        """Rows of a split without a chat template: the prompt's ids, its text, the index and the columns."""
+        recs = self._records(split, required=True)
+        rows = []
+        for i, (rec, columns) in enumerate(zip(recs, self._columns(split, recs))):
+            text = rec[self.prompt_field]
+            ids = self.encode(text)
+            if not ids:
+                raise DataError(f"{self.paths[split]}: record {i + 1} has an empty prompt (use --data.bos=true "
+                                f"to start responses from BOS)")
+            rows.append({"input_ids": ids, "prompt": text, "index": i, "columns": columns})
+        return rows
+
     def collate(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         ids, mask = left_pad([r["input_ids"] for r in rows], self.pad_token_id)
         batch = {"input_ids": ids, "attention_mask": mask, "prompt": [r["prompt"] for r in rows],
-                 "index": torch.tensor([r["index"] for r in rows])}
+                 "index": torch.tensor([r["index"] for r in rows]), "columns": [r["columns"] for r in rows]}
         if self.chat is not None:  # the prompt conversations (a decoder reward model renders them with its template)
             batch["conversation"] = [r["conversation"] for r in rows]
         return batch

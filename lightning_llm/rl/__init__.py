@@ -1,5 +1,5 @@
-"""Reinforcement learning from feedback: PPO and GRPO math (pure functions), KL controllers, reward sources,
-rollouts."""
+"""Reinforcement learning from feedback: PPO and the GRPO loss family (pure functions), KL controllers, reward sources
+and verifiers, rollouts."""
 
 from lightning_llm.rl.config import GRPOConfig, PPOConfig
 from lightning_llm.rl.core import (
@@ -23,15 +23,19 @@ from lightning_llm.rl.kl_control import (
 )
 from lightning_llm.rl.rewards import (
     CharShareReward,
+    FormatReward,
+    MathAccuracy,
     RewardConfig,
     RewardModel,
+    SoftOverlong,
     build_reward,
     load_callable,
 )
+from lightning_llm.rl.sources import RewardSource, RewardSources
 
 __all__ = [
-    "AdaptiveKLController", "CharShareReward", "FixedKLController", "GRPOConfig", "PPOConfig", "RewardConfig",
-    "RewardModel", "build_reward", "entropy_from_logits", "gae", "group_advantages", "grpo_loss", "kl_penalty",
+    "AdaptiveKLController", "CharShareReward", "FixedKLController", "FormatReward", "GRPOConfig", "MathAccuracy",
+    "PPOConfig", "RewardConfig", "RewardModel", "RewardSource", "RewardSources", "SoftOverlong", "build_reward", "entropy_from_logits", "gae", "group_advantages", "grpo_loss", "kl_penalty",
     "load_callable", "logprobs_from_logits", "make_kl_controller", "masked_mean", "masked_var", "masked_whiten",
     "per_token_rewards", "policy_loss", "value_loss",
 ]

@@ -8,9 +8,9 @@ from typing import Literal
 
 import torch
 
-from lightning_llm.rl.core import KLEstimator
+from lightning_llm.rl.core import GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, KLEstimator
 
-__all__ = ["GRPOConfig", "GRPOLossType", "PPOConfig"]
+__all__ = ["GRPOConfig", "GRPOLossType", "ImportanceSamplingLevel", "PPOConfig"]
 
 
 @dataclass
@@ -79,7 +79,10 @@ class PPOConfig:
 torch.serialization.add_safe_globals([PPOConfig])  # saved in checkpoints' hyper-parameters
 
 
-GRPOLossType = Literal["grpo", "dapo"]
+GRPOLossType = Literal["grpo", "dapo", "dr_grpo", "cispo"]
+ImportanceSamplingLevel = Literal["token", "sequence"]
+# GRPOConfig types them as str and checks them itself: an unknown value is then refused in one line naming the
+# choices (jsonargparse's own Literal check prints a many-line union error).
 
 
 @dataclass
@@ -93,18 +96,40 @@ class GRPOConfig:
     num_mini_batches: int = 1
     """Mini-batches (optimizer steps) per pass over the B x G responses of a rank."""
     clip_range: float = 0.2
-    """Policy ratio clip epsilon."""
+    """Policy ratio clip epsilon (the lower one: the ratio is clipped to ``[1 - clip_range, 1 + clip_range_high]``;
+    trl's ``epsilon``)."""
+    clip_range_high: float | None = None
+    """Upper clip epsilon (DAPO's clip-higher, 0.28 in the paper; trl's ``epsilon_high``); default ``clip_range``.
+    ``cispo``: the importance weight is bounded by ``1 + clip_range_high`` (trl's ``epsilon_high`` is that bound)."""
+    delta: float | None = None
+    """Upper bound on the unclipped ratio, which binds where the advantage is negative (INTELLECT-2's two-sided
+    clipping; trl's ``delta``); must exceed ``1 + clip_range_high``. Default: none."""
+    importance_sampling_level: str = "token"
+    """``token``: each token's ratio ``exp(new - old)``; ``sequence`` (GSPO, Zheng et al. 2025): a response's ratio is
+    ``exp`` of the mean of its tokens' log-ratios, clipped per response (GSPO's ranges are ~3e-4 / 4e-4)."""
     beta: float = 0.04
-    """Coefficient of the per-token KL to the reference in the loss (0 = no KL term)."""
+    """Coefficient of the per-token KL to the reference in the loss. 0: no KL term, and no reference model is built
+    or run (the run summary says ``reference: none``; ``objective/kl`` is not logged)."""
     kl_estimator: KLEstimator = "k3"
     """Per-token KL estimator in the loss: ``k3`` = exp(ref - new) - (ref - new) - 1 (trl's), ``k1`` or ``k2``."""
     scale_rewards: bool = True
     """Divide the group-centred rewards by the group's (unbiased) std + ``eps``; false: centre only (Dr. GRPO)."""
     eps: float = 1e-4
     """Added to the group std before dividing (trl's 1e-4): a group of equal rewards gets zero advantages."""
-    loss_type: GRPOLossType = "grpo"
+    loss_type: str = "grpo"
     """``grpo``: each response's token mean, then the mean over responses; ``dapo``: the mean over every token of
-    the global mini-batch (long responses weigh more)."""
+    the global mini-batch (long responses weigh more; trl's default); ``dr_grpo``: the token sum over responses x
+    ``max_new_tokens`` (a constant, Liu et al. 2025; usually with ``scale_rewards=false``); ``cispo`` (MiniMax-M1):
+    the clipped, detached importance weight times the log-prob, token mean as ``dapo``."""
+    mask_truncated_completions: bool = False
+    """Responses that never emitted EOS (cut at ``max_new_tokens``) leave the loss (DAPO's overlong filtering; their
+    scores still count in their group's advantages)."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling: groups whose rewards are all equal (zero std: no signal) are dropped and more prompts
+    are sampled until the rollout batch is full or ``max_sampling_rounds`` is reached (then topped up with dropped
+    groups). Logged: ``frac_reward_zero_std`` of every sampled group and ``sampling_rounds``."""
+    max_sampling_rounds: int = 4
+    """Most sampling rounds of a rollout under ``dynamic_sampling`` (the first one included)."""
     missing_eos_penalty: float | None = None
     """Subtracted from the score of responses that never emit EOS (before group normalisation)."""
     ratio_threshold: float | None = 10.0
@@ -116,13 +141,20 @@ class GRPOConfig:
         checks = {
             "num_generations": self.num_generations >= 2, "epochs": self.epochs >= 1,
             "num_mini_batches": self.num_mini_batches >= 1, "clip_range": self.clip_range > 0,
+            "clip_range_high": self.clip_range_high is None or self.clip_range_high > 0,
+            "delta": self.delta is None or self.delta > 1 + (self.clip_range_high or self.clip_range),
             "beta": self.beta >= 0, "kl_estimator": self.kl_estimator in ("k1", "k2", "k3"), "eps": self.eps > 0,
-            "loss_type": self.loss_type in ("grpo", "dapo"),
+            "loss_type": self.loss_type in GRPO_LOSS_TYPES,
+            "importance_sampling_level": self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS,
+            "max_sampling_rounds": self.max_sampling_rounds >= 1,
             "missing_eos_penalty": self.missing_eos_penalty is None or self.missing_eos_penalty >= 0,
             "ratio_threshold": self.ratio_threshold is None or self.ratio_threshold > 1,
             "max_grad_norm": self.max_grad_norm is None or self.max_grad_norm > 0,
         }
-        why = {"num_generations": " (>= 2: a group of one has no relative advantage)"}
+        why = {"num_generations": " (>= 2: a group of one has no relative advantage)",
+               "loss_type": f" (one of {', '.join(GRPO_LOSS_TYPES)})",
+               "importance_sampling_level": f" (one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)})",
+               "delta": " (> 1 + clip_range_high: it bounds the ratio above the clip range)"}
         bad = [k for k, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"--model.grpo.{bad[0]}={getattr(self, bad[0])!r} is out of range{why.get(bad[0], '')}")

@@ -20,8 +20,8 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "KLEstimator", "entropy_from_logits", "gae", "group_advantages", "grpo_loss", "kl_penalty", "logprobs_from_logits",
-    "masked_mean", "masked_var", "masked_whiten", "per_token_rewards", "policy_loss", "value_loss",
+    "GRPO_LOSS_TYPES", "IMPORTANCE_SAMPLING_LEVELS", "KLEstimator", "entropy_from_logits", "gae", "group_advantages",
+    "grpo_loss", "importance_log_weights", "kl_penalty", "logprobs_from_logits", "masked_mean", "masked_var", "masked_whiten", "per_token_rewards", "policy_loss", "value_loss",
 ]
 
 AllReduce = Callable[[Tensor], Tensor]
@@ -182,45 +182,86 @@ def group_advantages(scores: Tensor, group_size: int, *, scale: bool = True, eps
     return advantages.reshape(-1), std
 
 
-def grpo_loss(new_logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
-              clip_range: float, beta: float, kl_estimator: KLEstimator = "k3", loss_type: str = "grpo",
+GRPO_LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "cispo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+def importance_log_weights(log_ratio: Tensor, mask: Tensor, level: str) -> Tensor:
+    """Log importance weights of the masked per-token log-ratios [B, N]: ``token``: themselves [B, N]; ``sequence``
+    (GSPO, Zheng et al. 2025): each response's mean log-ratio over its tokens [B, 1] (0 for an empty response)."""
+    if level == "token":
+        return log_ratio
+    if level == "sequence":
+        return ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1))[:, None]
+    raise ValueError(f"importance_sampling_level must be one of {', '.join(IMPORTANCE_SAMPLING_LEVELS)}, got {level!r}")
+
+
+def grpo_loss(new_logprobs: Tensor, old_logprobs: Tensor, ref_logprobs: Tensor | None, advantages: Tensor,
+              mask: Tensor, *, clip_range: float, beta: float, kl_estimator: KLEstimator = "k3",
+              loss_type: str = "grpo", clip_range_high: float | None = None, delta: float | None = None,
+              importance_sampling_level: str = "token", max_new_tokens: int | None = None,
               seq_count: Tensor | float | None = None, token_count: Tensor | float | None = None
               ) -> tuple[Tensor, dict[str, Tensor]]:
-    """The GRPO loss of a mini-batch; every tensor ``[B, N]`` over response tokens (``advantages`` broadcast over
-    each response's tokens). Per token, with ``ratio = exp(new - old)``::
+    """The GRPO-family loss of a mini-batch; every tensor ``[B, N]`` over response tokens (``advantages`` broadcast
+    over each response's tokens). With ``w`` the importance weight (``importance_sampling_level``: per token
+    ``exp(new - old)``, or per response ``exp(mean_t(new - old))``, GSPO), ``eps_lo = clip_range``, ``eps_hi =
+    clip_range_high`` (default ``clip_range``; DAPO's clip-higher)::
 
-        l_t = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps) * A) + beta * KL_t,   KL_t = kl_penalty(new, ref)
+        grpo, dapo, dr_grpo:  l_t = -min(min(w, delta) * A, clip(w, 1 - eps_lo, 1 + eps_hi) * A)   (delta: INTELLECT-2)
+        cispo (MiniMax-M1):   l_t = -sg(min(w, 1 + eps_hi)) * A * new_t
+        every type:           l_t += beta * KL_t,   KL_t = kl_penalty(new, ref)  (k3: exp(ref - new) - (ref - new) - 1)
 
-    (k3: ``exp(ref - new) - (ref - new) - 1``). ``loss_type="grpo"``: sum over responses of each response's token
-    mean, divided by ``seq_count`` (default B); ``"dapo"``: sum over all masked tokens divided by ``token_count``
-    (default: their number). Under data parallelism pass the GLOBAL counts divided by the world size, so DDP's
-    gradient mean is the global mini-batch's loss gradient.
+    reduced over the masked tokens: ``grpo`` the mean over responses of each response's token mean (``seq_count``
+    responses, default B); ``dapo`` and ``cispo`` the token mean (``token_count``, default their number); ``dr_grpo``
+    the token sum over ``seq_count * max_new_tokens`` (a constant, Liu et al. 2025). Under data parallelism pass the
+    GLOBAL counts divided by the world size, so DDP's gradient mean is the global mini-batch's loss gradient.
 
-    Stats (local shares of global token means, divided by ``token_count``): ``ratio``, ``clipfrac`` (tokens where
-    the clipped branch is taken), ``approxkl`` (``0.5 * log ratio^2``), ``kl`` (KL_t to the reference) and
-    ``policy`` (the loss).
+    Stats (local shares of global token means, divided by ``token_count``): ``ratio`` (the importance weight),
+    ``clipfrac`` (tokens whose weight the clip bounded: the clipped branch taken; cispo: ``w > 1 + eps_hi``),
+    ``approxkl`` (``0.5 * log ratio^2``), ``kl`` (KL_t to the reference; only with ``beta > 0``) and ``policy``.
     """
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {', '.join(GRPO_LOSS_TYPES)}, got {loss_type!r}")
     m = mask.to(new_logprobs.dtype)
-    tokens = m.sum() if token_count is None else token_count
+    tokens = m.sum().clamp(min=1) if token_count is None else token_count  # no token: a loss of 0, not 0/0
+    seqs = m.shape[0] if seq_count is None else seq_count
+    high = clip_range if clip_range_high is None else clip_range_high
     log_ratio = (new_logprobs - old_logprobs) * m
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    kl = kl_penalty(new_logprobs, ref_logprobs, kl_estimator) * m
-    per_token = torch.maximum(unclipped, clipped) + beta * kl  # = -min(ratio A, clip(ratio) A) + beta KL
-    if loss_type == "grpo":
-        per_seq = (per_token * m).sum(-1) / m.sum(-1).clamp(min=1)  # [B]
-        loss = per_seq.sum() / (per_seq.shape[0] if seq_count is None else seq_count)
-    elif loss_type == "dapo":
-        loss = (per_token * m).sum() / tokens
+    weight = torch.exp(importance_log_weights(log_ratio, m, importance_sampling_level))  # [B, N] or [B, 1]
+    # sequence level: a response's advantage [B, 1] (its tokens all carry it)
+    a = advantages if importance_sampling_level == "token" else \
+        ((advantages * m).sum(-1) / m.sum(-1).clamp(min=1))[:, None]
+    if loss_type == "cispo":
+        bounded = torch.clamp(weight, max=1.0 + high)
+        per_token = -bounded.detach() * a * new_logprobs
+        clipped_mask = weight > 1.0 + high
     else:
-        raise ValueError(f"loss_type must be grpo or dapo, got {loss_type!r}")
+        unclipped = -a * (weight if delta is None else torch.clamp(weight, max=delta))
+        clipped = -a * torch.clamp(weight, 1.0 - clip_range, 1.0 + high)
+        per_token = torch.maximum(unclipped, clipped)  # = -min(w A, clip(w) A)
+        clipped_mask = clipped > unclipped
+    kl = None
+    if beta != 0:
+        if ref_logprobs is None:
+            raise ValueError("grpo_loss: beta > 0 needs the reference log-probs")
+        kl = kl_penalty(new_logprobs, ref_logprobs, kl_estimator) * m
+        per_token = per_token + beta * kl
+    per_token = per_token.expand_as(m) if per_token.shape != m.shape else per_token  # sequence level: [B, 1]
+    if loss_type == "grpo":
+        loss = ((per_token * m).sum(-1) / m.sum(-1).clamp(min=1)).sum() / seqs
+    elif loss_type == "dr_grpo":
+        if max_new_tokens is None:
+            raise ValueError("grpo_loss: loss_type='dr_grpo' divides by responses x max_new_tokens: pass max_new_tokens")
+        loss = (per_token * m).sum() / (seqs * max_new_tokens)
+    else:
+        loss = (per_token * m).sum() / tokens
     with torch.no_grad():
         stats = {
-            "ratio": (ratio * m).sum() / tokens,
-            "clipfrac": ((clipped > unclipped).to(m.dtype) * m).sum() / tokens,
+            "ratio": (weight.expand_as(m) * m).sum() / tokens,
+            "clipfrac": (clipped_mask.expand_as(m).to(m.dtype) * m).sum() / tokens,
             "approxkl": 0.5 * (log_ratio**2 * m).sum() / tokens,
-            "kl": kl.sum() / tokens,
             "policy": loss.detach(),
         }
+        if kl is not None:
+            stats["kl"] = kl.sum() / tokens
     return loss, stats

@@ -108,6 +108,8 @@ class ActorCritic(nn.Module):
     def _values(self, hidden: Tensor) -> Tensor:
         """Values [B, S] fp32 from the trunk's output: the value head on hidden states [B, S, H], or a scoring
         critic's own scores [B, S, 1]."""
+        if isinstance(hidden, DTensor):  # sequence parallelism: the trunk's output sharded over the sequence
+            hidden = hidden.full_tensor()
         if self.value_head is None:
             return hidden[..., 0].float()
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
@@ -176,12 +178,19 @@ class Rollout:
     response_mask: Tensor  # bool
     has_eos: Tensor  # [B] bool
     logprobs: Tensor  # old policy log-probs of the sampled tokens (0 outside the mask)
-    ref_logprobs: Tensor
+    ref_logprobs: Tensor | None  # None: no reference (GRPO at beta 0)
     values: Tensor
     scores: Tensor  # [B] sequence scores after the missing-EOS penalty
     rewards: Tensor | None = None
     advantages: Tensor | None = None
     returns: Tensor | None = None
+    loss_mask: Tensor | None = None  # [B, N] bool: the tokens the loss counts (default: response_mask)
+    samples: Any = None  # the rl.samples.Samples the rollout was made from (texts, columns, scores per source)
+
+    @property
+    def trained_mask(self) -> Tensor:
+        """The tokens the loss counts: ``loss_mask`` (e.g. truncated responses masked out), else ``response_mask``."""
+        return self.response_mask if self.loss_mask is None else self.loss_mask
 
     def select(self, index: Tensor) -> Rollout:
         """The rows ``index`` (a mini-batch)."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import math
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,21 +44,30 @@ from lightning_llm.data.chat.template import resolve_template
 from lightning_llm.data.preference import ReplyEncoder
 from lightning_llm.models import NAMED_SIZES, build_model, load_hf
 from lightning_llm.models.scores import sequence_scores
+from lightning_llm.rl.verifiers import FormatReward, MathAccuracy, SoftOverlong
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CharShareReward", "RewardConfig", "RewardModel", "build_reward", "load_callable"]
+__all__ = ["CharShareReward", "FormatReward", "MathAccuracy", "RewardConfig", "RewardModel", "SoftOverlong",
+           "build_reward", "load_callable"]
 
 RewardFn = Callable[[list[str], list[str]], "Tensor | Sequence[float]"]
 
 
 @dataclass
 class RewardConfig:
-    """Where scores come from: exactly one of ``fn`` and ``model``."""
+    """A reward source: exactly one of ``fn`` and ``model``, its ``name`` and ``weight`` (a run takes one as
+    ``--model.reward`` or several as ``--model.rewards``: :mod:`lightning_llm.rl.sources`)."""
 
     fn: str | None = None
-    """Import path of a callable ``(prompts, responses) -> scores`` (``pkg.module:name`` or ``pkg.module.name``);
-    a class is instantiated with ``kwargs`` first, a function gets ``kwargs`` bound."""
+    """Import path of a callable ``(prompts, responses, **columns) -> scores`` (``pkg.module:name`` or
+    ``pkg.module.name``); a class is instantiated with ``kwargs`` first, a function gets ``kwargs`` bound. Built in:
+    ``lightning_llm.rl.rewards:MathAccuracy``, ``FormatReward``, ``SoftOverlong``, ``CharShareReward``."""
+    name: str | None = None
+    """Name in the logs (``rewards/<name>/mean``) and in ``rollouts.jsonl`` (default: the callable's name after the
+    import path's last ``:`` or ``.``; ``reward_model`` for a model)."""
+    weight: float = 1.0
+    """Weight of this source in the score: the weighted sum over the sources that scored a response."""
     kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for ``fn``."""
     model: str | None = None
@@ -91,6 +101,19 @@ class RewardConfig:
         for name in ("fn", "model", "tokenizer_dir"):
             if getattr(self, name) in ("None", "null"):
                 setattr(self, name, None)
+        w = self.weight
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
+            raise ValueError(f"the weight of reward {self.source_name} is {w!r}: a reward source's weight must be a "
+                             "finite number (--model.reward.weight / --model.rewards[i].weight)")
+
+    @property
+    def source_name(self) -> str:
+        """``name``, or the callable's name in its import path (``reward_model`` for a model)."""
+        if self.name:
+            return self.name
+        if self.fn:
+            return self.fn.replace(":", ".").rsplit(".", 1)[-1]
+        return "reward_model"
 
 
 torch.serialization.add_safe_globals([RewardConfig])  # saved in PPO checkpoints' hyper-parameters

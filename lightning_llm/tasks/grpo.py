@@ -13,14 +13,26 @@ One training step = one rollout batch of B prompts per rank (:class:`~lightning_
 
 4. ``epochs`` passes over ``num_mini_batches`` shuffled mini-batches of responses, one optimizer step each::
 
-       ratio_t = exp(new_t - old_t)
+       ratio_t = exp(new_t - old_t)                               (sequence level, GSPO: exp(mean_t(new_t - old_t)))
        KL_t    = exp(ref_t - new_t) - (ref_t - new_t) - 1         (k3, >= 0; --model.grpo.kl_estimator)
-       l_t     = -min(ratio_t * A, clip(ratio_t, 1 - eps_clip, 1 + eps_clip) * A) + beta * KL_t
+       l_t     = -min(min(ratio_t, delta) * A, clip(ratio_t, 1 - eps_lo, 1 + eps_hi) * A) + beta * KL_t
+               | -sg(min(ratio_t, 1 + eps_hi)) * A * new_t + beta * KL_t              (loss_type=cispo)
        loss    = mean_i( sum_t l_it m_it / sum_t m_it )           (loss_type=grpo)
-               | sum_it l_it m_it / sum_it m_it                   (loss_type=dapo: token mean of the mini-batch)
+               | sum_it l_it m_it / sum_it m_it                   (dapo, cispo: token mean of the mini-batch)
+               | sum_it l_it m_it / (B*G x max_new_tokens)        (dr_grpo)
 
-   with ``m`` the response mask [B*G, N] (tokens up to and including the first EOS) and ``new`` the log-probs
-   of the current policy.
+   with ``m`` the loss mask [B*G, N] (tokens up to and including the first EOS; with
+   ``mask_truncated_completions`` none of a response that never emitted EOS) and ``new`` the log-probs of the
+   current policy (:func:`~lightning_llm.rl.core.grpo_loss`). At ``beta=0`` no reference is built or run.
+
+Dynamic sampling (``dynamic_sampling``, DAPO) refills the batch the same way on every layout: the first round samples
+the loader's prompts; while fewer informative groups (rewards not all equal) than the global batch's prompts were found
+and rounds remain, every replica samples its share of the next global batch of refill prompts (one permutation of
+the prompt file per rollout, seeded by (data seed, rollout), without the first round's prompts; shares by global
+position as the sampler deals them); then every rank gathers all groups sampled, keeps the first informative ones in
+(round, global position) order up to the global batch (topped up with uninformative ones when the rounds run out) and
+takes its share by position. Responses are seeded per (prompt, rollout, round), so the kept set, its order and every
+token are one device's (:func:`~lightning_llm.rl.samples.select_groups`).
 
 Every layout (:class:`~lightning_llm.tasks.online_rl.OnlineRLTask`'s rules): a prompt's G responses are sampled on
 the data-parallel replica holding the prompt, so groups never straddle ranks and advantages need no communication. Sampling is seeded per prompt (seed,
@@ -29,9 +41,11 @@ number of responses (grpo) or tokens (dapo) of the mini-batch over the replicas,
 what one device computes on 2B prompts.
 
 Logged per rollout: ``objective/scores`` (mean reward after the EOS penalty), ``reward_std`` (mean within-group
-std), ``frac_reward_zero_std`` (groups whose rewards are all equal: no signal), ``objective/kl`` (mean per-token
-KL_t of the rollout policy to the reference over response tokens), ``response_length``, ``episode`` (responses so
-far); per update (averaged): ``loss/policy_avg`` (the loss), ``policy/kl_avg``, ``policy/clipfrac_avg``,
+std), ``frac_reward_zero_std`` (groups whose rewards are all equal: no signal; under dynamic sampling of every group
+sampled, with ``sampling_rounds``), ``objective/kl`` (mean per-token KL_t of the rollout policy to the reference over
+response tokens; not at beta 0), ``response_length``, ``episode`` (responses so far), ``rewards/<name>/mean|std``
+per reward source; per update (averaged): ``loss/policy_avg`` (the loss), ``policy/kl_avg`` (beta > 0),
+``policy/clipfrac_avg``,
 ``policy/approxkl_avg``, ``policy/entropy_avg``, ``val/ratio``. ``trainer.max_steps`` counts optimizer steps:
 rollouts x epochs x num_mini_batches.
 """
@@ -42,6 +56,7 @@ import logging
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
@@ -54,6 +69,7 @@ from lightning_llm.rl.core import (
     kl_penalty,
 )
 from lightning_llm.rl.policy import Rollout
+from lightning_llm.rl.samples import Samples, select_groups
 from lightning_llm.tasks.online_rl import OnlineRLTask, UpdateSchedule
 
 log = logging.getLogger(__name__)
@@ -76,6 +92,7 @@ class GRPOTask(OnlineRLTask):
         super().__init__(backbone, **kwargs)
         self.save_hyperparameters()
         self.grpo = grpo or GRPOConfig()
+        self._sampling_stats: dict[str, float] = {}  # dynamic sampling's statistics of the current rollout
         if not self.generation.do_sample:
             raise ValueError("--model.generation.do_sample=false: the G responses of a prompt would be identical "
                              "(zero advantages); GRPO samples its rollouts (validation decodes greedily anyway)")
@@ -96,12 +113,14 @@ class GRPOTask(OnlineRLTask):
     @override
     def build_model(self) -> nn.Module:
         policy = self.build_policy()
-        self.reference_for(policy)  # before checkpointing wrappers patch forward()
+        if self.grpo.beta != 0:  # beta 0: no KL term, so no reference model at all (trl's rule)
+            self.reference_for(policy)  # before checkpointing wrappers patch forward()
         model = self.checkpointed(policy)
         trainable, total = count_parameters(model)
-        ref = self.reference.parameter_count()
-        rank_zero_info(f"GRPO: trainable params: {trainable:,} || policy params: {total:,} || reference: "
-                       + (f"frozen copy, {ref:,} params" if ref else "policy with adapters disabled, 0 extra params"))
+        ref = self.reference.parameter_count() if self.reference is not None else 0
+        what = ("none (beta=0)" if self.reference is None else f"frozen copy, {ref:,} params" if ref
+                else "policy with adapters disabled, 0 extra params")
+        rank_zero_info(f"GRPO: trainable params: {trainable:,} || policy params: {total:,} || reference: {what}")
         return model
 
     def _logprobs(self, r: Rollout, temperature: float) -> tuple[Tensor, Tensor]:
@@ -113,17 +132,89 @@ class GRPOTask(OnlineRLTask):
     @override
     @torch.no_grad()
     def make_rollout(self, batch: dict[str, Any], *, greedy: bool = False) -> Rollout:
-        """Sample G responses per prompt (1 when greedy), score them, and compute old and reference log-probs."""
-        s = self.sample(batch, greedy=greedy, repeats=1 if greedy else self.grpo.num_generations,
-                        seed_per_prompt=True)
+        """Sample G responses per prompt (1 when greedy; with dynamic sampling, more rounds), score them, and compute
+        old and (beta > 0) reference log-probs."""
+        cfg, g = self.grpo, self.grpo.num_generations
+        self._sampling_stats = {}
+        if cfg.dynamic_sampling and not greedy:
+            s = self._dynamic_samples(batch)
+        else:
+            s = self.sample(batch, greedy=greedy, repeats=1 if greedy else g, seed_per_prompt=True)
         m = s.response_mask.float()  # [B*G, N]
         r = Rollout(query_responses=s.query_responses, attention_mask=s.attention_mask, position_ids=s.position_ids,
                     context_length=s.context_length, responses=s.responses, response_mask=s.response_mask,
-                    has_eos=s.has_eos, logprobs=m, ref_logprobs=m, values=torch.zeros_like(m),  # no critic
-                    scores=s.scores)
+                    has_eos=s.has_eos, logprobs=m, ref_logprobs=None, values=torch.zeros_like(m),  # no critic
+                    scores=s.scores, samples=s)
+        if cfg.mask_truncated_completions:
+            r.loss_mask = s.response_mask & s.has_eos[:, None]
         r.logprobs = self._logprobs(r, s.temperature)[0] * m
-        r.ref_logprobs = self.reference_logprobs(r, s.temperature) * m
+        if cfg.beta != 0:
+            r.ref_logprobs = self.reference_logprobs(r, s.temperature) * m
         return r
+
+    def _penalised(self, scores: Tensor, has_eos: Tensor) -> Tensor:
+        """The scores the advantages are computed from: minus ``missing_eos_penalty`` where a response has no EOS."""
+        penalty = self.grpo.missing_eos_penalty
+        return scores if penalty is None else scores - penalty * (~has_eos).to(scores.dtype)
+
+    def _informative(self, s: Samples) -> list[bool]:
+        """Per prompt of ``s``: its group's (penalised) rewards are not all equal."""
+        std = self._penalised(s.scores, s.has_eos).view(-1, self.grpo.num_generations).std(dim=1)
+        return (std.abs() >= 1e-8).tolist()
+
+    def _dynamic_samples(self, batch: dict[str, Any]) -> Samples:
+        """DAPO's dynamic sampling, the same on every layout (see the module docstring)."""
+        cfg, g = self.grpo, self.grpo.num_generations
+        dm = self.trainer.datamodule
+        if not (hasattr(dm, "datasets") and hasattr(dm, "collate")):
+            raise ValueError("--model.grpo.dynamic_sampling=true samples more prompts from the datamodule's training "
+                             "prompts: it needs a PromptDataModule")
+        dp, rank = self._world(), self._dp_rank()
+        first = self.sample(batch, repeats=g, seed_per_prompt=True)
+        candidates = first.groups(g, draw=0, informative=self._informative(first))
+        target = int(self._all_sum(torch.tensor(float(len(first.positions)), device=self.device)))
+        rounds, refill = 1, None
+        while rounds < cfg.max_sampling_rounds:
+            found = self._all_sum(torch.tensor(float(sum(c.informative for c in candidates)), device=self.device))
+            if int(found) >= target:
+                break
+            if refill is None:  # one permutation per rollout, without the first round's prompts (of every replica)
+                used = set(self._gathered([c.index for c in candidates]))
+                order = torch.randperm(len(dm.datasets["fit"]), generator=torch.Generator().manual_seed(
+                    (int(dm.seed) * 1_000_003 + self.rollouts_done) % (2**63))).tolist()
+                refill = [i for i in order if i not in used]
+            chunk = refill[(rounds - 1) * target:rounds * target]
+            if len(chunk) < target:  # the prompt file is used up for this rollout (on every rank alike)
+                break
+            mine = list(range(rank, target, dp))
+            more = dm.collate([dm.datasets["fit"][chunk[p]] for p in mine])
+            more.update(input_ids=more["input_ids"].to(self.device), attention_mask=more["attention_mask"].to(
+                self.device))
+            s = self.sample(more, repeats=g, seed_per_prompt=True, draw=rounds, positions=mine)
+            candidates += s.groups(g, draw=rounds, informative=self._informative(s))
+            rounds += 1
+        every = [c for part in self._gathered_groups(candidates) for c in part]
+        chosen = select_groups([(c.key, c.informative) for c in every], target)
+        by_key = {c.key: c for c in every}
+        gen = self._gen_config()
+        out = Samples.of_groups([by_key[k] for k in chosen[rank::dp]], pad_id=gen.pad_token_id, eos_ids=gen.eos_ids,
+                                temperature=first.temperature, device=self.device)
+        out.positions = list(range(rank, target, dp))
+        self._sampling_stats = {"frac_reward_zero_std": sum(not c.informative for c in every) / len(every),
+                                "sampling_rounds": float(rounds)}
+        return out
+
+    def _gathered(self, values: list[int]) -> list[int]:
+        """``values`` of every data-parallel replica, concatenated."""
+        return [v for part in self._gathered_groups(values) for v in part]
+
+    def _gathered_groups(self, obj: Any) -> list[Any]:
+        """``obj`` of every data-parallel replica, in replica order (itself alone on one replica)."""
+        if self._world() == 1:
+            return [obj]
+        every: list[Any] = [None] * self._world()
+        dist.all_gather_object(every, obj, group=self.capabilities.data_parallel_group)
+        return every
 
     @override
     @torch.no_grad()
@@ -134,20 +225,21 @@ class GRPOTask(OnlineRLTask):
         mask = r.response_mask
         if r.scores.shape[0] % g:
             raise ValueError(f"{r.scores.shape[0]} responses do not form groups of --model.grpo.num_generations={g}")
-        if cfg.missing_eos_penalty is not None:
-            r.scores = r.scores - cfg.missing_eos_penalty * (~r.has_eos).to(r.scores.dtype)
+        r.scores = self._penalised(r.scores, r.has_eos)
         adv, std = group_advantages(r.scores, g, scale=cfg.scale_rewards, eps=cfg.eps)  # [B*G], [B]
         r.advantages = adv[:, None] * mask  # every token of a response carries its advantage
         tokens = mask.sum().float()
-        kl = kl_penalty(r.logprobs, r.ref_logprobs, cfg.kl_estimator) * mask  # old policy vs reference
         b, groups = r.scores.shape[0], std.shape[0]
         stats = {
             "objective/scores": self._global_mean(r.scores.sum(), b),
             "reward_std": self._global_mean(std.sum(), groups),
             "frac_reward_zero_std": self._global_mean((std.abs() < 1e-8).sum(), groups),
-            "objective/kl": self._global_mean(kl.sum(), tokens),
             "response_length": self._global_mean(tokens, b),
+            **self._sampling_stats,  # dynamic sampling: of every group sampled (already global)
         }
+        if r.ref_logprobs is not None:
+            kl = kl_penalty(r.logprobs, r.ref_logprobs, cfg.kl_estimator) * mask  # old policy vs reference
+            stats["objective/kl"] = self._global_mean(kl.sum(), tokens)
         self.episodes += int(self._all_sum(torch.tensor(float(b), device=self.device)))
         return stats
 
@@ -155,21 +247,24 @@ class GRPOTask(OnlineRLTask):
     @override
     def minibatch_loss(self, mb: Rollout) -> tuple[Tensor, dict[str, Tensor]]:
         assert mb.advantages is not None
-        cfg, mask = self.grpo, mb.response_mask
+        cfg, mask = self.grpo, mb.trained_mask
         world = self._world()
         # Global responses / tokens of this mini-batch over the world size: DDP's gradient mean of the per-rank
         # losses is then the gradient of the global mini-batch's loss (ranks may hold different token counts).
         counts = self._all_sum(torch.stack([torch.tensor(float(mask.shape[0]), device=self.device),
-                                            mask.sum().float()])) / world
+                                            mask.sum().float()])).clamp(min=1) / world  # 0 trained tokens: 0
         temperature = self.generation.temperature if self.generation.do_sample else 1.0
 
         def loss_of(output: Any, rows: Rollout) -> tuple[Tensor, dict[str, Tensor]]:
             # Divided by the global counts: shares of global sums, which add up over rows (micro-batches).
             new_logprobs, entropy = self.response_logprobs(output, rows, temperature)
-            m = rows.response_mask
-            loss, stats = grpo_loss(new_logprobs * m, rows.logprobs, rows.ref_logprobs, rows.advantages, m,
-                                    clip_range=cfg.clip_range, beta=cfg.beta, kl_estimator=cfg.kl_estimator,
-                                    loss_type=cfg.loss_type, seq_count=counts[0], token_count=counts[1])
+            m = rows.trained_mask
+            loss, stats = grpo_loss(new_logprobs * m, rows.logprobs * m, rows.ref_logprobs, rows.advantages, m,
+                                    clip_range=cfg.clip_range, clip_range_high=cfg.clip_range_high, delta=cfg.delta,
+                                    importance_sampling_level=cfg.importance_sampling_level, beta=cfg.beta,
+                                    kl_estimator=cfg.kl_estimator, loss_type=cfg.loss_type,
+                                    max_new_tokens=self.generation.max_new_tokens, seq_count=counts[0],
+                                    token_count=counts[1])
             stats["entropy"] = (entropy * m).sum() / counts[1]
             return loss, stats
 
@@ -177,10 +272,11 @@ class GRPOTask(OnlineRLTask):
 
     @override
     def update_stats(self, avg: dict[str, float]) -> dict[str, float]:
-        return {**super().update_stats(avg), "policy/kl_avg": avg.get("kl", 0.0)}
+        kl = {"policy/kl_avg": avg.get("kl", 0.0)} if self.grpo.beta != 0 else {}
+        return {**super().update_stats(avg), **kl}
 
     def parameter_report(self) -> dict[str, int]:
-        """Parameter counts held by the task: ``policy``, ``reference`` (0 with PEFT), ``total``."""
-        assert self.model is not None and self.reference is not None
-        return {"policy": count_parameters(self.model)[1], "reference": self.reference.parameter_count(),
-                "total": count_parameters(self)[1]}
+        """Parameter counts held by the task: ``policy``, ``reference`` (0 with PEFT or at beta 0), ``total``."""
+        assert self.model is not None
+        ref = self.reference.parameter_count() if self.reference is not None else 0
+        return {"policy": count_parameters(self.model)[1], "reference": ref, "total": count_parameters(self)[1]}

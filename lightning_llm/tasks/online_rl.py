@@ -11,6 +11,12 @@ seeded by the replica. Under a pipeline, rollouts decode through the stages (``d
 forwards are forward-only pipeline passes (``run_model``) and each optimizer step's forward and backward runs
 micro-batch by micro-batch (``PipelineRunner.train_additive``: the losses are shares of global sums, so they add
 up). All forwards run with dropout off (eval mode): the importance ratio must be 1 before the first update. ``trainer.max_steps`` counts optimizer steps (Lightning's rule for manual optimization).
+
+Rewards: one or several named, weighted sources (:mod:`lightning_llm.rl.sources`), each called with the prompts, the
+responses and the prompt records' columns (which travel with their prompts in the batch on every layout); logged per
+rollout: ``objective/scores`` (the weighted sum) and ``rewards/<name>/mean``, ``rewards/<name>/std`` per source (over
+every replica's responses). ``--model.log_rollouts=true`` writes every trained response to ``rollouts.jsonl``
+(:mod:`lightning_llm.rl.rollout_log`).
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,7 +39,10 @@ from lightning_llm.kernels.head_loss import TokenScores
 from lightning_llm.rl.core import entropy_from_logits, logprobs_from_logits
 from lightning_llm.rl.policy import Rollout, pack_responses, response_logits
 from lightning_llm.rl.reference import ReferencePolicy
-from lightning_llm.rl.rewards import RewardConfig, RewardModel
+from lightning_llm.rl.rewards import RewardConfig
+from lightning_llm.rl.rollout_log import ROLLOUT_FIELDS, RolloutLog, rollout_records
+from lightning_llm.rl.samples import Samples
+from lightning_llm.rl.sources import RewardSource, RewardSources, columns_by_name, source_configs
 from lightning_llm.tasks.decoder import DecoderTask
 from lightning_llm.tasks.reward import build_reward_source
 
@@ -55,22 +65,6 @@ class UpdateSchedule:
         return self.epochs * self.num_mini_batches
 
 
-@dataclass
-class Samples:
-    """Sampled responses of one rollout batch (layout of :mod:`lightning_llm.rl.policy`), decoded and scored."""
-
-    query_responses: Tensor  # [B, P+N]
-    attention_mask: Tensor  # [B, P+N]
-    position_ids: Tensor  # [B, P+N]
-    context_length: int  # P
-    responses: Tensor  # [B, N]
-    response_mask: Tensor  # [B, N] bool
-    has_eos: Tensor  # [B] bool
-    texts: list[str]
-    scores: Tensor  # [B] fp32
-    temperature: float  # of the sampling distribution (1 when greedy)
-
-
 class OnlineRLTask(DecoderTask):
     """Base of the on-policy RL tasks (see the module docstring). Subclasses implement :meth:`make_rollout`,
     :meth:`compute_advantages`, :meth:`minibatch_loss` and :attr:`update_schedule`."""
@@ -85,6 +79,8 @@ class OnlineRLTask(DecoderTask):
         dropout: float | None = 0.0,
         generation: GenerationConfig | None = None,
         reward: RewardConfig | None = None,
+        rewards: list[RewardConfig] | None = None,
+        log_rollouts: bool = False,
         generation_seed: int | None = None,
         **kwargs: Any,
     ) -> None:
@@ -96,6 +92,11 @@ class OnlineRLTask(DecoderTask):
             generation: Rollout sampling (``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``max_new_tokens``;
                 EOS/pad default to the datamodule's tokenizer). Validation decodes greedily.
             reward: The reward source (``reward.fn`` import path or ``reward.model``).
+            rewards: Several reward sources (each a function or one reward model, with a ``name`` and a ``weight``):
+                a response's score is the weighted sum of the sources that scored it (a function's ``None`` leaves a
+                sample to the others). Used beside ``reward`` when both are given (``reward`` first).
+            log_rollouts: Write every trained response to ``rollouts.jsonl`` in the run's log directory (beside
+                ``metrics.csv``; rank 0, gathered from every replica, in the global prompt order).
             generation_seed: Seed of rollout sampling (default: the global seed); rank r at rollout i draws
                 from ``seed + 1_000_003 * i + r``, so resumed runs sample the same responses. Tasks that sample
                 per prompt (GRPO) seed each prompt from (seed, rollout, prompt index) instead: the same responses at
@@ -104,12 +105,16 @@ class OnlineRLTask(DecoderTask):
         super().__init__(backbone, dropout=dropout, **kwargs)
         self.automatic_optimization = False
         self.generation = generation or GenerationConfig(max_new_tokens=32, do_sample=True)
-        self.reward_config = reward or RewardConfig()
-        if (self.reward_config.fn is None) == (self.reward_config.model is None):
-            raise ValueError("--model.reward: set exactly one of reward.fn (an import path) and reward.model "
-                             "(a reward-model checkpoint or HF directory)")
+        self.reward_configs = source_configs(reward, rewards)  # [(parameter, config)]
+        taken = [cfg.source_name for _, cfg in self.reward_configs if cfg.source_name in ROLLOUT_FIELDS]
+        if taken:
+            raise ValueError(f"a reward source is named {taken[0]!r}, a field of every rollout record: give it "
+                             "another --model.rewards[i].name")
+        self.reward_config = self.reward_configs[0][1]
+        self.log_rollouts = log_rollouts
+        self._rollout_log: RolloutLog | None = None
         self.generation_seed = generation_seed
-        self._reward: Any = None  # callable or RewardModel: deliberately not a submodule (not saved, not in DDP)
+        self._reward: RewardSources | None = None  # deliberately not a submodule (not saved, not in DDP)
         self.rollouts_done = 0
         self.episodes = 0
         self.skipped_minibatches = 0
@@ -158,18 +163,35 @@ class OnlineRLTask(DecoderTask):
     def configure_model(self) -> None:
         super().configure_model()
         if self._reward is None:
-            self._reward = build_reward_source(self.reward_config)
+            self._reward = RewardSources([RewardSource(cfg.source_name, build_reward_source(cfg), weight=cfg.weight)
+                                          for _, cfg in self.reward_configs])
+
+    @property
+    def reward_sources(self) -> RewardSources:
+        """The run's reward sources (built with the model)."""
+        assert self._reward is not None, "configure_model() builds the reward sources"
+        return self._reward
 
     def _ready_reward(self) -> None:
         """A reward model on this device, its data-parallel ranks told to run the same number of forwards."""
-        if isinstance(self._reward, RewardModel):
-            self._reward.to(self.device)
-            self._reward.lockstep = self.capabilities.data_parallel_group if self._world() > 1 else None
+        model = self.reward_sources.model
+        if model is not None:
+            model.to(self.device)
+            model.lockstep = self.capabilities.data_parallel_group if self._world() > 1 else None
 
     @override
     def scoring_models(self) -> dict[str, nn.Module]:
-        """The reward model, where the reward is one (placed by tensor parallelism and ZeRO-3 like the policy)."""
-        return {"reward": self._reward.model} if isinstance(self._reward, RewardModel) else {}
+        """The reward model, where a source is one (placed by tensor parallelism and ZeRO-3 like the policy)."""
+        model = self._reward.model if self._reward is not None else None
+        return {"reward": model.model} if model is not None else {}
+
+    def run_summary_lines(self) -> list[str]:
+        """Lines the run summary adds for this task: the reward sources and the reference policy."""
+        sources = ", ".join(f"{s.name} (weight {s.weight:g})" for s in self.reward_sources.sources)
+        ref = self.reference
+        what = ("none" if ref is None else "policy with adapters disabled (no copy)" if ref.shares_policy
+                else f"frozen copy, {ref.parameter_count():,} params")
+        return [f"rewards: {sources}", f"reference: {what}"]
 
     # ------------------------------------------------------------------------------------------ distributed helpers
     def _world(self) -> int:
@@ -178,10 +200,11 @@ class OnlineRLTask(DecoderTask):
         return self.data_parallel_size if self._trainer is not None else 1
 
     def _all_sum(self, x: Tensor) -> Tensor:
-        """Sum over data-parallel replicas (identity on one replica)."""
+        """Sum over data-parallel replicas (identity on one replica), in fp32 (float64 kept)."""
         if self._world() == 1:
             return x
-        x = x.detach().clone().float()
+        x = x.detach().clone()
+        x = x if x.dtype == torch.float64 else x.float()
         dist.all_reduce(x, group=self.capabilities.data_parallel_group)
         return x
 
@@ -206,72 +229,87 @@ class OnlineRLTask(DecoderTask):
             raise ValueError(f"{type(self).__name__} needs a datamodule with a tokenizer (e.g. PromptDataModule)")
         return tok.decode(ids, skip_special_tokens=True)
 
+    def _dp_rank(self) -> int:
+        """This rank's data-parallel rank: the ranks of a tensor- or pipeline-parallel group share it (and their one
+        batch)."""
+        if self._trainer is None or not (dist.is_available() and dist.is_initialized()):
+            return 0
+        return dist.get_rank(self.capabilities.data_parallel_group)
+
     def _generator(self) -> torch.Generator:
         seed = self.generation_seed if self.generation_seed is not None else torch.initial_seed()
         g = torch.Generator(device=self.device)
-        # The data-parallel rank: the ranks of a tensor-parallel group must draw the same tokens for their one batch.
-        group = self.capabilities.data_parallel_group if self._trainer is not None else None
-        rank = (dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0)
-        g.manual_seed((int(seed) + 1_000_003 * self.rollouts_done + rank) % (2**63))
+        g.manual_seed((int(seed) + 1_000_003 * self.rollouts_done + self._dp_rank()) % (2**63))
         return g
 
-    def score(self, prompts: list[str], responses: list[str], conversations: list[Any] | None = None) -> Tensor:
-        """Scores [B] fp32 on this device from the reward source (a reward model also gets the prompts as
-        ``conversations`` where the data has a chat template)."""
-        if isinstance(self._reward, RewardModel):
-            out = self._reward(prompts, responses, conversations)
-        else:
-            out = self._reward(prompts, responses)
-        scores = out.detach().float() if isinstance(out, Tensor) else torch.tensor([float(s) for s in out])
-        if scores.shape != (len(responses),):
-            raise ValueError(f"the reward returned shape {tuple(scores.shape)} for {len(responses)} responses")
-        return scores.to(self.device)
-
-    def _prompt_uniforms(self, index: Tensor, repeats: int, steps: int) -> Tensor:
+    def _prompt_uniforms(self, index: Tensor, repeats: int, steps: int, *, draw: int = 0) -> Tensor:
         """U(0, 1) draws [B * repeats, steps] for :func:`generate`'s inverse-CDF sampling: one CPU generator per
-        prompt, seeded from (seed, rollout, the prompt's record ``index``) and not from the rank, so a prompt's
-        responses do not depend on the rank or batch that holds it."""
+        prompt, seeded from (seed, rollout, the prompt's record ``index``, the sampling round ``draw`` of dynamic
+        sampling) and not from the rank, so a prompt's responses do not depend on the rank or batch that holds it."""
         seed = self.generation_seed if self.generation_seed is not None else torch.initial_seed()
         rows = []
         for i in index.tolist():
             mixed = ((int(seed) * 1_000_003 + self.rollouts_done) * 1_000_000_007 + int(i)) % (2**63)
+            if draw:
+                mixed = (mixed * 1_000_033 + draw) % (2**63)
             rows.append(torch.rand(repeats, steps, generator=torch.Generator().manual_seed(mixed),
                                    dtype=torch.float64))
         return torch.cat(rows).to(self.device)
 
     @torch.no_grad()
     def sample(self, batch: dict[str, Any], *, greedy: bool = False, repeats: int = 1,
-               seed_per_prompt: bool = False) -> Samples:
+               seed_per_prompt: bool = False, draw: int = 0, positions: list[int] | None = None) -> Samples:
         """Generate ``repeats`` responses per prompt (rows of one prompt are adjacent), decode and score them.
         ``seed_per_prompt``: draw from :meth:`_prompt_uniforms` (needs the batch's ``index``, as
-        :class:`~lightning_llm.data.PromptDataModule` gives) instead of the per-rank generator."""
+        :class:`~lightning_llm.data.PromptDataModule` gives; ``draw``: the sampling round) instead of the per-rank
+        generator. ``positions``: the prompts' places in the rollout's global order (default: the data-parallel
+        sampler's, :mod:`lightning_llm.rl.samples`)."""
         cfg = self._gen_config(greedy=greedy)
         self.eval()  # dropout off for generation and every forward of the rollout and the update
         prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
-        prompts = list(batch["prompt"])
-        conversations = batch.get("conversation")
+        n = prompt_ids.shape[0]
         uniforms = generator = None
         if not greedy and seed_per_prompt:
             if "index" not in batch:
                 raise ValueError(f"{type(self).__name__} seeds rollouts per prompt: its batches need the prompts' "
                                  "record 'index' (as PromptDataModule's batches have)")
-            uniforms = self._prompt_uniforms(batch["index"], repeats, cfg.max_new_tokens)
+            uniforms = self._prompt_uniforms(batch["index"], repeats, cfg.max_new_tokens, draw=draw)
         elif not greedy:
             generator = self._generator()
+        unpadded = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
         if repeats > 1:
             prompt_ids = prompt_ids.repeat_interleave(repeats, 0)
             prompt_mask = prompt_mask.repeat_interleave(repeats, 0)
-            prompts = [p for p in prompts for _ in range(repeats)]
-            conversations = None if conversations is None else [c for c in conversations for _ in range(repeats)]
         with self.decoding(self.policy_decoder()) as decoder:
             responses = generate(decoder, prompt_ids, prompt_mask, config=cfg, generator=generator,
                                  uniforms=uniforms)  # [B, N]
         qr, am, pos, rmask, has_eos = pack_responses(prompt_ids, prompt_mask, responses, cfg.eos_ids)
         texts = [self._decode(ids) for ids in strip_after_eos(responses, cfg.eos_ids)]
-        return Samples(query_responses=qr, attention_mask=am, position_ids=pos, context_length=prompt_ids.shape[1],
-                       responses=responses, response_mask=rmask, has_eos=has_eos, texts=texts,
-                       scores=self.score(prompts, texts, conversations),
-                       temperature=cfg.temperature if cfg.do_sample else 1.0)
+        rows = list(batch.get("columns") or [{} for _ in range(n)])
+        dp, rank = self._world(), self._dp_rank()
+        s = Samples(query_responses=qr, attention_mask=am, position_ids=pos, context_length=prompt_ids.shape[1],
+                    responses=responses, response_mask=rmask, has_eos=has_eos, texts=texts,
+                    scores=torch.zeros(len(texts), device=self.device),
+                    temperature=cfg.temperature if cfg.do_sample else 1.0,
+                    prompts=[p for p in batch["prompt"] for _ in range(repeats)],
+                    columns=[c for c in rows for _ in range(repeats)],
+                    positions=positions if positions is not None else [j * dp + rank for j in range(n)],
+                    prompt_ids=unpadded, conversations=batch.get("conversation"),
+                    index=[int(i) for i in batch["index"]] if "index" in batch else list(range(n)))
+        self.score(s)
+        return s
+
+    def score(self, s: Samples) -> None:
+        """Score ``s`` with every reward source (in place: ``scores``, ``source_scores``): each gets the prompts, the
+        responses and the records' columns (``completion_ids``: each response's tokens in the mask, EOS
+        included); a reward model gets the prompt conversations where the data has a chat template."""
+        repeats = len(s.texts) // max(len(s.prompt_ids), 1)
+        columns = columns_by_name(s.columns)
+        columns["completion_ids"] = [row[m].tolist() for row, m in zip(s.responses, s.response_mask)]
+        conversations = None if s.conversations is None else [c for c in s.conversations for _ in range(repeats)]
+        scored = self.reward_sources.score(s.prompts, s.texts, columns=columns, conversations=conversations,
+                                           device=self.device)
+        s.scores, s.source_scores = scored.total, scored.per_source
 
     def scoring_kwargs(self, r: Rollout, temperature: float) -> dict[str, Any]:
         """Keyword inputs of a policy call on rollout ``r``: with the fused loss also ``labels``, the temperature and
@@ -370,6 +408,10 @@ class OnlineRLTask(DecoderTask):
         with self.decoding():  # ZeRO-3: the policy gathered once for the rollout's generation and no-grad forwards
             rollout = self.make_rollout(batch)
         stats = self.compute_advantages(rollout)
+        stats.update(self.source_stats(rollout))
+        if self._rollout_log is not None:
+            self._rollout_log.write(rollout_records(rollout, step=self.rollouts_done,
+                                                    names=self.reward_sources.names))
         rollout_s = time.perf_counter() - start
         stats.update(self.policy_update(rollout))
         self.rollouts_done += 1
@@ -380,6 +422,10 @@ class OnlineRLTask(DecoderTask):
             self.log(name, value, on_step=True, on_epoch=False, prog_bar=name in ("objective/scores", "objective/kl"),
                      batch_size=rollout.scores.shape[0])
         return torch.tensor(self.step_loss_value(stats))
+
+    def source_stats(self, r: Rollout) -> dict[str, float]:
+        """``rewards/<name>/mean`` and ``rewards/<name>/std`` of each source over every replica's responses."""
+        return self.reward_sources.statistics(r.samples.source_scores, all_sum=self._all_sum)
 
     def step_loss_value(self, stats: dict[str, float]) -> float:
         """The number ``training_step`` returns (progress bar): the mean policy loss."""
@@ -396,6 +442,15 @@ class OnlineRLTask(DecoderTask):
     @override
     def on_fit_start(self) -> None:
         self._ready_reward()
+        dm = self.trainer.datamodule
+        path = (getattr(dm, "paths", None) or {}).get("fit")  # before the first rollout: the sources' inputs exist
+        self.reward_sources.check_inputs(getattr(dm, "column_names", None), max_new_tokens=self.generation.max_new_tokens,
+                                         where=f"--data.train_path={path}" if path else "the generated prompts")
+        if self.log_rollouts:
+            # trainer.log_dir is a collective (broadcast): evaluate it on every rank; rank 0 writes.
+            directory = Path(self.trainer.log_dir or self.trainer.default_root_dir)
+            self._rollout_log = RolloutLog(directory / "rollouts.jsonl", writer=self.trainer.global_rank == 0,
+                                           replicas=self._world(), group=self.capabilities.data_parallel_group)
         batch_size = getattr(self.trainer.datamodule, "batch_size", None)
         per_rank = (batch_size or 0) * self.rollouts_per_prompt
         if batch_size is not None and per_rank < self.update_schedule.num_mini_batches:

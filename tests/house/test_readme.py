@@ -202,7 +202,7 @@ def test_the_checks_catch_what_they_are_for() -> None:
     """Each check fails on a page naming what is not there (else the tests above could pass on anything)."""
     assert missing_tests("`tests/tasks/test_ppo.py::test_ddp_two_processes_match_one_device`") == [
         "tests/tasks/test_ppo.py::test_ddp_two_processes_match_one_device"]
-    assert missing_tests("`tests/tasks/test_ppo.py::test_two_processes_match_one_device`") == []
+    assert missing_tests("`tests/tasks/test_ppo.py::test_layout_matches_one_device`") == []
     assert missing_paths("`configs/nope.yaml` and `configs/dpo.yaml`") == ["configs/nope.yaml"]
     assert broken_links(README, "[x](docs/strategies.md#no-such-heading) [y](docs/strategies.md#estimate)") == [
         "docs/strategies.md#no-such-heading"]

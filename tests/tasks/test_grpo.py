@@ -1,12 +1,15 @@
 """GRPO task: the loss and group advantages against the formulas written out here in float64, learning the
 programmatic digits reward with a bounded KL, the LoRA reference (adapters off, no copy), per-prompt seeded
-sampling, configuration errors, and DDP on 2 processes vs one device (tensor parallelism refused)."""
+sampling, configuration errors, and every setting of the loss family under ddp, tp, pp, zero3 and 3d against one
+device, with a stop-and-resume under pp, in one launch of 2 processes (the 4-process layouts:
+test_rl_replica_layouts.py; the loss family against trl: test_grpo_losses.py)."""
 
 from __future__ import annotations
 
 import copy
 import json
 import math
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -24,14 +27,8 @@ from lightning_llm.rl import GRPOConfig, RewardConfig, group_advantages, grpo_lo
 from lightning_llm.rl.core import logprobs_from_logits
 from lightning_llm.rl.policy import Rollout, pack_responses, response_logits
 from lightning_llm.tasks import GRPOTask, OptimConfig
-from lightning_llm.testing import (
-    RL_LAYOUTS,
-    MetricRows,
-    check_rollouts_and_reference,
-    logged_rows,
-    rl_cli_args,
-    run_cli,
-)
+from lightning_llm.testing import MetricRows, run_worker, write_json_on_rank0
+from lightning_llm.testing.rl import GRPO_SPECS, compare_fits, held_bytes, layout_runs, rl_fit
 
 DIGITS = RewardConfig(fn="lightning_llm.rl.rewards:CharShareReward", kwargs={"chars": "digits"})
 KEYS = ("objective/scores", "objective/kl", "reward_std", "frac_reward_zero_std", "response_length", "episode",
@@ -213,16 +210,17 @@ def test_per_prompt_sampling_does_not_depend_on_the_batch() -> None:
 # ------------------------------------------------------------------------------------------------ learning
 def test_grpo_raises_programmatic_reward_with_bounded_kl() -> None:
     """Reward = share of digits in the response (random-init policy starts near 10/259); 4 prompts x 8 responses
-    per rollout. A run without the KL term (beta=0) drifts further from the reference: the term binds."""
+    per rollout. A run whose KL term hardly counts (beta=1e-4; at beta=0 no reference exists to measure the KL to)
+    drifts further from the reference: the term binds."""
     rows = _fit(_task(), 30)
     first, last = _mean(rows[:5], "objective/scores"), _mean(rows[-5:], "objective/scores")
     kls = [r["objective/kl"] for r in rows]
-    free = _fit(_task(grpo=GRPOConfig(num_generations=8, epochs=2, num_mini_batches=2, beta=0.0)), 30)
+    free = _fit(_task(grpo=GRPOConfig(num_generations=8, epochs=2, num_mini_batches=2, beta=1e-4)), 30)
     free_kl = max(r["objective/kl"] for r in free)
     print(f"beta=0.1: scores first5={first:.3f} last5={last:.3f} gain={last - first:.3f}; per-token kl step0="
           f"{kls[0]:.1e} max={max(kls):.2f} last5={_mean(rows[-5:], 'objective/kl'):.2f}; reward_std last5="
           f"{_mean(rows[-5:], 'reward_std'):.3f}; clipfrac={_mean(rows, 'policy/clipfrac_avg'):.3f} "
-          f"ratio={_mean(rows, 'val/ratio'):.4f} | beta=0: scores last5={_mean(free[-5:], 'objective/scores'):.3f} "
+          f"ratio={_mean(rows, 'val/ratio'):.4f} | beta=1e-4: scores last5={_mean(free[-5:], 'objective/scores'):.3f} "
           f"kl max={free_kl:.2f}")
     assert set(KEYS) <= set(rows[0]) and rows[-1]["episode"] == 30 * 4 * 8
     assert abs(kls[0]) < 1e-6  # reference == initial policy
@@ -296,87 +294,107 @@ def test_configuration_errors_name_the_parameter(capsys: pytest.CaptureFixture[s
     assert "--model.grpo.num_generations=1 is out of range (>= 2" in capsys.readouterr().err
 
 
-# ------------------------------------------------------------------------------------------------ DDP
-def _grpo_args(out: Path, prompts: Path, *, batch: int, extra: list[str]) -> list[str]:
-    return rl_cli_args([
-        "--model=lightning_llm.tasks.GRPOTask", "--model.generation.do_sample=true",
-        "--model.grpo.num_generations=4", "--model.grpo.epochs=2", "--model.grpo.num_mini_batches=1",
-        "--model.grpo.loss_type=dapo", "--model.grpo.missing_eos_penalty=0.1",
-        # eps=1e-3: Adam divides by sqrt(v) + eps, so with a tiny eps the summation-order noise of another layout
-        # (tensor parallel's split matmuls) in near-zero gradients becomes lr-sized steps (GRPO under tp: a 3%
-        # loss difference at the third rollout with eps=1e-8, identical tokens; none with 1e-3).
-        "--model.optim.eps=0.001",
-    ], out, prompts, batch=batch, extra=extra)
+# ------------------------------------------------------------------------------------------------ layouts
+LAYOUTS = ["ddp", "tp", "pp", "zero3", "3d"]
+RUNS = [(spec, layout) for spec in GRPO_SPECS for layout in LAYOUTS]
+ROLLOUTS = {"dapo": 4, "rlvr": 2, "gspo_dr": 2, "cispo": 2}
+"""Rollouts per fit (x 2 epochs = optimizer steps): today's settings 4, each new one 2."""
 
 
-def _logged(out: Path) -> list[dict[str, float]]:
-    return logged_rows(out, key="objective/kl")
+def _layout_fit(spec: str, layout: str, out: Path, *, under: str = "", **kwargs: Any) -> dict[str, Any]:
+    return rl_fit("grpo", GRPO_SPECS[spec], out / under / f"{spec}-{layout}", prompts=out / "prompts.jsonl",
+                  layout=layout, steps=2 * ROLLOUTS[spec], **kwargs)
+
+
+def _worker(mode: str, out: Path) -> None:
+    if mode == "reference":
+        for spec in GRPO_SPECS:
+            _layout_fit(spec, "1", out)
+        return
+    for spec, layout in RUNS:
+        _layout_fit(spec, layout, out)
+    # pp x2 stopped by an error before its third rollout (optimizer step 4), then resumed from last.ckpt
+    stopped = _layout_fit("dapo", "pp", out, under="resume", fault="raise:step=4")
+    resumed = _layout_fit("dapo", "pp", out, under="resume", resume=str(out / "resume" / "dapo-pp" / "ckpt" / "last.ckpt"))
+    write_json_on_rank0(out / "resume.json", {"stopped": stopped, "resumed": resumed})
 
 
 @pytest.fixture(scope="module")
-def grpo_single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(prompts file, the one-device run on 8 prompts per rollout)."""
-    out = tmp_path_factory.mktemp("grpo_single")
-    prompts = out / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"Say {i:02d} digits:"}) + "\n" for i in range(64)))
-    assert main(_grpo_args(out / "single", prompts, batch=8, extra=["--trainer.devices=1"])) == 0
-    return prompts, out / "single"
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every layout of every spec in one launch of 2 processes; the one-device runs computed before it."""
+    out = tmp_path_factory.mktemp("grpo_layouts")
+    return layout_runs(__file__, out, lambda: _worker("reference", out))
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["ddp", "tp", "dp2_tp2", "pp", "zero3"])
-def test_two_processes_match_one_device(grpo_single: tuple[Path, Path], tmp_path: Path, strategy: str) -> None:
-    """Sampled rollouts seeded per prompt (not per rank), groups kept on one rank, the dapo loss divided by the
-    global token count: 2 ranks x 4 prompts must reproduce one device x 8 prompts - the same rollout tokens, the
-    statistics within 1e-5, parameters included. Tensor and pipeline parallel: the ranks of a replica hold its
-    prompts and draw the same tokens; under a pipeline rollouts decode through the stages (micro-batches in flight)
-    and each optimizer step runs micro-batch by micro-batch; under ZeRO-3 a rollout gathers the parameters once.
-    The frozen reference is placed like the policy: under tp, pp and zero3 a rank holds at most 0.55x of its
-    bytes."""
-    prompts, single = grpo_single
-    ddp = tmp_path / strategy
-    flags, batch, nproc = RL_LAYOUTS.get(strategy, ([f"--trainer.strategy={strategy}"], 4, 2))
-    run_cli(_grpo_args(ddp, prompts, batch=batch, extra=[f"--trainer.devices={nproc}", *flags]), nproc=nproc)
-    one, two = _logged(single), _logged(ddp)
-    assert len(one) == len(two) == 4  # 4 rollouts x 2 epochs = 8 optimizer steps
-    errs = {k: max(abs(a[k] - b[k]) for a, b in zip(one, two)) for k in
-            ("objective/scores", "objective/kl", "reward_std", "response_length", "loss/policy_avg", "policy/kl_avg",
-             "policy/clipfrac_avg", "val/ratio", "episode")}
-    p1, p2 = torch.load(single / "steps.json.pt"), torch.load(ddp / "steps.json.pt")
-    perr = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
-    print(f"single vs {strategy} max abs err: {json.dumps({k: f'{v:.2e}' for k, v in errs.items()})}; params {perr:.2e}")
-    print("scores per rollout:", [round(r["objective/scores"], 4) for r in two], "reward_std",
-          [round(r["reward_std"], 4) for r in two], "episodes", two[-1]["episode"])
-    assert two[-1]["episode"] == 4 * 8 * 4  # rollouts x global prompts x G
-    assert all(r["reward_std"] > 0 for r in two) and one[-1]["policy/kl_avg"] > 0  # real sampling, real updates
-    assert max(errs.values()) < 1e-5 and perr < 1e-4
-    check_rollouts_and_reference(single, ddp, sharded=strategy != "ddp",
-                                 zero3=strategy == "zero3")
+@pytest.mark.parametrize(("spec", "layout"), RUNS)
+def test_layout_matches_one_device(runs: Path, spec: str, layout: str) -> None:
+    """Rollouts seeded per prompt (not per rank), groups kept on one replica, losses divided by the global counts:
+    2 ranks reproduce one device x 8 prompts per rollout, every setting of the loss family included: the same rollout
+    tokens, every logged statistic (rewards/<source>/mean|std too) within 1e-5, the parameters within 1e-4, the
+    same rollouts.jsonl; the reward (testing.rl.PairedDigits) checks every prompt arrived with its own record's
+    columns. Tensor and pipeline parallel: a replica's ranks hold its prompts and draw the same tokens; ``3d`` adds
+    sequence parallelism; under ZeRO-3 a rollout gathers the parameters once (no all-gather while sampling). The
+    frozen reference is placed like the policy (tp, pp, zero3, 3d: at most 0.55x of its bytes per rank) and, at
+    beta 0 (``rlvr``), not built at all."""
+    one, other = runs / f"{spec}-1", runs / f"{spec}-{layout}"
+    errs = compare_fits(one, other)
+    rows = json.loads((other / "rows.json").read_text())
+    frozen, whole = held_bytes(other, "frozen"), held_bytes(one, "frozen")[0]
+    gathers = json.loads((other / "rollouts.json").read_text())["gathers"]
+    print(f"{spec} under {layout}: max |stat - one device| {errs['stats']:.1e}, params {errs['params']:.1e}, "
+          f"rollouts.jsonl {errs['rollouts']:.1e}; scores {[round(r['objective/scores'], 4) for r in rows]}; reference "
+          f"bytes per rank {frozen} (one device {whole}); all-gathers while sampling {gathers}; "
+          + ", ".join(f"{k} {rows[-1][k]:.3f}" for k in sorted(rows[-1]) if k.startswith(("rewards/", "sampling"))))
+    assert errs["stats"] < 1e-5 and errs["params"] < 1e-4 and errs["rollouts"] < 1e-5
+    assert len(rows) == ROLLOUTS[spec] and all(r["reward_std"] > 0 for r in rows)  # real sampling
+    assert rows[-1]["episode"] == ROLLOUTS[spec] * 8 * 4  # rollouts x global prompts x G
+    beta = GRPO_SPECS[spec]["grpo"]["beta"]
+    assert ("objective/kl" in rows[0]) == ("policy/kl_avg" in rows[0]) == (beta != 0)
+    if beta == 0:
+        assert whole == 0 and max(frozen) == 0  # no reference anywhere
+    else:
+        assert whole > 0 and max(frozen) <= (whole if layout == "ddp" else 0.55 * whole)
+    if layout == "zero3":
+        assert all(count == 0 for rank in gathers for count in rank)
+    lines = [json.loads(x) for x in (other / "rollouts.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [k // 32 for k in range(len(rows) * 32)]
+    assert all(x["columns"]["number"] == int(x["prompt"][4:6]) for x in lines)
 
 
 @pytest.mark.multiprocess
-def test_pipeline_kill_and_resume_gives_the_uninterrupted_curve(grpo_single: tuple[Path, Path], tmp_path: Path) -> None:
-    """GRPO under pp x2, SIGKILLed before its third rollout (optimizer step 4) and resumed from last.ckpt: the
-    resumed rollouts (sampling seeds, reference, optimizer state and data order restored) log what the uninterrupted
-    one-device run logs, and end with its parameters."""
-    prompts, single = grpo_single
-    out = tmp_path / "pp"
-    flags, batch, nproc = RL_LAYOUTS["pp"]
-    ckpt = ["--trainer.enable_checkpointing=true", "--trainer.callbacks+=ModelCheckpoint",
-            f"--trainer.callbacks.dirpath={out / 'ckpt'}", "--trainer.callbacks.every_n_train_steps=1",
-            "--trainer.callbacks.save_last=true"]
-    args = _grpo_args(out, prompts, batch=batch, extra=[f"--trainer.devices={nproc}", *flags, *ckpt])
-    with pytest.raises(RuntimeError, match="command failed"):
-        run_cli(args, nproc=nproc, env={"LIGHTNING_LLM_FAULT": "kill:step=4"})
-    assert not (out / "steps.json").exists()  # it died before finishing
-    run_cli([*args, f"--ckpt_path={out / 'ckpt' / 'last.ckpt'}", f"--trainer.logger.save_dir={out / 'resumed'}"],
-            nproc=nproc)
-    one, resumed = _logged(single), _logged(out / "resumed")
+def test_rlvr_settings_take_effect(runs: Path) -> None:
+    """The settings of ``rlvr`` did something in the runs compared above: dynamic sampling refilled (more than one
+    sampling round; of the groups sampled, some had equal rewards), truncated responses left the loss (rollouts.jsonl:
+    0 response tokens exactly where truncated), both sources were logged."""
+    rows = json.loads((runs / "rlvr-1" / "rows.json").read_text())
+    lines = [json.loads(x) for x in (runs / "rlvr-1" / "rollouts.jsonl").read_text().splitlines()]
+    print("rlvr one device:", [{k: round(r[k], 3) for k in ("sampling_rounds", "frac_reward_zero_std",
+                                                              "rewards/PairedDigits/mean", "rewards/format/mean")}
+                               for r in rows], f"truncated {sum(x['truncated'] for x in lines)}/{len(lines)}")
+    assert max(r["sampling_rounds"] for r in rows) > 1 and max(r["frac_reward_zero_std"] for r in rows) > 0
+    assert all((x["response_tokens"] == 0) == x["truncated"] for x in lines)
+    assert 0 < sum(x["truncated"] for x in lines) < len(lines)
+    assert {"PairedDigits", "format"} <= set(lines[0]) and "rewards/format/std" in rows[0]
+
+
+@pytest.mark.multiprocess
+def test_pipeline_stopped_and_resumed_gives_the_uninterrupted_run(runs: Path) -> None:
+    """GRPO under pp x2, stopped by an error before its third rollout (optimizer step 4) and resumed from last.ckpt:
+    the resumed rollouts (sampling seeds, reference, optimizer state and data order restored) log what the
+    uninterrupted one-device run logs, and end with its parameters."""
+    got = json.loads((runs / "resume.json").read_text())
+    assert "injected fault" in got["stopped"]["error"]
+    one = json.loads((runs / "dapo-1" / "rows.json").read_text())
+    resumed = got["resumed"]["rows"]
     assert len(one) == 4 and len(resumed) == 2
-    keys = ("objective/scores", "objective/kl", "reward_std", "loss/policy_avg", "policy/kl_avg", "episode")
-    err = max(abs(a[k] - b[k]) for a, b in zip(one[2:], resumed[-2:]) for k in keys)
-    p1, p2 = torch.load(single / "steps.json.pt"), torch.load(out / "steps.json.pt")
+    err = max(abs(a[k] - b[k]) for a, b in zip(one[2:], resumed) for k in a if k not in ("lr",))
+    p1 = torch.load(runs / "dapo-1" / "steps.json.pt")
+    p2 = torch.load(runs / "resume" / "dapo-pp" / "steps.json.pt")
     perr = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
-    print(f"pp x2 killed at step 4 and resumed: rollouts 3-4 max abs err {err:.2e}; final params {perr:.2e}")
-    assert sorted(p1) == sorted(p2) and resumed[-1]["episode"] == one[-1]["episode"]
-    assert err < 1e-4 and perr < 1e-4
+    print(f"pp x2 stopped at step 4 and resumed: rollouts 3-4 max abs err {err:.2e}; final params {perr:.2e}")
+    assert resumed[-1]["episode"] == one[-1]["episode"] and err < 1e-4 and perr < 1e-4
+
+
+if __name__ == "__main__":
+    run_worker(_worker, sys.argv[1], Path(sys.argv[2]))

@@ -1,10 +1,13 @@
 """PPO task: prompt data, learning a programmatic reward, LoRA reference without a copy, reward models (our
-ClassificationTask checkpoint and an HF directory), configuration errors, and DDP on 2 processes vs one device."""
+ClassificationTask checkpoint and an HF directory), configuration errors, and every layout against one device in one
+launch of 2 processes (ddp, zero3, deepspeed_zero2, tp, 3d, pp with whole-copy and staged decoding; a reward model, a
+separate critic and a LoRA policy placed like the policy; the 4-process layouts: test_rl_replica_layouts.py)."""
 
 from __future__ import annotations
 
 import copy
 import json
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -13,21 +16,14 @@ import lightning.pytorch as pl
 import pytest
 import torch
 
-from lightning_llm.cli import main
 from lightning_llm.data import ByteTokenizer, PromptDataModule
 from lightning_llm.generation import GenerationConfig
 from lightning_llm.peft import LoraArgs
 from lightning_llm.rl import CharShareReward, PPOConfig, RewardConfig, RewardModel
 from lightning_llm.rl.policy import adapters_disabled
 from lightning_llm.tasks import OptimConfig, PPOTask
-from lightning_llm.testing import (
-    RL_LAYOUTS,
-    MetricRows,
-    check_rollouts_and_reference,
-    logged_rows,
-    rl_cli_args,
-    run_cli,
-)
+from lightning_llm.testing import MetricRows, run_worker, write_json_on_rank0
+from lightning_llm.testing.rl import PPO_SPEC, compare_fits, held_bytes, layout_runs, rl_fit
 
 DIGITS = RewardConfig(fn="lightning_llm.rl.rewards:CharShareReward", kwargs={"chars": "digits"})
 KEYS = ("objective/scores", "objective/kl", "objective/kl_coef", "objective/entropy", "objective/rlhf_reward",
@@ -228,71 +224,163 @@ def test_configuration_errors_name_the_parameter() -> None:
         _fit(_task(ppo=PPOConfig(num_mini_batches=4)), 1, batch_size=2)
 
 
-# ------------------------------------------------------------------------------------------------ DDP
-def _ppo_args(out: Path, prompts: Path, *, batch: int, extra: list[str]) -> list[str]:
-    return rl_cli_args([
-        "--model=lightning_llm.tasks.PPOTask", "--model.generation.do_sample=false", "--model.ppo.ppo_epochs=2",
-        "--model.ppo.num_mini_batches=1", "--model.ppo.kl_coef=0.05", "--model.ppo.adaptive_kl=true",
-        "--model.ppo.kl_target=0.5", "--model.ppo.kl_horizon=50", "--model.ppo.whiten_rewards=true",
-        "--model.ppo.missing_eos_penalty=0.1",
-        # eps=1e-3: Adam divides by sqrt(v) + eps, so with a tiny eps the summation-order noise of another layout
-        # (tensor parallel's split matmuls) in near-zero gradients becomes lr-sized steps (GRPO under tp: a 3%
-        # loss difference at the third rollout with eps=1e-8, identical tokens; none with 1e-3).
-        "--model.optim.eps=0.001",
-    ], out, prompts, batch=batch, extra=extra)
+def test_command_line_switches_a_config_reward_function_for_a_model_and_lists_sources(tmp_path: Path) -> None:
+    """``--model.reward.fn=null`` switches a config's reward function off for a reward model (jsonargparse once made
+    the string "None" of it), and ``--model.rewards`` takes several sources with names and weights."""
+    from lightning_llm.cli import LLMCLI
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "ppo.yaml"
+    base = ["--config", str(config), "--trainer.logger=false", f"--trainer.default_root_dir={tmp_path}"]
+    cli = LLMCLI(args=[*base, "--model.reward.fn=null", "--model.reward.model=/some/rm"], run=False)
+    assert cli.model.reward_config.fn is None and cli.model.reward_config.model == "/some/rm"
+    cli = LLMCLI(args=[*base, "--model.reward.fn=null", "--model.rewards=[{fn: lightning_llm.rl.rewards:FormatReward, "
+                       "weight: 0.5, name: fmt}, {fn: lightning_llm.rl.rewards:CharShareReward}]"], run=False)
+    assert [(c.source_name, c.weight) for _, c in cli.model.reward_configs] == [("fmt", 0.5), ("CharShareReward", 1.0)]
 
 
-def _logged(out: Path) -> list[dict[str, float]]:
-    return logged_rows(out, key="objective/kl")
+# ------------------------------------------------------------------------------------------------ layouts
+RUNS = {  # spec -> layouts ("/unfused": --model.fused_loss=false)
+    "base": ["ddp", "zero3", "zero3/unfused", "deepspeed_zero2", "tp", "tp/unfused", "3d", "pp", "pp_stages"],
+    "rm": ["zero3", "tp", "pp"], "critic": ["zero3", "tp"], "lora": ["pp"],
+}
+SHARDED = ("zero3", "tp", "3d", "pp", "pp_stages")
+"""Layouts that split or shard the frozen reference (a rank holds at most 0.55x of its bytes)."""
+
+
+def _specs(out: Path) -> dict[str, dict[str, Any]]:
+    """``base``: testing.rl.PPO_SPEC (the PairedDigits reward on the prompts' columns, rollouts.jsonl); ``rm``: scored
+    by an encoder reward model (an HF directory written here); ``critic``: a separate critic trunk; ``lora``: a LoRA
+    policy, whose reference is the policy with its adapters off."""
+    rm = {"model": str(out / "rm"), "score": "log_odds", "label": 1}
+    return {"base": PPO_SPEC, "rm": {**PPO_SPEC, "rewards": [], "reward": rm},
+            "critic": {**PPO_SPEC, "critic_backbone": "debug"},
+            "lora": {**PPO_SPEC, "lora": {"r": 4, "alpha": 8, "dropout": 0.0}}}
+
+
+def _layout_fit(spec: str, layout: str, out: Path) -> dict[str, Any]:
+    name, _, variant = layout.partition("/")
+    settings = {**_specs(out)[spec], **({"fused_loss": False} if variant == "unfused" else {})}
+    return rl_fit("ppo", settings, out / f"{spec}-{layout.replace('/', '-')}", prompts=out / "prompts.jsonl",
+                  layout=name)
+
+
+def _reward_model(out: Path) -> None:
+    """A `debug` encoder classifier saved as an HF directory with its BERT vocabulary (random weights: its scores are
+    what is compared)."""
+    from lightning_llm.models import build_model, save_hf
+    from lightning_llm.rl.synthetic import write_reward_pairs
+
+    write_reward_pairs(out / "pairs", n_train=4, n_val=2)
+    vocab = (out / "pairs" / "tokenizer" / "vocab.txt").read_text().splitlines()
+    vocab += [f"[unused{i}]" for i in range(-len(vocab) % 8)]  # as BERT's: a vocabulary tp can split
+    torch.manual_seed(0)
+    rm = build_model("debug", family="encoder", vocab_size=len(vocab), num_labels=2)
+    with torch.no_grad():
+        rm.classifier.weight.mul_(50.0)  # scores that differ from response to response (and from one rollout's mean)
+    save_hf(rm, out / "rm")
+    (out / "rm" / "vocab.txt").write_text("\n".join(vocab) + "\n")
+
+
+def _worker(mode: str, out: Path) -> None:
+    if mode == "reference":
+        for spec in RUNS:
+            _layout_fit(spec, "1", out)
+        return
+    for spec, layouts in RUNS.items():
+        for layout in layouts:
+            _layout_fit(spec, layout, out)
+    write_json_on_rank0(out / "refused.json", _layout_fit("critic", "pp", out))
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """(prompts file, output of the one-device run on 8 prompts per rollout, fused loss on: the default)."""
-    out = tmp_path_factory.mktemp("ppo_single")
-    prompts = out / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": f"Say {i:02d} digits:"}) + "\n" for i in range(64)))
-    assert main(_ppo_args(out / "single", prompts, batch=8, extra=["--trainer.devices=1"])) == 0
-    return prompts, out / "single"
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every layout of every spec in one launch of 2 processes; the one-device runs computed before it."""
+    out = tmp_path_factory.mktemp("ppo_layouts")
+    _reward_model(out)
+    return layout_runs(__file__, out, lambda: _worker("reference", out))
+
+
+def _compared(runs: Path, spec: str, layout: str) -> tuple[dict[str, float], list[dict[str, float]], Path]:
+    other = runs / f"{spec}-{layout.replace('/', '-')}"
+    errs = compare_fits(runs / f"{spec}-1", other)
+    rows = json.loads((other / "rows.json").read_text())
+    print(f"{spec} under {layout}: max |stat - one device| (relative past 1) {errs['stats']:.1e}, params "
+          f"{errs['params']:.1e}, rollouts.jsonl {errs['rollouts']:.1e}; kl_coef per rollout "
+          f"{[round(r['objective/kl_coef'], 5) for r in rows]}")
+    assert errs["stats"] < 1e-5 and errs["params"] < 1e-4 and errs["rollouts"] < 1e-5
+    assert len(rows) == 4 and rows[-1]["episode"] == 32  # 4 rollouts x 8 global prompts
+    return errs, rows, other
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("strategy", "fused"), [("ddp", True), ("zero3", True), ("zero3", False),
-                                                ("deepspeed_zero2", True), ("tp", True), ("tp", False),
-                                                ("dp2_tp2", True), ("pp", True), ("pp_stages", True),
-                                                ("dp2_pp2", True)])
-def test_two_processes_match_one_device(single: tuple[Path, Path], tmp_path: Path, strategy: str, fused: bool) -> None:
+@pytest.mark.parametrize("layout", RUNS["base"])
+def test_layout_matches_one_device(runs: Path, layout: str) -> None:
     """Greedy rollouts (deterministic), global whitening, adaptive KL fed the global KL, losses normalized by the
-    global token count: 2 ranks x 4 prompts must reproduce one device x 8 prompts, parameters included; under
-    ZeRO-3 too, with the fused token scores (the head gathered inside the model's forward) and without them. ZeRO-3
-    once clipped before averaging the value head's gradients (a task's own plain parameters, outside FSDP2's units):
-    the KL was 0.4 off after two rollouts. DeepSpeed clips only inside engine.step(): max_grad_norm reaches its
-    config (it was silently not applied). Tensor parallel: the two ranks share one replica's 8 prompts, generate
-    the same tokens (full logits on both) and reduce their statistics over the one replica. Pipeline parallel: the
-    actor-critic is split with its value head on the last stage, rollouts decode with whole copies of it (or, as
-    ``pp_stages``, through the stages, asked for the policy's logits alone) and each optimizer step runs
-    micro-batch by micro-batch (losses that are shares of global sums add up)."""
-    prompts, single = single
-    ddp = tmp_path / strategy
-    flags, batch, nproc = RL_LAYOUTS.get(strategy, ([f"--trainer.strategy={strategy}"], 4, 2))
-    run_cli(_ppo_args(ddp, prompts, batch=batch, extra=[f"--trainer.devices={nproc}", *flags,
-                                                        f"--model.fused_loss={str(fused).lower()}"]), nproc=nproc)
-    one, two = _logged(single), _logged(ddp)
-    assert len(one) == len(two) == 4  # 4 rollouts x 2 epochs = 8 optimizer steps
-    errs = {k: max(abs(a[k] - b[k]) for a, b in zip(one, two)) for k in
-            ("objective/scores", "objective/kl", "objective/kl_coef", "loss/policy_avg", "loss/value_avg",
-             "val/ratio", "val/num_eos_tokens", "episode")}
-    p1 = torch.load(single / "steps.json.pt")
-    p2 = torch.load(ddp / "steps.json.pt")
-    perr = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
-    shown = json.dumps({k: f"{v:.2e}" for k, v in errs.items()})
-    print(f"single vs {strategy} fused_loss={fused} max abs err: {shown}; params {perr:.2e}")
-    print("kl_coef per rollout:", [round(r["objective/kl_coef"], 5) for r in two], "episodes", two[-1]["episode"])
-    assert two[-1]["episode"] == 32
+    global token count: 2 ranks reproduce one device x 8 prompts, parameters and rollouts.jsonl included, the
+    reward's columns paired with their prompts (testing.rl.PairedDigits refuses any other pairing); with the fused
+    token scores and without them (zero3, tp). ZeRO-3 once clipped before averaging the value head's gradients (a
+    task's own plain parameters, outside FSDP2's units): the KL was 0.4 off after two rollouts. DeepSpeed clips only
+    inside engine.step(): max_grad_norm reaches its config. Tensor parallel (and 3d: with sequence parallelism): the
+    two ranks share one replica's 8 prompts and generate the same tokens. Pipeline parallel: the actor-critic is split
+    with its value head on the last stage, rollouts decode with whole copies of it (or, as ``pp_stages``, through the
+    stages) and each optimizer step runs micro-batch by micro-batch. The frozen reference is placed like the
+    policy; under ZeRO-3 a rollout gathers the parameters once."""
+    _, rows, other = _compared(runs, "base", layout)
+    one = json.loads((runs / "base-1" / "rows.json").read_text())
     assert one[-1]["objective/kl_coef"] != 0.05  # the adaptive controller moved, identically on both ranks
-    assert max(errs.values()) < 1e-5 and perr < 1e-4
-    check_rollouts_and_reference(single, ddp, sharded=strategy in ("zero3", "tp", "dp2_tp2", "pp", "pp_stages", "dp2_pp2"),
-                                 zero3=strategy == "zero3")
+    frozen, whole = held_bytes(other, "frozen"), held_bytes(runs / "base-1", "frozen")[0]
+    assert whole > 0 and (max(frozen) <= 0.55 * whole if layout.partition("/")[0] in SHARDED else
+                          max(frozen) == whole), (frozen, whole)
+    if layout.startswith("zero3"):
+        gathers = json.loads((other / "rollouts.json").read_text())["gathers"]
+        assert all(count == 0 for rank in gathers for count in rank)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", RUNS["rm"])
+def test_reward_model_is_placed_like_the_policy(runs: Path, layout: str) -> None:
+    """A reward model (an encoder classifier scoring the decoded texts) is sharded like the policy where its inputs
+    allow: its family's tensor-parallel plan under tp x2 (0.66x of its bytes per rank), ZeRO-3 shards under zero3 x2
+    (0.50x), whole on each rank of pp x2 (it is not split into the policy's stages); the scores, KL and parameters
+    equal one device's."""
+    _, rows, other = _compared(runs, "rm", layout)
+    ratio = max(held_bytes(other, "scoring")) / held_bytes(runs / "rm-1", "scoring")[0]
+    print(f"reward model bytes per rank: {ratio:.3f}x of one device's")
+    assert len({round(r["objective/scores"], 6) for r in rows}) > 1
+    # tp: the encoder's plan keeps position/token-type embeddings, norms, pooler and classifier whole - 31% of this
+    # tiny `debug` encoder (0.657x per rank), 1.0% of bert-base (0.505x)
+    assert ratio <= {"zero3": 0.55, "tp": 0.7, "pp": 1.0}[layout] and (ratio == 1.0) == (layout == "pp")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", RUNS["critic"])
+def test_separate_critic_is_sharded_like_the_policy(runs: Path, layout: str) -> None:
+    """A separate critic trunk (trained, inside the actor-critic) gets its family's tensor-parallel plan and ZeRO-3
+    units like the policy (a rank holds at most 0.55x of its bytes; it was replicated); values, losses and parameters
+    equal one device's."""
+    _, rows, other = _compared(runs, "critic", layout)
+    parts = json.loads((other / "rollouts.json").read_text())["parts_bytes"]
+    whole = json.loads((runs / "critic-1" / "rollouts.json").read_text())["parts_bytes"][0]["critic"]
+    held = max(p["critic"] for p in parts)
+    print(f"critic bytes per rank {held} vs {whole} ({held / whole:.3f}x)")
+    assert any("critic" in k for k in torch.load(other / "steps.json.pt")) and rows[-1]["loss/value_avg"] > 0
+    assert held / whole <= 0.55
+
+
+@pytest.mark.multiprocess
+def test_lora_policy_under_pipeline_matches_one_device(runs: Path) -> None:
+    """A LoRA policy under pp x2: the reference is the policy with its adapters off, run through the pipeline (the
+    actor-critic asked for the policy's output alone); rollouts, KL and parameters equal one device's LoRA run."""
+    _, rows, _ = _compared(runs, "lora", "pp")
+    assert rows[-1]["objective/kl"] > 0.01  # the reference (adapters off) really differs from the trained policy
+
+
+@pytest.mark.multiprocess
+def test_separate_critic_is_refused_under_pipeline(runs: Path) -> None:
+    refused = json.loads((runs / "refused.json").read_text())["refused"]
+    assert refused.startswith("--model.critic_backbone=debug: a separate critic trunk is not split into pipeline "
+                              "stages")
+    assert not (runs / "critic-pp" / "rows.json").exists()
 
 
 def test_deepspeed_takes_the_clip_norm_from_the_task_and_refuses_a_conflicting_config() -> None:
@@ -326,120 +414,5 @@ def test_clip_gradients_under_deepspeed_refuses_a_norm_the_engine_would_not_appl
     plugin.clip_gradients(None, 1.0)
 
 
-@pytest.fixture(scope="module")
-def reward_run(single: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
-    """(the one-device PPO run scored by a reward model, the flags naming it): a `debug` encoder classifier saved as
-    an HF directory with its BERT vocabulary (random weights: its scores are what is compared)."""
-    from lightning_llm.models import build_model, save_hf
-    from lightning_llm.rl.synthetic import write_reward_pairs
-
-    out = tmp_path_factory.mktemp("ppo_reward")
-    write_reward_pairs(out / "pairs", n_train=4, n_val=2)
-    vocab = (out / "pairs" / "tokenizer" / "vocab.txt").read_text().splitlines()
-    vocab += [f"[unused{i}]" for i in range(-len(vocab) % 8)]  # as BERT's: a vocabulary tp can split
-    torch.manual_seed(0)
-    rm = build_model("debug", family="encoder", vocab_size=len(vocab), num_labels=2)
-    with torch.no_grad():
-        rm.classifier.weight.mul_(50.0)  # scores that differ from response to response (and from one rollout's mean)
-    save_hf(rm, out / "rm")
-    (out / "rm" / "vocab.txt").write_text("\n".join(vocab) + "\n")
-    # as a user switches a config's reward function off for a model (jsonargparse once made "None" of this null)
-    flags = ["--model.reward.fn=null", f"--model.reward.model={out / 'rm'}", "--model.reward.score=log_odds",
-             "--model.reward.label=1"]
-    assert main(_ppo_args(out / "one", single[0], batch=8, extra=["--trainer.devices=1", *flags])) == 0
-    return out / "one", flags
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["zero3", "tp", "pp"])
-def test_reward_model_is_placed_like_the_policy(single: tuple[Path, Path], reward_run: tuple[Path, list[str]],
-                                                tmp_path: Path, strategy: str) -> None:
-    """A reward model (an encoder classifier scoring the decoded texts) is sharded like the policy where its inputs
-    allow: its family's tensor-parallel plan under tp x2 (0.66x of its bytes per rank), ZeRO-3 shards under zero3 x2
-    (0.50x), whole on each rank of pp x2 (it is not split into the policy's stages); the scores, KL and parameters
-    equal one device's."""
-    one_dir, flags = reward_run
-    flags_layout, batch, nproc = RL_LAYOUTS.get(strategy, ([f"--trainer.strategy={strategy}"], 4, 2))
-    run_cli(_ppo_args(tmp_path / strategy, single[0], batch=batch,
-                      extra=[f"--trainer.devices={nproc}", *flags_layout, *flags]), nproc=nproc)
-    one, two = _logged(one_dir), _logged(tmp_path / strategy)
-    keys = ("objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "val/ratio")
-    err = max(abs(a[k] - b[k]) for a, b in zip(one, two) for k in keys)
-    p1, p2 = torch.load(one_dir / "steps.json.pt"), torch.load(tmp_path / strategy / "steps.json.pt")
-    perr = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
-    held = json.loads((tmp_path / strategy / "rollouts.json").read_text())["scoring_bytes"]
-    whole = json.loads((one_dir / "rollouts.json").read_text())["scoring_bytes"][0]
-    ratio = max(held) / whole
-    print(f"reward model under {strategy}: stats {err:.2e}, params {perr:.2e}; scores",
-          [round(r["objective/scores"], 4) for r in two], f"; reward model bytes per rank {held} vs {whole} "
-          f"({ratio:.3f}x)")
-    assert len(one) == len(two) == 4 and len({round(r["objective/scores"], 6) for r in one}) > 1
-    assert err < 1e-5 and perr < 1e-4
-    # tp: the encoder's plan keeps position/token-type embeddings, norms, pooler and classifier whole - 31% of this
-    # tiny `debug` encoder (0.657x per rank), 1.0% of bert-base (0.505x)
-    assert ratio <= {"zero3": 0.55, "tp": 0.7, "pp": 1.0}[strategy] and (ratio == 1.0) == (strategy == "pp")
-
-
-@pytest.fixture(scope="module")
-def critic_run(single: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The one-device PPO run with a separate critic trunk (`--model.critic_backbone=debug`)."""
-    out = tmp_path_factory.mktemp("ppo_critic") / "one"
-    assert main(_ppo_args(out, single[0], batch=8, extra=["--trainer.devices=1", "--model.critic_backbone=debug"])) == 0
-    return out
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["zero3", "tp"])
-def test_separate_critic_is_sharded_like_the_policy(single: tuple[Path, Path], critic_run: Path, tmp_path: Path,
-                                                    strategy: str) -> None:
-    """A separate critic trunk (trained, inside the actor-critic) gets its family's tensor-parallel plan and ZeRO-3
-    units like the policy (a rank holds at most 0.55x of its bytes; it was replicated); values, losses and parameters
-    equal one device's."""
-    flags, batch, nproc = RL_LAYOUTS.get(strategy, ([f"--trainer.strategy={strategy}"], 4, 2))
-    run_cli(_ppo_args(tmp_path / strategy, single[0], batch=batch,
-                      extra=[f"--trainer.devices={nproc}", *flags, "--model.critic_backbone=debug"]), nproc=nproc)
-    one, two = _logged(critic_run), _logged(tmp_path / strategy)
-    keys = ("objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "val/ratio")
-    err = max(abs(a[k] - b[k]) for a, b in zip(one, two) for k in keys)
-    p1, p2 = torch.load(critic_run / "steps.json.pt"), torch.load(tmp_path / strategy / "steps.json.pt")
-    perr = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
-    held = [parts["critic"] for parts in json.loads((tmp_path / strategy / "rollouts.json").read_text())["parts_bytes"]]
-    whole = json.loads((critic_run / "rollouts.json").read_text())["parts_bytes"][0]["critic"]
-    print(f"separate critic under {strategy}: stats {err:.2e}, params {perr:.2e} ({sum('critic' in k for k in p1)} "
-          f"critic tensors); critic bytes per rank {held} vs {whole} ({max(held) / whole:.3f}x); value loss",
-          [round(r["loss/value_avg"], 5) for r in two])
-    assert len(one) == len(two) == 4 and any("critic" in k for k in p1) and one[-1]["loss/value_avg"] > 0
-    assert err < 1e-5 and perr < 1e-4 and max(held) / whole <= 0.55
-
-
-@pytest.mark.multiprocess
-def test_lora_policy_under_pipeline_matches_one_device(single: tuple[Path, Path], tmp_path: Path) -> None:
-    """A LoRA policy under pp x2: the reference is the policy with its adapters off, run through the pipeline (the
-    actor-critic asked for the policy's output alone); rollouts, KL and parameters equal one device's LoRA run."""
-    prompts, _ = single
-    lora = ["--model.lora.r=4", "--model.lora.alpha=8", "--model.lora.dropout=0.0"]
-    assert main(_ppo_args(tmp_path / "one", prompts, batch=8, extra=["--trainer.devices=1", *lora])) == 0
-    flags, batch, nproc = RL_LAYOUTS["pp"]
-    run_cli(_ppo_args(tmp_path / "pp", prompts, batch=batch, extra=[f"--trainer.devices={nproc}", *flags, *lora]),
-            nproc=nproc)
-    one, two = _logged(tmp_path / "one"), _logged(tmp_path / "pp")
-    keys = ("objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "val/ratio")
-    err = max(abs(a[k] - b[k]) for a, b in zip(one, two) for k in keys)
-    p1, p2 = torch.load(tmp_path / "one" / "steps.json.pt"), torch.load(tmp_path / "pp" / "steps.json.pt")
-    perr = max(float((p1[k] - p2[k]).abs().max()) for k in p1)
-    print(f"LoRA PPO pp x2 vs one device: stats {err:.2e}, params {perr:.2e}; KL", [r["objective/kl"] for r in two])
-    assert len(one) == len(two) == 4 and sorted(p1) == sorted(p2)
-    assert two[-1]["objective/kl"] > 0.01  # the reference (adapters off) really differs from the trained policy
-    assert err < 1e-4 and perr < 1e-4
-
-
-@pytest.mark.multiprocess
-def test_separate_critic_is_refused_under_pipeline(single: tuple[Path, Path], tmp_path: Path) -> None:
-    prompts, _ = single
-    flags, batch, nproc = RL_LAYOUTS["pp"]
-    with pytest.raises(RuntimeError) as e:
-        run_cli(_ppo_args(tmp_path, prompts, batch=batch, extra=[f"--trainer.devices={nproc}", *flags,
-                                                                 "--model.critic_backbone=debug"]), nproc=nproc)
-    assert ("lightning_llm: error: --model.critic_backbone=debug: a separate critic trunk is not split into pipeline "
-            "stages") in str(e.value)
-    assert not (tmp_path / "steps.json").exists()
+if __name__ == "__main__":
+    run_worker(_worker, sys.argv[1], Path(sys.argv[2]))
