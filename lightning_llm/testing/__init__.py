@@ -451,57 +451,6 @@ class MetricRows(pl.Callback):
         self.rows.append({k: float(v) for k, v in trainer.callback_metrics.items()})
 
 
-RL_LAYOUTS: dict[str, tuple[list[str], int, int]] = {
-    "tp": (["--trainer.strategy=tp"], 8, 2),
-    "dp2_tp2": (["--trainer.strategy=3d", "--trainer.strategy.data_parallel_size=2",
-                 "--trainer.strategy.tensor_parallel_size=2"], 4, 4),
-    "pp": (["--trainer.strategy=pp"], 8, 2),
-    "pp_stages": (["--trainer.strategy=pp", "--trainer.strategy.gather_for_decoding=per_layer"], 8, 2),
-    "dp2_pp2": (["--trainer.strategy=3d", "--trainer.strategy.data_parallel_size=2",
-                 "--trainer.strategy.pipeline_parallel_size=2"], 4, 4),
-}
-"""The RL tests' layouts beyond a registered name: strategy flags, prompts per rank and processes for a global batch
-of 8 prompts (tensor- and pipeline-parallel ranks share their replica's prompts). Rollouts under tp and pp decode
-with whole copies (``gather_for_decoding=auto``); ``pp_stages`` decodes through the pipeline's stages."""
-
-
-def rl_cli_args(task: list[str], out: Path, prompts: Path, *, batch: int, extra: list[str]) -> list[str]:
-    """``lightning_llm fit`` arguments of the on-policy RL parity tests: ``task`` (``--model=...`` and its settings),
-    the digits reward, a constant LR, ``prompts`` in PromptDataModule, 8 CPU steps logged to CSV under ``out``, the
-    parameters recorded by :class:`StepRecorder` to ``out/steps.json.pt`` and the rollouts by
-    :class:`RolloutRecorder` to ``out/rollouts.json``."""
-    return [
-        "fit", "--seed_everything=3", *task, "--model.backbone=debug", "--model.model_overrides={num_layers: 2}",
-        "--model.generation.max_new_tokens=8",
-        "--model.reward.fn=lightning_llm.rl.rewards:CharShareReward", "--model.reward.kwargs={chars: digits}",
-        "--model.optim.lr=0.003", "--model.optim.scheduler=constant", "--model.optim.weight_decay=0",
-        "--data=lightning_llm.data.PromptDataModule", f"--data.train_path={prompts}", f"--data.batch_size={batch}",
-        "--trainer.accelerator=cpu", "--trainer.max_steps=8", "--trainer.logger=CSVLogger",
-        f"--trainer.logger.save_dir={out}", "--trainer.log_every_n_steps=1", "--trainer.enable_checkpointing=false",
-        "--trainer.enable_progress_bar=false", "--trainer.num_sanity_val_steps=0", f"--trainer.default_root_dir={out}",
-        "--trainer.callbacks+=lightning_llm.testing.StepRecorder", f"--trainer.callbacks.output={out / 'steps.json'}",
-        "--trainer.callbacks.save_params=true", "--trainer.callbacks+=lightning_llm.testing.RolloutRecorder",
-        f"--trainer.callbacks.output={out / 'rollouts.json'}", *extra,
-    ]
-
-
-def check_rollouts_and_reference(single: Path, other: Path, *, sharded: bool, zero3: bool = False) -> None:
-    """Two RL runs of :func:`rl_cli_args` (one device, another layout): the same rollout tokens for every prompt
-    of every rollout, where the layout splits or shards the model (``sharded``) no rank holding more than 0.55x of
-    the one-device bytes of the frozen reference, and under ``zero3`` no all-gather while a rollout samples (its
-    parameters were gathered once before) (:class:`RolloutRecorder`'s records)."""
-    one, two = (json.loads((out / "rollouts.json").read_text()) for out in (single, other))
-    assert len(one["rollouts"]) == len(two["rollouts"]) > 0 and one["rollouts"] == two["rollouts"]
-    ratio = max(two["frozen_bytes"]) / max(one["frozen_bytes"][0], 1)
-    tokens = sum(len(row) for step in two["rollouts"] for rows in step.values() for row in rows)
-    print(f"rollout tokens identical over {len(one['rollouts'])} rollouts ({tokens} tokens); all-gathers while "
-          f"sampling, per rank and rollout: {two['gathers']}; frozen reference bytes per rank: "
-          f"{two['frozen_bytes']} vs one device {one['frozen_bytes'][0]} ({ratio:.3f}x)")
-    assert one["frozen_bytes"][0] > 0 and (ratio <= 0.55 if sharded else ratio == 1.0)
-    if zero3:
-        assert all(count == 0 for rank in two["gathers"] for count in rank) and tokens > 0
-
-
 def logged_rows(out: Path, *, key: str) -> list[dict[str, float]]:
     """The rows of the ``metrics.csv`` under ``out`` that hold ``key``, as floats."""
     import csv
