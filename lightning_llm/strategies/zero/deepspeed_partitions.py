@@ -74,6 +74,8 @@ def declare_flat_partitions(ds_optimizer: Any, client: Any, group_of: dict[int, 
         counts = _every_rank_counts(runs, group)
         client.hold_flat_partition(flat, [(p, offset, c) for (p, offset, _, _), c in zip(runs, counts)], group=group,
                                    param_group=index)
+    log.info("%s: told the task's optimizer what its %d flat partitions hold (%d parameters)",
+             type(ds_optimizer).__name__, len(partitions), sum(len(runs) for *_, runs in partitions))
 
 
 def _partitions(opt: Any, client: Any, group_of: dict[int, int]) -> list[tuple[Any, int, Any, list[_Run]]]:
