@@ -387,3 +387,14 @@ def test_deepspeed_optimizer_overrides_refused() -> None:
     refuse_optimizer_override(named="adamw", config_section=False, optimizer=adamw.configure_optimizers()[
         "optimizer"], task=None)
     refuse_optimizer_override(named=None, config_section=True, optimizer=None, task=adamw)
+
+
+def test_qk_clip_refused_under_deepspeed() -> None:
+    """DeepSpeed's optimizer steps its fp32 master partitions: a rescale of the model's W_q/W_k would be undone."""
+    from lightning_llm.optim.qk_clip import QKClip
+
+    task = _task(OptimConfig(name="muon", qk_clip_tau=10.0), qkv_packed=False, moe=None)
+    next(task.parameters()).ds_id = 0  # what DeepSpeed's ZeRO-3 marks its partitioned parameters with
+    with pytest.raises(ValueError, match="QK-Clip: not under DeepSpeed") as e:
+        QKClip(10.0).on_train_start(None, task)  # type: ignore[arg-type]
+    assert "\n" not in str(e.value)
