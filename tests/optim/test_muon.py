@@ -6,7 +6,8 @@ experts' stacked ``gate_up_proj`` [E, 2I, H] (gate, up) and ``down_proj``. The r
 one leaf tensor per checkpoint matrix (each expert, each fused part: cut out of the tensors by index arithmetic here,
 not by the optimizer's code) plus ``torch.optim.AdamW`` over the same AdamW groups, fed the same gradients: after
 every step both sides must be bitwise equal. Also: the split by role, a fused model against the unfused one with the
-same weights, the learning-rate choices, the non-finite skip on the device, and the refusals.
+same weights, the learning-rate choices, the non-finite skip on the device, the optimizer stepped on flat partitions
+(DeepSpeed's ZeRO) bitwise equal to it stepped on the parameters, and the refusals.
 """
 
 from __future__ import annotations
