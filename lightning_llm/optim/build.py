@@ -81,14 +81,11 @@ def check_muon_config(cfg: Any) -> None:
 
 
 def check_muon_strategy(strategy: Any) -> None:
-    """Refuse, in one line, the strategies whose optimizer steps on flattened partitions (DeepSpeed's ZeRO, FSDP1's
-    flat parameters): there no rank holds a matrix, and Muon would run on slices of flattened tensors (another
-    update; DeepSpeed's own Muon is another formula still). The native presets shard the same way with Muon exact."""
+    """Refuse, in one line, Lightning's FSDP1, whose flat parameters hold no matrix whole and say nothing of what they
+    hold: Muon would run on slices of flattened tensors (another update). DeepSpeed's ZeRO steps on flat partitions
+    too, but declares what they hold (:meth:`~.muon.MuonWithAdamW.hold_flat_partition`). The native presets shard
+    the same way with Muon exact."""
     names = {c.__name__ for c in type(strategy).__mro__}
-    if "DeepSpeedStrategy" in names:
-        raise ValueError("--model.optim.name=muon: not under DeepSpeed (its ZeRO optimizer steps on flattened "
-                         "partitions, which hold no matrix whole); use the native preset of the same stage "
-                         "(--trainer.strategy=zero1/zero2/zero3), where Muon equals one device's")
     if "FSDPStrategy" in names:
         raise ValueError("--model.optim.name=muon: not under Lightning's fsdp (FSDP1's flat parameters hold no matrix "
                          "whole); use --trainer.strategy=zero3 (FSDP2), where Muon equals one device's")

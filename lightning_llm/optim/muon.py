@@ -13,8 +13,9 @@ sqrt(max(rows, cols)) (Moonlight), of each matrix's shape (a part of a fused ten
 step exactly as ``torch.optim.AdamW`` over the same groups (its ``_init_group`` and functional ``adam``).
 
 Everything but Newton-Schulz is elementwise and runs on whatever piece of the parameter this rank holds (a ZeRO-3 or
-tensor-parallel shard, a ZeRO-1/2 owner's whole tensor); :func:`~.orthogonalize.orthogonalized` hands Newton-Schulz
-whole matrices. Every hyper-parameter lives in the param groups, so ZeRO-1/2 rebuild the optimizer over a rank's
+tensor-parallel shard, a ZeRO-1/2 owner's whole tensor, a flat partition of DeepSpeed's ZeRO holding runs of several
+parameters' elements, declared by :meth:`MuonWithAdamW.hold_flat_partition`); :func:`~.orthogonalize.orthogonalized`
+hands Newton-Schulz whole matrices. Every hyper-parameter lives in the param groups, so ZeRO-1/2 rebuild the optimizer over a rank's
 share from its groups alone, and the states (``momentum_buffer``; AdamW's ``step``, ``exp_avg``, ``exp_avg_sq``) are
 keyed per parameter like AdamW's: layout-free checkpoints reshard them.
 
@@ -25,18 +26,21 @@ it is, decided on the device; with fused AdamW groups the whole step then skips 
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.optim._muon import _adjust_lr
 from torch.optim.adam import adam
 
-from lightning_llm.optim.orthogonalize import NewtonSchulz, Orthogonalize, orthogonalized
+from lightning_llm.optim.orthogonalize import FlatSplit, NewtonSchulz, Orthogonalize, orthogonalized
 from lightning_llm.optim.roles import Matrices
 
-__all__ = ["MuonWithAdamW", "MUON_DEFAULTS"]
+__all__ = ["FlatPartition", "MuonWithAdamW", "MUON_DEFAULTS"]
 
 MUON_DEFAULTS: dict[str, Any] = {
     "momentum": 0.95,
@@ -55,6 +59,17 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+class FlatPartition(NamedTuple):
+    """A 1-D tensor a wrapping optimizer steps in param group ``index`` (DeepSpeed ZeRO's partition): per parameter with
+    elements in the partitions of ``group``, ``(parameter, offset of this rank's run in the tensor, elements each rank
+    holds)`` (``pieces``, every rank alike; :class:`~.orthogonalize.FlatSplit`); ``rank`` in ``group``."""
+
+    pieces: list[tuple[Tensor, int, tuple[int, ...]]]
+    group: Any
+    index: int
+    rank: int
+
+
 class MuonWithAdamW(torch.optim.AdamW):
     """AdamW whose groups with ``muon=True`` step with Muon (see the module doc).
 
@@ -70,6 +85,8 @@ class MuonWithAdamW(torch.optim.AdamW):
     def __init__(self, params: Any, *, replica_group: Any = None, **adamw: Any) -> None:
         super().__init__(params, **adamw)
         self.replica_group = replica_group
+        self.flat_partitions: dict[int, FlatPartition] = {}  # id(flat tensor) -> what it holds
+        self._flat_loads: dict[Any, list[int]] = {}  # Newton-Schulz work dealt per rank of a flat partition's group
         for group in self.param_groups:
             group.setdefault("muon", False)
             if group["muon"]:
@@ -88,6 +105,37 @@ class MuonWithAdamW(torch.optim.AdamW):
                                ("differentiable", False), ("decoupled_weight_decay", True), ("fused", None),
                                ("muon", False)):
                 group.setdefault(key, value)
+
+    def hold_flat_partition(self, flat: Tensor, pieces: Sequence[tuple[Tensor, int, Sequence[int]]], *, group: Any,
+                            param_group: int) -> None:
+        """Declare what ``flat`` holds: a 1-D tensor a wrapping optimizer (DeepSpeed's ZeRO) puts in param group
+        ``param_group`` and steps this optimizer on, made of runs of the parameters' flattened elements partitioned
+        over the ranks of ``group``. ``pieces``: for every parameter partitioned there, in an order every rank shares,
+        ``(parameter, where this rank's run starts in flat, the elements each rank holds: rank r the ones after those
+        of ranks < r)``, runs of 0 elements included. A Muon group then orthogonalises each parameter whole; an AdamW
+        group steps ``flat`` elementwise as it is. A call on every rank of ``group``."""
+        rank = dist.get_rank(group) if dist.is_initialized() else 0
+        checked = []
+        for param, offset, counts in pieces:
+            shape = tuple(getattr(param, "ds_shape", param.shape))
+            if sum(counts) != math.prod(shape) or not 0 <= offset <= offset + counts[rank] <= flat.numel():
+                raise ValueError(f"Muon: a flat partition of {flat.numel()} elements declared to hold {counts[rank]} "
+                                 f"at {offset} of a {shape} parameter split {tuple(counts)} over the ranks")
+            checked.append((param, int(offset), tuple(int(c) for c in counts)))
+        self.flat_partitions[id(flat)] = FlatPartition(checked, group, param_group, rank)
+
+    def held_parameters(self) -> dict[str, list[Tensor]]:
+        """The parameters this rank steps, by kind of group (``muon``, ``adamw``): a group's tensors, and for a
+        declared flat partition the parameters with elements in it (DeepSpeed's ZeRO-3 empties its groups between
+        steps)."""
+        out: dict[str, list[Tensor]] = {"muon": [], "adamw": []}
+        for flat in self.flat_partitions.values():
+            kind = "muon" if self.param_groups[flat.index]["muon"] else "adamw"
+            out[kind] += [p for p, _, counts in flat.pieces if counts[flat.rank]]
+        for group in self.param_groups:
+            out["muon" if group["muon"] else "adamw"] += [p for p in group["params"]
+                                                           if id(p) not in self.flat_partitions]
+        return out
 
     @property
     def skips_on_found_inf(self) -> bool:
@@ -124,10 +172,11 @@ class MuonWithAdamW(torch.optim.AdamW):
         """Momentum and Nesterov on this rank's pieces, Newton-Schulz on whole matrices, then the update."""
         found_inf = getattr(self, "found_inf", None)
         skip = None if found_inf is None else found_inf.to(torch.bool)
-        todo: list[tuple[dict[str, Any], Tensor, Tensor, Tensor]] = []  # (group, param, its local tensor, buffer)
+        todo: list[tuple[dict[str, Any], Tensor, list[tuple[int, int | None]]]] = []
+        # ^ (group, a local tensor, its runs: (item, offset in the flat tensor; None: the whole tensor))
         items: list[Orthogonalize] = []
         for group in groups:
-            momentum = group["momentum"]
+            momentum, layout = group["momentum"], Matrices(*group["matrices"])
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -142,22 +191,42 @@ class MuonWithAdamW(torch.optim.AdamW):
                 else:
                     buf.lerp_(grad, 1 - momentum)
                 update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                items.append(Orthogonalize(p, update.bfloat16() if update is not buf else update.to(torch.bfloat16,
-                                                                                                    copy=True),
-                                           Matrices(*group["matrices"])))
-                todo.append((group, p, _local(p), buf))
+                update = update.bfloat16() if update is not buf else update.to(torch.bfloat16, copy=True)
+                todo.append((group, _local(p), self._runs(p, update, layout, items)))
         if not items:
             return
         first = groups[0]
         ns = NewtonSchulz(tuple(first["ns_coefficients"]), first["ns_steps"], first["ns_eps"])  # type: ignore[arg-type]
         if any((tuple(g["ns_coefficients"]), g["ns_steps"], g["ns_eps"]) != tuple(ns) for g in groups):
             raise ValueError("Muon: every Muon group must use the same Newton-Schulz settings")
-        for (group, p, local, _), item, o in zip(todo, items, orthogonalized(items, ns,
-                                                                              replica_group=self.replica_group)):
+        results = orthogonalized(items, ns, replica_group=self.replica_group, flat_loads=self._flat_loads)
+        for group, local, runs in todo:
             lr = group["lr"]
-            adjusted = _adjust_lr(lr, group["adjust_lr_fn"], item.layout.part_shape(tuple(p.shape)))
-            if skip is None:
-                local.mul_(1 - lr * group["weight_decay"])
-                local.add_(o, alpha=-adjusted)
-            else:
-                local.copy_(torch.where(skip, local, local.mul(1 - lr * group["weight_decay"]).add(o, alpha=-adjusted)))
+            new = local.mul_(1 - lr * group["weight_decay"]) if skip is None else local.mul(
+                1 - lr * group["weight_decay"])
+            for i, offset in runs:
+                item = items[i]
+                adjusted = _adjust_lr(lr, group["adjust_lr_fn"], item.layout.part_shape(item.shape))
+                target = new if offset is None else new.narrow(0, offset, item.update.numel())
+                target.add_(results[i], alpha=-adjusted)
+            if skip is not None:
+                local.copy_(torch.where(skip, local, new))
+
+    def _runs(self, p: Tensor, update: Tensor, layout: Matrices,
+              items: list[Orthogonalize]) -> list[tuple[int, int | None]]:
+        """Append to ``items`` the matrices ``p`` holds (itself, or a flat partition's parameters) with their piece of
+        ``update``; returns ``(item, offset in p)`` of each (``None``: the whole of ``p``)."""
+        flat = self.flat_partitions.get(id(p))
+        if flat is None:
+            shape = tuple(getattr(p, "ds_shape", p.shape))
+            if len(shape) != layout.stack + 2:  # a wrapper's flat partition nobody declared: no matrix to orthogonalise
+                raise RuntimeError(f"Muon: a {shape} tensor in a Muon group of {layout.stack} stacked dims and a matrix "
+                                   "(a flat partition of an optimizer wrapper not declared with hold_flat_partition?)")
+            items.append(Orthogonalize(p, update, layout))
+            return [(len(items) - 1, None)]
+        runs: list[tuple[int, int | None]] = []
+        for param, offset, counts in flat.pieces:
+            runs.append((len(items), offset))
+            items.append(Orthogonalize(param, update.narrow(0, offset, counts[flat.rank]), layout,
+                                       FlatSplit(counts, flat.group)))
+        return runs

@@ -15,6 +15,9 @@ bf16 iterations, one 2-D matrix per call) on each matrix of :class:`~.roles.Matr
   column/row shards): dealt out the same way over the mesh's ranks; one all-to-all sends every shard of a matrix to its
   owner, which concatenates them, orthogonalises and sends each rank its shard of the result in a second
   all-to-all (bf16, packed: two collectives per mesh and step, whatever the number of matrices);
+* **flat**: a run of a parameter's elements (flattened) in a flat partition (DeepSpeed's ZeRO: every rank of a group
+  holds a contiguous run, in rank order, :class:`FlatSplit`): the same two all-to-alls over that group, the owner
+  concatenating the runs into the whole parameter;
 * a DTensor split over several mesh dims (ZeRO-3 with tensor parallelism): gathered whole on every rank of its mesh
   and orthogonalised there (duplicated work, said once in the log), each rank keeping its shard.
 """
@@ -22,8 +25,8 @@ bf16 iterations, one 2-D matrix per call) on each matrix of :class:`~.roles.Matr
 from __future__ import annotations
 
 import logging
+import math
 from collections import defaultdict
-from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import torch
@@ -36,7 +39,7 @@ from lightning_llm.optim.roles import Matrices
 
 log = logging.getLogger(__name__)
 
-__all__ = ["NewtonSchulz", "Orthogonalize", "orthogonalized"]
+__all__ = ["FlatSplit", "NewtonSchulz", "Orthogonalize", "orthogonalized"]
 
 
 class NewtonSchulz(NamedTuple):
@@ -66,26 +69,67 @@ class NewtonSchulz(NamedTuple):
         return _zeropower_via_newtonschulz(m, self.coefficients, self.steps, self.eps)
 
 
+class FlatSplit(NamedTuple):
+    """How a parameter, flattened, is split over the ranks of ``group`` (DeepSpeed ZeRO's flat partitions): rank ``r``
+    holds ``counts[r]`` of its elements, those after the elements of the ranks before it."""
+
+    counts: tuple[int, ...]
+    group: Any
+
+
 class Orthogonalize(NamedTuple):
     """One matrix parameter's update waiting for Newton-Schulz: ``param`` (plain or DTensor), ``update`` (this rank's
-    piece of it, bf16, shaped like the parameter's local tensor), its ``layout``."""
+    piece of it, bf16, shaped like the parameter's local tensor; ``flat``: this rank's run of its flattened elements,
+    1-D), its ``layout``."""
 
     param: Tensor
     update: Tensor
     layout: Matrices
+    flat: FlatSplit | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The parameter's global shape (DeepSpeed's ZeRO-3 leaves an empty tensor and records it in ``ds_shape``)."""
+        return tuple(getattr(self.param, "ds_shape", self.param.shape))
+
+
+class _Split(NamedTuple):
+    """How a tensor of ``shape`` is cut along ``dim`` over the ranks of a group: rank ``r`` holds ``sizes[r]`` of it,
+    after those of the ranks before it."""
+
+    shape: tuple[int, ...]
+    dim: int
+    sizes: tuple[int, ...]
+
+    def piece(self, rank: int) -> list[int]:
+        shape = list(self.shape)
+        shape[self.dim] = self.sizes[rank]
+        return shape
+
+    def offset(self, rank: int) -> int:
+        return sum(self.sizes[:rank])
 
 
 def _sharded_dims(p: DTensor) -> list[int]:
     return [pl.dim for pl in p.placements if isinstance(pl, Shard) or hasattr(pl, "dim")]
 
 
-def orthogonalized(items: list[Orthogonalize], ns: NewtonSchulz, *, replica_group: Any = None) -> list[Tensor]:
+def orthogonalized(items: list[Orthogonalize], ns: NewtonSchulz, *, replica_group: Any = None,
+                   flat_loads: dict[Any, list[int]] | None = None) -> list[Tensor]:
     """Each item's update orthogonalised, as this rank's piece (the shape of ``update``), in order (see the module
-    doc). A collective over the groups involved: every rank of them calls it with the same parameters."""
+    doc). A collective over the groups involved: every rank of them calls it with the same parameters.
+    ``flat_loads``: per process group, the work each rank was dealt by earlier calls (DeepSpeed steps one param group
+    at a time), carried on so that the calls of a step share it out together."""
     out: list[Tensor | None] = [None] * len(items)
-    replicated, sharded, duplicated = [], defaultdict(list), []
+    replicated, sharded, flat, duplicated = [], defaultdict(list), defaultdict(list), []
     for i, item in enumerate(items):
         p = item.param
+        if item.flat is not None:
+            if len(item.flat.counts) > 1:
+                flat[item.flat.group].append(i)
+            else:
+                out[i] = ns.whole(item.update.view(item.shape), item.layout).view(-1)
+            continue
         if not isinstance(p, DTensor):
             if replica_group is not None and dist.get_world_size(replica_group) > 1:
                 replicated.append(i)
@@ -102,7 +146,11 @@ def orthogonalized(items: list[Orthogonalize], ns: NewtonSchulz, *, replica_grou
     if replicated:
         _replicated(items, replicated, out, ns, replica_group)
     for mesh, idx in sharded.items():
-        _sharded(items, idx, out, ns, mesh)
+        _exchanged(items, {i: _dtensor_split(items[i].param, mesh.size()) for i in idx}, out, ns, mesh.get_group())
+    for group, idx in flat.items():
+        load = None if flat_loads is None else flat_loads.setdefault(group, [0] * dist.get_world_size(group))
+        _exchanged(items, {i: _Split((math.prod(items[i].shape),), 0, items[i].flat.counts) for i in idx}, out, ns,
+                   group, load=load)
     if duplicated:
         _duplicated(items, duplicated, out, ns)
     return out  # type: ignore[return-value]
@@ -110,20 +158,22 @@ def orthogonalized(items: list[Orthogonalize], ns: NewtonSchulz, *, replica_grou
 
 def _cost(item: Orthogonalize) -> int:
     """Newton-Schulz's work on a tensor: per matrix ~ rows x cols x min(rows, cols) multiply-adds per iteration."""
-    shape = tuple(item.param.shape)
+    shape = item.shape
     rows, cols = item.layout.part_shape(shape)
     return item.layout.count(shape) * rows * cols * min(rows, cols)
 
 
-def _deal(items: list[Orthogonalize], idx: list[int], n: int) -> dict[int, int]:
+def _deal(items: list[Orthogonalize], idx: list[int], n: int, load: list[int] | None = None) -> dict[int, int]:
     """Owner (group rank) of each item, every rank alike: the costliest first, each to the least-loaded rank, so
-    each rank orthogonalises about 1/n of the work."""
-    load = [0] * n
+    each rank orthogonalises about 1/n of the work. ``load``: each rank's work so far, updated (less its minimum)."""
+    load = [0] * n if load is None else load
     owner = {}
     for i in sorted(idx, key=lambda i: (-_cost(items[i]), i)):
         r = min(range(n), key=lambda k: (load[k], k))
         owner[i] = r
         load[r] += _cost(items[i])
+    least = min(load)
+    load[:] = [x - least for x in load]
     return owner
 
 
@@ -149,61 +199,48 @@ def _replicated(items: list[Orthogonalize], idx: list[int], out: list[Tensor | N
                 out[i] = piece.view(items[i].update.shape)
 
 
-def _shard_dim(p: DTensor) -> int:
+def _dtensor_split(p: DTensor, n: int) -> _Split:
+    """A DTensor sharded over a 1-D mesh of ``n`` ranks, as torch.chunk cuts it."""
     (placement,) = p.placements
-    return placement.dim  # type: ignore[attr-defined]
+    d = placement.dim  # type: ignore[attr-defined]
+    return _Split(tuple(p.shape), d, tuple(Shard.local_shard_size_and_offset(p.shape[d], n, r)[0] for r in range(n)))
 
 
-def _shard_shape(p: DTensor, rank: int, n: int) -> tuple[list[int], int]:
-    """The shape and offset (along the sharded dim) of group rank ``rank``'s shard of ``p`` (torch.chunk's split)."""
-    d = _shard_dim(p)
-    size, offset = Shard.local_shard_size_and_offset(p.shape[d], n, rank)
-    shape = list(p.shape)
-    shape[d] = size
-    return shape, offset
-
-
-def _numel(shape: Iterable[int]) -> int:
-    total = 1
-    for s in shape:
-        total *= s
-    return total
-
-
-def _sharded(items: list[Orthogonalize], idx: list[int], out: list[Tensor | None], ns: NewtonSchulz,
-             mesh: Any) -> None:
-    """Shards to their owners (one all-to-all), Newton-Schulz there, the results' shards back (another one)."""
-    group, n, me = mesh.get_group(), mesh.size(), mesh.get_local_rank()
-    owner = _deal(items, idx, n)
-    shapes = {i: [_shard_shape(items[i].param, r, n) for r in range(n)] for i in idx}
+def _exchanged(items: list[Orthogonalize], splits: dict[int, _Split], out: list[Tensor | None], ns: NewtonSchulz,
+               group: Any, *, load: list[int] | None = None) -> None:
+    """Each item's pieces to its owner (one all-to-all over ``group``), Newton-Schulz on the whole tensor there (cut as
+    ``splits`` says), each rank's piece of the result back (another one). ``load``: :func:`_deal`'s."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    idx = list(splits)
+    owner = _deal(items, idx, n, load)
     device = items[idx[0]].update.device
     for i in idx:
-        if list(items[i].update.shape) != shapes[i][me][0]:
-            raise RuntimeError(f"Muon: a shard of {tuple(items[i].param.shape)} is {tuple(items[i].update.shape)}, "
-                               f"not torch.chunk's {shapes[i][me][0]}")
-    # 1. every shard to its matrix's owner
+        if list(items[i].update.shape) != splits[i].piece(me):
+            raise RuntimeError(f"Muon: a piece of {items[i].shape} is {tuple(items[i].update.shape)}, not the "
+                               f"{splits[i].piece(me)} its split gives this rank")
+    # 1. every piece to its tensor's owner
     by_dest = [[i for i in idx if owner[i] == r] for r in range(n)]
     owned = by_dest[me]
     send = torch.cat([items[i].update.reshape(-1) for r in range(n) for i in by_dest[r]])
-    recv_sizes = [sum(_numel(shapes[i][s][0]) for i in owned) for s in range(n)]
+    recv_sizes = [sum(math.prod(splits[i].piece(s)) for i in owned) for s in range(n)]
     recv = torch.empty(sum(recv_sizes), dtype=torch.bfloat16, device=device)
     dist.all_to_all_single(recv, send.to(torch.bfloat16), recv_sizes,
                            [sum(items[i].update.numel() for i in by_dest[r]) for r in range(n)], group=group)
-    # 2. the owner's matrices, whole, orthogonalised
-    pieces = iter(recv.split([_numel(shapes[i][s][0]) for s in range(n) for i in owned]))
-    from_rank = [[next(pieces).view(shapes[i][s][0]) for i in owned] for s in range(n)]
+    # 2. the owner's tensors, whole, orthogonalised
+    pieces = iter(recv.split([math.prod(splits[i].piece(s)) for s in range(n) for i in owned]))
+    from_rank = [[next(pieces).view(splits[i].piece(s)) for i in owned] for s in range(n)]
     results = {}
     for k, i in enumerate(owned):
-        whole = torch.cat([from_rank[s][k] for s in range(n)], dim=_shard_dim(items[i].param))
-        results[i] = ns.whole(whole, items[i].layout)
-    # 3. each rank its shard of every result
-    back = [results[i].narrow(_shard_dim(items[i].param), shapes[i][r][1], shapes[i][r][0][_shard_dim(items[i].param)])
-            .reshape(-1) for r in range(n) for i in owned]
+        whole = torch.cat([from_rank[s][k] for s in range(n)], dim=splits[i].dim)
+        results[i] = ns.whole(whole.view(items[i].shape), items[i].layout).view(splits[i].shape)
+    # 3. each rank its piece of every result
+    back = [results[i].narrow(splits[i].dim, splits[i].offset(r), splits[i].sizes[r]).reshape(-1)
+            for r in range(n) for i in owned]
     send_back = torch.cat(back) if back else torch.empty(0, dtype=torch.bfloat16, device=device)
     mine_sizes = [sum(items[i].update.numel() for i in by_dest[r]) for r in range(n)]
     got = torch.empty(sum(mine_sizes), dtype=torch.bfloat16, device=device)
-    dist.all_to_all_single(got, send_back, mine_sizes, [sum(_numel(shapes[i][r][0]) for i in owned) for r in range(n)],
-                           group=group)
+    dist.all_to_all_single(got, send_back, mine_sizes,
+                           [sum(math.prod(splits[i].piece(r)) for i in owned) for r in range(n)], group=group)
     pieces = iter(got.split([items[i].update.numel() for r in range(n) for i in by_dest[r]]))
     for r in range(n):
         for i in by_dest[r]:

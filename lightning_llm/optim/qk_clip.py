@@ -11,7 +11,8 @@ clips its own; under ZeRO-3 a rank scales the rows of its shard. Logged each ste
 head of every layer) and ``qk_clip/heads_clipped``, from device values (no host read).
 
 Refused where rescaling W_q/W_k does not rescale the logits or no dense logits exist: q/k norms (Qwen3, OLMo: a
-norm after the projection undoes the scale), Multi-head Latent Attention, and the varlen attention path.
+norm after the projection undoes the scale), Multi-head Latent Attention, and the varlen attention path; and under
+DeepSpeed, whose optimizer steps fp32 master partitions the rescale of the model's weights would not reach.
 """
 
 from __future__ import annotations
@@ -98,6 +99,10 @@ class QKClip(pl.Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         model = getattr(pl_module, "model", pl_module)
+        if any(hasattr(p, "ds_id") or hasattr(p, "_hp_mapping") for p in model.parameters()):
+            raise ValueError("QK-Clip: not under DeepSpeed (its optimizer steps fp32 master partitions, which rescaling "
+                             "the model's W_q/W_k does not reach: the next step would undo it); drop "
+                             "--model.optim.qk_clip_tau or use the native preset of the same stage (zero1/zero2/zero3)")
         self.layers = []
         for name, m in model.named_modules():
             core = getattr(m, "core", None)

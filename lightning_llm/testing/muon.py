@@ -9,6 +9,7 @@ step, and which tensors each optimizer took on this rank.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from lightning_llm.tasks import CausalLMTask, OptimConfig
 from lightning_llm.testing import LoggedLoss, full_gradients, full_parameters, table_trainer
 
 __all__ = ["LR", "MODEL", "MomentumAt", "MuonProbe", "QKClipRecord", "compare_runs", "merged", "muon_fit",
-           "optimizer_tensors", "reference_then_launch"]
+           "newton_schulz_calls", "optimizer_tensors", "reference_then_launch"]
 
 MOE = dict(num_experts=4, top_k=2, intermediate_size=32, norm_topk_prob=True, aux_loss_coef=0.01, dense_layers=[0])
 MODEL = dict(num_layers=2, num_kv_heads=4, qkv_packed=True, moe=MOE)
@@ -37,6 +38,9 @@ def optimizer_tensors(optimizer: Any) -> dict[str, list[int]]:
     """ids of the tensors each kind of group holds on this rank: ``muon``, ``adamw`` (ZeRO-1/2: the partitioned
     optimizer's full groups)."""
     opt = getattr(optimizer, "_optimizer", optimizer)
+    opt = getattr(opt, "optimizer", opt)  # DeepSpeed's ZeRO optimizer wraps the task's
+    if hasattr(opt, "held_parameters"):  # what its groups (DeepSpeed's flat partitions) hold
+        return {k: [id(p) for p in v] for k, v in opt.held_parameters().items()}
     out: dict[str, list[int]] = {"muon": [], "adamw": []}
     for g in opt.param_groups:
         out["muon" if g.get("muon") else "adamw"] += [id(p) for p in g["params"]]
@@ -52,13 +56,14 @@ class MuonProbe(pl.Callback):
         self.params: dict[str, torch.Tensor] = {}
         self.first: dict[str, torch.Tensor] = {}  # the weights after the first step
         self.first_step = 0
-        self.ns_calls = 0  # Newton-Schulz calls on this rank (one per matrix orthogonalised here)
+        self.ns_calls: list[Counter[tuple[int, ...]]] = []  # per step: Newton-Schulz calls on this rank by shape
         self._restore: Any = None
         self.groups: dict[str, list[str]] = {}
 
     @override
     def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: Any) -> None:
         self.grads.append({n: g.float().cpu() for n, g in full_gradients(pl_module).items()})
+        self.ns_calls.append(Counter())  # the calls of the step that follows
         if not self.groups:
             names = {id(p): n for n, p in pl_module.named_parameters()}
             self.groups = {k: sorted(names[i] for i in v if i in names)
@@ -67,7 +72,7 @@ class MuonProbe(pl.Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if trainer.global_step == self.first_step + 1:  # the first step's update alone
-            self.first = {n: t.float() for n, t in full_parameters(pl_module).items()}
+            self.first = _full_weights(pl_module)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -75,7 +80,7 @@ class MuonProbe(pl.Callback):
         newton_schulz = orthogonalize._zeropower_via_newtonschulz
 
         def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
-            self.ns_calls += 1
+            self.ns_calls[-1][tuple(args[0].shape)] += 1
             return newton_schulz(*args, **kwargs)
 
         self._restore = lambda: setattr(orthogonalize, "_zeropower_via_newtonschulz", newton_schulz)
@@ -84,7 +89,17 @@ class MuonProbe(pl.Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._restore()
-        self.params = {n: t.float() for n, t in full_parameters(pl_module).items()}
+        self.params = _full_weights(pl_module)
+
+
+def _full_weights(module: pl.LightningModule) -> dict[str, torch.Tensor]:
+    """Every weight in full, fp32 (DeepSpeed's ZeRO-3 partitions gathered: a collective)."""
+    if any(hasattr(p, "ds_id") for p in module.parameters()):
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters())):
+            return {n: t.float() for n, t in full_parameters(module).items()}
+    return {n: t.float() for n, t in full_parameters(module).items()}
 
 
 def muon_fit(strategy: Any, devices: int, out: Path, *, batch: int, steps: int = 6, save: bool = False,
@@ -106,7 +121,7 @@ def muon_fit(strategy: Any, devices: int, out: Path, *, batch: int, steps: int =
     trainer.fit(task, dm, ckpt_path=ckpt_path)
     return {"losses": rec.losses, "start": rec.start, "grads": probe.grads, "params": probe.params, "first": probe.first,
             "groups": probe.groups, "note": task.optimizer_note,
-            "ns_calls": probe.ns_calls // max(1, len(probe.grads))}
+            "ns_calls": probe.ns_calls}
 
 
 def merged(every: list[dict[str, Any]]) -> dict[str, Any]:
@@ -138,21 +153,48 @@ def compare_runs(run: dict[str, Any], ref: dict[str, Any], *, start: int = 0) ->
     return {"loss": loss, "params": params, "first": first, "grads0": grads[0], "grads": max(grads)}
 
 
-class MomentumAt(pl.Callback):
-    """One device: every Muon tensor's momentum buffer by name after optimizer step ``step``."""
+def newton_schulz_calls(run: dict[str, Any], ref: dict[str, Any]) -> tuple[list[int], list[float], int]:
+    """``(steps, per_rank, total)``: the steps at which the ranks' Newton-Schulz calls, summed, are not one device's
+    (per matrix shape: a matrix left to AdamW, or orthogonalised twice or on pieces, changes them), each rank's calls
+    per step on average, and one device's per step."""
+    wrong = []
+    for step, want in enumerate(ref["ns_calls"]):
+        summed: Counter[tuple[int, ...]] = Counter()
+        for calls in run["ns_calls"]:
+            summed.update(calls[step] if step < len(calls) else {})
+        if summed != want:
+            wrong.append(step)
+    per_rank = [sum(sum(c.values()) for c in calls) / max(len(calls), 1) for calls in run["ns_calls"]]
+    return wrong, per_rank, sum(ref["ns_calls"][0].values())
 
-    def __init__(self, step: int) -> None:
-        self.step = step
-        self.buffers: dict[str, torch.Tensor] = {}
+
+class MomentumAt(pl.Callback):
+    """Every Muon tensor's momentum buffer by name after each optimizer step in ``steps`` (``buffers[step]``): one
+    device's optimizer state, or under DeepSpeed its partitions gathered by its own
+    ``deepspeed.utils.safe_get_full_optimizer_state`` (a collective: every rank records)."""
+
+    def __init__(self, *steps: int) -> None:
+        self.steps = steps
+        self.buffers: dict[int, dict[str, torch.Tensor]] = {}
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if trainer.global_step != self.step:
+        if trainer.global_step not in self.steps:
             return
         names = {id(p): n for n, p in pl_module.named_parameters()}
         opt = trainer.optimizers[0]
-        self.buffers = {names[id(p)]: opt.state[p]["momentum_buffer"].detach().clone()
-                        for g in opt.param_groups if g.get("muon") for p in g["params"]}
+        inner = getattr(opt, "optimizer", opt)  # DeepSpeed's ZeRO optimizer wraps the task's
+        if getattr(inner, "flat_partitions", None):
+            from deepspeed.utils import safe_get_full_optimizer_state
+
+            muon = {id(p) for f in inner.flat_partitions.values() if inner.param_groups[f.index]["muon"]
+                    for p, _, _ in f.pieces}
+            buffers = {n: safe_get_full_optimizer_state(p, "momentum_buffer").detach().cpu().clone()
+                       for n, p in pl_module.named_parameters() if id(p) in muon}
+        else:
+            buffers = {names[id(p)]: opt.state[p]["momentum_buffer"].detach().clone()
+                       for g in opt.param_groups if g.get("muon") for p in g["params"]}
+        self.buffers[trainer.global_step] = buffers
 
 
 class QKClipRecord(pl.Callback):

@@ -6,7 +6,8 @@ experts' stacked ``gate_up_proj`` [E, 2I, H] (gate, up) and ``down_proj``. The r
 one leaf tensor per checkpoint matrix (each expert, each fused part: cut out of the tensors by index arithmetic here,
 not by the optimizer's code) plus ``torch.optim.AdamW`` over the same AdamW groups, fed the same gradients: after
 every step both sides must be bitwise equal. Also: the split by role, a fused model against the unfused one with the
-same weights, the learning-rate choices, the non-finite skip on the device, and the refusals.
+same weights, the learning-rate choices, the non-finite skip on the device, the optimizer stepped on flat partitions
+(DeepSpeed's ZeRO) bitwise equal to it stepped on the parameters, and the refusals.
 """
 
 from __future__ import annotations
@@ -311,16 +312,90 @@ def test_peft_adapters(on_muon: bool, caplog: pytest.LogCaptureFixture) -> None:
     assert not any(p.requires_grad is False for g in opt.param_groups for p in g["params"])
 
 
-def test_deepspeed_and_fsdp1_refused() -> None:
+def test_fsdp1_refused() -> None:
     from lightning.pytorch.strategies import FSDPStrategy
 
     from lightning_llm.optim import build_muon
-    from lightning_llm.strategies import DeepSpeedZeroStrategy
 
     cfg = OptimConfig(name="muon")
+    with pytest.raises(ValueError, match="not under") as e:
+        build_muon(_task(cfg), cfg, strategy=FSDPStrategy())
+    assert "--trainer.strategy=zero3" in str(e.value) and "\n" not in str(e.value)
+
+
+def _flat_twin(opt: MuonWithAdamW, pad: int) -> tuple[MuonWithAdamW, list[tuple[torch.Tensor, list[torch.Tensor]]]]:
+    """The optimizer as DeepSpeed's ZeRO hands it over on one rank: each param group one flat fp32 tensor, its
+    parameters end to end with ``pad`` elements of padding after each (alignment), declared with
+    ``hold_flat_partition``. Returns the twin and each flat tensor with its parameters."""
+    groups, flats = [], []
+    for index, group in enumerate(opt.param_groups):
+        params = group["params"]
+        pieces, chunks, offset = [], [], 0
+        for p in params:
+            pieces.append((p, offset, (p.numel(),)))
+            chunks += [p.detach().reshape(-1), torch.zeros(pad)]
+            offset += p.numel() + pad
+        flat = torch.cat(chunks) if chunks else torch.zeros(pad)
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": [flat]})
+        flats.append((flat, params, pieces, index))
+    twin = MuonWithAdamW(groups, lr=opt.defaults["lr"])
+    for flat, _, pieces, index in flats:
+        twin.hold_flat_partition(flat, pieces, group=None, param_group=index)
+    return twin, [(flat, params) for flat, params, _, _ in flats]
+
+
+def test_flat_partitions_equal_the_parameters() -> None:
+    """DeepSpeed's ZeRO steps the task's optimizer on flat partitions of runs of the parameters' elements: declared
+    (``hold_flat_partition``), each Muon parameter is orthogonalised whole and every element updated as on the
+    parameters themselves (bitwise, with padding between them); undeclared, a Muon group refuses its flat tensor."""
+    cfg = OptimConfig(name="muon", lr=2e-2, weight_decay=0.1, scheduler="constant")
     task = _task(cfg)
-    for strategy, hint in ((DeepSpeedZeroStrategy(stage=2), "--trainer.strategy=zero1/zero2/zero3"),
-                           (FSDPStrategy(), "--trainer.strategy=zero3")):
-        with pytest.raises(ValueError, match="not under") as e:
-            build_muon(task, cfg, strategy=strategy)
-        assert hint in str(e.value) and "\n" not in str(e.value)
+    opt = task.configure_optimizers()["optimizer"]
+    twin, flats = _flat_twin(opt, pad=3)
+    held = twin.held_parameters()
+    assert {id(p) for p in held["muon"]} == {id(p) for g in opt.param_groups if g["muon"] for p in g["params"]}
+    torch.manual_seed(1)
+    for _ in range(3):
+        for flat, params in flats:
+            grads = [torch.randn_like(p) for p in params]
+            for p, g in zip(params, grads):
+                p.grad = g
+            flat.grad = torch.cat([t for g in grads for t in (g.reshape(-1), torch.zeros(3))]) if grads else \
+                torch.zeros(3)
+        opt.step()
+        twin.step()
+        for flat, params in flats:
+            mine = flat.detach().split([n for p in params for n in (p.numel(), 3)] or [3])
+            for p, got, padding in zip(params, mine[::2], mine[1::2]):
+                assert torch.equal(got.view_as(p), p.detach()), p.shape
+                assert not padding.any()
+    undeclared = MuonWithAdamW([{**g, "params": [flat]} for g, (flat, _) in zip(twin.param_groups, flats)],
+                               lr=cfg.lr)
+    with pytest.raises(RuntimeError, match="not declared with hold_flat_partition"):
+        undeclared.step()
+
+
+def test_deepspeed_optimizer_overrides_refused() -> None:
+    from lightning_llm.strategies.zero.deepspeed_partitions import refuse_optimizer_override
+
+    task = _task(OptimConfig(name="muon"))
+    muon = task.configure_optimizers()["optimizer"]
+    with pytest.raises(ValueError, match="optimizer=adamw replaces the task's Muon optimizer"):
+        refuse_optimizer_override(named="adamw", config_section=False, optimizer=muon, task=None)
+    with pytest.raises(ValueError, match="config's optimizer section replaces the task's Muon optimizer"):
+        refuse_optimizer_override(named=None, config_section=True, optimizer=None, task=task)
+    adamw = _task(OptimConfig())
+    refuse_optimizer_override(named="adamw", config_section=False, optimizer=adamw.configure_optimizers()[
+        "optimizer"], task=None)
+    refuse_optimizer_override(named=None, config_section=True, optimizer=None, task=adamw)
+
+
+def test_qk_clip_refused_under_deepspeed() -> None:
+    """DeepSpeed's optimizer steps its fp32 master partitions: a rescale of the model's W_q/W_k would be undone."""
+    from lightning_llm.optim.qk_clip import QKClip
+
+    task = _task(OptimConfig(name="muon", qk_clip_tau=10.0), qkv_packed=False, moe=None)
+    next(task.parameters()).ds_id = 0  # what DeepSpeed's ZeRO-3 marks its partitioned parameters with
+    with pytest.raises(ValueError, match="QK-Clip: not under DeepSpeed") as e:
+        QKClip(10.0).on_train_start(None, task)  # type: ignore[arg-type]
+    assert "\n" not in str(e.value)

@@ -33,6 +33,7 @@ from lightning_llm.checkpoint.safe_load import DEEPSPEED_GLOBALS
 from lightning_llm.reliability import SaveFault, publish, remove_path, staging_path
 from lightning_llm.strategies.zero.common import check_adapter, validate_zero_args, write_export
 from lightning_llm.strategies.zero.deepspeed_optimizers import build_named_optimizer, check_optimizer, drop_empty_groups
+from lightning_llm.strategies.zero.deepspeed_partitions import declare_flat_partitions, refuse_optimizer_override
 from lightning_llm.strategies.zero.nvme import AioSettings, check_offload_device, nvme_config, partition_for_nvme
 from lightning_llm.strategies.zero.nvme import refuse_nvme_checkpoint
 from lightning_llm.strategies.zero.nvme_checkpoint import load_nvme_checkpoint, nvme_checkpoint_state
@@ -256,7 +257,16 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
         if self.nvme_path is not None:
             partition_for_nvme(model, self.config, user_config=self._user_config, world_size=self.world_size,
                                checkpoints=bool(self.lightning_module.trainer.checkpoint_callbacks))
-        return self._initialize(model, self.config, params=params, optimizer=optimizer, lr_scheduler=lr_scheduler)
+        refuse_optimizer_override(named=None, config_section="optimizer" in self.config, optimizer=optimizer,
+                                  task=self.lightning_module)
+        # An optimizer that asks what DeepSpeed's flat partitions hold (Muon) is told after initialize.
+        flat_aware = optimizer is not None and hasattr(optimizer, "hold_flat_partition")
+        group_of = {id(p): id(g) for g in optimizer.param_groups for p in g["params"]} if flat_aware else {}
+        engine, ds_optimizer = self._initialize(model, self.config, params=params, optimizer=optimizer,
+                                                lr_scheduler=lr_scheduler)
+        if flat_aware:
+            declare_flat_partitions(ds_optimizer, optimizer, group_of)
+        return engine, ds_optimizer
 
     def _with_manual_clipping(self, config: dict[str, Any]) -> dict[str, Any]:
         """The config with ``gradient_clipping`` set to a manual-optimization task's ``manual_clip_norm``: DeepSpeed
@@ -366,6 +376,7 @@ class DeepSpeedZeroStrategy(DeepSpeedStrategy):
         drop_empty_groups(optimizer, scheduler_config.scheduler if scheduler_config is not None else None)
         if self.optimizer_name is None:
             return optimizer, scheduler_config
+        refuse_optimizer_override(named=self.optimizer_name, config_section=False, optimizer=optimizer, task=None)
         named = build_named_optimizer(self.optimizer_name, optimizer, on_cuda=self.root_device.type == "cuda")
         if scheduler_config is not None and getattr(scheduler_config.scheduler, "optimizer", None) is optimizer:
             scheduler_config.scheduler.optimizer = named  # same groups -> the task's LR schedule carries over
