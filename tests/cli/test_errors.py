@@ -6,14 +6,20 @@ checkpoints (native DCP and DeepSpeed) under torchrun, where every rank must sto
 
 from __future__ import annotations
 
+import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 
 from lightning_llm.checkpoint import CheckpointError, check_engine_dir
 from lightning_llm.cli import main
+from lightning_llm.strategies import (ExpertParallelStrategy, HybridParallelStrategy, TensorParallelStrategy,
+                                      ZeroStrategy)
 from lightning_llm.testing import one_error_line_from_ranks, run_cli, torchrun_cli_fails
 
 REPO = Path(__file__).resolve().parents[2]
@@ -242,6 +248,26 @@ def test_strategy_class_path_runs_and_a_wrong_one_is_one_line(tmp_path: Path,
     line = _run_main(capsys, _fit_args(tmp_path, "--trainer.strategy=lightning_llm.strategies.presets.NoSuchStrategy"))
     assert "--trainer.strategy='lightning_llm.strategies.presets.NoSuchStrategy': unknown strategy (a class path " \
            "must name a Strategy subclass)" in line, line
+
+
+LAYOUTS: dict[str, Callable[[], Any]] = {
+    "tp": TensorParallelStrategy, "ep": ExpertParallelStrategy, "zero3": lambda: ZeroStrategy(stage=3),
+    "3d": HybridParallelStrategy}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_torchrun_processes_miscounted_by_devices_are_refused(monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
+    """torchrun started 2 processes, the config says ``devices: 1`` (as configs/lora_qwen3_5.yaml does): the native
+    engine's layouts refuse it when the Trainer is built, with Lightning's own line for ddp (the CLI prints it as its
+    one error line); they went on to an IndexError from ``root_device`` on rank 1 while rank 0 waited for it. Rank 0
+    of torchrun's environment, faked: nothing is launched."""
+    for key, value in {"TORCHELASTIC_RUN_ID": "test", "WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0",
+                       "GROUP_RANK": "0", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(ValueError, match=re.escape("You set `devices=1` and `num_nodes=1` in Lightning, but the "
+                                                   "product (1 * 1) does not match the world size (2).")):
+        pl.Trainer(accelerator="cpu", devices=1, strategy=LAYOUTS[layout](), logger=False)
 
 
 # ------------------------------------------------------------------------------------------------ 5. batch sizes

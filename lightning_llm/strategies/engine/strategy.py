@@ -295,6 +295,9 @@ class ParallelEngine(EngineGradients, DecodingSessions, DefaultGroupCollectives,
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        if self.cluster_environment.creates_processes_externally:  # torchrun, SLURM: refuse a --trainer.devices or
+            # num_nodes that miscounts its processes (as Lightning's launcher does for ddp), not an IndexError later
+            self.cluster_environment.validate_settings(num_devices=max(1, self.num_processes), num_nodes=self.num_nodes)
         self.args.dims.resolved(max(1, self.num_processes) * self.num_nodes)  # fail before launching processes
         if not self.cluster_environment.creates_processes_externally:
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
