@@ -6,6 +6,9 @@ A fit writes under its ``out`` directory: ``rows.json`` (the metrics logged at e
 (the final full parameters: :class:`~lightning_llm.testing.StepRecorder`), ``rollouts.json`` (every rollout's tokens
 per prompt, the reference's and reward model's bytes per rank: :class:`~lightning_llm.testing.RolloutRecorder`) and,
 with ``log_rollouts``, ``rollouts.jsonl``.
+
+Multi-turn rollouts: :class:`DigitsEnv` (a deterministic environment of the layout tests) and :class:`ScriptedPolicy`
+(a decoder whose next tokens a test fixes: each prompt's turns, token by token, through the KV cache).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch import Tensor, nn
 
 from lightning_llm.data import PromptDataModule
 from lightning_llm.files import atomic_open, write_jsonl_atomic
@@ -31,8 +35,8 @@ from lightning_llm.tasks import GRPOTask, PPOTask
 from lightning_llm.tasks.base import OptimConfig
 from lightning_llm.testing import MetricRows, RolloutRecorder, StepRecorder, launch, wait
 
-__all__ = ["GLOBAL_PROMPTS", "GRPO_SPECS", "PPO_SPEC", "PairedDigits", "compare_fits", "held_bytes", "layout_runs",
-           "rl_fit", "rl_layout", "write_rl_prompts"]
+__all__ = ["GLOBAL_PROMPTS", "GRPO_SPECS", "PPO_SPEC", "DigitsEnv", "PairedDigits", "ScriptedPolicy", "compare_fits",
+           "held_bytes", "layout_runs", "rl_fit", "rl_layout", "write_rl_prompts"]
 
 GLOBAL_PROMPTS = 8
 """Prompts per rollout over all replicas (one device holds them all)."""
@@ -67,6 +71,66 @@ class PairedDigits:
             share = sum(c.isdigit() for c in response) / len(response) if response else 0.0
             out.append(share + 0.05 * (n % 4))
         return out
+
+
+class DigitsEnv:
+    """A deterministic environment (its messages a function of the record and the conversation): records whose
+    ``number`` is odd open with a system message of their own (``reset``); after each turn the user asks for the
+    record's number again, naming the turn and how many digits the last answer held; the reward is the share of
+    digits of the answer that are the number's last digit; done once an answer holds that digit."""
+
+    def __init__(self, *, greeting: str = "Count with me.") -> None:
+        self.greeting, self.number = greeting, 0
+
+    def reset(self, record: dict[str, Any]) -> list[dict[str, Any]] | None:
+        self.number = int(record["number"])
+        if self.number % 2 == 0:
+            return None
+        return [{"role": "system", "content": self.greeting}, *record["messages"]]
+
+    def step(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        answer, digit = messages[-1]["content"], str(self.number % 10)
+        turn = sum(m["role"] == "assistant" for m in messages)
+        reward = sum(c == digit for c in answer) / max(len(answer), 1)
+        text = f"Turn {turn}: {sum(c.isdigit() for c in answer)} digits. Say {self.number:02d} again:"
+        return {"messages": [{"role": "user", "content": text}], "reward": reward, "done": digit in answer}
+
+
+class ScriptedPolicy(nn.Module):
+    """A decoder (``generate``'s protocol, with a KV cache) whose tokens a test fixes: ``scripts`` maps a prompt's ids
+    to its turns (token lists); the next token of a row is the next one of its current turn (the turn: how many
+    generation prompts ``header`` its tokens hold), ``end`` after the script. The tokens so far are kept in the
+    cache (they ride along as the layer's keys), so the cache's row selection applies to them as to a model's."""
+
+    def __init__(self, scripts: dict[tuple[int, ...], list[list[int]]], *, header: list[int], vocab: int,
+                 end: int) -> None:
+        super().__init__()
+        self.scripts, self.header, self.vocab, self.end = scripts, header, vocab, end
+        self.fed: list[int] = []  # columns fed per forward
+
+    def _next(self, real: list[int]) -> int:
+        prompt = next(k for k in self.scripts if tuple(real[:len(k)]) == k)
+        h = len(self.header)
+        starts = [i + h for i in range(len(prompt) - h, len(real) - h + 1) if real[i:i + h] == self.header]
+        turns = self.scripts[prompt]
+        if not starts or len(starts) > len(turns):
+            return self.end
+        done = real[starts[-1]:]
+        turn = turns[len(starts) - 1]
+        return turn[len(done)] if len(done) < len(turn) else self.end
+
+    def forward(self, input_ids: Tensor, *, attention_mask: Tensor, position_ids: Tensor, kv_cache: Any = None,
+                logits_to_keep: int = 0, **_: Any) -> Tensor:
+        self.fed.append(input_ids.shape[1])
+        ids = input_ids[:, None, :, None].double()
+        if kv_cache is not None:
+            ids, _ = kv_cache.update(self, ids, ids)
+            kv_cache.advance(input_ids.shape[1])
+        every = ids[:, 0, :, 0].long()
+        logits = torch.full((input_ids.shape[0], 1, self.vocab), -1e4)
+        for row, (tokens, mask) in enumerate(zip(every.tolist(), attention_mask.bool().tolist())):
+            logits[row, 0, self._next([t for t, m in zip(tokens, mask) if m])] = 0.0
+        return logits
 
 
 EOS = [258, *range(97, 107)]
