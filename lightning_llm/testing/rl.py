@@ -29,14 +29,17 @@ from lightning_llm.generation import GenerationConfig
 from lightning_llm.peft import LoraArgs
 from lightning_llm.reliability import FAULT_ENV
 from lightning_llm.rl import GRPOConfig, PPOConfig, RewardConfig
+from lightning_llm.rl.env import EnvConfig
+from lightning_llm.rl.episodes import Episode, open_episodes, run_episodes
 from lightning_llm.strategies import HybridParallelStrategy
 from lightning_llm.strategies.presets import PipelineParallelStrategy
 from lightning_llm.tasks import GRPOTask, PPOTask
 from lightning_llm.tasks.base import OptimConfig
 from lightning_llm.testing import MetricRows, RolloutRecorder, StepRecorder, launch, wait
 
-__all__ = ["GLOBAL_PROMPTS", "GRPO_SPECS", "PPO_SPEC", "DigitsEnv", "PairedDigits", "ScriptedPolicy", "compare_fits",
-           "held_bytes", "layout_runs", "rl_fit", "rl_layout", "write_rl_prompts"]
+__all__ = ["GLOBAL_PROMPTS", "GRPO_SPECS", "PPO_SPEC", "DigitsEnv", "PairedDigits", "ScriptedPolicy",
+           "check_against_template", "check_prefills", "compare_fits", "held_bytes", "layout_runs", "rl_fit", "rl_layout",
+           "scripted_run", "write_rl_prompts"]
 
 GLOBAL_PROMPTS = 8
 """Prompts per rollout over all replicas (one device holds them all)."""
@@ -133,6 +136,55 @@ class ScriptedPolicy(nn.Module):
         return logits
 
 
+def scripted_run(tok: Any, chat: Any, envs: Any, renderer: Any, scripts: list[list[str]], records: list[dict[str, Any]],
+                 *, env: Any, header: str) -> tuple[list[Any], ScriptedPolicy]:
+    """Episodes of ``records`` (each ``{"prompt", "messages", ...}``) rolled out by a :class:`ScriptedPolicy` whose turns
+    are ``scripts`` (texts, each record's; every turn ends with the template's end-of-turn token); ``header``: the
+    template's generation prompt. Returns (episodes, policy)."""
+    episodes = [Episode(key=i, index=i, record=rec) for i, rec in enumerate(records)]
+    open_episodes(episodes, envs, renderer)
+    policy = ScriptedPolicy({tuple(e.prompt_ids): [tok(t, add_special_tokens=False)["input_ids"] + [chat.end_of_turn_id]
+                                                   for t in script] for e, script in zip(episodes, scripts)},
+                            header=tok(header, add_special_tokens=False)["input_ids"], vocab=len(tok),
+                            end=chat.end_of_turn_id)
+    cfg = GenerationConfig(max_new_tokens=160, eos_token_id=chat.stop_token_ids, pad_token_id=tok.pad_token_id or 0)
+    run_episodes(policy, episodes, envs=envs, renderer=renderer, cfg=cfg, env=env, device=torch.device("cpu"),
+                 decode=lambda ids, keep: tok.decode(ids, skip_special_tokens=not keep))
+    return episodes, policy
+
+
+def check_against_template(tok: Any, episode: Any, generation: str, *, tools: Any = None) -> dict[str, int]:
+    """Assert that ``episode``'s tokens are transformers' rendering of its conversation (with ``tools``' schemas) by
+    the ``{% generation %}`` template ``generation``, its learned tokens exactly that rendering's assistant mask, and
+    every token counted in one message; returns the counts (tokens, learned, reference)."""
+    ref = tok.apply_chat_template(episode.conversation, tools=tools, chat_template=generation, tokenize=True,
+                                  return_dict=True, return_assistant_tokens_mask=True)
+    ids = episode.prompt_ids + episode.tokens
+    mask = [False] * len(episode.prompt_ids) + episode.learned
+    assert ref["input_ids"][:len(ids)] == ids and not any(ref["assistant_masks"][len(ids):])
+    assert [bool(x) for x in ref["assistant_masks"][:len(ids)]] == mask
+    assert sum(n for n, _ in episode.counts) == len(ids)
+    assert [learned for _, learned in episode.counts] == [m["role"] == "assistant" for m in episode.conversation]
+    return {"tokens": len(ids), "learned": sum(mask), "reference": len(ref["input_ids"])}
+
+
+def check_prefills(episode: Any, fed: list[int]) -> list[int]:
+    """Assert that a :class:`ScriptedPolicy` alone in its batch was fed each column once (the KV cache kept): the first
+    forward the prompt, each later turn's first forward the previous turn's last token and what was appended after
+    it, the rest one-token steps (up to 7 per turn of them padding after a turn's stop token, until the next check
+    of whether every row ended). Returns the prefill widths."""
+    blocks, run = [], 0
+    for n, learned in episode.counts[1:]:
+        if learned and run:
+            blocks.append(1 + run)
+        run = 0 if learned else run + n
+    prefills = [w for w in fed if w > 1]
+    total = episode.length
+    assert prefills == [len(episode.prompt_ids), *blocks] and fed.count(1) == len(fed) - len(prefills)
+    assert total - 1 <= sum(fed) <= total - 1 + 7 * episode.turns
+    return prefills
+
+
 EOS = [258, *range(97, 107)]
 """Where the layout tests' responses end: the byte tokenizer's EOS and 10 letters (a random policy's responses then
 end now and then within 8 tokens, so some are truncated and some not)."""
@@ -194,7 +246,7 @@ def build_task(kind: str, spec: dict[str, Any]) -> GRPOTask | PPOTask:
     kw["generation"] = GenerationConfig(**kw.get("generation", {"max_new_tokens": 8, "do_sample": kind == "grpo"}))
     kw["optim"] = OptimConfig(**{"lr": 3e-3, "scheduler": "constant", "weight_decay": 0.0, "eps": 1e-3,
                                  **kw.get("optim", {})})
-    for name, cls in (("grpo", GRPOConfig), ("ppo", PPOConfig), ("lora", LoraArgs)):
+    for name, cls in (("grpo", GRPOConfig), ("ppo", PPOConfig), ("lora", LoraArgs), ("env", EnvConfig)):
         if name in kw:
             kw[name] = cls(**kw[name])
     kw["reward"] = RewardConfig(**kw["reward"]) if "reward" in kw else None
@@ -203,10 +255,11 @@ def build_task(kind: str, spec: dict[str, Any]) -> GRPOTask | PPOTask:
 
 
 def rl_fit(kind: str, spec: dict[str, Any], out: Path, *, prompts: Path, layout: str = "1", steps: int = 8,
-           resume: str | None = None, fault: str | None = None) -> dict[str, Any]:
+           resume: str | None = None, fault: str | None = None, data: dict[str, Any] | None = None) -> dict[str, Any]:
     """One fit of :func:`build_task` on ``layout`` (``steps`` optimizer steps; ``fault``: a
     :data:`~lightning_llm.reliability.FAULT_ENV` spec, its ``RuntimeError`` returned as ``error``; with a
-    fault or a ``resume``, ``last.ckpt`` under ``out/ckpt`` after every step). A refusal before training (a
+    fault or a ``resume``, ``last.ckpt`` under ``out/ckpt`` after every step; ``data``: more arguments of the
+    ``PromptDataModule``, e.g. a chat template). A refusal before training (a
     ``ValueError``) is returned as ``refused``. Writes ``out`` (see the module docstring)."""
     strategy, batch, world = rl_layout(layout)
     pl.seed_everything(3)
@@ -222,7 +275,7 @@ def rl_fit(kind: str, spec: dict[str, Any], out: Path, *, prompts: Path, layout:
         os.environ[FAULT_ENV] = fault
     try:
         task = build_task(kind, spec)
-        dm = PromptDataModule(str(prompts), max_prompt_len=32, batch_size=batch)
+        dm = PromptDataModule(str(prompts), **{"max_prompt_len": 32, "batch_size": batch, **(data or {})})
         trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
                              enable_checkpointing=checkpoints, enable_progress_bar=False, enable_model_summary=False,
                              limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks,

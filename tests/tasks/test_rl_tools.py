@@ -18,14 +18,13 @@ import torch
 from lightning_llm.cli import main
 from lightning_llm.data.chat.encode import ChatEncoder
 from lightning_llm.data.chat.template import resolve_template
-from lightning_llm.generation import GenerationConfig
 from lightning_llm.rl import RewardConfig
 from lightning_llm.rl.env import EnvConfig
-from lightning_llm.rl.episodes import Episode, open_episodes, pack_episodes, run_episodes
+from lightning_llm.rl.episodes import Episode, pack_episodes
 from lightning_llm.rl.tools import ToolEnv, Tools, parse_tool_calls, template_tool_format
 from lightning_llm.rl.turns import EpisodeEnvs, TurnRenderer
 from lightning_llm.tasks import GRPOTask
-from lightning_llm.testing.rl import ScriptedPolicy
+from lightning_llm.testing.rl import ScriptedPolicy, check_against_template, check_prefills, scripted_run
 from tests.chat_fixtures import build_tokenizer
 from tests.rewriting_templates import QWEN3, QWEN3_GENERATION, QWEN25, QWEN25_GENERATION, REWRITING
 
@@ -180,17 +179,10 @@ def _episode(case: str, tmp_path: Path) -> tuple[Any, Episode, Tools, ScriptedPo
     assert fmt == ("llama3_json" if case == "llama31" else "hermes")
     cfg = EnvConfig(max_turns=len(turns), step_timeout=0.5)
     envs = EpisodeEnvs(cfg, None, ToolEnv(tools, fmt=fmt, timeout=cfg.step_timeout))
-    renderer = TurnRenderer(chat, tools.schemas)
-    episode = Episode(key=0, index=0, record={"prompt": QUESTION, "messages": [{"role": "user", "content": QUESTION}]})
-    open_episodes([episode], envs, renderer)
-    scripted = [tok(t, add_special_tokens=False)["input_ids"] + [chat.end_of_turn_id] for t in turns]
-    header = tok("<|im_start|>assistant\n" if case != "llama31" else
-                 "<|start_header_id|>assistant<|end_header_id|>\n\n", add_special_tokens=False)["input_ids"]
-    policy = ScriptedPolicy({tuple(episode.prompt_ids): scripted}, header=header, vocab=len(tok),
-                            end=chat.end_of_turn_id)
-    gen = GenerationConfig(max_new_tokens=160, eos_token_id=chat.stop_token_ids, pad_token_id=tok.pad_token_id or 0)
-    run_episodes(policy, [episode], envs=envs, renderer=renderer, cfg=gen, env=cfg, device=torch.device("cpu"),
-                 decode=lambda ids, keep: tok.decode(ids, skip_special_tokens=not keep))
+    record = {"prompt": QUESTION, "messages": [{"role": "user", "content": QUESTION}]}
+    header = "<|start_header_id|>assistant<|end_header_id|>\n\n" if case == "llama31" else "<|im_start|>assistant\n"
+    (episode,), policy = scripted_run(tok, chat, envs, TurnRenderer(chat, tools.schemas), [turns], [record], env=cfg,
+                                      header=header)
     return tok, episode, tools, policy
 
 
@@ -200,42 +192,21 @@ def test_tool_episode_token_by_token_against_transformers(case: str, tmp_path: P
     times out, names no tool, or is not JSON) appended as tool messages, turn by turn; the episode's tokens are
     transformers' rendering of the final conversation with the tools, and the learned tokens exactly the
     ``{% generation %}`` variant's assistant mask (each reply and its end-of-turn token; the tool messages, the
-    headers and the markers around them are context)."""
+    headers and the markers around them are context); each turn prefilled only what was appended."""
     tok, episode, tools, policy = _episode(case, tmp_path)
     _, generation, turns = CASES[case]
-    results = _tool_results(case)
     want = [{"role": "user", "content": QUESTION}]
-    for text, tool_texts in zip(turns, results):
+    for text, tool_texts in zip(turns, _tool_results(case)):
         want.append({"role": "assistant", "content": text})
         want += [{"role": "tool", "content": t} for t in tool_texts]
     got = [{"role": m["role"], "content": m["content"]} for m in episode.conversation]
     print(f"{case}: " + " | ".join(f"{m['role']}: {m['content'][:40]!r}" for m in got[1:]))
     assert got == want and episode.stopped and episode.turns == len(turns)
-    ref = tok.apply_chat_template(episode.conversation, tools=tools.schemas, chat_template=generation, tokenize=True,
-                                  return_dict=True, return_assistant_tokens_mask=True)
-    ids = episode.prompt_ids + episode.tokens
-    mask = [False] * len(episode.prompt_ids) + episode.learned
-    tail = ref["input_ids"][len(ids):]  # what the template writes after the last reply's end-of-turn token
-    print(f"{case}: {len(ids)} tokens, {sum(mask)} learned; the reference's {len(ref['input_ids'])} "
-          f"(after the last reply: {tok.decode(tail)!r})")
-    assert ref["input_ids"][:len(ids)] == ids and not any(ref["assistant_masks"][len(ids):])
-    assert [bool(x) for x in ref["assistant_masks"][:len(ids)]] == mask
-    assert sum(n for n, _ in episode.counts) == len(ids)  # every token counted in one message
-    assert [learned for _, learned in episode.counts] == [m["role"] == "assistant" for m in episode.conversation]
+    counts = check_against_template(tok, episode, generation, tools=tools.schemas)
+    prefills = check_prefills(episode, policy.fed)
+    print(f"{case}: {counts}; prefill widths {prefills}, {sum(policy.fed)} columns fed")
     packed = pack_episodes([episode], pad_id=0, device=torch.device("cpu"))
     assert packed.response_mask[0, :len(episode.tokens)].tolist() == episode.learned
-    # The cache kept: the first forward feeds the prompt, each later turn's first forward the previous turn's last
-    # token and what was appended after it, nothing twice; the rest are one-token steps (up to 7 of them padding fed
-    # after a turn's stop token, until the next check of whether every row ended).
-    blocks, run = [], 0
-    for n, learned in episode.counts[1:]:
-        if learned and run:
-            blocks.append(1 + run)
-        run = 0 if learned else run + n
-    prefills = [w for w in policy.fed if w > 1]
-    print(f"{case}: prefill widths {prefills}; {sum(policy.fed)} columns fed for {len(ids)} tokens")
-    assert prefills == [len(episode.prompt_ids), *blocks] and policy.fed.count(1) == len(policy.fed) - len(prefills)
-    assert len(ids) - 1 <= sum(policy.fed) <= len(ids) - 1 + 7 * episode.turns
 
 
 def test_calls_parse_in_each_format() -> None:
