@@ -250,8 +250,6 @@ def test_training_counts_the_policys_tokens_only(kind: str, tmp_path: Path) -> N
         msgs = line["messages"]
         assert sum(m["tokens"] for m in msgs if m["learned"]) == line["response_tokens"]
         assert [m["learned"] for m in msgs] == [m["role"] == "assistant" for m in msgs]
-        last = [m["content"] for m in msgs if m["role"] == "assistant"][-1]
-        assert line["response"] == last.replace("<|im_start|>", "").replace("<|im_end|>", "")
         other = 0.5 * line["PairedDigits"]
         assert line["reward"] == pytest.approx(other + (line["env"] or 0.0), abs=1e-6)
     multi = [x for x in lines if sum(m["learned"] for m in x["messages"]) > 1]
