@@ -32,7 +32,7 @@ from lightning_llm.rl import GRPOConfig, PPOConfig, RewardConfig
 from lightning_llm.rl.env import EnvConfig
 from lightning_llm.rl.episodes import Episode, open_episodes, run_episodes
 from lightning_llm.strategies import HybridParallelStrategy
-from lightning_llm.strategies.presets import PipelineParallelStrategy
+from lightning_llm.strategies.presets import PipelineParallelStrategy, ZeroStrategy
 from lightning_llm.tasks import GRPOTask, PPOTask
 from lightning_llm.tasks.base import OptimConfig
 from lightning_llm.testing import MetricRows, RolloutRecorder, StepRecorder, launch, wait
@@ -226,11 +226,13 @@ LAYOUTS: dict[str, Callable[[], tuple[Any, int]]] = {
     "3d": lambda: (HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, sequence_parallel=True), 1),
     "pp": lambda: ("pp", 1),
     "pp_stages": lambda: (PipelineParallelStrategy(gather_for_decoding="per_layer"), 1),
+    "zero3_per_layer": lambda: (ZeroStrategy(3, gather_for_decoding="per_layer"), 2),
     "dp2_tp2": lambda: (HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2), 2),
     "dp2_pp2": lambda: (HybridParallelStrategy(data_parallel_size=2, pipeline_parallel_size=2), 2),
 }
 """Layout name -> (strategy, data-parallel replicas). ``3d`` is tp2 with sequence parallelism; ``pp_stages`` decodes
-through the pipeline's stages (the others decode with whole copies under tp and pp); ``dp2_*`` need 4 processes."""
+through the pipeline's stages (the others decode with whole copies under tp and pp); ``zero3_per_layer`` decodes
+with ZeRO-3's per-layer all-gathers (the data-parallel ranks decode in lock-step); ``dp2_*`` need 4 processes."""
 
 
 def rl_layout(name: str) -> tuple[Any, int, int]:
