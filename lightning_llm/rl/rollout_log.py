@@ -24,11 +24,12 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["ROLLOUT_FIELDS", "RolloutLog", "records", "rollout_records"]
+__all__ = ["ROLLOUT_FIELDS", "TAKEN_FIELDS", "RolloutLog", "records", "rollout_records"]
 
-ROLLOUT_FIELDS = ("step", "prompt", "response", "reward", "advantage", "response_tokens", "truncated", "columns",
-                  "messages")
-"""The fields of every line (a reward source may not take one of these names)."""
+ROLLOUT_FIELDS = ("step", "prompt", "response", "reward", "advantage", "response_tokens", "truncated", "columns")
+"""The fields of every line (a reward source may not take one of these names, nor ``messages``: a multi-turn line's)."""
+TAKEN_FIELDS = (*ROLLOUT_FIELDS, "messages")
+"""Names a reward source may not take."""
 
 
 def records(*, step: int, prompts: list[str], responses: list[str], rewards: list[float],

@@ -46,7 +46,7 @@ from lightning_llm.rl.multiturn import MultiTurn
 from lightning_llm.rl.policy import Rollout, pack_responses, response_logits
 from lightning_llm.rl.reference import ReferencePolicy
 from lightning_llm.rl.rewards import RewardConfig
-from lightning_llm.rl.rollout_log import ROLLOUT_FIELDS, RolloutLog, rollout_records
+from lightning_llm.rl.rollout_log import TAKEN_FIELDS, RolloutLog, rollout_records
 from lightning_llm.rl.samples import Samples
 from lightning_llm.rl.sources import RewardSource, RewardSources, columns_by_name, source_configs
 from lightning_llm.tasks.decoder import DecoderTask
@@ -121,7 +121,7 @@ class OnlineRLTask(DecoderTask):
         self.generation = generation or GenerationConfig(max_new_tokens=32, do_sample=True)
         self.multi_turn = MultiTurn(env, tools)  # the class and tools checked here, before training
         self.reward_configs = source_configs(reward, rewards, optional=self.multi_turn.cls is not None)
-        taken = [cfg.source_name for _, cfg in self.reward_configs if cfg.source_name in ROLLOUT_FIELDS]
+        taken = [cfg.source_name for _, cfg in self.reward_configs if cfg.source_name in TAKEN_FIELDS]
         if taken:
             raise ValueError(f"a reward source is named {taken[0]!r}, a field of every rollout record: give it "
                              "another --model.rewards[i].name")
@@ -245,11 +245,6 @@ class OnlineRLTask(DecoderTask):
             raise ValueError(f"{type(self).__name__} needs a datamodule with a tokenizer (e.g. PromptDataModule)")
         return tok.decode(ids, skip_special_tokens=not keep_special)
 
-    def _decode_turn(self, ids: list[int], keep_special: bool) -> str:
-        """A turn's text: with its special tokens (a message's content: tool calls may be special tokens) or without
-        (the ``response`` reward sources score)."""
-        return self._decode(ids, keep_special=keep_special)
-
     def _dp_rank(self) -> int:
         """This rank's data-parallel rank: the ranks of a tensor- or pipeline-parallel group share it (and their one
         batch)."""
@@ -304,7 +299,7 @@ class OnlineRLTask(DecoderTask):
             if self.multi_turn.enabled:  # episodes with an environment or tools (rl.multiturn)
                 packed, episodes = self.multi_turn.rollout(decoder, batch, repeats=repeats, cfg=cfg, uniforms=uniforms,
                                                            generator=generator, device=self.device,
-                                                           decode=self._decode_turn)
+                                                           decode=lambda ids, keep: self._decode(ids, keep_special=keep))
             else:
                 prompt_ids = prompt_ids.repeat_interleave(repeats, 0) if repeats > 1 else prompt_ids
                 prompt_mask = prompt_mask.repeat_interleave(repeats, 0) if repeats > 1 else prompt_mask
