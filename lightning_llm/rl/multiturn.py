@@ -79,6 +79,11 @@ class MultiTurn:
                                      "--model.env.tool_format=hermes or llama3_json")
             tool_env = ToolEnv(self.tools, fmt=fmt, timeout=self.cfg.step_timeout)
             log.info("tools %s, calls parsed as %s", ", ".join(self.tools.names), fmt)
+            probe = [{"role": "user", "content": "?"}]
+            if chat.render(probe, self.tools.schemas) == chat.render(probe):
+                log.warning("--model.tools: the chat template (%s) does not render the tools' schemas: the policy "
+                            "knows them only as far as the prompts describe them (e.g. --data.default_system)",
+                            chat.template.name)
         group, source = None, 0
         if batch_shared and dist.is_available() and dist.is_initialized():
             group, source = replica_group(dp_rank)
