@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from lightning_llm.tasks.base import OptimConfig
 from lightning_llm.testing import MetricRows, RolloutRecorder, StepRecorder, launch, wait
 
 __all__ = ["GLOBAL_PROMPTS", "GRPO_SPECS", "PPO_SPEC", "DigitsEnv", "PairedDigits", "ScriptedPolicy",
-           "check_against_template", "check_prefills", "compare_fits", "held_bytes", "layout_runs", "rl_fit", "rl_layout",
+           "check_against_template", "check_prefills", "compare_fits", "fit_rollouts", "held_bytes", "layout_runs", "rl_fit", "rl_layout",
            "scripted_run", "write_rl_prompts"]
 
 GLOBAL_PROMPTS = 8
@@ -296,6 +297,18 @@ def rl_fit(kind: str, spec: dict[str, Any], out: Path, *, prompts: Path, layout:
         with atomic_open(out / "rows.json", "w") as f:
             json.dump(logged, f)
     return {"rows": logged}
+
+
+def fit_rollouts(task: pl.LightningModule, dm: PromptDataModule, rollouts: int, root: Path) -> list[dict[str, float]]:
+    """Fit ``task`` on ``dm`` for ``rollouts`` rollouts on the CPU (one device, no logger, no checkpoints, no
+    validation; ``root`` the run's directory, where ``rollouts.jsonl`` goes); the metrics logged at each rollout."""
+    rec = MetricRows()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pl.Trainer(accelerator="cpu", max_steps=rollouts * task.update_schedule.updates_per_rollout, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[rec],
+                   limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=str(root)).fit(task, dm)
+    return rec.rows
 
 
 def layout_runs(script: str | Path, out: Path, reference: Callable[[], Any], *, nproc: int = 2,

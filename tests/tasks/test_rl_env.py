@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +26,11 @@ from lightning_llm.rl.env import EnvConfig, env_class
 from lightning_llm.rl.episodes import Episode, open_episodes, run_episodes
 from lightning_llm.rl.turns import EpisodeEnvs, TurnRenderer
 from lightning_llm.tasks import GRPOTask, OptimConfig, PPOTask
-from lightning_llm.testing import MetricRows
 from lightning_llm.testing.rl import (
     DigitsEnv,
     build_task,
     check_against_template,
+    fit_rollouts,
     scripted_run,
     write_rl_prompts,
 )
@@ -203,16 +202,6 @@ def test_gae_chains_the_learned_tokens_across_gaps() -> None:
     assert float(adv[~mask].abs().max()) == 0 and float(ret[~mask].abs().max()) == 0
 
 
-def _fit(task: Any, dm: PromptDataModule, rollouts: int, root: Path) -> list[dict[str, float]]:
-    rec = MetricRows()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pl.Trainer(accelerator="cpu", max_steps=rollouts * task.update_schedule.updates_per_rollout, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[rec],
-                   limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=str(root)).fit(task, dm)
-    return rec.rows
-
-
 @pytest.mark.parametrize("kind", ["grpo", "ppo"])
 def test_training_counts_the_policys_tokens_only(kind: str, tmp_path: Path) -> None:
     """GRPO and PPO on DigitsEnv episodes: every rollout's loss mask is the episodes' learned tokens (the labels -100
@@ -236,7 +225,7 @@ def test_training_counts_the_policys_tokens_only(kind: str, tmp_path: Path) -> N
     task.make_rollout = recorded  # type: ignore[method-assign]
     dm = PromptDataModule(str(write_rl_prompts(tmp_path / "prompts.jsonl")), max_prompt_len=40, template="chatml",
                           batch_size=2)
-    rows = _fit(task, dm, 2, tmp_path)
+    rows = fit_rollouts(task, dm, 2, tmp_path)
     for r, s in seen:
         learned = torch.zeros_like(r.response_mask)
         for i, e in enumerate(s.episodes):
@@ -282,7 +271,7 @@ def test_bad_environments_are_refused_before_training(tmp_path: Path, capsys: py
     task = PPOTask("debug", model_overrides={"num_layers": 2}, env=EnvConfig(cls="lightning_llm.testing.rl:DigitsEnv"),
                    optim=OptimConfig(lr=1e-3))
     with pytest.raises(ValueError, match="multi-turn rollouts render conversations with a chat template"):
-        _fit(task, PromptDataModule(generated_prompts=4, batch_size=2), 1, tmp_path)
+        fit_rollouts(task, PromptDataModule(generated_prompts=4, batch_size=2), 1, tmp_path)
 
 
 class Stepless:
