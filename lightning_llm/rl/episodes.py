@@ -162,7 +162,7 @@ def run_episodes(decoder: Any, episodes: list[Episode], *, envs: EpisodeEnvs, re
         for e, on, toks, cap in zip(act, live, out, limits.tolist() if limits is not None else [n] * len(act)):
             if on:
                 e.pending = []
-                if _add_turn(e, toks[:cap], stops, decode):
+                if _add_turn(e, toks[:max(cap, 0)], stops, decode):
                     stepping.append(e)
         _step(stepping, envs=envs, renderer=renderer, env=env, end_of_turn=renderer.end_of_turn_id)
         if not dec.lockstep:

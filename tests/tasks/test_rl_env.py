@@ -204,7 +204,8 @@ def test_gae_chains_the_learned_tokens_across_gaps() -> None:
 
 @pytest.mark.parametrize("kind", ["grpo", "ppo"])
 def test_training_counts_the_policys_tokens_only(kind: str, tmp_path: Path) -> None:
-    """GRPO and PPO on DigitsEnv episodes: every rollout's loss mask is the episodes' learned tokens (the labels -100
+    """GRPO (with dynamic sampling: the kept groups' episodes packed again) and PPO on DigitsEnv episodes: every
+    rollout's loss mask is the episodes' learned tokens (the labels -100
     on the environment's tokens and the template's markers), ``response_length`` their mean count; rollouts.jsonl
     holds each episode's messages with their token counts (the learned ones summing to ``response_tokens``), the
     ``env`` source's reward beside the other source's, their sum the reward."""
@@ -212,7 +213,8 @@ def test_training_counts_the_policys_tokens_only(kind: str, tmp_path: Path) -> N
     spec = {"generation": {"max_new_tokens": 8, "do_sample": kind == "grpo", "eos_token_id": [258, *range(5, 258, 4)]},
             "env": {"cls": "lightning_llm.testing.rl:DigitsEnv", "max_turns": 3, "max_total_tokens": 90},
             "rewards": [{"fn": "lightning_llm.testing.rl:PairedDigits", "weight": 0.5}], "log_rollouts": True,
-            kind: {"num_generations": 4, "beta": 0.04} if kind == "grpo" else {"ppo_epochs": 1}}
+            kind: {"num_generations": 4, "beta": 0.04, "dynamic_sampling": True, "max_sampling_rounds": 2}
+            if kind == "grpo" else {"ppo_epochs": 1}}
     task = build_task(kind, spec)
     seen: list[tuple[Any, Any]] = []
     make = task.make_rollout
