@@ -54,6 +54,17 @@ class MultiTurn:
         """Whether rollouts are multi-turn (an environment class or tools are given)."""
         return self.cls is not None or self.tools is not None
 
+    def summary_lines(self) -> list[str]:
+        """The run summary's line: the environment, the tools and the limits of an episode (none when single-turn)."""
+        if not self.enabled:
+            return []
+        parts = [f"environment {self.cfg.cls}" if self.cls is not None else "no environment"]
+        if self.tools is not None:
+            parts.append(f"tools {', '.join(self.tools.names)} ({self.cfg.tool_format} calls)")
+        budget = f", at most {self.cfg.max_total_tokens} tokens" if self.cfg.max_total_tokens is not None else ""
+        return [f"episodes: {'; '.join(parts)}; up to {self.cfg.max_turns} turns{budget}, steps time out after "
+                f"{self.cfg.step_timeout:g} s"]
+
     def reward_source(self) -> RewardSource | None:
         """The ``env`` source of the step rewards (an environment class only: tools give none)."""
         return RewardSource(ENV_SOURCE, env_reward) if self.cls is not None else None

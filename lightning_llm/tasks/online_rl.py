@@ -207,7 +207,7 @@ class OnlineRLTask(DecoderTask):
         ref = self.reference
         what = ("none" if ref is None else "policy with adapters disabled (no copy)" if ref.shares_policy
                 else f"frozen copy, {ref.parameter_count():,} params")
-        return [f"rewards: {sources}", f"reference: {what}"]
+        return [f"rewards: {sources}", f"reference: {what}", *self.multi_turn.summary_lines()]
 
     # ------------------------------------------------------------------------------------------ distributed helpers
     def _world(self) -> int:
