@@ -42,8 +42,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["RESERVED_COLUMNS", "PromptDataModule", "make_prompts", "record_columns"]
 
-RESERVED_COLUMNS = ("prompts", "responses", "completion_ids")
-"""Keyword names a reward function is called with besides the columns: a column may not take one of them."""
+RESERVED_COLUMNS = ("prompts", "responses", "completion_ids", "messages", "env_reward")
+"""Keyword names a reward function is called with besides the columns (``messages`` and ``env_reward``: of a
+multi-turn rollout's episodes): a column may not take one of them."""
 
 
 def record_columns(records: list[dict[str, Any]], *, exclude: set[str], where: str) -> list[dict[str, Any]]:

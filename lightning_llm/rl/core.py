@@ -109,7 +109,13 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: flo
     ``delta_t = r_t + gamma * V_{t+1} - V_t`` and ``A_t = delta_t + gamma * lam * A_{t+1}`` with ``V`` and ``r``
     zero past each row's end (so the value after the last token is 0: the episode ends there).
     Returns (advantages [B, N], returns = advantages + values [B, N]), zero outside the mask.
+
+    A mask with gaps (a multi-turn episode: the environment's tokens between the policy's turns are not actions)
+    chains the masked tokens in order: ``t + 1`` is the row's next masked token (the masked tokens are moved to the
+    front of each row, a stable sort, and moved back after; a gap-free mask is left as it is).
     """
+    order = torch.sort((~mask.bool()).int(), dim=1, stable=True).indices  # [B, N] masked tokens first, in order
+    mask, values, rewards = mask.gather(1, order), values.gather(1, order), rewards.gather(1, order)
     m = mask.to(values.dtype)
     values, rewards = values * m, rewards * m
     n = rewards.shape[1]
@@ -121,7 +127,8 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: flo
         last = delta + gamma * lam * last
         out[t] = last
     advantages = torch.stack(out, dim=1) * m
-    return advantages, (advantages + values) * m
+    back = torch.empty_like(order).scatter_(1, order, torch.arange(n, device=order.device).expand_as(order))
+    return advantages.gather(1, back), ((advantages + values) * m).gather(1, back)
 
 
 def _denominator(mask: Tensor, token_count: Tensor | float | None) -> Tensor | float:

@@ -48,7 +48,7 @@ from lightning_llm.rl.verifiers import FormatReward, MathAccuracy, SoftOverlong
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CharShareReward", "FormatReward", "MathAccuracy", "RewardConfig", "RewardModel", "SoftOverlong",
+__all__ = ["CharShareReward", "FormatReward", "MathAccuracy", "RewardConfig", "RewardModel", "SoftOverlong", "import_path",
            "build_reward", "load_callable"]
 
 RewardFn = Callable[[list[str], list[str]], "Tensor | Sequence[float]"]
@@ -148,17 +148,22 @@ class CharShareReward:
         return out
 
 
-def load_callable(path: str, kwargs: dict[str, Any] | None = None, *, param: str = "--model.reward.fn") -> RewardFn:
-    """Import ``pkg.module:name`` / ``pkg.module.name``; instantiate classes with ``kwargs``, bind them to functions."""
+def import_path(path: str, *, param: str, example: str = "my_pkg.rewards:score") -> Any:
+    """The object ``pkg.module:name`` / ``pkg.module.name`` names; refused in one line naming ``param``."""
     module_name, sep, attr = path.partition(":")
     if not sep:
         module_name, _, attr = path.rpartition(".")
     if not module_name or not attr:
-        raise ValueError(f"{param}={path!r}: expected an import path like 'my_pkg.rewards:score'")
+        raise ValueError(f"{param}={path!r}: expected an import path like {example!r}")
     try:
-        target = getattr(importlib.import_module(module_name), attr)
+        return getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"{param}={path!r}: cannot import it ({e})") from e
+
+
+def load_callable(path: str, kwargs: dict[str, Any] | None = None, *, param: str = "--model.reward.fn") -> RewardFn:
+    """Import ``pkg.module:name`` / ``pkg.module.name``; instantiate classes with ``kwargs``, bind them to functions."""
+    target = import_path(path, param=param)
     kwargs = dict(kwargs or {})
     if isinstance(target, type):
         target = target(**kwargs)

@@ -5,7 +5,9 @@ A line's fields: ``step`` (the rollout's index, 0 first), ``prompt``, ``response
 advantages were computed from: the weighted sum of the sources, after ``missing_eos_penalty`` / ``score_clip``), one
 field per named reward source (its own score; ``null`` where it returned ``None``), ``advantage`` (GRPO: the
 response's; PPO: the mean over its tokens), ``response_tokens`` (its tokens in the loss mask), ``truncated`` (it never
-emitted EOS) and ``columns`` (the prompt record's other fields). Rank 0 writes the lines of every data-parallel
+emitted EOS) and ``columns`` (the prompt record's other fields); a multi-turn rollout's lines also hold ``messages``
+(the episode's conversation, the prompt's messages included, each with ``role``, ``content``, ``tokens``: its token
+count, and ``learned``: true for the policy's own turns; ``response`` is its last turn). Rank 0 writes the lines of every data-parallel
 replica (gathered), in the global prompt order (:mod:`lightning_llm.rl.samples`): the file of a 2-replica run is the
 file of one device. A rollout's lines are appended in one write; a resumed run appends to the file.
 
@@ -22,23 +24,28 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["ROLLOUT_FIELDS", "RolloutLog", "records", "rollout_records"]
+__all__ = ["ROLLOUT_FIELDS", "TAKEN_FIELDS", "RolloutLog", "records", "rollout_records"]
 
 ROLLOUT_FIELDS = ("step", "prompt", "response", "reward", "advantage", "response_tokens", "truncated", "columns")
-"""The fields of every line (a reward source may not take one of these names)."""
+"""The fields of every line (a reward source may not take one of these names, nor ``messages``: a multi-turn line's)."""
+TAKEN_FIELDS = (*ROLLOUT_FIELDS, "messages")
+"""Names a reward source may not take."""
 
 
 def records(*, step: int, prompts: list[str], responses: list[str], rewards: list[float],
             sources: dict[str, list[float]], advantages: list[float], response_tokens: list[int],
-            truncated: list[bool], columns: list[dict[str, Any]], order: list[int]) -> list[tuple[int, dict[str, Any]]]:
+            truncated: list[bool], columns: list[dict[str, Any]], order: list[int],
+            messages: list[list[dict[str, Any]]] | None = None) -> list[tuple[int, dict[str, Any]]]:
     """One ``(global order, line)`` per response (every argument a list over the responses, ``order`` each one's
-    place in the global order)."""
+    place in the global order; ``messages``: multi-turn episodes' conversations)."""
     out = []
     for i, response in enumerate(responses):
         line: dict[str, Any] = {"step": step, "prompt": prompts[i], "response": response, "reward": rewards[i]}
         line.update({name: None if math.isnan(v[i]) else v[i] for name, v in sources.items()})
         line.update(advantage=advantages[i], response_tokens=response_tokens[i], truncated=truncated[i],
                     columns=columns[i])
+        if messages is not None:
+            line["messages"] = messages[i]
         out.append((order[i], line))
     return out
 
@@ -52,7 +59,8 @@ def rollout_records(r: Any, *, step: int, names: list[str]) -> list[tuple[int, d
                    sources=dict(zip(names, s.source_scores.tolist())),
                    advantages=((r.advantages * m).sum(-1) / m.sum(-1).clamp(min=1)).tolist(),
                    response_tokens=r.trained_mask.sum(-1).tolist(), truncated=(~r.has_eos).tolist(),
-                   columns=s.columns, order=[p * per_prompt + k for p in s.positions for k in range(per_prompt)])
+                   columns=s.columns, order=[p * per_prompt + k for p in s.positions for k in range(per_prompt)],
+                   messages=None if s.episodes is None else [e.messages() for e in s.episodes])
 
 
 class RolloutLog:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from lightning_llm.data.base import left_pad
+from lightning_llm.rl.episodes import Episode, pack_episodes
 from lightning_llm.rl.policy import pack_responses
 
 __all__ = ["Group", "Samples", "select_groups"]
@@ -43,6 +44,7 @@ class Samples:
     prompt_ids: list[list[int]] = dataclasses.field(default_factory=list)  # [B / G] each prompt's unpadded ids
     conversations: list[Any] | None = None  # [B / G] the prompt conversations (chat data)
     index: list[int] = dataclasses.field(default_factory=list)  # [B / G] each prompt's record index
+    episodes: list[Episode] | None = None  # [B] multi-turn rollouts: each row's episode (rl.episodes)
 
     def groups(self, size: int, *, draw: int, informative: list[bool]) -> list[Group]:
         """The prompts of these samples as groups of ``size`` responses (CPU copies), from sampling round ``draw``;
@@ -56,25 +58,33 @@ class Samples:
                              conversation=None if self.conversations is None else self.conversations[k],
                              responses=self.responses[rows].cpu(), texts=self.texts[rows],
                              scores=self.scores[rows].cpu(), source_scores=self.source_scores[:, rows].cpu(),
-                             informative=informative[k]))
+                             informative=informative[k],
+                             episodes=None if self.episodes is None else self.episodes[rows]))
         return out
 
     @classmethod
     def of_groups(cls, groups: list[Group], *, pad_id: int, eos_ids: list[int], temperature: float,
                   device: torch.device) -> Samples:
         """Samples holding ``groups`` in their order (prompts left-padded, responses right-padded with ``pad_id``; the
-        masks recomputed: the same tokens give the same masks)."""
+        masks recomputed: the same tokens give the same masks; episodes packed again)."""
         size = groups[0].responses.shape[0]
-        width = max(g.responses.shape[1] for g in groups)
-        prompt_ids, prompt_mask = left_pad([g.prompt_ids for g in groups for _ in range(size)], pad_id)
-        responses = torch.full((len(groups) * size, width), pad_id, dtype=torch.long)
-        for k, g in enumerate(groups):
-            responses[k * size:(k + 1) * size, :g.responses.shape[1]] = g.responses
-        prompt_ids, prompt_mask, responses = prompt_ids.to(device), prompt_mask.to(device), responses.to(device)
-        qr, am, pos, rmask, has_eos = pack_responses(prompt_ids, prompt_mask, responses, eos_ids)
+        episodes = None if groups[0].episodes is None else [e for g in groups for e in g.episodes or []]
+        if episodes is not None:
+            p = pack_episodes(episodes, pad_id=pad_id, device=device)
+            qr, am, pos, context, responses, rmask, has_eos = (p.query_responses, p.attention_mask, p.position_ids,
+                                                               p.context_length, p.responses, p.response_mask, p.has_eos)
+        else:
+            width = max(g.responses.shape[1] for g in groups)
+            prompt_ids, prompt_mask = left_pad([g.prompt_ids for g in groups for _ in range(size)], pad_id)
+            responses = torch.full((len(groups) * size, width), pad_id, dtype=torch.long)
+            for k, g in enumerate(groups):
+                responses[k * size:(k + 1) * size, :g.responses.shape[1]] = g.responses
+            prompt_ids, prompt_mask, responses = prompt_ids.to(device), prompt_mask.to(device), responses.to(device)
+            qr, am, pos, rmask, has_eos = pack_responses(prompt_ids, prompt_mask, responses, eos_ids)
+            context = prompt_ids.shape[1]
         conversations = [g.conversation for g in groups]
-        return cls(query_responses=qr, attention_mask=am, position_ids=pos, context_length=prompt_ids.shape[1],
-                   responses=responses, response_mask=rmask, has_eos=has_eos,
+        return cls(query_responses=qr, attention_mask=am, position_ids=pos, context_length=context,
+                   responses=responses, response_mask=rmask, has_eos=has_eos, episodes=episodes,
                    texts=[t for g in groups for t in g.texts], scores=torch.cat([g.scores for g in groups]).to(device),
                    temperature=temperature, prompts=[g.prompt for g in groups for _ in range(size)],
                    columns=[g.columns for g in groups for _ in range(size)],
@@ -100,6 +110,7 @@ class Group:
     scores: Tensor  # [G]
     source_scores: Tensor  # [S, G]
     informative: bool  # its rewards are not all equal: a learning signal (zero std: every advantage 0)
+    episodes: list[Episode] | None = None  # [G] multi-turn rollouts: the responses' episodes
 
 
 def select_groups(candidates: list[tuple[tuple[int, int], bool]], target: int) -> list[tuple[int, int]]:

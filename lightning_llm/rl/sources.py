@@ -42,12 +42,14 @@ log = logging.getLogger(__name__)
 __all__ = ["RewardSource", "RewardSources", "Scored", "columns_by_name", "source_configs"]
 
 
-def source_configs(reward: RewardConfig | None, rewards: Sequence[RewardConfig] | None) -> list[tuple[str, RewardConfig]]:
+def source_configs(reward: RewardConfig | None, rewards: Sequence[RewardConfig] | None, *,
+                   optional: bool = False) -> list[tuple[str, RewardConfig]]:
     """(parameter name, config) of every reward source of a run: ``--model.reward`` where it names a function or model
-    (today's single source), then each of ``--model.rewards``. Refuses a run without one."""
+    (today's single source), then each of ``--model.rewards``. Refuses a run without one unless ``optional`` (an
+    environment's step rewards score it)."""
     out = [("--model.reward", reward)] if reward is not None and (reward.fn or reward.model) else []
     out += [(f"--model.rewards[{i}]", cfg) for i, cfg in enumerate(rewards or [])]
-    if not out:
+    if not out and not optional:
         raise ValueError("--model.reward: set exactly one of reward.fn (an import path) and reward.model (a "
                          "reward-model checkpoint or HF directory), or list several sources in --model.rewards")
     for param, cfg in out:

@@ -17,6 +17,10 @@ responses and the prompt records' columns (which travel with their prompts in th
 rollout: ``objective/scores`` (the weighted sum) and ``rewards/<name>/mean``, ``rewards/<name>/std`` per source (over
 every replica's responses). ``--model.log_rollouts=true`` writes every trained response to ``rollouts.jsonl``
 (:mod:`lightning_llm.rl.rollout_log`).
+
+Multi-turn rollouts (``--model.env``, ``--model.tools``: :mod:`lightning_llm.rl.multiturn`): a rollout's responses are
+episodes, conversations of the policy with an environment or its tools decoded turn by turn with the KV cache kept;
+the loss, KL and entropy count the policy's own tokens only (:mod:`lightning_llm.rl.episodes`).
 """
 
 from __future__ import annotations
@@ -37,10 +41,12 @@ from typing_extensions import override
 from lightning_llm.generation import GenerationConfig, for_datamodule, generate, strip_after_eos
 from lightning_llm.kernels.head_loss import TokenScores
 from lightning_llm.rl.core import entropy_from_logits, logprobs_from_logits
+from lightning_llm.rl.env import EnvConfig
+from lightning_llm.rl.multiturn import MultiTurn
 from lightning_llm.rl.policy import Rollout, pack_responses, response_logits
 from lightning_llm.rl.reference import ReferencePolicy
 from lightning_llm.rl.rewards import RewardConfig
-from lightning_llm.rl.rollout_log import ROLLOUT_FIELDS, RolloutLog, rollout_records
+from lightning_llm.rl.rollout_log import TAKEN_FIELDS, RolloutLog, rollout_records
 from lightning_llm.rl.samples import Samples
 from lightning_llm.rl.sources import RewardSource, RewardSources, columns_by_name, source_configs
 from lightning_llm.tasks.decoder import DecoderTask
@@ -82,6 +88,8 @@ class OnlineRLTask(DecoderTask):
         rewards: list[RewardConfig] | None = None,
         log_rollouts: bool = False,
         generation_seed: int | None = None,
+        env: EnvConfig | None = None,
+        tools: list[str] | None = None,
         **kwargs: Any,
     ) -> None:
         """
@@ -101,16 +109,23 @@ class OnlineRLTask(DecoderTask):
                 from ``seed + 1_000_003 * i + r``, so resumed runs sample the same responses. Tasks that sample
                 per prompt (GRPO) seed each prompt from (seed, rollout, prompt index) instead: the same responses at
                 any number of devices.
+            env: A multi-turn environment (``env.cls``, a class with ``reset(record)`` and ``step(messages)``; its
+                ``kwargs``) and the limits of an episode (``max_turns``, ``max_total_tokens``, ``step_timeout``,
+                ``tool_format``); its step rewards add to the reward sources' score (which become optional).
+            tools: Tools the policy may call (``pkg.module:function`` import paths: type-hinted functions with a
+                docstring), their schemas in the chat template; each call's result appended as a ``tool`` message
+                (the limits of ``env``).
         """
         super().__init__(backbone, dropout=dropout, **kwargs)
         self.automatic_optimization = False
         self.generation = generation or GenerationConfig(max_new_tokens=32, do_sample=True)
-        self.reward_configs = source_configs(reward, rewards)  # [(parameter, config)]
-        taken = [cfg.source_name for _, cfg in self.reward_configs if cfg.source_name in ROLLOUT_FIELDS]
+        self.multi_turn = MultiTurn(env, tools)  # the class and tools checked here, before training
+        self.reward_configs = source_configs(reward, rewards, optional=self.multi_turn.cls is not None)
+        taken = [cfg.source_name for _, cfg in self.reward_configs if cfg.source_name in TAKEN_FIELDS]
         if taken:
             raise ValueError(f"a reward source is named {taken[0]!r}, a field of every rollout record: give it "
                              "another --model.rewards[i].name")
-        self.reward_config = self.reward_configs[0][1]
+        self.reward_config = self.reward_configs[0][1] if self.reward_configs else None
         self.log_rollouts = log_rollouts
         self._rollout_log: RolloutLog | None = None
         self.generation_seed = generation_seed
@@ -163,8 +178,9 @@ class OnlineRLTask(DecoderTask):
     def configure_model(self) -> None:
         super().configure_model()
         if self._reward is None:
+            env = self.multi_turn.reward_source()
             self._reward = RewardSources([RewardSource(cfg.source_name, build_reward_source(cfg), weight=cfg.weight)
-                                          for _, cfg in self.reward_configs])
+                                          for _, cfg in self.reward_configs] + ([env] if env is not None else []))
 
     @property
     def reward_sources(self) -> RewardSources:
@@ -191,7 +207,7 @@ class OnlineRLTask(DecoderTask):
         ref = self.reference
         what = ("none" if ref is None else "policy with adapters disabled (no copy)" if ref.shares_policy
                 else f"frozen copy, {ref.parameter_count():,} params")
-        return [f"rewards: {sources}", f"reference: {what}"]
+        return [f"rewards: {sources}", f"reference: {what}", *self.multi_turn.summary_lines()]
 
     # ------------------------------------------------------------------------------------------ distributed helpers
     def _world(self) -> int:
@@ -223,11 +239,11 @@ class OnlineRLTask(DecoderTask):
                              "(responses are sampled)")
         return cfg
 
-    def _decode(self, ids: list[int]) -> str:
+    def _decode(self, ids: list[int], *, keep_special: bool = False) -> str:
         tok = getattr(self.trainer.datamodule, "tokenizer", None)
         if tok is None:
             raise ValueError(f"{type(self).__name__} needs a datamodule with a tokenizer (e.g. PromptDataModule)")
-        return tok.decode(ids, skip_special_tokens=True)
+        return tok.decode(ids, skip_special_tokens=not keep_special)
 
     def _dp_rank(self) -> int:
         """This rank's data-parallel rank: the ranks of a tensor- or pipeline-parallel group share it (and their one
@@ -268,27 +284,38 @@ class OnlineRLTask(DecoderTask):
         self.eval()  # dropout off for generation and every forward of the rollout and the update
         prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
         n = prompt_ids.shape[0]
+        turns = self.multi_turn.cfg.max_turns if self.multi_turn.enabled else 1
         uniforms = generator = None
         if not greedy and seed_per_prompt:
             if "index" not in batch:
                 raise ValueError(f"{type(self).__name__} seeds rollouts per prompt: its batches need the prompts' "
                                  "record 'index' (as PromptDataModule's batches have)")
-            uniforms = self._prompt_uniforms(batch["index"], repeats, cfg.max_new_tokens, draw=draw)
+            uniforms = self._prompt_uniforms(batch["index"], repeats, cfg.max_new_tokens * turns, draw=draw)
         elif not greedy:
             generator = self._generator()
         unpadded = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
-        if repeats > 1:
-            prompt_ids = prompt_ids.repeat_interleave(repeats, 0)
-            prompt_mask = prompt_mask.repeat_interleave(repeats, 0)
+        episodes = None
         with self.decoding(self.policy_decoder()) as decoder:
-            responses = generate(decoder, prompt_ids, prompt_mask, config=cfg, generator=generator,
-                                 uniforms=uniforms)  # [B, N]
-        qr, am, pos, rmask, has_eos = pack_responses(prompt_ids, prompt_mask, responses, cfg.eos_ids)
-        texts = [self._decode(ids) for ids in strip_after_eos(responses, cfg.eos_ids)]
+            if self.multi_turn.enabled:  # episodes with an environment or tools (rl.multiturn)
+                packed, episodes = self.multi_turn.rollout(decoder, batch, repeats=repeats, cfg=cfg, uniforms=uniforms,
+                                                           generator=generator, device=self.device,
+                                                           decode=lambda ids, keep: self._decode(ids, keep_special=keep))
+            else:
+                prompt_ids = prompt_ids.repeat_interleave(repeats, 0) if repeats > 1 else prompt_ids
+                prompt_mask = prompt_mask.repeat_interleave(repeats, 0) if repeats > 1 else prompt_mask
+                responses = generate(decoder, prompt_ids, prompt_mask, config=cfg, generator=generator,
+                                     uniforms=uniforms)  # [B, N]
+        if episodes is not None:
+            qr, am, pos, rmask, has_eos = (packed.query_responses, packed.attention_mask, packed.position_ids,
+                                           packed.response_mask, packed.has_eos)
+            responses, context, texts = packed.responses, packed.context_length, [e.text for e in episodes]
+        else:
+            qr, am, pos, rmask, has_eos = pack_responses(prompt_ids, prompt_mask, responses, cfg.eos_ids)
+            context, texts = prompt_ids.shape[1], [self._decode(ids) for ids in strip_after_eos(responses, cfg.eos_ids)]
         rows = list(batch.get("columns") or [{} for _ in range(n)])
         dp, rank = self._world(), self._dp_rank()
-        s = Samples(query_responses=qr, attention_mask=am, position_ids=pos, context_length=prompt_ids.shape[1],
-                    responses=responses, response_mask=rmask, has_eos=has_eos, texts=texts,
+        s = Samples(query_responses=qr, attention_mask=am, position_ids=pos, context_length=context,
+                    responses=responses, response_mask=rmask, has_eos=has_eos, texts=texts, episodes=episodes,
                     scores=torch.zeros(len(texts), device=self.device),
                     temperature=cfg.temperature if cfg.do_sample else 1.0,
                     prompts=[p for p in batch["prompt"] for _ in range(repeats)],
@@ -306,6 +333,9 @@ class OnlineRLTask(DecoderTask):
         repeats = len(s.texts) // max(len(s.prompt_ids), 1)
         columns = columns_by_name(s.columns)
         columns["completion_ids"] = [row[m].tolist() for row, m in zip(s.responses, s.response_mask)]
+        if s.episodes is not None:  # multi-turn: the whole conversations and the environments' rewards
+            columns["messages"] = [[dict(m) for m in e.conversation] for e in s.episodes]
+            columns["env_reward"] = [e.env_reward for e in s.episodes]
         conversations = None if s.conversations is None else [c for c in s.conversations for _ in range(repeats)]
         scored = self.reward_sources.score(s.prompts, s.texts, columns=columns, conversations=conversations,
                                            device=self.device)
@@ -439,9 +469,16 @@ class OnlineRLTask(DecoderTask):
         return scores.mean()
 
     # ------------------------------------------------------------------------------------------ lifecycle
+    def _ready_episodes(self) -> None:
+        """Multi-turn rollouts set up against the datamodule's chat template (every rank: a collective under tp/pp)."""
+        if self.multi_turn.enabled:
+            self.multi_turn.ready(self.trainer.datamodule, dp_rank=self._dp_rank(),
+                                  batch_shared=self.capabilities.batch_shared)
+
     @override
     def on_fit_start(self) -> None:
         self._ready_reward()
+        self._ready_episodes()
         dm = self.trainer.datamodule
         path = (getattr(dm, "paths", None) or {}).get("fit")  # before the first rollout: the sources' inputs exist
         self.reward_sources.check_inputs(getattr(dm, "column_names", None), max_new_tokens=self.generation.max_new_tokens,
@@ -469,6 +506,7 @@ class OnlineRLTask(DecoderTask):
     @override
     def on_validation_start(self) -> None:
         self._ready_reward()
+        self._ready_episodes()
 
     @override
     def configure_optimizers(self) -> Any:

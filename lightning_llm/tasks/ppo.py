@@ -7,7 +7,8 @@ One training step = one rollout batch (the datamodule's prompts, :class:`~lightn
    the first EOS), decode them and score them (optional penalty for responses without EOS, optional clipping);
 2. one no-grad forward of the policy (+ value head) and of the reference model gives old log-probs, values and
    reference log-probs; rewards = ``-beta * KL`` per token with the score added at the last response token;
-3. GAE (gamma, lambda) -> advantages (whitened) and returns;
+3. GAE (gamma, lambda) -> advantages (whitened) and returns (multi-turn episodes: over the policy's tokens, chained
+   across the environment's, :func:`~lightning_llm.rl.core.gae`);
 4. ``ppo_epochs`` passes over ``num_mini_batches`` shuffled mini-batches: clipped policy loss + ``vf_coef`` x
    clipped value loss, gradient clipping, one optimizer step each; a mini-batch whose mean importance ratio
    exceeds ``ratio_threshold`` is skipped (on every rank) and counted.

@@ -85,7 +85,8 @@ class StepRecorder(pl.Callback):
 
 
 class RolloutRecorder(pl.Callback):
-    """The tokens of every training rollout of an on-policy RL task, by the prompts' record ``index``, the
+    """The tokens of every training rollout of an on-policy RL task (each response's real tokens: the batch's padding
+    left out), by the prompts' record ``index``, the
     all-gathers each rank's sampling ran (``CollectiveCounter``: ZeRO-3 gathers once per rollout, before it
     samples), and the bytes each rank holds of the task's frozen and scoring models (``model_state_bytes``, at fit
     start).
@@ -115,8 +116,9 @@ class RolloutRecorder(pl.Callback):
             if trainer.training:
                 self.gathers.append(sum(1 for name, _, _ in calls if name.startswith("all_gather")))
                 per = out.responses.shape[0] // len(batch["index"])
-                self.rollouts.append({int(i): out.responses[k * per:(k + 1) * per].tolist()
-                                      for k, i in enumerate(batch["index"].tolist())})
+                real = out.attention_mask[:, out.context_length:].bool()  # a row's tokens, not the batch's padding
+                rows = [r[m].tolist() for r, m in zip(out.responses, real)]
+                self.rollouts.append({int(i): rows[k * per:(k + 1) * per] for k, i in enumerate(batch["index"].tolist())})
             return out
 
         pl_module.sample = recorded  # type: ignore[method-assign]

@@ -6,18 +6,23 @@ A fit writes under its ``out`` directory: ``rows.json`` (the metrics logged at e
 (the final full parameters: :class:`~lightning_llm.testing.StepRecorder`), ``rollouts.json`` (every rollout's tokens
 per prompt, the reference's and reward model's bytes per rank: :class:`~lightning_llm.testing.RolloutRecorder`) and,
 with ``log_rollouts``, ``rollouts.jsonl``.
+
+Multi-turn rollouts: :class:`DigitsEnv` (a deterministic environment of the layout tests) and :class:`ScriptedPolicy`
+(a decoder whose next tokens a test fixes: each prompt's turns, token by token, through the KV cache).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from torch import Tensor, nn
 
 from lightning_llm.data import PromptDataModule
 from lightning_llm.files import atomic_open, write_jsonl_atomic
@@ -25,14 +30,17 @@ from lightning_llm.generation import GenerationConfig
 from lightning_llm.peft import LoraArgs
 from lightning_llm.reliability import FAULT_ENV
 from lightning_llm.rl import GRPOConfig, PPOConfig, RewardConfig
+from lightning_llm.rl.env import EnvConfig
+from lightning_llm.rl.episodes import Episode, open_episodes, run_episodes
 from lightning_llm.strategies import HybridParallelStrategy
-from lightning_llm.strategies.presets import PipelineParallelStrategy
+from lightning_llm.strategies.presets import PipelineParallelStrategy, ZeroStrategy
 from lightning_llm.tasks import GRPOTask, PPOTask
 from lightning_llm.tasks.base import OptimConfig
 from lightning_llm.testing import MetricRows, RolloutRecorder, StepRecorder, launch, wait
 
-__all__ = ["GLOBAL_PROMPTS", "GRPO_SPECS", "PPO_SPEC", "PairedDigits", "compare_fits", "held_bytes", "layout_runs",
-           "rl_fit", "rl_layout", "write_rl_prompts"]
+__all__ = ["GLOBAL_PROMPTS", "GRPO_SPECS", "PPO_SPEC", "DigitsEnv", "PairedDigits", "ScriptedPolicy",
+           "check_against_template", "check_prefills", "compare_fits", "fit_rollouts", "held_bytes", "layout_runs", "rl_fit", "rl_layout",
+           "scripted_run", "write_rl_prompts"]
 
 GLOBAL_PROMPTS = 8
 """Prompts per rollout over all replicas (one device holds them all)."""
@@ -67,6 +75,115 @@ class PairedDigits:
             share = sum(c.isdigit() for c in response) / len(response) if response else 0.0
             out.append(share + 0.05 * (n % 4))
         return out
+
+
+class DigitsEnv:
+    """A deterministic environment (its messages a function of the record and the conversation): records whose
+    ``number`` is odd open with a system message of their own (``reset``); after each turn the user asks for the
+    record's number again, naming the turn and how many digits the last answer held; the reward is the share of
+    digits of the answer that are the number's last digit; done once an answer holds that digit."""
+
+    def __init__(self, *, greeting: str = "Count with me.") -> None:
+        self.greeting, self.number = greeting, 0
+
+    def reset(self, record: dict[str, Any]) -> list[dict[str, Any]] | None:
+        self.number = int(record["number"])
+        if self.number % 2 == 0:
+            return None
+        return [{"role": "system", "content": self.greeting}, *record["messages"]]
+
+    def step(self, messages: list[dict[str, Any]]) -> dict[str, Any]:
+        answer, digit = messages[-1]["content"], str(self.number % 10)
+        turn = sum(m["role"] == "assistant" for m in messages)
+        reward = sum(c == digit for c in answer) / max(len(answer), 1)
+        text = f"Turn {turn}: {sum(c.isdigit() for c in answer)} digits. Say {self.number:02d} again:"
+        return {"messages": [{"role": "user", "content": text}], "reward": reward, "done": digit in answer}
+
+
+class ScriptedPolicy(nn.Module):
+    """A decoder (``generate``'s protocol, with a KV cache) whose tokens a test fixes: ``scripts`` maps a prompt's ids
+    to its turns (token lists); the next token of a row is the next one of its current turn (the turn: how many
+    generation prompts ``header`` its tokens hold), ``end`` after the script. The tokens so far are kept in the
+    cache (they ride along as the layer's keys), so the cache's row selection applies to them as to a model's."""
+
+    def __init__(self, scripts: dict[tuple[int, ...], list[list[int]]], *, header: list[int], vocab: int,
+                 end: int) -> None:
+        super().__init__()
+        self.scripts, self.header, self.vocab, self.end = scripts, header, vocab, end
+        self.fed: list[int] = []  # columns fed per forward
+
+    def _next(self, real: list[int]) -> int:
+        prompt = next(k for k in self.scripts if tuple(real[:len(k)]) == k)
+        h = len(self.header)
+        starts = [i + h for i in range(len(prompt) - h, len(real) - h + 1) if real[i:i + h] == self.header]
+        turns = self.scripts[prompt]
+        if not starts or len(starts) > len(turns):
+            return self.end
+        done = real[starts[-1]:]
+        turn = turns[len(starts) - 1]
+        return turn[len(done)] if len(done) < len(turn) else self.end
+
+    def forward(self, input_ids: Tensor, *, attention_mask: Tensor, position_ids: Tensor, kv_cache: Any = None,
+                logits_to_keep: int = 0, **_: Any) -> Tensor:
+        self.fed.append(input_ids.shape[1])
+        ids = input_ids[:, None, :, None].double()
+        if kv_cache is not None:
+            ids, _ = kv_cache.update(self, ids, ids)
+            kv_cache.advance(input_ids.shape[1])
+        every = ids[:, 0, :, 0].long()
+        logits = torch.full((input_ids.shape[0], 1, self.vocab), -1e4)
+        for row, (tokens, mask) in enumerate(zip(every.tolist(), attention_mask.bool().tolist())):
+            logits[row, 0, self._next([t for t, m in zip(tokens, mask) if m])] = 0.0
+        return logits
+
+
+def scripted_run(tok: Any, chat: Any, envs: Any, renderer: Any, scripts: list[list[str]], records: list[dict[str, Any]],
+                 *, env: Any, header: str) -> tuple[list[Any], ScriptedPolicy]:
+    """Episodes of ``records`` (each ``{"prompt", "messages", ...}``) rolled out by a :class:`ScriptedPolicy` whose turns
+    are ``scripts`` (texts, each record's; every turn ends with the template's end-of-turn token); ``header``: the
+    template's generation prompt. Returns (episodes, policy)."""
+    episodes = [Episode(key=i, index=i, record=rec) for i, rec in enumerate(records)]
+    open_episodes(episodes, envs, renderer)
+    policy = ScriptedPolicy({tuple(e.prompt_ids): [tok(t, add_special_tokens=False)["input_ids"] + [chat.end_of_turn_id]
+                                                   for t in script] for e, script in zip(episodes, scripts)},
+                            header=tok(header, add_special_tokens=False)["input_ids"], vocab=len(tok),
+                            end=chat.end_of_turn_id)
+    cfg = GenerationConfig(max_new_tokens=160, eos_token_id=chat.stop_token_ids, pad_token_id=tok.pad_token_id or 0)
+    run_episodes(policy, episodes, envs=envs, renderer=renderer, cfg=cfg, env=env, device=torch.device("cpu"),
+                 decode=lambda ids, keep: tok.decode(ids, skip_special_tokens=not keep))
+    return episodes, policy
+
+
+def check_against_template(tok: Any, episode: Any, generation: str, *, tools: Any = None) -> dict[str, int]:
+    """Assert that ``episode``'s tokens are transformers' rendering of its conversation (with ``tools``' schemas) by
+    the ``{% generation %}`` template ``generation``, its learned tokens exactly that rendering's assistant mask, and
+    every token counted in one message; returns the counts (tokens, learned, reference)."""
+    ref = tok.apply_chat_template(episode.conversation, tools=tools, chat_template=generation, tokenize=True,
+                                  return_dict=True, return_assistant_tokens_mask=True)
+    ids = episode.prompt_ids + episode.tokens
+    mask = [False] * len(episode.prompt_ids) + episode.learned
+    assert ref["input_ids"][:len(ids)] == ids and not any(ref["assistant_masks"][len(ids):])
+    assert [bool(x) for x in ref["assistant_masks"][:len(ids)]] == mask
+    assert sum(n for n, _ in episode.counts) == len(ids)
+    assert [learned for _, learned in episode.counts] == [m["role"] == "assistant" for m in episode.conversation]
+    return {"tokens": len(ids), "learned": sum(mask), "reference": len(ref["input_ids"])}
+
+
+def check_prefills(episode: Any, fed: list[int]) -> list[int]:
+    """Assert that a :class:`ScriptedPolicy` alone in its batch was fed each column once (the KV cache kept): the first
+    forward the prompt, each later turn's first forward the previous turn's last token and what was appended after
+    it, the rest one-token steps (up to 7 per turn of them padding after a turn's stop token, until the next check
+    of whether every row ended). Returns the prefill widths."""
+    blocks, run = [], 0
+    for n, learned in episode.counts[1:]:
+        if learned and run:
+            blocks.append(1 + run)
+        run = 0 if learned else run + n
+    prefills = [w for w in fed if w > 1]
+    total = episode.length
+    assert prefills == [len(episode.prompt_ids), *blocks] and fed.count(1) == len(fed) - len(prefills)
+    assert total - 1 <= sum(fed) <= total - 1 + 7 * episode.turns
+    return prefills
 
 
 EOS = [258, *range(97, 107)]
@@ -110,11 +227,13 @@ LAYOUTS: dict[str, Callable[[], tuple[Any, int]]] = {
     "3d": lambda: (HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, sequence_parallel=True), 1),
     "pp": lambda: ("pp", 1),
     "pp_stages": lambda: (PipelineParallelStrategy(gather_for_decoding="per_layer"), 1),
+    "zero3_per_layer": lambda: (ZeroStrategy(3, gather_for_decoding="per_layer"), 2),
     "dp2_tp2": lambda: (HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2), 2),
     "dp2_pp2": lambda: (HybridParallelStrategy(data_parallel_size=2, pipeline_parallel_size=2), 2),
 }
 """Layout name -> (strategy, data-parallel replicas). ``3d`` is tp2 with sequence parallelism; ``pp_stages`` decodes
-through the pipeline's stages (the others decode with whole copies under tp and pp); ``dp2_*`` need 4 processes."""
+through the pipeline's stages (the others decode with whole copies under tp and pp); ``zero3_per_layer`` decodes
+with ZeRO-3's per-layer all-gathers (the data-parallel ranks decode in lock-step); ``dp2_*`` need 4 processes."""
 
 
 def rl_layout(name: str) -> tuple[Any, int, int]:
@@ -130,7 +249,7 @@ def build_task(kind: str, spec: dict[str, Any]) -> GRPOTask | PPOTask:
     kw["generation"] = GenerationConfig(**kw.get("generation", {"max_new_tokens": 8, "do_sample": kind == "grpo"}))
     kw["optim"] = OptimConfig(**{"lr": 3e-3, "scheduler": "constant", "weight_decay": 0.0, "eps": 1e-3,
                                  **kw.get("optim", {})})
-    for name, cls in (("grpo", GRPOConfig), ("ppo", PPOConfig), ("lora", LoraArgs)):
+    for name, cls in (("grpo", GRPOConfig), ("ppo", PPOConfig), ("lora", LoraArgs), ("env", EnvConfig)):
         if name in kw:
             kw[name] = cls(**kw[name])
     kw["reward"] = RewardConfig(**kw["reward"]) if "reward" in kw else None
@@ -139,10 +258,11 @@ def build_task(kind: str, spec: dict[str, Any]) -> GRPOTask | PPOTask:
 
 
 def rl_fit(kind: str, spec: dict[str, Any], out: Path, *, prompts: Path, layout: str = "1", steps: int = 8,
-           resume: str | None = None, fault: str | None = None) -> dict[str, Any]:
+           resume: str | None = None, fault: str | None = None, data: dict[str, Any] | None = None) -> dict[str, Any]:
     """One fit of :func:`build_task` on ``layout`` (``steps`` optimizer steps; ``fault``: a
     :data:`~lightning_llm.reliability.FAULT_ENV` spec, its ``RuntimeError`` returned as ``error``; with a
-    fault or a ``resume``, ``last.ckpt`` under ``out/ckpt`` after every step). A refusal before training (a
+    fault or a ``resume``, ``last.ckpt`` under ``out/ckpt`` after every step; ``data``: more arguments of the
+    ``PromptDataModule``, e.g. a chat template). A refusal before training (a
     ``ValueError``) is returned as ``refused``. Writes ``out`` (see the module docstring)."""
     strategy, batch, world = rl_layout(layout)
     pl.seed_everything(3)
@@ -158,7 +278,7 @@ def rl_fit(kind: str, spec: dict[str, Any], out: Path, *, prompts: Path, layout:
         os.environ[FAULT_ENV] = fault
     try:
         task = build_task(kind, spec)
-        dm = PromptDataModule(str(prompts), max_prompt_len=32, batch_size=batch)
+        dm = PromptDataModule(str(prompts), **{"max_prompt_len": 32, "batch_size": batch, **(data or {})})
         trainer = pl.Trainer(accelerator="cpu", devices=world, strategy=strategy, max_steps=steps, logger=False,
                              enable_checkpointing=checkpoints, enable_progress_bar=False, enable_model_summary=False,
                              limit_val_batches=0, num_sanity_val_steps=0, callbacks=callbacks,
@@ -177,6 +297,18 @@ def rl_fit(kind: str, spec: dict[str, Any], out: Path, *, prompts: Path, layout:
         with atomic_open(out / "rows.json", "w") as f:
             json.dump(logged, f)
     return {"rows": logged}
+
+
+def fit_rollouts(task: pl.LightningModule, dm: PromptDataModule, rollouts: int, root: Path) -> list[dict[str, float]]:
+    """Fit ``task`` on ``dm`` for ``rollouts`` rollouts on the CPU (one device, no logger, no checkpoints, no
+    validation; ``root`` the run's directory, where ``rollouts.jsonl`` goes); the metrics logged at each rollout."""
+    rec = MetricRows()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pl.Trainer(accelerator="cpu", max_steps=rollouts * task.update_schedule.updates_per_rollout, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[rec],
+                   limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=str(root)).fit(task, dm)
+    return rec.rows
 
 
 def layout_runs(script: str | Path, out: Path, reference: Callable[[], Any], *, nproc: int = 2,

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +24,7 @@ from lightning_llm.rl.rewards import FormatReward, MathAccuracy, SoftOverlong
 from lightning_llm.rl.rollout_log import ROLLOUT_FIELDS
 from lightning_llm.rl.sources import RewardSource, RewardSources
 from lightning_llm.tasks import GRPOTask, OptimConfig, PPOTask
-from lightning_llm.testing import MetricRows
+from lightning_llm.testing.rl import fit_rollouts
 
 RECORDS = [{"prompt": "one", "answer": 3, "tags": ["a", 1], "meta": {"k": None}, "note": None},
            {"prompt": "two", "answer": "1/2", "level": "hard"},
@@ -162,14 +161,7 @@ def _grpo(**grpo: Any) -> GRPOTask:
 
 def _fit(task: Any, path: Path, out: Path, rollouts: int = 2) -> list[dict[str, float]]:
     pl.seed_everything(0)
-    rec = MetricRows()
-    dm = PromptDataModule(str(path), batch_size=3, max_prompt_len=16)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pl.Trainer(accelerator="cpu", max_steps=rollouts * task.update_schedule.updates_per_rollout, logger=False,
-                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[rec],
-                   limit_val_batches=0, num_sanity_val_steps=0, default_root_dir=str(out)).fit(task, dm)
-    return rec.rows
+    return fit_rollouts(task, PromptDataModule(str(path), batch_size=3, max_prompt_len=16), rollouts, out)
 
 
 def test_a_verifier_without_its_column_is_refused_before_the_first_rollout(tmp_path: Path) -> None:
