@@ -29,7 +29,9 @@ if TYPE_CHECKING:
     import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+SHARED_DATA = Path(os.environ.get("LIGHTNING_LLM_SHARED_DATA", REPO.parent / "shared" / "data"))
+"""The real data (``../shared/data`` beside the repository, as benchmarks/prepare.py reads it, or
+``$LIGHTNING_LLM_SHARED_DATA``, for a checkout elsewhere); tests that need it skip without it."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
