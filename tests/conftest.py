@@ -19,11 +19,13 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
 
-from collections.abc import Iterator  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+from tests.built_once import BuiltOnce, shared_root  # noqa: E402
 
 if TYPE_CHECKING:
     import torch
@@ -146,6 +148,25 @@ def tiny_hf_llama(out: Path, *, tie_word_embeddings: bool = False, max_new_token
         warnings.simplefilter("ignore")
         model.save_pretrained(str(out))
     return out
+
+
+@pytest.fixture(scope="session")
+def built_once(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BuiltOnce]:
+    """``built_once(key, build)``: a folder built once per test run (:mod:`tests.built_once`), only read by tests
+    (checked when the session ends)."""
+    built = BuiltOnce(shared_root(tmp_path_factory.getbasetemp()))
+    yield built
+    assert not built.changed(), f"a test wrote into these shared folders: {built.changed()}"
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(built_once: BuiltOnce) -> Callable[..., Path]:
+    """``tiny_llama(**options)``: :func:`tiny_hf_llama`'s folder for ``options``, built once per test run; copy it
+    before changing it."""
+    def folder(**options: object) -> Path:
+        key = "-".join(["llama", *(f"{k}={v}" for k, v in sorted(options.items()))])
+        return built_once(key, lambda out: tiny_hf_llama(out, **options))
+    return folder
 
 
 def _restored_environment() -> Iterator[None]:
