@@ -24,13 +24,12 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tests.conftest import SHARED_DATA, tiny_hf_llama
+from tests.conftest import SHARED_DATA
+from tests.grouped import run_commands
 from tests.house.test_readme import LIGHTNING_SUBCOMMANDS, _cli, command_error
 
-from lightning_llm import testing
 from lightning_llm.cli import LLMCLI, main
 from lightning_llm.data.corpus.documents import generated_corpus
-from lightning_llm.reliability import leave_process
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -221,15 +220,11 @@ def _shared(relative: str) -> Callable[[], Path]:
     return find
 
 
-def _generated_files(root: Path) -> Files:
-    """Placeholders of files a user brings that this test writes itself: a tiny HF Llama with its tokenizer, and a
-    corpus (a JSONL file, or a folder of them)."""
-    made: dict[str, Path] = {}
-
+def _generated_files(root: Path, tiny_llama: Callable[..., Path]) -> Files:
+    """Placeholders of files a user brings that this test writes itself: a tiny HF Llama with its tokenizer (built
+    once per test run), and a corpus (a JSONL file, or a folder of them)."""
     def llama() -> Path:
-        if "llama" not in made:
-            made["llama"] = tiny_hf_llama(root / "llama-hf", max_position_embeddings=512)
-        return made["llama"]
+        return tiny_llama(max_position_embeddings=512)
 
     def corpus(name: str) -> Callable[[], Path]:
         def write() -> Path:
@@ -269,59 +264,34 @@ WRITTEN = {
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
-def test_header_commands_run_as_written(config: Path, tmp_path: Path) -> None:
-    files = {**_generated_files(tmp_path / "files"), **{k: _shared(v) for k, v in SHARED_FILES.items()}}
+def test_header_commands_run_as_written(config: Path, tmp_path: Path, tiny_llama: Callable[..., Path]) -> None:
+    files = {**_generated_files(tmp_path / "files", tiny_llama), **{k: _shared(v) for k, v in SHARED_FILES.items()}}
     run = tmp_path / "run"
     assert check_header(config, cwd=run, files=files) == []
     for name, text in WRITTEN.get(config.stem, {}).items():
         assert text in (run / name).read_text(encoding="utf-8"), name
 
 
-def several_devices_worker(plan: Path) -> None:
-    """One rank of the grouped launch: every command of ``plan`` (JSON: its text, folder, arguments and rendezvous
-    port) by the CLI's ``main`` in its folder, one after another, each with the environment it started with and a
-    process group of its own (``main`` destroys its group when done; a new one on the old port would read the old
-    one's addresses). The first that fails stops the launch (exit 1, naming it: the launcher stops the other
-    ranks)."""
-    for command in json.loads(plan.read_text()):
-        env = dict(os.environ)
-        os.environ["MASTER_PORT"] = str(command["port"])
-        with contextlib.chdir(command["cwd"]):
-            rc = main(command["args"])
-        os.environ.clear()
-        os.environ.update(env)
-        if rc != 0:
-            print(f"header command failed (exit {rc}): {command['text']}", file=sys.stderr, flush=True)
-            leave_process(1)
-
-
 @pytest.mark.multiprocess
 def test_header_commands_on_several_devices_run_as_written(tmp_path: Path) -> None:
     """The headers' multi-process commands (``--trainer.strategy=ddp --trainer.devices=2``, ...): the first as the
     user types it (``python -m lightning_llm``, Lightning starting the other ranks as copies of the command), beside
-    one launch per device count running all the others in one process group (:func:`several_devices_worker`: no
-    interpreter start and rendezvous per command)."""
+    one launch per device count running all the others one after another (:func:`tests.grouped.run_commands`: no
+    interpreter start per command)."""
     commands = [(argv, run_dir(REPO / "configs", tmp_path / f"{config.stem}_{i}")) for config in CONFIGS
                 for i, argv in enumerate(header_commands(header(config))[0]) if multi_device(argv)]
     assert len(commands) >= 5
     (first, first_cwd), grouped = commands[0], commands[1:]
     typed = launch(first, cwd=first_cwd, files={})
-    launches = []
-    for n in sorted({_devices(argv) for argv, _ in grouped}):
-        plan = tmp_path / f"plan-{n}.json"
-        plan.write_text(json.dumps([{"text": shlex.join(argv), "cwd": str(cwd),
-                                     "args": cli_args(argv, cwd=cwd, files={}), "port": testing.free_port()}
-                                    for argv, cwd in grouped if _devices(argv) == n]))
-        launches.append(testing.launch(__file__, n, str(plan)))
     try:
-        for proc in launches:
-            testing.wait(proc, timeout=900)
+        for n in sorted({_devices(argv) for argv, _ in grouped}):
+            run_commands([(cli_args(argv, cwd=cwd, files={}), cwd) for argv, cwd in grouped if _devices(argv) == n],
+                         nproc=n, plan=tmp_path / f"plan-{n}.json")
         assert typed.wait(timeout=600) == 0, (f"{shlex.join(first)}: exit {typed.returncode}: "
                                               f"{(first_cwd / 'output.txt').read_text()[-1500:]}")
     finally:
-        for proc in [typed, *launches]:
-            if proc.poll() is None:
-                proc.kill()
+        if typed.poll() is None:
+            typed.kill()
 
 
 def test_a_wrong_flag_in_a_header_fails_the_check(tmp_path: Path) -> None:
@@ -362,7 +332,3 @@ def test_afqmc_byte_pairs_are_cut_as_the_header_says() -> None:
     assert isinstance(dm.tokenizer, ByteTokenizer)
     assert (dm.truncated["fit"], len(dm.datasets["fit"])) == (2339, 34334)
     assert "2,339 of the 34,334 training pairs pass max_length=128" in " ".join(header(REPO / "configs" / "afqmc.yaml"))
-
-
-if __name__ == "__main__":
-    testing.run_worker(several_devices_worker, Path(sys.argv[1]))
