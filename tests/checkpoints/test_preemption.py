@@ -348,6 +348,7 @@ def _first_step(metrics: Path) -> int:
     return int(metrics.read_text().splitlines()[1].split(",")[1])
 
 
+@pytest.mark.multiprocess
 def test_the_same_command_line_serves_every_attempt(tmp_path: Path) -> None:
     """``lightning_llm fit --config configs/pretrain_debug.yaml ... --ckpt_path=last``: the first attempt starts from
     scratch, SIGTERM at step 5 saves step 6 and exits 143 saying where and how long; the same command line again
