@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 # Triton has no CPU backend; its interpreter must be enabled before triton is first imported.
@@ -25,6 +26,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+from tests import no_launch  # noqa: E402
 from tests.built_once import BuiltOnce, shared_root  # noqa: E402
 
 if TYPE_CHECKING:
@@ -62,6 +64,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return rank.get(Path(item.path).resolve().relative_to(tests).as_posix(), len(rank))
 
     items.sort(key=key)  # stable: the other files, and each file's tests, keep their order
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_launch_without_multiprocess(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Under ``-m "not multiprocess"`` (``make test-fast``) a test that starts a process fails, naming itself and the
+    command (:mod:`tests.no_launch`): the fast loop stays free of launches. Installed where tests run (never in
+    pytest-xdist's controller, which starts the workers)."""
+    with no_launch.refusing() if no_launch.refused(request.config.getoption("markexpr")) else contextlib.nullcontext():
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A test whose launch was refused fails even where it caught the failure (``except BaseException``)."""
+    outcome = yield
+    report = outcome.get_result()
+    if no_launch.refusals and call.when == "call" and report.passed:
+        report.outcome, report.longrepr = "failed", "\n".join(no_launch.refusals)
+    if call.when == "teardown":
+        no_launch.refusals.clear()
 
 
 @pytest.fixture(scope="module")

@@ -290,6 +290,7 @@ def test_fault_spec_sends_a_signal() -> None:
         parse_fault("kill:step=3:sig=USR1")
 
 
+@pytest.mark.multiprocess  # Lightning runs scontrol (a script here)
 def test_slurm_requeue_signal_runs_lightnings_requeue_at_the_step(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Under SLURM with Lightning's auto-requeue, its requeue signal (SIGUSR1, what ``--signal=USR1@60`` sends) runs

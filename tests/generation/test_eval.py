@@ -24,6 +24,7 @@ import pytest
 from lightning_llm.cli import main as cli_main
 from lightning_llm.testing import CLI_ERROR, launch, logged_rows, run_worker, wait, write_bpe_tokenizer
 
+pytestmark = pytest.mark.multiprocess  # lm-eval's results gather the environment (pip list, compilers: processes)
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs" / "eval"
 TASKS = "ceval_format,gen_local,ppl_local"
@@ -230,7 +231,6 @@ def test_eval_equals_lm_eval_hflm_on_the_export(runs: dict[str, Any]) -> None:
     assert all(t.isdigit() for t in texts), texts
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_eval_under_layouts_equals_one_device(layout_runs: Path, layout: str) -> None:
     out = layout_runs
