@@ -15,10 +15,11 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["PYTHONPATH"] = os.pathsep.join(
     dict.fromkeys(filter(None, [_ROOT, *os.environ.get("PYTHONPATH", "").split(os.pathsep)])))
 
-# Under pytest-xdist (`make test`: two workers on the CI's two cores) each worker computes on one intra-op thread: two
-# workers of two OpenMP threads each on two cores spin-wait on each other (launched ranks take one already).
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ["OMP_NUM_THREADS"] = "1"
+# One intra-op thread per test process: the tests' tensors are tiny, and a second OpenMP thread mostly spin-waits at
+# each op's barrier, more so beside other work on the cores. Under pytest-xdist (`make test`: two workers on the CI's
+# two cores) two workers of two threads each spin-wait on each other; `make test-fast` (one process) took 354 s of CPU
+# and 366 s with two threads, 226 s of CPU and 311 s beside a load of 4.5 with one. Launched ranks take one already.
+os.environ["OMP_NUM_THREADS"] = "1"
 
 from collections.abc import Callable, Iterator  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
@@ -39,10 +40,9 @@ SHARED_DATA = Path(os.environ.get("LIGHTNING_LLM_SHARED_DATA", REPO.parent / "sh
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # torch may be imported already (plugins): its pool set here too
-        import torch
+    import torch  # may be imported already (plugins): its pool set here too
 
-        torch.set_num_threads(1)
+    torch.set_num_threads(1)
 
 
 HEAVY_FIRST = (
