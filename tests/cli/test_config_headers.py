@@ -1,9 +1,9 @@
 """Every config's header stays true: each command line it shows (``lightning_llm ...``, ``python -m ...``, with its
 backslash continuations) runs as written, in order, for two steps (trainer overrides appended, and on the user's files
 their first records only; ``/path/to/...`` placeholders given the shared data in ``../shared`` where they name the
-user's files, skipped with the reason when that is absent, or files generated here), a command on several devices as
-the real multi-process CLI; every inline ```lightning_llm ...``` command parses; every other ``--flag`` the header
-names is an option of the config.
+user's files, skipped with the reason when that is absent, or files generated here) in this process; the commands on
+several devices on as many processes, the first as the user types it and the others in one launch; every inline
+```lightning_llm ...``` command parses; every other ``--flag`` the header names is an option of the config.
 
 The README's commands are checked by ``tests/house/test_readme.py``, whose parser this reuses."""
 
