@@ -25,6 +25,8 @@ lint: install
 test: install lint
 	$(PYTHON) -m pytest -q tests -n 2 --dist loadfile --no-loadscope-reorder --durations=30
 
+# The loop to run after each edit: every test that launches no process, in this one (a test that launches one fails
+# unless marked multiprocess: tests/no_launch.py).
 test-fast:
 	$(PYTHON) -m pytest -q tests -m "not multiprocess"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 # Triton has no CPU backend; its interpreter must be enabled before triton is first imported.
@@ -14,40 +15,48 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ["PYTHONPATH"] = os.pathsep.join(
     dict.fromkeys(filter(None, [_ROOT, *os.environ.get("PYTHONPATH", "").split(os.pathsep)])))
 
-# Under pytest-xdist (`make test`: two workers on the CI's two cores) each worker computes on one intra-op thread: two
-# workers of two OpenMP threads each on two cores spin-wait on each other (launched ranks take one already).
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ["OMP_NUM_THREADS"] = "1"
+# One intra-op thread per test process: the tests' tensors are tiny, and a second OpenMP thread mostly spin-waits at
+# each op's barrier, more so beside other work on the cores. Under pytest-xdist (`make test`: two workers on the CI's
+# two cores) two workers of two threads each spin-wait on each other; `make test-fast` (one process) took 354 s of CPU
+# and 366 s with two threads, 226 s of CPU and 311 s beside a load of 4.5 with one. Launched ranks take one already.
+os.environ["OMP_NUM_THREADS"] = "1"
 
-from collections.abc import Iterator  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from typing import TYPE_CHECKING  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+from tests import no_launch  # noqa: E402
+from tests.built_once import BuiltOnce, shared_root  # noqa: E402
+
 if TYPE_CHECKING:
     import torch
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+SHARED_DATA = Path(os.environ.get("LIGHTNING_LLM_SHARED_DATA", REPO.parent / "shared" / "data"))
+"""The real data (``../shared/data`` beside the repository, as benchmarks/prepare.py reads it, or
+``$LIGHTNING_LLM_SHARED_DATA``, for a checkout elsewhere); tests that need it skip without it."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # torch may be imported already (plugins): its pool set here too
-        import torch
+    import torch  # may be imported already (plugins): its pool set here too
 
-        torch.set_num_threads(1)
+    torch.set_num_threads(1)
 
 
 HEAVY_FIRST = (
-    "cli/test_config_headers.py", "parallel/test_context_parallel.py", "tasks/test_ppo.py", "speed/test_gpu_bench.py",
-    "checkpoints/test_reliability.py", "parallel/test_zero.py", "models/test_families_layouts.py",
-    "parallel/test_moe_layouts.py", "tasks/test_grpo.py", "tasks/test_dpo.py", "generation/test_eval.py",
-    "parallel/test_trainer_flags.py",
+    "parallel/test_context_parallel.py", "tasks/test_ppo.py", "cli/test_config_headers.py", "parallel/test_zero.py",
+    "models/test_families_layouts.py", "checkpoints/test_reliability.py", "parallel/test_moe_layouts.py",
+    "tasks/test_grpo.py", "speed/test_gpu_bench.py", "tasks/test_dpo.py", "parallel/test_trainer_flags.py",
+    "generation/test_eval.py", "kernels/test_compile.py",
 )
 """The files that took longest (2-7 min of a worker each, `make test` on 2 cores), run first: two workers taking whole
 files finish together when the short files come last (in collection order, one of these left a worker alone for
-minutes at the end). Only an order: a file missing here runs in its place."""
+minutes at the end). Only an order: a file missing here runs in its place. Last measured under make test: context
+parallel 357 s, PPO 320, the config headers 402, ZeRO and the families' layouts 175 each, the GPU smoke run 233; since
+then, on one worker of an idle machine, the config headers 149 -> 79 s, test_reliability 58 -> 47, the GPU smoke run
+83 -> 43 (the others' changes not measured here: take the next make test's --durations)."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -58,6 +67,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return rank.get(Path(item.path).resolve().relative_to(tests).as_posix(), len(rank))
 
     items.sort(key=key)  # stable: the other files, and each file's tests, keep their order
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_launch_without_multiprocess(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Under ``-m "not multiprocess"`` (``make test-fast``) a test that starts a process fails, naming itself and the
+    command (:mod:`tests.no_launch`): the fast loop stays free of launches. Installed where tests run (never in
+    pytest-xdist's controller, which starts the workers)."""
+    with no_launch.refusing() if no_launch.refused(request.config.getoption("markexpr")) else contextlib.nullcontext():
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A test whose launch was refused fails even where it caught the failure (``except BaseException``)."""
+    outcome = yield
+    report = outcome.get_result()
+    if no_launch.refusals and call.when == "call" and report.passed:
+        report.outcome, report.longrepr = "failed", "\n".join(no_launch.refusals)
+    if call.when == "teardown":
+        no_launch.refusals.clear()
 
 
 @pytest.fixture(scope="module")
@@ -144,6 +173,25 @@ def tiny_hf_llama(out: Path, *, tie_word_embeddings: bool = False, max_new_token
         warnings.simplefilter("ignore")
         model.save_pretrained(str(out))
     return out
+
+
+@pytest.fixture(scope="session")
+def built_once(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BuiltOnce]:
+    """``built_once(key, build)``: a folder built once per test run (:mod:`tests.built_once`), only read by tests
+    (checked when the session ends)."""
+    built = BuiltOnce(shared_root(tmp_path_factory.getbasetemp()))
+    yield built
+    assert not built.changed(), f"a test wrote into these shared folders: {built.changed()}"
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(built_once: BuiltOnce) -> Callable[..., Path]:
+    """``tiny_llama(**options)``: :func:`tiny_hf_llama`'s folder for ``options``, built once per test run; copy it
+    before changing it."""
+    def folder(**options: object) -> Path:
+        key = "-".join(["llama", *(f"{k}={v}" for k, v in sorted(options.items()))])
+        return built_once(key, lambda out: tiny_hf_llama(out, **options))
+    return folder
 
 
 def _restored_environment() -> Iterator[None]:

@@ -108,6 +108,7 @@ def _eval(path: Path, tasks: Path, results: Path, *extra: str) -> list[float]:
     return [float(r["resps"][0][0] if not isinstance(r["resps"][0][0], list) else r["resps"][0][0][0]) for r in rows]
 
 
+@pytest.mark.multiprocess  # lm-eval's results gather the environment (pip list, compilers: processes)
 def test_eval_scores_the_export_as_the_checkpoint(tmp_path: Path) -> None:
     """The README's path: a byte run exported, then ``lightning_llm eval`` on the export (its tokenizer files),
     with ``--tokenizer byte``, and on the checkpoint: the same log-likelihoods."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,11 +87,9 @@ def _encoder_dir(root: Path, arch: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def llama(tiny_llama: Callable[..., Path]) -> Path:
     """A tied-embedding LlamaForCausalLM with a ``tokenizers`` BPE tokenizer and a generation config."""
-    from tests.conftest import tiny_hf_llama
-
-    return tiny_hf_llama(tmp_path_factory.mktemp("llama") / "base", tie_word_embeddings=True, max_new_tokens=17)
+    return tiny_llama(tie_word_embeddings=True, max_new_tokens=17)
 
 
 def _same_tokenizer(exported: Path, source: Path) -> None:

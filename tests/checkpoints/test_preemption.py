@@ -373,6 +373,7 @@ def test_fault_spec_sends_a_signal() -> None:
         parse_fault("kill:step=3:sig=USR1")
 
 
+@pytest.mark.multiprocess  # Lightning runs scontrol (a script here)
 def test_slurm_requeue_signal_runs_lightnings_requeue_at_the_step(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Under SLURM with Lightning's auto-requeue, its requeue signal (SIGUSR1, what ``--signal=USR1@60`` sends) runs
@@ -431,6 +432,7 @@ def _first_step(metrics: Path) -> int:
     return int(metrics.read_text().splitlines()[1].split(",")[1])
 
 
+@pytest.mark.multiprocess
 def test_the_same_command_line_serves_every_attempt(tmp_path: Path) -> None:
     """``lightning_llm fit --config configs/pretrain_debug.yaml ... --ckpt_path=last``: the first attempt starts from
     scratch, SIGTERM at step 5 saves step 6 and exits 143 saying where and how long; the same command line again

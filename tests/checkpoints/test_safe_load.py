@@ -11,7 +11,8 @@ strategies' own ``load_checkpoint`` refuse too when the CLI's check is bypassed 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -131,13 +132,13 @@ def test_strategies_refuse_on_their_own(sources: dict[str, Path], crafted: dict[
     assert line.startswith(f"--ckpt_path={path}: {where + ': ' if where else ''}{REFUSED}"), line
 
 
-def test_hf_backbone_weights_refused(tmp_path: Path, marker: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_hf_backbone_weights_refused(tmp_path: Path, marker: Path, tiny_llama: Callable[..., Path],
+                                     capsys: pytest.CaptureFixture[str]) -> None:
     """A backbone directory whose ``pytorch_model.bin`` was crafted: one line naming it."""
-    from tests.conftest import tiny_hf_llama
     from tests.safe_load_fixtures import Payload
     from safetensors.torch import load_file
 
-    d = tiny_hf_llama(tmp_path / "llama")
+    d = Path(shutil.copytree(tiny_llama(), tmp_path / "llama"))
     weights = load_file(str(d / "model.safetensors"))
     (d / "model.safetensors").unlink()
     torch.save({**weights, "payload": Payload(marker)}, d / "pytorch_model.bin")

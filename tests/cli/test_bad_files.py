@@ -6,6 +6,7 @@ tokenizer files (``tokenizer.json``, ``tokenizer_config.json``, ``vocab.txt``), 
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,11 +19,9 @@ PREFIX = "lightning_llm: error: "
 
 
 @pytest.fixture(scope="module")
-def backbone(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def backbone(tiny_llama: Callable[..., Path]) -> Path:
     """A tiny LlamaForCausalLM directory with a BPE ``tokenizers`` tokenizer, as ``save_pretrained`` writes them."""
-    from tests.conftest import tiny_hf_llama
-
-    return tiny_hf_llama(tmp_path_factory.mktemp("hf") / "llama")
+    return tiny_llama()
 
 
 def _fit(tmp_path: Path, *extra: str) -> list[str]:

@@ -1,9 +1,9 @@
 """Every config's header stays true: each command line it shows (``lightning_llm ...``, ``python -m ...``, with its
 backslash continuations) runs as written, in order, for two steps (trainer overrides appended, and on the user's files
 their first records only; ``/path/to/...`` placeholders given the shared data in ``../shared`` where they name the
-user's files, skipped with the reason when that is absent, or files generated here), a command on several devices as
-the real multi-process CLI; every inline ```lightning_llm ...``` command parses; every other ``--flag`` the header
-names is an option of the config.
+user's files, skipped with the reason when that is absent, or files generated here) in this process; the commands on
+several devices on as many processes, the first as the user types it and the others in one launch; every inline
+```lightning_llm ...``` command parses; every other ``--flag`` the header names is an option of the config.
 
 The README's commands are checked by ``tests/house/test_readme.py``, whose parser this reuses."""
 
@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tests.conftest import SHARED_DATA, tiny_hf_llama
+from tests.conftest import SHARED_DATA
+from tests.grouped import run_commands
 from tests.house.test_readme import LIGHTNING_SUBCOMMANDS, _cli, command_error
 
 from lightning_llm.cli import LLMCLI, main
@@ -219,15 +220,11 @@ def _shared(relative: str) -> Callable[[], Path]:
     return find
 
 
-def _generated_files(root: Path) -> Files:
-    """Placeholders of files a user brings that this test writes itself: a tiny HF Llama with its tokenizer, and a
-    corpus (a JSONL file, or a folder of them)."""
-    made: dict[str, Path] = {}
-
+def _generated_files(root: Path, tiny_llama: Callable[..., Path]) -> Files:
+    """Placeholders of files a user brings that this test writes itself: a tiny HF Llama with its tokenizer (built
+    once per test run), and a corpus (a JSONL file, or a folder of them)."""
     def llama() -> Path:
-        if "llama" not in made:
-            made["llama"] = tiny_hf_llama(root / "llama-hf", max_position_embeddings=512)
-        return made["llama"]
+        return tiny_llama(max_position_embeddings=512)
 
     def corpus(name: str) -> Callable[[], Path]:
         def write() -> Path:
@@ -267,8 +264,8 @@ WRITTEN = {
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
-def test_header_commands_run_as_written(config: Path, tmp_path: Path) -> None:
-    files = {**_generated_files(tmp_path / "files"), **{k: _shared(v) for k, v in SHARED_FILES.items()}}
+def test_header_commands_run_as_written(config: Path, tmp_path: Path, tiny_llama: Callable[..., Path]) -> None:
+    files = {**_generated_files(tmp_path / "files", tiny_llama), **{k: _shared(v) for k, v in SHARED_FILES.items()}}
     run = tmp_path / "run"
     assert check_header(config, cwd=run, files=files) == []
     for name, text in WRITTEN.get(config.stem, {}).items():
@@ -277,20 +274,24 @@ def test_header_commands_run_as_written(config: Path, tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 def test_header_commands_on_several_devices_run_as_written(tmp_path: Path) -> None:
-    """The headers' multi-process commands (``--trainer.strategy=ddp --trainer.devices=2``, ...), started together."""
-    commands = [(argv, tmp_path / f"{config.stem}_{i}") for config in CONFIGS
+    """The headers' multi-process commands (``--trainer.strategy=ddp --trainer.devices=2``, ...): the first as the
+    user types it (``python -m lightning_llm``, Lightning starting the other ranks as copies of the command), beside
+    one launch per device count running all the others one after another (:func:`tests.grouped.run_commands`: no
+    interpreter start per command)."""
+    commands = [(argv, run_dir(REPO / "configs", tmp_path / f"{config.stem}_{i}")) for config in CONFIGS
                 for i, argv in enumerate(header_commands(header(config))[0]) if multi_device(argv)]
-    runs = [(shlex.join(argv), cwd, launch(argv, cwd=run_dir(REPO / "configs", cwd), files={})) for argv, cwd in commands]
-    failed = {}
+    assert len(commands) >= 5
+    (first, first_cwd), grouped = commands[0], commands[1:]
+    typed = launch(first, cwd=first_cwd, files={})
     try:
-        for command, cwd, proc in runs:
-            if proc.wait(timeout=600) != 0:
-                failed[command] = f"exit {proc.returncode}: {(cwd / 'output.txt').read_text()[-1500:]}"
+        for n in sorted({_devices(argv) for argv, _ in grouped}):
+            run_commands([(cli_args(argv, cwd=cwd, files={}), cwd) for argv, cwd in grouped if _devices(argv) == n],
+                         nproc=n, plan=tmp_path / f"plan-{n}.json")
+        assert typed.wait(timeout=600) == 0, (f"{shlex.join(first)}: exit {typed.returncode}: "
+                                              f"{(first_cwd / 'output.txt').read_text()[-1500:]}")
     finally:
-        for _, _, proc in runs:
-            if proc.poll() is None:
-                proc.kill()
-    assert len(runs) >= 5 and failed == {}
+        if typed.poll() is None:
+            typed.kill()
 
 
 def test_a_wrong_flag_in_a_header_fails_the_check(tmp_path: Path) -> None:

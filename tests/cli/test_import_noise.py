@@ -11,6 +11,8 @@ import subprocess
 import sys
 from enum import Enum
 
+import pytest
+
 SCRIPT = """
 import sys
 {first}
@@ -36,6 +38,7 @@ def _stderr(first: str) -> tuple[str, str]:
     return proc.stdout, proc.stderr
 
 
+@pytest.mark.multiprocess  # an import is seen in a fresh interpreter
 def test_importing_the_package_drops_torchaos_import_lines_and_quantization_runs() -> None:
     _, ours = _stderr("import lightning_llm")
     _, bare = _stderr("pass")  # torchao imported (by peft) before the package: the filter comes too late

@@ -9,6 +9,7 @@ import csv
 import json
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,11 +26,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def llama_dir(tiny_llama: Callable[..., Path]) -> Path:
     """A tiny LlamaForCausalLM (GQA, untied head) with a BPE tokenizer, written by transformers/tokenizers."""
-    from tests.conftest import tiny_hf_llama
-
-    return tiny_hf_llama(tmp_path_factory.mktemp("hf") / "llama")
+    return tiny_llama()
 
 
 def _reference_flops(hf_dir: Path, batch: int, seq: int) -> int:

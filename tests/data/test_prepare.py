@@ -91,6 +91,7 @@ def _small_tasks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(token_store, "BATCH_CHARS", 300)
 
 
+@pytest.mark.multiprocess  # 2 forked tokenizing workers
 @pytest.mark.parametrize("kind", ["bpe", "bert"])
 def test_prepared_tokens_equal_the_tokenizer_over_every_format(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                kind: str, bpe_dir: Path, bert_dir: Path) -> None:
@@ -230,6 +231,7 @@ def _wrote_tokens(staging: Path) -> bool:
         return False
 
 
+@pytest.mark.multiprocess  # the preparation in a forked process, killed
 def test_sigkilled_preparation_leaves_no_store_that_looks_finished(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A preparation killed (SIGKILL) after writing tokens: no store under the final name (its manifest is written
@@ -259,6 +261,7 @@ def test_sigkilled_preparation_leaves_no_store_that_looks_finished(tmp_path: Pat
     assert store.content == clean.content and store.tokens.tolist() == clean.tokens.tolist()
 
 
+@pytest.mark.multiprocess  # two forked preparers
 def test_concurrent_preparers_tokenize_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two processes preparing the same corpus at once (two nodes on a shared filesystem): one tokenizes, the other
     waits on the lock and reuses its store."""
@@ -280,6 +283,7 @@ def test_concurrent_preparers_tokenize_once(tmp_path: Path, monkeypatch: pytest.
     assert len([p for p in (tmp_path / "cache").iterdir() if p.is_dir()]) == 1
 
 
+@pytest.mark.multiprocess  # 2 forked tokenizing workers
 @pytest.mark.parametrize(("bad", "message"), [
     (b'{"text": "cut here', "bad.jsonl:1234: malformed JSON"),
     (b'{"body": "no text field"}', "bad.jsonl:1234: missing field 'text'"),
@@ -325,6 +329,7 @@ def test_bad_paths_are_refused_at_construction(tmp_path: Path) -> None:
         TextDataModule([0, str(tmp_path / "x.csv")])
 
 
+@pytest.mark.multiprocess  # 2 forked tokenizing workers
 def test_a_large_txt_document_spans_tasks_and_stays_one_document(tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A .txt file without a newline, 9x a task and 20x a batch: cut between characters (never inside one), into

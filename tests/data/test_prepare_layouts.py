@@ -155,6 +155,7 @@ def test_sigkill_then_resume_at_another_dp_degree(runs: Path) -> None:
     assert err <= TOL
 
 
+@pytest.mark.multiprocess
 def test_resume_with_other_weights_is_refused(runs: Path) -> None:
     """The killed run's checkpoint records its mixture (0.4 / 0.6): resuming it at 0.5 / 0.5 stops before a step."""
     from lightning_llm.data import DataError

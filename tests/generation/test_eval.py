@@ -6,8 +6,8 @@ generation task, with the callback scoring every 30 steps. Local data only, writ
 C-Eval's CSV format read by the shipped ``configs/eval/ceval_format.yaml`` (two subjects, one-shot prompts from the
 dev files), a generation task (``exact_match``, stop at a newline) and a perplexity task (``loglikelihood_rolling``).
 Then, in this process: ``lightning_llm eval`` on the ``.ckpt`` (one device), ``lightning_llm export`` and lm-eval's
-``HFLM`` on the export; meanwhile one torchrun launch of 2 processes runs ``eval`` under tp x2 (PATH: the HF
-export) and pp x2 (PATH: the checkpoint as a layout-free DCP directory). Per-sample log-likelihoods must agree
+``HFLM`` on the export; after them one launch of 2 processes runs ``eval`` under tp x2 (PATH: the HF export) and
+pp x2 (PATH: the checkpoint as a layout-free DCP directory). Per-sample log-likelihoods must agree
 within 1e-4, generated strings and every metric exactly.
 """
 
@@ -24,6 +24,7 @@ import pytest
 from lightning_llm.cli import main as cli_main
 from lightning_llm.testing import CLI_ERROR, launch, logged_rows, run_worker, wait, write_bpe_tokenizer
 
+pytestmark = pytest.mark.multiprocess  # lm-eval's results gather the environment (pip list, compilers: processes)
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs" / "eval"
 TASKS = "ceval_format,gen_local,ppl_local"
@@ -162,20 +163,25 @@ def _layouts(out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The trained checkpoint, its export and DCP directory, HFLM's scores of the export and ``eval``'s of the
+    checkpoint on one device, in this process."""
     from lightning_llm.strategies.engine.hybrid_checkpoint import from_lightning_checkpoint
 
     out = tmp_path_factory.mktemp("eval")
     ckpt = _fit(out)
     assert cli_main(["export", str(ckpt), "--to", str(out / "hf")]) == 0
     from_lightning_checkpoint(ckpt, out / "dcp")
-    proc = launch(__file__, 2, str(out))
-    try:
-        reference = _hflm(out / "hf", out)
-        # one device with the static cache (issue 57): the generations equal HFLM's as the layouts' dynamic ones do
-        assert _eval(_eval_args(ckpt, out, out / "results-1", "--cache_implementation", "static")) == 0
-    finally:
-        print(wait(proc, 900)[-3000:])
+    reference = _hflm(out / "hf", out)
+    # one device with the static cache (issue 57): the generations equal HFLM's as the layouts' dynamic ones do
+    assert _eval(_eval_args(ckpt, out, out / "results-1", "--cache_implementation", "static")) == 0
     return {"out": out, "hflm": reference}
+
+
+@pytest.fixture(scope="module")
+def layout_runs(runs: dict[str, Any]) -> Path:
+    """``eval`` under every layout of :data:`LAYOUTS`: one launch of 2 processes, after the one-device runs."""
+    print(wait(launch(__file__, 2, str(runs["out"])), 900)[-3000:])
+    return runs["out"]
 
 
 def _compare(got: dict[str, dict[int, Any]], ref: dict[str, dict[int, Any]], what: str, tasks: str = TASKS) -> float:
@@ -225,10 +231,9 @@ def test_eval_equals_lm_eval_hflm_on_the_export(runs: dict[str, Any]) -> None:
     assert all(t.isdigit() for t in texts), texts
 
 
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_eval_under_layouts_equals_one_device(runs: dict[str, Any], layout: str) -> None:
-    out = runs["out"]
+def test_eval_under_layouts_equals_one_device(layout_runs: Path, layout: str) -> None:
+    out = layout_runs
     one = _samples(out / "results-1")
     worst = _compare(_samples(out / f"results-{layout}"), one, layout)
     print(f"{layout} x2 vs one device: max |loglikelihood diff| {worst:.2e}")

@@ -209,10 +209,12 @@ def compiled_runs() -> dict[str, Any]:
     return runs
 
 
+@pytest.mark.multiprocess  # inductor's C++ compiler runs as processes
 def test_compiled_steps_give_the_eager_tokens(compiled_runs: dict[str, Any]) -> None:
     assert compiled_runs["equal"] == [True] * len(LENGTHS) and compiled_runs["sampled_equal"]
 
 
+@pytest.mark.multiprocess  # inductor's C++ compiler runs as processes
 def test_no_new_graph_within_a_bucket(compiled_runs: dict[str, Any]) -> None:
     """One graph for the greedy step of (B=4, capacity 96), traced at the first generation; the second and third
     prompt lengths and lengths to generate reuse it."""
@@ -222,6 +224,7 @@ def test_no_new_graph_within_a_bucket(compiled_runs: dict[str, Any]) -> None:
     assert not static_decoding._partial  # the step traced as one graph (fullgraph=True), not in pieces
 
 
+@pytest.mark.multiprocess  # inductor's C++ compiler runs as processes
 def test_compiled_generation_reads_the_host_rarely(compiled_runs: dict[str, Any]) -> None:
     reads = compiled_runs["reads"]
     print(f"compiled, 64 tokens with EOS ids: {len(reads)} host reads {reads}")

@@ -12,6 +12,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.multiprocess  # make and git run as the README's reader runs them
+
 REPO = Path(__file__).resolve().parents[2]
 
 

@@ -69,6 +69,7 @@ def test_a_failed_rank_ends_the_job(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 60  # rank 0 (sleeping 120 s) was stopped
 
 
+@pytest.mark.multiprocess
 def test_a_cli_error_reaches_the_caller(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="--trainer.strategy='zero4': unknown strategy"):
         run_cli(["fit", "--config", str(Path(__file__).parents[2] / "configs" / "pretrain_debug.yaml"),

@@ -128,6 +128,7 @@ def test_tensor_parallel_refuses_compile(runs: Path) -> None:
     assert refused.startswith("--model.compile=true under tensor parallelism (tp=2): torch "), refused
 
 
+@pytest.mark.multiprocess  # inductor's C++ compiler runs as processes
 def test_cli_flag_reaches_the_task_and_the_run_summary(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     import logging
 

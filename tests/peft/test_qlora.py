@@ -176,9 +176,10 @@ def test_frozen_base_bytes_against_bf16() -> None:
     assert 0.25 < ratio < 0.27  # 4 bits + an int8 scale per 64 weights + an fp32 factor per scale block
 
 
-def test_refusals_name_the_flag(base_dir: Path, tmp_path: Path) -> None:
-    """One line each: torchao missing (a torchao that fails to import shadows the installed one), no PEFT method, a
-    prompt-learning method, double_quant=false."""
+@pytest.mark.multiprocess  # torchao is imported in this process: a fresh one sees the fake
+def test_missing_torchao_is_one_line_naming_the_flag(base_dir: Path, tmp_path: Path) -> None:
+    """torchao missing (a torchao that fails to import shadows the installed one): one line naming the flag and the
+    extra that installs it."""
     import os
     import subprocess
     import sys
@@ -194,6 +195,10 @@ def test_refusals_name_the_flag(base_dir: Path, tmp_path: Path) -> None:
     err = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "error:" in ln]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert len(err) == 1 and "--model.quantize=nf4 needs torchao" in err[0] and "[quant]" in err[0], err
+
+
+def test_refusals_name_the_flag() -> None:
+    """No PEFT method, a prompt-learning method, double_quant=false, a quantized module to save."""
     with pytest.raises(ValueError, match="needs an injected method"):
         CausalLMTask("debug", quantize="nf4")
     with pytest.raises(ValueError, match="got peft.method=prompt_tuning"):

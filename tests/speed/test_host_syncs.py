@@ -6,7 +6,7 @@ work again.
 The shipped configs' tasks run through ``lightning_llm fit`` (the real Trainer, callbacks and strategies) for 9
 steps with ``log_every_n_steps=50``; :class:`~lightning_llm.testing.HostReadCounter` counts the reads of batches 3-7
 and attributes each to its owner. Single-process tasks run in the pytest process; the 2-process layouts share one
-torchrun launch (each layout a fit of its own). The one read left is the non-finite guard's, of a copy made before
+launch (each layout a fit of its own), after them. The one read left is the non-finite guard's, of a copy made before
 the optimizer's kernels (``tasks.guard``). Lightning's own reads (it turns progress-bar values into numbers at every
 batch end: host copies here, see ``tasks.progress``) are printed, not budgeted: on the CPU they cannot be told from
 device reads. One of Lightning's is asserted gone: its per-batch SIGTERM broadcast read on multi-rank runs
@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_llm.testing import HostReadCounter, launch, run_reference_meanwhile, run_worker, write_json_on_rank0
+from lightning_llm.testing import HostReadCounter, launch, run_worker, wait, write_json_on_rank0
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 BUDGET = 1
@@ -87,8 +87,7 @@ def _data(root: Path) -> Path:
     return root
 
 
-def _worker(out: Path) -> None:
-    data = out / "data"
+def _worker(out: Path, data: Path) -> None:
     for name, (config, extra) in LAYOUTS.items():
         _fit(config, [*extra, "--trainer.devices=2"], out / name, data)
     write_json_on_rank0(out / "done.json", sorted(LAYOUTS))
@@ -122,16 +121,24 @@ def _summary(name: str, out: Path) -> tuple[int, int]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _data(tmp_path_factory.mktemp("host_syncs_data"))
+
+
+@pytest.fixture(scope="module")
+def single_runs(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The one-process runs, in this process."""
     out = tmp_path_factory.mktemp("host_syncs")
-    _data(out / "data")
-    proc = launch(__file__, 2, str(out / "layouts"))
+    for name, (config, extra) in SINGLE.items():
+        _fit(config, extra, out / name, data)
+    return out
 
-    def single() -> None:
-        for name, (config, extra) in SINGLE.items():
-            _fit(config, extra, out / name, out / "data")
 
-    run_reference_meanwhile(proc, single, timeout=900)
+@pytest.fixture(scope="module")
+def layout_runs(data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 2-process runs, one launch."""
+    out = tmp_path_factory.mktemp("host_syncs_layouts")
+    wait(launch(__file__, 2, str(out), str(data)), timeout=900)
     return out
 
 
@@ -153,20 +160,20 @@ def test_the_counter_counts_a_known_read() -> None:
 
 
 @pytest.mark.parametrize("name", list(SINGLE))
-def test_one_process_tasks_read_at_most_once_per_step(runs: Path, name: str) -> None:
-    ours, steps = _summary(name, runs / name)
+def test_one_process_tasks_read_at_most_once_per_step(single_runs: Path, name: str) -> None:
+    ours, steps = _summary(name, single_runs / name)
     assert steps == 5
     assert ours <= BUDGET
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layouts_read_at_most_once_per_step(runs: Path, name: str) -> None:
-    ours, steps = _summary(name, runs / "layouts" / name)
+def test_layouts_read_at_most_once_per_step(layout_runs: Path, name: str) -> None:
+    ours, steps = _summary(name, layout_runs / name)
     assert steps == 5
     assert ours <= BUDGET + (MOE_LAYERS if name == "ep" else 0)
-    assert not _reads_at(runs / "layouts" / name, LIGHTNING_SIGTERM_READ)  # switched off: the store agrees instead
+    assert not _reads_at(layout_runs / name, LIGHTNING_SIGTERM_READ)  # switched off: the store agrees instead
 
 
 if __name__ == "__main__":
-    run_worker(_worker, Path(sys.argv[1]))
+    run_worker(_worker, Path(sys.argv[1]), Path(sys.argv[2]))
