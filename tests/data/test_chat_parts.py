@@ -50,9 +50,12 @@ def _as_strings(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _rows(dataset: Any) -> list[dict[str, Any]]:
     """The dataset's rows; an RL prompt's fitted ``conversation`` (what a decoder reward model renders with its own
-    template, parts as it takes them) as each message's role and text."""
+    template, parts as it takes them) as each message's role and text; a preference row's ``where`` by its
+    line."""
     rows = [dict(dataset[i]) for i in range(len(dataset))]
     for row in rows:
+        if "where" in row:  # the record's file and line (files of parts and of strings differ by name only)
+            row["where"] = row["where"].rsplit(":", 1)[-1]
         if "conversation" in row:
             row["conversation"] = [(m["role"], message_text(m)) for m in row["conversation"].messages]
     return rows
