@@ -332,10 +332,9 @@ def test_ppo_scored_by_a_reward_checkpoint_with_the_value_model_from_its_export(
     seen: list[tuple[list[str], list[str], torch.Tensor]] = []
     score = task.score
 
-    def recorded(prompts: list[str], responses: list[str], conversations: Any = None) -> torch.Tensor:
-        out = score(prompts, responses, conversations)
-        seen.append((prompts, responses, out))
-        return out
+    def recorded(samples: Any) -> None:  # what every reward source scored: each row's prompt and response
+        score(samples)
+        seen.append((samples.prompts, samples.texts, samples.scores.clone()))
 
     task.score = recorded  # type: ignore[method-assign]
     hf = _quiet(AutoModelForSequenceClassification.from_pretrained, str(trained["full"]["hf"])).eval()
@@ -392,10 +391,10 @@ def test_grpo_scores_the_prompt_conversation_with_the_reward_models_template(tra
     seen: list[tuple[list[str], Any, torch.Tensor]] = []
     score = task.score
 
-    def recorded(prompts: list[str], responses: list[str], conversations: Any = None) -> torch.Tensor:
-        out = score(prompts, responses, conversations)
-        seen.append((responses, conversations, out))
-        return out
+    def recorded(samples: Any) -> None:  # each response beside the conversation its prompt (of G responses) holds
+        score(samples)
+        per = len(samples.texts) // len(samples.conversations)
+        seen.append((samples.texts, [c for c in samples.conversations for _ in range(per)], samples.scores.clone()))
 
     task.score = recorded  # type: ignore[method-assign]
     pl.seed_everything(0)
