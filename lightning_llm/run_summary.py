@@ -312,14 +312,17 @@ def _memory_line(trainer: pl.Trainer, task: Any, layout: Layout, batch: int | No
     # the estimate models quantized weights over the whole model (ddp, zero); a pipeline stage's share is not
     quantized = Quantized(mode, task.quantization) if mode and layout.pp == 1 else None
     copies = len(frozen_models_of(task))
+    optimizer = getattr(getattr(task, "optim", None), "name", "adamw")  # --model.optim.name: its states by role
     est, _ = estimate_layout(config, tp=layout.tp, pp=layout.pp, dp=layout.dp, stage=layout.zero_stage,
                              engine=layout.engine, batch_size=batch, seq_len=int(ids.shape[-1]), precision=precision,
                              fused_loss=fused, offload_optimizer=layout.offload_optimizer,
                              offload_params=layout.offload_params, cp=layout.cp, ep=layout.ep,
-                             quantized=quantized, frozen_copies=copies, offload_device=layout.offload_device)
+                             quantized=quantized, frozen_copies=copies, offload_device=layout.offload_device,
+                             optimizer=optimizer)
     frozen = [("frozen copies", est.frozen)] if copies else []
     parts = ", ".join(f"{name} {v / MIB:.1f}" for name, v in (
-        ("parameters", est.params), ("gradients", est.grads), ("optimizer", est.optim), *frozen,
+        ("parameters", est.params), ("gradients", est.grads),
+        ("optimizer" if optimizer == "adamw" else f"optimizer ({optimizer})", est.optim), *frozen,
         ("activations", est.activations), ("loss", est.loss)))
     host = f"; {est.host / MIB:.1f} MiB offloaded to host" if est.host else ""
     if est.disk:

@@ -14,6 +14,12 @@ deepspeed, fp32   4       4      12 (fp32 partition copy the optimizer updates +
 deepspeed, AMP    2       2      12 (fp32 master 4 + m 4 + v 4; + a transient fp32 gradient partition in step)
 ================  ======  =====  ===============================================================
 
+The optimizer column is AdamW's (``--model.optim.name=adamw``). With Muon (``muon``) the hidden weight matrices
+(:mod:`lightning_llm.optim.roles`: the projections of a family's blocks, each expert's matrices) keep one momentum
+buffer in the parameter's dtype instead of AdamW's two (native: 4 bytes in fp32/AMP, 2 in ``*-true16``), the rest
+AdamW's (:func:`optimizer_bytes_per_param`, from ``optim.STATE_TENSORS``); a layout's share of those matrices is
+counted as its share of the parameters (:func:`layout_share`). DeepSpeed refuses Muon, and so does the model.
+
 Stage 1 divides the optimizer column by N, stage 2 also gradients, stage 3 also parameters (DeepSpeed's stage 1
 already partitions gradients like its stage 2). E.g. native fp32:
 stage 1 = 4Ψ + 4Ψ + 8Ψ/N, stage 2 = 4Ψ + 12Ψ/N, stage 3 = 16Ψ/N; the ZeRO paper's mixed form is 2Ψ + 2Ψ + 12Ψ/N).
@@ -56,6 +62,7 @@ from lightning_llm.models import model_from_config, parallel_spec_of
 from lightning_llm.models.init import FILL_SCRATCH_BYTES
 from lightning_llm.models.quantize import QuantizationConfig, QuantizeMode, bytes_per_weight, quantized_linears
 from lightning_llm.models.tp_plans import HeadSharded
+from lightning_llm.optim import STATE_TENSORS, split_parameters
 from lightning_llm.strategies.pipeline.split import split_layers
 from lightning_llm.strategies.zero.native import module_path_matches
 from lightning_llm.strategies.zero.nvme import swap_buffer_bytes
@@ -72,12 +79,14 @@ from lightning_llm.memory.activations import (
 )
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+OPTIMIZERS = ("adamw", "muon")
+"""``--model.optim.name``'s choices."""
 
-__all__ = ["Estimate", "FUSED_CHUNK_FP32_COPIES", "LayoutShare", "PRECISIONS", "Quantized", "activation_bytes_per_sample",
+__all__ = ["Estimate", "FUSED_CHUNK_FP32_COPIES", "LayoutShare", "OPTIMIZERS", "PRECISIONS", "Quantized", "activation_bytes_per_sample",
            "attention_elements_per_token", "attention_width", "bytes_per_param", "check_expert_parallel",
            "deltanet_bytes", "deltanet_flops_per_token", "estimate", "estimate_layout", "frozen_copy_bytes",
            "layout_share", "loss_bytes", "loss_peak_bytes", "max_batch_size", "model_state_theory",
-           "moe_layer_bytes_per_token", "quantized_numel", "quantized_setup_peak_bytes", "setup_peak_bytes"]
+           "moe_layer_bytes_per_token", "optimizer_bytes_per_param", "quantized_numel", "quantized_setup_peak_bytes", "setup_peak_bytes"]
 
 
 def bytes_per_param(engine: str, precision: str) -> tuple[int, int, int]:
@@ -91,21 +100,41 @@ def bytes_per_param(engine: str, precision: str) -> tuple[int, int, int]:
     raise ValueError(f"engine={engine!r}: must be 'native', 'deepspeed' or 'ddp'")
 
 
+def optimizer_bytes_per_param(optimizer: str, engine: str, precision: str) -> tuple[int, int]:
+    """Optimizer-state bytes per parameter before sharding, ``(on AdamW, a hidden weight matrix's)``: the same under
+    ``adamw``; under ``muon`` a matrix keeps Muon's state tensors where AdamW keeps its own, in the same dtype."""
+    adam = bytes_per_param(engine, precision)[2]
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}: must be one of {', '.join(OPTIMIZERS)}")
+    if optimizer == "adamw":
+        return adam, adam
+    if engine == "deepspeed":
+        raise ValueError("Muon (--optim=muon, --model.optim.name=muon) is refused under DeepSpeed, whose ZeRO steps on "
+                         "flattened partitions that hold no matrix whole: use the native preset of the same stage "
+                         "(zero1, zero2, zero3)")
+    per_tensor = adam // len(STATE_TENSORS["adamw"])  # m and v, each in the parameter's dtype
+    return adam, per_tensor * len(STATE_TENSORS["muon"])
+
+
 def model_state_theory(*, numel: int, stage: int, dp: int, precision: str = "32-true", engine: str = "native",
-                       offload_optimizer: bool = False, offload_params: bool = False) -> dict[str, int]:
+                       offload_optimizer: bool = False, offload_params: bool = False, optimizer: str = "adamw",
+                       matrices: int = 0) -> dict[str, int]:
     """Device bytes of ``params``, ``grads`` and ``optim`` per rank for ZeRO ``stage`` (0 = plain DDP) over ``dp``
-    ranks. Offloaded parts are 0 here (see :func:`host_state_theory`)."""
+    ranks; ``matrices`` of the ``numel`` parameters are hidden weight matrices, which ``optimizer`` may keep other
+    states for (:func:`optimizer_bytes_per_param`). Offloaded parts are 0 here (:func:`estimate` counts them on the host)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage={stage}: must be 0 (DDP), 1, 2 or 3")
     if dp < 1:
         raise ValueError(f"dp={dp}: must be >= 1")
-    p, g, o = bytes_per_param(engine, precision)
+    p, g, _ = bytes_per_param(engine, precision)
+    adam, matrix = optimizer_bytes_per_param(optimizer, engine, precision)
+    o = adam * (numel - matrices) + matrix * matrices  # bytes of the whole optimizer state (before sharding)
     out = {
         "params": p * numel / (dp if stage >= 3 else 1),
         # DeepSpeed's stage 1 shares stage 2's code path: gradients are reduce-scattered into the fp32 partition and
         # the full ones released, so at the optimizer step it holds stage 2's gradient bytes (measured: 4Ψ/N).
         "grads": g * numel / (dp if stage >= 2 or (engine == "deepspeed" and stage == 1) else 1),
-        "optim": o * numel / (dp if stage >= 1 else 1),
+        "optim": o / (dp if stage >= 1 else 1),
     }
     if offload_optimizer:
         out["optim"] = 0
@@ -144,16 +173,19 @@ class Estimate:
 def estimate(config: Any, *, numel: int, batch_size: int, seq_len: int, precision: str, devices: int, stage: int,
              engine: str, offload_optimizer: bool = False, offload_params: bool = False, fused_loss: bool = False,
              tp: int = 1, cp: int = 1, quantized: Quantized | None = None, offload_device: str = "cpu",
-             largest_param: int = 0) -> Estimate:
+             largest_param: int = 0, optimizer: str = "adamw", matrices: int = 0) -> Estimate:
     """Per-device memory; ``fused_loss``: the loss path the run takes (the fused LM-head loss keeps no logits);
     ``cp``: ranks sharing each sequence (each holds ``seq_len / cp`` of its tokens). ``quantized``: the frozen block
     linears held quantized (``--model.quantize``): their bytes as stored, no gradients or optimizer states (the rest
     still counts as trained: full fine-tuning figures). ``offload_device="nvme"``: the offloaded states in swap
-    files, DeepSpeed's swap buffers (sized by ``largest_param``, a rank's largest partition) in host memory."""
+    files, DeepSpeed's swap buffers (sized by ``largest_param``, a rank's largest partition) in host memory.
+    ``optimizer`` (``--model.optim.name``) and ``matrices``: the hidden weight matrices' parameters among ``numel``
+    (:func:`model_state_theory`; quantized weights are such matrices, frozen)."""
     q = quantized_numel(config) if quantized is not None else 0
-    states = model_state_theory(numel=numel - q, stage=stage, dp=devices, precision=precision, engine=engine,
-                                offload_optimizer=offload_optimizer, offload_params=offload_params)
-    full = model_state_theory(numel=numel - q, stage=stage, dp=devices, precision=precision, engine=engine)
+    states, full = (model_state_theory(numel=numel - q, stage=stage, dp=devices, precision=precision, engine=engine,
+                                       optimizer=optimizer, matrices=max(matrices - q, 0), offload_optimizer=off_o,
+                                       offload_params=off_p)
+                    for off_o, off_p in ((offload_optimizer, offload_params), (False, False)))
     host = sum(full.values()) - sum(states.values())
     disk = 0
     if offload_device == "nvme":
@@ -201,6 +233,9 @@ class LayoutShare:
     read_peak: int
     largest: int = 0
     """The most elements of one parameter on the rank (what sizes DeepSpeed's NVMe swap buffers)."""
+    matrices: int = 0
+    """Of ``numel``, the elements of hidden weight matrices (Muon's role, :mod:`lightning_llm.optim.roles`), where
+    asked for (:func:`layout_share`'s ``matrices``)."""
 
 
 def _tp_dim(style: Any, module: nn.Module, attr: str) -> int | None:
@@ -222,10 +257,11 @@ def _stage_prefixes(model: nn.Module, pp: int) -> list[tuple[str, ...]]:
              *(f"{m}." for m in spec.last if s == len(layers) - 1)) for s, keys in enumerate(layers)]
 
 
-def layout_share(config: Any, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, zero3: bool = False
-                 ) -> LayoutShare:
+def layout_share(config: Any, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, zero3: bool = False,
+                 matrices: bool = False) -> LayoutShare:
     """:class:`LayoutShare` of the fullest stage of ``config``'s model under the layout (see the module docstring);
-    ``dp``: the replicas (``dp x cp``), of which groups of ``ep`` share each MoE layer's experts."""
+    ``dp``: the replicas (``dp x cp``), of which groups of ``ep`` share each MoE layer's experts; ``matrices``: also
+    count the hidden weight matrices' elements among them (Muon's role)."""
     # A model built for its shapes only: its init_seed draw must leave torch's generator as it was (the run summary
     # calls this on rank 0 alone before step 1; a resumed run's dropout then differed from the uninterrupted one's).
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
@@ -236,9 +272,10 @@ def layout_share(config: Any, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int 
     modules = dict(model.named_modules())
     styles = {path: style for pattern, style in plan.items() for path in modules
               if module_path_matches(path, pattern)}
+    hidden = _hidden_matrices(model) if matrices else set()
     best = LayoutShare(0, 0)
     for prefixes in _stage_prefixes(model, pp):
-        numel = read_peak = largest = 0
+        numel = read_peak = largest = mats = 0
         seen: set[int] = set()
         for name, p in model.named_parameters(remove_duplicate=False):  # the order materialize fills them in
             if id(p) in seen or not name.startswith(prefixes):
@@ -256,10 +293,18 @@ def layout_share(config: Any, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int 
                 shape[0] = math.ceil(shape[0] / shards)
             n = math.prod(shape)
             read_peak = max(read_peak, numel + 2 * n)  # filled so far + this one + its slice read from the file
-            numel, largest = numel + n, max(largest, n)
+            numel, largest, mats = numel + n, max(largest, n), mats + (n if id(p) in hidden else 0)
         if numel > best.numel:
-            best = LayoutShare(numel, read_peak, largest)
+            best = LayoutShare(numel, read_peak, largest, mats)
     return best
+
+
+def _hidden_matrices(model: nn.Module) -> set[int]:
+    """ids of ``model``'s hidden weight matrices: the parameters Muon takes (by role, :func:`~lightning_llm.optim.roles.
+    split_parameters` on a task holding ``model``)."""
+    holder = nn.Module()
+    holder.model = model
+    return {id(p) for p in split_parameters(holder).muon}
 
 
 def setup_peak_bytes(share: LayoutShare, *, param_bytes: int, from_checkpoint: bool) -> int:
@@ -308,26 +353,27 @@ def frozen_copy_bytes(share: LayoutShare, *, engine: str, precision: str, copies
 def estimate_layout(config: Any, *, tp: int, pp: int, dp: int, stage: int, engine: str, batch_size: int,
                     seq_len: int, precision: str, fused_loss: bool, offload_optimizer: bool = False,
                     offload_params: bool = False, cp: int = 1, ep: int = 1, quantized: Quantized | None = None,
-                    frozen_copies: int = 0, offload_device: str = "cpu") -> tuple[Estimate, LayoutShare]:
+                    frozen_copies: int = 0, offload_device: str = "cpu", optimizer: str = "adamw"
+                    ) -> tuple[Estimate, LayoutShare]:
     """Per-rank memory of ``config`` under a ``tp x pp x cp x dp`` layout with ZeRO ``stage`` (``engine``: native,
     deepspeed or ddp) and ``ep`` of the ``dp x cp`` ranks sharing each MoE layer's experts: what the ``estimate``
     tool prints and the run summary logs at the start of fit. Model states follow what a rank of the fullest stage
     holds after tp/pp/ep (ZeRO then divides over the ranks holding the same parameters: dp x cp, the experts
-    dp x cp / ep), plus ``frozen_copies`` frozen copies of the model placed like it (their experts are not spread
-    over ``ep``: whole, or ZeRO-3 shards over dp x cp); activations follow the ``seq_len / cp`` tokens a rank
-    holds."""
+    dp x cp / ep), plus ``frozen_copies`` frozen copies of the model placed like it (the same share: their experts
+    over ``ep`` too); the optimizer's states are ``optimizer``'s (``--model.optim.name``: Muon's for the hidden weight
+    matrices of the share); activations follow the ``seq_len / cp`` tokens a rank holds."""
     replicas = dp * cp
     check_expert_parallel(config, ep=ep, replicas=replicas, stage=stage, engine=engine)
-    share = layout_share(config, tp=tp, pp=pp, dp=replicas, ep=ep, zero3=stage == 3)
+    optimizer_bytes_per_param(optimizer, engine, precision)  # refused before a model is built
+    share = layout_share(config, tp=tp, pp=pp, dp=replicas, ep=ep, zero3=stage == 3, matrices=optimizer != "adamw")
     # ZeRO-3 divides every column by the replicas: the share is already this rank's (experts over dp x cp / ep)
-    local = share.numel * replicas if stage == 3 else share.numel
+    local, matrices = (n * replicas if stage == 3 else n for n in (share.numel, share.matrices))
     est = estimate(config, numel=local, batch_size=batch_size, seq_len=seq_len, precision=precision, devices=replicas,
                    stage=stage, engine=engine, offload_optimizer=offload_optimizer, offload_params=offload_params,
                    fused_loss=fused_loss, tp=tp, cp=cp, quantized=quantized, offload_device=offload_device,
-                   largest_param=share.largest)
+                   largest_param=share.largest, optimizer=optimizer, matrices=matrices)
     if frozen_copies:
-        placed = share if ep == 1 else layout_share(config, tp=tp, pp=pp, dp=replicas, zero3=stage == 3)
-        frozen = frozen_copy_bytes(placed, engine=engine, precision=precision, copies=frozen_copies)
+        frozen = frozen_copy_bytes(share, engine=engine, precision=precision, copies=frozen_copies)
         if offload_params and offload_device == "nvme":  # swapped like the model's shards
             est.disk += frozen
         elif offload_params:  # ZeRO-3's shards live on the host, the frozen copies' as the model's
