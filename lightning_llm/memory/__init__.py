@@ -50,7 +50,7 @@ file), plus a fixed base (process group, Lightning, data: measured on CPU with t
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,8 +155,8 @@ class Estimate:
     loss: int = 0
     """Transient bytes of the LM-head loss and its backward for one micro-batch (:func:`loss_peak_bytes`)."""
     frozen: int = 0
-    """Parameters of frozen copies of the model placed like it (an RL or DPO reference): no gradients or optimizer
-    states (:func:`frozen_copy_bytes`)."""
+    """Parameters of frozen models placed like the model (an RL or DPO reference copy, a distillation teacher): no
+    gradients or optimizer states (:func:`frozen_copy_bytes`)."""
     disk: int = 0
     """Bytes in swap files under ``nvme_path`` (``offload_device="nvme"``: what host memory holds under CPU offload;
     the host then holds DeepSpeed's swap buffers, :func:`~lightning_llm.strategies.zero.nvme.swap_buffer_bytes`)."""
@@ -353,14 +353,15 @@ def frozen_copy_bytes(share: LayoutShare, *, engine: str, precision: str, copies
 def estimate_layout(config: Any, *, tp: int, pp: int, dp: int, stage: int, engine: str, batch_size: int,
                     seq_len: int, precision: str, fused_loss: bool, offload_optimizer: bool = False,
                     offload_params: bool = False, cp: int = 1, ep: int = 1, quantized: Quantized | None = None,
-                    frozen_copies: int = 0, offload_device: str = "cpu", optimizer: str = "adamw"
-                    ) -> tuple[Estimate, LayoutShare]:
+                    frozen_copies: int = 0, offload_device: str = "cpu", optimizer: str = "adamw",
+                    frozen_configs: Sequence[Any] = ()) -> tuple[Estimate, LayoutShare]:
     """Per-rank memory of ``config`` under a ``tp x pp x cp x dp`` layout with ZeRO ``stage`` (``engine``: native,
     deepspeed or ddp) and ``ep`` of the ``dp x cp`` ranks sharing each MoE layer's experts: what the ``estimate``
     tool prints and the run summary logs at the start of fit. Model states follow what a rank of the fullest stage
     holds after tp/pp/ep (ZeRO then divides over the ranks holding the same parameters: dp x cp, the experts
     dp x cp / ep), plus ``frozen_copies`` frozen copies of the model placed like it (the same share: their experts
-    over ``ep`` too); the optimizer's states are ``optimizer``'s (``--model.optim.name``: Muon's for the hidden weight
+    over ``ep`` too) and frozen models of ``frozen_configs`` placed the same way (a distillation teacher: its own
+    share under the layout); the optimizer's states are ``optimizer``'s (``--model.optim.name``: Muon's for the hidden weight
     matrices of the share); activations follow the ``seq_len / cp`` tokens a rank holds."""
     replicas = dp * cp
     check_expert_parallel(config, ep=ep, replicas=replicas, stage=stage, engine=engine)
@@ -372,8 +373,11 @@ def estimate_layout(config: Any, *, tp: int, pp: int, dp: int, stage: int, engin
                    stage=stage, engine=engine, offload_optimizer=offload_optimizer, offload_params=offload_params,
                    fused_loss=fused_loss, tp=tp, cp=cp, quantized=quantized, offload_device=offload_device,
                    largest_param=share.largest, optimizer=optimizer, matrices=matrices)
-    if frozen_copies:
-        frozen = frozen_copy_bytes(share, engine=engine, precision=precision, copies=frozen_copies)
+    if frozen_copies or frozen_configs:
+        shares = [share] * frozen_copies + [
+            share if cfg == config else layout_share(cfg, tp=tp, pp=pp, dp=replicas, ep=ep, zero3=stage == 3)
+            for cfg in frozen_configs]
+        frozen = sum(frozen_copy_bytes(s, engine=engine, precision=precision) for s in shares)
         if offload_params and offload_device == "nvme":  # swapped like the model's shards
             est.disk += frozen
         elif offload_params:  # ZeRO-3's shards live on the host, the frozen copies' as the model's

@@ -96,7 +96,7 @@ class Recorder(LoggedLoss):
         experts = [m for f in frozen.values() for n, m in f.named_modules() if n.endswith("mlp.experts")]
         self.frozen = {"all": sum(model_state_bytes(m, [])["params"] for m in frozen.values()),
                        "experts": sum(model_state_bytes(m, [])["params"] for m in experts),
-                       "expert_modules": len(experts)}
+                       "expert_modules": len(experts), "estimate": _frozen_estimate(trainer, pl_module)}
         strategy = trainer.strategy
         copies, zero = getattr(strategy, "_whole_copies", None), getattr(strategy, "_zero_decoding", None)
         teacher = {id(m) for f in frozen.values() for m in f.modules()}
@@ -124,6 +124,20 @@ class Recorder(LoggedLoss):
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         super().on_train_batch_end(trainer, *args)
         self.margins.append(float(trainer.callback_metrics.get("rewards/margins", float("nan"))))
+
+
+def _frozen_estimate(trainer: pl.Trainer, task: Any) -> int:
+    """The memory model's bytes of the task's frozen models on a rank (what the run summary states), each by its own
+    config under the run's layout."""
+    from lightning_llm.memory import estimate_layout
+
+    dims = getattr(trainer.strategy, "dims", None)
+    layout = dict(tp=dims.tp, dp=dims.dp, ep=dims.ep, stage=trainer.strategy.zero_stage) if dims is not None \
+        else dict(tp=1, dp=1, ep=1, stage=0)
+    est, _ = estimate_layout(task.model.config, pp=1, engine="native", batch_size=1, seq_len=32, precision="32-true",
+                             fused_loss=True, frozen_configs=[m.config for m in task.frozen_models().values()],
+                             **layout)
+    return est.frozen
 
 
 def _fit(run: str, devices: int, out: Path) -> dict[str, Any]:
@@ -181,6 +195,7 @@ def test_frozen_moe_models_under_expert_parallelism_equal_one_device(runs: Path,
     ref = json.loads((runs / "reference.json").read_text())[kind]
     rows = json.loads((runs / "layouts.json").read_text())[run]
     assert ref["frozen"]["expert_modules"] == 2 and ref["frozen"]["experts"] > 0  # one per layer of the frozen model
+    assert ref["frozen"]["all"] == ref["frozen"]["estimate"]
     for rank, row in enumerate(rows):
         err = max_abs_err(row["losses"], ref["losses"])
         if kind == "dpo":
@@ -190,6 +205,7 @@ def test_frozen_moe_models_under_expert_parallelism_equal_one_device(runs: Path,
               f"steps {err:.2e}; frozen experts' bytes {row['frozen']['experts']:,} = {share:.3f}x one device's, "
               f"frozen model {row['frozen']['all']:,} B (one device {ref['frozen']['all']:,} B)")
         assert err <= TOL, (row["losses"], ref["losses"])
+        assert row["frozen"]["all"] == row["frozen"]["estimate"], row["frozen"]  # the run summary's frozen bytes
         if layout.startswith("ep2"):  # E / 2 experts of each frozen MoE layer on each rank
             assert share == 0.5, row["frozen"]
             assert row["frozen"]["all"] <= (ref["frozen"]["all"] - row["frozen"]["experts"] if layout == "ep2"
@@ -221,6 +237,26 @@ def _check_decoding(run: str, layout: str, rows: list[dict[str, Any]], ref: dict
             assert d["copied_roots"] == ["model"] and d["copy_bytes"] > 0
         if layout == "ep2_zero3":  # the student's units gathered, none of the teacher's
             assert d["gathered_frozen_units"] == 0 and d["gathered_units"] > 0
+
+
+def test_the_memory_model_counts_a_teacher_by_its_own_size(tmp_path: Path) -> None:
+    """The run summary's frozen bytes of a distillation are the teacher's (here wider than the student, a Qwen2
+    written by transformers), not a copy of the student's: on one device its parameters, under tp x2 its share."""
+    from lightning_llm.memory import estimate_layout
+    from lightning_llm.tasks import DistillTask
+    from tests.conftest import tiny_hf_llama
+    from tests.tasks.test_distill import _tiny_qwen2
+
+    student = tiny_hf_llama(tmp_path / "student")
+    task = DistillTask(str(student), teacher=str(_tiny_qwen2(tmp_path / "teacher", student, hidden=64)))
+    task.configure_model()
+    teacher, config = task.teacher_model, task.model.config
+    bytes_of = {tp: estimate_layout(config, tp=tp, pp=1, dp=1, stage=0, engine="native", batch_size=1, seq_len=16,
+                                    precision="32-true", fused_loss=True, frozen_configs=[teacher.config])[0].frozen
+                for tp in (1, 2)}
+    whole = 4 * sum(p.numel() for p in teacher.parameters())
+    assert bytes_of[1] == whole > 2 * 4 * sum(p.numel() for p in task.model.parameters())
+    assert 0.45 * whole < bytes_of[2] < 0.55 * whole
 
 
 if __name__ == "__main__":
