@@ -1,9 +1,12 @@
-"""Frozen Mixture-of-Experts models under expert parallelism, against one device, in ONE torchrun launch of 2 ranks.
+"""Frozen Mixture-of-Experts models under expert parallelism, against one device: a torchrun launch of 2 ranks, then
+one of 4 (expert parallelism beside tensor and pipeline parallelism).
 
 A task's frozen models (``frozen_models()``) are placed like its model, experts included: DPO with an MoE policy's
 on-the-fly reference (a full fine-tune's frozen copy) and distillation from an MoE teacher, under ep2 and ep2 with
 ZeRO-3 (every rank of the ``ep`` group holds ``E / 2`` of the frozen model's experts and dispatches its tokens to them
-in the no-grad forwards). Student, policy and teacher are tiny Qwen3-MoE checkpoints (8 experts, top-2) written by
+in the no-grad forwards), and on 4 ranks ep2 x tp2 and ep2 x pp2 (gpipe: each stage's frozen layers hold half their
+experts; the replicas' batches of other lengths make the pipeline infer its stages' shapes at other steps, which runs
+no token exchange). Student, policy and teacher are tiny Qwen3-MoE checkpoints (8 experts, top-2) written by
 transformers, the teacher another draw than the student. Compared per step (bound 1e-5): ``train_loss`` (DPO: also
 ``rewards/margins``) on every rank, and every first-step gradient of the trained model (the harness's check); per
 rank, the frozen model's routed-expert bytes are half one device's (the rest whole under ep2, halved by ZeRO-3).
@@ -22,6 +25,7 @@ import sys
 import warnings
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import lightning.pytorch as pl
 import pytest
@@ -41,6 +45,8 @@ from lightning_llm.testing import (
 STEPS = 3
 TOL = 1e-5
 RUNS = ["dpo@ep2", "dpo@ep2_zero3", "distill@ep2", "distill@ep2_zero3", "distill@tp2"]
+RUNS4 = ["dpo@ep2_tp2", "dpo@ep2_pp2", "distill@ep2_tp2", "distill@ep2_pp2"]
+"""On 4 ranks: expert parallelism beside tensor and pipeline parallelism (2 replicas, 4 rows or pairs each)."""
 EOS = list(range(3, 83))
 """End-of-sequence ids of the sampling: about a quarter of the vocabulary, so rows end at different steps."""
 MAX_NEW = 24
@@ -68,9 +74,14 @@ def _write_moe(out: Path, *, seed: int, tokenizer: bool) -> Path:
 
 
 def _strategy(layout: str) -> tuple[Any, int]:
-    """(strategy, per-rank batch) of a layout on 2 ranks: 8 rows (DPO: pairs) per step."""
-    from lightning_llm.strategies import ExpertParallelStrategy
+    """(strategy, per-rank batch) of a layout: 8 rows (DPO: pairs) per step."""
+    from lightning_llm.strategies import ExpertParallelStrategy, HybridParallelStrategy
 
+    if layout == "ep2_tp2":
+        return HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, expert_parallel_size=2), 4
+    if layout == "ep2_pp2":
+        return HybridParallelStrategy(data_parallel_size=2, pipeline_parallel_size=2, expert_parallel_size=2,
+                                      schedule="gpipe", n_microbatches=2), 4
     return {"ep2": (ExpertParallelStrategy(), 4), "ep2_zero3": (ExpertParallelStrategy(zero_stage=3), 4),
             "tp2": ("tp", 8)}[layout]
 
@@ -94,6 +105,7 @@ class Recorder(LoggedLoss):
         super().on_train_start(trainer, pl_module)
         frozen = pl_module.frozen_models()
         experts = [m for f in frozen.values() for n, m in f.named_modules() if n.endswith("mlp.experts")]
+        self.replica = int(getattr(trainer.strategy, "replica_rank", 0))  # ranks of a replica sample the same rows
         self.frozen = {"all": sum(model_state_bytes(m, [])["params"] for m in frozen.values()),
                        "experts": sum(model_state_bytes(m, [])["params"] for m in experts),
                        "expert_modules": len(experts), "estimate": _frozen_estimate(trainer, pl_module)}
@@ -105,17 +117,12 @@ class Recorder(LoggedLoss):
             "copy_bytes": copies.extra if copies is not None else 0,
             "gathered_frozen_units": sum(id(u) in teacher for u in zero.units) if zero is not None else None,
             "gathered_units": len(zero.units) if zero is not None else None}
-        model = pl_module.model
-        calls = [0]
-        model.register_forward_pre_hook(lambda m, a: calls.__setitem__(0, calls[0] + (not m.training)))
         sample = pl_module.sample_rows if hasattr(pl_module, "sample_rows") else None
         if sample is None:
             return
 
         def sampled(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            calls[0] = 0
             rows = sample(batch)
-            self.forwards.append(calls[0])
             self.lengths.append((rows["labels"] != -100).sum(-1).tolist())
             return rows
 
@@ -126,15 +133,40 @@ class Recorder(LoggedLoss):
         self.margins.append(float(trainer.callback_metrics.get("rewards/margins", float("nan"))))
 
 
+class Counted:
+    """A decoder whose calls (a prefill, then one per token) are counted; everything else is the decoder's."""
+
+    def __init__(self, decoder: Any, calls: list[int]) -> None:
+        self.decoder, self.calls = decoder, calls
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls[-1] += 1
+        return self.decoder(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.decoder, name)
+
+
+def counting_generate(calls: list[int]) -> Any:
+    """``generate`` counting the decoding calls of each generation into ``calls``."""
+    from lightning_llm.generation import generate
+
+    def counted(decoder: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(0)
+        return generate(Counted(decoder, calls), *args, **kwargs)
+
+    return counted
+
+
 def _frozen_estimate(trainer: pl.Trainer, task: Any) -> int:
     """The memory model's bytes of the task's frozen models on a rank (what the run summary states), each by its own
     config under the run's layout."""
     from lightning_llm.memory import estimate_layout
 
     dims = getattr(trainer.strategy, "dims", None)
-    layout = dict(tp=dims.tp, dp=dims.dp, ep=dims.ep, stage=trainer.strategy.zero_stage) if dims is not None \
-        else dict(tp=1, dp=1, ep=1, stage=0)
-    est, _ = estimate_layout(task.model.config, pp=1, engine="native", batch_size=1, seq_len=32, precision="32-true",
+    layout = dict(tp=dims.tp, pp=dims.pp, dp=dims.dp, ep=dims.ep, stage=trainer.strategy.zero_stage) \
+        if dims is not None else dict(tp=1, pp=1, dp=1, ep=1, stage=0)
+    est, _ = estimate_layout(task.model.config, engine="native", batch_size=1, seq_len=32, precision="32-true",
                              fused_loss=True, frozen_configs=[m.config for m in task.frozen_models().values()],
                              **layout)
     return est.frozen
@@ -145,6 +177,7 @@ def _fit(run: str, devices: int, out: Path) -> dict[str, Any]:
     from lightning_llm.generation import GenerationConfig
     from lightning_llm.rl.dpo import DPOConfig
     from lightning_llm.tasks import DistillTask, DPOTask
+    from lightning_llm.tasks import distill
     from lightning_llm.tasks.base import OptimConfig
 
     kind, _, layout = run.partition("@")
@@ -164,17 +197,19 @@ def _fit(run: str, devices: int, out: Path) -> dict[str, Any]:
         dm = InstructionDataModule(tokenizer_dir=student, template="alpaca", generated_conversations=48,
                                    cutoff_len=96, batch_size=batch)
     rec = Recorder(grads=kind if devices == 1 else run, reference=kind)
-    table_trainer(out / run.replace("@", "-"), strategy=strategy, devices=devices, max_steps=STEPS,
-                  callbacks=[rec]).fit(task, dm)
+    with mock.patch.object(distill, "generate", counting_generate(rec.forwards)):
+        table_trainer(out / run.replace("@", "-"), strategy=strategy, devices=devices, max_steps=STEPS,
+                      callbacks=[rec]).fit(task, dm)
     return {"losses": rec.losses, "margins": rec.margins, "frozen": rec.frozen, "decoding": rec.decoding,
-            "forwards": rec.forwards, "lengths": rec.lengths}
+            "forwards": rec.forwards, "lengths": rec.lengths, "replica": rec.replica}
 
 
 def _worker(mode: str, out: Path) -> None:
     if mode == "reference":
         (out / "reference.json").write_text(json.dumps({k: _fit(f"{k}@1", 1, out) for k in ("dpo", "distill")}))
         return
-    write_json_on_rank0(out / "layouts.json", {run: gathered(_fit(run, 2, out)) for run in RUNS})
+    runs, n = (RUNS, 2) if mode == "layouts" else (RUNS4, 4)
+    write_json_on_rank0(out / f"{mode}.json", {run: gathered(_fit(run, n, out)) for run in runs})
 
 
 @pytest.fixture(scope="module")
@@ -185,15 +220,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for f in student.iterdir():
         if "token" in f.name:
             (teacher / f.name).write_bytes(f.read_bytes())
-    return run_layouts_and_reference(__file__, out, lambda: _worker("reference", out), timeout=1500)
+    return run_layouts_and_reference(__file__, out, lambda: _worker("reference", out), timeout=1500,
+                                     then=((4, "layouts4"),))
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("run", [*RUNS, *RUNS4])
 def test_frozen_moe_models_under_expert_parallelism_equal_one_device(runs: Path, run: str) -> None:
     kind, _, layout = run.partition("@")
     ref = json.loads((runs / "reference.json").read_text())[kind]
-    rows = json.loads((runs / "layouts.json").read_text())[run]
+    rows = json.loads((runs / ("layouts4.json" if run in RUNS4 else "layouts.json")).read_text())[run]
     assert ref["frozen"]["expert_modules"] == 2 and ref["frozen"]["experts"] > 0  # one per layer of the frozen model
     assert ref["frozen"]["all"] == ref["frozen"]["estimate"]
     for rank, row in enumerate(rows):
@@ -205,9 +241,12 @@ def test_frozen_moe_models_under_expert_parallelism_equal_one_device(runs: Path,
               f"steps {err:.2e}; frozen experts' bytes {row['frozen']['experts']:,} = {share:.3f}x one device's, "
               f"frozen model {row['frozen']['all']:,} B (one device {ref['frozen']['all']:,} B)")
         assert err <= TOL, (row["losses"], ref["losses"])
-        assert row["frozen"]["all"] == row["frozen"]["estimate"], row["frozen"]  # the run summary's frozen bytes
-        if layout.startswith("ep2"):  # E / 2 experts of each frozen MoE layer on each rank
-            assert share == 0.5, row["frozen"]
+        # the run summary's frozen bytes (a pipeline's: of its fullest stage)
+        assert row["frozen"]["all"] <= row["frozen"]["estimate"] if "pp2" in layout else \
+            row["frozen"]["all"] == row["frozen"]["estimate"], row["frozen"]
+        if layout.startswith("ep2"):  # E / 2 experts of each frozen MoE layer on each rank (of its stage's layers)
+            assert share == (0.25 if "pp2" in layout else 0.5), row["frozen"]
+        if layout in ("ep2", "ep2_zero3"):  # the rest whole, or ZeRO-3 shards
             assert row["frozen"]["all"] <= (ref["frozen"]["all"] - row["frozen"]["experts"] if layout == "ep2"
                                             else 0.55 * ref["frozen"]["all"])
     print(f"{run}: {gradient_summary(runs, run)}")
@@ -217,17 +256,20 @@ def test_frozen_moe_models_under_expert_parallelism_equal_one_device(runs: Path,
 
 def _check_decoding(run: str, layout: str, rows: list[dict[str, Any]], ref: dict[str, Any]) -> None:
     """The sampled responses are one device's; under ep the ranks decoded as many steps as each other, past where
-    their own rows ended when the other rank's had not; a generation copies or gathers nothing of the teacher."""
+    their own rows ended when the other replica's had not; a generation copies or gathers nothing of the teacher."""
     steps = len(ref["lengths"])
     assert steps == STEPS and len(ref["forwards"]) == STEPS
     if layout.startswith("ep2"):
-        mine = [[row["lengths"][s] for row in rows] for s in range(steps)]
-        # each rank sampled its rows' responses as one device did (a rank holds every other row of the batch)
+        replicas = {row["replica"]: row["lengths"] for row in rows}  # (the ranks of a replica sample the same rows)
+        assert all(row["lengths"] == replicas[row["replica"]] for row in rows) and len(replicas) == 2
+        mine = [[lengths[s] for lengths in replicas.values()] for s in range(steps)]
+        # each replica sampled its rows' responses as one device did (it holds every other row of the batch)
         assert [sorted(a + b) for a, b in mine] == [sorted(n) for n in ref["lengths"]]
-        own = [[min(-(-max(n) // 8) * 8, MAX_NEW) for n in halves] for halves in mine]  # where a rank alone stops
+        own = [[min(-(-max(n) // 8) * 8, MAX_NEW) for n in halves] for halves in mine]  # where a replica alone stops
         assert any(a != b for a, b in own), own  # the case the agreement is for happened
-        for s in range(steps):  # a prefill, then a forward per token until every rank's rows ended
-            assert [row["forwards"][s] for row in rows] == [max(own[s])] * 2, ([r["forwards"] for r in rows], own)
+        for s in range(steps):  # a prefill, then a call per token until every replica's rows ended
+            assert [row["forwards"][s] for row in rows] == [max(own[s])] * len(rows), \
+                ([r["forwards"] for r in rows], own)
     else:  # tp: every rank decoded the whole batch's rows (sharing them out on its copy)
         assert all(row["lengths"] == ref["lengths"] for row in rows)
     for row in rows:
@@ -257,6 +299,31 @@ def test_the_memory_model_counts_a_teacher_by_its_own_size(tmp_path: Path) -> No
     whole = 4 * sum(p.numel() for p in teacher.parameters())
     assert bytes_of[1] == whole > 2 * 4 * sum(p.numel() for p in task.model.parameters())
     assert 0.45 * whole < bytes_of[2] < 0.55 * whole
+
+
+
+def test_generations_call_the_rl_reference_and_never_a_teacher(tmp_path: Path) -> None:
+    """What a decoding session copies or gathers beside the model (``decoding_frozen_models()``): a full fine-tune's
+    RL reference (its log-probs are computed inside the rollout's session), nothing for a LoRA policy (no copy) and
+    nothing for a distillation (the teacher runs after the student sampled); a name that is not a frozen model of the
+    task is refused in one line."""
+    from lightning_llm.peft import LoraArgs
+    from lightning_llm.strategies.frozen import decoding_frozen_models_of, frozen_models_of
+    from lightning_llm.tasks import DistillTask
+    from tests.tasks.test_grpo import _task as grpo
+
+    def declared(task: Any) -> list[str]:
+        task.configure_model()
+        return list(decoding_frozen_models_of(task, frozen_models_of(task)))
+
+    assert declared(grpo()) == ["reference.frozen"]
+    assert declared(grpo(lora=LoraArgs(r=4, target_modules=["q_proj"]))) == []
+    distill = DistillTask("debug", teacher="debug")
+    assert declared(distill) == [] and list(frozen_models_of(distill)) == ["teacher_model"]
+    distill.decoding_frozen_models = lambda: ("teacher",)  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match=r"^DistillTask.decoding_frozen_models\(\) names 'teacher', which "
+                                         r"frozen_models\(\) does not hold \(it holds 'teacher_model'\)$"):
+        declared(distill)
 
 
 if __name__ == "__main__":
