@@ -8,10 +8,10 @@ summary's memory line states the same figures."""
 from __future__ import annotations
 
 import json
-import logging
 import sys
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 
@@ -26,6 +26,7 @@ def _fit(strategy: Any, devices: int, out: Path, *, precision: str = "32-true", 
     memory line."""
     import lightning.pytorch as pl
 
+    from lightning_llm import run_summary
     from lightning_llm.data import TextDataModule
     from lightning_llm.memory import estimate_layout
     from lightning_llm.strategies.zero.native import model_state_bytes
@@ -41,12 +42,6 @@ def _fit(strategy: Any, devices: int, out: Path, *, precision: str = "32-true", 
                 measured.update(model_state_bytes(task, trainer.optimizers))
                 adamw_tensors[0] = sum(len(g["params"]) for g in optimizer.param_groups if not g.get("muon"))
 
-    lines: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("lightning_llm.run_summary")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
     pl.seed_everything(0, verbose=False)
     task = CausalLMTask("debug", dropout=0.0, optim=OptimConfig(name=optimizer, lr=1e-3))
     data = TextDataModule(block_size=32, batch_size=2, cache_dir=str(out / "cache"), generated_docs=60,
@@ -55,8 +50,9 @@ def _fit(strategy: Any, devices: int, out: Path, *, precision: str = "32-true", 
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                          limit_val_batches=0, num_sanity_val_steps=0, callbacks=[Meter()], precision=precision,
                          default_root_dir=str(out / f"{strategy}-{precision}"))
-    trainer.fit(task, data)
-    logger.removeHandler(handler)
+    with mock.patch.object(run_summary.log, "info") as said:  # what the run summary logs
+        trainer.fit(task, data)
+    lines = [call.args[0] % call.args[1:] for call in said.call_args_list]
     layout = {"zero3": dict(dp=2, tp=1, stage=3), "tp": dict(dp=1, tp=2, stage=0)}.get(str(strategy),
                                                                                       dict(dp=1, tp=1, stage=0))
     est = {name: estimate_layout(task.model.config, pp=1, engine="native", batch_size=2, seq_len=32,
