@@ -312,15 +312,19 @@ def _memory_line(trainer: pl.Trainer, task: Any, layout: Layout, batch: int | No
     mode = getattr(task, "quantize", None)
     # the estimate models quantized weights over the whole model (ddp, zero); a pipeline stage's share is not
     quantized = Quantized(mode, task.quantization) if mode and layout.pp == 1 else None
-    copies = len(frozen_models_of(task))
+    frozen_models = frozen_models_of(task).values()  # a reference copy has the model's config, a teacher its own
+    configs = [getattr(m, "config", config) for m in frozen_models]
+    optimizer = getattr(getattr(task, "optim", None), "name", "adamw")  # --model.optim.name: its states by role
     est, _ = estimate_layout(config, tp=layout.tp, pp=layout.pp, dp=layout.dp, stage=layout.zero_stage,
                              engine=layout.engine, batch_size=batch, seq_len=int(ids.shape[-1]), precision=precision,
                              fused_loss=fused, offload_optimizer=layout.offload_optimizer,
                              offload_params=layout.offload_params, cp=layout.cp, ep=layout.ep,
-                             quantized=quantized, frozen_copies=copies, offload_device=layout.offload_device)
-    frozen = [("frozen copies", est.frozen)] if copies else []
+                             quantized=quantized, frozen_configs=configs, offload_device=layout.offload_device,
+                             optimizer=optimizer)
+    frozen = [("frozen models", est.frozen)] if configs else []
     parts = ", ".join(f"{name} {v / MIB:.1f}" for name, v in (
-        ("parameters", est.params), ("gradients", est.grads), ("optimizer", est.optim), *frozen,
+        ("parameters", est.params), ("gradients", est.grads),
+        ("optimizer" if optimizer == "adamw" else f"optimizer ({optimizer})", est.optim), *frozen,
         ("activations", est.activations), ("loss", est.loss)))
     host = f"; {est.host / MIB:.1f} MiB offloaded to host" if est.host else ""
     if est.disk:
@@ -341,7 +345,7 @@ def _memory_line(trainer: pl.Trainer, task: Any, layout: Layout, batch: int | No
 
 def _frozen_line(task: Any) -> str | None:
     """What this rank holds of the task's frozen models (placed like the model: ``task.frozen_models()``), measured
-    (the memory line's "frozen copies" is their estimate)."""
+    (the memory line's "frozen models" is their estimate)."""
     parts = []
     for models, what in ((frozen_models_of(task), "frozen models placed like the model (forward only, no gradients "
                                                   "or optimizer states)"),

@@ -9,8 +9,8 @@
 """
 
 from lightning_llm.optim.build import build_muon, check_muon_config, default_fused, muon_param_groups
-from lightning_llm.optim.muon import MUON_DEFAULTS, MuonWithAdamW
+from lightning_llm.optim.muon import MUON_DEFAULTS, STATE_TENSORS, MuonWithAdamW
 from lightning_llm.optim.roles import Matrices, MuonSplit, split_parameters
 
-__all__ = ["MUON_DEFAULTS", "Matrices", "MuonSplit", "MuonWithAdamW", "build_muon", "check_muon_config",
-           "default_fused", "muon_param_groups", "split_parameters"]
+__all__ = ["MUON_DEFAULTS", "Matrices", "MuonSplit", "MuonWithAdamW", "STATE_TENSORS", "build_muon",
+           "check_muon_config", "default_fused", "muon_param_groups", "split_parameters"]

@@ -40,7 +40,7 @@ from torch.optim.adam import adam
 from lightning_llm.optim.orthogonalize import FlatSplit, NewtonSchulz, Orthogonalize, orthogonalized
 from lightning_llm.optim.roles import Matrices
 
-__all__ = ["FlatPartition", "MuonWithAdamW", "MUON_DEFAULTS"]
+__all__ = ["FlatPartition", "MuonWithAdamW", "MUON_DEFAULTS", "STATE_TENSORS"]
 
 MUON_DEFAULTS: dict[str, Any] = {
     "momentum": 0.95,
@@ -53,6 +53,11 @@ MUON_DEFAULTS: dict[str, Any] = {
 }
 """A Muon group's keys besides ``lr`` and ``weight_decay`` (``muon: True``), torch.optim.Muon's defaults except
 ``adjust_lr_fn`` (Moonlight's, so Muon reuses AdamW's learning rate and weight decay)."""
+
+
+STATE_TENSORS: dict[str, tuple[str, ...]] = {"adamw": ("exp_avg", "exp_avg_sq"), "muon": ("momentum_buffer",)}
+"""The state tensors shaped like its parameter (in its dtype) a parameter keeps in each kind of group (AdamW's 0-d
+``step`` besides): what the memory model counts per parameter of each role (:mod:`lightning_llm.memory`)."""
 
 
 def _local(t: Tensor) -> Tensor:

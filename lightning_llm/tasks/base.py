@@ -377,6 +377,13 @@ class LLMTask(pl.LightningModule):
         ZeRO-3 shards (forward only: no gradients, no optimizer states). Call them with :meth:`run_frozen`."""
         return {}
 
+    def decoding_frozen_models(self) -> tuple[str, ...]:
+        """The names of :meth:`frozen_models` a generation calls inside its decoding session (:meth:`decoding`; an
+        RL rollout's reference log-probs): a layout that decodes on whole copies (tp, pp) or gathers ZeRO-3 shards
+        once per session does so for these beside the model, and for no other (a distillation teacher, which runs
+        after the student sampled, is never copied). Default: none."""
+        return ()
+
     def scoring_models(self) -> dict[str, nn.Module]:
         """Frozen models of a registered family the task runs on inputs of their own (name -> module; e.g. an RL
         reward model on decoded texts), which a layout places as far as their inputs allow: the family's

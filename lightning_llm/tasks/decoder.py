@@ -282,6 +282,12 @@ class DecoderTask(LLMTask):
         frozen = self.reference.frozen if self.reference is not None else None
         return {REFERENCE_COPY: frozen} if frozen is not None else {}
 
+    @override
+    def decoding_frozen_models(self) -> tuple[str, ...]:
+        """The reference's frozen copy, where the task holds one: an RL rollout computes its reference log-probs
+        inside the rollout's decoding session (DPO and KTO never decode)."""
+        return tuple(self.frozen_models().keys() & {REFERENCE_COPY})
+
     def run_reference(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """The reference policy's output for the policy call ``call(*args, **kwargs)`` (no gradient): its frozen copy
         placed like the policy (:meth:`run_frozen`), or the policy with its adapters off, run by ``call``."""

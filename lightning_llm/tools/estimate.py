@@ -26,6 +26,7 @@ from torch import nn
 
 from lightning_llm.files import read_json
 from lightning_llm.memory import (
+    OPTIMIZERS,
     PRECISIONS,
     Quantized,
     attention_width,
@@ -186,6 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--frozen-copies", type=int, default=0, help="frozen copies of the model held beside it and "
                         "placed like it (a full fine-tune's PPO/GRPO reference, DPO's with reference=on_the_fly: 1): "
                         "their parameters, no gradients or optimizer states")
+    parser.add_argument("--optim", choices=OPTIMIZERS, default="adamw", help="the optimizer (--model.optim.name): "
+                        "adamw keeps m and v per parameter; muon a momentum buffer for the hidden weight matrices "
+                        "(AdamW's m and v for the rest)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     a = parser.parse_args(argv)
     try:
@@ -212,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         est, share = estimate_layout(config, tp=tp, pp=pp, dp=dp, batch_size=a.batch_size, seq_len=seq,
                                      precision=a.precision, fused_loss=fused, cp=cp, ep=ep,
                                      quantized=Quantized(a.quantize, QuantizationConfig()) if a.quantize else None,
-                                     frozen_copies=a.frozen_copies, **sargs)
+                                     frozen_copies=a.frozen_copies, optimizer=a.optim, **sargs)
         loss_paths = {k: loss_bytes(config, tokens=a.batch_size * seq // cp, precision=a.precision, fused=k == "fused",
                                      tp=tp) for k in ("fused", "eager")}
         setup = setup_peak_bytes(share, param_bytes=bytes_per_param(sargs["engine"], a.precision)[0],
@@ -237,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "model": a.model, "parameters": numel, "active_parameters": counts.active,
         "expert_parameters": counts.experts, "embedding_parameters": counts.embedding, "train_flops_per_token": flops,
-        "quantize": a.quantize, "strategy": a.strategy, "stage": sargs["stage"],
+        "quantize": a.quantize, "optimizer": a.optim, "strategy": a.strategy, "stage": sargs["stage"],
         "engine": sargs["engine"], "precision": a.precision, "devices": a.devices, "tp": tp, "pp": pp, "cp": cp, "dp": dp,
         "ep": ep, "batch_size": a.batch_size, "setup_peak_bytes": setup,
         "seq_len": seq, "frozen_copies": a.frozen_copies,
@@ -254,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     experts = f" (experts over ep {ep} of them)" if ep > 1 else ""
     print(f"{a.model}: {numel:,} parameters | {a.strategy} (stage {sargs['stage']}, {sargs['engine']}) | "
-          f"{a.precision} | {a.devices} device(s): tp {tp} x pp {pp} x cp {cp} x dp {dp}{experts} | batch "
+          f"{a.precision} | {a.optim} | {a.devices} device(s): tp {tp} x pp {pp} x cp {cp} x dp {dp}{experts} | batch "
           f"{a.batch_size} x {seq} tokens")
     print(_flops_line(config, counts, flops))
     print(f"set-up peak (sharded construction, before the first step): {_gib(setup).strip()}")

@@ -4,9 +4,9 @@ and no-grad forwards run as on one device.
 Under tensor parallelism every layer of every decoding step runs collectives over the tp group; under a pipeline
 every token crosses the stages (and one stage works at a time unless micro-batches fill them, which pays only where
 a stage call carries enough work). For a rollout batch (its generation, then the no-grad forwards of its old and
-reference log-probs) that is most of the time of small and mid-sized models. So, when the whole model and the task's
-frozen models fit (at most half the free memory of the fullest rank: :mod:`.fit`), a decoding session assembles a
-whole copy of each on every rank, once per session: tensor-parallel shards all-gathered (one flat collective per
+reference log-probs) that is most of the time of small and mid-sized models. So, when the whole model and the frozen
+models a generation calls fit (at most half the free memory of the fullest rank: :mod:`.fit`), a decoding session
+assembles a whole copy of each on every rank, once per session: tensor-parallel shards all-gathered (one flat collective per
 mesh, shard dimension and dtype; other DTensors, e.g. ZeRO-3 x tp shards of a 3-D layout, by ``full_tensor``, cast to
 its compute dtype), the tensors of the other pipeline stages broadcast by the rank owning them (one flat buffer per
 owner and dtype, all in flight together). The ranks of a replica (``share_group``: pp x tp) then work as one device
@@ -19,8 +19,11 @@ shared, not copied) and empties them when it ends, so nothing stays allocated be
 live module's mode (dropout off after the task's ``eval()``). Sessions nest like ZeRO-3's, so a rollout's
 generation and no-grad forwards share one assembly.
 
-The task reaches the copies through ``contract.decoding_copy`` (its ``run_model``, ``run_frozen`` and policy
-calls) and through the decoder a session yields. PEFT adapters switched off on the policy (the reference of a LoRA
+Which frozen models a generation calls, the task declares (``decoding_frozen_models()``: an RL rollout's reference,
+whose log-probs it computes inside the session; not a distillation teacher, which runs after the student sampled):
+only those are copied; any other runs the layout's way wherever it is called. The task reaches the copies through
+``contract.decoding_copy`` (its ``run_model``, ``run_frozen`` and policy calls) and through the decoder a session
+yields. PEFT adapters switched off on the policy (the reference of a LoRA
 policy) are switched off on its copy at each lookup. Where the copies would not fit, or with
 ``gather_for_decoding="per_layer"``, the layout decodes as it trains (the run summary names the path).
 """
@@ -67,8 +70,8 @@ def meta_skeleton(module: nn.Module) -> nn.Module:
 
 def copy_skeletons(model: nn.Module, frozen: dict[str, nn.Module], *, task: Any, dims: Any, mode: str,
                    offload: bool) -> tuple[dict[str, nn.Module], str]:
-    """``(skeletons, layout)``: meta skeletons of ``model`` (``task.model``) and the task's ``frozen`` models for
-    :class:`WholeCopies`, taken before the split, where the layout splits the model (``dims``: tp or pp > 1) and
+    """``(skeletons, layout)``: meta skeletons of ``model`` (``task.model``) and the ``frozen`` models a generation
+    calls (the task's ``decoding_frozen_models()``) for :class:`WholeCopies`, taken before the split, where the layout splits the model (``dims``: tp or pp > 1) and
     decoding may use them (``mode`` not ``per_layer``), and the layout's name for the run summary; ``({}, "")``
     otherwise."""
     if dims.tp == 1 and dims.pp == 1 or mode == "per_layer":
@@ -178,8 +181,9 @@ class WholeCopies:
     def note(self) -> str:
         """The run summary's line (no collective)."""
         layout = self.layout
+        frozen = [path for path in self.roots if path != "model"]  # the frozen models a generation calls
         if self._plan is None:
-            return (f"generation under {layout}: whole copies of the model and its frozen models "
+            return (f"generation under {layout}: whole copies of the model{''.join(f' and {p}' for p in frozen)} "
                     f"({self.extra / MIB:.1f} MiB) assembled once per generation or rollout, decoded as on one "
                     "device, if they fit in half the free memory of every rank at the first generation, else through "
                     f"the {layout} layout itself (gather_for_decoding=auto; the choice is logged)")

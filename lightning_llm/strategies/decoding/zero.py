@@ -20,12 +20,12 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_llm.strategies.decoding.fit import MIB, fit_in_free_memory
+from lightning_llm.strategies.decoding.stop import StopTogether
 
 log = logging.getLogger(__name__)
 
@@ -47,22 +47,6 @@ def gathered_extra_bytes(module: nn.Module, *, dtype: torch.dtype | None) -> int
         if isinstance(p, DTensor):
             total += p.to_local().numel() * p.device_mesh.size(0) * (dtype or p.dtype).itemsize
     return total
-
-
-class _StopTogether:
-    """A decoding model whose data-parallel ranks end a generation at the same step (``generate`` asks
-    :meth:`all_ended`): each forward runs collectives (FSDP2's per-unit all-gathers) that every rank must join."""
-
-    def __init__(self, model: Any, group: Any, device: torch.device) -> None:
-        self.model, self.group, self.device = model, group, device
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.model(*args, **kwargs)
-
-    def all_ended(self, ended: bool) -> bool:
-        flag = torch.tensor([0.0 if ended else 1.0], device=self.device)  # on the device: NCCL takes no CPU tensor
-        dist.all_reduce(flag, group=self.group)
-        return float(flag) == 0.0
 
 
 class ZeroDecoding:
@@ -106,7 +90,7 @@ class ZeroDecoding:
         """``decoder`` with the model gathered until the outermost session ends (sessions nest: a rollout keeps the
         policy gathered from its generation through its no-grad forwards)."""
         if self.plan()[0] == "per_layer":
-            yield _StopTogether(decoder, self.dp_group, self.device)
+            yield StopTogether(decoder, self.dp_group, self.device)
             return
         if self._depth:
             self._depth += 1

@@ -139,10 +139,10 @@ class LayoutArgs:
         if dims.cp > 1:
             check_context_parallel(module, cp=dims.cp)
         if dims.ep > 1 and not getattr(module, "automatic_optimization", True):
-            raise ValueError(f"expert_parallel_size={dims.ep}: {type(module).__name__} generates rollouts, whose "
-                             "decoding stops at each rank's own end of sequence, while every expert-parallel rank must "
-                             "run the same forwards (each MoE layer exchanges tokens with the others); train it with "
-                             "expert_parallel_size=1 (ddp, tp, pp, zero*)")
+            raise ValueError(f"expert_parallel_size={dims.ep}: {type(module).__name__} (manual optimization: rollouts "
+                             "and mini-batch updates) is not checked against one device under expert parallelism, "
+                             "where every expert-parallel rank must run the same forwards (each MoE layer exchanges "
+                             "tokens with the others); train it with expert_parallel_size=1 (ddp, tp, pp, zero*)")
 
     def check_batch_size(self, trainer: pl.Trainer) -> None:
         dm = trainer.datamodule

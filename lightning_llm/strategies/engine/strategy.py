@@ -64,8 +64,8 @@ from lightning_llm.strategies.engine.checkpoint import DefaultGroupCollectives, 
 from lightning_llm.strategies.engine.grads import EngineGradients
 from lightning_llm.strategies.engine.layout import LayoutArgs, PipelineStages
 from lightning_llm.strategies.expert import apply_expert_parallel, expert_blocker, expert_mesh
-from lightning_llm.strategies.frozen import (check_frozen_models, frozen_models_of, place_frozen_models,
-                                             place_scoring_models, scoring_models_of)
+from lightning_llm.strategies.frozen import (check_frozen_models, decoding_frozen_models_of, frozen_models_of,
+                                             place_frozen_models, place_scoring_models, scoring_models_of)
 from lightning_llm.strategies.engine.grad_buckets import DEFAULT_BUCKET_MB, GradReducer
 from lightning_llm.strategies.materialize import materialize_shards
 from lightning_llm.strategies.mesh import (ParallelDims, device_type_of, mesh_coordinate, model_parallel_mesh,
@@ -347,11 +347,12 @@ class ParallelEngine(EngineGradients, DecodingSessions, DefaultGroupCollectives,
             self.args.check_batch_size(trainer)
         self.precision_plugin.convert_module(module)
         frozen = frozen_models_of(module)
+        decoding = decoding_frozen_models_of(module, frozen)  # those a generation calls (an RL rollout's reference)
         skeletons: dict[str, nn.Module] = {}
         layout = ""
         if model is not self._pp_model:  # else already parallelized (e.g. trainer.validate() after fit)
-            skeletons, layout = copy_skeletons(model, frozen, task=module, dims=self.dims, offload=self.offload_params,
-                                               mode=self.gather_for_decoding)  # before the split
+            skeletons, layout = copy_skeletons(model, decoding, task=module, dims=self.dims,
+                                               offload=self.offload_params, mode=self.gather_for_decoding)  # unsplit
             self._parallelize(model, frozen=frozen, precision=precision)
             # Meta-device family models (built lazily under a sharding layout) get this rank's shards only.
             self.materialized_params = materialize_shards(
@@ -359,15 +360,17 @@ class ParallelEngine(EngineGradients, DecodingSessions, DefaultGroupCollectives,
         self.model_to_device()
         self._pp_model, self._params = model, list(module.parameters())
         if self.zero_stage == 3:
-            self._zero_decoding = ZeroDecoding([model, *frozen.values()], mode=self.gather_for_decoding,
+            self._zero_decoding = ZeroDecoding([model, *decoding.values()], mode=self.gather_for_decoding,
                                                device=self.root_device, dp_group=self._dp_group,
                                                dtype=fsdp_mixed_precision(precision).param_dtype)
         if skeletons:
             self._whole_copies = WholeCopies(
-                {"model": model, **frozen}, skeletons, layout=layout, mode=self.gather_for_decoding,
+                {"model": model, **decoding}, skeletons, layout=layout, mode=self.gather_for_decoding,
                 device=self.root_device, pp_group=self._pp_group, pp_size=self.dims.pp,
                 share_group=model_parallel_mesh(self._mesh).get_group(),
                 dtype=fsdp_mixed_precision(precision).param_dtype if self.zero_stage == 3 else None)
+        if self.dims.ep > 1:  # an ep group's MoE layers exchange tokens in every decoding step: they end together
+            self._stop_group = (self._expert_mesh["ep"].get_group(), self.root_device)
         if self.pipelined:
             assert self.stages is not None
             self.stages.build_runner(model, params=self._params, device=self.root_device, step_stats=self.step_stats,
@@ -434,7 +437,8 @@ class ParallelEngine(EngineGradients, DecodingSessions, DefaultGroupCollectives,
         # The task's frozen models (a full fine-tune's reference) go where the model went: its stages, plan, shards.
         place_frozen_models(module, frozen, specs=self.stages.specs if self.stages else None,
                             tp_mesh=self._mesh["tp"], sequence_parallel=self.sequence_parallel,
-                            sharded_logits=self._sharded_logits, zero3=zero3)
+                            sharded_logits=self._sharded_logits, zero3=zero3,
+                            expert_mesh=self._expert_mesh if self.dims.ep > 1 else None)
         place_scoring_models(scoring_models_of(module), tp_mesh=self._mesh["tp"], zero3=zero3)  # an RL reward model
 
     @override

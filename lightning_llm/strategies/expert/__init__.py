@@ -20,12 +20,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from lightning_llm.models import parallel_spec_of
-from lightning_llm.strategies.expert.module import ExpertParallelExperts
+from lightning_llm.strategies.expert.module import ExpertParallelExperts, shapes_only
 from lightning_llm.strategies.mesh import ParallelDims
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EXPERT_MESH_DIMS", "ExpertParallelExperts", "apply_expert_parallel", "expert_mesh", "expert_blocker"]
+__all__ = ["EXPERT_MESH_DIMS", "ExpertParallelExperts", "apply_expert_parallel", "expert_mesh", "expert_blocker",
+           "shapes_only"]
 
 EXPERT_MESH_DIMS = ("pp", "edp", "ep", "tp")
 """The mesh of expert parallelism: the replicas ``dp x cp`` (flattened, cp innermost) split into ``edp x ep``."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from torch import Tensor, nn
@@ -11,7 +13,23 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from lightning_llm.models.layers.moe import describe_ffn, expert_ffn
 from lightning_llm.strategies.expert.dispatch import combine, dispatch
 
-__all__ = ["ExpertParallelExperts"]
+__all__ = ["ExpertParallelExperts", "shapes_only"]
+
+_SHAPES_ONLY = [0]  # open shapes_only() blocks
+
+
+@contextlib.contextmanager
+def shapes_only() -> Iterator[None]:
+    """Inside: :class:`ExpertParallelExperts` give an output of the right shape and dtype (``0 x`` their input: it
+    keeps the autograd graph) without exchanging tokens. For passes whose values nothing reads and that the other
+    ranks of the ``ep`` group do not run at the same time: a pipeline stage's metadata inference (torch's
+    ``PipelineStage`` runs a stage's forward, and backward, on placeholder inputs the first time a schedule of an input
+    shape runs, so replicas whose batches have other shapes infer at other steps)."""
+    _SHAPES_ONLY[0] += 1
+    try:
+        yield
+    finally:
+        _SHAPES_ONLY[0] -= 1
 
 
 class ExpertParallelExperts(nn.Module):
@@ -34,6 +52,8 @@ class ExpertParallelExperts(nn.Module):
             self.register_parameter(name, nn.Parameter(shard, requires_grad=p.requires_grad))
 
     def forward(self, tokens: Tensor, counts: Tensor) -> Tensor:
+        if _SHAPES_ONLY[0]:
+            return tokens * 0  # [M, H], as combine() returns
         local, local_counts, state = dispatch(tokens, counts, group=self.group, ep=self.ep)
         mine = {n: getattr(self, n).to_local() for n in self.expert_params}
         out = expert_ffn(local, local_counts, mine["gate_up_proj"], mine["down_proj"],

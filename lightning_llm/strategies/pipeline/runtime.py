@@ -25,6 +25,7 @@ from torch.distributed.pipelining import (
 )
 from torch.utils.checkpoint import checkpoint
 
+from lightning_llm.strategies.expert import shapes_only
 from lightning_llm.strategies.pipeline.split import StageSpec, layout_of, module_at
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,10 @@ SCHEDULES: dict[str, tuple[type, Literal["loop", "v"], int | None]] = {
 
 # PipelineStage methods whose time counts as "busy" in the per-step stats.
 TIMED_STAGE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+METADATA_STAGE_METHODS = ("_forward_metadata_inference", "_backward_metadata_inference")
+"""A stage's passes on placeholder inputs the first time a schedule runs (torch's shape inference): they run without
+expert parallelism's token exchange (:func:`~lightning_llm.strategies.expert.shapes_only`), since replicas whose
+batches have other shapes run them at other steps."""
 
 
 # ---------------------------------------------------------------------------------------------------- schedules
@@ -95,6 +100,10 @@ def build_schedule(
     """
     n_stages = specs[0].num_stages
     stages = [PipelineStage(mod, s.index, n_stages, device, group=group) for mod, s in zip(stage_mods, specs)]
+    for st in stages:
+        for name in METADATA_STAGE_METHODS:
+            if hasattr(st, name):
+                setattr(st, name, _shapes_only(getattr(st, name)))
     if wrap is not None:
         for st in stages:
             for name in TIMED_STAGE_METHODS:
@@ -107,6 +116,13 @@ def build_schedule(
     else:
         sched = cls(stages, n_microbatches, loss_fn=loss_fn)
     return sched, stages
+
+
+def _shapes_only(method: Callable[..., Any]) -> Callable[..., Any]:
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with shapes_only():
+            return method(*args, **kwargs)
+    return run
 
 
 def run_schedule(sched: Any, specs: Sequence[StageSpec], args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -14,12 +14,19 @@ deepspeed, fp32   4       4      12 (fp32 partition copy the optimizer updates +
 deepspeed, AMP    2       2      12 (fp32 master 4 + m 4 + v 4; + a transient fp32 gradient partition in step)
 ================  ======  =====  ===============================================================
 
+The optimizer column is AdamW's (``--model.optim.name=adamw``). With Muon (``muon``) the hidden weight matrices
+(:mod:`lightning_llm.optim.roles`: the projections of a family's blocks, each expert's matrices) keep one momentum
+buffer in the parameter's dtype instead of AdamW's two (native: 4 bytes in fp32/AMP, 2 in ``*-true16``), the rest
+AdamW's (:func:`optimizer_bytes_per_param`, from ``optim.STATE_TENSORS``); a layout's share of those matrices is
+counted as its share of the parameters (:func:`layout_share`). DeepSpeed refuses Muon, and so does the model.
+
 Stage 1 divides the optimizer column by N, stage 2 also gradients, stage 3 also parameters (DeepSpeed's stage 1
 already partitions gradients like its stage 2). E.g. native fp32:
 stage 1 = 4Ψ + 4Ψ + 8Ψ/N, stage 2 = 4Ψ + 12Ψ/N, stage 3 = 16Ψ/N; the ZeRO paper's mixed form is 2Ψ + 2Ψ + 12Ψ/N).
 Offloaded states are counted in host memory, not on the device (with ``offload_device="nvme"`` on disk, and DeepSpeed's
 swap buffers in host memory). Activations are counted per transformer layer from
-the tensors autograd saves (flash/memory-efficient attention: no S x S term), plus embeddings and the LM head/loss.
+the tensors autograd saves (flash/memory-efficient attention: no S x S term), plus embeddings and the LM head/loss
+(:mod:`.activations`).
 
 What one rank holds under a tp x pp x dp layout (:func:`layout_share`): the local element count of every parameter is
 derived from the family's own declarations, as the engine applies them: the pipeline split
@@ -31,11 +38,7 @@ under ZeRO-3 (``ceil`` chunks, as ``torch.chunk``).
 Mixture-of-Experts models (:mod:`lightning_llm.models.layers.moe`): the routed experts (``ParallelSpec.expert_modules``,
 ``[E, ...]`` tensors) are whole on every tensor-parallel rank, ``E / ep`` of them on each expert-parallel rank, and
 under ZeRO-3 sharded on dim 0 over the ``dp x cp / ep`` ranks holding the same experts (everything else over all
-``dp x cp``). An MoE layer's activations per token replace the dense MLP's by what autograd saves for the router
-and the ``top_k`` assignments of the token (:func:`moe_layer_bytes_per_token`), with the tokens spread evenly over the
-experts (a rank of an expert-parallel group then computes as many assignments as its tokens made). A Gated DeltaNet
-layer's (Qwen3.5, Qwen3-Next) replace the attention's by what its chunked delta rule saves (:func:`deltanet_bytes`:
-projections, convolution, the chunks' [64, 64] matrices and one recurrent state per chunk).
+``dp x cp``); their activations: :mod:`.activations`.
 
 Set-up peak of a rank (sharded construction, :mod:`lightning_llm.models.init`): its parameters are allocated at
 once but become resident as they are filled, in order; the peak is the parameters plus the init generator's
@@ -47,7 +50,7 @@ file), plus a fixed base (process group, Lightning, data: measured on CPU with t
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,24 +58,35 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from lightning_llm.kernels.cross_entropy import default_chunk_size
 from lightning_llm.models import model_from_config, parallel_spec_of
 from lightning_llm.models.init import FILL_SCRATCH_BYTES
 from lightning_llm.models.quantize import QuantizationConfig, QuantizeMode, bytes_per_weight, quantized_linears
 from lightning_llm.models.tp_plans import HeadSharded
+from lightning_llm.optim import STATE_TENSORS, split_parameters
 from lightning_llm.strategies.pipeline.split import split_layers
 from lightning_llm.strategies.zero.native import module_path_matches
 from lightning_llm.strategies.zero.nvme import swap_buffer_bytes
+from lightning_llm.memory.activations import (
+    FUSED_CHUNK_FP32_COPIES,
+    activation_bytes_per_sample,
+    attention_elements_per_token,
+    attention_width,
+    deltanet_bytes,
+    deltanet_flops_per_token,
+    loss_bytes,
+    loss_peak_bytes,
+    moe_layer_bytes_per_token,
+)
 
-FUSED_CHUNK_FP32_COPIES = 2
-"""fp32 ``[chunk, V]`` buffers alive at once in the fused loss's torch path: the chunk's logits (overwritten by their
-gradient) and their shifted exponentials (``benchmarks/loss_memory.py``)."""
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+OPTIMIZERS = ("adamw", "muon")
+"""``--model.optim.name``'s choices."""
 
-__all__ = ["Estimate", "LayoutShare", "PRECISIONS", "Quantized", "quantized_numel", "quantized_setup_peak_bytes",
-           "activation_bytes_per_sample", "attention_elements_per_token", "attention_width", "bytes_per_param",
-           "check_expert_parallel", "estimate", "estimate_layout", "frozen_copy_bytes", "layout_share", "loss_bytes", "loss_peak_bytes", "max_batch_size",
-           "model_state_theory", "moe_layer_bytes_per_token", "setup_peak_bytes"]
+__all__ = ["Estimate", "FUSED_CHUNK_FP32_COPIES", "LayoutShare", "OPTIMIZERS", "PRECISIONS", "Quantized", "activation_bytes_per_sample",
+           "attention_elements_per_token", "attention_width", "bytes_per_param", "check_expert_parallel",
+           "deltanet_bytes", "deltanet_flops_per_token", "estimate", "estimate_layout", "frozen_copy_bytes",
+           "layout_share", "loss_bytes", "loss_peak_bytes", "max_batch_size", "model_state_theory",
+           "moe_layer_bytes_per_token", "optimizer_bytes_per_param", "quantized_numel", "quantized_setup_peak_bytes", "setup_peak_bytes"]
 
 
 def bytes_per_param(engine: str, precision: str) -> tuple[int, int, int]:
@@ -86,21 +100,41 @@ def bytes_per_param(engine: str, precision: str) -> tuple[int, int, int]:
     raise ValueError(f"engine={engine!r}: must be 'native', 'deepspeed' or 'ddp'")
 
 
+def optimizer_bytes_per_param(optimizer: str, engine: str, precision: str) -> tuple[int, int]:
+    """Optimizer-state bytes per parameter before sharding, ``(on AdamW, a hidden weight matrix's)``: the same under
+    ``adamw``; under ``muon`` a matrix keeps Muon's state tensors where AdamW keeps its own, in the same dtype."""
+    adam = bytes_per_param(engine, precision)[2]
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}: must be one of {', '.join(OPTIMIZERS)}")
+    if optimizer == "adamw":
+        return adam, adam
+    if engine == "deepspeed":
+        raise ValueError("Muon (--optim=muon, --model.optim.name=muon) is refused under DeepSpeed, whose ZeRO steps on "
+                         "flattened partitions that hold no matrix whole: use the native preset of the same stage "
+                         "(zero1, zero2, zero3)")
+    per_tensor = adam // len(STATE_TENSORS["adamw"])  # m and v, each in the parameter's dtype
+    return adam, per_tensor * len(STATE_TENSORS["muon"])
+
+
 def model_state_theory(*, numel: int, stage: int, dp: int, precision: str = "32-true", engine: str = "native",
-                       offload_optimizer: bool = False, offload_params: bool = False) -> dict[str, int]:
+                       offload_optimizer: bool = False, offload_params: bool = False, optimizer: str = "adamw",
+                       matrices: int = 0) -> dict[str, int]:
     """Device bytes of ``params``, ``grads`` and ``optim`` per rank for ZeRO ``stage`` (0 = plain DDP) over ``dp``
-    ranks. Offloaded parts are 0 here (see :func:`host_state_theory`)."""
+    ranks; ``matrices`` of the ``numel`` parameters are hidden weight matrices, which ``optimizer`` may keep other
+    states for (:func:`optimizer_bytes_per_param`). Offloaded parts are 0 here (:func:`estimate` counts them on the host)."""
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage={stage}: must be 0 (DDP), 1, 2 or 3")
     if dp < 1:
         raise ValueError(f"dp={dp}: must be >= 1")
-    p, g, o = bytes_per_param(engine, precision)
+    p, g, _ = bytes_per_param(engine, precision)
+    adam, matrix = optimizer_bytes_per_param(optimizer, engine, precision)
+    o = adam * (numel - matrices) + matrix * matrices  # bytes of the whole optimizer state (before sharding)
     out = {
         "params": p * numel / (dp if stage >= 3 else 1),
         # DeepSpeed's stage 1 shares stage 2's code path: gradients are reduce-scattered into the fp32 partition and
         # the full ones released, so at the optimizer step it holds stage 2's gradient bytes (measured: 4Ψ/N).
         "grads": g * numel / (dp if stage >= 2 or (engine == "deepspeed" and stage == 1) else 1),
-        "optim": o * numel / (dp if stage >= 1 else 1),
+        "optim": o / (dp if stage >= 1 else 1),
     }
     if offload_optimizer:
         out["optim"] = 0
@@ -121,8 +155,8 @@ class Estimate:
     loss: int = 0
     """Transient bytes of the LM-head loss and its backward for one micro-batch (:func:`loss_peak_bytes`)."""
     frozen: int = 0
-    """Parameters of frozen copies of the model placed like it (an RL or DPO reference): no gradients or optimizer
-    states (:func:`frozen_copy_bytes`)."""
+    """Parameters of frozen models placed like the model (an RL or DPO reference copy, a distillation teacher): no
+    gradients or optimizer states (:func:`frozen_copy_bytes`)."""
     disk: int = 0
     """Bytes in swap files under ``nvme_path`` (``offload_device="nvme"``: what host memory holds under CPU offload;
     the host then holds DeepSpeed's swap buffers, :func:`~lightning_llm.strategies.zero.nvme.swap_buffer_bytes`)."""
@@ -136,163 +170,22 @@ class Estimate:
         return self.model_states + self.activations + self.loss
 
 
-def _act_bytes(precision: str) -> int:
-    return 4 if precision == "32-true" else 2
-
-
-def activation_bytes_per_sample(config: Any, *, seq_len: int, precision: str, fused_loss: bool = False, cp: int = 1
-                                ) -> tuple[int, int]:
-    """(per transformer layer, whole model) activation bytes autograd keeps on one rank for one sample of ``seq_len``
-    tokens; with ``fused_loss`` no logits are kept (:func:`loss_peak_bytes` counts what the loss needs instead).
-    Under context parallelism (``cp > 1``) a rank keeps ``seq_len / cp`` tokens' activations plus, per layer, the
-    keys and values of the whole sequence its attention gathered (kv heads: ``2 S K D``)."""
-    b = _act_bytes(precision)
-    h, i = config.hidden_size, config.intermediate_size
-    attention, gathered = attention_elements_per_token(config)
-    # Per token and layer: norm input + output (2H), the attention's, MLP norm input + output (2H), MLP: gate/up
-    # (+ activation and product for gated MLPs) or up + activation.
-    mlp = 4 * i if config.gated else 2 * i
-    per_token_layer = b * (4 * h + attention + mlp)
-    if getattr(config, "disentangled", None) is not None:  # DeBERTa's eager attention keeps its probabilities [N, S]
-        per_token_layer += b * config.num_heads * seq_len
-    if config.dropout > 0:
-        per_token_layer += 3 * h  # 1-byte dropout masks on attention/residual paths (probabilities not counted)
-    local = seq_len // cp
-    per_layer = per_token_layer * local + (b * gathered * seq_len if cp > 1 else 0)
-    moe_layers = set(getattr(config, "moe_layers", ()))
-    linear_layers = set(getattr(config, "linear_layers", ()))
-    # An MoE layer: the dense MLP's term replaced by the router's and the experts' (the largest layer is reported).
-    moe_extra = local * (moe_layer_bytes_per_token(config, precision=precision) - b * mlp) if moe_layers else 0
-    # A Gated DeltaNet layer: the attention's term replaced by the layer's (its chunks padded to 64 tokens).
-    linear_extra = deltanet_bytes(config, tokens=local, precision=precision) - b * attention * local \
-        if linear_layers else 0
-    vocab = config.vocab_size
-    # Embedding output, final norm (2H), logits in the compute dtype + their fp32 copy for the loss (none for a
-    # decoder's score head: [B, S, num_labels]).
-    no_logits = fused_loss or getattr(config, "num_labels", 0) > 0
-    head = local * (b * 3 * h + (0 if no_logits else (b + 4) * vocab))
-    each = [per_layer + (moe_extra if n in moe_layers else 0) + (linear_extra if n in linear_layers else 0)
-            for n in range(config.num_layers)]
-    return max(each), sum(each) + head
-
-
-def deltanet_bytes(config: Any, *, tokens: int, precision: str) -> int:
-    """Bytes autograd keeps for ``tokens`` tokens of one Gated DeltaNet layer on the torch path
-    (``kernels/delta_rule.py``; measured on the layer in ``tests/models/test_deltanet.py``, within 8%: how many
-    copies the chunks' batched matmuls make of their keys depends on the shapes), with ``Cc`` convolution channels,
-    ``Hv`` value heads, ``Dk``/``Dv`` head widths and chunks of ``C`` = 64: in the compute dtype the convolution's
-    input and output (``2 Cc``), the gates (``3 Hv``), the gated norm's tensors and ``out_proj``'s input
-    (``5 Hv Dv``); in fp32 (the delta rule runs in fp32) the L2-normed q/k (``2 Hv Dk + 3 Hv``) and, per token
-    padded to whole chunks, the chunks' keys, queries, values and outputs (``8 Hv Dk + 4 Hv Dv + 3 Hv``) and [C, C]
-    matrices (``5 Hv C``), and one state [Hv, Dk, Dv] per chunk. fla's kernels (CUDA) keep less."""
-    la = config.linear_attention
-    hk, hv, dk, dv, c = la.num_key_heads, la.num_value_heads, la.key_head_dim, la.value_head_dim, 64
-    conv = hk * 2 * dk + hv * dv
-    padded = -(-tokens // c) * c
-    compute = tokens * (2 * conv + 3 * hv + 5 * hv * dv)
-    fp32 = tokens * (2 * hv * dk + 3 * hv) + padded * (8 * hv * dk + 4 * hv * dv + 3 * hv + 5 * hv * c) \
-        + padded // c * hv * dk * dv
-    return _act_bytes(precision) * compute + 4 * fp32
-
-
-def deltanet_flops_per_token(config: Any) -> int:
-    """A training step's FLOPs per token of one Gated DeltaNet layer's delta rule (3x the forward's chunked form,
-    chunks of ``C`` = 64, per value head): the [C, C] products of keys with keys and with queries (``4 C Dk``), their
-    product with the values (``2 C Dv``), the two triangular solves (``C (Dk + Dv)``) and the state's reads and update
-    (``6 Dk Dv``); the projections are counted with the parameters."""
-    la = config.linear_attention
-    dk, dv, c = la.key_head_dim, la.value_head_dim, 64
-    return 3 * la.num_value_heads * (4 * c * dk + 2 * c * dv + c * (dk + dv) + 6 * dk * dv)
-
-
-def attention_elements_per_token(config: Any) -> tuple[int, int]:
-    """``(elements autograd keeps per token in one attention layer, elements per token of the keys and values a
-    context-parallel rank gathers)``.
-
-    q/k/v projections: q/k/v (``q + 2kv``), rotated q/k (``q + kv``), the attention output (``q``); gathered ``2kv``.
-    Multi-head Latent Attention (measured on the layer in ``tests/models/test_mla.py``): the query path's down-projection,
-    norm statistics, normed latent and the up-projection's input (``3 Rq + 1``), the key/value latent with the rotary
-    key, its norm statistics, normed latent and input copy (``3 Rkv + Dr + 1``), the keys, queries, values padded to
-    the keys' width and the padded output (``4 N Dqk``), the log-sum-exp (``N``) and o_proj's input (``N Dv``);
-    gathered: keys and padded values ``2 N Dqk``."""
-    mla = getattr(config, "mla", None)
-    if mla is None:
-        q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        gate = 3 * q if getattr(config, "attention_output_gate", False) else 0  # the gate, its sigmoid, the product
-        return 3 * q + 3 * kv + gate, 2 * kv
-    n, qk = config.num_heads, mla.qk_head_dim
-    query = 3 * mla.q_lora_rank + 1 if mla.q_lora_rank is not None else 0
-    latent = 3 * mla.kv_lora_rank + mla.qk_rope_head_dim + 1
-    return query + latent + 4 * n * qk + n + n * mla.v_head_dim, 2 * n * qk
-
-
-def attention_width(config: Any) -> int:
-    """``A`` of the attention FLOPs ``12 L A S`` per token (``tools/estimate.train_flops_per_token``): the query/key
-    width of the scores and the value width of their product with the values, averaged (``N D``; MLA:
-    ``N (Dqk + Dv) / 2``)."""
-    mla = getattr(config, "mla", None)
-    if mla is None:
-        return config.num_heads * config.head_dim
-    return config.num_heads * (mla.qk_head_dim + mla.v_head_dim) // 2
-
-
-def moe_layer_bytes_per_token(config: Any, *, precision: str) -> int:
-    """Bytes autograd saves per token in one MoE layer's feed-forward (``config.moe``; measured on the block in
-    ``tests/cli/test_estimate.py``), with the ``top_k`` assignments of a token:
-
-    * router: its probabilities ``[E]`` fp32 and, with the load-balancing loss on, its logits ``[E]`` fp32 (the
-      aux gradient's input); the fp32 copy of its input ``[H]`` when the block runs in a 16-bit dtype; their sum;
-    * per assignment: three ``[H]`` in the compute dtype (the token's copy sorted by expert, the expert's output,
-      that output in token order, which the fp32 weighting keeps), the expert's gate/up output ``[2I]``, activation
-      ``[I]`` and product ``[I]`` (compute dtype), and its id, weight and sorting order (24 bytes: the order is
-      saved once, both for the gather of the tokens and for putting the outputs back);
-    * a shared expert: a dense gated MLP of its width, and its sigmoid gate's ``[H + 1]``; under autocast each of
-      its linears reading the fp32 input saves its own cast ``[H]``."""
-    moe = config.moe
-    b = _act_bytes(precision)  # the compute dtype
-    block = 2 if precision in ("bf16-true", "16-true") else 4  # the residual stream's dtype (fp32 under AMP)
-    h, e, k, i = config.hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size
-    router = 4 * e * (2 if moe.aux_loss_coef > 0 else 1) + (4 * h if block != 4 else 0) + 4
-    assignment = 3 * b * h + 4 * i * b + 24
-    shared = 0
-    if moe.shared_intermediate_size:
-        linears = 3 if moe.shared_gate else 2  # gate, up (and the sigmoid gate) read the block input
-        shared = b * 4 * moe.shared_intermediate_size + (b * (h + 1) if moe.shared_gate else 0) + \
-            (linears * b * h if block != b else 0)
-    return router + k * assignment + shared
-
-
-def loss_peak_bytes(*, tokens: int, vocab: int, hidden: int, precision: str, fused: bool, tp: int = 1) -> int:
-    """Peak transient memory of the LM-head loss and its backward for ``tokens`` tokens, above the hidden states, the
-    head's weight and its gradient buffer (as ``benchmarks/loss_memory.py`` measures it).
-
-    Full logits: the peak is in the backward of the log-softmax, where its fp32 output (saved), the NLL gradient and
-    the log-softmax gradient ``[N, V/tp]`` coexist (bf16 logits add their own copy and the gradient cast back); the
-    weight's and hidden states' gradients come after those are freed. Fused: ``dW [V, H]`` fp32 and ``dhidden
-    [N, H]`` are allocated in the forward and live until the backward, beside one token chunk's logits (which
-    become its gradient in place) and their shifted exponentials (:func:`~lightning_llm.kernels.cross_entropy.
-    default_chunk_size` tokens)."""
-    b = _act_bytes(precision)
-    v = -(-vocab // tp)
-    if fused:
-        chunk = default_chunk_size(tokens, v, hidden)
-        return 4 * v * hidden + b * tokens * hidden + FUSED_CHUNK_FP32_COPIES * 4 * chunk * v
-    return (3 * 4 + (2 * b if b != 4 else 0)) * tokens * v
-
-
 def estimate(config: Any, *, numel: int, batch_size: int, seq_len: int, precision: str, devices: int, stage: int,
              engine: str, offload_optimizer: bool = False, offload_params: bool = False, fused_loss: bool = False,
              tp: int = 1, cp: int = 1, quantized: Quantized | None = None, offload_device: str = "cpu",
-             largest_param: int = 0) -> Estimate:
+             largest_param: int = 0, optimizer: str = "adamw", matrices: int = 0) -> Estimate:
     """Per-device memory; ``fused_loss``: the loss path the run takes (the fused LM-head loss keeps no logits);
     ``cp``: ranks sharing each sequence (each holds ``seq_len / cp`` of its tokens). ``quantized``: the frozen block
     linears held quantized (``--model.quantize``): their bytes as stored, no gradients or optimizer states (the rest
     still counts as trained: full fine-tuning figures). ``offload_device="nvme"``: the offloaded states in swap
-    files, DeepSpeed's swap buffers (sized by ``largest_param``, a rank's largest partition) in host memory."""
+    files, DeepSpeed's swap buffers (sized by ``largest_param``, a rank's largest partition) in host memory.
+    ``optimizer`` (``--model.optim.name``) and ``matrices``: the hidden weight matrices' parameters among ``numel``
+    (:func:`model_state_theory`; quantized weights are such matrices, frozen)."""
     q = quantized_numel(config) if quantized is not None else 0
-    states = model_state_theory(numel=numel - q, stage=stage, dp=devices, precision=precision, engine=engine,
-                                offload_optimizer=offload_optimizer, offload_params=offload_params)
-    full = model_state_theory(numel=numel - q, stage=stage, dp=devices, precision=precision, engine=engine)
+    states, full = (model_state_theory(numel=numel - q, stage=stage, dp=devices, precision=precision, engine=engine,
+                                       optimizer=optimizer, matrices=max(matrices - q, 0), offload_optimizer=off_o,
+                                       offload_params=off_p)
+                    for off_o, off_p in ((offload_optimizer, offload_params), (False, False)))
     host = sum(full.values()) - sum(states.values())
     disk = 0
     if offload_device == "nvme":
@@ -325,14 +218,6 @@ def quantized_numel(config: Any) -> int:
     return sum(lin.weight.numel() for _, lin in quantized_linears(model))
 
 
-def loss_bytes(config: Any, *, tokens: int, precision: str, fused: bool, tp: int) -> int:
-    """:func:`loss_peak_bytes` of ``config``'s LM head for ``tokens`` tokens (0 for an encoder's classifier)."""
-    if getattr(config, "family", "decoder") != "decoder" or getattr(config, "num_labels", 0) > 0:
-        return 0  # classification heads (a decoder's score head too): [B, S or 1, num_labels] scores
-    return loss_peak_bytes(tokens=tokens, vocab=config.vocab_size, hidden=config.hidden_size, precision=precision,
-                           fused=fused, tp=tp)
-
-
 SETUP_BASE_BYTES = 20 * 2**20
 """Set-up memory besides the model (gloo process group, Lightning, the data module): 18-22 MB measured on CPU for
 the debug model at 1 and 2 ranks (``benchmarks/memory.py``)."""
@@ -348,6 +233,9 @@ class LayoutShare:
     read_peak: int
     largest: int = 0
     """The most elements of one parameter on the rank (what sizes DeepSpeed's NVMe swap buffers)."""
+    matrices: int = 0
+    """Of ``numel``, the elements of hidden weight matrices (Muon's role, :mod:`lightning_llm.optim.roles`), where
+    asked for (:func:`layout_share`'s ``matrices``)."""
 
 
 def _tp_dim(style: Any, module: nn.Module, attr: str) -> int | None:
@@ -369,10 +257,11 @@ def _stage_prefixes(model: nn.Module, pp: int) -> list[tuple[str, ...]]:
              *(f"{m}." for m in spec.last if s == len(layers) - 1)) for s, keys in enumerate(layers)]
 
 
-def layout_share(config: Any, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, zero3: bool = False
-                 ) -> LayoutShare:
+def layout_share(config: Any, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int = 1, zero3: bool = False,
+                 matrices: bool = False) -> LayoutShare:
     """:class:`LayoutShare` of the fullest stage of ``config``'s model under the layout (see the module docstring);
-    ``dp``: the replicas (``dp x cp``), of which groups of ``ep`` share each MoE layer's experts."""
+    ``dp``: the replicas (``dp x cp``), of which groups of ``ep`` share each MoE layer's experts; ``matrices``: also
+    count the hidden weight matrices' elements among them (Muon's role)."""
     # A model built for its shapes only: its init_seed draw must leave torch's generator as it was (the run summary
     # calls this on rank 0 alone before step 1; a resumed run's dropout then differed from the uninterrupted one's).
     with torch.random.fork_rng(devices=[]), torch.device("meta"):
@@ -383,9 +272,10 @@ def layout_share(config: Any, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int 
     modules = dict(model.named_modules())
     styles = {path: style for pattern, style in plan.items() for path in modules
               if module_path_matches(path, pattern)}
+    hidden = _hidden_matrices(model) if matrices else set()
     best = LayoutShare(0, 0)
     for prefixes in _stage_prefixes(model, pp):
-        numel = read_peak = largest = 0
+        numel = read_peak = largest = mats = 0
         seen: set[int] = set()
         for name, p in model.named_parameters(remove_duplicate=False):  # the order materialize fills them in
             if id(p) in seen or not name.startswith(prefixes):
@@ -403,10 +293,18 @@ def layout_share(config: Any, *, tp: int = 1, pp: int = 1, dp: int = 1, ep: int 
                 shape[0] = math.ceil(shape[0] / shards)
             n = math.prod(shape)
             read_peak = max(read_peak, numel + 2 * n)  # filled so far + this one + its slice read from the file
-            numel, largest = numel + n, max(largest, n)
+            numel, largest, mats = numel + n, max(largest, n), mats + (n if id(p) in hidden else 0)
         if numel > best.numel:
-            best = LayoutShare(numel, read_peak, largest)
+            best = LayoutShare(numel, read_peak, largest, mats)
     return best
+
+
+def _hidden_matrices(model: nn.Module) -> set[int]:
+    """ids of ``model``'s hidden weight matrices: the parameters Muon takes (by role, :func:`~lightning_llm.optim.roles.
+    split_parameters` on a task holding ``model``)."""
+    holder = nn.Module()
+    holder.model = model
+    return {id(p) for p in split_parameters(holder).muon}
 
 
 def setup_peak_bytes(share: LayoutShare, *, param_bytes: int, from_checkpoint: bool) -> int:
@@ -455,26 +353,31 @@ def frozen_copy_bytes(share: LayoutShare, *, engine: str, precision: str, copies
 def estimate_layout(config: Any, *, tp: int, pp: int, dp: int, stage: int, engine: str, batch_size: int,
                     seq_len: int, precision: str, fused_loss: bool, offload_optimizer: bool = False,
                     offload_params: bool = False, cp: int = 1, ep: int = 1, quantized: Quantized | None = None,
-                    frozen_copies: int = 0, offload_device: str = "cpu") -> tuple[Estimate, LayoutShare]:
+                    frozen_copies: int = 0, offload_device: str = "cpu", optimizer: str = "adamw",
+                    frozen_configs: Sequence[Any] = ()) -> tuple[Estimate, LayoutShare]:
     """Per-rank memory of ``config`` under a ``tp x pp x cp x dp`` layout with ZeRO ``stage`` (``engine``: native,
     deepspeed or ddp) and ``ep`` of the ``dp x cp`` ranks sharing each MoE layer's experts: what the ``estimate``
     tool prints and the run summary logs at the start of fit. Model states follow what a rank of the fullest stage
     holds after tp/pp/ep (ZeRO then divides over the ranks holding the same parameters: dp x cp, the experts
-    dp x cp / ep), plus ``frozen_copies`` frozen copies of the model placed like it (their experts are not spread
-    over ``ep``: whole, or ZeRO-3 shards over dp x cp); activations follow the ``seq_len / cp`` tokens a rank
-    holds."""
+    dp x cp / ep), plus ``frozen_copies`` frozen copies of the model placed like it (the same share: their experts
+    over ``ep`` too) and frozen models of ``frozen_configs`` placed the same way (a distillation teacher: its own
+    share under the layout); the optimizer's states are ``optimizer``'s (``--model.optim.name``: Muon's for the hidden weight
+    matrices of the share); activations follow the ``seq_len / cp`` tokens a rank holds."""
     replicas = dp * cp
     check_expert_parallel(config, ep=ep, replicas=replicas, stage=stage, engine=engine)
-    share = layout_share(config, tp=tp, pp=pp, dp=replicas, ep=ep, zero3=stage == 3)
+    optimizer_bytes_per_param(optimizer, engine, precision)  # refused before a model is built
+    share = layout_share(config, tp=tp, pp=pp, dp=replicas, ep=ep, zero3=stage == 3, matrices=optimizer != "adamw")
     # ZeRO-3 divides every column by the replicas: the share is already this rank's (experts over dp x cp / ep)
-    local = share.numel * replicas if stage == 3 else share.numel
+    local, matrices = (n * replicas if stage == 3 else n for n in (share.numel, share.matrices))
     est = estimate(config, numel=local, batch_size=batch_size, seq_len=seq_len, precision=precision, devices=replicas,
                    stage=stage, engine=engine, offload_optimizer=offload_optimizer, offload_params=offload_params,
                    fused_loss=fused_loss, tp=tp, cp=cp, quantized=quantized, offload_device=offload_device,
-                   largest_param=share.largest)
-    if frozen_copies:
-        placed = share if ep == 1 else layout_share(config, tp=tp, pp=pp, dp=replicas, zero3=stage == 3)
-        frozen = frozen_copy_bytes(placed, engine=engine, precision=precision, copies=frozen_copies)
+                   largest_param=share.largest, optimizer=optimizer, matrices=matrices)
+    if frozen_copies or frozen_configs:
+        shares = [share] * frozen_copies + [
+            share if cfg == config else layout_share(cfg, tp=tp, pp=pp, dp=replicas, ep=ep, zero3=stage == 3)
+            for cfg in frozen_configs]
+        frozen = sum(frozen_copy_bytes(s, engine=engine, precision=precision) for s in shares)
         if offload_params and offload_device == "nvme":  # swapped like the model's shards
             est.disk += frozen
         elif offload_params:  # ZeRO-3's shards live on the host, the frozen copies' as the model's
