@@ -18,7 +18,8 @@ The optimizer column is AdamW's (``--model.optim.name=adamw``). With Muon (``muo
 (:mod:`lightning_llm.optim.roles`: the projections of a family's blocks, each expert's matrices) keep one momentum
 buffer in the parameter's dtype instead of AdamW's two (native: 4 bytes in fp32/AMP, 2 in ``*-true16``), the rest
 AdamW's (:func:`optimizer_bytes_per_param`, from ``optim.STATE_TENSORS``); a layout's share of those matrices is
-counted as its share of the parameters (:func:`layout_share`). DeepSpeed refuses Muon, and so does the model.
+counted as its share of the parameters (:func:`layout_share`). Under DeepSpeed the client optimizer's states are fp32
+(4 bytes a tensor) beside DeepSpeed's fp32 master partition.
 
 Stage 1 divides the optimizer column by N, stage 2 also gradients, stage 3 also parameters (DeepSpeed's stage 1
 already partitions gradients like its stage 2). E.g. native fp32:
@@ -108,10 +109,10 @@ def optimizer_bytes_per_param(optimizer: str, engine: str, precision: str) -> tu
         raise ValueError(f"optimizer={optimizer!r}: must be one of {', '.join(OPTIMIZERS)}")
     if optimizer == "adamw":
         return adam, adam
-    if engine == "deepspeed":
-        raise ValueError("Muon (--optim=muon, --model.optim.name=muon) is refused under DeepSpeed, whose ZeRO steps on "
-                         "flattened partitions that hold no matrix whole: use the native preset of the same stage "
-                         "(zero1, zero2, zero3)")
+    if engine == "deepspeed":  # the client optimizer's states are fp32 beside DeepSpeed's fp32 master partition
+        per_tensor = 4
+        master = adam - per_tensor * len(STATE_TENSORS["adamw"])
+        return adam, master + per_tensor * len(STATE_TENSORS["muon"])
     per_tensor = adam // len(STATE_TENSORS["adamw"])  # m and v, each in the parameter's dtype
     return adam, per_tensor * len(STATE_TENSORS["muon"])
 

@@ -278,8 +278,14 @@ def test_header_commands_on_several_devices_run_as_written(tmp_path: Path) -> No
     user types it (``python -m lightning_llm``, Lightning starting the other ranks as copies of the command), beside
     one launch per device count running all the others one after another (:func:`tests.grouped.run_commands`: no
     interpreter start per command)."""
-    commands = [(argv, run_dir(REPO / "configs", tmp_path / f"{config.stem}_{i}")) for config in CONFIGS
-                for i, argv in enumerate(header_commands(header(config))[0]) if multi_device(argv)]
+    commands = []
+    for config in CONFIGS:
+        argvs = header_commands(header(config))[0]
+        for i, argv in enumerate(argvs):
+            if multi_device(argv):
+                cwd = run_dir(REPO / "configs", tmp_path / f"{config.stem}_{i}")
+                _prepare(config, argvs[:i], cwd)
+                commands.append((argv, cwd))
     assert len(commands) >= 5
     (first, first_cwd), grouped = commands[0], commands[1:]
     typed = launch(first, cwd=first_cwd, files={})
@@ -292,6 +298,15 @@ def test_header_commands_on_several_devices_run_as_written(tmp_path: Path) -> No
     finally:
         if typed.poll() is None:
             typed.kill()
+
+
+def _prepare(config: Path, earlier: list[list[str]], cwd: Path) -> None:
+    """Run in ``cwd`` the earlier commands of ``config``'s header that train another config (configs/distill.yaml's
+    teacher from configs/sft_chat.yaml): what they write, a command on several devices reads."""
+    with contextlib.chdir(cwd):
+        for argv in earlier:
+            if not multi_device(argv) and "--config" in argv and f"configs/{config.name}" not in argv:
+                assert (error := run_here(argv, cwd=cwd, files={})) is None, f"{shlex.join(argv)}: {error}"
 
 
 def test_a_wrong_flag_in_a_header_fails_the_check(tmp_path: Path) -> None:

@@ -111,3 +111,15 @@ if __name__ == "__main__":
     from lightning_llm.testing import run_worker
 
     run_worker(_worker, Path(sys.argv[1]))
+
+
+def test_muon_under_deepspeed_is_estimated_not_refused() -> None:
+    """DeepSpeed steps the task's Muon on its fp32 partitions (``strategies/zero/deepspeed_partitions.py``): a hidden
+    matrix holds DeepSpeed's fp32 master copy and one fp32 momentum buffer (8 bytes) where AdamW holds the master, m and
+    v (12), in any precision; the run summary's estimate once refused this layout and stopped the run."""
+    from lightning_llm.memory import optimizer_bytes_per_param
+
+    for precision in ("32-true", "bf16-mixed", "bf16-true"):
+        assert optimizer_bytes_per_param("muon", "deepspeed", precision) == (12, 8)
+        assert optimizer_bytes_per_param("adamw", "deepspeed", precision) == (12, 12)
+    assert optimizer_bytes_per_param("muon", "native", "32-true") == (8, 4)
