@@ -14,7 +14,7 @@ cannot switch it off. Checked on every layout without knowing it, at four points
    always a finite one.
 
 Decided on the device, read once per optimizer step (a host read waits for the device and leaves it idle while the
-host queues work again): with torch's fused optimizer (``tasks.base.build_adamw``) the all-reduced flag is its
+host queues work again): with torch's fused optimizer (``optim.config.build_adamw``) the all-reduced flag is its
 ``found_inf`` (the kernel skips the update of every weight, moment and step counter on the device, as under a
 ``GradScaler``), and the host reads a copy of the flag, made before the optimizer's kernels, at the end of the
 batch, without waiting for them. Elsewhere (another optimizer, DeepSpeed, an offloaded ZeRO optimizer, or any rank
