@@ -7,7 +7,7 @@ Run (CPU; at the defaults about 15 minutes on 2 cores and 16 GB of RAM for the e
 Each path runs in a fresh process on the same inputs (hidden ``[N, H]`` fp32 requiring grad, an LM head ``[V, H]``,
 labels with 10% ignored): the eager path is what ``--model.fused_loss=false`` runs, ``F.cross_entropy`` on
 ``head(hidden).float()``; the fused path is the model's ``labels=`` path,
-:func:`lightning_llm.kernels.head_loss.head_cross_entropy`. Measured: the peak resident set of loss + backward above
+:func:`lightning_llm.kernels.loss.head_loss.head_cross_entropy`. Measured: the peak resident set of loss + backward above
 the inputs (``/proc/self/status`` VmHWM after resetting it through ``/proc/self/clear_refs``), the wall time of
 loss + backward (best of ``--repeats``), and, in the eager process after its peak is taken, the loss and gradient
 (``dhidden``, ``dW``) errors against the fused process's (saved to a temporary file). ``lightning_llm estimate``'s
@@ -20,7 +20,7 @@ fp32 head and hidden states and runs the loss under bf16 autocast (Lightning's `
 
 ``--objective rl`` measures what a PPO/GRPO update asks of the head instead: token log-probs of ``logits / T``
 weighted per token, and the entropies (no gradient) that they log; eager = the logits path, fused =
-:func:`lightning_llm.kernels.head_loss.head_token_scores`::
+:func:`lightning_llm.kernels.loss.head_loss.head_token_scores`::
 
     python benchmarks/loss_memory.py --objective rl --tokens 4096 --out benchmarks/results/rl-logprob-memory-cpu.md
 
@@ -91,7 +91,7 @@ def _objective(path: str, objective: str, hidden: Any, head: Any, labels: Any) -
     import torch
     import torch.nn.functional as F
 
-    from lightning_llm.kernels.head_loss import head_cross_entropy, head_token_scores
+    from lightning_llm.kernels.loss.head_loss import head_cross_entropy, head_token_scores
     from lightning_llm.rl.core import entropy_from_logits, logprobs_from_logits
 
     if objective == "causal":

@@ -196,7 +196,7 @@ def _profile(fn: torch.nn.Module, x: torch.Tensor) -> list[list[str]]:
 
 
 def part_layer(a: argparse.Namespace) -> str:
-    from kernels import md_table
+    from kernel_bench import md_table
 
     fns = _layer_blocks(a)
     x = torch.randn(1, a.tokens, a.hidden, generator=torch.Generator().manual_seed(1))
@@ -286,7 +286,7 @@ def _train_steps(a: argparse.Namespace, path: Path) -> dict[str, Callable[[], fl
 
 
 def part_step(a: argparse.Namespace, work: Path) -> str:
-    from kernels import md_table
+    from kernel_bench import md_table
 
     steps = _train_steps(a, write_checkpoint(a, work / "qwen3-moe"))
     first = {name: fn() for name, fn in steps.items()}  # the first step of each: same weights, same batch
@@ -335,7 +335,7 @@ def _ep_run(a: argparse.Namespace, ckpt: Path, work: Path, devices: int, i: int)
 
 
 def part_ep(a: argparse.Namespace, work: Path) -> str:
-    from kernels import md_table
+    from kernel_bench import md_table
 
     ckpt = write_checkpoint(a, work / "qwen3-moe")
     load0 = load_average()

@@ -284,7 +284,7 @@ def _kernels(device: Any) -> dict[str, Any]:
     token (``index_select``'s backward, a scatter-add, against the gather + sum)."""
     import torch
 
-    from lightning_llm.kernels.cross_entropy import chunk_size_for, fused_linear_cross_entropy
+    from lightning_llm.kernels.loss.cross_entropy import chunk_size_for, fused_linear_cross_entropy
     from lightning_llm.models.layers.moe import _TokensByExpert
 
     cuda = device.type == "cuda"

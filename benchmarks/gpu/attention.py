@@ -217,7 +217,7 @@ def run_gqa(cfg: dict[str, Any], device: torch.device, bench: Callable[..., floa
 
 
 def sections(report: Report, cfg: dict[str, Any]) -> list[str]:
-    from kernels import md_table
+    from kernel_bench import md_table
 
     def fmt(x: float | None, spec: str) -> str:
         return "-" if x is None else format(x, spec)

@@ -1,4 +1,4 @@
-"""Kernel cases, correctness checks and timings shared by ``benchmarks/gpu/suite.py`` and ``benchmarks/gpu/kernels.py``.
+"""Kernel cases, correctness checks and timings shared by ``benchmarks/gpu/suite.py`` and ``benchmarks/gpu/kernel_bench.py``.
 
 A :class:`Case` is one op of :mod:`lightning_llm.kernels` (optionally a variant that compiles another Triton
 specialisation, e.g. CE with label smoothing) with four implementations: ``triton`` (the kernel), ``torch`` (the

@@ -150,7 +150,7 @@ def fnum(x: float | None, fmt: str = ".3f") -> str:
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
-    from kernels import md_table
+    from kernel_bench import md_table
 
     return md_table(header, rows)
 
@@ -184,7 +184,7 @@ def _check_section(rows: list[Any], failures: list[str], skipped: list[str], smo
 
 def part_kernels(ctx: Ctx) -> PartResult:
     import kernel_cases as G
-    import kernels as KB
+    import kernel_bench as KB
 
     a, res = ctx.a, PartResult("kernels")
     cases = G.build_cases(G.SMOKE_SHAPES if a.smoke else G.LIGER_SHAPES)
@@ -209,7 +209,7 @@ def part_kernels(ctx: Ctx) -> PartResult:
 
 
 def part_flce(ctx: Ctx) -> PartResult:
-    import kernels as KB
+    import kernel_bench as KB
 
     a, res = ctx.a, PartResult("flce")
     rows = KB.flce_bench(ctx.device, KB.Bench(ctx.device, a.warmup_ms, a.flce_rep_ms, a.cpu_reps), rows=a.flce_tokens,
@@ -429,7 +429,7 @@ def write_atomic(path: Path, text: str) -> None:
 
 def make_ctx(a: argparse.Namespace) -> Ctx:
     import e2e as E
-    import kernels as KB
+    import kernel_bench as KB
     import torch
 
     if not a.smoke and not torch.cuda.is_available():

@@ -1,7 +1,7 @@
 """Backend selection shared by every kernel family.
 
 Triton is imported lazily: ``import lightning_llm.kernels`` never imports it, and the jitted kernels (the
-``_triton_*`` modules) are imported on the first call that resolves to the triton backend. Triton reads
+``triton/`` modules) are imported on the first call that resolves to the triton backend. Triton reads
 ``TRITON_INTERPRET`` when a kernel is *decorated*, so for CPU tensors the variable must be set before that
 first call (setting it before ``import triton`` is the simplest way to be sure).
 """

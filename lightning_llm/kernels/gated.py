@@ -30,7 +30,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, backend: Backend = "auto") -
     """Fused ``silu(gate) * up``."""
     if resolve_backend(backend, gate) == "torch":
         return swiglu_torch(gate, up)
-    from ._triton_gated import TritonGLUFunction
+    from .triton.gated import TritonGLUFunction
 
     return TritonGLUFunction.apply(gate, up, "silu")
 
@@ -47,6 +47,6 @@ def geglu(
         raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}")
     if resolve_backend(backend, gate) == "torch":
         return geglu_torch(gate, up, approximate)
-    from ._triton_gated import TritonGLUFunction
+    from .triton.gated import TritonGLUFunction
 
     return TritonGLUFunction.apply(gate, up, "gelu" if approximate == "none" else "gelu_tanh")

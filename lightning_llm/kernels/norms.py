@@ -33,7 +33,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backen
     """RMSNorm over the last dim of ``x`` ``[..., D]`` with ``weight`` ``[D]``; returns ``x.dtype``."""
     if resolve_backend(backend, x) == "torch":
         return rms_norm_torch(x, weight, eps)
-    from ._triton_norms import TritonNormFunction
+    from .triton.norms import TritonNormFunction
 
     return TritonNormFunction.apply(x, weight, None, float(eps), True)
 
@@ -49,6 +49,6 @@ def layer_norm(
     """LayerNorm over the last dim of ``x`` ``[..., D]``; ``weight`` ``[D]``, ``bias`` ``[D]`` or None."""
     if resolve_backend(backend, x) == "torch":
         return layer_norm_torch(x, weight, bias, eps)
-    from ._triton_norms import TritonNormFunction
+    from .triton.norms import TritonNormFunction
 
     return TritonNormFunction.apply(x, weight, bias, float(eps), False)

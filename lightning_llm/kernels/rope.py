@@ -67,7 +67,7 @@ def apply_rotary(
     """Rotate q ``[B, S, Hq, D]`` and k ``[B, S, Hk, D]`` by cos/sin; returns new ``(q, k)`` tensors."""
     if resolve_backend(backend, q) == "torch":
         return apply_rotary_torch(q, k, cos, sin)
-    from ._triton_rope import TritonRotaryFunction
+    from .triton.rope import TritonRotaryFunction
 
     _check(q, k)
     cos, sin = _normalize_cos_sin(cos, sin, q)

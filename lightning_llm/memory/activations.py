@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_llm.kernels.cross_entropy import default_chunk_size
+from lightning_llm.kernels.loss.cross_entropy import default_chunk_size
 
 __all__ = ["FUSED_CHUNK_FP32_COPIES", "activation_bytes_per_sample", "attention_elements_per_token", "attention_width",
            "deltanet_bytes", "deltanet_flops_per_token", "loss_bytes", "loss_peak_bytes", "moe_layer_bytes_per_token"]
@@ -157,7 +157,7 @@ def loss_peak_bytes(*, tokens: int, vocab: int, hidden: int, precision: str, fus
     the log-softmax gradient ``[N, V/tp]`` coexist (bf16 logits add their own copy and the gradient cast back); the
     weight's and hidden states' gradients come after those are freed. Fused: ``dW [V, H]`` fp32 and ``dhidden
     [N, H]`` are allocated in the forward and live until the backward, beside one token chunk's logits (which
-    become its gradient in place) and their shifted exponentials (:func:`~lightning_llm.kernels.cross_entropy.
+    become its gradient in place) and their shifted exponentials (:func:`~lightning_llm.kernels.loss.cross_entropy.
     default_chunk_size` tokens)."""
     b = _act_bytes(precision)
     v = -(-vocab // tp)

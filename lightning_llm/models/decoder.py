@@ -36,7 +36,7 @@ from typing import Any, ClassVar, Literal, Protocol
 import torch
 from torch import Tensor, nn
 
-from lightning_llm.kernels.head_loss import TokenScores, head_cross_entropy, head_token_scores
+from lightning_llm.kernels.loss.head_loss import TokenScores, head_cross_entropy, head_token_scores
 
 from .config import ModelConfig
 from .init import InitPlan, WeightsSource, draw_init_seed, full_index, init_whole, materialize, plan_for_modules
@@ -66,7 +66,7 @@ class HeadLoss(Protocol):
 class DecoderLM(nn.Module):
     """Decoder-only causal LM. ``forward`` returns logits [B, S, V] (or hidden states when ``lm_head is None``),
     or with ``labels=`` the next-token cross-entropy computed from the hidden states and the head in chunks
-    (:func:`~lightning_llm.kernels.head_loss.head_cross_entropy`). A sequence classifier (``config.num_labels > 0``,
+    (:func:`~lightning_llm.kernels.loss.head_loss.head_cross_entropy`). A sequence classifier (``config.num_labels > 0``,
     a reward model) has a ``score`` head instead of ``lm_head`` and returns every position's scores [B, S, L]; a row's
     scores are those of its last token that is not padding (:func:`~.scores.sequence_scores`, transformers' rule)."""
 

@@ -8,7 +8,7 @@ import copy
 from typing import Any
 
 from .config import Family, ModelConfig
-from .hf.registry import named_sizes
+from .hf.convert.registry import named_sizes
 
 _LLAMA = dict(family="decoder", norm="rmsnorm", activation="swiglu", position="rope", pre_norm=True)
 _GPT2 = dict(

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from lightning_llm.data.tokenizer_files import write_tokenizer
 from lightning_llm.data.tokenizers import ByteTokenizer
 from lightning_llm.files import atomic_path, read_json
-from lightning_llm.models.hf.adapters import (
+from lightning_llm.models.hf.convert.adapters import (
     adapter_tensor_from_hf,
     adapter_tensor_to_hf,
     fused_in_hf,
@@ -70,7 +70,7 @@ def hf_module_name(name: str, config: Any = None) -> str:
     One mapping for every LLaMA-layout family (llama, qwen2, qwen3, mistral, baichuan, the MoE families): projection
     names are the HF ones (``q_proj``, Qwen3's ``q_norm``, Baichuan's ``W_pack``, MLA's ``kv_b_proj``); the base-model
     prefix differs, and with ``config`` the family's own module names (DeepSeek's and GLM's ``shared_experts``:
-    ``models.hf.adapters.module_name_to_hf``)."""
+    ``models.hf.convert.adapters.module_name_to_hf``)."""
     if config is not None:
         name = module_name_to_hf(config, name)
     if name.startswith(("layers.", "embed_tokens", "norm.")) or name == "norm":
@@ -88,7 +88,7 @@ def _our_module_name(hf_name: str, config: Any) -> str:
 
 def _wpack_rows(config: Any, state: dict[str, Tensor], *, to_hf: bool, where: str) -> dict[str, Tensor]:
     """Adapter tensors (our names) with Baichuan's ``W_pack`` rows converted between our head-interleaved order and
-    the checkpoint's ``[q; k; v]`` (a LoRA's ``lora_B``: ``models.hf.adapters.adapter_tensor_to_hf``); any other
+    the checkpoint's ``[q; k; v]`` (a LoRA's ``lora_B``: ``models.hf.convert.adapters.adapter_tensor_to_hf``); any other
     tensor on ``W_pack`` (another method's, a ``modules_to_save`` copy) is refused rather than written unpermuted."""
     odd = [k for k in state if "W_pack" in k.split(".") and not {"lora_A", "lora_B"} & set(k.split("."))]
     if odd and getattr(config, "qkv_packed", False):
@@ -99,7 +99,8 @@ def _wpack_rows(config: Any, state: dict[str, Tensor], *, to_hf: bool, where: st
 
 
 _PEFT_REROUTED = ("gate_proj", "up_proj", "down_proj")
-"""The targets peft moves to the fused experts of the families ``models.hf.adapters.peft_reroutes_mlp`` names."""
+"""The targets peft moves to the fused experts of the families ``models.hf.convert.adapters.peft_reroutes_mlp``
+names."""
 
 
 def _check_peft_loads_as_trained(model: nn.Module) -> None:

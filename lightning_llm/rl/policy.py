@@ -48,7 +48,7 @@ class ActorCritic(nn.Module):
     the value (no ``value_head``).
 
     ``forward`` returns (logits [B, S, V], values [B, S] fp32); with ``labels`` (a policy that
-    ``computes_loss``) it returns (:class:`~lightning_llm.kernels.head_loss.TokenScores`, values) instead, the
+    ``computes_loss``) it returns (:class:`~lightning_llm.kernels.loss.head_loss.TokenScores`, values) instead, the
     per-token log-probs and entropies computed from the hidden states in chunks, never the logits.
     """
 

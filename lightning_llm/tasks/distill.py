@@ -9,7 +9,7 @@ response continues; :func:`last_reply_prompts`), so SFT and chat files serve as 
 (:class:`~lightning_llm.data.InstructionDataModule`); a sampled row's draws depend on (seed, step, its prompt tokens),
 so a prompt gets the same response at any layout and batch size.
 
-The loss is a per-token divergence over the response tokens (:mod:`lightning_llm.kernels.divergence`: ``reverse_kl``,
+The loss is a per-token divergence over the response tokens (:mod:`lightning_llm.kernels.loss.divergence`: ``reverse_kl``,
 ``forward_kl`` or trl's generalized ``jsd`` with ``beta``, at a ``temperature``), the token mean over the global
 batch, computed inside the student's forward from its last hidden states and head and the teacher's, in chunks: neither
 ``[B, S, V]`` logits tensor is ever whole (``--model.fused_loss=false``: whole logits). The teacher runs first, without
@@ -43,8 +43,8 @@ from lightning_llm.contract import PACKED_INPUTS
 from lightning_llm.export.checkpoint import read_checkpoint
 from lightning_llm.export.model import rebuild_model
 from lightning_llm.generation import GenerationConfig, for_datamodule, generate
-from lightning_llm.kernels.divergence import DIVERGENCES, Divergence
-from lightning_llm.kernels.head_divergence import TeacherOutput, head_divergence
+from lightning_llm.kernels.loss.divergence import DIVERGENCES, Divergence
+from lightning_llm.kernels.loss.head_divergence import TeacherOutput, head_divergence
 from lightning_llm.models import backbone_config
 from lightning_llm.peft import PROMPT_METHODS
 from lightning_llm.rl.policy import pack_responses
@@ -267,7 +267,7 @@ class DistillTask(DecoderTask):
     @override
     def uses_fused_loss(self) -> bool:
         """Whether the divergence is chunked (``--model.fused_loss``; a head the chunks cannot read, such as a
-        LoRA-wrapped one, still computes whole logits: :mod:`lightning_llm.kernels.head_divergence`)."""
+        LoRA-wrapped one, still computes whole logits: :mod:`lightning_llm.kernels.loss.head_divergence`)."""
         if not self._loss_path_logged:
             self._loss_path_logged = True
             log.info("loss: %s %s", self.divergence, "in chunks from both models' hidden states and heads (no [B, S, "

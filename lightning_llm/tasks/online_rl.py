@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_llm.generation import GenerationConfig, for_datamodule, generate, strip_after_eos
-from lightning_llm.kernels.head_loss import TokenScores
+from lightning_llm.kernels.loss.head_loss import TokenScores
 from lightning_llm.rl.core import entropy_from_logits, logprobs_from_logits
 from lightning_llm.rl.env import EnvConfig
 from lightning_llm.rl.multiturn import MultiTurn
@@ -343,7 +343,7 @@ class OnlineRLTask(DecoderTask):
 
     def scoring_kwargs(self, r: Rollout, temperature: float) -> dict[str, Any]:
         """Keyword inputs of a policy call on rollout ``r``: with the fused loss also ``labels``, the temperature and
-        ``token_scores=True``, so the model returns :class:`~lightning_llm.kernels.head_loss.TokenScores`."""
+        ``token_scores=True``, so the model returns :class:`~lightning_llm.kernels.loss.head_loss.TokenScores`."""
         kwargs: dict[str, Any] = {"attention_mask": r.attention_mask, "position_ids": r.position_ids}
         if self.uses_fused_loss():
             kwargs.update(labels=r.labels(), temperature=temperature, token_scores=True)

@@ -39,8 +39,8 @@ from lightning_llm.memory import (
     setup_peak_bytes,
 )
 from lightning_llm.models import NAMED_SIZES, config_from_hf, model_from_config, named_config
-from lightning_llm.models.hf.architectures import SUPPORTED_ARCHITECTURES, architecture_name
-from lightning_llm.models.hf.multimodal import outside_keys
+from lightning_llm.models.hf.convert.architectures import SUPPORTED_ARCHITECTURES, architecture_name
+from lightning_llm.models.hf.convert.multimodal import outside_keys
 from lightning_llm.models.hf.source import CheckpointFiles
 from lightning_llm.models.layers.moe import moe_parameters
 from lightning_llm.models.quantize import QUANTIZE_MODES, QuantizationConfig

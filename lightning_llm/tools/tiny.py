@@ -32,10 +32,10 @@ import torch
 from lightning_llm.data.text import generated_corpus
 from lightning_llm.models import named_config
 from lightning_llm.models.hf import config_to_hf
-from lightning_llm.models.hf.architectures import DEFAULT_ARCHITECTURE
+from lightning_llm.models.hf.convert.architectures import DEFAULT_ARCHITECTURE
 from lightning_llm.models.hf.families.gpt_oss import quantize_mxfp4, to_mxfp4
-from lightning_llm.models.hf.family import Multimodal
-from lightning_llm.models.hf.registry import FAMILIES as RECORDS
+from lightning_llm.models.hf.record.family import Multimodal
+from lightning_llm.models.hf.convert.registry import FAMILIES as RECORDS
 from lightning_llm.reliability import staged_directory
 
 log = logging.getLogger(__name__)

@@ -215,13 +215,14 @@ def test_the_checks_catch_what_they_are_for() -> None:
 
 
 def test_the_docs_family_list_is_the_table() -> None:
-    """docs/models.md lists the supported HF classes as the one table in models/hf/architectures.py holds them."""
-    from lightning_llm.models.hf import architectures
+    """docs/models.md lists the supported HF classes as the one table in models/hf/convert/architectures.py holds
+    them."""
+    from lightning_llm.models.hf.convert import architectures
 
     page = REPO / "docs" / "models.md"
     text = page.read_text(encoding="utf-8")
     assert architectures.replace_block(text) == text, (
-        "docs/models.md's family list differs from models/hf/architectures.py: run "
-        "python -m lightning_llm.models.hf.architectures --write docs/models.md")
+        "docs/models.md's family list differs from models/hf/convert/architectures.py: run "
+        "python -m lightning_llm.models.hf.convert.architectures --write docs/models.md")
     stale = text.replace("`LlamaForCausalLM`, ", "", 1)  # the check fails on a list that lost a class
     assert architectures.replace_block(stale) != stale

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lightning_llm.kernels.head_loss import fusable_head, head_cross_entropy
+from lightning_llm.kernels.loss.head_loss import fusable_head, head_cross_entropy
 
 TOL = 1e-5
 
@@ -225,7 +225,7 @@ def test_dpo_with_the_fused_token_losses_equals_logits(tmp_path: Path, reference
 def test_bf16_head_gradient_is_as_accurate_as_one_matmul() -> None:
     """The head's gradient sums over every token chunk: accumulated in fp32 and rounded once, its error against
     float64 equals the eager bf16 path's (a bf16 running sum over 16 chunks would be several times worse)."""
-    from lightning_llm.kernels.cross_entropy import fused_linear_cross_entropy
+    from lightning_llm.kernels.loss.cross_entropy import fused_linear_cross_entropy
 
     torch.manual_seed(0)
     h, w, t = torch.randn(2048, 128), torch.randn(4000, 128) * 0.05, torch.randint(0, 4000, (2048,))
@@ -253,7 +253,7 @@ def _matmul_operand_dtypes(device: str, weight_dtype: torch.dtype) -> list[tuple
     operands (an accumulator it adds into is not an operand of the product)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from lightning_llm.kernels.cross_entropy import fused_linear_cross_entropy
+    from lightning_llm.kernels.loss.cross_entropy import fused_linear_cross_entropy
 
     seen: list[tuple[str, tuple[torch.dtype, ...]]] = []
 

@@ -40,7 +40,7 @@ def _fit(backbone: str, strategy: Any, devices: int, batch_size: int, out: Path,
 
     import lightning_llm.strategies  # noqa: F401 - registers the layouts by name
     from lightning_llm.data import TextDataModule
-    from lightning_llm.kernels import head_loss
+    from lightning_llm.kernels.loss import head_loss
     from lightning_llm.peft import LoraArgs
     from lightning_llm.tasks import CausalLMTask
     from lightning_llm.tasks.base import OptimConfig

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from lightning_llm.generation import GenerationConfig
-from lightning_llm.kernels.cross_entropy import fused_linear_cross_entropy
-from lightning_llm.kernels.head_loss import head_token_scores
+from lightning_llm.kernels.loss.cross_entropy import fused_linear_cross_entropy
+from lightning_llm.kernels.loss.head_loss import head_token_scores
 from lightning_llm.peft import LoraArgs
 from lightning_llm.rl import GRPOConfig, PPOConfig, RewardConfig
 from lightning_llm.rl.policy import Rollout, pack_responses

@@ -331,7 +331,7 @@ def test_fused_linear_cross_entropy_of_soft_capped_logits(reduction, backend):
 
 
 def test_default_chunk_size():
-    from lightning_llm.kernels.cross_entropy import default_chunk_size
+    from lightning_llm.kernels.loss.cross_entropy import default_chunk_size
 
     assert default_chunk_size(32768, 128256, 4096) == 2048  # chunk logits ~ 2x hidden in size (2093 -> 2048)
     assert default_chunk_size(8192, 128256, 4096) == 512  # 523 -> 512
@@ -344,7 +344,7 @@ def test_default_chunk_size():
 def test_chunks_on_cuda_cover_the_hidden_size():
     """On CUDA a chunk covers at least H tokens (the head's fp32 weight gradient is read and written once per chunk);
     the CPU keeps the memory rule. Sizes only: no device is touched."""
-    from lightning_llm.kernels.cross_entropy import chunk_size_for
+    from lightning_llm.kernels.loss.cross_entropy import chunk_size_for
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert chunk_size_for(8192, 151936, 2048, cuda) == 2048  # Qwen3-30B-A3B's head: 256 -> 2048 (4 chunks, not 32)

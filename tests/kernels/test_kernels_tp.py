@@ -110,7 +110,7 @@ def _fused_check(rank: int, backend: str) -> None:
     """The fused linear + vocab-parallel cross-entropy on uneven row shards of the head, in chunks of 4 tokens and
     in default chunks (the shards' own widths would give 4 and 8 tokens here: every rank must run the same chunk
     loop): loss, dhidden (all-reduced), the shard's dW and db against float64 on the full head."""
-    from lightning_llm.kernels.tp_cross_entropy import vocab_parallel_fused_linear_cross_entropy
+    from lightning_llm.kernels.loss.tp_cross_entropy import vocab_parallel_fused_linear_cross_entropy
 
     g = torch.Generator().manual_seed(2)
     V, H, widths = 131, 8, (70, 61)
@@ -140,7 +140,7 @@ def _sharded_head_check(rank: int, backend: str) -> None:
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    from lightning_llm.kernels.head_loss import head_cross_entropy, vocab_sharded_head
+    from lightning_llm.kernels.loss.head_loss import head_cross_entropy, vocab_sharded_head
 
     mesh = init_device_mesh("cpu", (WORLD,))
     for sequence_parallel in (False, True):

@@ -75,7 +75,7 @@ def test_rotary_pairs_matter(tmp_path: Path) -> None:
 def test_config_both_ways_refusals_and_the_tiny_checkpoint(tmp_path: Path) -> None:
     from lightning_llm.models import build_model
     from lightning_llm.models.hf import config_from_hf, config_to_hf
-    from lightning_llm.models.hf.architectures import DEFAULT_ARCHITECTURE
+    from lightning_llm.models.hf.convert.architectures import DEFAULT_ARCHITECTURE
     from lightning_llm.tools.tiny import write_tiny
 
     model = build_model("debug-ernie4.5", family="decoder")

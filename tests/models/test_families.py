@@ -35,7 +35,7 @@ transformers = pytest.importorskip("transformers")
 from lightning_llm.data.base import left_pad  # noqa: E402
 from lightning_llm.generation import GenerationConfig, generate, strip_after_eos  # noqa: E402
 from lightning_llm.models import DecoderLM, load_hf, save_hf  # noqa: E402
-from lightning_llm.models.hf.adapters import adapter_tensor_to_hf  # noqa: E402
+from lightning_llm.models.hf.convert.adapters import adapter_tensor_to_hf  # noqa: E402
 from lightning_llm.models.hf.families.baichuan import wpack_from_hf, wpack_to_hf  # noqa: E402
 
 TOL = 1e-5
@@ -505,8 +505,8 @@ def test_a_family_is_its_record_alone() -> None:
     from lightning_llm.data.chat.template import NAMED_TEMPLATES
     from lightning_llm.models import NAMED_SIZES
     from lightning_llm.models.hf import SUPPORTED_ARCHITECTURES
-    from lightning_llm.models.hf.architectures import DEFAULT_ARCHITECTURE, families_markdown
-    from lightning_llm.models.hf.registry import FAMILIES
+    from lightning_llm.models.hf.convert.architectures import DEFAULT_ARCHITECTURE, families_markdown
+    from lightning_llm.models.hf.convert.registry import FAMILIES
     from lightning_llm.tools.tiny import FAMILIES as TINY
 
     package = Path(lightning_llm.__file__).parent

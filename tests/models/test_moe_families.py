@@ -33,7 +33,7 @@ from tests.conftest import loaded_logits_error, peft_twin  # noqa: E402
 from tests.models.test_moe import _batch  # noqa: E402 (ids, mask with right and left padding, HF labels)
 
 from lightning_llm.models import build_model, load_hf, save_hf  # noqa: E402
-from lightning_llm.models.hf.entries import deinterleave  # noqa: E402
+from lightning_llm.models.hf.record.entries import deinterleave  # noqa: E402
 from lightning_llm.models.init import materialize  # noqa: E402
 
 VOCAB = 96

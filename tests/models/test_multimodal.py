@@ -1,4 +1,4 @@
-"""Multimodal checkpoints fine-tuned as text (``models/hf/multimodal.py``): ``Gemma3ForConditionalGeneration``,
+"""Multimodal checkpoints fine-tuned as text (``models/hf/convert/multimodal.py``): ``Gemma3ForConditionalGeneration``,
 ``Qwen2_5_VLForConditionalGeneration``, ``Qwen3VLForConditionalGeneration``, ``Mistral3ForConditionalGeneration``,
 ``Qwen3_5ForConditionalGeneration`` (tied, as Qwen3.5-0.8B to 4B) and ``Qwen3_5MoeForConditionalGeneration`` (a Gated
 DeltaNet and a gated attention layer, interleaved M-RoPE sections) written by transformers 5.24's ``save_pretrained``

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_llm.kernels.head_loss import head_cross_entropy
+from lightning_llm.kernels.loss.head_loss import head_cross_entropy
 from lightning_llm.models import build_model
 
 VIEW_WARNING = "returned a view tensor"

@@ -32,9 +32,9 @@ E2E_ROWS = [("encoder debug", "1 device", "auto", "4"), ("encoder debug", "zero1
 
 @pytest.fixture
 def bench_modules() -> Iterator[None]:
-    """benchmarks/gpu's modules importable by their names for one test, and the names given back after: pip's
-    ``kernels`` (which transformers imports) would otherwise stand for the suite's ``kernels.py``, or the suite's for
-    it in later tests."""
+    """benchmarks/gpu's modules importable by their names for one test, and the names given back after (the timing
+    module is ``kernel_bench.py``, not ``kernels.py``: that name would stand for pip's ``kernels``, which transformers
+    imports, while the folder is on ``sys.path``)."""
     saved_path, saved = list(sys.path), {name: sys.modules.pop(name) for name in BENCH_MODULES if name in sys.modules}
     sys.path.insert(0, str(BENCH))
     try:

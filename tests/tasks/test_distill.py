@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_llm.kernels.divergence import fused_linear_divergence, token_divergence
+from lightning_llm.kernels.loss.divergence import fused_linear_divergence, token_divergence
 from lightning_llm.tasks import DistillTask
 from tests.conftest import tiny_hf_llama
 

@@ -66,7 +66,7 @@ class FirstGradients(LoggedLoss):
 def _fit(layout: str, devices: int, dirs: Path, out: Path) -> dict[str, Any]:
     from lightning_llm.data import InstructionDataModule
     from lightning_llm.generation import GenerationConfig
-    from lightning_llm.kernels import head_divergence
+    from lightning_llm.kernels.loss import head_divergence
     from lightning_llm.tasks import DistillTask
     from lightning_llm.tasks.base import OptimConfig
 

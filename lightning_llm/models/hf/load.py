@@ -2,7 +2,7 @@
 
 Reads ``config.json`` plus ``model.safetensors`` / sharded safetensors (``model.safetensors.index.json``) /
 ``pytorch_model.bin`` (optionally sharded) from a LOCAL directory; never downloads. What is supported:
-:mod:`.architectures`.
+:mod:`.convert.architectures`.
 """
 
 from __future__ import annotations
@@ -22,13 +22,13 @@ from ..config import ModelConfig
 from ..decoder import DecoderLM
 from ..encoder import EncoderModel
 from ..init import materialize
-from .architectures import SUPPORTED_ARCHITECTURES, architecture_name, layout_kind
-from .config import config_from_hf
-from .entries import Fused, Stacked
-from .multimodal import SOURCE_KEY, lm_keys, outside_keys, source_record
-from .registry import family
+from .convert.architectures import SUPPORTED_ARCHITECTURES, architecture_name, layout_kind
+from .convert.config import config_from_hf
+from .convert.multimodal import SOURCE_KEY, lm_keys, outside_keys, source_record
+from .convert.registry import family
+from .convert.weights import IGNORED, base_prefix, entries
+from .record.entries import Fused, Stacked
 from .source import CheckpointFiles, HFWeightsSource, Mapped, RowsMapped, StackedMapped
-from .weights import IGNORED, base_prefix, entries
 
 log = logging.getLogger(__name__)
 

@@ -16,13 +16,13 @@ from torch import Tensor, nn
 from lightning_llm.files import atomic_path
 
 from ..config import ModelConfig
-from .architectures import DEFAULT_ARCHITECTURE, SUPPORTED_ARCHITECTURES, layout_kind
-from .config import architecture_diffs, config_from_hf, config_to_hf
-from .entries import Entry
-from .multimodal import MODULE_PREFIX, SOURCE_KEY, checked_source, lm_layout, outside_keys
-from .registry import family, family_of
+from .convert.architectures import DEFAULT_ARCHITECTURE, SUPPORTED_ARCHITECTURES, layout_kind
+from .convert.config import architecture_diffs, config_from_hf, config_to_hf
+from .convert.multimodal import MODULE_PREFIX, SOURCE_KEY, checked_source, lm_layout, outside_keys
+from .convert.registry import family, family_of
+from .convert.weights import save_entries
+from .record.entries import Entry
 from .source import CheckpointFiles
-from .weights import save_entries
 
 log = logging.getLogger(__name__)
 
@@ -174,8 +174,8 @@ def save_hf(model: nn.Module, path: str | os.PathLike[str], *, architecture: str
 
 
 class _NestedSource:
-    """What a multimodal class's save copies from its source checkpoint (:mod:`.multimodal`): the recorded files,
-    checked unchanged; its ``config.json``, checked to describe the trained language model; the tensors outside the
+    """What a multimodal class's save copies from its source checkpoint (:mod:`.convert.multimodal`): the recorded
+    files, checked unchanged; its ``config.json``, checked to describe the trained language model; the tensors outside the
     language model; the dtypes the language model's tensors are written in (the source's)."""
 
     def __init__(self, config: ModelConfig, architecture: str) -> None:

@@ -229,8 +229,8 @@ def interleaved_rows(rows: Tensor, total: int) -> Tensor:
 @dataclass(frozen=True)
 class PermutedMapped:
     """Our tensor = the stored tensor ``key`` with dims permuted (our dim ``d`` is its dim ``dims[d]``) and, with
-    ``interleaved``, our dim 1 in gate-then-up order where the stored dim alternates them (:class:`~.entries.Fused`).
-    A read of some experts reads only theirs."""
+    ``interleaved``, our dim 1 in gate-then-up order where the stored dim alternates them
+    (:class:`~.record.entries.Fused`). A read of some experts reads only theirs."""
 
     key: str
     dims: tuple[int, ...]

@@ -15,8 +15,8 @@ from typing import Any
 from torch import Tensor
 
 from ...config import ModelConfig
-from ..entries import Entry, lin
-from ..family import LLAMA_SIZE
+from ..record.entries import Entry, lin
+from ..record.family import LLAMA_SIZE
 from .llama import Llama
 
 log = logging.getLogger(__name__)

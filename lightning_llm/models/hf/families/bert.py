@@ -13,9 +13,9 @@ import re
 from typing import Any, ClassVar
 
 from ...config import ModelConfig
-from ..entries import Entry, Fused, Stacked, lin
-from ..family import Family
-from ..readers import PLAIN_ACT_TO_HF, num_labels_of, plain_act
+from ..record.entries import Entry, Fused, Stacked, lin
+from ..record.family import Family
+from ..record.readers import PLAIN_ACT_TO_HF, num_labels_of, plain_act
 
 __all__ = ["Bert", "MegatronBert", "RECORDS", "Roberta", "XLMRoberta"]
 

@@ -18,10 +18,10 @@ from typing import Any
 
 from ...config import ModelConfig
 from ...layers.configs import DisentangledConfig
-from ..entries import Entry, Fused, Stacked, lin
-from ..family import Family
-from ..options import Unbuilt
-from ..readers import PLAIN_ACT_TO_HF, num_labels_of, plain_act
+from ..record.entries import Entry, Fused, Stacked, lin
+from ..record.family import Family
+from ..record.options import Unbuilt
+from ..record.readers import PLAIN_ACT_TO_HF, num_labels_of, plain_act
 
 __all__ = ["DebertaV2", "RECORDS", "pooler_act", "pooler_act_to_hf"]
 

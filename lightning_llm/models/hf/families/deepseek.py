@@ -24,9 +24,9 @@ from typing import Any, ClassVar
 
 from ...config import ModelConfig
 from ...layers.configs import MLAConfig, MoEConfig
-from ..entries import Entry, lin
-from ..family import LLAMA_SIZE, decoder_classes
-from ..options import PLAIN_WEIGHTS, Unbuilt, one_of
+from ..record.entries import Entry, lin
+from ..record.family import LLAMA_SIZE, decoder_classes
+from ..record.options import PLAIN_WEIGHTS, Unbuilt, one_of
 from .llama import Llama
 
 log = logging.getLogger(__name__)

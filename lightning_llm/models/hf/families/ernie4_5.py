@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from ...config import ModelConfig
-from ..family import LLAMA_SIZE
-from ..options import PLAIN_WEIGHTS
+from ..record.family import LLAMA_SIZE
+from ..record.options import PLAIN_WEIGHTS
 from .llama import Llama
 
 __all__ = ["Ernie4_5", "RECORDS"]

@@ -1,6 +1,6 @@
 """Gemma 2 (``Gemma2ForCausalLM``, model type ``gemma2``) and Gemma 3's language model (``Gemma3ForCausalLM``,
 ``gemma3_text``; the ``text_config`` of ``Gemma3ForConditionalGeneration``, the class of every Gemma 3 checkpoint from
-4B up, fine-tuned as text: :mod:`..multimodal`; its SigLIP tower and projector copied at export).
+4B up, fine-tuned as text: :mod:`..convert.multimodal`; its SigLIP tower and projector copied at export).
 
 Both keep LLaMA's module names for the projections (``model.layers.N.self_attn.q_proj``, ``mlp.gate_proj`` ...) and
 differ from it in switches of one :class:`~lightning_llm.models.DecoderLM`, as transformers' modeling files compute
@@ -21,7 +21,7 @@ qk-norm                    Gemma 3 (per head, ``(1 + weight)``)
 soft-capping               Gemma 2: ``attn_logit_softcapping`` (scores: the eager path) and
                            ``final_logit_softcapping`` (logits, the fused loss's chunks, generation); Gemma 3's
                            ``final_logit_softcapping`` when set (``Gemma3ForCausalLM`` applies it,
-                           ``Gemma3ForConditionalGeneration`` does not: :mod:`..multimodal` drops it there)
+                           ``Gemma3ForConditionalGeneration`` does not: :mod:`..convert.multimodal` drops it there)
 GeGLU                      ``hidden_activation`` ``gelu_pytorch_tanh`` (``geglu_tanh``) or ``gelu``
 tied head                  ``tie_word_embeddings`` (true by default: the 256k/262k vocabularies are one matrix)
 =========================  ===========================================================================================
@@ -36,9 +36,9 @@ import logging
 from typing import Any, ClassVar
 
 from ...config import ModelConfig
-from ..family import LLAMA_SIZE, Multimodal, NestedLM, decoder_classes
-from ..options import PLAIN_WEIGHTS, Unbuilt
-from ..readers import layer_types, rope_from_hf, rope_to_hf
+from ..record.family import LLAMA_SIZE, Multimodal, NestedLM, decoder_classes
+from ..record.options import PLAIN_WEIGHTS, Unbuilt
+from ..record.readers import layer_types, rope_from_hf, rope_to_hf
 from .llama import Llama
 
 log = logging.getLogger(__name__)

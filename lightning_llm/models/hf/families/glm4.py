@@ -18,10 +18,10 @@ from __future__ import annotations
 from typing import Any
 
 from ...config import ModelConfig
-from ..entries import Entry
-from ..family import LLAMA_SIZE, decoder_classes
-from ..options import PLAIN_WEIGHTS
-from ..readers import partial_rotary_factor
+from ..record.entries import Entry
+from ..record.family import LLAMA_SIZE, decoder_classes
+from ..record.options import PLAIN_WEIGHTS
+from ..record.readers import partial_rotary_factor
 from .llama import Llama
 from .phi3 import fused_mlp_entries
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..family import LLAMA_SIZE, decoder_classes
-from ..options import PLAIN_WEIGHTS
-from ..readers import partial_rotary_factor
+from ..record.family import LLAMA_SIZE, decoder_classes
+from ..record.options import PLAIN_WEIGHTS
+from ..record.readers import partial_rotary_factor
 from .deepseek import _ROUTER, DeepseekV3
 
 __all__ = ["Glm4Moe", "RECORDS"]

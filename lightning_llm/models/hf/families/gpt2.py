@@ -13,9 +13,9 @@ import torch
 from torch import Tensor
 
 from ...config import ModelConfig
-from ..entries import Entry, Fused, Stacked, head_entries, lin
-from ..family import Family
-from ..readers import PLAIN_ACT_TO_HF, plain_act
+from ..record.entries import Entry, Fused, Stacked, head_entries, lin
+from ..record.family import Family
+from ..record.readers import PLAIN_ACT_TO_HF, plain_act
 
 __all__ = ["GPT2", "RECORDS"]
 

@@ -19,9 +19,9 @@ from torch import Tensor
 
 from ...config import ModelConfig
 from ...layers.configs import MoEConfig
-from ..entries import Entry, Fused, Stacked, lin
-from ..family import LLAMA_SIZE, decoder_classes
-from ..readers import layer_types
+from ..record.entries import Entry, Fused, Stacked, lin
+from ..record.family import LLAMA_SIZE, decoder_classes
+from ..record.readers import layer_types
 from .llama import Llama
 
 __all__ = ["GptOss", "RECORDS", "quantize_mxfp4", "to_mxfp4"]

@@ -21,9 +21,9 @@ from typing import Any, ClassVar
 
 from ...config import ModelConfig
 from ...layers.configs import MoEConfig
-from ..entries import Entry, Fused, Stacked, experts_entries, head_entries, lin
-from ..family import Family, decoder_classes
-from ..readers import GATED_ACT_TO_HF, gated_act, rope_from_hf, rope_to_hf
+from ..record.entries import Entry, Fused, Stacked, experts_entries, head_entries, lin
+from ..record.family import Family, decoder_classes
+from ..record.readers import GATED_ACT_TO_HF, gated_act, rope_from_hf, rope_to_hf
 
 __all__ = ["LLAMA_NORMS", "Llama", "RECORDS"]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...config import ModelConfig
-from ..family import LLAMA_SIZE, Multimodal, NestedLM, decoder_classes
+from ..record.family import LLAMA_SIZE, Multimodal, NestedLM, decoder_classes
 from .llama import Llama
 
 __all__ = ["Mistral", "RECORDS"]

@@ -10,8 +10,8 @@ from typing import Any
 
 from ...config import ModelConfig
 from ...layers.configs import MoEConfig
-from ..entries import Entry, Fused, Stacked, experts_entries
-from ..family import decoder_classes
+from ..record.entries import Entry, Fused, Stacked, experts_entries
+from ..record.family import decoder_classes
 from .mistral import Mistral
 
 __all__ = ["Mixtral", "RECORDS"]

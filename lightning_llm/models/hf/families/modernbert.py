@@ -17,10 +17,10 @@ import re
 from typing import Any
 
 from ...config import ModelConfig
-from ..entries import Entry, Fused, Stacked, lin, row_split
-from ..family import Family
-from ..options import Unbuilt, one_of
-from ..readers import num_labels_of
+from ..record.entries import Entry, Fused, Stacked, lin, row_split
+from ..record.family import Family
+from ..record.options import Unbuilt, one_of
+from ..record.readers import num_labels_of
 from .deberta import pooler_act, pooler_act_to_hf
 
 __all__ = ["ModernBert", "RECORDS"]

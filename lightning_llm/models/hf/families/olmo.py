@@ -26,9 +26,9 @@ from typing import Any
 
 from ...config import ModelConfig
 from ...layers.rope import rope_type
-from ..family import LLAMA_SIZE, decoder_classes
-from ..options import PLAIN_WEIGHTS
-from ..readers import layer_types, rope_from_hf
+from ..record.family import LLAMA_SIZE, decoder_classes
+from ..record.options import PLAIN_WEIGHTS
+from ..record.readers import layer_types, rope_from_hf
 from .llama import Llama
 
 log = logging.getLogger(__name__)

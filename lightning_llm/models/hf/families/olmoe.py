@@ -10,7 +10,7 @@ from typing import Any
 
 from ...config import ModelConfig
 from ...layers.configs import MoEConfig
-from ..family import LLAMA_SIZE, decoder_classes
+from ..record.family import LLAMA_SIZE, decoder_classes
 from .llama import Llama
 
 __all__ = ["Olmoe", "RECORDS"]

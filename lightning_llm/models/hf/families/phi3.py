@@ -24,9 +24,9 @@ from __future__ import annotations
 from typing import Any
 
 from ...config import ModelConfig
-from ..entries import Entry, row_split
-from ..family import LLAMA_SIZE, decoder_classes
-from ..options import PLAIN_WEIGHTS
+from ..record.entries import Entry, row_split
+from ..record.family import LLAMA_SIZE, decoder_classes
+from ..record.options import PLAIN_WEIGHTS
 from .llama import Llama
 
 __all__ = ["Phi3", "RECORDS", "fused_mlp_entries"]

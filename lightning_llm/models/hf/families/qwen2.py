@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from ...config import ModelConfig
-from ..family import LLAMA_SIZE, Multimodal, NestedLM, decoder_classes
-from ..readers import layer_types
+from ..record.family import LLAMA_SIZE, Multimodal, NestedLM, decoder_classes
+from ..record.readers import layer_types
 from .llama import Llama
 
 __all__ = ["Qwen2", "RECORDS", "qwen_sliding_from_hf", "qwen_sliding_to_hf"]

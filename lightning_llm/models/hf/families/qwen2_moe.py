@@ -11,8 +11,8 @@ from typing import Any
 
 from ...config import ModelConfig
 from ...layers.configs import MoEConfig
-from ..family import decoder_classes
-from ..readers import layer_types
+from ..record.family import decoder_classes
+from ..record.readers import layer_types
 from .llama import Llama
 
 __all__ = ["Qwen2Moe", "RECORDS"]

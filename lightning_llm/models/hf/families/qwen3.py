@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...config import ModelConfig
-from ..family import LLAMA_SIZE, Multimodal, NestedLM, decoder_classes
+from ..record.family import LLAMA_SIZE, Multimodal, NestedLM, decoder_classes
 from .qwen2 import Qwen2, qwen_sliding_from_hf, qwen_sliding_to_hf
 
 __all__ = ["Qwen3", "RECORDS"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...config import ModelConfig
-from ..family import LLAMA_SIZE, decoder_classes
+from ..record.family import LLAMA_SIZE, decoder_classes
 from .qwen2_moe import Qwen2Moe
 
 __all__ = ["Qwen3Moe", "RECORDS"]

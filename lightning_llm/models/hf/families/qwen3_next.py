@@ -31,9 +31,9 @@ from torch import Tensor
 
 from ...config import ModelConfig
 from ...layers.configs import LinearAttentionConfig, MoEConfig
-from ..entries import Entry, lin
-from ..family import LLAMA_SIZE, Multimodal, NestedLM, decoder_classes
-from ..readers import partial_rotary_factor
+from ..record.entries import Entry, lin
+from ..record.family import LLAMA_SIZE, Multimodal, NestedLM, decoder_classes
+from ..record.readers import partial_rotary_factor
 from .llama import Llama
 
 log = logging.getLogger(__name__)

@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from ...config import ModelConfig
-from ..family import LLAMA_SIZE, decoder_classes
-from ..options import PLAIN_WEIGHTS
-from ..readers import layer_types
+from ..record.family import LLAMA_SIZE, decoder_classes
+from ..record.options import PLAIN_WEIGHTS
+from ..record.readers import layer_types
 from .llama import Llama
 
 __all__ = ["RECORDS", "SmolLM3"]

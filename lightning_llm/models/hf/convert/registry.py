@@ -1,5 +1,5 @@
 """The family records, found in ``families/``: every module there is imported once and its ``RECORDS`` collected, so a
-family is added by its file alone (:mod:`.family` says what a record holds; the tables read them through here).
+family is added by its file alone (:mod:`..record.family` says what a record holds; the tables read them through here).
 """
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import pkgutil
 from types import MappingProxyType
 from typing import Any, Mapping
 
-from ..config import ModelConfig
-from . import families
-from .family import GROUPS, Family
+from ...config import ModelConfig
+from .. import families
+from ..record.family import GROUPS, Family
 
 __all__ = ["FAMILIES", "family", "family_of", "family_of_class", "named_sizes"]
 

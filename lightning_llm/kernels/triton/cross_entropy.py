@@ -1,4 +1,4 @@
-"""Triton softmax cross-entropy kernels (imported lazily by :mod:`.cross_entropy` / :mod:`.tp_cross_entropy`).
+"""Triton softmax cross-entropy kernels (imported lazily by ``loss/cross_entropy.py``, ``loss/tp_cross_entropy.py``).
 
 Full-vocab CE (one program per row of ``logits [N, V]``, looping over V in ``BLOCK_V`` chunks):
   pass 1: online max / sum-exp (and sum of logits for label smoothing) -> ``lse``;
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import next_pow2
+from .._backend import next_pow2
 
 
 @triton.jit

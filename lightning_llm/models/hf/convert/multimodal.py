@@ -3,9 +3,9 @@
 :data:`LAYOUTS`) and whose config nests it under ``text_config``, beside towers that are never built here
 (``vision_tower.*``, ``multi_modal_projector.*``, ``visual.*``).
 
-A class is a :class:`~.family.Multimodal` record in its language model's family file (``families/gemma.py``'s
+A class is a :class:`~..record.family.Multimodal` record in its language model's family file (``families/gemma.py``'s
 ``Gemma3``, ``families/qwen3_next.py``'s ``Qwen3_5`` ...): its class, the language model's model type and how its
-config nests it (:class:`~.family.NestedLM`); another family with this layout adds its record, nothing else.
+config nests it (:class:`~..record.family.NestedLM`); another family with this layout adds its record, nothing else.
 
 * **Load.** :func:`text_config_of` turns the outer ``config.json`` into the language model's own config (its text
   config class's defaults for absent keys, the outer ``tie_word_embeddings`` that transformers ties by, Qwen's
@@ -31,8 +31,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from ..record.family import Multimodal
 from .architectures import DEFAULT_ARCHITECTURE, SUPPORTED_ARCHITECTURES
-from .family import Multimodal
 from .registry import family_of_class
 
 log = logging.getLogger(__name__)

@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from ..config import ModelConfig
+from ...config import ModelConfig
+from ..record.options import refuse_unbuilt
 from .architectures import DEFAULT_ARCHITECTURE, SUPPORTED_ARCHITECTURES, architecture_name, num_labels_of
 from .multimodal import text_config_of
-from .options import refuse_unbuilt
 from .registry import family
 
 log = logging.getLogger(__name__)

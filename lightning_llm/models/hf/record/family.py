@@ -9,10 +9,10 @@ modular files, a family states only its differences: the LLaMA layout is one rec
 decoders with LLaMA's module names derive from, overriding the attributes and hooks they change; a multimodal class
 fine-tuned as text is a :class:`Multimodal` record naming its language model's family.
 
-The tables read the records (:mod:`.registry` finds them): :mod:`.architectures` (the supported classes, the docs'
-family list), :mod:`.config` (the conversion), :mod:`.weights` (the weight names), :mod:`.options` (the refusals),
-:mod:`.adapters` (peft's names and rows), ``models/sizes.py`` (the named sizes), ``tools/tiny.py`` (the tiny
-checkpoints).
+The tables of ``convert/`` read the records (:mod:`..convert.registry` finds them): :mod:`..convert.architectures`
+(the supported classes, the docs' family list), :mod:`..convert.config` (the conversion), :mod:`..convert.weights`
+(the weight names), :mod:`..convert.adapters` (peft's names and rows); :mod:`.options` holds the refusals,
+``models/sizes.py`` the named sizes, ``tools/tiny.py`` the tiny checkpoints.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any, ClassVar, Mapping
 
 from torch import Tensor
 
-from ..config import ModelConfig
+from ...config import ModelConfig
 from .entries import Entry, Fused, Stacked
 from .options import Unbuilt
 
@@ -57,7 +57,7 @@ class Arch:
     only: its head is ignored, it is never written)."""
     nested: str | None = None
     """A multimodal class fine-tuned as text: the model type of its language model (nested under
-    ``model.language_model`` and ``text_config``; the rest copied at export: :mod:`.multimodal`)."""
+    ``model.language_model`` and ``text_config``; the rest copied at export: :mod:`..convert.multimodal`)."""
 
 
 def decoder_classes(*names: str, classifier: bool = True) -> dict[str, str]:
@@ -227,7 +227,7 @@ class NestedLM:
 
 
 class Multimodal(Family):
-    """A multimodal class fine-tuned as text (:mod:`.multimodal`): its language model is a record of
+    """A multimodal class fine-tuned as text (:mod:`..convert.multimodal`): its language model is a record of
     :attr:`text_kind`, which converts its config and names its weights; the rest of the checkpoint is copied at
     export."""
 

@@ -4,8 +4,8 @@
 Every ``architectures[0]`` of a ``config.json`` that :func:`~lightning_llm.models.hf.load_hf` accepts is a key of
 :data:`SUPPORTED_ARCHITECTURES`; a checkpoint without ``architectures`` is read by its ``model_type`` as
 :data:`DEFAULT_ARCHITECTURE` names it. The docs' family list (``docs/models.md``, between the ``families`` markers) is
-generated from the records by :func:`families_markdown` (``python -m lightning_llm.models.hf.architectures --write
-docs/models.md``); ``tests/house/test_readme.py`` fails when the two differ.
+generated from the records by :func:`families_markdown` (``python -m lightning_llm.models.hf.convert.architectures
+--write docs/models.md``); ``tests/house/test_readme.py`` fails when the two differ.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .family import GROUPS, Arch
-from .readers import num_labels_of
+from ..record.family import GROUPS, Arch
+from ..record.readers import num_labels_of
 from .registry import FAMILIES
 
 __all__ = ["Arch", "SUPPORTED_ARCHITECTURES", "DEFAULT_ARCHITECTURE", "architecture_name", "families_markdown",
@@ -66,8 +66,8 @@ def families_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-BEGIN, END = "<!-- families:begin (generated: python -m lightning_llm.models.hf.architectures --write docs/models.md) -->", \
-    "<!-- families:end -->"
+BEGIN, END = ("<!-- families:begin (generated: python -m lightning_llm.models.hf.convert.architectures --write "
+              "docs/models.md) -->", "<!-- families:end -->")
 
 
 def replace_block(text: str) -> str:

@@ -1,6 +1,6 @@
 """A peft adapter of a decoder in the Hugging Face checkpoint's terms (what ``peft/adapters.py`` translates an adapter
-file by), as the model's family record says (:mod:`.family`): module paths where the HF names differ from ours below
-the block (DeepSeek's and GLM's shared experts, the hybrids' layers), the HF projections that fuse several of ours
+file by), as the model's family record says (:mod:`..record.family`): module paths where the HF names differ from ours
+below the block (DeepSeek's and GLM's shared experts, the hybrids' layers), the HF projections that fuse several of ours
 (Phi-3's ``qkv_proj``, its and GLM-4's ``gate_up_proj``), the rows of a LoRA's ``lora_B`` where ours are permuted
 (Baichuan's ``W_pack``, Qwen3.5's ``in_proj_qkv``), and the families whose MLP targets peft moves to fused experts."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from ..config import ModelConfig
+from ...config import ModelConfig
 from .registry import family_of
 
 __all__ = ["adapter_tensor_from_hf", "adapter_tensor_to_hf", "fused_in_hf", "module_name_from_hf", "module_name_to_hf",

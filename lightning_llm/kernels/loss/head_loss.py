@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._backend import Backend
+from .._backend import Backend
 from .cross_entropy import chunk_size_for, fused_linear_cross_entropy
 from .tp_cross_entropy import vocab_parallel_fused_linear_cross_entropy
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..config import ModelConfig
-from ..layers.rope import ROPE_TYPES
+from ...config import ModelConfig
+from ...layers.rope import ROPE_TYPES
 
 __all__ = ["PLAIN_ACT_TO_HF", "GATED_ACT_TO_HF", "gated_act", "layer_types", "num_labels_of", "partial_rotary_factor",
            "plain_act", "rope_from_hf", "rope_to_hf"]

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import next_pow2, num_programs
+from .._backend import next_pow2, num_programs
 
 
 def _warps(block_d: int) -> int:

@@ -1,4 +1,4 @@
-"""Triton SwiGLU / GeGLU: ``out = act(gate) * up`` (imported lazily by :mod:`.gated`).
+"""Triton SwiGLU / GeGLU: ``out = act(gate) * up`` (imported lazily by :mod:`lightning_llm.kernels.gated`).
 
 ``gate``/``up``/``out`` are flattened to ``[N]`` (same shape, contiguous); math in fp32. The backward
 recomputes the activation from the saved inputs instead of storing it. ACT: 0 = silu, 1 = exact gelu
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import next_pow2
+from .._backend import next_pow2
 
 _ACT = {"silu": 0, "gelu": 1, "gelu_tanh": 2}
 

@@ -8,9 +8,9 @@ import re
 
 from torch import Tensor
 
-from ..config import ModelConfig
+from ...config import ModelConfig
+from ..record.entries import Entry, Fused, Stacked
 from .architectures import SUPPORTED_ARCHITECTURES, layout_kind
-from .entries import Entry, Fused, Stacked
 from .registry import family
 
 __all__ = ["IGNORED", "base_prefix", "entries", "head_keys", "save_entries"]

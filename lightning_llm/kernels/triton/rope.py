@@ -1,4 +1,4 @@
-"""Triton rotary embedding for q and k in one launch (imported lazily by :mod:`.rope`).
+"""Triton rotary embedding for q and k in one launch (imported lazily by :mod:`lightning_llm.kernels.rope`).
 
 Layout ``[B, S, H, D]`` (last dim contiguous, other strides free); ``cos``/``sin`` ``[Bc, S, D]`` with
 ``Bc`` in ``{1, B}`` (batch stride 0 when broadcast). One program per ``(b, s)`` rotates all ``Hq`` query
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import next_pow2
+from .._backend import next_pow2
 
 
 @triton.jit

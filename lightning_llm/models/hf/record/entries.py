@@ -1,15 +1,16 @@
-"""The weight-mapping vocabulary of :mod:`.hf`: one entry per Hugging Face key (or group of keys) and our parameters.
+"""The weight-mapping vocabulary of :mod:`lightning_llm.models.hf`: one entry per Hugging Face key (or group of keys)
+and our parameters.
 
 * :class:`Entry`: one HF key <-> one or more of our parameters (``split`` on load, ``merge`` on save: GPT-2's fused
   ``c_attn``, Baichuan's ``W_pack`` row order); :func:`row_split` for a tensor whose row blocks are our parameters
-  (Phi-3's ``qkv_proj``, ``gate_up_proj``), read lazily block by block (:class:`~.source.RowsMapped`).
+  (Phi-3's ``qkv_proj``, ``gate_up_proj``), read lazily block by block (:class:`~..source.RowsMapped`).
 * :class:`Stacked`: many HF keys <-> one of our parameters: an MoE layer's experts, stored per expert on disk
   (``experts.N.gate_proj``/``up_proj``, Mixtral's ``experts.N.w1``/``w3``) and fused in memory (``gate_up_proj``
   [E, 2I, H]: expert ``e`` is the rows of its parts in order). A lazy read of some experts (an expert-parallel rank's)
-  reads only their tensors (:class:`~.source.StackedMapped`).
+  reads only their tensors (:class:`~..source.StackedMapped`).
 * :class:`Fused`: one HF tensor holding every expert in another layout (gpt-oss: ``gate_up_proj`` [E, H, 2I], the
   input dim first and the gate and up columns alternating), or its MXFP4 blocks and scales; read lazily by expert
-  (:class:`~.source.PermutedMapped`, :class:`~.source.Mxfp4Mapped`).
+  (:class:`~..source.PermutedMapped`, :class:`~..source.Mxfp4Mapped`).
 
 :func:`experts_entries` gives the entries of an MoE layer's feed-forward stored per expert (a family with another
 layout writes its own: gpt-oss's).
@@ -24,8 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..config import ModelConfig
-from .source import CheckpointFiles, Mxfp4Mapped, PermutedMapped
+from ...config import ModelConfig
+from ..source import CheckpointFiles, Mxfp4Mapped, PermutedMapped
 
 __all__ = ["Entry", "Fused", "Stacked", "experts_entries", "head_entries", "lin", "interleave", "deinterleave",
            "row_split"]
@@ -42,7 +43,7 @@ class Entry:
     row_blocks: bool = False
     """``split`` cuts dim 0 into consecutive blocks, ours in order (a fused projection: Phi-3's ``qkv_proj``,
     ModernBERT's ``Wqkv``, ``Wi``): a lazy read of some of our rows reads only those rows of the stored tensor
-    (:class:`~.source.RowsMapped`)."""
+    (:class:`~..source.RowsMapped`)."""
 
 
 @dataclass(frozen=True)

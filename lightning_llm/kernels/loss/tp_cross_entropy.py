@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from ._backend import Backend, resolve_backend
+from .._backend import Backend, resolve_backend
 from .cross_entropy import (SoftCap, _grad_buffers, _mean_scale, chunk_logits, chunk_size_for, compute_operands,
                             contract_chunk, softcap_chunk, softcap_grad)
 
@@ -45,7 +45,7 @@ def _grad_torch(x, target, vocab_start, lse, scale):
 def _local_fns(backend: str):
     """(local stats, local gradient) implementations of ``backend``."""
     if backend == "triton":
-        from ._triton_cross_entropy import tp_local_grad, tp_local_stats
+        from ..triton.cross_entropy import tp_local_grad, tp_local_stats
 
         return tp_local_stats, tp_local_grad
     return _stats_torch, _grad_torch

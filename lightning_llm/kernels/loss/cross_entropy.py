@@ -26,7 +26,7 @@ from typing import Callable, Literal
 import torch
 import torch.nn.functional as F
 
-from ._backend import Backend, resolve_backend
+from .._backend import Backend, resolve_backend
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def _reduce(loss: torch.Tensor, t: torch.Tensor, ignore_index: int, reduction: s
 
 
 def ce_forward_torch(logits, target, ignore_index, label_smoothing, z_loss, scale=None, grad=None):
-    """Torch twin of ``_triton_cross_entropy.ce_forward``: per-row (loss, lse) fp32 and optional in-place grad.
+    """Torch twin of ``triton/cross_entropy.ce_forward``: per-row (loss, lse) fp32 and optional in-place grad.
 
     One ``[N, V]`` fp32 buffer besides the logits (``grad`` may alias ``logits``: they are read before it is
     written), and five sweeps over the rows: max, shift, exp, sum, and the gradient written once."""
@@ -99,7 +99,7 @@ def ce_forward_torch(logits, target, ignore_index, label_smoothing, z_loss, scal
 def _ce_impl(backend: str) -> Callable:
     if backend == "torch":
         return ce_forward_torch
-    from ._triton_cross_entropy import ce_forward
+    from ..triton.cross_entropy import ce_forward
 
     return ce_forward
 

@@ -4,8 +4,8 @@ memory of one forward+backward. The library half of ``benchmarks/gpu/suite.py`` 
 cases and the correctness checks live in ``kernel_cases.py``); as a script it times one set of shapes given on the
 command line and writes ``benchmarks/results/kernels-<device>.md``. Needs CUDA; ``--help`` works on CPU.
 
-    python benchmarks/gpu/kernels.py --tokens 8192 --hidden 4096 --vocab 128256 --dtype bf16
-    python benchmarks/gpu/kernels.py --kernels cross_entropy fused_linear_cross_entropy --providers triton liger
+    python benchmarks/gpu/kernel_bench.py --tokens 8192 --hidden 4096 --vocab 128256 --dtype bf16
+    python benchmarks/gpu/kernel_bench.py --kernels cross_entropy fused_linear_cross_entropy --providers triton liger
 """
 
 from __future__ import annotations
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if not torch.cuda.is_available():
-        print("benchmarks/gpu/kernels.py needs a CUDA GPU (the Triton interpreter is far too slow to time); "
+        print("benchmarks/gpu/kernel_bench.py needs a CUDA GPU (the Triton interpreter is far too slow to time); "
               "`python benchmarks/gpu/suite.py --smoke` checks the code path on CPU.")
         return 1
     device = torch.device("cuda")
