@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from tests.conftest import SHARED_DATA
 from tests.chat_fixtures import BAICHUAN2_VLLM, FAMILIES, build_tokenizer, conversation, write_jsonl
 
 from lightning_llm.data import DataError, InstructionDataModule, PreferenceDataModule, PromptDataModule
@@ -462,7 +463,7 @@ def _csl_tokenizer(out: Path) -> Path:
     return out
 
 
-SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
+SHARED = SHARED_DATA
 
 
 @pytest.mark.skipif(not (SHARED / "csl_title" / "dev.json").is_file(), reason="needs ../shared/data/csl_title")

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.conftest import SHARED_DATA
 from lightning_llm.data import DataError, PreferenceDataModule
 from lightning_llm.rl.dpo import DPOConfig, dpo_loss
 from lightning_llm.tasks import DPOTask
@@ -32,7 +33,7 @@ STEPS = 5
 TOL = 1e-5
 LAYOUTS = ["ddp", "tp", "pp", "zero1", "zero2", "zero3", "deepspeed_zero2", "3d", "ddp/on_the_fly", "pp/on_the_fly",
            "zero3/on_the_fly"]
-CSL = Path(__file__).resolve().parents[3] / "shared" / "data" / "csl_title"
+CSL = SHARED_DATA / "csl_title"
 
 
 # ------------------------------------------------------------------------------------------------ formulas
