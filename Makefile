@@ -28,7 +28,7 @@ test: install lint
 # The loop to run after each edit: every test that launches no process, in this one (a test that launches one fails
 # unless marked multiprocess: tests/no_launch.py).
 test-fast:
-	$(PYTHON) -m pytest -q tests -m "not multiprocess"
+	$(PYTHON) -m pytest -q tests -m "not multiprocess and not recipe"
 
 # GPU suite (kernel correctness + timings, fused linear CE, end-to-end fit runs): one command on a CUDA machine, writing
 # benchmarks/results/gpu-<device>.md. Wheels for a machine without network: benchmarks/gpu/wheels.sh (see its header).

@@ -466,6 +466,7 @@ def _csl_tokenizer(out: Path) -> Path:
 SHARED = SHARED_DATA
 
 
+@pytest.mark.recipe
 @pytest.mark.skipif(not (SHARED / "csl_title" / "dev.json").is_file(), reason="needs ../shared/data/csl_title")
 def test_csl_in_messages_form_trains_generates_and_scores_with_the_template(tmp_path: Path) -> None:
     """The shared CSL title set converted to OpenAI messages (a system message, the instruction + abstract as the

@@ -94,6 +94,7 @@ def test_quickstart_config_learns_above_chance(tmp_path: Path, monkeypatch: pyte
     assert accs[0] < 0.6 and max(accs) >= 0.95
 
 
+@pytest.mark.recipe
 def test_afqmc_real_data_recipe_fits_then_predicts_every_test_row(tmp_path: Path) -> None:
     """``configs/afqmc.yaml`` on the real AFQMC files in ``../shared`` (34,334 / 4,316 / 3,861 rows) with the real
     Chinese BERT vocabulary: a short fit, then ``predict`` writes one CLUE line per test row, ids in file order."""

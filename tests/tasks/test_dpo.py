@@ -263,6 +263,7 @@ def test_resume_refuses_a_reference_table_of_other_pairs(tmp_path: Path) -> None
 
 
 # ------------------------------------------------------------------------------------------------ real data
+@pytest.mark.recipe
 @pytest.mark.skipif(not (CSL / "dev.json").is_file(), reason="needs ../shared/data/csl_title")
 def test_csl_pairs_held_out_accuracy_from_ties_to_above_0_9(tmp_path: Path) -> None:
     """Real CSL titles as chosen, corrupted titles as rejected; held-out pairs (test.json) scored in validation."""
