@@ -8,7 +8,7 @@ from typing import Literal
 
 import torch
 
-from lightning_llm.rl.core import GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, KLEstimator
+from lightning_llm.rl.losses.core import GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, KLEstimator
 
 __all__ = ["GRPOConfig", "GRPOLossType", "ImportanceSamplingLevel", "PPOConfig"]
 

@@ -30,7 +30,7 @@ from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lightning_llm.contract import replica_mean
-from lightning_llm.rl.dpo import DPOConfig, PreferenceStats, dpo_loss, orpo_loss, simpo_loss
+from lightning_llm.rl.losses.dpo import DPOConfig, PreferenceStats, dpo_loss, orpo_loss, simpo_loss
 from lightning_llm.tasks.preference import PreferenceTask
 
 log = logging.getLogger(__name__)

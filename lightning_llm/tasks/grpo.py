@@ -23,7 +23,7 @@ One training step = one rollout batch of B prompts per rank (:class:`~lightning_
 
    with ``m`` the loss mask [B*G, N] (tokens up to and including the first EOS; with
    ``mask_truncated_completions`` none of a response that never emitted EOS) and ``new`` the log-probs of the
-   current policy (:func:`~lightning_llm.rl.core.grpo_loss`). At ``beta=0`` no reference is built or run.
+   current policy (:func:`~lightning_llm.rl.losses.core.grpo_loss`). At ``beta=0`` no reference is built or run.
 
 Dynamic sampling (``dynamic_sampling``, DAPO) refills the batch the same way on every layout: the first round samples
 the loader's prompts; while fewer informative groups (rewards not all equal) than the global batch's prompts were found
@@ -32,7 +32,7 @@ the prompt file per rollout, seeded by (data seed, rollout), without the first r
 position as the sampler deals them); then every rank gathers all groups sampled, keeps the first informative ones in
 (round, global position) order up to the global batch (topped up with uninformative ones when the rounds run out) and
 takes its share by position. Responses are seeded per (prompt, rollout, round), so the kept set, its order and every
-token are one device's (:func:`~lightning_llm.rl.samples.select_groups`).
+token are one device's (:func:`~lightning_llm.rl.rollouts.samples.select_groups`).
 
 Every layout (:class:`~lightning_llm.tasks.online_rl.OnlineRLTask`'s rules): a prompt's G responses are sampled on
 the data-parallel replica holding the prompt, so groups never straddle ranks and advantages need no communication. Sampling is seeded per prompt (seed,
@@ -63,13 +63,13 @@ from typing_extensions import override
 
 from lightning_llm.peft import count_parameters
 from lightning_llm.rl.config import GRPOConfig
-from lightning_llm.rl.core import (
+from lightning_llm.rl.losses.core import (
     group_advantages,
     grpo_loss,
     kl_penalty,
 )
-from lightning_llm.rl.policy import Rollout
-from lightning_llm.rl.samples import Samples, select_groups
+from lightning_llm.rl.rollouts.policy import Rollout
+from lightning_llm.rl.rollouts.samples import Samples, select_groups
 from lightning_llm.tasks.online_rl import OnlineRLTask, UpdateSchedule
 
 log = logging.getLogger(__name__)

@@ -12,15 +12,15 @@ forwards are forward-only pipeline passes (``run_model``) and each optimizer ste
 micro-batch by micro-batch (``PipelineRunner.train_additive``: the losses are shares of global sums, so they add
 up). All forwards run with dropout off (eval mode): the importance ratio must be 1 before the first update. ``trainer.max_steps`` counts optimizer steps (Lightning's rule for manual optimization).
 
-Rewards: one or several named, weighted sources (:mod:`lightning_llm.rl.sources`), each called with the prompts, the
+Rewards: one or several named, weighted sources (:mod:`lightning_llm.rl.rewards.sources`), each called with the prompts, the
 responses and the prompt records' columns (which travel with their prompts in the batch on every layout); logged per
 rollout: ``objective/scores`` (the weighted sum) and ``rewards/<name>/mean``, ``rewards/<name>/std`` per source (over
 every replica's responses). ``--model.log_rollouts=true`` writes every trained response to ``rollouts.jsonl``
-(:mod:`lightning_llm.rl.rollout_log`).
+(:mod:`lightning_llm.rl.rollouts.rollout_log`).
 
 Multi-turn rollouts (``--model.env``, ``--model.tools``: :mod:`lightning_llm.rl.multiturn`): a rollout's responses are
 episodes, conversations of the policy with an environment or its tools decoded turn by turn with the KV cache kept;
-the loss, KL and entropy count the policy's own tokens only (:mod:`lightning_llm.rl.episodes`).
+the loss, KL and entropy count the policy's own tokens only (:mod:`lightning_llm.rl.multiturn.episodes`).
 """
 
 from __future__ import annotations
@@ -40,15 +40,15 @@ from typing_extensions import override
 
 from lightning_llm.generation import GenerationConfig, for_datamodule, generate, strip_after_eos
 from lightning_llm.kernels.head_loss import TokenScores
-from lightning_llm.rl.core import entropy_from_logits, logprobs_from_logits
-from lightning_llm.rl.env import EnvConfig
-from lightning_llm.rl.multiturn import MultiTurn
-from lightning_llm.rl.policy import Rollout, pack_responses, response_logits
-from lightning_llm.rl.reference import ReferencePolicy
+from lightning_llm.rl.losses.core import entropy_from_logits, logprobs_from_logits
+from lightning_llm.rl.multiturn.env import EnvConfig
+from lightning_llm.rl.multiturn.multi_turn import MultiTurn
+from lightning_llm.rl.rollouts.policy import Rollout, pack_responses, response_logits
+from lightning_llm.rl.rollouts.reference import ReferencePolicy
 from lightning_llm.rl.rewards import RewardConfig
-from lightning_llm.rl.rollout_log import TAKEN_FIELDS, RolloutLog, rollout_records
-from lightning_llm.rl.samples import Samples
-from lightning_llm.rl.sources import RewardSource, RewardSources, columns_by_name, source_configs
+from lightning_llm.rl.rollouts.rollout_log import TAKEN_FIELDS, RolloutLog, rollout_records
+from lightning_llm.rl.rollouts.samples import Samples
+from lightning_llm.rl.rewards.sources import RewardSource, RewardSources, columns_by_name, source_configs
 from lightning_llm.tasks.decoder import DecoderTask
 from lightning_llm.tasks.reward import build_reward_source
 
@@ -279,7 +279,7 @@ class OnlineRLTask(DecoderTask):
         ``seed_per_prompt``: draw from :meth:`_prompt_uniforms` (needs the batch's ``index``, as
         :class:`~lightning_llm.data.PromptDataModule` gives; ``draw``: the sampling round) instead of the per-rank
         generator. ``positions``: the prompts' places in the rollout's global order (default: the data-parallel
-        sampler's, :mod:`lightning_llm.rl.samples`)."""
+        sampler's, :mod:`lightning_llm.rl.rollouts.samples`)."""
         cfg = self._gen_config(greedy=greedy)
         self.eval()  # dropout off for generation and every forward of the rollout and the update
         prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]

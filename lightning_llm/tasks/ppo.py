@@ -8,12 +8,12 @@ One training step = one rollout batch (the datamodule's prompts, :class:`~lightn
 2. one no-grad forward of the policy (+ value head) and of the reference model gives old log-probs, values and
    reference log-probs; rewards = ``-beta * KL`` per token with the score added at the last response token;
 3. GAE (gamma, lambda) -> advantages (whitened) and returns (multi-turn episodes: over the policy's tokens, chained
-   across the environment's, :func:`~lightning_llm.rl.core.gae`);
+   across the environment's, :func:`~lightning_llm.rl.losses.core.gae`);
 4. ``ppo_epochs`` passes over ``num_mini_batches`` shuffled mini-batches: clipped policy loss + ``vf_coef`` x
    clipped value loss, gradient clipping, one optimizer step each; a mini-batch whose mean importance ratio
    exceeds ``ratio_threshold`` is skipped (on every rank) and counted.
 
-Rollouts, the reference policy (:class:`~lightning_llm.rl.reference.ReferencePolicy`: a frozen copy, or the policy
+Rollouts, the reference policy (:class:`~lightning_llm.rl.rollouts.reference.ReferencePolicy`: a frozen copy, or the policy
 with its PEFT adapters off), the update loop and the data-parallel rules are shared with GRPO
 (:class:`~lightning_llm.tasks.online_rl.OnlineRLTask`); this module holds what is PPO's own: the value head, GAE and
 the clipped value loss.
@@ -42,7 +42,7 @@ from typing_extensions import override
 
 from lightning_llm.peft import count_parameters
 from lightning_llm.rl.config import PPOConfig
-from lightning_llm.rl.core import (
+from lightning_llm.rl.losses.core import (
     gae,
     kl_penalty,
     masked_whiten,
@@ -50,8 +50,8 @@ from lightning_llm.rl.core import (
     policy_loss,
     value_loss,
 )
-from lightning_llm.rl.kl_control import make_kl_controller
-from lightning_llm.rl.policy import ActorCritic, Rollout, response_logits
+from lightning_llm.rl.losses.kl_control import make_kl_controller
+from lightning_llm.rl.rollouts.policy import ActorCritic, Rollout, response_logits
 from lightning_llm.tasks.online_rl import OnlineRLTask, UpdateSchedule
 
 log = logging.getLogger(__name__)

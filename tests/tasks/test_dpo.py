@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_llm.data import DataError, PreferenceDataModule
-from lightning_llm.rl.dpo import DPOConfig, dpo_loss
+from lightning_llm.rl.losses.dpo import DPOConfig, dpo_loss
 from lightning_llm.tasks import DPOTask
 from lightning_llm.testing import (
     LoggedLoss,

@@ -24,8 +24,8 @@ from lightning_llm.generation import GenerationConfig, generate
 from lightning_llm.generation.sampling import inverse_cdf
 from lightning_llm.peft import LoraArgs
 from lightning_llm.rl import GRPOConfig, RewardConfig, group_advantages, grpo_loss
-from lightning_llm.rl.core import logprobs_from_logits
-from lightning_llm.rl.policy import Rollout, pack_responses, response_logits
+from lightning_llm.rl.losses.core import logprobs_from_logits
+from lightning_llm.rl.rollouts.policy import Rollout, pack_responses, response_logits
 from lightning_llm.tasks import GRPOTask, OptimConfig
 from lightning_llm.testing import MetricRows, run_worker, write_json_on_rank0
 from lightning_llm.testing.rl import GRPO_SPECS, compare_fits, held_bytes, layout_runs, rl_fit

@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_llm.rl.core import logprobs_from_logits
+from lightning_llm.rl.losses.core import logprobs_from_logits
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +185,7 @@ class Rollout:
     advantages: Tensor | None = None
     returns: Tensor | None = None
     loss_mask: Tensor | None = None  # [B, N] bool: the tokens the loss counts (default: response_mask)
-    samples: Any = None  # the rl.samples.Samples the rollout was made from (texts, columns, scores per source)
+    samples: Any = None  # the rl.rollouts.samples.Samples the rollout was made from (texts, columns, scores per source)
 
     @property
     def trained_mask(self) -> Tensor:
