@@ -175,7 +175,7 @@ def test_reference_free_losses_build_and_run_no_reference(tmp_path: Path, monkey
     from lightning_llm.peft import LoraArgs
     from lightning_llm.rl.rollouts.reference import ReferencePolicy
     from lightning_llm.tasks.base import OptimConfig
-    from lightning_llm.tasks.preference import PreferenceTask
+    from lightning_llm.tasks.preference.base import PreferenceTask
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("a reference was built or run")

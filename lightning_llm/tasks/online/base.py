@@ -50,7 +50,7 @@ from lightning_llm.rl.rollouts.rollout_log import TAKEN_FIELDS, RolloutLog, roll
 from lightning_llm.rl.rollouts.samples import Samples
 from lightning_llm.rl.rewards.sources import RewardSource, RewardSources, columns_by_name, source_configs
 from lightning_llm.tasks.decoder import DecoderTask
-from lightning_llm.tasks.reward import build_reward_source
+from lightning_llm.tasks.preference.reward import build_reward_source
 
 log = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ from typing_extensions import override
 
 from lightning_llm.contract import replica_mean
 from lightning_llm.rl.losses.kto import KTOConfig, kto_loss
-from lightning_llm.tasks.preference import ROW_KEYS, PreferenceTask, interleave_rows
+from lightning_llm.tasks.preference.base import ROW_KEYS, PreferenceTask, interleave_rows
 
 log = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ position as the sampler deals them); then every rank gathers all groups sampled,
 takes its share by position. Responses are seeded per (prompt, rollout, round), so the kept set, its order and every
 token are one device's (:func:`~lightning_llm.rl.rollouts.samples.select_groups`).
 
-Every layout (:class:`~lightning_llm.tasks.online_rl.OnlineRLTask`'s rules): a prompt's G responses are sampled on
+Every layout (:class:`~lightning_llm.tasks.online.base.OnlineRLTask`'s rules): a prompt's G responses are sampled on
 the data-parallel replica holding the prompt, so groups never straddle ranks and advantages need no communication. Sampling is seeded per prompt (seed,
 rollout, prompt index), not per rank; logged statistics are all-reduced, and the loss is divided by the global
 number of responses (grpo) or tokens (dapo) of the mini-batch over the replicas, so 2 replicas x B prompts compute
@@ -70,7 +70,7 @@ from lightning_llm.rl.losses.core import (
 )
 from lightning_llm.rl.rollouts.policy import Rollout
 from lightning_llm.rl.rollouts.samples import Samples, select_groups
-from lightning_llm.tasks.online_rl import OnlineRLTask, UpdateSchedule
+from lightning_llm.tasks.online.base import OnlineRLTask, UpdateSchedule
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ __all__ = ["GRPOTask"]
 
 class GRPOTask(OnlineRLTask):
     """GRPO fine-tuning of a decoder policy against a reward (see the module docstring). The backbone, PEFT,
-    generation and reward arguments are :class:`~lightning_llm.tasks.online_rl.OnlineRLTask`'s."""
+    generation and reward arguments are :class:`~lightning_llm.tasks.online.base.OnlineRLTask`'s."""
 
     rl_state_key = "grpo_state"
 

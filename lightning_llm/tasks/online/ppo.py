@@ -15,10 +15,10 @@ One training step = one rollout batch (the datamodule's prompts, :class:`~lightn
 
 Rollouts, the reference policy (:class:`~lightning_llm.rl.rollouts.reference.ReferencePolicy`: a frozen copy, or the policy
 with its PEFT adapters off), the update loop and the data-parallel rules are shared with GRPO
-(:class:`~lightning_llm.tasks.online_rl.OnlineRLTask`); this module holds what is PPO's own: the value head, GAE and
+(:class:`~lightning_llm.tasks.online.base.OnlineRLTask`); this module holds what is PPO's own: the value head, GAE and
 the clipped value loss.
 
-Every layout (:class:`~lightning_llm.tasks.online_rl.OnlineRLTask`'s rules; under a pipeline the value head sits on
+Every layout (:class:`~lightning_llm.tasks.online.base.OnlineRLTask`'s rules; under a pipeline the value head sits on
 the last stage, and a separate ``critic_backbone`` is refused): every data-parallel replica rolls out its own
 prompts; batch statistics (whitening, logged means, the KL
 fed to the adaptive controller, the ratio-skip decision) are all-reduced, and losses are normalized by the global
@@ -52,14 +52,14 @@ from lightning_llm.rl.losses.core import (
 )
 from lightning_llm.rl.losses.kl_control import make_kl_controller
 from lightning_llm.rl.rollouts.policy import ActorCritic, Rollout, response_logits
-from lightning_llm.tasks.online_rl import OnlineRLTask, UpdateSchedule
+from lightning_llm.tasks.online.base import OnlineRLTask, UpdateSchedule
 
 log = logging.getLogger(__name__)
 
 
 class PPOTask(OnlineRLTask):
     """PPO fine-tuning of a decoder policy against a reward (see the module docstring). The backbone, PEFT,
-    generation and reward arguments are :class:`~lightning_llm.tasks.online_rl.OnlineRLTask`'s."""
+    generation and reward arguments are :class:`~lightning_llm.tasks.online.base.OnlineRLTask`'s."""
 
     rl_state_key = "ppo_state"
 
