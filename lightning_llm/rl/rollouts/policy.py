@@ -25,11 +25,13 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_llm.rl.losses.core import logprobs_from_logits
+from lightning_llm.kernels.head_loss import TokenScores
+from lightning_llm.rl.losses.core import entropy_from_logits, logprobs_from_logits
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ActorCritic", "Rollout", "adapters_disabled", "has_adapters", "pack_responses", "response_logits"]
+__all__ = ["ActorCritic", "Rollout", "adapters_disabled", "has_adapters", "pack_responses", "response_logits",
+           "response_logprobs"]
 
 
 def _lm_head(policy: nn.Module) -> nn.Module:
@@ -164,6 +166,18 @@ def response_logits(logits: Tensor, context_length: int) -> Tensor:
     """Logits [B, P+N, V] (or any per-position values [B, P+N, ...]) -> those that predict each response token
     [B, N, ...]."""
     return logits[:, context_length - 1:-1]
+
+
+def response_logprobs(output: Any, r: Rollout, temperature: float) -> tuple[Tensor, Tensor]:
+    """(log-probs, entropies) [b, N] of ``r``'s responses from a policy's output: its ``TokenScores`` (the fused
+    path, no [b, S, V] logits) or logits [b, P+N, V] (log-softmax of logits / T in fp32)."""
+    p = r.context_length
+    if isinstance(output, TokenScores):
+        return -response_logits(output.loss, p), response_logits(output.entropy, p)
+    rl = response_logits(output, p).float() / temperature
+    with torch.no_grad():
+        entropy = entropy_from_logits(rl)
+    return logprobs_from_logits(rl, r.responses), entropy
 
 
 @dataclass

@@ -62,15 +62,15 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_llm.peft import count_parameters
-from lightning_llm.rl.config import GRPOConfig
+from lightning_llm.rl.config import GRPOConfig, UpdateSchedule
 from lightning_llm.rl.losses.core import (
     group_advantages,
     grpo_loss,
     kl_penalty,
 )
-from lightning_llm.rl.rollouts.policy import Rollout
+from lightning_llm.rl.rollouts.policy import Rollout, response_logprobs
 from lightning_llm.rl.rollouts.samples import Samples, select_groups
-from lightning_llm.tasks.online.base import OnlineRLTask, UpdateSchedule
+from lightning_llm.tasks.online.base import OnlineRLTask
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class GRPOTask(OnlineRLTask):
     def _logprobs(self, r: Rollout, temperature: float) -> tuple[Tensor, Tensor]:
         """(log-probs, entropies) [b, N] of the responses under the current policy (no gradient)."""
         output = self.call_policy(r.query_responses, **self.scoring_kwargs(r, temperature))
-        return self.response_logprobs(output, r, temperature)
+        return response_logprobs(output, r, temperature)
 
     # ------------------------------------------------------------------------------------------ rollout
     @override
@@ -257,7 +257,7 @@ class GRPOTask(OnlineRLTask):
 
         def loss_of(output: Any, rows: Rollout) -> tuple[Tensor, dict[str, Tensor]]:
             # Divided by the global counts: shares of global sums, which add up over rows (micro-batches).
-            new_logprobs, entropy = self.response_logprobs(output, rows, temperature)
+            new_logprobs, entropy = response_logprobs(output, rows, temperature)
             m = rows.trained_mask
             loss, stats = grpo_loss(new_logprobs * m, rows.logprobs * m, rows.ref_logprobs, rows.advantages, m,
                                     clip_range=cfg.clip_range, clip_range_high=cfg.clip_range_high, delta=cfg.delta,

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_llm.peft import count_parameters
-from lightning_llm.rl.config import PPOConfig
+from lightning_llm.rl.config import PPOConfig, UpdateSchedule
 from lightning_llm.rl.losses.core import (
     gae,
     kl_penalty,
@@ -51,8 +51,8 @@ from lightning_llm.rl.losses.core import (
     value_loss,
 )
 from lightning_llm.rl.losses.kl_control import make_kl_controller
-from lightning_llm.rl.rollouts.policy import ActorCritic, Rollout, response_logits
-from lightning_llm.tasks.online.base import OnlineRLTask, UpdateSchedule
+from lightning_llm.rl.rollouts.policy import ActorCritic, Rollout, response_logits, response_logprobs
+from lightning_llm.tasks.online.base import OnlineRLTask
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class PPOTask(OnlineRLTask):
     def _scored(self, output: tuple[Any, Tensor], r: Rollout, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
         """The actor-critic's output on ``r`` -> (log-probs, values, entropies) [b, N]."""
         scores, values = output
-        logprobs, entropy = self.response_logprobs(scores, r, temperature)
+        logprobs, entropy = response_logprobs(scores, r, temperature)
         return logprobs, response_logits(values, r.context_length), entropy
 
     @override
