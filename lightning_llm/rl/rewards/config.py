@@ -22,7 +22,7 @@ RewardFn = Callable[[list[str], list[str]], "Tensor | Sequence[float]"]
 @dataclass
 class RewardConfig:
     """A reward source: exactly one of ``fn`` and ``model``, its ``name`` and ``weight`` (a run takes one as
-    ``--model.reward`` or several as ``--model.rewards``: :mod:`lightning_llm.rl.sources`)."""
+    ``--model.reward`` or several as ``--model.rewards``: :mod:`lightning_llm.rl.rewards.sources`)."""
 
     fn: str | None = None
     """Import path of a callable ``(prompts, responses, **columns) -> scores`` (``pkg.module:name`` or
