@@ -92,7 +92,7 @@ def _objective(path: str, objective: str, hidden: Any, head: Any, labels: Any) -
     import torch.nn.functional as F
 
     from lightning_llm.kernels.loss.head_loss import head_cross_entropy, head_token_scores
-    from lightning_llm.rl.core import entropy_from_logits, logprobs_from_logits
+    from lightning_llm.rl.losses.core import entropy_from_logits, logprobs_from_logits
 
     if objective == "causal":
         if path == "eager":

@@ -32,7 +32,7 @@ from lightning_llm.data import PromptDataModule
 from lightning_llm.generation import GenerationConfig, generate
 from lightning_llm.generation.turns import TurnDecoder
 from lightning_llm.models import build_model
-from lightning_llm.rl.turns import TurnRenderer
+from lightning_llm.rl.multiturn.turns import TurnRenderer
 
 MESSAGE = [{"role": "user", "content": "The tool says 42. Go on, and check it once more."}]
 

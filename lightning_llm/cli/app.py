@@ -41,7 +41,7 @@ from lightning_llm.preemption import Preempted, StoppedEarly, exit_status, insta
 from lightning_llm.reliability import leave_process, shutdown_process_group
 from lightning_llm.strategies import check_strategy_name, strategy_class
 from lightning_llm.tasks.base import LLMTask
-from lightning_llm.tasks.guard import NonFiniteLossError
+from lightning_llm.tasks.callbacks.guard import NonFiniteLossError
 from lightning_llm.vocab import default_tokenizer_dir
 
 log = logging.getLogger("lightning_llm")

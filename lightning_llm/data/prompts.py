@@ -4,7 +4,7 @@ Batches hold the prompts LEFT-padded for batched generation (``input_ids``/``att
 texts (``prompt``, for text-based rewards), the record ``index`` and the record's other fields (``columns``: one dict
 per prompt, every field but the prompt itself (``prompt``, ``messages``, ``conversations``), values as read from the
 JSON; a field some record lacks is ``None`` there). The columns travel with their prompt through every layout: a
-reward function receives them as keyword lists (:mod:`lightning_llm.rl.sources`). Prompts longer than ``max_prompt_len`` keep
+reward function receives them as keyword lists (:mod:`lightning_llm.rl.rewards.sources`). Prompts longer than ``max_prompt_len`` keep
 their last tokens (the end of a prompt is what the response continues).
 
 With a chat template (``--data.template``: the tokenizer's own by default, or a named one; see

@@ -1,5 +1,5 @@
 """Several turns of the same rows decoded with one KV cache (:class:`TurnDecoder`): a multi-turn rollout (an RL
-environment or tool loop, :mod:`lightning_llm.rl.episodes`) appends each turn's context (an environment's messages,
+environment or tool loop, :mod:`lightning_llm.rl.multiturn.episodes`) appends each turn's context (an environment's messages,
 a tool's result) to rows whose keys and values are cached, so each turn prefills only the appended tokens.
 
 Columns of the cache are never rewritten; what a row must not see again is masked instead:

@@ -2,7 +2,7 @@
 and verifiers, rollouts."""
 
 from lightning_llm.rl.config import GRPOConfig, PPOConfig
-from lightning_llm.rl.core import (
+from lightning_llm.rl.losses.core import (
     entropy_from_logits,
     gae,
     group_advantages,
@@ -16,7 +16,7 @@ from lightning_llm.rl.core import (
     policy_loss,
     value_loss,
 )
-from lightning_llm.rl.kl_control import (
+from lightning_llm.rl.losses.kl_control import (
     AdaptiveKLController,
     FixedKLController,
     make_kl_controller,
@@ -27,11 +27,12 @@ from lightning_llm.rl.rewards import (
     MathAccuracy,
     RewardConfig,
     RewardModel,
+    RewardSource,
+    RewardSources,
     SoftOverlong,
     build_reward,
     load_callable,
 )
-from lightning_llm.rl.sources import RewardSource, RewardSources
 
 __all__ = [
     "AdaptiveKLController", "CharShareReward", "FixedKLController", "FormatReward", "GRPOConfig", "MathAccuracy",

@@ -1,5 +1,5 @@
 """PPO and GRPO hyper-parameters (names and defaults follow trl's ``PPOConfig`` / ``GRPOConfig`` where they have
-the same knob)."""
+the same knob), and the :class:`UpdateSchedule` the online RL tasks read from either."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Literal
 
 import torch
 
-from lightning_llm.rl.core import GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, KLEstimator
+from lightning_llm.rl.losses.core import GRPO_LOSS_TYPES, IMPORTANCE_SAMPLING_LEVELS, KLEstimator
 
-__all__ = ["GRPOConfig", "GRPOLossType", "ImportanceSamplingLevel", "PPOConfig"]
+__all__ = ["GRPOConfig", "GRPOLossType", "ImportanceSamplingLevel", "PPOConfig", "UpdateSchedule"]
 
 
 @dataclass
@@ -165,3 +165,17 @@ class GRPOConfig:
 
 
 torch.serialization.add_safe_globals([GRPOConfig])  # saved in checkpoints' hyper-parameters
+
+
+@dataclass(frozen=True)
+class UpdateSchedule:
+    """How a rollout batch is consumed: ``epochs`` passes of ``num_mini_batches`` optimizer steps."""
+
+    epochs: int
+    num_mini_batches: int
+    max_grad_norm: float | None
+    ratio_threshold: float | None
+
+    @property
+    def updates_per_rollout(self) -> int:
+        return self.epochs * self.num_mini_batches

@@ -41,9 +41,9 @@ from lightning_llm.optim.qk_clip import QKClip
 from lightning_llm.preemption import Preemption
 from lightning_llm.reliability import AtomicCheckpointIO, FaultInjector, RNGState
 from lightning_llm.run_summary import RunSummary, replace_model_summary
-from lightning_llm.tasks.guard import NonFiniteGuard
-from lightning_llm.tasks.moe import MoEMonitor, attach_aux_loss, routing_stats
-from lightning_llm.tasks.progress import ProgressBar
+from lightning_llm.tasks.callbacks.guard import NonFiniteGuard
+from lightning_llm.tasks.callbacks.moe import MoEMonitor, attach_aux_loss, routing_stats
+from lightning_llm.tasks.callbacks.progress import ProgressBar
 from lightning_llm.vocab import check_backbone_tokenizer, resize_embeddings
 
 log = logging.getLogger(__name__)
@@ -367,7 +367,7 @@ class LLMTask(pl.LightningModule):
         if self.guard.steps_inside_engine(self):  # DeepSpeed steps inside its engine: decided before backward
             if not self._loss_is_finite(loss):
                 return self._on_nonfinite_loss(loss, batch_idx)
-        else:  # decided on the device with the gradients, before the optimizer step (tasks.guard)
+        else:  # decided on the device with the gradients, before the optimizer step (tasks.callbacks.guard)
             self.guard.note_loss(loss)
         self.log("train_loss", global_loss, on_step=True, on_epoch=False, batch_size=self._batch_size(batch))
         self.progress_bar.show(self, "loss", global_loss)  # a host copy: no read of the device per step

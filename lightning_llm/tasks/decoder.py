@@ -47,7 +47,7 @@ from lightning_llm.peft import (
     peft_state_dict,
 )
 from lightning_llm.peft.prompt import check_prompt_layout
-from lightning_llm.rl.reference import ReferencePolicy
+from lightning_llm.rl.rollouts.reference import ReferencePolicy
 from lightning_llm.tasks.base import LLMTask, OptimConfig
 from lightning_llm.vocab import added_rows, check_new_rows_trained
 

@@ -47,7 +47,7 @@ from lightning_llm.kernels.loss.divergence import DIVERGENCES, Divergence
 from lightning_llm.kernels.loss.head_divergence import TeacherOutput, head_divergence
 from lightning_llm.models import backbone_config
 from lightning_llm.peft import PROMPT_METHODS
-from lightning_llm.rl.policy import pack_responses
+from lightning_llm.rl.rollouts.policy import pack_responses
 from lightning_llm.tasks.decoder import DecoderTask
 
 log = logging.getLogger(__name__)

@@ -30,8 +30,8 @@ from lightning_llm.generation import GenerationConfig
 from lightning_llm.peft import LoraArgs
 from lightning_llm.reliability import FAULT_ENV
 from lightning_llm.rl import GRPOConfig, PPOConfig, RewardConfig
-from lightning_llm.rl.env import EnvConfig
-from lightning_llm.rl.episodes import Episode, open_episodes, run_episodes
+from lightning_llm.rl.multiturn.env import EnvConfig
+from lightning_llm.rl.multiturn.episodes import Episode, open_episodes, run_episodes
 from lightning_llm.strategies import HybridParallelStrategy
 from lightning_llm.strategies.presets import PipelineParallelStrategy, ZeroStrategy
 from lightning_llm.tasks import GRPOTask, PPOTask

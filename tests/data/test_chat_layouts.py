@@ -50,7 +50,7 @@ def _fit(task_name: str, layout: str, devices: int, out: Path) -> list[float]:
 
     import lightning_llm.strategies  # noqa: F401 - registers tp, pp, zero3
     from lightning_llm.data import InstructionDataModule, PreferenceDataModule
-    from lightning_llm.rl.dpo import DPOConfig
+    from lightning_llm.rl.losses.dpo import DPOConfig
     from lightning_llm.tasks import DPOTask, SFTTask
     from lightning_llm.tasks.base import OptimConfig
 

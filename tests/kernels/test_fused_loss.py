@@ -201,7 +201,7 @@ def test_dpo_with_the_fused_token_losses_equals_logits(tmp_path: Path, reference
     from lightning_llm.data import PreferenceDataModule
     from lightning_llm.tasks import DPOTask
     from lightning_llm.tasks.base import OptimConfig
-    from lightning_llm.tasks.dpo import DPOConfig
+    from lightning_llm.tasks.preference.dpo import DPOConfig
     from lightning_llm.testing import LoggedLoss, table_trainer
 
     def fit(fused: bool) -> list[float]:

@@ -20,7 +20,7 @@ from lightning_llm.kernels.loss.cross_entropy import fused_linear_cross_entropy
 from lightning_llm.kernels.loss.head_loss import head_token_scores
 from lightning_llm.peft import LoraArgs
 from lightning_llm.rl import GRPOConfig, PPOConfig, RewardConfig
-from lightning_llm.rl.policy import Rollout, pack_responses
+from lightning_llm.rl.rollouts.policy import Rollout, pack_responses
 from lightning_llm.tasks import GRPOTask, PPOTask
 
 TOL = 1e-5

@@ -7,8 +7,8 @@ The shipped configs' tasks run through ``lightning_llm fit`` (the real Trainer, 
 steps with ``log_every_n_steps=50``; :class:`~lightning_llm.testing.HostReadCounter` counts the reads of batches 3-7
 and attributes each to its owner. Single-process tasks run in the pytest process; the 2-process layouts share one
 launch (each layout a fit of its own), after them. The one read left is the non-finite guard's, of a copy made before
-the optimizer's kernels (``tasks.guard``). Lightning's own reads (it turns progress-bar values into numbers at every
-batch end: host copies here, see ``tasks.progress``) are printed, not budgeted: on the CPU they cannot be told from
+the optimizer's kernels (``tasks.callbacks.guard``). Lightning's own reads (it turns progress-bar values into numbers at every
+batch end: host copies here, see ``tasks.callbacks.progress``) are printed, not budgeted: on the CPU they cannot be told from
 device reads. One of Lightning's is asserted gone: its per-batch SIGTERM broadcast read on multi-rank runs
 (``training_epoch_loop.py``), replaced by the preemption check agreed through the store, which reads nothing
 (``lightning_llm.preemption``, issue 66).

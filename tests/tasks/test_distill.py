@@ -279,7 +279,7 @@ def test_an_moe_students_router_statistics_are_its_training_forwards() -> None:
     """The on-policy generation runs inside the training step, after the step's router statistics opened: its
     forwards (in eval mode) record nothing, so the load-balancing loss is that of the training forward."""
     from lightning_llm.generation import GenerationConfig
-    from lightning_llm.tasks.moe import routing_stats
+    from lightning_llm.tasks.callbacks.moe import routing_stats
 
     task = _task("debug-moe", "debug-moe", generation=GenerationConfig(max_new_tokens=4, do_sample=False))
     stats = routing_stats(task)

@@ -15,7 +15,7 @@ import torch
 
 from tests.conftest import SHARED_DATA
 from lightning_llm.data import DataError, PreferenceDataModule
-from lightning_llm.rl.dpo import DPOConfig, dpo_loss
+from lightning_llm.rl.losses.dpo import DPOConfig, dpo_loss
 from lightning_llm.tasks import DPOTask
 from lightning_llm.testing import (
     LoggedLoss,

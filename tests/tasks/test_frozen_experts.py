@@ -175,7 +175,7 @@ def _frozen_estimate(trainer: pl.Trainer, task: Any) -> int:
 def _fit(run: str, devices: int, out: Path) -> dict[str, Any]:
     from lightning_llm.data import InstructionDataModule, PreferenceDataModule
     from lightning_llm.generation import GenerationConfig
-    from lightning_llm.rl.dpo import DPOConfig
+    from lightning_llm.rl.losses.dpo import DPOConfig
     from lightning_llm.tasks import DistillTask, DPOTask
     from lightning_llm.tasks import distill
     from lightning_llm.tasks.base import OptimConfig

@@ -24,8 +24,9 @@ from lightning_llm.generation import GenerationConfig, generate
 from lightning_llm.generation.sampling import inverse_cdf
 from lightning_llm.peft import LoraArgs
 from lightning_llm.rl import GRPOConfig, RewardConfig, group_advantages, grpo_loss
-from lightning_llm.rl.core import logprobs_from_logits
-from lightning_llm.rl.policy import Rollout, pack_responses, response_logits
+from lightning_llm.rl.losses.core import logprobs_from_logits
+from lightning_llm.rl.rollouts.policy import Rollout, pack_responses, response_logits
+from lightning_llm.rl.rollouts.seeding import prompt_uniforms
 from lightning_llm.tasks import GRPOTask, OptimConfig
 from lightning_llm.testing import MetricRows, run_worker, write_json_on_rank0
 from lightning_llm.testing.rl import GRPO_SPECS, compare_fits, held_bytes, layout_runs, rl_fit
@@ -199,11 +200,11 @@ def test_per_prompt_sampling_does_not_depend_on_the_batch() -> None:
     ids = torch.randint(3, 250, (3, 7), generator=torch.Generator().manual_seed(2)).repeat_interleave(2, 0)
     mask = torch.ones_like(ids)
     mask[2:4, :3] = 0  # prompt 9 is shorter: left-padded in the batch, unpadded alone
-    u = task._prompt_uniforms(torch.tensor([5, 9, 11]), 2, 10)  # 3 prompts x 2 responses
+    u = prompt_uniforms(torch.tensor([5, 9, 11]), 2, 10, seed=7, rollout=3)  # 3 prompts x 2 responses
     both = generate(model, ids, mask, config=cfg, uniforms=u)
     alone = generate(model, ids[2:4, 3:], mask[2:4, 3:], config=cfg, uniforms=u[2:4])
     assert torch.equal(both[2:4, :alone.shape[1]], alone)
-    again = task._prompt_uniforms(torch.tensor([9]), 2, 10)
+    again = prompt_uniforms(torch.tensor([9]), 2, 10, seed=7, rollout=3)
     assert torch.equal(again, u[2:4]) and not torch.equal(u[0:2], u[2:4])
 
 

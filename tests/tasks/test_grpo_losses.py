@@ -16,8 +16,8 @@ import torch
 
 from lightning_llm.generation import GenerationConfig
 from lightning_llm.rl import GRPOConfig, RewardConfig, grpo_loss
-from lightning_llm.rl.policy import Rollout, pack_responses
-from lightning_llm.rl.samples import select_groups
+from lightning_llm.rl.rollouts.policy import Rollout, pack_responses
+from lightning_llm.rl.rollouts.samples import select_groups
 from lightning_llm.tasks import GRPOTask
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer")

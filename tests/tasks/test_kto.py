@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_llm.data import DataError, UnpairedPreferenceDataModule
-from lightning_llm.rl.kto import KTOConfig, kto_loss
+from lightning_llm.rl.losses.kto import KTOConfig, kto_loss
 from lightning_llm.tasks import KTOTask
 
 REPO = Path(__file__).resolve().parents[2]

@@ -165,7 +165,7 @@ def test_skips_in_a_row_beyond_the_bound_stop_the_run(tmp_path: Path, precision:
 
     from lightning_llm.data import TextDataModule
     from lightning_llm.tasks.base import OptimConfig
-    from lightning_llm.tasks.guard import NonFiniteLossError
+    from lightning_llm.tasks.callbacks.guard import NonFiniteLossError
 
     pl.seed_everything(3)
     policy = "stop" if precision == "16-mixed" else "skip"  # the scaler skips even under "stop"
@@ -198,7 +198,7 @@ def test_diverging_run_through_the_cli_is_one_line_and_exit_2(tmp_path: Path,
 
 def test_all_finite_is_exact() -> None:
     """NaN and inf anywhere are caught; huge finite values (whose squared norm overflows) are not."""
-    from lightning_llm.tasks.guard import all_finite
+    from lightning_llm.tasks.callbacks.guard import all_finite
 
     big = torch.full((4, 4), 1e30)
     assert all_finite([big, None, torch.zeros(0)])
@@ -214,7 +214,7 @@ def test_all_finite_is_exact() -> None:
 def test_gradient_check_is_exact_and_leaves_the_values() -> None:
     """The per-step gradient check (one fused pass): NaN and inf anywhere are caught, huge finite values are not,
     and every gradient keeps its exact values (-0.0, subnormals, fp32 and bf16)."""
-    from lightning_llm.tasks.guard import gradients_nonfinite
+    from lightning_llm.tasks.callbacks.guard import gradients_nonfinite
 
     big = torch.full((4, 4), 3e38)
     odd = torch.tensor([-0.0, 1e-45, -3e38, 1.0])

@@ -20,7 +20,7 @@ from lightning_llm.data import ByteTokenizer, PromptDataModule
 from lightning_llm.generation import GenerationConfig
 from lightning_llm.peft import LoraArgs
 from lightning_llm.rl import CharShareReward, PPOConfig, RewardConfig, RewardModel
-from lightning_llm.rl.policy import adapters_disabled
+from lightning_llm.rl.rollouts.policy import adapters_disabled
 from lightning_llm.tasks import OptimConfig, PPOTask
 from lightning_llm.testing import MetricRows, run_worker, write_json_on_rank0
 from lightning_llm.testing.rl import PPO_SPEC, compare_fits, held_bytes, layout_runs, rl_fit
@@ -133,7 +133,7 @@ def test_hf_sequence_classification_directory_as_reward_model(tmp_path: Path) ->
     from transformers import BertForSequenceClassification, BertTokenizer
 
     from lightning_llm.models import build_model, save_hf
-    from lightning_llm.rl.synthetic import write_reward_pairs
+    from lightning_llm.rl.examples.synthetic import write_reward_pairs
 
     write_reward_pairs(tmp_path / "pairs", n_train=4, n_val=2)
     vocab = (tmp_path / "pairs" / "tokenizer" / "vocab.txt").read_text().splitlines()
@@ -160,7 +160,7 @@ def test_hf_sequence_classification_directory_as_reward_model(tmp_path: Path) ->
 
 def test_reward_model_trained_by_classification_task_drives_ppo(tmp_path: Path) -> None:
     from lightning_llm.data import SentencePairDataModule
-    from lightning_llm.rl.synthetic import write_reward_pairs
+    from lightning_llm.rl.examples.synthetic import write_reward_pairs
     from lightning_llm.tasks import ClassificationTask
 
     data = write_reward_pairs(tmp_path / "pairs", n_train=1200, n_val=200)
@@ -268,7 +268,7 @@ def _reward_model(out: Path) -> None:
     """A `debug` encoder classifier saved as an HF directory with its BERT vocabulary (random weights: its scores are
     what is compared)."""
     from lightning_llm.models import build_model, save_hf
-    from lightning_llm.rl.synthetic import write_reward_pairs
+    from lightning_llm.rl.examples.synthetic import write_reward_pairs
 
     write_reward_pairs(out / "pairs", n_train=4, n_val=2)
     vocab = (out / "pairs" / "tokenizer" / "vocab.txt").read_text().splitlines()

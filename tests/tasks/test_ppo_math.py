@@ -1,5 +1,5 @@
 """PPO math on fixed tensors: hand-computed values and trl's formulas (written out here independently, as float64
-loops over Python numbers, since trl is not installed) must equal lightning_llm.rl.core within 1e-6."""
+loops over Python numbers, since trl is not installed) must equal lightning_llm.rl.losses.core within 1e-6."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from lightning_llm.rl import (
     policy_loss,
     value_loss,
 )
-from lightning_llm.rl.policy import pack_responses
+from lightning_llm.rl.rollouts.policy import pack_responses
 
 TOL = 1e-6
 

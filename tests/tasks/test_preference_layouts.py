@@ -46,8 +46,8 @@ def _fit(loss: str, layout: str, devices: int, out: Path) -> dict[str, Any]:
     import lightning.pytorch as pl
 
     from lightning_llm.data import PreferenceDataModule, UnpairedPreferenceDataModule
-    from lightning_llm.rl.dpo import DPOConfig
-    from lightning_llm.rl.kto import KTOConfig
+    from lightning_llm.rl.losses.dpo import DPOConfig
+    from lightning_llm.rl.losses.kto import KTOConfig
     from lightning_llm.tasks import DPOTask, KTOTask
     from lightning_llm.tasks.base import OptimConfig
 
@@ -98,8 +98,8 @@ def _resume_fit(task_name: str, layout: str, devices: int, out: Path, data: Path
     import lightning.pytorch as pl
 
     from lightning_llm.data import PreferenceDataModule, UnpairedPreferenceDataModule
-    from lightning_llm.rl.dpo import DPOConfig
-    from lightning_llm.rl.kto import KTOConfig
+    from lightning_llm.rl.losses.dpo import DPOConfig
+    from lightning_llm.rl.losses.kto import KTOConfig
     from lightning_llm.tasks import DPOTask, KTOTask
     from lightning_llm.testing import LoggedLoss
 

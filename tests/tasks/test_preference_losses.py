@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_llm.data import PreferenceDataModule
-from lightning_llm.rl.dpo import DPOConfig, dpo_loss, log1mexp, orpo_loss, simpo_loss
+from lightning_llm.rl.losses.dpo import DPOConfig, dpo_loss, log1mexp, orpo_loss, simpo_loss
 from lightning_llm.tasks import DPOTask
 
 
@@ -173,9 +173,9 @@ def test_reference_free_losses_build_and_run_no_reference(tmp_path: Path, monkey
     import lightning.pytorch as pl
 
     from lightning_llm.peft import LoraArgs
-    from lightning_llm.rl.reference import ReferencePolicy
+    from lightning_llm.rl.rollouts.reference import ReferencePolicy
     from lightning_llm.tasks.base import OptimConfig
-    from lightning_llm.tasks.preference import PreferenceTask
+    from lightning_llm.tasks.preference.base import PreferenceTask
 
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("a reference was built or run")
@@ -227,7 +227,7 @@ def test_orpo_log_odds_stay_finite_at_mean_log_prob_zero(dtype: torch.dtype) -> 
 
 
 def test_trl_sigmoid_ignores_label_smoothing_as_the_docs_say() -> None:
-    """docs/post-training.md and rl/dpo.py say that ``sigmoid`` with ``label_smoothing`` is conservative DPO here and
+    """docs/post-training.md and rl/losses/dpo.py say that ``sigmoid`` with ``label_smoothing`` is conservative DPO here and
     that trl 1.16's ``sigmoid`` ignores the option: its DPOTrainer's sigmoid branch, read here, has no
     ``label_smoothing`` (this fails when trl changes it, and the docs need updating)."""
     import inspect

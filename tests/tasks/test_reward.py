@@ -22,7 +22,7 @@ from lightning_llm.models import build_model
 from lightning_llm.models.scores import sequence_scores
 from lightning_llm.rl import RewardConfig, RewardModel
 from lightning_llm.tasks import OptimConfig, RewardTask
-from lightning_llm.tasks.reward import build_reward_source, reward_loss
+from lightning_llm.tasks.preference.reward import build_reward_source, reward_loss
 
 TOL = 1e-5
 BYTE_PAD, BYTE_EOS = 256, 258

@@ -22,9 +22,9 @@ from lightning_llm.data.chat.encode import ChatEncoder
 from lightning_llm.data.chat.template import resolve_template
 from lightning_llm.generation import GenerationConfig, generate
 from lightning_llm.rl import RewardConfig, gae
-from lightning_llm.rl.env import EnvConfig, env_class
-from lightning_llm.rl.episodes import Episode, open_episodes, run_episodes
-from lightning_llm.rl.turns import EpisodeEnvs, TurnRenderer
+from lightning_llm.rl.multiturn.env import EnvConfig, env_class
+from lightning_llm.rl.multiturn.episodes import Episode, open_episodes, run_episodes
+from lightning_llm.rl.multiturn.turns import EpisodeEnvs, TurnRenderer
 from lightning_llm.tasks import GRPOTask, OptimConfig, PPOTask
 from lightning_llm.testing.rl import (
     DigitsEnv,

@@ -21,8 +21,8 @@ from lightning_llm.data import DataError, PromptDataModule
 from lightning_llm.generation import GenerationConfig
 from lightning_llm.rl import GRPOConfig, PPOConfig, RewardConfig
 from lightning_llm.rl.rewards import FormatReward, MathAccuracy, SoftOverlong
-from lightning_llm.rl.rollout_log import ROLLOUT_FIELDS
-from lightning_llm.rl.sources import RewardSource, RewardSources
+from lightning_llm.rl.rollouts.rollout_log import ROLLOUT_FIELDS
+from lightning_llm.rl.rewards.sources import RewardSource, RewardSources
 from lightning_llm.tasks import GRPOTask, OptimConfig, PPOTask
 from lightning_llm.testing.rl import fit_rollouts
 

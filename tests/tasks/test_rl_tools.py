@@ -19,10 +19,10 @@ from lightning_llm.cli import main
 from lightning_llm.data.chat.encode import ChatEncoder
 from lightning_llm.data.chat.template import resolve_template
 from lightning_llm.rl import RewardConfig
-from lightning_llm.rl.env import EnvConfig
-from lightning_llm.rl.episodes import Episode, pack_episodes
-from lightning_llm.rl.tools import ToolEnv, Tools, parse_tool_calls, template_tool_format
-from lightning_llm.rl.turns import EpisodeEnvs, TurnRenderer
+from lightning_llm.rl.multiturn.env import EnvConfig
+from lightning_llm.rl.multiturn.episodes import Episode, pack_episodes
+from lightning_llm.rl.multiturn.tools import ToolEnv, Tools, parse_tool_calls, template_tool_format
+from lightning_llm.rl.multiturn.turns import EpisodeEnvs, TurnRenderer
 from lightning_llm.tasks import GRPOTask
 from lightning_llm.testing.rl import ScriptedPolicy, check_against_template, check_prefills, scripted_run
 from tests.chat_fixtures import build_tokenizer

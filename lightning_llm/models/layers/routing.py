@@ -60,7 +60,7 @@ class RoutingStats:
         """Supplied by a layout that splits the global batch's tokens or layers over ranks (``None``: one rank)."""
         self.grad_scale: float | Tensor = 1.0
         """This rank's backward's factor on the global objective's gradient (set with :meth:`begin`, or in backward
-        as a 0-d tensor on the device: ``tasks.moe.attach_aux_loss``)."""
+        as a 0-d tensor on the device: ``tasks.callbacks.moe.attach_aux_loss``)."""
         self.window: Tensor | None = None
         """[L, E] loads summed over the steps since :meth:`take_window` (the aux-free bias update reads it)."""
         self._open = False

@@ -76,7 +76,7 @@ class DPOConfig:
     loss_type: DPOLossType = "sigmoid"
     """With a reference: ``sigmoid`` (DPO; with ``label_smoothing`` > 0 conservative DPO), ``ipo``, ``hinge``,
     ``robust``, ``bco_pair``, ``apo_zero``, ``apo_down``, ``sppo_hard``, ``nca_pair``. Without one (no reference model
-    at all): ``simpo``, ``orpo``. Definitions: :mod:`lightning_llm.rl.dpo`."""
+    at all): ``simpo``, ``orpo``. Definitions: :mod:`lightning_llm.rl.losses.dpo`."""
     label_smoothing: float = 0.0
     """The assumed probability that a preference label is flipped (``sigmoid``: conservative DPO, cDPO, which trl
     1.16's ``sigmoid`` ignores; ``robust``; ``simpo``)."""
@@ -121,7 +121,9 @@ class DPOConfig:
         return self.loss_type in LENGTH_AVERAGED
 
 
-torch.serialization.add_safe_globals([DPOConfig])  # saved in checkpoints' hyper-parameters
+# Saved in checkpoints' hyper-parameters; those written while the class lived in ``lightning_llm/rl/dpo.py`` name it
+# there and still load weights_only.
+torch.serialization.add_safe_globals([DPOConfig, (DPOConfig, "lightning_llm.rl.dpo.DPOConfig")])
 
 
 @dataclass

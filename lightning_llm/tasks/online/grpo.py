@@ -23,7 +23,7 @@ One training step = one rollout batch of B prompts per rank (:class:`~lightning_
 
    with ``m`` the loss mask [B*G, N] (tokens up to and including the first EOS; with
    ``mask_truncated_completions`` none of a response that never emitted EOS) and ``new`` the log-probs of the
-   current policy (:func:`~lightning_llm.rl.core.grpo_loss`). At ``beta=0`` no reference is built or run.
+   current policy (:func:`~lightning_llm.rl.losses.core.grpo_loss`). At ``beta=0`` no reference is built or run.
 
 Dynamic sampling (``dynamic_sampling``, DAPO) refills the batch the same way on every layout: the first round samples
 the loader's prompts; while fewer informative groups (rewards not all equal) than the global batch's prompts were found
@@ -32,9 +32,9 @@ the prompt file per rollout, seeded by (data seed, rollout), without the first r
 position as the sampler deals them); then every rank gathers all groups sampled, keeps the first informative ones in
 (round, global position) order up to the global batch (topped up with uninformative ones when the rounds run out) and
 takes its share by position. Responses are seeded per (prompt, rollout, round), so the kept set, its order and every
-token are one device's (:func:`~lightning_llm.rl.samples.select_groups`).
+token are one device's (:func:`~lightning_llm.rl.rollouts.samples.select_groups`).
 
-Every layout (:class:`~lightning_llm.tasks.online_rl.OnlineRLTask`'s rules): a prompt's G responses are sampled on
+Every layout (:class:`~lightning_llm.tasks.online.base.OnlineRLTask`'s rules): a prompt's G responses are sampled on
 the data-parallel replica holding the prompt, so groups never straddle ranks and advantages need no communication. Sampling is seeded per prompt (seed,
 rollout, prompt index), not per rank; logged statistics are all-reduced, and the loss is divided by the global
 number of responses (grpo) or tokens (dapo) of the mini-batch over the replicas, so 2 replicas x B prompts compute
@@ -62,15 +62,15 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_llm.peft import count_parameters
-from lightning_llm.rl.config import GRPOConfig
-from lightning_llm.rl.core import (
+from lightning_llm.rl.config import GRPOConfig, UpdateSchedule
+from lightning_llm.rl.losses.core import (
     group_advantages,
     grpo_loss,
     kl_penalty,
 )
-from lightning_llm.rl.policy import Rollout
-from lightning_llm.rl.samples import Samples, select_groups
-from lightning_llm.tasks.online_rl import OnlineRLTask, UpdateSchedule
+from lightning_llm.rl.rollouts.policy import Rollout, response_logprobs
+from lightning_llm.rl.rollouts.samples import Samples, select_groups
+from lightning_llm.tasks.online.base import OnlineRLTask
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ __all__ = ["GRPOTask"]
 
 class GRPOTask(OnlineRLTask):
     """GRPO fine-tuning of a decoder policy against a reward (see the module docstring). The backbone, PEFT,
-    generation and reward arguments are :class:`~lightning_llm.tasks.online_rl.OnlineRLTask`'s."""
+    generation and reward arguments are :class:`~lightning_llm.tasks.online.base.OnlineRLTask`'s."""
 
     rl_state_key = "grpo_state"
 
@@ -126,7 +126,7 @@ class GRPOTask(OnlineRLTask):
     def _logprobs(self, r: Rollout, temperature: float) -> tuple[Tensor, Tensor]:
         """(log-probs, entropies) [b, N] of the responses under the current policy (no gradient)."""
         output = self.call_policy(r.query_responses, **self.scoring_kwargs(r, temperature))
-        return self.response_logprobs(output, r, temperature)
+        return response_logprobs(output, r, temperature)
 
     # ------------------------------------------------------------------------------------------ rollout
     @override
@@ -257,7 +257,7 @@ class GRPOTask(OnlineRLTask):
 
         def loss_of(output: Any, rows: Rollout) -> tuple[Tensor, dict[str, Tensor]]:
             # Divided by the global counts: shares of global sums, which add up over rows (micro-batches).
-            new_logprobs, entropy = self.response_logprobs(output, rows, temperature)
+            new_logprobs, entropy = response_logprobs(output, rows, temperature)
             m = rows.trained_mask
             loss, stats = grpo_loss(new_logprobs * m, rows.logprobs * m, rows.ref_logprobs, rows.advantages, m,
                                     clip_range=cfg.clip_range, clip_range_high=cfg.clip_range_high, delta=cfg.delta,

@@ -7,7 +7,7 @@ The reference is the initial policy, frozen. Two ways to hold it, chosen by the 
 * otherwise (a full fine-tune): a frozen deep copy, taken when the policy is built.
 
 A reference that shares the policy's weights is called the way the policy is called (the task's ``run_model``,
-which also runs a pipeline-split model), inside :func:`~lightning_llm.rl.policy.adapters_disabled`.
+which also runs a pipeline-split model), inside :func:`~lightning_llm.rl.rollouts.policy.adapters_disabled`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import torch
 from torch import Tensor, nn
 
 from lightning_llm.peft.prompt import PromptLearningLM
-from lightning_llm.rl.core import logprobs_from_logits
-from lightning_llm.rl.policy import adapters_disabled, has_adapters
+from lightning_llm.rl.losses.core import logprobs_from_logits
+from lightning_llm.rl.rollouts.policy import adapters_disabled, has_adapters
 
 log = logging.getLogger(__name__)
 

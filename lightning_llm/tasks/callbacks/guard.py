@@ -41,7 +41,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_llm.models.quantize import is_quantized
-from lightning_llm.tasks.progress import HostCopy, host_copy
+from lightning_llm.tasks.callbacks.progress import HostCopy, host_copy
 
 log = logging.getLogger(__name__)
 

@@ -8,17 +8,17 @@ One training step = one rollout batch (the datamodule's prompts, :class:`~lightn
 2. one no-grad forward of the policy (+ value head) and of the reference model gives old log-probs, values and
    reference log-probs; rewards = ``-beta * KL`` per token with the score added at the last response token;
 3. GAE (gamma, lambda) -> advantages (whitened) and returns (multi-turn episodes: over the policy's tokens, chained
-   across the environment's, :func:`~lightning_llm.rl.core.gae`);
+   across the environment's, :func:`~lightning_llm.rl.losses.core.gae`);
 4. ``ppo_epochs`` passes over ``num_mini_batches`` shuffled mini-batches: clipped policy loss + ``vf_coef`` x
    clipped value loss, gradient clipping, one optimizer step each; a mini-batch whose mean importance ratio
    exceeds ``ratio_threshold`` is skipped (on every rank) and counted.
 
-Rollouts, the reference policy (:class:`~lightning_llm.rl.reference.ReferencePolicy`: a frozen copy, or the policy
+Rollouts, the reference policy (:class:`~lightning_llm.rl.rollouts.reference.ReferencePolicy`: a frozen copy, or the policy
 with its PEFT adapters off), the update loop and the data-parallel rules are shared with GRPO
-(:class:`~lightning_llm.tasks.online_rl.OnlineRLTask`); this module holds what is PPO's own: the value head, GAE and
+(:class:`~lightning_llm.tasks.online.base.OnlineRLTask`); this module holds what is PPO's own: the value head, GAE and
 the clipped value loss.
 
-Every layout (:class:`~lightning_llm.tasks.online_rl.OnlineRLTask`'s rules; under a pipeline the value head sits on
+Every layout (:class:`~lightning_llm.tasks.online.base.OnlineRLTask`'s rules; under a pipeline the value head sits on
 the last stage, and a separate ``critic_backbone`` is refused): every data-parallel replica rolls out its own
 prompts; batch statistics (whitening, logged means, the KL
 fed to the adaptive controller, the ratio-skip decision) are all-reduced, and losses are normalized by the global
@@ -41,8 +41,8 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_llm.peft import count_parameters
-from lightning_llm.rl.config import PPOConfig
-from lightning_llm.rl.core import (
+from lightning_llm.rl.config import PPOConfig, UpdateSchedule
+from lightning_llm.rl.losses.core import (
     gae,
     kl_penalty,
     masked_whiten,
@@ -50,16 +50,16 @@ from lightning_llm.rl.core import (
     policy_loss,
     value_loss,
 )
-from lightning_llm.rl.kl_control import make_kl_controller
-from lightning_llm.rl.policy import ActorCritic, Rollout, response_logits
-from lightning_llm.tasks.online_rl import OnlineRLTask, UpdateSchedule
+from lightning_llm.rl.losses.kl_control import make_kl_controller
+from lightning_llm.rl.rollouts.policy import ActorCritic, Rollout, response_logits, response_logprobs
+from lightning_llm.tasks.online.base import OnlineRLTask
 
 log = logging.getLogger(__name__)
 
 
 class PPOTask(OnlineRLTask):
     """PPO fine-tuning of a decoder policy against a reward (see the module docstring). The backbone, PEFT,
-    generation and reward arguments are :class:`~lightning_llm.tasks.online_rl.OnlineRLTask`'s."""
+    generation and reward arguments are :class:`~lightning_llm.tasks.online.base.OnlineRLTask`'s."""
 
     rl_state_key = "ppo_state"
 
@@ -179,7 +179,7 @@ class PPOTask(OnlineRLTask):
     def _scored(self, output: tuple[Any, Tensor], r: Rollout, temperature: float) -> tuple[Tensor, Tensor, Tensor]:
         """The actor-critic's output on ``r`` -> (log-probs, values, entropies) [b, N]."""
         scores, values = output
-        logprobs, entropy = self.response_logprobs(scores, r, temperature)
+        logprobs, entropy = response_logprobs(scores, r, temperature)
         return logprobs, response_logits(values, r.context_length), entropy
 
     @override

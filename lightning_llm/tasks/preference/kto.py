@@ -12,7 +12,7 @@ the data are read). A training step:
    ZeRO-3 shards of any layout) minus the reference's, averaged over the GLOBAL batch (one collective over the
    data-parallel replicas, nothing read back to the host), clamped at 0 and detached; handed to every row as
    ``kl`` [n], so each micro-batch of a pipeline sees the global value;
-3. the one model call on the examples' rows and the loss (:func:`~lightning_llm.rl.kto.kto_loss`, a mean over the
+3. the one model call on the examples' rows and the loss (:func:`~lightning_llm.rl.losses.kto.kto_loss`, a mean over the
    examples, weighed by their count across replicas and micro-batches).
 
 So 2 ranks x 4 examples train what one device trains on the same 8 (trl averages the per-device KL estimates, its
@@ -35,8 +35,8 @@ from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lightning_llm.contract import replica_mean
-from lightning_llm.rl.kto import KTOConfig, kto_loss
-from lightning_llm.tasks.preference import ROW_KEYS, PreferenceTask, interleave_rows
+from lightning_llm.rl.losses.kto import KTOConfig, kto_loss
+from lightning_llm.tasks.preference.base import ROW_KEYS, PreferenceTask, interleave_rows
 
 log = logging.getLogger(__name__)
 

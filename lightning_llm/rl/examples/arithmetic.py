@@ -1,11 +1,11 @@
 """Arithmetic word problems with a reference ``answer`` column: the prompt file of ``configs/grpo_math.yaml``
-(reasoning RL with a verifier, :class:`~lightning_llm.rl.verifiers.MathAccuracy`, on a tiny model on the CPU).
+(reasoning RL with a verifier, :class:`~lightning_llm.rl.rewards.verifiers.MathAccuracy`, on a tiny model on the CPU).
 
 Each record is ``{"prompt": "Ann has 3 apples and gets 4 more. How many apples does Ann have? Answer:",
 "answer": 7, "level": "add"}``: sums and differences of small numbers with one-digit answers (``max_answer``), so
 a tiny policy that answers in digits is right by chance often enough for its groups to differ.
 
-    python -m lightning_llm.rl.arithmetic runs/math        # train.jsonl and val.jsonl
+    python -m lightning_llm.rl.examples.arithmetic runs/math        # train.jsonl and val.jsonl
 
 For multi-turn rollouts (``configs/grpo_tools.yaml``): :func:`calculator`, a tool (``--model.tools``), and
 :class:`RetryEnv`, an environment (``--model.env.cls``) that tells the policy when its answer is wrong and lets it try
@@ -104,7 +104,7 @@ def write_arithmetic_prompts(out_dir: str | Path, *, n_train: int = 512, n_val: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_llm.rl.arithmetic",
+    parser = argparse.ArgumentParser(prog="python -m lightning_llm.rl.examples.arithmetic",
                                      description=write_arithmetic_prompts.__doc__)
     parser.add_argument("out_dir")
     parser.add_argument("--n_train", type=int, default=512)

@@ -1,6 +1,5 @@
-"""Reward sources for RLHF: a Python callable given by import path, or a sequence-classification reward model.
-
-Every source maps decoded texts to one score per sample::
+"""Reward sources for RLHF: a Python callable given by import path (:mod:`lightning_llm.rl.rewards.config`), or a
+sequence-classification reward model (here). Every source maps decoded texts to one score per sample::
 
     reward(prompts: list[str], responses: list[str]) -> Tensor [B] | Sequence[float]
 
@@ -21,15 +20,9 @@ A model with more than one output is refused unless ``label`` picks one (naming 
 
 from __future__ import annotations
 
-import functools
-import importlib
 import logging
-import math
-import string
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -44,134 +37,11 @@ from lightning_llm.data.chat.template import resolve_template
 from lightning_llm.data.preference import ReplyEncoder
 from lightning_llm.models import NAMED_SIZES, build_model, load_hf
 from lightning_llm.models.scores import sequence_scores
-from lightning_llm.rl.verifiers import FormatReward, MathAccuracy, SoftOverlong
+from lightning_llm.rl.rewards.config import RewardConfig, RewardFn, load_callable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CharShareReward", "FormatReward", "MathAccuracy", "RewardConfig", "RewardModel", "SoftOverlong", "import_path",
-           "build_reward", "load_callable"]
-
-RewardFn = Callable[[list[str], list[str]], "Tensor | Sequence[float]"]
-
-
-@dataclass
-class RewardConfig:
-    """A reward source: exactly one of ``fn`` and ``model``, its ``name`` and ``weight`` (a run takes one as
-    ``--model.reward`` or several as ``--model.rewards``: :mod:`lightning_llm.rl.sources`)."""
-
-    fn: str | None = None
-    """Import path of a callable ``(prompts, responses, **columns) -> scores`` (``pkg.module:name`` or
-    ``pkg.module.name``); a class is instantiated with ``kwargs`` first, a function gets ``kwargs`` bound. Built in:
-    ``lightning_llm.rl.rewards:MathAccuracy``, ``FormatReward``, ``SoftOverlong``, ``CharShareReward``."""
-    name: str | None = None
-    """Name in the logs (``rewards/<name>/mean``) and in ``rollouts.jsonl`` (default: the callable's name after the
-    import path's last ``:`` or ``.``; ``reward_model`` for a model)."""
-    weight: float = 1.0
-    """Weight of this source in the score: the weighted sum over the sources that scored a response."""
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments for ``fn``."""
-    model: str | None = None
-    """Reward model: a local HF ``...ForSequenceClassification`` directory (encoder or decoder), a ``RewardTask``
-    checkpoint (any layout) or a ``ClassificationTask`` ``.ckpt`` file."""
-    tokenizer_dir: str | None = None
-    """The reward model's tokenizer directory (default: the HF model directory itself; a ``RewardTask`` checkpoint's
-    recorded tokenizer)."""
-    label: int | None = None
-    """Class whose score is the reward: required for a model with more than one output (refused without it); a
-    one-output model's score is the reward."""
-    score: Literal["logit", "prob", "log_odds"] = "log_odds"
-    """``logit`` of ``label``, its softmax ``prob``, or ``log_odds`` = logit - logsumexp(other logits)."""
-    text: Literal["pair", "response"] = "pair"
-    """Encoders: feed (prompt, response) as a sentence pair, or the response alone."""
-    template: str = "auto"
-    """Decoder reward models: the chat template the (prompt, response) is rendered with: ``auto`` (the one it was
-    trained with: a ``RewardTask`` checkpoint's, or the tokenizer's own; none: raw prompt + response + EOS),
-    ``none``, ``tokenizer``, a named one or a Jinja string / file."""
-    max_length: int = 256
-    """Longest reward-model input; longer inputs are truncated (encoders: longest first; decoders: the row cut to
-    it, the prompt first kept to ``max_prompt_length``, as ``PreferenceDataModule``'s ``cutoff_len``)."""
-    max_prompt_length: int = 128
-    """Decoder reward models: most prompt tokens (its end is kept), as ``PreferenceDataModule``'s ``max_prompt_len``."""
-    batch_size: int = 64
-    """Reward-model forward batch size."""
-
-    def __post_init__(self) -> None:
-        # jsonargparse (4.53) turns `--model.reward.fn=null` into the string "None" inside a subclass's init args (a
-        # config's `fn` switched off on the command line for a reward model): no import path or file is named so.
-        for name in ("fn", "model", "tokenizer_dir"):
-            if getattr(self, name) in ("None", "null"):
-                setattr(self, name, None)
-        w = self.weight
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not math.isfinite(w):
-            raise ValueError(f"the weight of reward {self.source_name} is {w!r}: a reward source's weight must be a "
-                             "finite number (--model.reward.weight / --model.rewards[i].weight)")
-
-    @property
-    def source_name(self) -> str:
-        """``name``, or the callable's name in its import path (``reward_model`` for a model)."""
-        if self.name:
-            return self.name
-        if self.fn:
-            return self.fn.replace(":", ".").rsplit(".", 1)[-1]
-        return "reward_model"
-
-
-torch.serialization.add_safe_globals([RewardConfig])  # saved in PPO checkpoints' hyper-parameters
-
-
-# ---------------------------------------------------------------------------------------------------- callables
-
-
-CHAR_SETS = {"digits": string.digits, "lowercase": string.ascii_lowercase, "uppercase": string.ascii_uppercase,
-             "vowels": "aeiou", "whitespace": string.whitespace}
-
-
-class CharShareReward:
-    """Programmatic reward: the share of a response's characters that belong to ``chars`` (0 for an empty
-    response). ``chars`` is a named set (``digits``, ``lowercase``, ``uppercase``, ``vowels``) or the characters
-    themselves (in YAML prefer a named set: a quoted ``"0123"`` may still be read as a number). Whitespace counts
-    unless ``ignore_whitespace``."""
-
-    def __init__(self, chars: str = "digits", *, ignore_whitespace: bool = False) -> None:
-        if not isinstance(chars, str) or not chars:
-            raise ValueError(f"--model.reward.kwargs.chars must be a non-empty string or one of "
-                             f"{sorted(CHAR_SETS)}, got {chars!r}")
-        self.chars = frozenset(CHAR_SETS.get(chars, chars))
-        self.ignore_whitespace = ignore_whitespace
-
-    def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
-        out = []
-        for text in responses:
-            if self.ignore_whitespace:
-                text = "".join(text.split())
-            out.append(sum(c in self.chars for c in text) / len(text) if text else 0.0)
-        return out
-
-
-def import_path(path: str, *, param: str, example: str = "my_pkg.rewards:score") -> Any:
-    """The object ``pkg.module:name`` / ``pkg.module.name`` names; refused in one line naming ``param``."""
-    module_name, sep, attr = path.partition(":")
-    if not sep:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ValueError(f"{param}={path!r}: expected an import path like {example!r}")
-    try:
-        return getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{param}={path!r}: cannot import it ({e})") from e
-
-
-def load_callable(path: str, kwargs: dict[str, Any] | None = None, *, param: str = "--model.reward.fn") -> RewardFn:
-    """Import ``pkg.module:name`` / ``pkg.module.name``; instantiate classes with ``kwargs``, bind them to functions."""
-    target = import_path(path, param=param)
-    kwargs = dict(kwargs or {})
-    if isinstance(target, type):
-        target = target(**kwargs)
-    elif kwargs:
-        target = functools.partial(target, **kwargs)
-    if not callable(target):
-        raise ValueError(f"{param}={path!r} is not callable")  # noqa: TRY004 - the CLI reports ValueErrors
-    return target
+__all__ = ["RewardModel", "build_reward"]
 
 
 # ---------------------------------------------------------------------------------------------------- reward models

@@ -7,7 +7,7 @@ What is written here once:
   cross-entropy instead of logits) and the rows' sequence log-probs from its output;
 * the reference (:attr:`PreferenceTask.reference_mode`): ``None`` (a reference-free loss: nothing is built,
   precomputed or run for it), ``precomputed`` or ``on_the_fly`` (every step, from
-  :class:`~lightning_llm.rl.reference.ReferencePolicy`: a frozen copy placed like the policy, or the policy with
+  :class:`~lightning_llm.rl.rollouts.reference.ReferencePolicy`: a frozen copy placed like the policy, or the policy with
   its adapters off under PEFT).
 
 **Precomputed.** At the start of training (``on_train_start``: after Lightning has restored a checkpoint, which it
@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_llm import preemption
-from lightning_llm.rl.reference import ReferencePolicy, sequence_logprobs
+from lightning_llm.rl.rollouts.reference import ReferencePolicy, sequence_logprobs
 from lightning_llm.tasks.decoder import DecoderTask
 
 log = logging.getLogger(__name__)

@@ -64,7 +64,9 @@ class KTOConfig:
         return self.loss_type == "kto"
 
 
-torch.serialization.add_safe_globals([KTOConfig])  # saved in checkpoints' hyper-parameters
+# Saved in checkpoints' hyper-parameters; those written while the class lived in ``lightning_llm/rl/kto.py`` name it
+# there and still load weights_only.
+torch.serialization.add_safe_globals([KTOConfig, (KTOConfig, "lightning_llm.rl.kto.KTOConfig")])
 
 
 def kto_loss(policy: Tensor, reference: Tensor, desirable: Tensor, kl: Tensor | float, *, beta: float,

@@ -25,11 +25,13 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_llm.rl.core import logprobs_from_logits
+from lightning_llm.kernels.loss.head_loss import TokenScores
+from lightning_llm.rl.losses.core import entropy_from_logits, logprobs_from_logits
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ActorCritic", "Rollout", "adapters_disabled", "has_adapters", "pack_responses", "response_logits"]
+__all__ = ["ActorCritic", "Rollout", "adapters_disabled", "has_adapters", "pack_responses", "response_logits",
+           "response_logprobs"]
 
 
 def _lm_head(policy: nn.Module) -> nn.Module:
@@ -166,6 +168,18 @@ def response_logits(logits: Tensor, context_length: int) -> Tensor:
     return logits[:, context_length - 1:-1]
 
 
+def response_logprobs(output: Any, r: Rollout, temperature: float) -> tuple[Tensor, Tensor]:
+    """(log-probs, entropies) [b, N] of ``r``'s responses from a policy's output: its ``TokenScores`` (the fused
+    path, no [b, S, V] logits) or logits [b, P+N, V] (log-softmax of logits / T in fp32)."""
+    p = r.context_length
+    if isinstance(output, TokenScores):
+        return -response_logits(output.loss, p), response_logits(output.entropy, p)
+    rl = response_logits(output, p).float() / temperature
+    with torch.no_grad():
+        entropy = entropy_from_logits(rl)
+    return logprobs_from_logits(rl, r.responses), entropy
+
+
 @dataclass
 class Rollout:
     """One rollout batch on this rank (see the module docstring for the layout). ``[B, N]`` unless noted."""
@@ -185,7 +199,7 @@ class Rollout:
     advantages: Tensor | None = None
     returns: Tensor | None = None
     loss_mask: Tensor | None = None  # [B, N] bool: the tokens the loss counts (default: response_mask)
-    samples: Any = None  # the rl.samples.Samples the rollout was made from (texts, columns, scores per source)
+    samples: Any = None  # the rl.rollouts.samples.Samples the rollout was made from (texts, columns, scores per source)
 
     @property
     def trained_mask(self) -> Tensor:

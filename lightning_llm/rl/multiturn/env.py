@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lightning_llm.rl.rewards import import_path
+from lightning_llm.rl.rewards.config import import_path
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,9 @@ class EnvConfig:
             raise ValueError(f"--model.env.{bad[0]}={getattr(self, bad[0])!r} is out of range")
 
 
-torch.serialization.add_safe_globals([EnvConfig])  # saved in checkpoints' hyper-parameters
+# Saved in checkpoints' hyper-parameters; those written while the class lived in ``lightning_llm/rl/env.py`` name it
+# there and still load weights_only.
+torch.serialization.add_safe_globals([EnvConfig, (EnvConfig, "lightning_llm.rl.env.EnvConfig")])
 
 
 def env_class(cfg: EnvConfig) -> type | None:

@@ -1,5 +1,5 @@
 """Rule-based rewards of RL with verifiable rewards (reasoning RL), each a reward source
-(:mod:`lightning_llm.rl.sources`) given by import path, ``lightning_llm.rl.rewards:<name>``:
+(:mod:`lightning_llm.rl.rewards.sources`) given by import path, ``lightning_llm.rl.rewards:<name>``:
 
 * :class:`MathAccuracy`: 1.0 when the response's final answer equals the record's answer column mathematically
   (math-verify: ``\\boxed{}``, LaTeX or a plain number; ``1/2`` equals ``\\boxed{0.5}``), else 0.0;
@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import logging
 import re
+import string
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-__all__ = ["FormatReward", "MathAccuracy", "SoftOverlong"]
+__all__ = ["CHAR_SETS", "CharShareReward", "FormatReward", "MathAccuracy", "SoftOverlong"]
 
 
 class MathAccuracy:
@@ -93,3 +94,29 @@ class SoftOverlong:
     def __call__(self, prompts: list[str], responses: list[str], *, completion_ids: list[list[int]]) -> list[float]:
         free = self.max_new_tokens - self.buffer
         return [0.0 if len(ids) <= free else max(-1.0, (free - len(ids)) / self.buffer) for ids in completion_ids]
+
+
+CHAR_SETS = {"digits": string.digits, "lowercase": string.ascii_lowercase, "uppercase": string.ascii_uppercase,
+             "vowels": "aeiou", "whitespace": string.whitespace}
+
+
+class CharShareReward:
+    """Programmatic reward: the share of a response's characters that belong to ``chars`` (0 for an empty
+    response). ``chars`` is a named set (``digits``, ``lowercase``, ``uppercase``, ``vowels``) or the characters
+    themselves (in YAML prefer a named set: a quoted ``"0123"`` may still be read as a number). Whitespace counts
+    unless ``ignore_whitespace``."""
+
+    def __init__(self, chars: str = "digits", *, ignore_whitespace: bool = False) -> None:
+        if not isinstance(chars, str) or not chars:
+            raise ValueError(f"--model.reward.kwargs.chars must be a non-empty string or one of "
+                             f"{sorted(CHAR_SETS)}, got {chars!r}")
+        self.chars = frozenset(CHAR_SETS.get(chars, chars))
+        self.ignore_whitespace = ignore_whitespace
+
+    def __call__(self, prompts: list[str], responses: list[str]) -> list[float]:
+        out = []
+        for text in responses:
+            if self.ignore_whitespace:
+                text = "".join(text.split())
+            out.append(sum(c in self.chars for c in text) / len(text) if text else 0.0)
+        return out

@@ -23,8 +23,8 @@ from typing import Any
 import torch.distributed as dist
 
 from lightning_llm.data.chat.encode import ChatEncoder
-from lightning_llm.rl.env import EnvConfig, StepResult, call_all, check_messages, step_result
-from lightning_llm.rl.tools import ToolEnv
+from lightning_llm.rl.multiturn.env import EnvConfig, StepResult, call_all, check_messages, step_result
+from lightning_llm.rl.multiturn.tools import ToolEnv
 
 log = logging.getLogger(__name__)
 

@@ -12,15 +12,15 @@ forwards are forward-only pipeline passes (``run_model``) and each optimizer ste
 micro-batch by micro-batch (``PipelineRunner.train_additive``: the losses are shares of global sums, so they add
 up). All forwards run with dropout off (eval mode): the importance ratio must be 1 before the first update. ``trainer.max_steps`` counts optimizer steps (Lightning's rule for manual optimization).
 
-Rewards: one or several named, weighted sources (:mod:`lightning_llm.rl.sources`), each called with the prompts, the
+Rewards: one or several named, weighted sources (:mod:`lightning_llm.rl.rewards.sources`), each called with the prompts, the
 responses and the prompt records' columns (which travel with their prompts in the batch on every layout); logged per
 rollout: ``objective/scores`` (the weighted sum) and ``rewards/<name>/mean``, ``rewards/<name>/std`` per source (over
 every replica's responses). ``--model.log_rollouts=true`` writes every trained response to ``rollouts.jsonl``
-(:mod:`lightning_llm.rl.rollout_log`).
+(:mod:`lightning_llm.rl.rollouts.rollout_log`).
 
 Multi-turn rollouts (``--model.env``, ``--model.tools``: :mod:`lightning_llm.rl.multiturn`): a rollout's responses are
 episodes, conversations of the policy with an environment or its tools decoded turn by turn with the KV cache kept;
-the loss, KL and entropy count the policy's own tokens only (:mod:`lightning_llm.rl.episodes`).
+the loss, KL and entropy count the policy's own tokens only (:mod:`lightning_llm.rl.multiturn.episodes`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,36 +38,22 @@ from torch import Tensor, nn
 from typing_extensions import override
 
 from lightning_llm.generation import GenerationConfig, for_datamodule, generate, strip_after_eos
-from lightning_llm.kernels.loss.head_loss import TokenScores
-from lightning_llm.rl.core import entropy_from_logits, logprobs_from_logits
-from lightning_llm.rl.env import EnvConfig
-from lightning_llm.rl.multiturn import MultiTurn
-from lightning_llm.rl.policy import Rollout, pack_responses, response_logits
-from lightning_llm.rl.reference import ReferencePolicy
+from lightning_llm.rl.config import UpdateSchedule
+from lightning_llm.rl.multiturn.env import EnvConfig
+from lightning_llm.rl.multiturn.multi_turn import MultiTurn
 from lightning_llm.rl.rewards import RewardConfig
-from lightning_llm.rl.rollout_log import TAKEN_FIELDS, RolloutLog, rollout_records
-from lightning_llm.rl.samples import Samples
-from lightning_llm.rl.sources import RewardSource, RewardSources, columns_by_name, source_configs
+from lightning_llm.rl.rewards.sources import RewardSource, RewardSources, columns_by_name, source_configs
+from lightning_llm.rl.rollouts.policy import Rollout, pack_responses
+from lightning_llm.rl.rollouts.reference import ReferencePolicy
+from lightning_llm.rl.rollouts.rollout_log import TAKEN_FIELDS, RolloutLog, rollout_records
+from lightning_llm.rl.rollouts.samples import Samples
+from lightning_llm.rl.rollouts.seeding import prompt_uniforms, rank_generator, rollout_seed
 from lightning_llm.tasks.decoder import DecoderTask
-from lightning_llm.tasks.reward import build_reward_source
+from lightning_llm.tasks.preference.reward import build_reward_source
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OnlineRLTask", "Samples", "UpdateSchedule"]
-
-
-@dataclass(frozen=True)
-class UpdateSchedule:
-    """How a rollout batch is consumed: ``epochs`` passes of ``num_mini_batches`` optimizer steps."""
-
-    epochs: int
-    num_mini_batches: int
-    max_grad_norm: float | None
-    ratio_threshold: float | None
-
-    @property
-    def updates_per_rollout(self) -> int:
-        return self.epochs * self.num_mini_batches
+__all__ = ["OnlineRLTask", "Samples"]
 
 
 class OnlineRLTask(DecoderTask):
@@ -252,47 +237,30 @@ class OnlineRLTask(DecoderTask):
             return 0
         return dist.get_rank(self.capabilities.data_parallel_group)
 
-    def _generator(self) -> torch.Generator:
-        seed = self.generation_seed if self.generation_seed is not None else torch.initial_seed()
-        g = torch.Generator(device=self.device)
-        g.manual_seed((int(seed) + 1_000_003 * self.rollouts_done + self._dp_rank()) % (2**63))
-        return g
-
-    def _prompt_uniforms(self, index: Tensor, repeats: int, steps: int, *, draw: int = 0) -> Tensor:
-        """U(0, 1) draws [B * repeats, steps] for :func:`generate`'s inverse-CDF sampling: one CPU generator per
-        prompt, seeded from (seed, rollout, the prompt's record ``index``, the sampling round ``draw`` of dynamic
-        sampling) and not from the rank, so a prompt's responses do not depend on the rank or batch that holds it."""
-        seed = self.generation_seed if self.generation_seed is not None else torch.initial_seed()
-        rows = []
-        for i in index.tolist():
-            mixed = ((int(seed) * 1_000_003 + self.rollouts_done) * 1_000_000_007 + int(i)) % (2**63)
-            if draw:
-                mixed = (mixed * 1_000_033 + draw) % (2**63)
-            rows.append(torch.rand(repeats, steps, generator=torch.Generator().manual_seed(mixed),
-                                   dtype=torch.float64))
-        return torch.cat(rows).to(self.device)
-
     @torch.no_grad()
     def sample(self, batch: dict[str, Any], *, greedy: bool = False, repeats: int = 1,
                seed_per_prompt: bool = False, draw: int = 0, positions: list[int] | None = None) -> Samples:
         """Generate ``repeats`` responses per prompt (rows of one prompt are adjacent), decode and score them.
-        ``seed_per_prompt``: draw from :meth:`_prompt_uniforms` (needs the batch's ``index``, as
-        :class:`~lightning_llm.data.PromptDataModule` gives; ``draw``: the sampling round) instead of the per-rank
-        generator. ``positions``: the prompts' places in the rollout's global order (default: the data-parallel
-        sampler's, :mod:`lightning_llm.rl.samples`)."""
+        ``seed_per_prompt``: draw from :func:`~lightning_llm.rl.rollouts.seeding.prompt_uniforms` (needs the batch's
+        ``index``, as :class:`~lightning_llm.data.PromptDataModule` gives; ``draw``: the sampling round) instead of the
+        per-rank generator (:func:`~lightning_llm.rl.rollouts.seeding.rank_generator`). ``positions``: the prompts'
+        places in the rollout's global order (default: the data-parallel sampler's,
+        :mod:`lightning_llm.rl.rollouts.samples`)."""
         cfg = self._gen_config(greedy=greedy)
         self.eval()  # dropout off for generation and every forward of the rollout and the update
         prompt_ids, prompt_mask = batch["input_ids"], batch["attention_mask"]
         n = prompt_ids.shape[0]
         turns = self.multi_turn.cfg.max_turns if self.multi_turn.enabled else 1
         uniforms = generator = None
+        seed = rollout_seed(self.generation_seed)
         if not greedy and seed_per_prompt:
             if "index" not in batch:
                 raise ValueError(f"{type(self).__name__} seeds rollouts per prompt: its batches need the prompts' "
                                  "record 'index' (as PromptDataModule's batches have)")
-            uniforms = self._prompt_uniforms(batch["index"], repeats, cfg.max_new_tokens * turns, draw=draw)
+            uniforms = prompt_uniforms(batch["index"], repeats, cfg.max_new_tokens * turns, seed=seed,
+                                       rollout=self.rollouts_done, draw=draw, device=self.device)
         elif not greedy:
-            generator = self._generator()
+            generator = rank_generator(seed, rollout=self.rollouts_done, dp_rank=self._dp_rank(), device=self.device)
         unpadded = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
         episodes = None
         with self.decoding(self.policy_decoder()) as decoder:
@@ -348,18 +316,6 @@ class OnlineRLTask(DecoderTask):
         if self.uses_fused_loss():
             kwargs.update(labels=r.labels(), temperature=temperature, token_scores=True)
         return kwargs
-
-    @staticmethod
-    def response_logprobs(output: Any, r: Rollout, temperature: float) -> tuple[Tensor, Tensor]:
-        """(log-probs, entropies) [b, N] of ``r``'s responses from a policy's output: its ``TokenScores`` (the fused
-        path, no [b, S, V] logits) or logits [b, P+N, V] (log-softmax of logits / T in fp32)."""
-        p = r.context_length
-        if isinstance(output, TokenScores):
-            return -response_logits(output.loss, p), response_logits(output.entropy, p)
-        rl = response_logits(output, p).float() / temperature
-        with torch.no_grad():
-            entropy = entropy_from_logits(rl)
-        return logprobs_from_logits(rl, r.responses), entropy
 
     def reference_logprobs(self, r: Rollout, temperature: float) -> Tensor:
         """Log-probs [B, N] of the rollout's responses under the reference policy."""

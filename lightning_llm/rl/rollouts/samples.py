@@ -1,7 +1,7 @@
 """Sampled, scored responses of a rollout (:class:`Samples`), their groups (a prompt and its responses: the unit
 dynamic sampling keeps or drops and moves between replicas), and DAPO's dynamic-sampling selection.
 
-Layout (:mod:`lightning_llm.rl.policy`): rows ``i*G .. i*G+G-1`` are prompt i's G responses; a prompt's
+Layout (:mod:`lightning_llm.rl.rollouts.policy`): rows ``i*G .. i*G+G-1`` are prompt i's G responses; a prompt's
 ``position`` is its place in the global prompt order of the rollout (the order one device holds them in: the
 data-parallel sampler gives replica r of R the prompts ``r, r + R, r + 2R, ...`` of the global batch, so local prompt
 j of replica r is global prompt ``j * R + r``).
@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from lightning_llm.data.base import left_pad
-from lightning_llm.rl.episodes import Episode, pack_episodes
-from lightning_llm.rl.policy import pack_responses
+from lightning_llm.rl.multiturn.episodes import Episode, pack_episodes
+from lightning_llm.rl.rollouts.policy import pack_responses
 
 __all__ = ["Group", "Samples", "select_groups"]
 
@@ -44,7 +44,7 @@ class Samples:
     prompt_ids: list[list[int]] = dataclasses.field(default_factory=list)  # [B / G] each prompt's unpadded ids
     conversations: list[Any] | None = None  # [B / G] the prompt conversations (chat data)
     index: list[int] = dataclasses.field(default_factory=list)  # [B / G] each prompt's record index
-    episodes: list[Episode] | None = None  # [B] multi-turn rollouts: each row's episode (rl.episodes)
+    episodes: list[Episode] | None = None  # [B] multi-turn rollouts: each row's episode (rl.multiturn.episodes)
 
     def groups(self, size: int, *, draw: int, informative: list[bool]) -> list[Group]:
         """The prompts of these samples as groups of ``size`` responses (CPU copies), from sampling round ``draw``;

@@ -7,14 +7,14 @@ One turn, for every episode still running (rows of one batch):
 1. the policy answers: tokens are sampled up to a stop token (the template's end-of-turn token, EOS), the turn's
    ``max_new_tokens`` or the episode's token budget; a turn without a stop token is cut (truncated) and ends its
    episode;
-2. the episode's step (:class:`~lightning_llm.rl.turns.EpisodeEnvs`): the tools' results when the turn calls tools,
+2. the episode's step (:class:`~lightning_llm.rl.multiturn.turns.EpisodeEnvs`): the tools' results when the turn calls tools,
    else the environment's ``step`` (its reward kept); it ends the episode when it says ``done``, after ``max_turns``
    turns, when it raises or times out, or when its messages would pass the budget;
-3. the messages appended are rendered by the template (:class:`~lightning_llm.rl.turns.TurnRenderer`: after the
+3. the messages appended are rendered by the template (:class:`~lightning_llm.rl.multiturn.turns.TurnRenderer`: after the
    turn's end-of-turn token; a turn that stopped at EOS or another stop id gets the end-of-turn token as context
    first) and fed with the next turn's first forward.
 
-**The packed rollout** (:func:`pack_episodes`), the layout of :mod:`lightning_llm.rl.policy` with a gap-free response
+**The packed rollout** (:func:`pack_episodes`), the layout of :mod:`lightning_llm.rl.rollouts.policy` with a gap-free response
 region: ``query_responses`` [B, P + N] = the LEFT-padded prompt, then every token after it (the policy's turns and
 the appended context, in order), right-padded; ``attention_mask`` 1 on every real token; ``response_mask`` [B, N]
 True on the policy's own tokens only (each turn up to and including its stop token): the tokens the loss, the KL and
@@ -36,8 +36,8 @@ from torch import Tensor
 from lightning_llm.data.base import left_pad
 from lightning_llm.generation import GenerationConfig
 from lightning_llm.generation.turns import TurnDecoder
-from lightning_llm.rl.env import EnvConfig
-from lightning_llm.rl.turns import EpisodeEnvs, TurnRenderer
+from lightning_llm.rl.multiturn.env import EnvConfig
+from lightning_llm.rl.multiturn.turns import EpisodeEnvs, TurnRenderer
 
 log = logging.getLogger(__name__)
 

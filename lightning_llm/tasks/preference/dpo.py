@@ -8,7 +8,7 @@ pipeline runs DPO micro-batch by micro-batch like any task (micro-batches of an 
 tensor parallelism hands it full logits, and data parallelism shards pairs.
 
 The reference log-probabilities (losses that have one) arrive in the batch (``ref_logps`` [2b], summed over response
-tokens), precomputed before the first step or computed on the fly (:mod:`lightning_llm.tasks.preference`). ``simpo``
+tokens), precomputed before the first step or computed on the fly (:mod:`lightning_llm.tasks.preference.base`). ``simpo``
 and ``orpo`` have none: no reference model is built, precomputed or run. ORPO's NLL term is a mean over the chosen
 tokens of the global batch: each step first sums the global batch's chosen tokens and pairs (one collective over the
 data-parallel replicas, nothing read back to the host) and hands every row ``nll_scale = pairs / tokens``, so each
@@ -30,8 +30,8 @@ from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lightning_llm.contract import replica_mean
-from lightning_llm.rl.dpo import DPOConfig, PreferenceStats, dpo_loss, orpo_loss, simpo_loss
-from lightning_llm.tasks.preference import PreferenceTask
+from lightning_llm.rl.losses.dpo import DPOConfig, PreferenceStats, dpo_loss, orpo_loss, simpo_loss
+from lightning_llm.tasks.preference.base import PreferenceTask
 
 log = logging.getLogger(__name__)
 

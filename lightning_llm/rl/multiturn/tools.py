@@ -24,8 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_llm.rl.env import StepResult, call_all
-from lightning_llm.rl.rewards import import_path
+from lightning_llm.rl.multiturn.env import StepResult, call_all
+from lightning_llm.rl.rewards.config import import_path
 
 log = logging.getLogger(__name__)
 

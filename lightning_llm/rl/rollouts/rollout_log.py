@@ -8,7 +8,7 @@ response's; PPO: the mean over its tokens), ``response_tokens`` (its tokens in t
 emitted EOS) and ``columns`` (the prompt record's other fields); a multi-turn rollout's lines also hold ``messages``
 (the episode's conversation, the prompt's messages included, each with ``role``, ``content``, ``tokens``: its token
 count, and ``learned``: true for the policy's own turns; ``response`` is its last turn). Rank 0 writes the lines of every data-parallel
-replica (gathered), in the global prompt order (:mod:`lightning_llm.rl.samples`): the file of a 2-replica run is the
+replica (gathered), in the global prompt order (:mod:`lightning_llm.rl.rollouts.samples`): the file of a 2-replica run is the
 file of one device. A rollout's lines are appended in one write; a resumed run appends to the file.
 
 Later tools read these records (a multi-turn environment's transcripts, distillation's samples): :func:`records`
@@ -51,8 +51,8 @@ def records(*, step: int, prompts: list[str], responses: list[str], rewards: lis
 
 
 def rollout_records(r: Any, *, step: int, names: list[str]) -> list[tuple[int, dict[str, Any]]]:
-    """The records of a scored rollout ``r`` (:class:`~lightning_llm.rl.policy.Rollout` with its advantages and the
-    :class:`~lightning_llm.rl.samples.Samples` it was made from; ``names``: the reward sources')."""
+    """The records of a scored rollout ``r`` (:class:`~lightning_llm.rl.rollouts.policy.Rollout` with its advantages and the
+    :class:`~lightning_llm.rl.rollouts.samples.Samples` it was made from; ``names``: the reward sources')."""
     s, m = r.samples, r.response_mask
     per_prompt = len(s.texts) // len(s.positions)
     return records(step=step, prompts=s.prompts, responses=s.texts, rewards=r.scores.tolist(),

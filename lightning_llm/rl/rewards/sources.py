@@ -35,7 +35,8 @@ import torch
 from torch import Tensor
 
 from lightning_llm.data.prompts import RESERVED_COLUMNS
-from lightning_llm.rl.rewards import RewardConfig, RewardModel
+from lightning_llm.rl.rewards.config import RewardConfig
+from lightning_llm.rl.rewards.model import RewardModel
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ the same preference :class:`~lightning_llm.rl.rewards.CharShareReward` scores, b
 examples. A WordPiece ``tokenizer/vocab.txt`` covering printable ASCII and Latin-1 (each character as a word start
 and as a ``##`` continuation) is written alongside, so byte-level policy outputs tokenize character by character.
 
-    python -m lightning_llm.rl.synthetic OUT_DIR        # then configs/ppo_reward_model.yaml's header
+    python -m lightning_llm.rl.examples.synthetic OUT_DIR        # then configs/ppo_reward_model.yaml's header
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from lightning_llm.data.prompts import make_prompts
 from lightning_llm.files import atomic_open, write_jsonl_atomic
-from lightning_llm.rl.rewards import CHAR_SETS
+from lightning_llm.rl.rewards.verifiers import CHAR_SETS
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def write_reward_pairs(out_dir: str | Path, *, n_train: int = 2000, n_val: int =
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m lightning_llm.rl.synthetic", description=write_reward_pairs.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m lightning_llm.rl.examples.synthetic", description=write_reward_pairs.__doc__)
     parser.add_argument("out_dir")
     parser.add_argument("--n_train", type=int, default=2000)
     parser.add_argument("--n_val", type=int, default=200)

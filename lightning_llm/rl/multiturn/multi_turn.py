@@ -1,6 +1,6 @@
 """The online RL tasks' side of multi-turn rollouts (``--model.env``, ``--model.tools``): the environment class and
 the tools checked when the task is built (before training), set up against the datamodule's chat template at the
-start of a fit or validation, and a rollout batch's episodes run (:mod:`lightning_llm.rl.episodes`).
+start of a fit or validation, and a rollout batch's episodes run (:mod:`lightning_llm.rl.multiturn.episodes`).
 
 What reward sources see of an episode: ``responses`` is its last assistant turn's text, the column ``messages`` its
 whole conversation (OpenAI messages, the prompt's included), ``completion_ids`` the policy's tokens of every turn. The
@@ -19,11 +19,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from lightning_llm.generation import GenerationConfig
-from lightning_llm.rl.env import EnvConfig, env_class
-from lightning_llm.rl.episodes import Episode, Packed, open_episodes, pack_episodes, run_episodes
-from lightning_llm.rl.sources import RewardSource
-from lightning_llm.rl.tools import ToolEnv, Tools, template_tool_format
-from lightning_llm.rl.turns import EpisodeEnvs, TurnRenderer, replica_group
+from lightning_llm.rl.multiturn.env import EnvConfig, env_class
+from lightning_llm.rl.multiturn.episodes import Episode, Packed, open_episodes, pack_episodes, run_episodes
+from lightning_llm.rl.multiturn.tools import ToolEnv, Tools, template_tool_format
+from lightning_llm.rl.multiturn.turns import EpisodeEnvs, TurnRenderer, replica_group
+from lightning_llm.rl.rewards.sources import RewardSource
 
 log = logging.getLogger(__name__)
 
