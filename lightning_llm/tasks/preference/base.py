@@ -236,6 +236,20 @@ class PreferenceTask(DecoderTask):
                              "reference=on_the_fly")
         self.precompute_reference(split)
 
+    # ------------------------------------------------------------------------------------------ steps
+    def _prepared(self, batch: dict[str, Tensor], split: str) -> dict[str, Tensor]:
+        """The batch with what the task's loss needs besides its rows (the reference log-probs of ``split``): the
+        subclass's; as it came here."""
+        return batch
+
+    @override
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor | None:
+        return super().training_step(self._prepared(batch, "fit"), batch_idx)
+
+    @override
+    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return super().validation_step(self._prepared(batch, "validate"), batch_idx)
+
     # ------------------------------------------------------------------------------------------ lifecycle
     @override
     def on_train_start(self) -> None:

@@ -94,6 +94,7 @@ class DPOTask(PreferenceTask):
     def loss_weight(self, batch: dict[str, Tensor]) -> float:
         return float(batch["input_ids"].shape[0] // 2)  # the loss is a mean over pairs
 
+    @override
     def _prepared(self, batch: dict[str, Tensor], split: str) -> dict[str, Tensor]:
         """The batch with what the loss needs besides the rows: the reference log-probs, ORPO's NLL scale."""
         if self.dpo.loss_type == "orpo":
@@ -120,14 +121,6 @@ class DPOTask(PreferenceTask):
         return (pairs / tokens.clamp(min=1)).float().expand(rows)
 
     # ------------------------------------------------------------------------------------------ steps
-    @override
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor | None:
-        return super().training_step(self._prepared(batch, "fit"), batch_idx)
-
-    @override
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        return super().validation_step(self._prepared(batch, "validate"), batch_idx)
-
     @override
     def log_train_outputs(self, outputs: dict[str, Any], batch: dict[str, Tensor]) -> None:
         self.log_pair_means(_stats(outputs).means(), self.loss_weight(batch))

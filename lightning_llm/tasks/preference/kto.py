@@ -86,6 +86,7 @@ class KTOTask(PreferenceTask):
         return loss, {"rewards": rewards, "logps": logps.detach(), "desirable": batch["desirable"].float(),
                       "kl": batch["kl"].float()}
 
+    @override
     def _prepared(self, batch: dict[str, Tensor], split: str) -> dict[str, Tensor]:
         """The examples' rows with ``desirable``, ``ref_logps`` [n] and ``kl`` [n] (see the module docstring)."""
         rows = {key: batch[key] for key in ROW_KEYS}
@@ -112,14 +113,6 @@ class KTOTask(PreferenceTask):
         return float(batch["input_ids"].shape[0])  # the loss is a mean over the examples
 
     # ------------------------------------------------------------------------------------------ steps
-    @override
-    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor | None:
-        return super().training_step(self._prepared(batch, "fit"), batch_idx)
-
-    @override
-    def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
-        return super().validation_step(self._prepared(batch, "validate"), batch_idx)
-
     @override
     def log_train_outputs(self, outputs: dict[str, Any], batch: dict[str, Tensor]) -> None:
         good = outputs["desirable"].double()
