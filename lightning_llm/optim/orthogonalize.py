@@ -18,13 +18,14 @@ bf16 iterations, one 2-D matrix per call) on each matrix of :class:`~.roles.Matr
 * **flat**: a run of a parameter's elements (flattened) in a flat partition (DeepSpeed's ZeRO: every rank of a group
   holds a contiguous run, in rank order, :class:`FlatSplit`): the same two all-to-alls over that group, the owner
   concatenating the runs into the whole parameter;
-* a DTensor split over several mesh dims (ZeRO-3 with tensor parallelism): gathered whole on every rank of its mesh
-  and orthogonalised there (duplicated work, said once in the log), each rank keeping its shard.
+* a DTensor split over several mesh dims (ZeRO-3 with tensor parallelism): gathered whole on every rank of its mesh,
+  dealt out over the mesh's ranks as replicated tensors are (each orthogonalises about 1/N and broadcasts its results),
+  each rank keeping its shard. (A DTensor sharded over one mesh dim and replicated over another, as ZeRO-3's stacked
+  experts under tp, is exchanged over its own mesh by each of its replicas: the replicas repeat that work.)
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import defaultdict
 from typing import Any, NamedTuple
@@ -37,7 +38,6 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 
 from lightning_llm.optim.roles import Matrices
 
-log = logging.getLogger(__name__)
 
 __all__ = ["FlatSplit", "NewtonSchulz", "Orthogonalize", "orthogonalized"]
 
@@ -121,7 +121,7 @@ def orthogonalized(items: list[Orthogonalize], ns: NewtonSchulz, *, replica_grou
     ``flat_loads``: per process group, the work each rank was dealt by earlier calls (DeepSpeed steps one param group
     at a time), carried on so that the calls of a step share it out together."""
     out: list[Tensor | None] = [None] * len(items)
-    replicated, sharded, flat, duplicated = [], defaultdict(list), defaultdict(list), []
+    replicated, sharded, flat, multi_dim = [], defaultdict(list), defaultdict(list), []
     for i, item in enumerate(items):
         p = item.param
         if item.flat is not None:
@@ -142,7 +142,7 @@ def orthogonalized(items: list[Orthogonalize], ns: NewtonSchulz, *, replica_grou
         elif p.device_mesh.ndim == 1:
             sharded[p.device_mesh].append(i)
         else:
-            duplicated.append(i)
+            multi_dim.append(i)
     if replicated:
         _replicated(items, replicated, out, ns, replica_group)
     for mesh, idx in sharded.items():
@@ -151,8 +151,8 @@ def orthogonalized(items: list[Orthogonalize], ns: NewtonSchulz, *, replica_grou
         load = None if flat_loads is None else flat_loads.setdefault(group, [0] * dist.get_world_size(group))
         _exchanged(items, {i: _Split((math.prod(items[i].shape),), 0, items[i].flat.counts) for i in idx}, out, ns,
                    group, load=load)
-    if duplicated:
-        _duplicated(items, duplicated, out, ns)
+    if multi_dim:
+        _gathered(items, multi_dim, out, ns)
     return out  # type: ignore[return-value]
 
 
@@ -247,17 +247,26 @@ def _exchanged(items: list[Orthogonalize], splits: dict[int, _Split], out: list[
             out[i] = next(pieces).view(items[i].update.shape)
 
 
-_said_duplicated = False
+_flat_groups: dict[Any, Any] = {}  # a multi-dimensional mesh -> the process group of its ranks (flattened once)
 
 
-def _duplicated(items: list[Orthogonalize], idx: list[int], out: list[Tensor | None], ns: NewtonSchulz) -> None:
-    global _said_duplicated
-    if not _said_duplicated:
-        _said_duplicated = True
-        log.info("Muon: %d matrices sharded over a multi-dimensional mesh are gathered and orthogonalised on every "
-                 "rank of it", len(idx))
+def _gathered(items: list[Orthogonalize], idx: list[int], out: list[Tensor | None], ns: NewtonSchulz) -> None:
+    """Matrices sharded over a multi-dimensional mesh (ZeRO-3 with tensor parallelism): each gathered whole on every
+    rank of its mesh, dealt out over the mesh's ranks (:func:`_replicated` on the flattened mesh: each orthogonalises
+    about 1/N of them and broadcasts its results), each rank keeping its shard."""
+    by_mesh: dict[Any, list[int]] = defaultdict(list)
     for i in idx:
-        p, u = items[i].param, items[i].update
-        whole = DTensor.from_local(u, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
-        result = ns.whole(whole, items[i].layout)
-        out[i] = distribute_tensor(result, p.device_mesh, p.placements, src_data_rank=None).to_local()
+        by_mesh[items[i].param.device_mesh].append(i)
+    for mesh, ids in by_mesh.items():
+        if mesh not in _flat_groups:
+            _flat_groups[mesh] = mesh._flatten("muon_" + "_".join(mesh.mesh_dim_names)).get_group()
+        whole = list(items)
+        for i in ids:
+            p, u = items[i].param, items[i].update
+            full = DTensor.from_local(u, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+            whole[i] = items[i]._replace(update=full)
+        results: list[Tensor | None] = [None] * len(items)
+        _replicated(whole, ids, results, ns, _flat_groups[mesh])
+        for i in ids:
+            p = items[i].param
+            out[i] = distribute_tensor(results[i], mesh, p.placements, src_data_rank=None).to_local()

@@ -25,7 +25,7 @@ from typing_extensions import override
 from lightning_llm.strategies.engine.grad_buckets import GradReducer, reducer_for
 from lightning_llm.strategies.mesh import MESH_DIMS, ParallelDims
 from lightning_llm.strategies.tensor.parallelize import clip_grads_by_global_norm, reduce_partial_grads
-from lightning_llm.strategies.zero.native import gradient_sync_paused, partition_optimizers
+from lightning_llm.strategies.zero.native import PartitionedOptimizer, gradient_sync_paused, partition_optimizers
 
 __all__ = ["EngineGradients"]
 
@@ -86,19 +86,24 @@ class EngineGradients(ParallelStrategy):
         self._share_muon()
 
     def _share_muon(self) -> None:
-        """Muon (an optimizer with a ``replica_group``, not wrapped by ZeRO-1/2, whose owners hold their parameters
-        alone) shares Newton-Schulz of its plain parameters over every rank that holds them with the same reduced
-        gradient: the ranks of a pipeline stage (dp x cp x tp; the task only knows the data-parallel ones)."""
+        """Muon shares Newton-Schulz of its plain parameters over every rank that holds them with the same reduced
+        gradient. Unwrapped (ZeRO-0): the ranks of a pipeline stage (dp x cp x tp; the task only knows the
+        data-parallel ones). Inside ZeRO-1/2's :class:`PartitionedOptimizer`: an owner's tensor-parallel ranks, which
+        own the same parameters (the experts stay whole under tp: else every tp rank would orthogonalise them)."""
         assert self.dims is not None
-        muon = [o for o in self.optimizers if hasattr(getattr(o, "_optimizer", o), "replica_group")]
-        if not muon or self.dims.tp == 1:
+        if self.dims.tp == 1:
             return
-        if self._stage_group is None:  # built once (a mesh dim flattened under one name)
-            dims = [d for d in ("dp", "cp", "tp") if self._mesh.size(MESH_DIMS.index(d)) > 1]
-            stage = self._mesh[tuple(dims)]._flatten("_".join(dims)) if len(dims) > 1 else self._mesh[dims[0]]
-            self._stage_group = stage.get_group()
-        for opt in muon:
-            getattr(opt, "_optimizer", opt).replica_group = self._stage_group
+        for opt in self.optimizers:
+            inner = getattr(opt, "_optimizer", opt)
+            if isinstance(inner, PartitionedOptimizer):
+                if hasattr(inner.local_optimizer, "replica_group"):
+                    inner.local_optimizer.replica_group = self._mesh["tp"].get_group()
+            elif hasattr(inner, "replica_group"):
+                if self._stage_group is None:  # built once (a mesh dim flattened under one name)
+                    dims = [d for d in ("dp", "cp", "tp") if self._mesh.size(MESH_DIMS.index(d)) > 1]
+                    stage = self._mesh[tuple(dims)]._flatten("_".join(dims)) if len(dims) > 1 else self._mesh[dims[0]]
+                    self._stage_group = stage.get_group()
+                inner.replica_group = self._stage_group
 
     def _check_muon_offload(self) -> None:
         """Muon (param groups marked ``muon``) orthogonalises whole matrices gathered from their shards on the

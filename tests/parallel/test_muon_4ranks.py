@@ -1,0 +1,101 @@
+"""Muon on the mixes that need 4 ranks equals one device, 6 steps, in one launch of 4 processes.
+
+Tensor parallelism inside ZeRO: dp2 x tp2 with ZeRO-3 (a hidden matrix is a tp shard of an FSDP2 shard: Newton-Schulz
+must gather it over both meshes), with ZeRO-1 (each parameter's owner on the data-parallel mesh holds a tp shard),
+and pp2 x tp2. Compared as ``test_muon_layouts`` compares its 2-rank layouts (its tolerances): ``train_loss`` at every
+step, the weights after the first and the last step, every step's gradients, the hidden matrices on Muon on every
+rank, and Newton-Schulz called per step as often as one device, per matrix shape (under ZeRO-3 x tp the stacked
+experts, replicated over tp, twice: about 1.5x in all, where each rank orthogonalised every matrix before). The
+one-device reference is trained before the launch.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.parallel.test_muon_layouts import FIRST_TOL, GRAD_TOL, STEPS, TOL
+
+LAYOUTS = ["dp2_tp2_zero3", "dp2_tp2_zero1", "pp2_tp2"]
+
+
+def _strategy(layout: str) -> tuple[Any, int]:
+    """(strategy, per-rank batch): 8 rows per optimizer step in all."""
+    from lightning_llm.strategies import HybridParallelStrategy
+
+    if layout == "pp2_tp2":  # gpipe: the load-balancing loss of the global batch needs every micro-batch's routing
+        return HybridParallelStrategy(data_parallel_size=1, tensor_parallel_size=2, pipeline_parallel_size=2,
+                                      schedule="gpipe"), 8
+    stage = int(layout[-1])
+    return HybridParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, zero_stage=stage), 4
+
+
+def _worker(mode: str, out: Path) -> None:
+    from lightning_llm.testing import gathered
+    from lightning_llm.testing.muon import merged, muon_fit
+
+    if mode == "reference":
+        torch.save(muon_fit("auto", 1, out / "ref", batch=8, steps=STEPS), out / "reference.pt")
+        return
+    results = {}
+    for layout in LAYOUTS:
+        strategy, batch = _strategy(layout)
+        results[layout] = merged(gathered(muon_fit(strategy, 4, out / layout, batch=batch, steps=STEPS)))
+    if torch.distributed.get_rank() == 0:
+        torch.save(results, out / "layouts.pt")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from lightning_llm.testing import launch, wait
+
+    out = tmp_path_factory.mktemp("muon_4ranks")
+    _worker("reference", out)
+    wait(launch(__file__, 4, "layouts", str(out)), timeout=1800)
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_muon_on_four_ranks_equals_one_device(runs: Path, layout: str) -> None:
+    from lightning_llm.testing.muon import compare_runs, newton_schulz_calls
+
+    ref = torch.load(runs / "reference.pt")
+    run = torch.load(runs / "layouts.pt")[layout]
+    err = compare_runs(run, ref)
+    moved = max((ref["params"][n] - t).abs().max().item() for n, t in ref["first"].items())
+    print(f"{layout} vs one device over {STEPS} Muon steps: train_loss {err['loss']:.1e}, weights after the first step "
+          f"{err['first']:.1e} and the last {err['params']:.1e} (moved {moved:.1e}), gradients (relative) at the first "
+          f"step {err['grads0']:.1e}, at any step {err['grads']:.1e}; {run['note']}")
+    assert moved > 10 * TOL
+    assert err["loss"] <= TOL and err["params"] <= TOL and err["first"] <= FIRST_TOL
+    assert err["grads0"] <= TOL and err["grads"] <= GRAD_TOL
+    muon = set(ref["groups"]["muon"])
+    for rank in run["groups"]:
+        assert set(rank["muon"]) <= muon and not set(rank["adamw"]) & muon, rank
+    assert set().union(*(r["muon"] for r in run["groups"])) == muon
+    wrong, per_rank, total = newton_schulz_calls(run, ref)
+    print(f"{layout}: Newton-Schulz calls per step on each rank {per_rank} (one device: {total})")
+    if layout != "dp2_tp2_zero3":
+        assert not wrong, f"the ranks' Newton-Schulz calls by matrix shape differ from one device's at steps {wrong}"
+        return
+    # ZeRO-3 x tp: the 2-D sharded matrices are dealt out over the 4 ranks; the stacked experts (FSDP shards on the
+    # data-parallel mesh, replicated over tp: 12 of the 23 matrices) are exchanged over each tp rank's own
+    # data-parallel mesh, so both tp ranks orthogonalise them (optim/orthogonalize.py says so): 35 calls, not 23 x 4.
+    for step, want in enumerate(ref["ns_calls"]):
+        summed = Counter()
+        for calls in run["ns_calls"]:
+            summed.update(calls[step])
+        assert all(summed[shape] >= n for shape, n in want.items()), (step, summed, want)  # none left to AdamW
+        assert sum(summed.values()) <= 1.6 * total, (step, summed)
+
+
+if __name__ == "__main__":
+    from lightning_llm.testing import run_worker
+
+    run_worker(_worker, sys.argv[1], Path(sys.argv[2]))
