@@ -18,10 +18,12 @@ bf16 iterations, one 2-D matrix per call) on each matrix of :class:`~.roles.Matr
 * **flat**: a run of a parameter's elements (flattened) in a flat partition (DeepSpeed's ZeRO: every rank of a group
   holds a contiguous run, in rank order, :class:`FlatSplit`): the same two all-to-alls over that group, the owner
   concatenating the runs into the whole parameter;
-* a DTensor split over several mesh dims (ZeRO-3 with tensor parallelism): gathered whole on every rank of its mesh,
-  dealt out over the mesh's ranks as replicated tensors are (each orthogonalises about 1/N and broadcasts its results),
-  each rank keeping its shard. (A DTensor sharded over one mesh dim and replicated over another, as ZeRO-3's stacked
-  experts under tp, is exchanged over its own mesh by each of its replicas: the replicas repeat that work.)
+* a DTensor that more ranks hold than its 1-D mesh spans (tp shards under data-parallel replicas at ZeRO-0, ZeRO-3's
+  stacked experts replicated over tp), or split over several mesh dims (ZeRO-3 with tensor parallelism): gathered
+  whole on every rank of its mesh, dealt out over every rank that holds it as replicated tensors are (each
+  orthogonalises about 1/N and broadcasts its results), each rank keeping its shard. (Stacked experts split along
+  their stacked dim are whole on their rank and orthogonalised there, also where tp ranks repeat them under ZeRO-3:
+  gathering every expert on every rank would cost expert parallelism its memory.)
 """
 
 from __future__ import annotations
@@ -121,7 +123,7 @@ def orthogonalized(items: list[Orthogonalize], ns: NewtonSchulz, *, replica_grou
     ``flat_loads``: per process group, the work each rank was dealt by earlier calls (DeepSpeed steps one param group
     at a time), carried on so that the calls of a step share it out together."""
     out: list[Tensor | None] = [None] * len(items)
-    replicated, sharded, flat, multi_dim = [], defaultdict(list), defaultdict(list), []
+    replicated, sharded, flat, gathered = [], defaultdict(list), defaultdict(list), []
     for i, item in enumerate(items):
         p = item.param
         if item.flat is not None:
@@ -139,10 +141,10 @@ def orthogonalized(items: list[Orthogonalize], ns: NewtonSchulz, *, replica_grou
         dims = _sharded_dims(p)
         if all(d < item.layout.stack for d in dims):  # whole matrices here (a rank's experts)
             out[i] = ns.whole(item.update, item.layout)
-        elif p.device_mesh.ndim == 1:
+        elif p.device_mesh.ndim == 1 and not _repeated(p.device_mesh, replica_group):
             sharded[p.device_mesh].append(i)
         else:
-            multi_dim.append(i)
+            gathered.append(i)
     if replicated:
         _replicated(items, replicated, out, ns, replica_group)
     for mesh, idx in sharded.items():
@@ -151,8 +153,8 @@ def orthogonalized(items: list[Orthogonalize], ns: NewtonSchulz, *, replica_grou
         load = None if flat_loads is None else flat_loads.setdefault(group, [0] * dist.get_world_size(group))
         _exchanged(items, {i: _Split((math.prod(items[i].shape),), 0, items[i].flat.counts) for i in idx}, out, ns,
                    group, load=load)
-    if multi_dim:
-        _gathered(items, multi_dim, out, ns)
+    if gathered:
+        _gathered(items, gathered, out, ns, replica_group)
     return out  # type: ignore[return-value]
 
 
@@ -250,23 +252,37 @@ def _exchanged(items: list[Orthogonalize], splits: dict[int, _Split], out: list[
 _flat_groups: dict[Any, Any] = {}  # a multi-dimensional mesh -> the process group of its ranks (flattened once)
 
 
-def _gathered(items: list[Orthogonalize], idx: list[int], out: list[Tensor | None], ns: NewtonSchulz) -> None:
-    """Matrices sharded over a multi-dimensional mesh (ZeRO-3 with tensor parallelism): each gathered whole on every
-    rank of its mesh, dealt out over the mesh's ranks (:func:`_replicated` on the flattened mesh: each orthogonalises
-    about 1/N of them and broadcasts its results), each rank keeping its shard."""
-    by_mesh: dict[Any, list[int]] = defaultdict(list)
+def _gathered(items: list[Orthogonalize], idx: list[int], out: list[Tensor | None], ns: NewtonSchulz,
+              replica_group: Any) -> None:
+    """Sharded matrices that more ranks hold than their mesh spans (over 2 mesh dims, ZeRO-3 with tensor
+    parallelism; or over one mesh repeated by replicas: tp shards under data-parallel replicas, ZeRO-3's experts
+    replicated over tp): each gathered whole on every rank of its mesh, dealt out over every rank that holds it
+    (:func:`_replicated`: each orthogonalises about 1/N of them and broadcasts its results), each rank keeping its
+    shard."""
+    whole, by_group = list(items), defaultdict(list)
     for i in idx:
-        by_mesh[items[i].param.device_mesh].append(i)
-    for mesh, ids in by_mesh.items():
-        if mesh not in _flat_groups:
-            _flat_groups[mesh] = mesh._flatten("muon_" + "_".join(mesh.mesh_dim_names)).get_group()
-        whole = list(items)
-        for i in ids:
-            p, u = items[i].param, items[i].update
-            full = DTensor.from_local(u, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
-            whole[i] = items[i]._replace(update=full)
-        results: list[Tensor | None] = [None] * len(items)
-        _replicated(whole, ids, results, ns, _flat_groups[mesh])
-        for i in ids:
-            p = items[i].param
-            out[i] = distribute_tensor(results[i], mesh, p.placements, src_data_rank=None).to_local()
+        p, u = items[i].param, items[i].update
+        full = DTensor.from_local(u, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+        whole[i] = items[i]._replace(update=full)
+        by_group[_dealing_group(p.device_mesh, replica_group)].append(i)
+    results: list[Tensor | None] = [None] * len(items)
+    for group, ids in by_group.items():
+        _replicated(whole, ids, results, ns, group)
+    for i in idx:
+        p = items[i].param
+        out[i] = distribute_tensor(results[i], p.device_mesh, p.placements, src_data_rank=None).to_local()
+
+
+def _repeated(mesh: Any, replica_group: Any) -> bool:
+    """Whether more ranks hold the same parameter with the same gradient than ``mesh`` spans."""
+    return replica_group is not None and dist.get_world_size(replica_group) > mesh.size()
+
+
+def _dealing_group(mesh: Any, replica_group: Any) -> Any:
+    """The ranks a gathered matrix is dealt over: every rank holding it (the replicas' group where it is larger than
+    the mesh), else the mesh's ranks (a multi-dimensional mesh flattened once)."""
+    if _repeated(mesh, replica_group):
+        return replica_group
+    if mesh not in _flat_groups:
+        _flat_groups[mesh] = mesh._flatten("muon_" + "_".join(mesh.mesh_dim_names)).get_group()
+    return _flat_groups[mesh]
