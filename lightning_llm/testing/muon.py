@@ -20,10 +20,10 @@ from typing_extensions import override
 from lightning_llm.data import TextDataModule
 from lightning_llm.optim import orthogonalize
 from lightning_llm.tasks import CausalLMTask, OptimConfig
-from lightning_llm.testing import LoggedLoss, full_gradients, full_parameters, table_trainer
+from lightning_llm.testing import LoggedLoss, full_gradients, full_parameters, gathered, launch, table_trainer, wait
 
-__all__ = ["LR", "MODEL", "MomentumAt", "MuonProbe", "QKClipRecord", "compare_runs", "merged", "muon_fit",
-           "newton_schulz_calls", "optimizer_tensors", "reference_then_launch"]
+__all__ = ["LR", "MODEL", "MomentumAt", "MuonProbe", "QKClipRecord", "check_layout", "compare_runs", "fit_layouts",
+           "merged", "muon_fit", "newton_schulz_calls", "optimizer_tensors", "reference_then_launch"]
 
 MOE = dict(num_experts=4, top_k=2, intermediate_size=32, norm_topk_prob=True, aux_loss_coef=0.01, dense_layers=[0])
 MODEL = dict(num_layers=2, num_kv_heads=4, qkv_packed=True, moe=MOE)
@@ -219,11 +219,49 @@ class QKClipRecord(pl.Callback):
         self.history, self.logged = self._clip.history, [t.tolist() for t in self._clip.logged]
 
 
-def reference_then_launch(script: str, out: Path, worker: Any, mode: str) -> Path:
+def reference_then_launch(script: str, out: Path, worker: Any, mode: str, *, nproc: int = 2) -> Path:
     """The Muon tables' pattern: ``worker("reference", out)`` trains one device in this process first, then
-    ``script mode out`` runs on 2 ranks with the cores to themselves; returns ``out``."""
-    from lightning_llm.testing import launch, wait
-
+    ``script mode out`` runs on ``nproc`` ranks with the cores to themselves; returns ``out``."""
     worker("reference", out)
-    wait(launch(script, 2, mode, str(out)), timeout=1800)
+    wait(launch(script, nproc, mode, str(out)), timeout=1800)
     return out
+
+
+def fit_layouts(mode: str, out: Path, layouts: list[str], strategy_of: Any, *, devices: int, steps: int) -> None:
+    """A layout table's worker: ``reference`` trains one device (8 rows a step) into ``reference.pt``; else every
+    layout (``strategy_of(layout)``: its strategy and per-rank batch) on ``devices`` ranks into ``layouts.pt``."""
+    if mode == "reference":
+        torch.save(muon_fit("auto", 1, out / "ref", batch=8, steps=steps), out / "reference.pt")
+        return
+    results = {}
+    for layout in layouts:
+        strategy, batch = strategy_of(layout)
+        results[layout] = merged(gathered(muon_fit(strategy, devices, out / layout, batch=batch, steps=steps)))
+    if torch.distributed.get_rank() == 0:
+        torch.save(results, out / "layouts.pt")
+
+
+def check_layout(runs: Path, layout: str, *, tol: float, first_tol: float,
+                 grad_tol: float) -> tuple[dict[str, Any], dict[str, Any], list[int], list[float], int]:
+    """Asserts ``layout``'s run of a table equals one device's (``train_loss``, the weights after the last and the
+    first step, every step's gradients, within the tolerances; the weights moved well beyond ``tol``) and that the
+    ranks' optimizers put exactly one device's hidden matrices on Muon; returns ``(run, reference)`` and
+    :func:`newton_schulz_calls`' figures, printed, for the caller's count check."""
+    ref = torch.load(runs / "reference.pt")
+    run = torch.load(runs / "layouts.pt")[layout]
+    err = compare_runs(run, ref)
+    moved = max((ref["params"][n] - t).abs().max().item() for n, t in ref["first"].items())
+    steps = len(ref["losses"])
+    print(f"{layout} vs one device over {steps} Muon steps: train_loss {err['loss']:.1e}, weights after the first step "
+          f"{err['first']:.1e} and the last {err['params']:.1e} (they moved {moved:.1e} in between), gradients "
+          f"(relative) at the first step {err['grads0']:.1e}, at any step {err['grads']:.1e}; {run['note']}")
+    assert moved > 10 * tol  # the updates are what is compared
+    assert err["loss"] <= tol and err["params"] <= tol and err["first"] <= first_tol
+    assert err["grads0"] <= tol and err["grads"] <= grad_tol
+    muon = set(ref["groups"]["muon"])  # every rank: the hidden matrices it holds on Muon, nothing else there
+    for rank in run["groups"]:
+        assert set(rank["muon"]) <= muon and not set(rank["adamw"]) & muon, rank
+    assert set().union(*(r["muon"] for r in run["groups"])) == muon
+    wrong, per_rank, total = newton_schulz_calls(run, ref)
+    print(f"{layout}: Newton-Schulz calls per step on each rank {per_rank} (one device: {total})")
+    return run, ref, wrong, per_rank, total

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from tests.parallel.test_muon_layouts import FIRST_TOL, GRAD_TOL, STEPS, TOL
 
@@ -37,51 +36,24 @@ def _strategy(layout: str) -> tuple[Any, int]:
 
 
 def _worker(mode: str, out: Path) -> None:
-    from lightning_llm.testing import gathered
-    from lightning_llm.testing.muon import merged, muon_fit
+    from lightning_llm.testing.muon import fit_layouts
 
-    if mode == "reference":
-        torch.save(muon_fit("auto", 1, out / "ref", batch=8, steps=STEPS), out / "reference.pt")
-        return
-    results = {}
-    for layout in LAYOUTS:
-        strategy, batch = _strategy(layout)
-        results[layout] = merged(gathered(muon_fit(strategy, 4, out / layout, batch=batch, steps=STEPS)))
-    if torch.distributed.get_rank() == 0:
-        torch.save(results, out / "layouts.pt")
+    fit_layouts(mode, out, LAYOUTS, _strategy, devices=4, steps=STEPS)
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from lightning_llm.testing import launch, wait
+    from lightning_llm.testing.muon import reference_then_launch
 
-    out = tmp_path_factory.mktemp("muon_4ranks")
-    _worker("reference", out)
-    wait(launch(__file__, 4, "layouts", str(out)), timeout=1800)
-    return out
+    return reference_then_launch(__file__, tmp_path_factory.mktemp("muon_4ranks"), _worker, "layouts", nproc=4)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_muon_on_four_ranks_equals_one_device(runs: Path, layout: str) -> None:
-    from lightning_llm.testing.muon import compare_runs, newton_schulz_calls
+    from lightning_llm.testing.muon import check_layout
 
-    ref = torch.load(runs / "reference.pt")
-    run = torch.load(runs / "layouts.pt")[layout]
-    err = compare_runs(run, ref)
-    moved = max((ref["params"][n] - t).abs().max().item() for n, t in ref["first"].items())
-    print(f"{layout} vs one device over {STEPS} Muon steps: train_loss {err['loss']:.1e}, weights after the first step "
-          f"{err['first']:.1e} and the last {err['params']:.1e} (moved {moved:.1e}), gradients (relative) at the first "
-          f"step {err['grads0']:.1e}, at any step {err['grads']:.1e}; {run['note']}")
-    assert moved > 10 * TOL
-    assert err["loss"] <= TOL and err["params"] <= TOL and err["first"] <= FIRST_TOL
-    assert err["grads0"] <= TOL and err["grads"] <= GRAD_TOL
-    muon = set(ref["groups"]["muon"])
-    for rank in run["groups"]:
-        assert set(rank["muon"]) <= muon and not set(rank["adamw"]) & muon, rank
-    assert set().union(*(r["muon"] for r in run["groups"])) == muon
-    wrong, per_rank, total = newton_schulz_calls(run, ref)
-    print(f"{layout}: Newton-Schulz calls per step on each rank {per_rank} (one device: {total})")
+    run, ref, wrong, per_rank, total = check_layout(runs, layout, tol=TOL, first_tol=FIRST_TOL, grad_tol=GRAD_TOL)
     assert max(per_rank) <= 0.6 * total
     if layout != "dp2_tp2_zero3":
         assert not wrong, f"the ranks' Newton-Schulz calls by matrix shape differ from one device's at steps {wrong}"
@@ -95,6 +67,7 @@ def test_muon_on_four_ranks_equals_one_device(runs: Path, layout: str) -> None:
         for calls in run["ns_calls"]:
             summed.update(calls[step])
         assert summed == Counter({s: n * (2 if s in experts else 1) for s, n in want.items()}), (step, summed, want)
+
 
 if __name__ == "__main__":
     from lightning_llm.testing import run_worker

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 STEPS = 6
 TOL = 1e-5
@@ -55,18 +54,9 @@ def _strategy(layout: str) -> tuple[Any, int]:
 
 
 def _worker(mode: str, out: Path) -> None:
-    from lightning_llm.testing import gathered
-    from lightning_llm.testing.muon import merged, muon_fit
+    from lightning_llm.testing.muon import fit_layouts
 
-    if mode == "reference":
-        torch.save(muon_fit("auto", 1, out / "ref", batch=8, steps=STEPS), out / "reference.pt")
-        return
-    results = {}
-    for layout in LAYOUTS:
-        strategy, batch = _strategy(layout)
-        results[layout] = merged(gathered(muon_fit(strategy, 2, out / layout, batch=batch, steps=STEPS)))
-    if torch.distributed.get_rank() == 0:
-        torch.save(results, out / "layouts.pt")
+    fit_layouts(mode, out, LAYOUTS, _strategy, devices=2, steps=STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -79,30 +69,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_muon_layout_equals_one_device(runs: Path, layout: str) -> None:
-    from lightning_llm.testing.muon import compare_runs, newton_schulz_calls
+    from lightning_llm.testing.muon import check_layout
 
-    ref = torch.load(runs / "reference.pt")
-    run = torch.load(runs / "layouts.pt")[layout]
+    _, ref, wrong, per_rank, total = check_layout(runs, layout, tol=TOL, first_tol=FIRST_TOL, grad_tol=GRAD_TOL)
     assert len(ref["losses"]) == STEPS
-    err = compare_runs(run, ref)
-    moved = max((ref["params"][n] - t).abs().max().item() for n, t in ref["first"].items())
-    print(f"{layout} vs one device over {STEPS} Muon steps: train_loss {err['loss']:.1e}, weights after the first step "
-          f"{err['first']:.1e} and the last {err['params']:.1e} (they moved {moved:.1e} in between), gradients "
-          f"(relative) at the first step {err['grads0']:.1e}, at any step {err['grads']:.1e}; {run['note']}")
-    assert moved > 10 * TOL  # the updates are what is compared
-    assert err["loss"] <= TOL and err["params"] <= TOL and err["first"] <= FIRST_TOL
-    assert err["grads0"] <= TOL and err["grads"] <= GRAD_TOL
-    # every rank: the hidden matrices it holds on Muon, nothing else there
-    muon = set(ref["groups"]["muon"])
-    for rank in run["groups"]:
-        assert set(rank["muon"]) <= muon and not set(rank["adamw"]) & muon, rank
-    assert set().union(*(r["muon"] for r in run["groups"])) == muon
     # each matrix orthogonalised once per step, by one rank: every rank does about half of them
-    wrong, per_rank, total = newton_schulz_calls(run, ref)
-    print(f"{layout}: Newton-Schulz calls per step on each rank {per_rank} (one device: {total})")
     assert not wrong, f"the ranks' Newton-Schulz calls by matrix shape differ from one device's at steps {wrong}"
     assert max(per_rank) <= 0.75 * total
-
 
 if __name__ == "__main__":
     from lightning_llm.testing import run_worker
