@@ -91,6 +91,32 @@ def test_task_loss_pairs_interleaved_rows_and_masks_the_prompt() -> None:
     assert abs(float(loss) - expected) <= 1e-6 * max(1.0, abs(expected))  # the task's log-softmax runs in fp32
 
 
+def test_reference_rows_place_the_table_on_the_batches_device_once() -> None:
+    """The precomputed table (kept on the host, as the checkpoint holds it) is copied to the batches' device once per
+    table, not every step; a new table (a precompute, a checkpoint read) is copied anew. ("meta" stands in for the
+    accelerator.)"""
+    task = DPOTask("debug", model_overrides={"num_layers": 1})
+    task.reference_table["fit"] = torch.arange(8.0).view(4, 2)
+    index = torch.tensor([3, 1], device="meta")
+    moved = []
+    to = torch.Tensor.to
+
+    def counting_to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        moved.append(self.shape)
+        return to(self, *args, **kwargs)
+
+    torch.Tensor.to = counting_to  # type: ignore[method-assign]
+    try:
+        rows = [task.reference_rows("fit", index) for _ in range(3)]
+        task.reference_table["fit"] = torch.zeros(5, 2)
+        rows.append(task.reference_rows("fit", index))
+    finally:
+        torch.Tensor.to = to  # type: ignore[method-assign]
+    assert moved == [torch.Size([4, 2]), torch.Size([5, 2])]
+    assert all(r.device.type == "meta" and r.shape == (2, 2) for r in rows)
+    assert torch.equal(task.reference_rows("fit", torch.tensor([4, 0])), torch.zeros(2, 2))  # same device: no copy
+
+
 def test_preference_file_errors_name_file_and_line(tmp_path: Path) -> None:
     bad = tmp_path / "pairs.jsonl"
     bad.write_text(json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"}) + "\n"

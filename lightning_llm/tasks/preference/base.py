@@ -64,6 +64,7 @@ class PreferenceTask(DecoderTask):
         self.reference_records: dict[str, Tensor | str] = {}  # split -> [items] int64 digests the table was computed on
         self._checked: set[str] = set()  # splits whose table was checked against the datamodule's items
         self._resumed = ""  # the checkpoint this task's state came from (its table is never recomputed)
+        self._placed_tables: dict[str, tuple[Tensor, Tensor]] = {}  # split -> (table, its copy on the batches' device)
 
     item_name = "items"
     """What one item of the data is called in messages (DPO: pairs; KTO: examples)."""
@@ -128,7 +129,13 @@ class PreferenceTask(DecoderTask):
         table = self.reference_table.get(split)
         if table is None:
             raise RuntimeError(f"{type(self).__name__}: no precomputed reference log-probs for the {split} {self.item_name}")
-        return table.to(index.device)[index]
+        if table.device != index.device:  # the table's copy on the accelerator, made once (not every step)
+            source, placed = self._placed_tables.get(split, (None, None))
+            if source is not table or placed.device != index.device:
+                placed = table.to(index.device)
+                self._placed_tables[split] = (table, placed)
+            table = placed
+        return table[index]
 
     def _reference_datamodule(self) -> Any:
         dm = self.trainer.datamodule
