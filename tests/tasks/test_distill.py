@@ -68,6 +68,32 @@ def test_chunked_divergence_equals_trl_in_float64(kind: str, beta: float, trl_be
     assert torch.allclose(per_token, torch.where(labels != -100, plain, 0.0), atol=1e-12)
 
 
+@pytest.mark.parametrize(("kind", "beta", "trl_beta"), KINDS)
+def test_chunked_divergence_on_bf16_hidden_states_and_fp32_heads(kind: str, beta: float, trl_beta: float) -> None:
+    """Mixed precision as a model runs it: bf16 hidden states, fp32 heads (masters; cast once to bf16 for the
+    chunks' matmuls, the softmaxes in fp32): against trl's loss (float64) on the bf16 logits, values and gradients
+    (the head's gradient comes back in fp32, summed over the chunks in fp32)."""
+    g = torch.Generator().manual_seed(1)
+    n, h, v = 29, 16, 67
+    hidden = torch.randn(n, h, generator=g).bfloat16().requires_grad_()
+    weight = torch.randn(v, h, generator=g).requires_grad_()
+    th, tw = torch.randn(n, h, generator=g).bfloat16(), torch.randn(v, h, generator=g)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels[:4] = -100
+    ours = fused_linear_divergence(hidden, weight, th, tw, labels, kind=kind, beta=beta, chunk_size=8)
+    ours.backward()
+    assert ours.dtype == torch.float32 and hidden.grad.dtype == torch.bfloat16 and weight.grad.dtype == torch.float32
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().bfloat16().double().requires_grad_()
+    student = (h64 @ w64.T).bfloat16().double()  # the chunks' logits: a bf16 matmul's output, rounded once
+    teacher = (th.double() @ tw.bfloat16().double().T).bfloat16().double()
+    ref = trl_jsd(student[None], teacher[None], labels[None], beta=trl_beta, temperature=1.0, reduction="sum")
+    ref.backward()
+    assert abs(float(ours) - float(ref)) <= 1e-5 * max(1.0, abs(float(ref))), (float(ours), float(ref))
+    for name, a, b in (("hidden", hidden.grad, h64.grad), ("weight", weight.grad, w64.grad)):
+        err = float((a.double() - b).abs().max() / b.abs().max())
+        assert err <= 1e-2, (name, err)  # bf16 operands of the gradient's matmuls
+
+
 # ------------------------------------------------------------------------------------------------ the task's loss
 def _tiny_qwen2(out: Path, tokenizer_from: Path, *, hidden: int = 48, std: float = 0.3) -> Path:
     """A tiny random ``Qwen2ForCausalLM`` (2 layers, wider than the student, biased q/k/v) on the student's tokenizer

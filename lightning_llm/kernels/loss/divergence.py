@@ -135,7 +135,8 @@ def _chunks(h2, w, b, th2, tw, tb, valid, *, kind, beta, softcap, teacher_softca
     for s in range(0, n, chunk):
         e = min(s + chunk, n)
         logits = chunk_logits(h2[s:e], w, b)  # [C, V] in the compute dtype
-        zs = logits.to(math_dtype)  # the same buffer when the compute dtype is the math's
+        compute_dtype, zs = logits.dtype, logits.to(math_dtype)  # the same buffer when the dtypes agree
+        del logits  # a bf16 chunk is not held beside its fp32 copy (the chunk size counts fp32 buffers only)
         tanh = softcap_chunk(zs, softcap) if softcap is not None else None
         with torch.no_grad():
             zt = chunk_logits(th2[s:e], tw, tb).to(math_dtype)
@@ -147,7 +148,7 @@ def _chunks(h2, w, b, th2, tw, tb, valid, *, kind, beta, softcap, teacher_softca
             grad.masked_fill_(~valid[s:e].unsqueeze(1), 0.0)  # rows outside the responses weigh nothing
             if tanh is not None:
                 softcap_grad(grad, tanh, softcap)
-            contract_chunk(grad.to(logits.dtype), h2[s:e], w, grads, s, e)
+            contract_chunk(grad.to(compute_dtype), h2[s:e], w, grads, s, e)
     return torch.where(valid, rows, 0.0)
 
 
