@@ -144,8 +144,8 @@ def _on_logits(hidden: Tensor, head: nn.Module, labels: Tensor, teacher: Teacher
     logits = head(hidden)
     if hasattr(logits, "full_tensor"):  # a vocabulary-sharded DTensor
         logits = logits.full_tensor()
-    tw, tb = _teacher_operands(teacher.head)
+    th, tw, tb = _head_dtype(teacher.hidden, *_teacher_operands(teacher.head))  # (no fp32 copy for autocast to undo)
     with torch.no_grad():
-        teacher_logits = _capped(torch.nn.functional.linear(teacher.hidden.to(tw.dtype), tw, tb), teacher.softcap)
+        teacher_logits = _capped(torch.nn.functional.linear(th, tw, tb), teacher.softcap)
     rows = token_divergence(_capped(logits, softcap), teacher_logits, kind=kind, beta=beta, temperature=temperature)
     return torch.where(labels != -100, rows, 0.0)
