@@ -32,6 +32,8 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
+from tests.models.family_parity import perturbed  # noqa: E402
+
 from lightning_llm.data.base import left_pad  # noqa: E402
 from lightning_llm.generation import GenerationConfig, generate, strip_after_eos  # noqa: E402
 from lightning_llm.models import DecoderLM, load_hf, save_hf  # noqa: E402
@@ -41,15 +43,6 @@ from lightning_llm.models.hf.families.baichuan import wpack_from_hf, wpack_to_hf
 TOL = 1e-5
 VOCAB = 96
 SEQ = 12
-
-
-def _perturb(model: nn.Module, seed: int) -> nn.Module:
-    """N(0, 0.1) noise on every parameter (norm weights ~1 +- 0.1, biases ~ +-0.1), eval mode."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.1)
-    return model.eval()
 
 
 def _randomize_lora(model: torch.nn.Module, *, seed: int, scale: float) -> None:
@@ -127,7 +120,7 @@ def write_baichuan(directory: Path, *, vocab: int = VOCAB, seed: int = 11) -> Pa
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=4, rms_norm_eps=1e-6)
-    sd = _perturb(transformers.LlamaForCausalLM(cfg), seed).state_dict()
+    sd = perturbed(transformers.LlamaForCausalLM(cfg), seed).state_dict()
     out: dict[str, torch.Tensor] = {}
     for i in range(2):
         a = f"model.layers.{i}.self_attn"
@@ -208,7 +201,7 @@ def _source(name: str, directory: Path) -> tuple[Path, nn.Module]:
         return d, baichuan_reference(d)
     torch.manual_seed(0)
     fam = FAMILIES[name]
-    ref = _perturb(fam.build(), fam.seed)
+    ref = perturbed(fam.build(), fam.seed)
     ref.save_pretrained(directory / "src")
     return directory / "src", ref
 
