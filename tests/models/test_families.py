@@ -7,6 +7,8 @@ trust_remote_code and not in transformers, a ``LlamaForCausalLM`` holding ``W_pa
 
 * ``load_hf`` logits on a batch with right and left padding (fp32, <= 1e-5 on real tokens);
 * ``save_hf`` and reload by the reference reader, logits again;
+* (transformers' families) family_parity's checks: the loss and every gradient of a training forward, lazy loads, the
+  export's key set transformers' own;
 * greedy and beam generation token-identical to ``transformers`` ``generate`` (sequences run past the sliding window
   and, for dynamic rope, past ``max_position_embeddings``);
 * LoRA on Baichuan's fused ``W_pack``: our adapted logits equal peft's LoRA on a real fused ``W_pack`` Linear of the
@@ -32,7 +34,7 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
-from tests.models.family_parity import perturbed  # noqa: E402
+from tests.models.family_parity import check_against_transformers, perturbed  # noqa: E402
 
 from lightning_llm.data.base import left_pad  # noqa: E402
 from lightning_llm.generation import GenerationConfig, generate, strip_after_eos  # noqa: E402
@@ -235,6 +237,15 @@ def test_load_and_save_match_reference(name: str, tmp_path: Path) -> None:
     again, cfg2 = load_hf(out)
     assert cfg2.to_dict() | {"extra": {}} == cfg.to_dict() | {"extra": {}}
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), ours.state_dict().values()))
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_loss_gradients_and_export_key_set_equal_transformers(name: str, tmp_path: Path) -> None:
+    """family_parity's checks: logits (eager and lazy loads), the loss and every gradient of a training forward, the
+    export's key set (transformers' own) and its logits reloaded by transformers."""
+    _, ref = _source(name, tmp_path)
+    err = check_against_transformers(ref, tmp_path)
+    print(f"{name}: {', '.join(f'{k} {v:.1e}' for k, v in err.items())} from transformers")
 
 
 @pytest.mark.parametrize("name", ALL)
