@@ -486,6 +486,16 @@ def test_unsupported_configs_are_refused_by_name(tmp_path: Path) -> None:
     mixed = build_model("debug-mistral", family="decoder", layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2)
     with pytest.raises(ValueError, match="not representable as MistralForCausalLM.*sliding_layers"):
         save_hf(mixed, tmp_path / "x")
+    # tensors the class has no place for (a module a user's subclass adds, an untied head saved as the base class)
+    # are refused, not dropped
+    extra = build_model("debug-mistral", family="decoder")
+    extra.value_head = nn.Linear(extra.config.hidden_size, 1)
+    with pytest.raises(ValueError, match=r"MistralForCausalLM has no place for 2 .*'value_head.bias', 'value_head"):
+        save_hf(extra, tmp_path / "never")
+    untied = build_model("debug-mistral", family="decoder", tie_embeddings=False)
+    with pytest.raises(ValueError, match=r"MistralModel has no place for 1 .*\['lm_head.weight'\]"):
+        save_hf(untied, tmp_path / "never", architecture="MistralModel")
+    assert not (tmp_path / "never").exists()
     # an adapter tensor on W_pack other than LoRA's lora_A / lora_B (IA3's row scales) is not converted: refused
     ia3 = PeftConfig(method="ia3", options={"target_modules": ["W_pack"]})
     with pytest.raises(ValueError, match="W_pack but not a LoRA"):
