@@ -21,18 +21,29 @@ from tests.conftest import loaded_logits_error, padded_lm_batch
 VOCAB = 96
 SEQ = 12
 LLAMA_NORMS = {"input_layernorm": "attn_norm", "post_attention_layernorm": "mlp_norm"}
+TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2)
+"""A tiny decoder's transformers config keys (EOS 2, as :func:`generation_equal` stops at)."""
 
 
-def write_perturbed(model: Any, out: Path, seed: int = 0) -> Any:
-    """``model`` (transformers') with every parameter moved by N(0, 0.1), saved to ``out``; returned in eval mode."""
+def perturbed(model: Any, seed: int = 0, scale: float = 0.1) -> Any:
+    """``model`` with every parameter moved by N(0, ``scale``) (norm weights ~1 +- 0.1, biases ~ +-0.1 by default);
+    returned in eval mode."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.1)
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return model.eval()
+
+
+def write_perturbed(model: Any, out: Path, seed: int = 0, scale: float = 0.1) -> Any:
+    """``model`` (transformers') :func:`perturbed`, saved to ``out``; returned in eval mode."""
+    perturbed(model, seed, scale)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model.save_pretrained(str(out))
-    return model.eval()
+    return model
 
 
 def llama_names(tensors: dict[str, torch.Tensor], norms: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
@@ -98,6 +109,20 @@ def check_against_transformers(hf: Any, tmp_path: Path, *,
     hf.eval()
     assert max(err.values()) < 1e-5, err
     return err
+
+
+def check_and_generate(hf: Any, tmp_path: Path, label: str) -> Any:
+    """:func:`check_against_transformers` (LLaMA's names), then greedy generation from three left-padded prompts
+    equal to transformers' (:func:`generation_equal`); both printed under ``label``. Our model loaded from
+    ``tmp_path / "src"``, in eval mode."""
+    from lightning_llm.models import load_hf
+
+    err = check_against_transformers(hf, tmp_path)
+    ours = load_hf(tmp_path / "src")[0].eval()
+    tokens = generation_equal(hf, ours, [[5, 9, 17, 3, 44, 7], [7, 8], [50, 51, 52]])
+    print(f"{label}: {', '.join(f'{k} {v:.1e}' for k, v in err.items())}; greedy generation: {tokens} tokens as "
+          "transformers'")
+    return ours
 
 
 def generation_equal(hf: Any, ours: Any, prompts: list[list[int]], *, beams: int = 1, cache: str = "dynamic",

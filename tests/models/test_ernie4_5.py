@@ -25,10 +25,10 @@ transformers = pytest.importorskip("transformers")
 
 from tests.conftest import padded_lm_batch  # noqa: E402
 from tests.models.family_parity import (  # noqa: E402
+    TINY,
     VOCAB,
-    check_against_transformers,
+    check_and_generate,
     estimated_parameters,
-    generation_equal,
     logits_error,
     write_perturbed,
 )
@@ -38,10 +38,7 @@ from lightning_llm.models import load_hf, save_hf  # noqa: E402
 
 def _write(out: Path, **changes: Any) -> Any:
     torch.manual_seed(0)
-    config = transformers.Ernie4_5Config(**{**dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2, use_bias=True), **changes})
+    config = transformers.Ernie4_5Config(**{**TINY, "use_bias": True, **changes})
     return write_perturbed(transformers.Ernie4_5ForCausalLM(config), out)
 
 
@@ -55,10 +52,7 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_logits_loss_gradients_export_and_generation_equal_transformers(tmp_path: Path, variant: str) -> None:
     hf = _write(tmp_path / "src", **VARIANTS[variant])
-    err = check_against_transformers(hf, tmp_path)
-    tokens = generation_equal(hf, load_hf(tmp_path / "src")[0].eval(), [[5, 9, 17, 3, 44, 7], [7, 8], [50, 51, 52]])
-    print(f"ernie4_5 {variant}: {', '.join(f'{k} {v:.1e}' for k, v in err.items())}; greedy generation: {tokens} "
-          "tokens as transformers'")
+    check_and_generate(hf, tmp_path, f"ernie4_5 {variant}")
 
 
 def test_rotary_pairs_matter(tmp_path: Path) -> None:

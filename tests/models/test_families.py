@@ -7,6 +7,8 @@ trust_remote_code and not in transformers, a ``LlamaForCausalLM`` holding ``W_pa
 
 * ``load_hf`` logits on a batch with right and left padding (fp32, <= 1e-5 on real tokens);
 * ``save_hf`` and reload by the reference reader, logits again;
+* (transformers' families) family_parity's checks: the loss and every gradient of a training forward, lazy loads, the
+  export's key set transformers' own;
 * greedy and beam generation token-identical to ``transformers`` ``generate`` (sequences run past the sliding window
   and, for dynamic rope, past ``max_position_embeddings``);
 * LoRA on Baichuan's fused ``W_pack``: our adapted logits equal peft's LoRA on a real fused ``W_pack`` Linear of the
@@ -32,6 +34,8 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
+from tests.models.family_parity import check_against_transformers, perturbed  # noqa: E402
+
 from lightning_llm.data.base import left_pad  # noqa: E402
 from lightning_llm.generation import GenerationConfig, generate, strip_after_eos  # noqa: E402
 from lightning_llm.models import DecoderLM, load_hf, save_hf  # noqa: E402
@@ -41,15 +45,6 @@ from lightning_llm.models.hf.families.baichuan import wpack_from_hf, wpack_to_hf
 TOL = 1e-5
 VOCAB = 96
 SEQ = 12
-
-
-def _perturb(model: nn.Module, seed: int) -> nn.Module:
-    """N(0, 0.1) noise on every parameter (norm weights ~1 +- 0.1, biases ~ +-0.1), eval mode."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.1)
-    return model.eval()
 
 
 def _randomize_lora(model: torch.nn.Module, *, seed: int, scale: float) -> None:
@@ -127,7 +122,7 @@ def write_baichuan(directory: Path, *, vocab: int = VOCAB, seed: int = 11) -> Pa
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=4, rms_norm_eps=1e-6)
-    sd = _perturb(transformers.LlamaForCausalLM(cfg), seed).state_dict()
+    sd = perturbed(transformers.LlamaForCausalLM(cfg), seed).state_dict()
     out: dict[str, torch.Tensor] = {}
     for i in range(2):
         a = f"model.layers.{i}.self_attn"
@@ -208,7 +203,7 @@ def _source(name: str, directory: Path) -> tuple[Path, nn.Module]:
         return d, baichuan_reference(d)
     torch.manual_seed(0)
     fam = FAMILIES[name]
-    ref = _perturb(fam.build(), fam.seed)
+    ref = perturbed(fam.build(), fam.seed)
     ref.save_pretrained(directory / "src")
     return directory / "src", ref
 
@@ -242,6 +237,15 @@ def test_load_and_save_match_reference(name: str, tmp_path: Path) -> None:
     again, cfg2 = load_hf(out)
     assert cfg2.to_dict() | {"extra": {}} == cfg.to_dict() | {"extra": {}}
     assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), ours.state_dict().values()))
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_loss_gradients_and_export_key_set_equal_transformers(name: str, tmp_path: Path) -> None:
+    """family_parity's checks: logits (eager and lazy loads), the loss and every gradient of a training forward, the
+    export's key set (transformers' own) and its logits reloaded by transformers."""
+    _, ref = _source(name, tmp_path)
+    err = check_against_transformers(ref, tmp_path)
+    print(f"{name}: {', '.join(f'{k} {v:.1e}' for k, v in err.items())} from transformers")
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -482,6 +486,16 @@ def test_unsupported_configs_are_refused_by_name(tmp_path: Path) -> None:
     mixed = build_model("debug-mistral", family="decoder", layer_types=["full_attention"] * 2 + ["sliding_attention"] * 2)
     with pytest.raises(ValueError, match="not representable as MistralForCausalLM.*sliding_layers"):
         save_hf(mixed, tmp_path / "x")
+    # tensors the class has no place for (a module a user's subclass adds, an untied head saved as the base class)
+    # are refused, not dropped
+    extra = build_model("debug-mistral", family="decoder")
+    extra.value_head = nn.Linear(extra.config.hidden_size, 1)
+    with pytest.raises(ValueError, match=r"MistralForCausalLM has no place for 2 .*'value_head.bias', 'value_head"):
+        save_hf(extra, tmp_path / "never")
+    untied = build_model("debug-mistral", family="decoder", tie_embeddings=False)
+    with pytest.raises(ValueError, match=r"MistralModel has no place for 1 .*\['lm_head.weight'\]"):
+        save_hf(untied, tmp_path / "never", architecture="MistralModel")
+    assert not (tmp_path / "never").exists()
     # an adapter tensor on W_pack other than LoRA's lora_A / lora_B (IA3's row scales) is not converted: refused
     ia3 = PeftConfig(method="ia3", options={"target_modules": ["W_pack"]})
     with pytest.raises(ValueError, match="W_pack but not a LoRA"):

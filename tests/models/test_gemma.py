@@ -28,6 +28,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tests.conftest import loaded_logits_error, padded_lm_batch  # noqa: E402
+from tests.models.family_parity import write_perturbed  # noqa: E402
 
 from lightning_llm.data.base import left_pad  # noqa: E402
 from lightning_llm.generation import GenerationConfig, generate, strip_after_eos  # noqa: E402
@@ -56,15 +57,7 @@ def _model(name: str) -> Any:
 
 def _write(name: str, out: Path, seed: int = 0) -> Any:
     torch.manual_seed(seed)
-    model = _model(name)
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.save_pretrained(str(out))
-    return model.eval()
+    return write_perturbed(_model(name), out, seed + 1)
 
 
 def _hf_name(ours: str) -> str:

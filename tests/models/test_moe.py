@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import padded_lm_batch  # noqa: E402
+from tests.models.family_parity import write_perturbed  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -59,15 +60,7 @@ def _configs() -> dict[str, tuple[Any, Any]]:
 def _write(name: str, out: Path, seed: int = 0) -> Any:
     cls, cfg = _configs()[name]
     torch.manual_seed(seed)
-    model = cls(cfg)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.save_pretrained(str(out))
-    return model
+    return write_perturbed(cls(cfg), out, seed, scale=0.05)
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

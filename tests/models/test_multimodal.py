@@ -36,6 +36,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tests.conftest import padded_lm_batch  # noqa: E402
+from tests.models.family_parity import write_perturbed  # noqa: E402
 
 from lightning_llm.models import load_hf, save_hf  # noqa: E402
 from lightning_llm.models.init import materialize  # noqa: E402
@@ -94,14 +95,7 @@ CLASSES = {"gemma3": "Gemma3ForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VL
 def write_multimodal(name: str, out: Path, seed: int = 0) -> Any:
     """A perturbed tiny ``name`` model saved by transformers into ``out``; returned in eval mode, eager attention."""
     torch.manual_seed(seed)
-    model = getattr(transformers, CLASSES[name])(_config(name))
-    g = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model.save_pretrained(str(out))
+    model = write_perturbed(getattr(transformers, CLASSES[name])(_config(name)), out, seed + 1)
     model.config._attn_implementation = "eager"
     for sub in (model.config.text_config, getattr(model.config, "vision_config", None)):
         if sub is not None:

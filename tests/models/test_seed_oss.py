@@ -24,22 +24,18 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from tests.models.family_parity import (  # noqa: E402
-    VOCAB,
-    check_against_transformers,
+    TINY,
+    check_and_generate,
     estimated_parameters,
-    generation_equal,
     write_perturbed,
 )
 
-from lightning_llm.models import load_hf, save_hf  # noqa: E402
+from lightning_llm.models import save_hf  # noqa: E402
 
 
 def _config(**changes: Any) -> Any:
-    return transformers.SeedOssConfig(**{**dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2, attention_dropout=0.0, residual_dropout=0.0,
-        rope_parameters={"rope_type": "default", "rope_theta": 1e4}), **changes})
+    return transformers.SeedOssConfig(**{**TINY, "attention_dropout": 0.0, "residual_dropout": 0.0,
+                                         "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, **changes})
 
 
 VARIANTS = {
@@ -52,12 +48,8 @@ VARIANTS = {
 def test_logits_loss_gradients_export_and_generation_equal_transformers(tmp_path: Path, variant: str) -> None:
     torch.manual_seed(0)
     hf = write_perturbed(transformers.SeedOssForCausalLM(_config(**VARIANTS[variant])), tmp_path / "src")
-    err = check_against_transformers(hf, tmp_path)
-    ours = load_hf(tmp_path / "src")[0].eval()
+    ours = check_and_generate(hf, tmp_path, f"seed_oss {variant}")
     assert ours.config.o_bias == hf.config.attention_out_bias and ours.config.mlp_bias == hf.config.mlp_bias
-    tokens = generation_equal(hf, ours, [[5, 9, 17, 3, 44, 7], [7, 8], [50, 51, 52]])
-    print(f"seed_oss {variant}: {', '.join(f'{k} {v:.1e}' for k, v in err.items())}; greedy generation: {tokens} "
-          "tokens as transformers'")
 
 
 def test_sequence_classifier_scores_equal_transformers_on_padded_rows(tmp_path: Path) -> None:

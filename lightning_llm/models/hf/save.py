@@ -118,8 +118,10 @@ def save_hf(model: nn.Module, path: str | os.PathLike[str], *, architecture: str
     prefix = nested.base if nested is not None else family(a.kind).base_prefix if a.head != "base" else ""
     plan: dict[str, tuple[Entry, list[Tensor]]] = {}  # HF key -> (entry, our tensors)
     missing: list[str] = []
+    tied: set[str] = set()
     for e in save_entries(config, arch, sd):
         if e.group == "lm_head" and config.tie_embeddings:
+            tied.update(e.ours)
             continue  # HF re-ties from tie_word_embeddings
         if e.group == "classifier" and a.head != "cls":
             continue
@@ -133,6 +135,11 @@ def save_hf(model: nn.Module, path: str | os.PathLike[str], *, architecture: str
         plan[key] = (e, [sd[n] for n in e.ours])
     if missing:
         raise ValueError(f"save_hf: model lacks {missing[:20]} (a pipeline stage or sharded model? save the whole model)")
+    written = tied.union(*(e.ours for e, _ in plan.values()))
+    dropped = sorted(n for n in sd if n not in written)
+    if dropped:  # a head the class has not, a module a subclass added: refused rather than a model without them
+        raise ValueError(f"save_hf: {arch} has no place for {len(dropped)} of the model's tensors ({dropped[:8]}); "
+                         "an export would drop them")
 
     def converted(keys: list[str]) -> dict[str, Tensor]:
         out = {}

@@ -381,13 +381,14 @@ def max_logits(q: Tensor, k: Tensor, *, attn_mask: Tensor | None, is_causal: boo
         raise ValueError("QK-Clip (--model.optim.qk_clip_tau) reads the attention logits through a dense mask; the "
                          "varlen path has none: train with --model.attention=sdpa")
     with torch.no_grad():
-        n, s, t = q.shape[1], q.shape[2], k.shape[2]
-        keys = k.float().repeat_interleave(n // k.shape[1], dim=1).transpose(-1, -2)  # [B, N, D, T]
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        (batch, n, s, d), (kv, t) = q.shape, k.shape[1:3]
+        keys = k.float().transpose(-1, -2)  # [B, K, D, T]: each kv head once, its query heads' rows stacked on it
+        scale = d ** -0.5 if scale is None else scale
         out = torch.full((n,), float("-inf"), device=q.device)
         for a in range(0, s, rows):
             b = min(s, a + rows)
-            scores = (q[:, :, a:b].float() @ keys) * scale  # [B, N, b - a, T]
+            grouped = q[:, :, a:b].float().reshape(batch, kv, n // kv * (b - a), d)  # [B, K, G * (b - a), D]
+            scores = (grouped @ keys).view(batch, n, b - a, t) * scale  # [B, N, b - a, T]
             if attn_mask is not None:
                 mask = attn_mask[..., a:b, :] if attn_mask.shape[-2] == s else attn_mask
                 scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from ...config import ModelConfig
 from ..record.entries import Entry, Fused, Stacked, lin
-from ..record.family import Family
+from ..record.family import Family, encoder_classes
 from ..record.readers import PLAIN_ACT_TO_HF, num_labels_of, plain_act
 
 __all__ = ["Bert", "MegatronBert", "RECORDS", "Roberta", "XLMRoberta"]
@@ -25,8 +25,7 @@ class Bert(Family):
     label = "BERT"
     group = "encoder"
     family = "encoder"
-    classes = {"BertModel": "base", "BertForSequenceClassification": "cls", "BertForMaskedLM": "mlm",
-               "BertForPreTraining": "mlm"}
+    classes = encoder_classes("Bert", pretraining=True)
     default_class = "BertModel"
     base_prefix = "bert."
     head_keys = re.compile(r"^(cls|classifier|pooler)\.")
@@ -120,8 +119,7 @@ class Bert(Family):
 class MegatronBert(Bert):
     model_type = "megatron-bert"
     label = "MegatronBERT (Erlangshen)"
-    classes = {"MegatronBertModel": "base", "MegatronBertForSequenceClassification": "cls",
-               "MegatronBertForMaskedLM": "mlm", "MegatronBertForPreTraining": "mlm"}
+    classes = encoder_classes("MegatronBert", pretraining=True)
     default_class = "MegatronBertModel"
     guess_rank = 2  # pre-norm
     megatron = True
@@ -133,7 +131,7 @@ class MegatronBert(Bert):
 class Roberta(Bert):
     model_type = "roberta"
     label = "RoBERTa"
-    classes = {"RobertaModel": "base", "RobertaForSequenceClassification": "cls", "RobertaForMaskedLM": "mlm"}
+    classes = encoder_classes("Roberta")
     default_class = "RobertaModel"
     base_prefix = "roberta."
     head_keys = re.compile(r"^(lm_head|classifier|pooler)\.")
@@ -147,8 +145,7 @@ class Roberta(Bert):
 class XLMRoberta(Roberta):
     model_type = "xlm-roberta"
     label = "XLM-R"
-    classes = {"XLMRobertaModel": "base", "XLMRobertaForSequenceClassification": "cls",
-               "XLMRobertaForMaskedLM": "mlm"}
+    classes = encoder_classes("XLMRoberta")
     default_class = "XLMRobertaModel"
 
 

@@ -19,7 +19,7 @@ from typing import Any
 from ...config import ModelConfig
 from ...layers.configs import DisentangledConfig
 from ..record.entries import Entry, Fused, Stacked, lin
-from ..record.family import Family
+from ..record.family import Family, encoder_classes
 from ..record.options import Unbuilt
 from ..record.readers import PLAIN_ACT_TO_HF, num_labels_of, plain_act
 
@@ -50,7 +50,7 @@ class DebertaV2(Family):
     label = "DeBERTa-v2/v3 (Erlangshen-DeBERTa-v2)"
     group = "encoder"
     family = "encoder"
-    classes = {"DebertaV2Model": "base", "DebertaV2ForSequenceClassification": "cls", "DebertaV2ForMaskedLM": "mlm"}
+    classes = encoder_classes("DebertaV2")
     default_class = "DebertaV2Model"
     base_prefix = "deberta."
     # DeBERTa's masked-LM heads (legacy and new); a checkpoint without absolute positions may keep their table

@@ -18,7 +18,7 @@ from typing import Any
 
 from ...config import ModelConfig
 from ..record.entries import Entry, Fused, Stacked, lin, row_split
-from ..record.family import Family
+from ..record.family import Family, encoder_classes
 from ..record.options import Unbuilt, one_of
 from ..record.readers import num_labels_of
 from .deberta import pooler_act, pooler_act_to_hf
@@ -62,7 +62,7 @@ class ModernBert(Family):
     label = "ModernBERT"
     group = "encoder"
     family = "encoder"
-    classes = {"ModernBertModel": "base", "ModernBertForSequenceClassification": "cls", "ModernBertForMaskedLM": "mlm"}
+    classes = encoder_classes("ModernBert")
     default_class = "ModernBertModel"
     head_keys = re.compile(r"^(head|decoder|classifier)\.")
     unbuilt = tuple(

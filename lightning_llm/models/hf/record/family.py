@@ -29,7 +29,7 @@ from ...config import ModelConfig
 from .entries import Entry, Fused, Stacked
 from .options import Unbuilt
 
-__all__ = ["Arch", "Family", "GROUPS", "LLAMA_SIZE", "Multimodal", "NestedLM", "decoder_classes"]
+__all__ = ["Arch", "Family", "GROUPS", "LLAMA_SIZE", "Multimodal", "NestedLM", "decoder_classes", "encoder_classes"]
 
 GROUPS = {
     "dense": "Dense decoders",
@@ -65,6 +65,14 @@ def decoder_classes(*names: str, classifier: bool = True) -> dict[str, str]:
     ``score`` head: reward models) of a decoder family (``names``: the class prefixes), each with its head."""
     heads = (("ForCausalLM", "lm"), ("Model", "base")) + ((("ForSequenceClassification", "cls"),) if classifier else ())
     return {f"{n}{suffix}": head for n in names for suffix, head in heads}
+
+
+def encoder_classes(name: str, *, pretraining: bool = False) -> dict[str, str]:
+    """``XModel``, ``XForSequenceClassification`` and ``XForMaskedLM`` (and, ``pretraining``: BERT's
+    ``XForPreTraining``, read as its MLM head) of an encoder family (``name``: the class prefix), each with its head."""
+    heads = (("Model", "base"), ("ForSequenceClassification", "cls"), ("ForMaskedLM", "mlm")) + (
+        (("ForPreTraining", "mlm"),) if pretraining else ())
+    return {f"{name}{suffix}": head for suffix, head in heads}
 
 
 class Family:
