@@ -182,22 +182,26 @@ class MuonWithAdamW(torch.optim.AdamW):
         items: list[Orthogonalize] = []
         for group in groups:
             momentum, layout = group["momentum"], Matrices(*group["matrices"])
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
                 state = self.state[p]
                 if "momentum_buffer" not in state:
                     state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                grad, buf = _local(p.grad), _local(state["momentum_buffer"])
-                if skip is not None:  # NaN/inf gradients must not reach the buffer the skip keeps
-                    grad = torch.where(skip, torch.zeros_like(grad), grad)
-                    new = buf.lerp(grad, 1 - momentum)
+            grads = [_local(p.grad) for p in params]
+            bufs = [_local(self.state[p]["momentum_buffer"]) for p in params]
+            # torch.optim.Muon's lerps, one multi-tensor launch for all of a group's tensors
+            if skip is not None:  # NaN/inf gradients must not reach the buffer the skip keeps
+                grads = [torch.where(skip, torch.zeros_like(g), g) for g in grads]
+                for buf, new in zip(bufs, torch._foreach_lerp(bufs, grads, 1 - momentum)):
                     buf.copy_(torch.where(skip, buf, new))
-                else:
-                    buf.lerp_(grad, 1 - momentum)
-                update = grad.lerp(buf, momentum) if group["nesterov"] else buf
-                update = update.bfloat16() if update is not buf else update.to(torch.bfloat16, copy=True)
-                todo.append((group, _local(p), self._runs(p, update, layout, items)))
+            else:
+                torch._foreach_lerp_(bufs, grads, 1 - momentum)
+            updates = (torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"]
+                       else [b.to(torch.bfloat16, copy=True) for b in bufs])
+            for p, update in zip(params, updates):
+                todo.append((group, _local(p), self._runs(p, update.bfloat16(), layout, items)))
         if not items:
             return
         first = groups[0]
@@ -205,10 +209,13 @@ class MuonWithAdamW(torch.optim.AdamW):
         if any((tuple(g["ns_coefficients"]), g["ns_steps"], g["ns_eps"]) != tuple(ns) for g in groups):
             raise ValueError("Muon: every Muon group must use the same Newton-Schulz settings")
         results = orthogonalized(items, ns, replica_group=self.replica_group, flat_loads=self._flat_loads)
-        for group, local, runs in todo:
+        locals_ = [local for _, local, _ in todo]
+        decay = [1 - group["lr"] * group["weight_decay"] for group, _, _ in todo]
+        if skip is None:
+            torch._foreach_mul_(locals_, decay)
+        news = locals_ if skip is None else torch._foreach_mul(locals_, decay)
+        for (group, local, runs), new in zip(todo, news):
             lr = group["lr"]
-            new = local.mul_(1 - lr * group["weight_decay"]) if skip is None else local.mul(
-                1 - lr * group["weight_decay"])
             for i, offset in runs:
                 item = items[i]
                 adjusted = _adjust_lr(lr, group["adjust_lr_fn"], item.layout.part_shape(item.shape))

@@ -2,8 +2,10 @@
 
 Muon's momentum, Nesterov step, weight decay and update are elementwise: every rank does them on what it holds. Only
 the orthogonalisation needs a whole matrix, and it is torch's own (``torch.optim._muon._zeropower_via_newtonschulz``,
-bf16 iterations, one 2-D matrix per call) on each matrix of :class:`~.roles.Matrices`, so each equals what
-``torch.optim.Muon`` computes for that matrix alone. How a step gets whole matrices (:func:`orthogonalized`):
+bf16 iterations, one 2-D matrix per call; a tensor's matrices of one shape, stacked experts or fused parts, and the
+one-matrix tensors of one shape that a rank orthogonalises in a step, the layers' repeats, run the same operations
+batched in one call, :data:`BATCH_BYTES` at most) on each matrix of :class:`~.roles.Matrices`, so each
+equals what ``torch.optim.Muon`` computes for that matrix alone. How a step gets whole matrices (:func:`orthogonalized`):
 
 * **local**: a plain tensor on one rank (one device, ZeRO-1/2's owner, which holds the whole parameter and its
   reduced gradient), or a DTensor split only along its stacked dim (expert parallelism: a rank's experts are whole);
@@ -41,7 +43,11 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 from lightning_llm.optim.roles import Matrices
 
 
-__all__ = ["FlatSplit", "NewtonSchulz", "Orthogonalize", "orthogonalized"]
+__all__ = ["BATCH_BYTES", "FlatSplit", "NewtonSchulz", "Orthogonalize", "orthogonalized"]
+
+BATCH_BYTES = 1 << 28
+"""The most bf16 bytes of same-shaped matrices one batched Newton-Schulz call takes (its iterates, about 3x that for
+square ones, are transient device memory)."""
 
 
 class NewtonSchulz(NamedTuple):
@@ -52,23 +58,58 @@ class NewtonSchulz(NamedTuple):
     eps: float
 
     def whole(self, x: Tensor, layout: Matrices) -> Tensor:
-        """The orthogonalised ``x`` (a whole tensor, bf16; used up), each matrix of ``layout`` on its own."""
-        out = torch.empty_like(x, dtype=torch.bfloat16)
-        mats = x.reshape(-1, *x.shape[layout.stack:])  # [M, R, C]
-        outs = out.view(-1, *x.shape[layout.stack:])
-        rows, cols = mats.shape[1:]
+        """The orthogonalised ``x`` (a whole tensor, bf16; used up), each matrix of ``layout`` on its own: one batched
+        iteration over all of them (a tensor's matrices share a shape), not a Python loop of launches per matrix."""
+        rows, cols = x.shape[layout.stack:]
         inner = layout.inner if layout.inner > 0 else rows // (layout.parts * layout.outer)
-        for m, o in zip(mats, outs):
-            if layout.parts == 1:
-                o.copy_(self._one(m))
-                continue
-            mv, ov = m.view(-1, layout.parts, inner, cols), o.view(-1, layout.parts, inner, cols)
-            for j in range(layout.parts):
-                ov[:, j].copy_(self._one(mv[:, j].reshape(-1, cols)).view(-1, inner, cols))
-        return out
+        if layout.count(tuple(x.shape)) == 1:
+            return self._one(x.reshape(rows, cols)).reshape(x.shape).contiguous()  # a tall one comes transposed
+        # [M, outer, parts, inner, C] -> part j of every matrix as one matrix of outer x inner rows: [M x parts, R', C]
+        blocks = x.reshape(-1, rows // (layout.parts * inner), layout.parts, inner, cols)
+        mats = blocks.transpose(1, 2).reshape(-1, rows // layout.parts, cols)
+        out = _newton_schulz_batched(mats, self.coefficients, self.steps, self.eps).view(-1, layout.parts, blocks.shape[1], inner, cols).transpose(1, 2)
+        return out.reshape(x.shape).contiguous()
+
+    def each(self, tensors: list[tuple[Tensor, Matrices]]) -> list[Tensor]:
+        """:meth:`whole` of each ``(tensor, layout)``, the tensors that are one matrix batched by shape (a model's
+        layers repeat theirs: one call per shape, not per tensor), at most :data:`BATCH_BYTES` of them a call."""
+        out: list[Tensor | None] = [None] * len(tensors)
+        single: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        for k, (x, layout) in enumerate(tensors):
+            if layout.count(tuple(x.shape)) == 1 and x.numel():
+                single[tuple(x.shape[layout.stack:])].append(k)
+            else:
+                out[k] = self.whole(x, layout)
+        for shape, ks in single.items():
+            per = max(1, BATCH_BYTES // (2 * math.prod(shape)))
+            for start in range(0, len(ks), per):
+                chunk = ks[start:start + per]
+                if len(chunk) == 1:
+                    out[chunk[0]] = self.whole(*tensors[chunk[0]])
+                    continue
+                done = _newton_schulz_batched(torch.stack([tensors[k][0].reshape(shape) for k in chunk]),
+                                              self.coefficients, self.steps, self.eps).contiguous()
+                for k, o in zip(chunk, done):
+                    out[k] = o.view(tensors[k][0].shape)
+        return out  # type: ignore[return-value]
 
     def _one(self, m: Tensor) -> Tensor:
         return _zeropower_via_newtonschulz(m, self.coefficients, self.steps, self.eps)
+
+
+def _newton_schulz_batched(g: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> Tensor:
+    """:func:`torch.optim._muon._zeropower_via_newtonschulz`'s iteration, operation for operation, on a batch of
+    matrices ``[B, R, C]`` at once (bitwise equal to it per matrix on the CPU: ``tests/optim/test_muon.py``)."""
+    a, b, c = coefficients
+    x = g.bfloat16()
+    tall = g.size(-2) > g.size(-1)
+    if tall:
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.mT if tall else x
 
 
 class FlatSplit(NamedTuple):
@@ -123,28 +164,32 @@ def orthogonalized(items: list[Orthogonalize], ns: NewtonSchulz, *, replica_grou
     ``flat_loads``: per process group, the work each rank was dealt by earlier calls (DeepSpeed steps one param group
     at a time), carried on so that the calls of a step share it out together."""
     out: list[Tensor | None] = [None] * len(items)
-    replicated, sharded, flat, gathered = [], defaultdict(list), defaultdict(list), []
+    replicated, sharded, flat, gathered, local = [], defaultdict(list), defaultdict(list), [], []
     for i, item in enumerate(items):
         p = item.param
         if item.flat is not None:
             if len(item.flat.counts) > 1:
                 flat[item.flat.group].append(i)
             else:
-                out[i] = ns.whole(item.update.view(item.shape), item.layout).view(-1)
+                local.append(i)
             continue
         if not isinstance(p, DTensor):
             if replica_group is not None and dist.get_world_size(replica_group) > 1:
                 replicated.append(i)
             else:
-                out[i] = ns.whole(item.update, item.layout)
+                local.append(i)
             continue
         dims = _sharded_dims(p)
         if all(d < item.layout.stack for d in dims):  # whole matrices here (a rank's experts)
-            out[i] = ns.whole(item.update, item.layout)
+            local.append(i)
         elif p.device_mesh.ndim == 1 and not _repeated(p.device_mesh, replica_group):
             sharded[p.device_mesh].append(i)
         else:
             gathered.append(i)
+    done = ns.each([(items[i].update.view(items[i].shape) if items[i].flat else items[i].update, items[i].layout)
+                    for i in local])
+    for i, o in zip(local, done):
+        out[i] = o.view(-1) if items[i].flat else o
     if replicated:
         _replicated(items, replicated, out, ns, replica_group)
     for mesh, idx in sharded.items():
@@ -183,9 +228,9 @@ def _replicated(items: list[Orthogonalize], idx: list[int], out: list[Tensor | N
                 group: Any) -> None:
     n, me = dist.get_world_size(group), dist.get_rank(group)
     owner = _deal(items, idx, n)
-    for i in idx:
-        if owner[i] == me:
-            out[i] = ns.whole(items[i].update, items[i].layout)
+    mine = [i for i in idx if owner[i] == me]
+    for i, o in zip(mine, ns.each([(items[i].update, items[i].layout) for i in mine])):
+        out[i] = o
     for src in range(n):
         mine = [i for i in idx if owner[i] == src]
         if not mine:
@@ -231,10 +276,9 @@ def _exchanged(items: list[Orthogonalize], splits: dict[int, _Split], out: list[
     # 2. the owner's tensors, whole, orthogonalised
     pieces = iter(recv.split([math.prod(splits[i].piece(s)) for s in range(n) for i in owned]))
     from_rank = [[next(pieces).view(splits[i].piece(s)) for i in owned] for s in range(n)]
-    results = {}
-    for k, i in enumerate(owned):
-        whole = torch.cat([from_rank[s][k] for s in range(n)], dim=splits[i].dim)
-        results[i] = ns.whole(whole.view(items[i].shape), items[i].layout).view(splits[i].shape)
+    wholes = [(torch.cat([from_rank[s][k] for s in range(n)], dim=splits[i].dim).view(items[i].shape),
+               items[i].layout) for k, i in enumerate(owned)]
+    results = {i: o.view(splits[i].shape) for i, o in zip(owned, ns.each(wholes))}
     # 3. each rank its piece of every result
     back = [results[i].narrow(splits[i].dim, splits[i].offset(r), splits[i].sizes[r]).reshape(-1)
             for r in range(n) for i in owned]

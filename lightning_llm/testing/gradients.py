@@ -19,6 +19,7 @@ The records go to the folder named by :data:`GRADIENTS_ENV` (set by the harness;
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -113,7 +114,7 @@ def _merged(every: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tenso
                 continue
             first = merged[name]
             diff = float((g - first).abs().max()) if g.shape == first.shape else float("inf")
-            replicas[name] = max(replicas.get(name, 0.0), diff / max(float(first.abs().max()), 1e-30))
+            replicas[name] = max(replicas.get(name, 0.0), _relative(diff, float(first.abs().max())))
     return merged, replicas
 
 
@@ -192,7 +193,7 @@ def _file_name(name: str) -> str:
 def gradient_errors(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], *,
                     tied: dict[str, str] | None = None) -> dict[str, tuple[float, float]]:
     """Per parameter of either: ``(max |g - g_ref|, max |g_ref|)``; a parameter only one side has a gradient for
-    gives ``inf`` (unless the other side's is all zeros). A name of ``tied`` (another name of a parameter) that
+    gives ``inf`` (unless the other side's is all zeros), and so does a NaN or inf on either side. A name of ``tied`` (another name of a parameter) that
     ``ref`` lacks is compared with its first name's gradient."""
     tied = tied or {}
     out = {}
@@ -203,11 +204,13 @@ def gradient_errors(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], 
         if g is None or r is None:
             have = g if g is not None else r
             assert have is not None
-            out[name] = (float("inf") if have.abs().max() > 0 else 0.0, float(r.abs().max()) if r is not None else 0.0)
+            out[name] = (0.0 if bool((have == 0).all()) else float("inf"),  # a NaN is not 0
+                         float(r.abs().max()) if r is not None else 0.0)
         elif g.shape != r.shape:
             out[name] = (float("inf"), float(r.abs().max()))
         else:
-            out[name] = (float((g - r).abs().max()), float(r.abs().max()))
+            diff = float((g - r).abs().max())  # NaN where either holds one: a NaN compares as no failure
+            out[name] = (diff if math.isfinite(diff) else float("inf"), float(r.abs().max()))
     return out
 
 
@@ -220,7 +223,7 @@ def relative_errors(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], 
     for name, (diff, scale) in gradient_errors(got, ref, tied=tied).items():
         rels[name] = rel = _relative(diff, max(scale, floor))
         if rel > rtol:
-            where = "missing on one side" if diff == float("inf") else (
+            where = "missing on one side, of another shape, or not finite" if diff == float("inf") else (
                 f"max |g - g_ref| = {diff:.3e}, max |g_ref| = {scale:.3e}, relative {_relative(diff, scale):.2e} "
                 f"> {rtol:g} (and > {rtol * floor:.1e}: the floor at {SCALE_FLOOR:g} of the largest entry)")
             failures.append(f"{name}: {where}")
@@ -238,9 +241,11 @@ def assert_gradients_close(got: dict[str, torch.Tensor], ref: dict[str, torch.Te
 
 
 def _relative(diff: float, scale: float) -> float:
+    """``diff / scale``; ``inf`` where ``diff`` is not finite or ``scale`` is not a positive number (a NaN scale
+    included: a NaN would compare as within any tolerance)."""
     if diff == 0.0:
         return 0.0
-    return diff / scale if scale > 0 else float("inf")
+    return diff / scale if math.isfinite(diff) and scale > 0 else float("inf")
 
 
 def compare_gradient_records(folder: Path, *, rtol: float = GRAD_RTOL) -> dict[str, dict[str, Any]]:

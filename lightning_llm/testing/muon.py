@@ -77,14 +77,21 @@ class MuonProbe(pl.Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.first_step = trainer.global_step
-        newton_schulz = orthogonalize._zeropower_via_newtonschulz
+        newton_schulz, batched = orthogonalize._zeropower_via_newtonschulz, orthogonalize._newton_schulz_batched
 
         def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
             self.ns_calls[-1][tuple(args[0].shape)] += 1
             return newton_schulz(*args, **kwargs)
 
-        self._restore = lambda: setattr(orthogonalize, "_zeropower_via_newtonschulz", newton_schulz)
-        orthogonalize._zeropower_via_newtonschulz = counted
+        def counted_batch(*args: Any, **kwargs: Any) -> torch.Tensor:  # [B, R, C]: B matrices' iterations
+            self.ns_calls[-1][tuple(args[0].shape[1:])] += args[0].shape[0]
+            return batched(*args, **kwargs)
+
+        def restore() -> None:
+            orthogonalize._zeropower_via_newtonschulz, orthogonalize._newton_schulz_batched = newton_schulz, batched
+
+        self._restore = restore
+        orthogonalize._zeropower_via_newtonschulz, orthogonalize._newton_schulz_batched = counted, counted_batch
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+import torch
 
 from lightning_llm.testing import (
     LoggedLoss,
@@ -508,3 +509,24 @@ def test_a_killed_build_s_lock_is_refused_not_waited_on(tmp_path: Path, monkeypa
 
 if __name__ == "__main__":
     run_worker(_worker, sys.argv[1], Path(sys.argv[2]))
+
+
+def test_a_muon_checkpoint_is_refused_in_one_line_before_a_read(tmp_path: Path) -> None:
+    """A checkpoint of Muon's groups into the NVMe engine's Adam (Muon itself is refused there): the optimizer kinds
+    named, before any state is read or written (no shard is there to read)."""
+    from types import SimpleNamespace
+
+    from lightning_llm.strategies.engine.hybrid_checkpoint import META_FILE
+    from lightning_llm.strategies.zero.nvme_checkpoint import load_nvme_checkpoint
+
+    saved = [{"lr": 0.02, "muon": True, "matrices": (0, 1, 1, 0)}, {"lr": 1e-3, "muon": False}]
+    torch.save({"format": "lightning_llm.dcp/1", "optimizer_meta": [{"param_groups": saved, "kinds": {}}]},
+               tmp_path / META_FILE)
+    module = torch.nn.Linear(2, 2)
+    adam = torch.optim.Adam(module.parameters())
+    engine = SimpleNamespace(module=module, optimizer=SimpleNamespace(optimizer=adam, fp16_groups=[]))
+    with pytest.raises(ValueError, match=r"its optimizer has 2 param groups \(Muon \+ AdamW\), this run's has 1 "
+                                         r"param groups \(AdamW\)") as e:
+        load_nvme_checkpoint(engine, tmp_path, optimizer=True)
+    assert "\n" not in str(e.value)
+

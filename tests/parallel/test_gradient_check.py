@@ -1,5 +1,5 @@
 """The layout harness's gradient check (``lightning_llm.testing.gradients``) on records written here, no process
-launched: a gradient counted twice, one never averaged, one missing or of another shape fails naming the parameter;
+launched: a gradient counted twice, one never averaged, one missing, of another shape or holding a NaN fails naming the parameter;
 replicas that disagree fail; fp32 noise on a tensor far below the rest passes; a pipeline stage's copy of a tied head is
 compared with the first name's gradient; the records of a real one-device fit (full tensors, tied names) round-trip."""
 
@@ -50,6 +50,9 @@ def test_equal_gradients_and_fp32_noise_below_the_floor_pass(tmp_path: Path) -> 
     ("missing", "norm.weight: missing on one side"),
     ("shape", "embed.weight: missing on one side"),
     ("replicas", "embed.weight: the data-parallel replicas' gradients differ"),
+    ("nan", "norm.weight: missing on one side, of another shape, or not finite"),  # NaN > rtol is False
+    ("nan_both", "norm.weight: missing on one side, of another shape, or not finite"),  # the reference's NaN too
+    ("nan_missing", "norm.weight: missing on one side"),  # a NaN-only gradient the reference lacks
     ("no_reference", "no one-device gradient record named 'other'"),
 ])
 def test_a_wrong_gradient_fails_naming_the_parameter(tmp_path: Path, case: str, expected: str) -> None:
@@ -64,6 +67,14 @@ def test_a_wrong_gradient_fails_naming_the_parameter(tmp_path: Path, case: str, 
         got["A_log"] = 2 * ref["A_log"]
     elif case == "missing":
         del got["norm.weight"]
+    elif case == "nan":
+        got["norm.weight"] = ref["norm.weight"].clone().index_fill_(0, torch.tensor([1]), float("nan"))
+    elif case == "nan_both":
+        ref["norm.weight"] = got["norm.weight"] = ref["norm.weight"].clone().index_fill_(0, torch.tensor([1]),
+                                                                                           float("nan"))
+    elif case == "nan_missing":
+        del ref["norm.weight"]
+        got["norm.weight"] = torch.full((4,), float("nan"))
     elif case == "shape":
         got["embed.weight"] = ref["embed.weight"][:4]
     elif case == "replicas":
@@ -93,6 +104,8 @@ def test_ranks_merge_by_name_and_replicas_are_measured() -> None:
     b["norm.weight"] = b["norm.weight"] * 1.5
     merged, replicas = _merged([{"embed.weight": a["embed.weight"]}, {"norm.weight": a["norm.weight"]}, b])
     assert set(merged) == set(a) and replicas["embed.weight"] == 0.0 and replicas["norm.weight"] == pytest.approx(0.5)
+    b["A_log"] = torch.full_like(a["A_log"], float("nan"))  # a replica's NaN: a disagreement past any tolerance
+    assert _merged([a, b])[1]["A_log"] == float("inf")
 
 
 def test_recorder_writes_a_one_device_fit(tmp_path: Path) -> None:

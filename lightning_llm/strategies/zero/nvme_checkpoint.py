@@ -204,6 +204,8 @@ def load_nvme_checkpoint(engine: Any, path: str | Path, *, optimizer: bool) -> d
     names = {id(prm): n for n, prm in engine.module.named_parameters()}
     opt = engine.optimizer if optimizer else None
     if opt is not None and hasattr(opt, "fp16_groups"):
+        if opt_meta:  # a Muon checkpoint's momentum buffers have no place in DeepSpeed's Adam: one line, before a read
+            hckpt._check_kind(p, opt.optimizer, opt_meta[0]["param_groups"])
         kinds = opt_meta[0]["kinds"] if opt_meta else {}
         for gi, members in enumerate(_sub_groups(opt)):
             mine = _read_sub_group(p, members, names, kinds, rank, world)
