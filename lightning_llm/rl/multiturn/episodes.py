@@ -38,10 +38,11 @@ from lightning_llm.generation import GenerationConfig
 from lightning_llm.generation.turns import TurnDecoder
 from lightning_llm.rl.multiturn.env import EnvConfig
 from lightning_llm.rl.multiturn.turns import EpisodeEnvs, TurnRenderer
+from lightning_llm.rl.rollouts.policy import Packed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Episode", "Packed", "pack_episodes", "run_episodes"]
+__all__ = ["Episode", "pack_episodes", "run_episodes"]
 
 
 @dataclass
@@ -85,19 +86,6 @@ class Episode:
         self.counts += [(n, learned) for n in counts]
         self.tokens += ids
         self.learned += [learned] * len(ids)
-
-
-@dataclass
-class Packed:
-    """An episode batch as rollout tensors (see the module docstring)."""
-
-    query_responses: Tensor  # [B, P+N]
-    attention_mask: Tensor  # [B, P+N] bool
-    position_ids: Tensor  # [B, P+N]
-    context_length: int  # P
-    responses: Tensor  # [B, N] every token after the prompt
-    response_mask: Tensor  # [B, N] bool: the policy's own tokens
-    has_eos: Tensor  # [B] bool: the last turn ended with a stop token
 
 
 def pack_episodes(episodes: list[Episode], *, pad_id: int, device: torch.device) -> Packed:

@@ -20,10 +20,11 @@ from torch import Tensor
 
 from lightning_llm.generation import GenerationConfig
 from lightning_llm.rl.multiturn.env import EnvConfig, env_class
-from lightning_llm.rl.multiturn.episodes import Episode, Packed, open_episodes, pack_episodes, run_episodes
+from lightning_llm.rl.multiturn.episodes import Episode, open_episodes, pack_episodes, run_episodes
 from lightning_llm.rl.multiturn.tools import ToolEnv, Tools, template_tool_format
 from lightning_llm.rl.multiturn.turns import EpisodeEnvs, TurnRenderer, replica_group
 from lightning_llm.rl.rewards.sources import RewardSource
+from lightning_llm.rl.rollouts.policy import Packed
 
 log = logging.getLogger(__name__)
 

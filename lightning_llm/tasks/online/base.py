@@ -43,7 +43,7 @@ from lightning_llm.rl.multiturn.env import EnvConfig
 from lightning_llm.rl.multiturn.multi_turn import MultiTurn
 from lightning_llm.rl.rewards import RewardConfig
 from lightning_llm.rl.rewards.sources import RewardSource, RewardSources, columns_by_name, source_configs
-from lightning_llm.rl.rollouts.policy import Rollout, pack_responses
+from lightning_llm.rl.rollouts.policy import Packed, Rollout
 from lightning_llm.rl.rollouts.reference import ReferencePolicy
 from lightning_llm.rl.rollouts.rollout_log import TAKEN_FIELDS, RolloutLog, rollout_records
 from lightning_llm.rl.rollouts.samples import Samples
@@ -273,17 +273,14 @@ class OnlineRLTask(DecoderTask):
                 prompt_mask = prompt_mask.repeat_interleave(repeats, 0) if repeats > 1 else prompt_mask
                 responses = generate(decoder, prompt_ids, prompt_mask, config=cfg, generator=generator,
                                      uniforms=uniforms)  # [B, N]
-        if episodes is not None:
-            qr, am, pos, rmask, has_eos = (packed.query_responses, packed.attention_mask, packed.position_ids,
-                                           packed.response_mask, packed.has_eos)
-            responses, context, texts = packed.responses, packed.context_length, [e.text for e in episodes]
+        if episodes is None:
+            packed = Packed.of_responses(prompt_ids, prompt_mask, responses, cfg.eos_ids)
+            texts = [self._decode(ids) for ids in strip_after_eos(responses, cfg.eos_ids)]
         else:
-            qr, am, pos, rmask, has_eos = pack_responses(prompt_ids, prompt_mask, responses, cfg.eos_ids)
-            context, texts = prompt_ids.shape[1], [self._decode(ids) for ids in strip_after_eos(responses, cfg.eos_ids)]
+            texts = [e.text for e in episodes]
         rows = list(batch.get("columns") or [{} for _ in range(n)])
         dp, rank = self._world(), self._dp_rank()
-        s = Samples(query_responses=qr, attention_mask=am, position_ids=pos, context_length=context,
-                    responses=responses, response_mask=rmask, has_eos=has_eos, texts=texts, episodes=episodes,
+        s = Samples(**packed.packed(), texts=texts, episodes=episodes,
                     scores=torch.zeros(len(texts), device=self.device),
                     temperature=cfg.temperature if cfg.do_sample else 1.0,
                     prompts=[p for p in batch["prompt"] for _ in range(repeats)],

@@ -141,9 +141,7 @@ class GRPOTask(OnlineRLTask):
         else:
             s = self.sample(batch, greedy=greedy, repeats=1 if greedy else g, seed_per_prompt=True)
         m = s.response_mask.float()  # [B*G, N]
-        r = Rollout(query_responses=s.query_responses, attention_mask=s.attention_mask, position_ids=s.position_ids,
-                    context_length=s.context_length, responses=s.responses, response_mask=s.response_mask,
-                    has_eos=s.has_eos, logprobs=m, ref_logprobs=None, values=torch.zeros_like(m),  # no critic
+        r = Rollout(**s.packed(), logprobs=m, ref_logprobs=None, values=torch.zeros_like(m),  # no critic
                     scores=s.scores, samples=s)
         if cfg.mask_truncated_completions:
             r.loss_mask = s.response_mask & s.has_eos[:, None]

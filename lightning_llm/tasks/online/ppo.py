@@ -164,9 +164,7 @@ class PPOTask(OnlineRLTask):
         assert self.model is not None
         s = self.sample(batch, greedy=greedy)
         m = s.response_mask.float()
-        r = Rollout(query_responses=s.query_responses, attention_mask=s.attention_mask, position_ids=s.position_ids,
-                    context_length=s.context_length, responses=s.responses, response_mask=s.response_mask,
-                    has_eos=s.has_eos, logprobs=m, ref_logprobs=m, values=m, scores=s.scores, samples=s)
+        r = Rollout(**s.packed(), logprobs=m, ref_logprobs=m, values=m, scores=s.scores, samples=s)
         logprobs, values, _ = self._forward(r, s.temperature)
         r.logprobs, r.values = logprobs * m, values * m
         r.ref_logprobs = self.reference_logprobs(r, s.temperature) * m
