@@ -140,14 +140,14 @@ def run_episodes(decoder: Any, episodes: list[Episode], *, envs: EpisodeEnvs, re
                                or [[]], cfg.pad_token_id)
         if block.shape[1] == 0:  # nothing appended anywhere (lock-step rows of ended episodes)
             block, mask = torch.full((len(rows), 1), cfg.pad_token_id), torch.zeros(len(rows), 1, dtype=torch.long)
-        limits = None if env.max_total_tokens is None else torch.tensor(
-            [env.max_total_tokens - e.length for e in act], device=device)
+        caps = [n if env.max_total_tokens is None else env.max_total_tokens - e.length for e in act]
         out = dec.turn(block.to(device), mask.to(device), cfg,
                        uniforms=None if uniforms is None else uniforms[rows, turn * n:(turn + 1) * n],
-                       generator=generator, limits=limits,
+                       generator=generator,
+                       limits=None if env.max_total_tokens is None else torch.tensor(caps, device=device),
                        active=torch.tensor(live, device=device) if dec.lockstep else None).tolist()
         stepping = []
-        for e, on, toks, cap in zip(act, live, out, limits.tolist() if limits is not None else [n] * len(act)):
+        for e, on, toks, cap in zip(act, live, out, caps):
             if on:
                 e.pending = []
                 if _add_turn(e, toks[:max(cap, 0)], stops, decode):
