@@ -209,9 +209,11 @@ class OnlineRLTask(DecoderTask):
         dist.all_reduce(x, group=self.capabilities.data_parallel_group)
         return x
 
-    def _global_mean(self, total: Tensor, count: Tensor | float) -> float:
-        both = self._all_sum(torch.stack([total.detach().float(), torch.as_tensor(count, device=total.device).float()]))
-        return float(both[0] / both[1].clamp(min=1))
+    def _global_sums(self, values: dict[str, Tensor | float]) -> dict[str, float]:
+        """``values`` (0-d tensors or numbers) each summed over the data-parallel replicas, in fp32: one collective
+        and one host read for a rollout's statistics, not one of each per statistic."""
+        local = torch.stack([torch.as_tensor(v, device=self.device).detach().float() for v in values.values()])
+        return dict(zip(values, self._all_sum(local).tolist()))
 
     # ------------------------------------------------------------------------------------------ rollout
     def _gen_config(self, *, greedy: bool = False) -> GenerationConfig:
