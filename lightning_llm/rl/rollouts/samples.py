@@ -42,15 +42,15 @@ class Samples(Packed):
     def groups(self, size: int, *, draw: int, informative: list[bool]) -> list[Group]:
         """The prompts of these samples as groups of ``size`` responses (CPU copies), from sampling round ``draw``;
         ``informative``: per group, whether its rewards differ (a learning signal)."""
-        out = []
+        assert self.source_scores is not None
+        out, responses, scores, source_scores = [], self.responses.cpu(), self.scores.cpu(), self.source_scores.cpu()
         for k, position in enumerate(self.positions):
             rows = slice(k * size, (k + 1) * size)
-            assert self.source_scores is not None
             out.append(Group(key=(draw, position), index=self.index[k], prompt=self.prompts[k * size],
                              prompt_ids=self.prompt_ids[k], columns=self.columns[k * size],
                              conversation=None if self.conversations is None else self.conversations[k],
-                             responses=self.responses[rows].cpu(), texts=self.texts[rows],
-                             scores=self.scores[rows].cpu(), source_scores=self.source_scores[:, rows].cpu(),
+                             responses=responses[rows], texts=self.texts[rows],
+                             scores=scores[rows], source_scores=source_scores[:, rows],
                              informative=informative[k],
                              episodes=None if self.episodes is None else self.episodes[rows]))
         return out

@@ -263,7 +263,7 @@ class OnlineRLTask(DecoderTask):
                                        rollout=self.rollouts_done, draw=draw, device=self.device)
         elif not greedy:
             generator = rank_generator(seed, rollout=self.rollouts_done, dp_rank=self._dp_rank(), device=self.device)
-        unpadded = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
+        unpadded = [ids[m].tolist() for ids, m in zip(prompt_ids.cpu(), prompt_mask.bool().cpu())]  # one host copy
         episodes = None
         with self.decoding(self.policy_decoder()) as decoder:
             if self.multi_turn.enabled:  # episodes with an environment or tools (rl.multiturn)
@@ -299,7 +299,7 @@ class OnlineRLTask(DecoderTask):
         included); a reward model gets the prompt conversations where the data has a chat template."""
         repeats = len(s.texts) // max(len(s.prompt_ids), 1)
         columns = columns_by_name(s.columns)
-        columns["completion_ids"] = [row[m].tolist() for row, m in zip(s.responses, s.response_mask)]
+        columns["completion_ids"] = [row[m].tolist() for row, m in zip(s.responses.cpu(), s.response_mask.cpu())]
         if s.episodes is not None:  # multi-turn: the whole conversations and the environments' rewards
             columns["messages"] = [[dict(m) for m in e.conversation] for e in s.episodes]
             columns["env_reward"] = [e.env_reward for e in s.episodes]
