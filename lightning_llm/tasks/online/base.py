@@ -56,6 +56,11 @@ log = logging.getLogger(__name__)
 __all__ = ["OnlineRLTask", "Samples"]
 
 
+def _unpadded(ids: Tensor, mask: Tensor) -> list[list[int]]:
+    """Each row of ``ids`` [B, L] where ``mask`` [B, L] is set, as host lists (two host reads in all, not per row)."""
+    return [[t for t, keep in zip(row, m) if keep] for row, m in zip(ids.tolist(), mask.bool().tolist())]
+
+
 class OnlineRLTask(DecoderTask):
     """Base of the on-policy RL tasks (see the module docstring). Subclasses implement :meth:`make_rollout`,
     :meth:`compute_advantages`, :meth:`minibatch_loss` and :attr:`update_schedule`."""
@@ -263,7 +268,7 @@ class OnlineRLTask(DecoderTask):
                                        rollout=self.rollouts_done, draw=draw, device=self.device)
         elif not greedy:
             generator = rank_generator(seed, rollout=self.rollouts_done, dp_rank=self._dp_rank(), device=self.device)
-        unpadded = [ids[m].tolist() for ids, m in zip(prompt_ids.cpu(), prompt_mask.bool().cpu())]  # one host copy
+        unpadded = _unpadded(prompt_ids, prompt_mask)
         episodes = None
         with self.decoding(self.policy_decoder()) as decoder:
             if self.multi_turn.enabled:  # episodes with an environment or tools (rl.multiturn)
@@ -289,7 +294,7 @@ class OnlineRLTask(DecoderTask):
                     columns=[c for c in rows for _ in range(repeats)],
                     positions=positions if positions is not None else [j * dp + rank for j in range(n)],
                     prompt_ids=unpadded, conversations=batch.get("conversation"),
-                    index=[int(i) for i in batch["index"]] if "index" in batch else list(range(n)))
+                    index=batch["index"].tolist() if "index" in batch else list(range(n)))
         self.score(s)
         return s
 
@@ -299,7 +304,7 @@ class OnlineRLTask(DecoderTask):
         included); a reward model gets the prompt conversations where the data has a chat template."""
         repeats = len(s.texts) // max(len(s.prompt_ids), 1)
         columns = columns_by_name(s.columns)
-        columns["completion_ids"] = [row[m].tolist() for row, m in zip(s.responses.cpu(), s.response_mask.cpu())]
+        columns["completion_ids"] = _unpadded(s.responses, s.response_mask)
         if s.episodes is not None:  # multi-turn: the whole conversations and the environments' rewards
             columns["messages"] = [[dict(m) for m in e.conversation] for e in s.episodes]
             columns["env_reward"] = [e.env_reward for e in s.episodes]
