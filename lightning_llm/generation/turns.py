@@ -44,12 +44,25 @@ class TurnDecoder:
         self.model = model
         self.agree = getattr(model, "all_ended", None)
         self.cache = KVCache(capacity=capacity)
-        self.ids = torch.zeros(rows, 0, dtype=torch.long, device=device)  # [R, T] every column fed so far
-        self.mask = torch.zeros(rows, 0, dtype=torch.bool, device=device)  # [R, T] attended columns
+        # [R, capacity] buffers written in place (doubled when a forward would pass them), as the KV cache's are:
+        # a token's forward copies no earlier column
+        self._ids = torch.zeros(rows, capacity, dtype=torch.long, device=device)
+        self._mask = torch.zeros(rows, capacity, dtype=torch.bool, device=device)
+        self.length = 0  # T: columns fed so far
         self.count = torch.zeros(rows, 1, dtype=torch.long, device=device)  # [R, 1] attended columns so far
         self.pending: tuple[Tensor, Tensor] | None = None  # the last turn's last token [R, 1] and its mask, not fed
         self.prefilled = 0  # prefill forwards run (one per turn)
         self.decoded = 0  # one-token forwards run
+
+    @property
+    def ids(self) -> Tensor:
+        """Every column fed so far [R, T]."""
+        return self._ids[:, :self.length]
+
+    @property
+    def mask(self) -> Tensor:
+        """Which columns fed so far are attended [R, T] bool."""
+        return self._mask[:, :self.length]
 
     @property
     def lockstep(self) -> bool:
@@ -59,15 +72,20 @@ class TurnDecoder:
     def keep(self, index: Tensor) -> None:
         """Keep rows ``index`` [R'] (in that order) of the cache and the buffers."""
         self.cache.reorder(index)
-        self.ids, self.mask, self.count = self.ids[index], self.mask[index], self.count[index]
+        self._ids, self._mask, self.count = self._ids[index], self._mask[index], self.count[index]
         if self.pending is not None:
             self.pending = (self.pending[0][index], self.pending[1][index])
 
     def _forward(self, ids: Tensor, mask: Tensor) -> Tensor:
         """Feed ``ids`` [R, S] whose own mask is ``mask`` [R, S]; next-token logits [R, V] fp32 of the last column."""
         positions = (self.count + mask.long().cumsum(-1) - 1).clamp(min=0)
-        self.ids = torch.cat([self.ids, ids], dim=1)
-        self.mask = torch.cat([self.mask, mask.bool()], dim=1)
+        end = self.length + ids.shape[1]
+        if end > self._ids.shape[1]:
+            size = max(end, 2 * self._ids.shape[1])
+            self._ids = torch.cat([self.ids, self._ids.new_zeros(self._ids.shape[0], size - self.length)], dim=1)
+            self._mask = torch.cat([self.mask, self._mask.new_zeros(self._mask.shape[0], size - self.length)], dim=1)
+        self._ids[:, self.length:end], self._mask[:, self.length:end] = ids, mask.bool()
+        self.length = end
         self.count = self.count + mask.long().sum(-1, keepdim=True)
         return last_logits(self.model(ids, attention_mask=self.mask, position_ids=positions, kv_cache=self.cache,
                                       logits_to_keep=1))

@@ -38,10 +38,11 @@ from lightning_llm.generation import GenerationConfig
 from lightning_llm.generation.turns import TurnDecoder
 from lightning_llm.rl.multiturn.env import EnvConfig
 from lightning_llm.rl.multiturn.turns import EpisodeEnvs, TurnRenderer
+from lightning_llm.rl.rollouts.policy import Packed
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Episode", "Packed", "pack_episodes", "run_episodes"]
+__all__ = ["Episode", "pack_episodes", "run_episodes"]
 
 
 @dataclass
@@ -85,19 +86,6 @@ class Episode:
         self.counts += [(n, learned) for n in counts]
         self.tokens += ids
         self.learned += [learned] * len(ids)
-
-
-@dataclass
-class Packed:
-    """An episode batch as rollout tensors (see the module docstring)."""
-
-    query_responses: Tensor  # [B, P+N]
-    attention_mask: Tensor  # [B, P+N] bool
-    position_ids: Tensor  # [B, P+N]
-    context_length: int  # P
-    responses: Tensor  # [B, N] every token after the prompt
-    response_mask: Tensor  # [B, N] bool: the policy's own tokens
-    has_eos: Tensor  # [B] bool: the last turn ended with a stop token
 
 
 def pack_episodes(episodes: list[Episode], *, pad_id: int, device: torch.device) -> Packed:
@@ -152,14 +140,14 @@ def run_episodes(decoder: Any, episodes: list[Episode], *, envs: EpisodeEnvs, re
                                or [[]], cfg.pad_token_id)
         if block.shape[1] == 0:  # nothing appended anywhere (lock-step rows of ended episodes)
             block, mask = torch.full((len(rows), 1), cfg.pad_token_id), torch.zeros(len(rows), 1, dtype=torch.long)
-        limits = None if env.max_total_tokens is None else torch.tensor(
-            [env.max_total_tokens - e.length for e in act], device=device)
+        caps = [n if env.max_total_tokens is None else env.max_total_tokens - e.length for e in act]
         out = dec.turn(block.to(device), mask.to(device), cfg,
                        uniforms=None if uniforms is None else uniforms[rows, turn * n:(turn + 1) * n],
-                       generator=generator, limits=limits,
+                       generator=generator,
+                       limits=None if env.max_total_tokens is None else torch.tensor(caps, device=device),
                        active=torch.tensor(live, device=device) if dec.lockstep else None).tolist()
         stepping = []
-        for e, on, toks, cap in zip(act, live, out, limits.tolist() if limits is not None else [n] * len(act)):
+        for e, on, toks, cap in zip(act, live, out, caps):
             if on:
                 e.pending = []
                 if _add_turn(e, toks[:max(cap, 0)], stops, decode):

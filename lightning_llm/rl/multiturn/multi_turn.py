@@ -20,10 +20,11 @@ from torch import Tensor
 
 from lightning_llm.generation import GenerationConfig
 from lightning_llm.rl.multiturn.env import EnvConfig, env_class
-from lightning_llm.rl.multiturn.episodes import Episode, Packed, open_episodes, pack_episodes, run_episodes
+from lightning_llm.rl.multiturn.episodes import Episode, open_episodes, pack_episodes, run_episodes
 from lightning_llm.rl.multiturn.tools import ToolEnv, Tools, template_tool_format
 from lightning_llm.rl.multiturn.turns import EpisodeEnvs, TurnRenderer, replica_group
 from lightning_llm.rl.rewards.sources import RewardSource
+from lightning_llm.rl.rollouts.policy import Packed
 
 log = logging.getLogger(__name__)
 
@@ -109,10 +110,10 @@ class MultiTurn:
         """The episodes of a batch's prompts (``repeats`` per prompt, adjacent), rolled out on ``decoder``."""
         assert self.envs is not None and self.renderer is not None, "ready() sets the episodes up"
         columns = batch.get("columns") or [{} for _ in batch["prompt"]]
+        indices = batch["index"].tolist() if "index" in batch else range(len(batch["prompt"]))  # one host read
         episodes = []
-        for k, (prompt, conv) in enumerate(zip(batch["prompt"], batch["conversation"])):
+        for k, (prompt, conv, index) in enumerate(zip(batch["prompt"], batch["conversation"], indices)):
             record = {**columns[k], "prompt": prompt, "messages": [dict(m) for m in conv.messages]}
-            index = int(batch["index"][k]) if "index" in batch else k
             episodes += [Episode(key=len(episodes) + j, index=index, record=record) for j in range(repeats)]
         open_episodes(episodes, self.envs, self.renderer)
         run_episodes(decoder, episodes, envs=self.envs, renderer=self.renderer, cfg=cfg, env=self.cfg, decode=decode,

@@ -30,8 +30,8 @@ from lightning_llm.rl.losses.core import entropy_from_logits, logprobs_from_logi
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ActorCritic", "Rollout", "adapters_disabled", "has_adapters", "pack_responses", "response_logits",
-           "response_logprobs"]
+__all__ = ["ActorCritic", "Packed", "Rollout", "adapters_disabled", "has_adapters", "pack_responses",
+           "response_logits", "response_logprobs"]
 
 
 def _lm_head(policy: nn.Module) -> nn.Module:
@@ -181,16 +181,37 @@ def response_logprobs(output: Any, r: Rollout, temperature: float) -> tuple[Tens
 
 
 @dataclass
-class Rollout:
-    """One rollout batch on this rank (see the module docstring for the layout). ``[B, N]`` unless noted."""
+class Packed:
+    """Prompts and their responses as one batch of sequences (the layout in the module docstring): what a rollout's
+    samples (:class:`~lightning_llm.rl.rollouts.samples.Samples`) and the rollout itself (:class:`Rollout`) are made
+    of, from single-turn responses (:meth:`of_responses`) or multi-turn episodes
+    (:func:`~lightning_llm.rl.multiturn.episodes.pack_episodes`)."""
 
     query_responses: Tensor  # [B, P+N]
-    attention_mask: Tensor  # [B, P+N]
+    attention_mask: Tensor  # [B, P+N] bool
     position_ids: Tensor  # [B, P+N]
     context_length: int  # P
-    responses: Tensor
-    response_mask: Tensor  # bool
-    has_eos: Tensor  # [B] bool
+    responses: Tensor  # [B, N]
+    response_mask: Tensor  # [B, N] bool: the policy's own tokens (each turn up to and including its stop token)
+    has_eos: Tensor  # [B] bool: the (last) response ended with a stop token
+
+    @classmethod
+    def of_responses(cls, prompt_ids: Tensor, prompt_mask: Tensor, responses: Tensor, eos_ids: Sequence[int]
+                     ) -> Packed:
+        """Left-padded prompts [B, P] and generated tokens [B, N] packed (:func:`pack_responses`)."""
+        qr, am, pos, rmask, has_eos = pack_responses(prompt_ids, prompt_mask, responses, eos_ids)
+        return cls(query_responses=qr, attention_mask=am, position_ids=pos, context_length=prompt_ids.shape[1],
+                   responses=responses, response_mask=rmask, has_eos=has_eos)
+
+    def packed(self) -> dict[str, Any]:
+        """These sequences' fields by name (what a :class:`Rollout` or samples made of them take)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(Packed)}
+
+
+@dataclass
+class Rollout(Packed):
+    """One rollout batch on this rank (see the module docstring for the layout). ``[B, N]`` unless noted."""
+
     logprobs: Tensor  # old policy log-probs of the sampled tokens (0 outside the mask)
     ref_logprobs: Tensor | None  # None: no reference (GRPO at beta 0)
     values: Tensor

@@ -18,22 +18,15 @@ from torch import Tensor
 
 from lightning_llm.data.base import left_pad
 from lightning_llm.rl.multiturn.episodes import Episode, pack_episodes
-from lightning_llm.rl.rollouts.policy import pack_responses
+from lightning_llm.rl.rollouts.policy import Packed
 
 __all__ = ["Group", "Samples", "select_groups"]
 
 
 @dataclass
-class Samples:
+class Samples(Packed):
     """Sampled responses of one rollout batch on this replica (``[B]`` rows unless noted), decoded and scored."""
 
-    query_responses: Tensor  # [B, P+N]
-    attention_mask: Tensor  # [B, P+N]
-    position_ids: Tensor  # [B, P+N]
-    context_length: int  # P
-    responses: Tensor  # [B, N]
-    response_mask: Tensor  # [B, N] bool
-    has_eos: Tensor  # [B] bool
     texts: list[str]
     scores: Tensor  # [B] fp32: the weighted sum of the reward sources
     temperature: float  # of the sampling distribution (1 when greedy)
@@ -49,15 +42,15 @@ class Samples:
     def groups(self, size: int, *, draw: int, informative: list[bool]) -> list[Group]:
         """The prompts of these samples as groups of ``size`` responses (CPU copies), from sampling round ``draw``;
         ``informative``: per group, whether its rewards differ (a learning signal)."""
-        out = []
+        assert self.source_scores is not None
+        out, responses, scores, source_scores = [], self.responses.cpu(), self.scores.cpu(), self.source_scores.cpu()
         for k, position in enumerate(self.positions):
             rows = slice(k * size, (k + 1) * size)
-            assert self.source_scores is not None
             out.append(Group(key=(draw, position), index=self.index[k], prompt=self.prompts[k * size],
                              prompt_ids=self.prompt_ids[k], columns=self.columns[k * size],
                              conversation=None if self.conversations is None else self.conversations[k],
-                             responses=self.responses[rows].cpu(), texts=self.texts[rows],
-                             scores=self.scores[rows].cpu(), source_scores=self.source_scores[:, rows].cpu(),
+                             responses=responses[rows], texts=self.texts[rows],
+                             scores=scores[rows], source_scores=source_scores[:, rows],
                              informative=informative[k],
                              episodes=None if self.episodes is None else self.episodes[rows]))
         return out
@@ -70,21 +63,16 @@ class Samples:
         size = groups[0].responses.shape[0]
         episodes = None if groups[0].episodes is None else [e for g in groups for e in g.episodes or []]
         if episodes is not None:
-            p = pack_episodes(episodes, pad_id=pad_id, device=device)
-            qr, am, pos, context, responses, rmask, has_eos = (p.query_responses, p.attention_mask, p.position_ids,
-                                                               p.context_length, p.responses, p.response_mask, p.has_eos)
+            packed = pack_episodes(episodes, pad_id=pad_id, device=device)
         else:
             width = max(g.responses.shape[1] for g in groups)
             prompt_ids, prompt_mask = left_pad([g.prompt_ids for g in groups for _ in range(size)], pad_id)
             responses = torch.full((len(groups) * size, width), pad_id, dtype=torch.long)
             for k, g in enumerate(groups):
                 responses[k * size:(k + 1) * size, :g.responses.shape[1]] = g.responses
-            prompt_ids, prompt_mask, responses = prompt_ids.to(device), prompt_mask.to(device), responses.to(device)
-            qr, am, pos, rmask, has_eos = pack_responses(prompt_ids, prompt_mask, responses, eos_ids)
-            context = prompt_ids.shape[1]
+            packed = Packed.of_responses(prompt_ids.to(device), prompt_mask.to(device), responses.to(device), eos_ids)
         conversations = [g.conversation for g in groups]
-        return cls(query_responses=qr, attention_mask=am, position_ids=pos, context_length=context,
-                   responses=responses, response_mask=rmask, has_eos=has_eos, episodes=episodes,
+        return cls(**packed.packed(), episodes=episodes,
                    texts=[t for g in groups for t in g.texts], scores=torch.cat([g.scores for g in groups]).to(device),
                    temperature=temperature, prompts=[g.prompt for g in groups for _ in range(size)],
                    columns=[g.columns for g in groups for _ in range(size)],

@@ -43,7 +43,7 @@ from lightning_llm.rl.multiturn.env import EnvConfig
 from lightning_llm.rl.multiturn.multi_turn import MultiTurn
 from lightning_llm.rl.rewards import RewardConfig
 from lightning_llm.rl.rewards.sources import RewardSource, RewardSources, columns_by_name, source_configs
-from lightning_llm.rl.rollouts.policy import Rollout, pack_responses
+from lightning_llm.rl.rollouts.policy import Packed, Rollout
 from lightning_llm.rl.rollouts.reference import ReferencePolicy
 from lightning_llm.rl.rollouts.rollout_log import TAKEN_FIELDS, RolloutLog, rollout_records
 from lightning_llm.rl.rollouts.samples import Samples
@@ -54,6 +54,11 @@ from lightning_llm.tasks.preference.reward import build_reward_source
 log = logging.getLogger(__name__)
 
 __all__ = ["OnlineRLTask", "Samples"]
+
+
+def _unpadded(ids: Tensor, mask: Tensor) -> list[list[int]]:
+    """Each row of ``ids`` [B, L] where ``mask`` [B, L] is set, as host lists (two host reads in all, not per row)."""
+    return [[t for t, keep in zip(row, m) if keep] for row, m in zip(ids.tolist(), mask.bool().tolist())]
 
 
 class OnlineRLTask(DecoderTask):
@@ -209,9 +214,11 @@ class OnlineRLTask(DecoderTask):
         dist.all_reduce(x, group=self.capabilities.data_parallel_group)
         return x
 
-    def _global_mean(self, total: Tensor, count: Tensor | float) -> float:
-        both = self._all_sum(torch.stack([total.detach().float(), torch.as_tensor(count, device=total.device).float()]))
-        return float(both[0] / both[1].clamp(min=1))
+    def _global_sums(self, values: dict[str, Tensor | float]) -> dict[str, float]:
+        """``values`` (0-d tensors or numbers) each summed over the data-parallel replicas, in fp32: one collective
+        and one host read for a rollout's statistics, not one of each per statistic."""
+        local = torch.stack([torch.as_tensor(v, device=self.device).detach().float() for v in values.values()])
+        return dict(zip(values, self._all_sum(local).tolist()))
 
     # ------------------------------------------------------------------------------------------ rollout
     def _gen_config(self, *, greedy: bool = False) -> GenerationConfig:
@@ -261,7 +268,7 @@ class OnlineRLTask(DecoderTask):
                                        rollout=self.rollouts_done, draw=draw, device=self.device)
         elif not greedy:
             generator = rank_generator(seed, rollout=self.rollouts_done, dp_rank=self._dp_rank(), device=self.device)
-        unpadded = [ids[m.bool()].tolist() for ids, m in zip(prompt_ids, prompt_mask)]
+        unpadded = _unpadded(prompt_ids, prompt_mask)
         episodes = None
         with self.decoding(self.policy_decoder()) as decoder:
             if self.multi_turn.enabled:  # episodes with an environment or tools (rl.multiturn)
@@ -273,24 +280,21 @@ class OnlineRLTask(DecoderTask):
                 prompt_mask = prompt_mask.repeat_interleave(repeats, 0) if repeats > 1 else prompt_mask
                 responses = generate(decoder, prompt_ids, prompt_mask, config=cfg, generator=generator,
                                      uniforms=uniforms)  # [B, N]
-        if episodes is not None:
-            qr, am, pos, rmask, has_eos = (packed.query_responses, packed.attention_mask, packed.position_ids,
-                                           packed.response_mask, packed.has_eos)
-            responses, context, texts = packed.responses, packed.context_length, [e.text for e in episodes]
+        if episodes is None:
+            packed = Packed.of_responses(prompt_ids, prompt_mask, responses, cfg.eos_ids)
+            texts = [self._decode(ids) for ids in strip_after_eos(responses, cfg.eos_ids)]
         else:
-            qr, am, pos, rmask, has_eos = pack_responses(prompt_ids, prompt_mask, responses, cfg.eos_ids)
-            context, texts = prompt_ids.shape[1], [self._decode(ids) for ids in strip_after_eos(responses, cfg.eos_ids)]
+            texts = [e.text for e in episodes]
         rows = list(batch.get("columns") or [{} for _ in range(n)])
         dp, rank = self._world(), self._dp_rank()
-        s = Samples(query_responses=qr, attention_mask=am, position_ids=pos, context_length=context,
-                    responses=responses, response_mask=rmask, has_eos=has_eos, texts=texts, episodes=episodes,
+        s = Samples(**packed.packed(), texts=texts, episodes=episodes,
                     scores=torch.zeros(len(texts), device=self.device),
                     temperature=cfg.temperature if cfg.do_sample else 1.0,
                     prompts=[p for p in batch["prompt"] for _ in range(repeats)],
                     columns=[c for c in rows for _ in range(repeats)],
                     positions=positions if positions is not None else [j * dp + rank for j in range(n)],
                     prompt_ids=unpadded, conversations=batch.get("conversation"),
-                    index=[int(i) for i in batch["index"]] if "index" in batch else list(range(n)))
+                    index=batch["index"].tolist() if "index" in batch else list(range(n)))
         self.score(s)
         return s
 
@@ -300,7 +304,7 @@ class OnlineRLTask(DecoderTask):
         included); a reward model gets the prompt conversations where the data has a chat template."""
         repeats = len(s.texts) // max(len(s.prompt_ids), 1)
         columns = columns_by_name(s.columns)
-        columns["completion_ids"] = [row[m].tolist() for row, m in zip(s.responses, s.response_mask)]
+        columns["completion_ids"] = _unpadded(s.responses, s.response_mask)
         if s.episodes is not None:  # multi-turn: the whole conversations and the environments' rewards
             columns["messages"] = [[dict(m) for m in e.conversation] for e in s.episodes]
             columns["env_reward"] = [e.env_reward for e in s.episodes]

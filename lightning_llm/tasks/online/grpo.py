@@ -141,9 +141,7 @@ class GRPOTask(OnlineRLTask):
         else:
             s = self.sample(batch, greedy=greedy, repeats=1 if greedy else g, seed_per_prompt=True)
         m = s.response_mask.float()  # [B*G, N]
-        r = Rollout(query_responses=s.query_responses, attention_mask=s.attention_mask, position_ids=s.position_ids,
-                    context_length=s.context_length, responses=s.responses, response_mask=s.response_mask,
-                    has_eos=s.has_eos, logprobs=m, ref_logprobs=None, values=torch.zeros_like(m),  # no critic
+        r = Rollout(**s.packed(), logprobs=m, ref_logprobs=None, values=torch.zeros_like(m),  # no critic
                     scores=s.scores, samples=s)
         if cfg.mask_truncated_completions:
             r.loss_mask = s.response_mask & s.has_eos[:, None]
@@ -228,19 +226,21 @@ class GRPOTask(OnlineRLTask):
         r.scores = self._penalised(r.scores, r.has_eos)
         adv, std = group_advantages(r.scores, g, scale=cfg.scale_rewards, eps=cfg.eps)  # [B*G], [B]
         r.advantages = adv[:, None] * mask  # every token of a response carries its advantage
-        tokens = mask.sum().float()
-        b, groups = r.scores.shape[0], std.shape[0]
+        kl = None if r.ref_logprobs is None else kl_penalty(r.logprobs, r.ref_logprobs, cfg.kl_estimator) * mask
+        total = self._global_sums({"scores": r.scores.sum(), "std": std.sum(), "zero_std": (std.abs() < 1e-8).sum(),
+                                   "tokens": mask.sum(), "rows": r.scores.shape[0], "groups": std.shape[0],
+                                   **({"kl": kl.sum()} if kl is not None else {})})  # kl: old policy vs reference
+        rows, groups = max(total["rows"], 1.0), max(total["groups"], 1.0)
         stats = {
-            "objective/scores": self._global_mean(r.scores.sum(), b),
-            "reward_std": self._global_mean(std.sum(), groups),
-            "frac_reward_zero_std": self._global_mean((std.abs() < 1e-8).sum(), groups),
-            "response_length": self._global_mean(tokens, b),
+            "objective/scores": total["scores"] / rows,
+            "reward_std": total["std"] / groups,
+            "frac_reward_zero_std": total["zero_std"] / groups,
+            "response_length": total["tokens"] / rows,
             **self._sampling_stats,  # dynamic sampling: of every group sampled (already global)
         }
-        if r.ref_logprobs is not None:
-            kl = kl_penalty(r.logprobs, r.ref_logprobs, cfg.kl_estimator) * mask  # old policy vs reference
-            stats["objective/kl"] = self._global_mean(kl.sum(), tokens)
-        self.episodes += int(self._all_sum(torch.tensor(float(b), device=self.device)))
+        if kl is not None:
+            stats["objective/kl"] = total["kl"] / max(total["tokens"], 1.0)
+        self.episodes += int(total["rows"])
         return stats
 
     # ------------------------------------------------------------------------------------------ update

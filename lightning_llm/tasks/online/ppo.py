@@ -164,9 +164,7 @@ class PPOTask(OnlineRLTask):
         assert self.model is not None
         s = self.sample(batch, greedy=greedy)
         m = s.response_mask.float()
-        r = Rollout(query_responses=s.query_responses, attention_mask=s.attention_mask, position_ids=s.position_ids,
-                    context_length=s.context_length, responses=s.responses, response_mask=s.response_mask,
-                    has_eos=s.has_eos, logprobs=m, ref_logprobs=m, values=m, scores=s.scores, samples=s)
+        r = Rollout(**s.packed(), logprobs=m, ref_logprobs=m, values=m, scores=s.scores, samples=s)
         logprobs, values, _ = self._forward(r, s.temperature)
         r.logprobs, r.values = logprobs * m, values * m
         r.ref_logprobs = self.reference_logprobs(r, s.temperature) * m
@@ -202,24 +200,25 @@ class PPOTask(OnlineRLTask):
         if cfg.whiten_advantages:
             advantages = masked_whiten(advantages, mask, all_reduce=reduce) * mask
         r.rewards, r.advantages, r.returns = rewards, advantages, returns
-        b = r.scores.shape[0]
-        seq_kl = self._global_mean(kl.sum(), b)
-        scores = self._global_mean(r.scores.sum(), b)
-        non_score_mean = self._global_mean(non_score.sum(), b)
         eos_ids = self._gen_config().eos_ids
-        n_eos = torch.isin(r.responses, torch.tensor(eos_ids, device=self.device)).logical_and(mask).sum().float() \
-            if eos_ids else torch.zeros((), device=self.device)
+        n_eos = torch.isin(r.responses, torch.tensor(eos_ids, device=self.device)).logical_and(mask).sum() \
+            if eos_ids else 0.0
+        total = self._global_sums({"kl": kl.sum(), "scores": r.scores.sum(), "non_score": non_score.sum(),
+                                   "entropy": -(r.logprobs * mask).sum(), "tokens": mask.sum(), "eos": n_eos,
+                                   "rows": r.scores.shape[0]})
+        rows = max(total["rows"], 1.0)
+        seq_kl, scores, non_score_mean = total["kl"] / rows, total["scores"] / rows, total["non_score"] / rows
         stats = {
             "objective/kl": seq_kl,
-            "objective/entropy": self._global_mean(-(r.logprobs * mask).sum(), b),
+            "objective/entropy": total["entropy"] / rows,
             "objective/non_score_reward": non_score_mean,
             "objective/rlhf_reward": scores + non_score_mean,
             "objective/scores": scores,
             "objective/kl_coef": self.kl_ctl.value,
-            "val/num_eos_tokens": float(self._all_sum(n_eos)),
-            "response_length": self._global_mean(mask.sum().float(), b),
+            "val/num_eos_tokens": total["eos"],
+            "response_length": total["tokens"] / rows,
         }
-        global_b = int(self._all_sum(torch.tensor(float(b), device=self.device)))
+        global_b = int(total["rows"])
         self.kl_ctl.update(seq_kl, global_b)  # same KL on every rank: the coefficient stays in step
         self.episodes += global_b
         return stats
